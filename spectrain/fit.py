@@ -1,0 +1,285 @@
+"""``python -m spectrain.fit recipe=NAME key=value ...`` — train a drafter from a recipe.
+
+Recipes are Hydra config-group options under ``recipes/recipe/``; the schema is ``spectrain.config.FitConfig``.
+Overrides are checked before any work: an unknown key fails with one line naming it and the valid keys.
+A key may be given by its full path (``trainer.max_steps=50``) or, when unambiguous, by its last part
+(``max_steps=50``). The resolved recipe and the git commit are saved in ``runs/<run_name>/``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from spectrain.config import LOGGERS, STRATEGIES, FitConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class RecipeError(ValueError):
+    """A recipe or override problem; the message is one line naming the fix."""
+
+
+def recipes_dir() -> Path:
+    return Path(os.environ.get("SPECTRAIN_RECIPES", REPO_ROOT / "recipes")).resolve()
+
+
+def available_recipes(directory: Path | None = None) -> list[str]:
+    directory = directory or recipes_dir()
+    return sorted(p.stem for p in (directory / "recipe").glob("*.yaml"))
+
+
+def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        value = cfg._get_node(key)
+        if isinstance(value, DictConfig) and key != "model":
+            keys.extend(_leaf_keys(value, f"{path}."))
+        elif isinstance(value, DictConfig):  # model fields are kind-specific: list them by full path
+            keys.extend(f"{path}.{k}" for k in value.keys())
+        else:
+            keys.append(path)
+    return keys
+
+
+def _split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    recipe, pairs = None, []
+    for arg in argv:
+        if "=" not in arg:
+            raise RecipeError(f"argument '{arg}' is not key=value; usage: python -m spectrain.fit recipe=NAME key=value ...")
+        key, value = arg.split("=", 1)
+        if key == "recipe":
+            recipe = value
+        else:
+            pairs.append((key.lstrip("+"), value))
+    return recipe, pairs
+
+
+def _resolve_key(key: str, valid: list[str]) -> str:
+    if key in valid:
+        return key
+    by_leaf = [v for v in valid if v.rsplit(".", 1)[-1] == key]
+    if len(by_leaf) == 1:
+        return by_leaf[0]
+    if len(by_leaf) > 1:
+        raise RecipeError(f"key '{key}' is ambiguous: write one of {', '.join(by_leaf)}")
+    close = difflib.get_close_matches(key, valid + [v.rsplit('.', 1)[-1] for v in valid], n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise RecipeError(f"unknown key '{key}'{hint}; valid keys: {', '.join(valid)}")
+
+
+def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictConfig:
+    """Compose and validate the recipe named in ``argv`` with its overrides; no side effects."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    directory = (directory or recipes_dir()).resolve()
+    recipe, pairs = _split_overrides(argv)
+    names = available_recipes(directory)
+    if recipe is None:
+        raise RecipeError(f"no recipe given; usage: python -m spectrain.fit recipe=NAME; available: {', '.join(names)}")
+    if recipe not in names:
+        raise RecipeError(f"unknown recipe '{recipe}'; available: {', '.join(names) or '(none)'} (in {directory}/recipe)")
+
+    ConfigStore.instance().store(name="fit_schema", node=FitConfig)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
+        base = compose(config_name="config", overrides=[f"recipe={recipe}"])
+        valid = _leaf_keys(base)
+        overrides = [f"{_resolve_key(k, valid)}={v}" for k, v in pairs]
+        try:
+            cfg = compose(config_name="config", overrides=[f"recipe={recipe}", *overrides])
+        except Exception as exc:  # Hydra's messages are multi-line; keep the first line
+            raise RecipeError(f"bad override in {' '.join(overrides)}: {str(exc).splitlines()[0]}") from None
+    GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, True)
+    _validate(cfg, recipe)
+    return cfg
+
+
+def _validate(cfg: DictConfig, recipe: str) -> None:
+    from spectrain.registry import get_kind
+
+    missing = [k for k in ("kind", "run_name") if OmegaConf.is_missing(cfg, k)]
+    if missing:
+        raise RecipeError(f"recipe '{recipe}' does not set {', '.join(missing)}")
+    if cfg.logger not in LOGGERS:
+        raise RecipeError(f"logger={cfg.logger} is not one of {', '.join(LOGGERS)}")
+    if cfg.trainer.strategy not in STRATEGIES:
+        raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} is not one of {', '.join(STRATEGIES)}")
+    try:
+        kind = get_kind(cfg.kind)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+    if kind.model_schema is not None:
+        schema = OmegaConf.structured(kind.model_schema)
+        for key in cfg.model:
+            if key not in schema:
+                raise RecipeError(f"unknown key 'model.{key}' for kind '{cfg.kind}'; valid: "
+                                  + ", ".join(f"model.{k}" for k in schema.keys()))
+        try:
+            merged = OmegaConf.merge(schema, cfg.model)  # type-checks values and fills defaults
+        except Exception as exc:
+            raise RecipeError(f"bad model field for kind '{cfg.kind}': {str(exc).splitlines()[0]}") from None
+        with _unlocked(cfg):
+            cfg.model = OmegaConf.to_container(merged)
+
+
+class _unlocked:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.cfg, False)
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        commit = out.stdout.strip() or "unknown"
+        return commit + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.runs_dir) / cfg.run_name
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    ckpt_dir = directory / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    if last.is_file():
+        return last
+    ckpts = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return ckpts[-1] if ckpts else None
+
+
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        found = latest_checkpoint(run_dir(cfg))
+        return str(found) if found else None
+    path = Path(cfg.resume)
+    if not path.is_file():
+        raise RecipeError(f"resume={cfg.resume}: no such checkpoint; use resume=auto or a path to a .ckpt file")
+    return str(path)
+
+
+def build_logger(cfg: DictConfig, directory: Path):
+    if cfg.logger == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(directory), name="logs")  # version_N per launch: a resume keeps old logs
+    if cfg.logger == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(save_dir=str(directory), name="tb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    # Without an API key wandb errors at once; offline mode keeps the run and syncs later.
+    offline = os.environ.get("WANDB_MODE") == "offline" or not os.environ.get("WANDB_API_KEY")
+    return WandbLogger(project=cfg.wandb_project, name=cfg.run_name, save_dir=str(directory), offline=offline)
+
+
+def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[Any] = ()):
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer_cfg = cfg.trainer
+    precision = trainer_cfg.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    checkpoints = [
+        ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="step{step}", auto_insert_metric_name=False,
+                        every_n_train_steps=trainer_cfg.checkpoint_every_n_steps, save_last=True, save_top_k=-1),
+    ]
+    if trainer_cfg.monitor:
+        checkpoints.append(ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="best",
+                                           monitor=trainer_cfg.monitor, mode=trainer_cfg.monitor_mode,
+                                           save_top_k=1, auto_insert_metric_name=False))
+    return pl.Trainer(
+        default_root_dir=str(directory),
+        max_steps=trainer_cfg.max_steps,
+        val_check_interval=trainer_cfg.val_check_interval,
+        check_val_every_n_epoch=None,
+        limit_val_batches=trainer_cfg.limit_val_batches,
+        accelerator=trainer_cfg.accelerator,
+        devices=trainer_cfg.devices,
+        num_nodes=trainer_cfg.num_nodes,
+        strategy=trainer_cfg.strategy,
+        precision=precision,
+        accumulate_grad_batches=trainer_cfg.accumulate_grad_batches,
+        gradient_clip_val=trainer_cfg.gradient_clip_val or None,
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
+        logger=build_logger(cfg, directory),
+        callbacks=[*checkpoints, *extra_callbacks],
+        enable_progress_bar=True,
+    )
+
+
+def save_run_info(cfg: DictConfig, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, directory / "recipe.yaml", resolve=True)
+    info = {"git_commit": git_commit(), "argv": sys.argv[1:], "kind": cfg.kind}
+    (directory / "run_info.json").write_text(json.dumps(info, indent=2))
+
+
+def fit(cfg: DictConfig) -> dict[str, Any]:
+    """Train (or, with ``dry_run=true``, only build) the drafter a composed recipe describes."""
+    import lightning.pytorch as pl
+
+    from spectrain.registry import get_kind
+
+    pl.seed_everything(cfg.seed, workers=True)
+    directory = run_dir(cfg)
+    ckpt_path = resume_checkpoint(cfg)
+    save_run_info(cfg, directory)
+    kind = get_kind(cfg.kind)
+    module = kind.build_module(cfg)
+    datamodule = kind.build_datamodule(cfg)
+    trainer = build_trainer(cfg, directory)
+    if cfg.dry_run:
+        print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
+              f"nothing trained. Run dir: {directory}")
+        return {"run_dir": str(directory), "trained": False}
+    if ckpt_path:
+        print(f"[spectrain] resuming from {ckpt_path}")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return {"run_dir": str(directory), "trained": True, "global_step": trainer.global_step,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("available recipes:", ", ".join(available_recipes()))
+        return 0
+    try:
+        fit(compose_recipe(argv))
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

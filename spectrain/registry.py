@@ -1,0 +1,48 @@
+"""Drafter kinds: the ``kind`` field of a recipe names one, and fit dispatches to its LightningModule.
+
+Each drafter issue registers its kind in its own module and adds that module to ``KIND_MODULES``, which is
+imported lazily so ``python -m spectrain.fit --help`` does not pay for every drafter's imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+KIND_MODULES: list[str] = [
+    # modules that call register_kind(...) at import time
+]
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    build_module: Callable[[Any], Any]  # cfg -> LightningModule
+    build_datamodule: Callable[[Any], Any]  # cfg -> LightningDataModule
+    model_schema: Optional[type] = None  # dataclass validating cfg.model
+
+
+_KINDS: dict[str, DrafterKind] = {}
+
+
+def register_kind(kind: DrafterKind) -> DrafterKind:
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def _import_kind_modules() -> None:
+    for module in KIND_MODULES:
+        importlib.import_module(module)
+
+
+def available_kinds() -> list[str]:
+    _import_kind_modules()
+    return sorted(_KINDS)
+
+
+def get_kind(name: str) -> DrafterKind:
+    _import_kind_modules()
+    if name not in _KINDS:
+        raise ValueError(f"unknown kind '{name}'; registered kinds: {', '.join(sorted(_KINDS)) or '(none)'}")
+    return _KINDS[name]
