@@ -15,10 +15,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+
+from spectrain.atomic import atomic_directory
 
 # A mistyped path otherwise makes transformers retry the network for ~30 s before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -136,17 +137,12 @@ def _convert_gguf(entry: EmbeddedModel, gguf_path: Path, out_dir: Path) -> None:
     if missing or unexpected:
         raise AssetError(f"GGUF conversion of {entry.name} lost weights (missing={missing[:3]}, "
                          f"unexpected={unexpected[:3]}); report this with your transformers version")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "spectrain_source.json").write_text(
             json.dumps({"name": entry.name, "gguf": entry.filename, "sha256": entry.sha256}, indent=2)
         )
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def converted_model_dir(name: str) -> Path:
@@ -195,7 +191,8 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cp
     return model.to(device).eval()
 
 
-def model_identity(name_or_path: str | os.PathLike) -> dict:
+@functools.lru_cache(maxsize=8)
+def model_identity(name_or_path: str) -> dict:
     """Stable identity of a target (config hash + weights hash) recorded in manifests and exports."""
     model_dir = resolve_model_dir(name_or_path)
     config = json.loads((model_dir / "config.json").read_text())

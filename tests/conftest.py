@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config, items):
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded real target (SmolLM2-135M-Instruct) and its tokenizer, loaded once per session."""
+    from spectrain import assets
+
+    return assets.load_model("smollm2"), assets.load_tokenizer("smollm2")

@@ -1,0 +1,80 @@
+"""The embedded default: locating packages offline, integrity checks, atomic conversion, real model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectrain import assets
+from spectrain.atomic import atomic_directory, atomic_write_text
+
+
+def test_unknown_model_name_is_one_line():
+    with pytest.raises(assets.AssetError) as info:
+        assets.resolve_model_dir("no-such-model")
+    assert "unknown model 'no-such-model'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(assets.AssetError, match="no config.json"):
+        assets.resolve_model_dir(tmp_path)
+
+
+def test_local_hf_directory_resolves(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert assets.resolve_model_dir(str(tmp_path)) == tmp_path
+
+
+def test_missing_package_names_the_install_command():
+    with pytest.raises(assets.AssetError) as info:
+        assets.package_dir("spectrain_no_such_pkg", "pip install spectrain-no-such-pkg==1.0")
+    assert str(info.value) == ("package 'spectrain_no_such_pkg' is not installed; "
+                               "run: pip install spectrain-no-such-pkg==1.0")
+
+
+def test_packaged_data_files_are_found():
+    for name in ("mt_bench", "humaneval", "sharegpt"):
+        assert assets.data_file(name).is_file()
+    with pytest.raises(assets.AssetError, match="unknown embedded data"):
+        assets.data_file("nope")
+
+
+def test_checksum_mismatch_refuses_to_convert(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path))
+    tampered = dataclasses.replace(assets.EMBEDDED_MODELS["smollm2"], sha256="0" * 64)
+    monkeypatch.setitem(assets.EMBEDDED_MODELS, "smollm2", tampered)
+    with pytest.raises(assets.AssetError, match="has sha256 .* expected 000000000000"):
+        assets.converted_model_dir("smollm2")
+    assert not any((tmp_path / "models").glob("*")) if (tmp_path / "models").exists() else True
+
+
+def test_atomic_directory_leaves_nothing_when_killed_midway(tmp_path):
+    final = tmp_path / "model"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_directory(final) as tmp:
+        (tmp / "whole.bin").write_bytes(b"y")
+    assert [p.name for p in final.iterdir()] == ["whole.bin"]
+    atomic_write_text(tmp_path / "a.txt", "hello")
+    assert (tmp_path / "a.txt").read_text() == "hello"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "model"]
+
+
+@pytest.mark.real_model
+def test_real_smollm2_greedy_continuation_is_stable(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert tokenizer.decode(out[0, ids.shape[1]:]) == "The capital of France is Paris.<|im_end|>"
+    identity = assets.model_identity("smollm2")
+    assert identity["model_type"] == "llama" and identity["vocab_size"] == 49152
+    assert Path(assets.resolve_model_dir("smollm2"), "model.safetensors").is_file()
