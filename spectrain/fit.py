@@ -8,7 +8,6 @@ A key may be given by its full path (``trainer.max_steps=50``) or, when unambigu
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import subprocess
@@ -19,12 +18,13 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from spectrain.config import LOGGERS, STRATEGIES, FitConfig
+from spectrain.overrides import OverrideError, leaf_keys, resolve_key, split_key_values
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-class RecipeError(ValueError):
-    """A recipe or override problem; the message is one line naming the fix."""
+class RecipeError(OverrideError):
+    """A recipe problem; the message is one line naming the fix."""
 
 
 def recipes_dir() -> Path:
@@ -36,44 +36,10 @@ def available_recipes(directory: Path | None = None) -> list[str]:
     return sorted(p.stem for p in (directory / "recipe").glob("*.yaml"))
 
 
-def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
-    keys = []
-    for key in cfg.keys():
-        path = f"{prefix}{key}"
-        value = cfg._get_node(key)
-        if isinstance(value, DictConfig) and key != "model":
-            keys.extend(_leaf_keys(value, f"{path}."))
-        elif isinstance(value, DictConfig):  # model fields are kind-specific: list them by full path
-            keys.extend(f"{path}.{k}" for k in value.keys())
-        else:
-            keys.append(path)
-    return keys
-
-
 def _split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    recipe, pairs = None, []
-    for arg in argv:
-        if "=" not in arg:
-            raise RecipeError(f"argument '{arg}' is not key=value; usage: python -m spectrain.fit recipe=NAME key=value ...")
-        key, value = arg.split("=", 1)
-        if key == "recipe":
-            recipe = value
-        else:
-            pairs.append((key.lstrip("+"), value))
-    return recipe, pairs
-
-
-def _resolve_key(key: str, valid: list[str]) -> str:
-    if key in valid:
-        return key
-    by_leaf = [v for v in valid if v.rsplit(".", 1)[-1] == key]
-    if len(by_leaf) == 1:
-        return by_leaf[0]
-    if len(by_leaf) > 1:
-        raise RecipeError(f"key '{key}' is ambiguous: write one of {', '.join(by_leaf)}")
-    close = difflib.get_close_matches(key, valid + [v.rsplit('.', 1)[-1] for v in valid], n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise RecipeError(f"unknown key '{key}'{hint}; valid keys: {', '.join(valid)}")
+    pairs = split_key_values(argv, "python -m spectrain.fit recipe=NAME key=value ...")
+    recipe = next((v for k, v in pairs if k == "recipe"), None)
+    return recipe, [(k, v) for k, v in pairs if k != "recipe"]
 
 
 def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictConfig:
@@ -94,8 +60,8 @@ def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictCo
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
         base = compose(config_name="config", overrides=[f"recipe={recipe}"])
-        valid = _leaf_keys(base)
-        overrides = [f"{_resolve_key(k, valid)}={v}" for k, v in pairs]
+        valid = leaf_keys(base, open_dicts=("model",))  # model fields are kind-specific
+        overrides = [f"{resolve_key(k, valid)}={v}" for k, v in pairs]
         try:
             cfg = compose(config_name="config", overrides=[f"recipe={recipe}", *overrides])
         except Exception as exc:  # Hydra's messages are multi-line; keep the first line
@@ -275,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         fit(compose_recipe(argv))
-    except RecipeError as exc:
+    except OverrideError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spectrain import fit as fit_cli
+from spectrain.overrides import OverrideError, resolve_key
 from spectrain.registry import DrafterKind, register_kind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def test_compose_applies_overrides_by_path_and_by_unique_leaf(recipes, tmp_path)
     (("recipe=toy", "oops"), "is not key=value"),
 ])
 def test_bad_input_fails_with_one_line(recipes, args, needle):
-    with pytest.raises(fit_cli.RecipeError) as info:
+    with pytest.raises(OverrideError) as info:
         compose(recipes, *args)
     message = str(info.value)
     assert needle in message and "\n" not in message
@@ -129,8 +130,8 @@ def test_bad_input_fails_with_one_line(recipes, args, needle):
 def test_ambiguous_leaf_key_is_refused(recipes):
     # both data.* and trainer.* would need a qualified name if a leaf repeats; 'lr' is unique, 'hidden' too,
     # so build an ambiguity through the model dict: model.max_steps vs trainer.max_steps.
-    with pytest.raises(fit_cli.RecipeError, match="ambiguous"):
-        fit_cli._resolve_key("max_steps", ["trainer.max_steps", "model.max_steps"])
+    with pytest.raises(OverrideError, match="ambiguous"):
+        resolve_key("max_steps", ["trainer.max_steps", "model.max_steps"])
 
 
 def test_fit_saves_run_info_and_resume_auto_continues(recipes, tmp_path):

@@ -1,0 +1,65 @@
+"""``key=value`` command-line overrides checked against a schema, with one-line errors.
+
+Shared by every CLI (fit, evaluate, generate, extract): a key is its full dotted path, or its last part when
+that is unambiguous; an unknown key names the closest valid one and lists them all.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class OverrideError(ValueError):
+    """A bad command-line override; the message is one line naming the fix."""
+
+
+def split_key_values(argv: Sequence[str], usage: str) -> list[tuple[str, str]]:
+    pairs = []
+    for arg in argv:
+        if "=" not in arg:
+            raise OverrideError(f"argument '{arg}' is not key=value; usage: {usage}")
+        key, value = arg.split("=", 1)
+        pairs.append((key.lstrip("+"), value))
+    return pairs
+
+
+def leaf_keys(cfg: DictConfig, prefix: str = "", open_dicts: Sequence[str] = ()) -> list[str]:
+    """Dotted paths of every leaf; dicts named in ``open_dicts`` are listed by their current keys."""
+    keys = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and path not in open_dicts:
+            keys.extend(leaf_keys(node, f"{path}.", open_dicts))
+        elif isinstance(node, DictConfig):
+            keys.extend(f"{path}.{k}" for k in node.keys())
+        else:
+            keys.append(path)
+    return keys
+
+
+def resolve_key(key: str, valid: list[str]) -> str:
+    if key in valid:
+        return key
+    by_leaf = [v for v in valid if v.rsplit(".", 1)[-1] == key]
+    if len(by_leaf) == 1:
+        return by_leaf[0]
+    if len(by_leaf) > 1:
+        raise OverrideError(f"key '{key}' is ambiguous: write one of {', '.join(by_leaf)}")
+    close = difflib.get_close_matches(key, valid + [v.rsplit(".", 1)[-1] for v in valid], n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise OverrideError(f"unknown key '{key}'{hint}; valid keys: {', '.join(valid)}")
+
+
+def parse_cli(argv: Sequence[str], schema: type, usage: str) -> Any:
+    """Merge ``key=value`` args into the structured ``schema`` dataclass; returns a typed DictConfig."""
+    base = OmegaConf.structured(schema)
+    valid = leaf_keys(base)
+    dotlist = [f"{resolve_key(k, valid)}={v}" for k, v in split_key_values(argv, usage)]
+    try:
+        return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
+    except Exception as exc:  # OmegaConf's messages are multi-line; keep the first line
+        raise OverrideError(f"bad value in {' '.join(dotlist)}: {str(exc).splitlines()[0]}") from None
