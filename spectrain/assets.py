@@ -11,11 +11,11 @@ never leaves a half-written model behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import os
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 

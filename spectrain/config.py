@@ -8,7 +8,7 @@ registers (``spectrain.registry``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -16,7 +16,7 @@ from omegaconf import MISSING
 @dataclass
 class DataConfig:
     source: str = "sharegpt"  # a data_prep.prompts source, or where the features were extracted from
-    dataset_dir: Optional[str] = None  # an extracted feature dataset (data_prep.extract); None = online
+    dataset_dir: str | None = None  # an extracted feature dataset (data_prep.extract); None = online
     n_samples: int = 1000
     max_len: int = 512
     eval_fraction: float = 0.05

@@ -7,7 +7,8 @@ that is unambiguous; an unknown key names the closest valid one and lists them a
 from __future__ import annotations
 
 import difflib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 

@@ -7,8 +7,9 @@ imported lazily so ``python -m spectrain.fit --help`` does not pay for every dra
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 KIND_MODULES: list[str] = [
     # modules that call register_kind(...) at import time
@@ -20,7 +21,7 @@ class DrafterKind:
     name: str
     build_module: Callable[[Any], Any]  # cfg -> LightningModule
     build_datamodule: Callable[[Any], Any]  # cfg -> LightningDataModule
-    model_schema: Optional[type] = None  # dataclass validating cfg.model
+    model_schema: type | None = None  # dataclass validating cfg.model
 
 
 _KINDS: dict[str, DrafterKind] = {}

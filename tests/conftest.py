@@ -7,8 +7,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,9 +21,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _seed_everything():
+def _seed_and_threads(request):
+    """Seed every test. Tiny-model tests run on one intra-op thread: threads only add overhead on tiny
+    tensors, and spinning thread pools stall badly on a busy 2-core machine (25x slower seen here).
+    Tests that run the real model keep all threads."""
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    if "real_model" not in request.keywords:
+        torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -53,10 +53,9 @@ def test_checksum_mismatch_refuses_to_convert(tmp_path, monkeypatch):
 
 def test_atomic_directory_leaves_nothing_when_killed_midway(tmp_path):
     final = tmp_path / "model"
-    with pytest.raises(RuntimeError):
-        with atomic_directory(final) as tmp:
-            (tmp / "half.bin").write_bytes(b"x")
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), atomic_directory(final) as tmp:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
     with atomic_directory(final) as tmp:
         (tmp / "whole.bin").write_bytes(b"y")

@@ -1,0 +1,77 @@
+"""Loading what the engine runs: the target (runner + tokenizer) and drafters, with compatibility checks.
+
+A draft LM is any causal-LM directory (an exported ``draft_lm`` or a plain HF directory) or a registry name; it
+must share the target's tokenizer, because draft token ids are verified as target token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inference.runner import load_runner
+from spectrain import assets
+
+
+def pick_device(device: str = "auto") -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device} but CUDA is not available; use device=cpu")
+    return device
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the vocabulary (token -> id), so two tokenizers that map ids differently are told apart."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
+
+
+def eos_token_ids(tokenizer, model_config=None) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS and the generation config's / model config's."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    if im_end is not None:  # chat models end a turn with it even when config.eos says otherwise
+        ids.add(int(im_end))
+    return sorted(ids)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    runner: Any
+    tokenizer: Any
+    model: Any  # the transformers model (weights shared with the runner where possible)
+
+
+def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch_size: int = 1,
+            backend: str = "auto", dtype: torch.dtype | None = None) -> LoadedModel:
+    device = pick_device(device)
+    model = assets.load_model(name_or_path, device=device, dtype=dtype)
+    tokenizer = assets.load_tokenizer(name_or_path)
+    runner = load_runner(model, backend=backend, device=device, max_seq_len=max_seq_len,
+                         max_batch_size=max_batch_size)
+    return LoadedModel(str(name_or_path), runner, tokenizer, model)
+
+
+def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
+    """Load a draft LM and refuse (one line) one whose tokenizer or vocabulary differs from the target's."""
+    draft = load_lm(name_or_path, **kw)
+    if tokenizer_fingerprint(draft.tokenizer) != tokenizer_fingerprint(target.tokenizer):
+        raise ValueError(f"drafter '{name_or_path}' has a different tokenizer than target '{target.name}': a drafter "
+                         "must be trained for this target's tokenizer")
+    if draft.runner.config.vocab_size != target.runner.config.vocab_size:
+        raise ValueError(f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
+                         f"'{target.name}' has {target.runner.config.vocab_size}")
+    return draft

@@ -1,0 +1,792 @@
+"""Target-model runners: one forward for chains, trees and grids over a KV cache.
+
+Two implementations share one interface (DESIGN §5):
+
+* :class:`ModelRunner` -- our own Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 with qkv bias,
+  Qwen3 with q/k RMSNorm) built from a transformers config + state dict, with a preallocated static KV
+  cache. CPU fp32 for tests, CUDA bf16 with ``scaled_dot_product_attention``. Modelled on gpt-fast: plain
+  modules, no per-token Python loops, static cache tensors.
+* :class:`TransformersRunner` -- any transformers causal LM through its ``DynamicCache`` and a custom 4D
+  mask. Slower (transformers' per-call overhead, a float mask over the whole cache, cache compaction by
+  copying), but it covers architectures :class:`ModelRunner` does not.
+
+The common contract
+-------------------
+Each batch row ``b`` holds ``cache_lens[b]`` cached tokens. ``forward(input_ids[B, T])`` appends T new
+tokens to every row: row ``b``'s new token ``t`` is stored right after that row's cache (cache slot
+``cache_lens[b] + t``) and ``cache_lens`` advances by T. ``positions`` (RoPE / position ids) default to
+``cache_lens[b] + t`` but may be given explicitly, so tree nodes at the same depth share a position.
+
+**Attention mask convention.** ``attention_mask`` is a BoolTensor ``[B, T, P + T]`` with
+``P = max(cache_lens)`` before the forward; True = may attend. Column ``j < P`` is cached token ``j`` of
+the row (columns ``j >= cache_lens[b]`` of a shorter row are padding and always masked out by the runner);
+column ``P + u`` is new token ``u`` of this forward, whatever the row's length. The short form
+``[B, T, T]`` gives only the new-token part and lets every new token see the row's whole cache. A 2D mask
+(``[T, P + T]`` or ``[T, T]``) is shared by all rows. ``None`` means causal: all of the row's cache plus
+new tokens ``0..t``. A new token always attends to itself, whatever the mask says (so no softmax row is
+empty).
+
+After verification, ``commit(kept)`` keeps only the accepted new tokens (indices into the last forward's
+T tokens, increasing), moving their K/V to be contiguous after the pre-forward length; ``truncate(n)``
+rolls rows back to length n; ``reset()`` empties the cache.
+
+**Hidden capture convention.** ``capture_layers=(i, ...)``: layer ``i`` (0-based, negative counts from
+the end) is the OUTPUT of decoder layer ``i``, i.e. transformers' ``output_hidden_states[i + 1]`` for
+``i < L - 1`` (transformers stores the final-normed state at ``[L]``; we return the raw output of the last
+layer there). ``last_hidden`` is the final hidden AFTER the final norm, so ``lm_head(last_hidden) ==
+logits``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Rope types whose inv_freq does not depend on the sequence length (dynamic / longrope rescale on the fly).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+KeptIndices = torch.Tensor | Sequence[Sequence[int]]
+
+
+@dataclass
+class RunnerOutput:
+    """``logits``: float32 [B, T, V] (or [B, 1, V] with ``only_last_logits``); ``hidden``: captured layer
+    outputs {layer index: [B, T, H]}; ``last_hidden``: final-normed hidden [B, T, H] when requested."""
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    last_hidden: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config checks shared by both runners
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _check_sliding_window(config, max_seq_len: int) -> None:
+    """Both runners use full attention; refuse configs where a sliding window would change the result."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    applies = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+    if applies and window < max_seq_len:
+        raise ValueError(
+            f"{config.model_type} uses a sliding window of {window} < max_seq_len={max_seq_len}, "
+            f"which this runner does not implement; use max_seq_len<={window}"
+        )
+
+
+def _normalize_layers(capture_layers: Sequence[int], num_layers: int) -> list[int]:
+    layers = []
+    for layer in capture_layers:
+        if not -num_layers <= layer < num_layers:
+            raise ValueError(f"capture layer {layer} out of range for a {num_layers}-layer model")
+        layers.append(layer % num_layers)
+    return layers
+
+
+def _overflow_check(needed: int, max_seq_len: int) -> None:
+    if needed > max_seq_len:
+        raise ValueError(
+            f"forward needs {needed} cache slots but the runner has max_seq_len={max_seq_len}; "
+            f"build it with max_seq_len={needed} or more"
+        )
+
+
+def _full_user_mask(mask: torch.Tensor, batch: int, new: int, cached: int) -> torch.Tensor:
+    """Normalise a user mask to BoolTensor [B, T, P + T] (see the module docstring for the convention)."""
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(0)
+    if mask.dim() != 3 or mask.shape[1] != new or mask.shape[-1] not in (new, cached + new):
+        raise ValueError(
+            f"attention_mask must be [B, {new}, {cached + new}] or [B, {new}, {new}], got {tuple(mask.shape)}"
+        )
+    mask = mask.to(torch.bool).expand(batch, -1, -1)
+    if mask.shape[-1] == new and cached > 0:  # short form: the whole cache is visible
+        mask = torch.cat([mask.new_ones(batch, new, cached), mask], dim=-1)
+    return mask
+
+
+def _kept_to_tensor(
+    kept: KeptIndices, batch: int, new: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate kept indices; return (padded indices LongTensor[B, K], per-row counts LongTensor[B])."""
+    if isinstance(kept, torch.Tensor):
+        kept = kept.to(device=device, dtype=torch.long)
+        if kept.dim() == 1:
+            kept = kept.unsqueeze(0).expand(batch, -1)
+        if kept.dim() != 2 or kept.shape[0] != batch:
+            raise ValueError(f"commit expects kept indices [B={batch}, K], got {tuple(kept.shape)}")
+        counts = torch.full((batch,), kept.shape[1], dtype=torch.long, device=device)
+        rows = kept.tolist()
+    else:
+        rows = [list(map(int, row)) for row in kept]
+        if len(rows) != batch:
+            raise ValueError(f"commit expects one index list per row ({batch}), got {len(rows)}")
+        width = max((len(row) for row in rows), default=0)
+        # Pad with the row's own last index: the padded moves land beyond the row's new length (harmless).
+        padded = [row + [row[-1] if row else 0] * (width - len(row)) for row in rows]
+        kept = torch.tensor(padded, dtype=torch.long, device=device).reshape(batch, width)
+        counts = torch.tensor([len(row) for row in rows], dtype=torch.long, device=device)
+    for row in rows:
+        if any(not 0 <= i < new for i in row) or any(a >= b for a, b in itertools.pairwise(row)):
+            raise ValueError(f"kept indices must be increasing and within 0..{new - 1}, got {row}")
+    return kept, counts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Llama-family modules (parameter names match transformers so the state dict loads as-is)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, exactly as transformers does.
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
+        # Qwen3: RMSNorm over each head's vector, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        write_index: torch.Tensor,
+        attend_len: int,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        batch, new, _ = x.shape
+        q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # Write the new K/V into each row's own slots, then attend over the first attend_len slots.
+        k_cache.scatter_(2, write_index, k)
+        v_cache.scatter_(2, write_index, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            k_cache[:, :, :attend_len],
+            v_cache[:, :, :attend_len],
+            attn_mask=mask,
+            is_causal=is_causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, out_bias, qk_norm)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The ``model.`` part of a transformers ``*ForCausalLM``: embeddings, layers, final norm."""
+
+    def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, out_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim / 2] and the cos/sin scale, computed as transformers does for this config."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported by ModelRunner (supported: {STATIC_ROPE_TYPES})"
+        )
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scale = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported by ModelRunner (head_dim={head_dim})")
+    return inv_freq.float(), float(scale)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ModelRunner(nn.Module):
+    """Llama-family decoder with a static KV cache; see the module docstring for the forward contract.
+
+    The KV cache is ``k_cache[layer] -> [B, kv_heads, max_seq_len, head_dim]`` (same for ``v_cache``), with
+    per-row lengths ``cache_lens: LongTensor[B]``. Built with :meth:`from_config` or :meth:`from_hf_model`.
+    """
+
+    def __init__(
+        self,
+        config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        max_seq_len: int,
+    ):
+        super().__init__()
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"ModelRunner supports model_type in {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
+                "use TransformersRunner (or load_runner) for other architectures"
+            )
+        _check_sliding_window(config, max_seq_len)
+        self.config = config
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        out_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        with torch.device("meta"):  # weights come from the state dict; don't allocate them twice
+            self.model = Decoder(config, qkv_bias, out_bias, qk_norm=model_type == "qwen3")
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        inv_freq, self.rope_scale = _rope_inv_freq(config, self.head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        cache_shape = (self.num_layers, max_batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        self.register_buffer(
+            "k_cache", torch.zeros(cache_shape, device=device, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(cache_shape, device=device, dtype=dtype), persistent=False
+        )
+        self.cache_lens = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self._pending: tuple[torch.Tensor, int] | None = None  # (lengths before the last forward, its T)
+        self._dtype = dtype
+
+    # -- construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 1,
+        max_seq_len: int = 2048,
+    ) -> ModelRunner:
+        """Build from a transformers config and its HF-named state dict
+        (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight`` or tied to
+        ``model.embed_tokens.weight``). Default dtype: fp32 on CPU, bf16 on CUDA. Weights already on
+        ``device`` in ``dtype`` are shared with the state dict, not copied."""
+        device = torch.device(device)
+        dtype = dtype or _default_dtype(device)
+        runner = cls(
+            config, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len
+        )
+        runner._load_weights(state_dict, device, dtype)
+        return runner
+
+    @classmethod
+    def from_hf_model(cls, model: nn.Module, **kw) -> ModelRunner:
+        """Build from a transformers ``PreTrainedModel`` (its config + state dict); ``device`` defaults to the
+        model's device. Other keywords as :meth:`from_config`."""
+        kw.setdefault("device", next(model.parameters()).device)
+        return cls.from_config(model.config, model.state_dict(), **kw)
+
+    def _load_weights(
+        self, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        weights = {
+            name: tensor
+            for name, tensor in state_dict.items()
+            if "rotary_emb." not in name and not (tied and name == "lm_head.weight")
+        }
+        own = set(self.model.state_dict(prefix="model.")) | ({"lm_head.weight"} if not tied else set())
+        missing, unexpected = sorted(own - set(weights)), sorted(set(weights) - own)
+        if missing or unexpected:
+            raise ValueError(
+                f"state dict does not match a {self.config.model_type} model: missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
+        self.load_state_dict(weights, strict=False, assign=True)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for module in (self.model, self.lm_head):
+            module.to(device=device, dtype=dtype)
+        self.requires_grad_(False)
+        self.eval()
+
+    # -- modules drafters reuse ------------------------------------------------------------------------------
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.model.norm
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache_lens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache_lens.shape[0]
+
+    # -- cache state -----------------------------------------------------------------------------------------
+
+    @property
+    def lengths(self) -> list[int]:
+        """Cached tokens per row."""
+        return self.cache_lens.tolist()
+
+    def length(self, row: int = 0) -> int:
+        return int(self.cache_lens[row])
+
+    def reset(self, batch_size: int | None = None) -> None:
+        """Empty the cache; optionally change the active batch size (at most ``max_batch_size``)."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"batch_size {batch_size} outside 1..max_batch_size={self.max_batch_size}")
+        self.cache_lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self._pending = None
+
+    def truncate(self, n: int | torch.Tensor) -> None:
+        """Roll every row (or row b to ``n[b]``) back to length ``n``; the dropped K/V become dead slots."""
+        new_lens = torch.as_tensor(n, dtype=torch.long, device=self.device).expand(self.batch_size)
+        if bool(((new_lens < 0) | (new_lens > self.cache_lens)).any()):
+            raise ValueError(f"truncate to {new_lens.tolist()} but lengths are {self.lengths}")
+        self.cache_lens = new_lens.clone()
+        self._pending = None
+
+    @torch.no_grad()
+    def commit(self, kept: KeptIndices) -> None:
+        """Keep only the new tokens at ``kept`` (indices 0..T-1 of the last forward, increasing):
+        LongTensor[B, K] (same K per row) or one index list per row. Their K/V move to slots
+        ``len_before .. len_before + K - 1``."""
+        if self._pending is None:
+            raise ValueError("commit() needs a forward() first (and only one commit per forward)")
+        start, new = self._pending
+        batch = self.batch_size
+        kept, counts = _kept_to_tensor(kept, batch, new, self.device)
+        num_kept = kept.shape[1]
+        if num_kept:
+            # All layers at once: gather the kept slots, then write them contiguously (gather copies first,
+            # so overlapping source/destination ranges are safe).
+            src = (start[:, None] + kept).view(1, batch, 1, num_kept, 1)
+            dst = (start[:, None] + torch.arange(num_kept, device=self.device)).view(1, batch, 1, num_kept, 1)
+            shape = (self.num_layers, batch, self.num_kv_heads, num_kept, self.head_dim)
+            for cache in (self.k_cache, self.v_cache):
+                rows = cache[:, :batch]
+                rows.scatter_(3, dst.expand(shape), rows.gather(3, src.expand(shape)))
+        self.cache_lens = start + counts
+        self._pending = None
+
+    # -- forward ---------------------------------------------------------------------------------------------
+
+    def _attention_mask(
+        self, user_mask: torch.Tensor | None, slots: torch.Tensor, cached: int, new: int
+    ) -> torch.Tensor:
+        """BoolTensor [B, 1, T, P + T] over physical slots, from the user convention (module docstring)."""
+        batch = slots.shape[0]
+        attend_len = cached + new
+        slot = torch.arange(attend_len, device=self.device)
+        own_slot = slot[None, None, :] == slots[:, :, None]
+        if user_mask is None:
+            # Row b's new token t sits at slot L_b + t: it sees every slot up to and including its own.
+            return (slot[None, None, :] <= slots[:, :, None]).unsqueeze(1)
+        user_mask = _full_user_mask(user_mask.to(self.device), batch, new, cached)
+        lens = self.cache_lens[:, None]
+        # Physical slot -> user column: cache slots keep their index, new tokens map to P + t.
+        column = torch.where(slot < lens, slot, cached + slot - lens).clamp(max=attend_len - 1)
+        in_use = slot < lens + new
+        allowed = user_mask.gather(2, column[:, None, :].expand(batch, new, attend_len)) & in_use[:, None, :]
+        return (allowed | own_slot).unsqueeze(1)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        capture_layers: Sequence[int] = (),
+        return_last_hidden: bool = False,
+        only_last_logits: bool = False,
+    ) -> RunnerOutput:
+        """Run T new tokens per row; see the module docstring for positions, mask and capture conventions.
+        ``only_last_logits`` returns logits for the last new token only ([B, 1, V]; saves prefill memory)."""
+        batch, new = input_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(
+                f"input has batch {batch} but the runner's batch is {self.batch_size}; use reset()"
+            )
+        shortest, cached = (int(x) for x in torch.aminmax(self.cache_lens))  # the one host sync per forward
+        _overflow_check(cached + new, self.max_seq_len)
+        capture = _normalize_layers(capture_layers, self.num_layers)
+
+        input_ids = input_ids.to(self.device)
+        # [B, T] physical cache slots of the new tokens
+        slots = self.cache_lens[:, None] + torch.arange(new, device=self.device)
+        positions = slots if positions is None else positions.to(self.device).expand(batch, new)
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
+        cos = (emb.cos() * self.rope_scale).to(self._dtype)
+        sin = (emb.sin() * self.rope_scale).to(self._dtype)
+        write_index = slots.view(batch, 1, new, 1).expand(batch, self.num_kv_heads, new, self.head_dim)
+
+        # Fast paths when all rows are equally long and the mask is causal: decode needs no mask, a prefill
+        # into an empty cache is plain causal attention (lets SDPA use flash kernels on CUDA).
+        mask, is_causal = None, False
+        if attention_mask is not None or shortest != cached or (new > 1 and cached > 0):
+            mask = self._attention_mask(attention_mask, slots, cached, new)
+        elif new > 1:
+            is_causal = True
+
+        x = self.model.embed_tokens(input_ids)
+        hidden: dict[int, torch.Tensor] = {}
+        attend_len = cached + new
+        for i, layer in enumerate(self.model.layers):
+            k_cache, v_cache = self.k_cache[i, :batch], self.v_cache[i, :batch]
+            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal)
+            if i in capture:
+                hidden[i] = x
+        self._pending = (self.cache_lens, new)
+        self.cache_lens = self.cache_lens + new
+
+        x = self.model.norm(x)
+        logits = self.lm_head(x[:, -1:] if only_last_logits else x).float()
+        return RunnerOutput(logits=logits, hidden=hidden, last_hidden=x if return_last_hidden else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class TransformersRunner:
+    """The same interface over any transformers causal LM (its ``DynamicCache`` plus a custom 4D mask).
+
+    Slower than :class:`ModelRunner`: transformers' per-call overhead, a float mask over the whole cache, and
+    rejected tokens stay in the cache as masked-out slots until a commit/truncate compacts it by copying.
+    Needs a model whose attention honours a custom 4D mask (``eager`` or ``sdpa`` attention, standard KV
+    layers). Sliding windows are not applied, so configs where one would matter are refused.
+    """
+
+    def __init__(self, model: nn.Module, *, max_batch_size: int = 1, max_seq_len: int = 2048):
+        attn_impl = getattr(model.config, "_attn_implementation", None)
+        if attn_impl not in ("eager", "sdpa", None):
+            raise ValueError(f"TransformersRunner needs eager or sdpa attention, got {attn_impl!r}")
+        _check_sliding_window(model.config, max_seq_len)
+        self.model = model.eval()
+        self.config = model.config
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.num_layers = self.config.num_hidden_layers
+        self._decoder_layers = next(
+            (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == self.num_layers), None
+        )
+        self.reset(max_batch_size)
+
+    @classmethod
+    def from_hf_model(
+        cls,
+        model: nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 1,
+        max_seq_len: int = 2048,
+    ) -> TransformersRunner:
+        """Wrap ``model``; a ``device`` / ``dtype`` given moves the model itself (in place)."""
+        if device is not None or dtype is not None:
+            model.to(device=device, dtype=dtype)
+        return cls(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+
+    # -- modules drafters reuse ------------------------------------------------------------------------------
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def norm(self) -> nn.Module | None:
+        base = getattr(self.model, "base_model", self.model)
+        return next((getattr(base, n) for n in ("norm", "ln_f", "final_layernorm") if hasattr(base, n)), None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def batch_size(self) -> int:
+        return self._slot_valid.shape[0]
+
+    # -- cache state -----------------------------------------------------------------------------------------
+    # Physical layout: the DynamicCache holds S slots for every row; _slot_valid[b, s] says whether slot s
+    # of row b holds one of its cached tokens. Row b's cached token i is its i-th valid slot.
+
+    @property
+    def cache_lens(self) -> torch.Tensor:
+        return self._slot_valid.sum(dim=1)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.cache_lens.tolist()
+
+    def length(self, row: int = 0) -> int:
+        return int(self._slot_valid[row].sum())
+
+    def reset(self, batch_size: int | None = None) -> None:
+        """Empty the cache; optionally change the active batch size (at most ``max_batch_size``)."""
+        from transformers import DynamicCache
+
+        if batch_size is None:
+            batch_size = self.batch_size if hasattr(self, "_slot_valid") else self.max_batch_size
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"batch_size {batch_size} outside 1..max_batch_size={self.max_batch_size}")
+        self._cache = DynamicCache()
+        self._slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+        self._pending: int | None = None  # physical slot where the last forward's tokens start
+
+    def truncate(self, n: int | torch.Tensor) -> None:
+        """As :meth:`ModelRunner.truncate`."""
+        new_lens = torch.as_tensor(n, dtype=torch.long, device=self.device).expand(self.batch_size)
+        if bool(((new_lens < 0) | (new_lens > self.cache_lens)).any()):
+            raise ValueError(f"truncate to {new_lens.tolist()} but lengths are {self.lengths}")
+        self._slot_valid &= self._slot_valid.cumsum(dim=1) <= new_lens[:, None]
+        self._pending = None
+        self._compact()
+
+    def commit(self, kept: KeptIndices) -> None:
+        """As :meth:`ModelRunner.commit`."""
+        if self._pending is None:
+            raise ValueError("commit() needs a forward() first (and only one commit per forward)")
+        start = self._pending
+        new = self._slot_valid.shape[1] - start
+        kept, counts = _kept_to_tensor(kept, self.batch_size, new, self.device)
+        # Count-and-compare rather than scatter True: padding entries repeat a row's last index.
+        real = (torch.arange(kept.shape[1], device=self.device) < counts[:, None]).long()
+        keep = torch.zeros(self.batch_size, new, dtype=torch.long, device=self.device).scatter_add_(
+            1, kept, real
+        )
+        self._slot_valid[:, start:] = keep > 0
+        self._pending = None
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop dead slots: crop when each row's valid slots are a prefix, else gather them to the front."""
+        lens = self.cache_lens
+        longest = int(lens.max()) if lens.numel() else 0
+        slot = torch.arange(self._slot_valid.shape[1], device=self.device)
+        is_prefix = bool((self._slot_valid == (slot < lens[:, None])).all())
+        if is_prefix and longest == self._slot_valid.shape[1]:
+            return
+        # Stable sort puts each row's valid slots first, in order.
+        order = torch.sort((~self._slot_valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
+        for layer in getattr(self._cache, "layers", []):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if getattr(layer, "is_sliding", False) or keys is None or keys.dim() != 4:
+                raise ValueError(f"TransformersRunner cannot compact cache layer {type(layer).__name__}")
+            if is_prefix:
+                layer.keys, layer.values = keys[:, :, :longest], values[:, :, :longest]
+            else:
+                index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+                layer.keys, layer.values = keys.gather(2, index), values.gather(2, index)
+        self._slot_valid = slot[:longest] < lens[:, None]
+
+    # -- forward ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        capture_layers: Sequence[int] = (),
+        return_last_hidden: bool = False,
+        only_last_logits: bool = False,
+    ) -> RunnerOutput:
+        """As :meth:`ModelRunner.forward`."""
+        batch, new = input_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(
+                f"input has batch {batch} but the runner's batch is {self.batch_size}; use reset()"
+            )
+        lens = self.cache_lens
+        cached = int(lens.max())
+        _overflow_check(cached + new, self.max_seq_len)
+        capture = _normalize_layers(capture_layers, self.num_layers)
+        device, physical = self.device, self._slot_valid.shape[1]
+
+        arange_new = torch.arange(new, device=device)
+        positions = (
+            lens[:, None] + arange_new if positions is None else positions.to(device).expand(batch, new)
+        )
+        new_part = torch.ones(new, new, dtype=torch.bool, device=device).tril().expand(batch, new, new)
+        cache_part = self._slot_valid[:, None, :].expand(batch, new, physical)
+        if attention_mask is not None:
+            user_mask = _full_user_mask(attention_mask.to(device), batch, new, cached)
+            # Logical cache column i of row b -> its physical slot (the i-th valid one).
+            order = torch.sort((~self._slot_valid).to(torch.int8), dim=1, stable=True).indices[:, :cached]
+            mapped = torch.zeros(batch, new, physical, dtype=torch.bool, device=device)
+            mapped.scatter_(2, order[:, None, :].expand(batch, new, cached), user_mask[:, :, :cached])
+            cache_part = cache_part & mapped
+            new_part = user_mask[:, :, cached:] | torch.eye(new, dtype=torch.bool, device=device)
+        allowed = torch.cat([cache_part, new_part], dim=-1)[:, None]
+        # Additive float mask: honoured as-is by both eager and sdpa attention in transformers.
+        float_mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device)
+        float_mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+        hidden: dict[int, torch.Tensor] = {}
+        captured_last: list[torch.Tensor] = []
+        hooks = []
+        if capture:
+            if self._decoder_layers is None:
+                raise ValueError(f"cannot find the decoder layers of {type(self.model).__name__} to capture")
+            for i in capture:
+                hooks.append(self._decoder_layers[i].register_forward_hook(self._capture_hook(hidden, i)))
+        if return_last_hidden:
+            hooks.append(
+                self.lm_head.register_forward_pre_hook(lambda m, args: captured_last.append(args[0]))
+            )
+        try:
+            out = self.model(
+                input_ids=input_ids.to(device),
+                position_ids=positions,
+                attention_mask=float_mask,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self._cache = out.past_key_values
+        self._slot_valid = torch.cat([self._slot_valid, self._slot_valid.new_ones(batch, new)], dim=1)
+        self._pending = physical
+        logits = out.logits[:, -1:] if only_last_logits else out.logits
+        return RunnerOutput(
+            logits=logits.float(),
+            hidden=dict(sorted(hidden.items())),
+            last_hidden=captured_last[0] if captured_last else None,
+        )
+
+    __call__ = forward
+
+    @staticmethod
+    def _capture_hook(store: dict[int, torch.Tensor], index: int):
+        def hook(module, args, output):
+            store[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_runner(
+    model_or_path,
+    *,
+    backend: str = "auto",
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    max_batch_size: int = 1,
+    max_seq_len: int = 2048,
+) -> ModelRunner | TransformersRunner:
+    """A runner for a transformers model instance (or a local HF model directory): :class:`ModelRunner` for
+    supported model types (``backend="auto"`` or ``"native"``), :class:`TransformersRunner` otherwise or with
+    ``backend="transformers"``."""
+    if backend not in ("auto", "native", "transformers"):
+        raise ValueError(f"backend must be auto, native or transformers, got {backend!r}")
+    model = model_or_path
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype, local_files_only=True)
+    kw = {"dtype": dtype, "max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
+    if device is not None:
+        kw["device"] = device
+    native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
+    if backend == "native" or (backend == "auto" and native):
+        return ModelRunner.from_hf_model(model, **kw)
+    return TransformersRunner.from_hf_model(model, **kw)

@@ -1,0 +1,178 @@
+"""AR and chain speculative decoding: greedy equality, exact sampling law, bookkeeping, one-line errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from inference.algorithms import build_algorithm
+from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: float = 1.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper or flatter output distributions, to vary acceptance
+        model.lm_head.weight.mul_(temperature_scale)
+    return model
+
+
+def runner(model, max_seq_len: int = 192) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(0, layers=2, temperature_scale=8.0)
+    draft = tiny_llama(1, layers=1, temperature_scale=8.0)
+    return target, draft
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_ar_greedy_equals_transformers_generate(pair):
+    target, _ = pair
+    prompt = [3, 14, 15, 92, 65]
+    result = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=40, sampling=GREEDY)
+    assert result.tokens == hf_greedy(target, prompt, 40)
+    assert result.stats.target_forwards == 40 and result.stats.tau == 1.0
+
+
+@pytest.mark.parametrize("verifier", ["tokenwise", "block", "hsd"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_sps_greedy_equals_ar(pair, verifier, gamma):
+    target, draft = pair
+    prompt = [7, 1, 8, 2, 8]
+    reference = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=37, sampling=GREEDY).tokens
+    sps = build_algorithm("sps", runner(target), runner(draft), gamma=gamma, verifier=verifier)
+    result = sps.generate(prompt, max_new_tokens=37, sampling=GREEDY)
+    assert result.tokens == reference
+    stats = result.stats
+    assert stats.new_tokens == 37 and stats.target_forwards == 1 + stats.rounds
+    assert stats.drafted_tokens >= stats.accepted_draft_tokens
+    # every round emits its accepted tokens plus one (the budget may cut the last round)
+    assert stats.new_tokens <= 1 + stats.accepted_draft_tokens + stats.rounds
+
+
+def test_sps_with_the_target_as_draft_accepts_everything(pair):
+    target, _ = pair
+    gamma, n = 4, 41
+    sps = build_algorithm("sps", runner(target), runner(target), gamma=gamma)
+    result = sps.generate([5, 6, 7], max_new_tokens=n, sampling=GREEDY)
+    # 1 token from the prefill, then gamma + 1 per round: tau -> gamma + 1
+    assert result.stats.rounds == math.ceil((n - 1) / (gamma + 1))
+    assert result.stats.rollback_rate == 0.0 and result.stats.acceptance_by_position == [1.0] * gamma
+    sampled = sps.generate([5, 6, 7], max_new_tokens=n, sampling=SamplingParams(1.0),
+                           generator=torch.Generator().manual_seed(0))
+    assert sampled.stats.rollback_rate == 0.0  # p == q: every sampled draft token is accepted
+
+
+def test_eos_stops_inside_an_accepted_draft(pair):
+    target, draft = pair
+    prompt = [7, 1, 8, 2, 8]
+    reference = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).tokens
+    eos = reference[12]
+    expected = reference[: reference.index(eos) + 1]
+    for algo in (build_algorithm("ar", runner(target)),
+                 build_algorithm("sps", runner(target), runner(target), gamma=4)):
+        result = algo.generate(prompt, max_new_tokens=30, sampling=GREEDY, eos_ids=[eos])
+        assert result.tokens == expected
+
+
+def test_streaming_callback_sees_every_token_once(pair):
+    target, draft = pair
+    seen: list[int] = []
+    result = build_algorithm("sps", runner(target), runner(draft), gamma=3).generate(
+        [1, 2, 3], max_new_tokens=20, sampling=GREEDY, on_tokens=seen.extend)
+    assert seen == result.tokens and len(seen) == 20
+
+
+def test_bad_inputs_are_one_line_errors(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'; available: ar, sps"):
+        build_algorithm("nope", runner(target))
+    with pytest.raises(ValueError, match="needs a draft LM"):
+        build_algorithm("sps", runner(target))
+    with pytest.raises(ValueError, match="drafter vocab_size 50 differs from the target's 97"):
+        build_algorithm("sps", runner(target), runner(tiny_llama(2, vocab=50)))
+    with pytest.raises(ValueError, match=r"needs 205 cache slots but max_seq_len=192"):
+        build_algorithm("ar", runner(target)).generate(list(range(1, 101)), max_new_tokens=104, sampling=GREEDY)
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        build_algorithm("sps", runner(target), runner(draft), gamma=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_algorithm("ar", runner(target)).generate([], max_new_tokens=4, sampling=GREEDY)
+
+
+def exact_target_law(model, prompt: list[int], n: int, vocab: int) -> dict[tuple[int, ...], float]:
+    """P(first n new tokens = s) under the target at T=1, by enumeration over V^n."""
+    law = {}
+    for seq in itertools.product(range(vocab), repeat=n):
+        ids = torch.tensor([prompt + list(seq)])
+        with torch.no_grad():
+            probs = model(ids).logits[0].double().softmax(-1)
+        p = 1.0
+        for i, token in enumerate(seq):
+            p *= float(probs[len(prompt) - 1 + i, token])
+        law[seq] = p
+    return law
+
+
+@pytest.mark.parametrize("verifier", ["tokenwise", "block"])
+def test_sps_sampling_follows_the_target_law(verifier):
+    """Monte Carlo: the law of sps's first 3 tokens equals the target's (chi-square, fixed seed)."""
+    vocab, n, runs = 4, 3, 3000
+    target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
+    draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
+    prompt = [1, 2]
+    law = exact_target_law(target, prompt, n, vocab)
+    sps = build_algorithm("sps", runner(target, 16), runner(draft, 16), gamma=2, verifier=verifier)
+    generator = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(runs):
+        tokens = tuple(sps.generate(prompt, max_new_tokens=n, sampling=SamplingParams(1.0),
+                                    generator=generator).tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
+    dof = len(law) - 1
+    # chi2 with 63 dof: mean 63, sd ~11.2; 63 + 6 sd is beyond p = 1e-6 while a biased rule lands far above.
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
+    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
+    assert tv < 0.06, tv
+
+
+@pytest.mark.real_model
+def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
+    """Greedy equality on real MT-Bench prompts. The draft is SmolLM2 cut to its first 6 layers: a poor drafter
+    (most drafts are rejected), which exercises the rejection path on real logits."""
+    from transformers import AutoModelForCausalLM
+
+    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+
+    model, tokenizer = smollm2
+    config = model.config.to_dict() | {"num_hidden_layers": 6}
+    draft = AutoModelForCausalLM.from_config(type(model.config)(**config)).eval()
+    draft.load_state_dict(model.state_dict(), strict=False)
+    target_runner, draft_runner = ModelRunner.from_hf_model(model, max_seq_len=512), ModelRunner.from_hf_model(
+        draft, max_seq_len=512)
+    for conversation in load_prompts("mt_bench", n=2):
+        prompt = render_prompt(tokenizer, prompt_turns(conversation))
+        expected = hf_greedy(model, prompt, 24)
+        assert build_algorithm("ar", target_runner).generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens \
+            == expected
+        for verifier in ("tokenwise", "hsd"):
+            sps = build_algorithm("sps", target_runner, draft_runner, gamma=4, verifier=verifier)
+            result = sps.generate(prompt, max_new_tokens=24, sampling=GREEDY)
+            assert result.tokens == expected
+            assert result.stats.rounds > 0 and result.stats.drafted_tokens > 0
