@@ -68,15 +68,6 @@ def _listify(arg: str, list_keys: tuple[str, ...]) -> str:
     return arg
 
 
-def algorithm_options(cfg: Any, name: str) -> dict[str, Any]:
-    if algorithm_class(name).drafter == "draft_lm":
-        options: dict[str, Any] = {"gamma": cfg.gamma, "verifier": cfg.verifier}
-        if cfg.verifier == "hsd":
-            options["final_ratio"] = cfg.hsd_final_ratio
-        return options
-    return {}
-
-
 @dataclass
 class BenchPrompts:
     bench: str
@@ -129,7 +120,8 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     if needs_draft and draft is None:
         draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    algorithms = {n: build_algorithm(n, target.runner, draft.runner if draft else None, **algorithm_options(cfg, n))
+    draft_runner = draft.runner if draft else None
+    algorithms = {n: build_algorithm(n, target.runner, draft_runner, **algorithm_class(n).options_from_config(cfg))
                   for n in names}
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 

@@ -129,6 +129,11 @@ class Algorithm(ABC):
         self.target = target
         self.max_seq_len = max_seq_len or target.max_seq_len
 
+    @classmethod
+    def options_from_config(cls, cfg) -> dict:
+        """Constructor keyword arguments taken from an evaluate/generate config (override per algorithm)."""
+        return {}
+
     def lookahead(self) -> int:
         """Cache slots needed beyond the committed tokens during one step."""
         return 1

@@ -41,6 +41,13 @@ class SpeculativeSampling(Algorithm):
         self.max_seq_len = min(self.max_seq_len, draft.max_seq_len)
         self.verifier = get_verifier(verifier, **verifier_kwargs) if isinstance(verifier, str) else verifier
 
+    @classmethod
+    def options_from_config(cls, cfg) -> dict:
+        options = {"gamma": cfg.gamma, "verifier": cfg.verifier}
+        if cfg.verifier == "hsd":
+            options["final_ratio"] = cfg.hsd_final_ratio
+        return options
+
     def lookahead(self) -> int:
         return self.gamma + 1
 
