@@ -1,0 +1,106 @@
+"""``python -m inference.generate target=smollm2 algorithm=ar prompt="..."`` — stream one answer.
+
+The prompt is a single user message rendered with the target's chat template. Draft-LM algorithms take
+``drafter=PATH``. Statistics (tokens/s, τ) are printed to stderr after the answer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
+from inference.algorithms.base import GenerationResult
+from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_lm
+from inference.sampling import SamplingParams
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
+
+
+@dataclass
+class GenerateConfig:
+    prompt: str = ""
+    target: str = "smollm2"
+    algorithm: str = "ar"
+    drafter: Optional[str] = None
+    verifier: str = "tokenwise"
+    hsd_final_ratio: str = "capped"
+    gamma: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    max_seq_len: int = 2048
+
+
+class TextStreamer:
+    """Decodes the growing answer and prints only the new text, so multi-token characters come out whole."""
+
+    def __init__(self, tokenizer, stream=None):
+        self.tokenizer, self.stream = tokenizer, stream
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        stream = self.stream or sys.stdout  # looked up per call, so redirections made later still apply
+        stream.write(text[len(self.printed):])
+        stream.flush()
+        self.printed = text
+
+
+def generate_text(cfg: Any, target: LoadedModel, draft: LoadedModel | None = None,
+                  on_tokens=None) -> GenerationResult:
+    """Answer ``cfg.prompt`` with ``cfg.algorithm`` on an already loaded target (and draft)."""
+    from data_prep.prompts import render_prompt
+
+    cls = algorithm_class(cfg.algorithm)
+    algorithm = build_algorithm(cfg.algorithm, target.runner, draft.runner if draft else None,
+                                **cls.options_from_config(cfg))
+    prompt_ids = render_prompt(target.tokenizer, [{"role": "user", "content": cfg.prompt}])
+    return algorithm.generate(prompt_ids, max_new_tokens=cfg.max_new_tokens,
+                              sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
+                              generator=torch.Generator().manual_seed(cfg.seed),
+                              eos_ids=eos_token_ids(target.tokenizer, target.model.config), on_tokens=on_tokens)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("algorithms:", ", ".join(ALGORITHMS))
+        return 0
+    try:
+        cfg = parse_cli(argv, GenerateConfig, USAGE)
+        if not cfg.prompt:
+            raise OverrideError(f'no prompt given; usage: {USAGE}')
+        cls = algorithm_class(cfg.algorithm)
+        if cls.drafter == "draft_lm" and not cfg.drafter:
+            raise OverrideError(f"algorithm '{cfg.algorithm}' needs a draft LM: add drafter=PATH")
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+        draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len) \
+            if cls.drafter == "draft_lm" else None
+        result = generate_text(cfg, target, draft, on_tokens=TextStreamer(target.tokenizer))
+    except (OverrideError, ValueError, RuntimeError) as exc:
+        if os.environ.get("SPECTRAIN_DEBUG"):
+            raise
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    stats = result.stats
+    print(f"\n[{cfg.algorithm}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s = {stats.tokens_per_s:.1f} tokens/s, "
+          f"τ = {stats.tau:.2f} tokens per target forward", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The evaluation and generation CLIs: results schema, AR baseline in the same run, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from inference import evaluate as evaluate_cli
+from inference import generate as generate_cli
+from inference.drafters import LoadedModel, load_draft_lm
+from inference.runner import ModelRunner
+
+
+def loaded(smollm2, max_seq_len: int = 512) -> LoadedModel:
+    model, tokenizer = smollm2
+    # A fresh runner shares the model's weights but owns its KV cache, so target and draft can be one model.
+    return LoadedModel("smollm2", ModelRunner.from_hf_model(model, max_seq_len=max_seq_len), tokenizer, model)
+
+
+@pytest.mark.real_model
+def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
+    cfg = evaluate_cli.parse_args(["algorithms=sps", "drafter=smollm2", "bench=mt_bench", "n_prompts=1",
+                                   "max_new_tokens=16", "gamma=4", "verifier=hsd", f"out={tmp_path}", "warmup=false"])
+    results = evaluate_cli.evaluate(cfg, target=loaded(smollm2), draft=loaded(smollm2))
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["runs"] == results["runs"]
+    ar, sps = results["runs"]
+    assert (ar["algorithm"], sps["algorithm"]) == ("ar", "sps")
+    expected_keys = {"algorithm", "bench", "n_prompts", "new_tokens", "wall_s", "tokens_per_s", "target_forwards",
+                     "tau", "draft_forwards", "rollback_rate", "acceptance_by_position", "greedy_equal_to_ar"}
+    assert expected_keys <= set(sps)
+    assert sps["greedy_equal_to_ar"] is True and ar["greedy_equal_to_ar"] is True
+    # the target drafting for itself accepts everything: 1 prefill token + 5 per round -> 16 tokens in 4 forwards
+    assert sps["new_tokens"] == ar["new_tokens"] == 16
+    assert sps["target_forwards"] == 4 and sps["tau"] == 4.0 and sps["rollback_rate"] == 0.0
+    assert sps["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert set(results["speedup_vs_ar"]) == {"ar", "sps"} and results["speedup_vs_ar"]["ar"] == 1.0
+    report = (tmp_path / "report.md").read_text()
+    assert "| sps | mt_bench | 1 | 16 | 4.00 |" in report
+    assert (tmp_path / "acceptance.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["algorithms=[ar,nope]"], "unknown algorithm 'nope'; available: ar, sps"),
+    (["algoritms=[ar]"], "unknown key 'algoritms' (did you mean 'algorithms'?)"),
+    (["algorithms=[sps]", "n_prompts=1"], "need a draft LM: add drafter=PATH"),
+    (["temperature=-1"], "temperature must be a finite number >= 0"),
+    (["target=/no/such/model"], "unknown model '/no/such/model'"),
+])
+def test_evaluate_cli_errors_are_one_line(args, needle, capsys, tmp_path):
+    assert evaluate_cli.main([*args, f"out={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def test_list_fields_accept_a_single_value():
+    cfg = evaluate_cli.parse_args(["bench=humaneval", "algorithms=sps"])
+    assert list(cfg.bench) == ["humaneval"] and list(cfg.algorithms) == ["sps"]
+    assert OmegaConf.to_container(evaluate_cli.parse_args(["bench=[mt_bench,humaneval]"]).bench) == [
+        "mt_bench", "humaneval"]
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_the_cache_is_one_line(smollm2, capsys, tmp_path):
+    cfg = evaluate_cli.parse_args(["n_prompts=1", "max_new_tokens=64", "max_seq_len=64", f"out={tmp_path}"])
+    with pytest.raises(ValueError, match=r"needs \d+ cache slots but max_seq_len=64; shorten the prompt"):
+        evaluate_cli.evaluate(cfg, target=loaded(smollm2, max_seq_len=64))
+
+
+@pytest.mark.real_model
+def test_drafter_with_another_tokenizer_is_refused(smollm2, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = smollm2
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer) + 1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    other = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    other.add_tokens(["<spectrain-extra-token>"])
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has a different tokenizer than target 'smollm2'"):
+        load_draft_lm(str(tmp_path), loaded(smollm2))
+
+
+@pytest.mark.real_model
+def test_generate_streams_the_answer(smollm2, capsys):
+    cfg = generate_cli.parse_cli(["prompt=What is the capital of France?", "max_new_tokens=12"],
+                                 generate_cli.GenerateConfig, generate_cli.USAGE)
+    streamer = generate_cli.TextStreamer(smollm2[1])
+    result = generate_cli.generate_text(cfg, loaded(smollm2), on_tokens=streamer)
+    assert capsys.readouterr().out == "The capital of France is Paris."
+    assert result.stats.new_tokens == 8  # the answer ends with <|im_end|>, an EOS of the chat template
