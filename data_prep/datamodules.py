@@ -1,0 +1,105 @@
+"""Lightning DataModules for drafter training: offline (stored features) and online (target run in-process).
+
+Both yield the batch format of ``data_prep.features.collate_features``. Given the same samples, order and
+batch size, they yield identical batches: the online module runs the same capture (``data_prep.capture``) over
+the same sample stream (``data_prep.samples``) that extraction used, then the same collation.
+
+The online module computes features inside the DataLoader's collate function, so it needs ``num_workers=0``
+(the target lives in the main process, on its own device); use it for targets too big to store features for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from data_prep.capture import HiddenCapture
+from data_prep.features import FeatureDataset, collate_features
+from data_prep.layers import resolve_layers
+from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class FeatureDataModule(L.LightningDataModule):
+    """Offline features from a ``data_prep.extract`` directory; ``expect`` holds ``check_features`` keywords
+    (target, layers, tokenizer, dtype, max_len) so a dataset made for another recipe is refused at setup."""
+
+    def __init__(self, directory: str | Path, *, batch_size: int = 8, shuffle: bool = True, seed: int = 0,
+                 num_workers: int = 0, val_directory: str | Path | None = None, **expect: Any):
+        super().__init__()
+        self.directory, self.val_directory = directory, val_directory
+        self.batch_size, self.shuffle, self.seed, self.num_workers = batch_size, shuffle, seed, num_workers
+        self.expect = expect
+        self.train_set: FeatureDataset | None = None
+        self.val_set: FeatureDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set = FeatureDataset(self.directory, **self.expect)
+        if self.val_directory is not None and self.val_set is None:
+            self.val_set = FeatureDataset(self.val_directory, **self.expect)
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle,
+                          generator=_generator(self.seed), num_workers=self.num_workers,
+                          collate_fn=collate_features)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup()
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          collate_fn=collate_features)
+
+
+class OnlineFeatureDataModule(L.LightningDataModule):
+    """Features computed on the fly: samples from ``source`` (as ``data_prep.extract`` builds them) are run
+    through the target when each batch is collated. Nothing touches disk.
+
+    ``target`` is a name/dir (loaded here) or an ``inference.drafters.LoadedModel`` whose runner holds at least
+    ``batch_size`` rows of ``max_len`` tokens. ``regenerate`` is not offered online: generating answers per
+    batch would dominate training time; regenerate once with ``data_prep.extract`` instead.
+    """
+
+    def __init__(self, target: Any, *, source: str, n_samples: int, max_len: int, layers: Any = "eagle3",
+                 dtype: str = "bf16", batch_size: int = 8, shuffle: bool = True, seed: int = 0,
+                 split: str = "all", device: str = "auto"):
+        super().__init__()
+        self.target_arg = target
+        self.source, self.n_samples, self.max_len, self.split = source, n_samples, max_len, split
+        self.layers_spec, self.dtype = layers, dtype
+        self.batch_size, self.shuffle, self.seed, self.device = batch_size, shuffle, seed, device
+        self.samples: list[TokenSample] | None = None
+        self.capture: HiddenCapture | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.samples is not None:
+            return
+        from inference.drafters import LoadedModel, load_lm
+
+        target = self.target_arg
+        if not isinstance(target, LoadedModel):
+            target = load_lm(str(target), device=self.device, max_seq_len=self.max_len,
+                             max_batch_size=self.batch_size)
+        layers = resolve_layers(self.layers_spec, target.runner.config.num_hidden_layers)
+        self.capture = HiddenCapture(target.runner, layers, self.dtype)
+        conversations = load_source(self.source, self.n_samples, self.seed, self.split)
+        require_answers(conversations, False, self.source)
+        build = SampleBuilder(target.tokenizer, self.max_len)
+        self.samples = [s for i, c in enumerate(conversations) if (s := build(i, c)) is not None]
+
+    def _collate(self, samples: list[TokenSample]) -> dict[str, torch.Tensor]:
+        return collate_features(self.capture(samples))
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle,
+                          generator=_generator(self.seed), num_workers=0, collate_fn=self._collate)

@@ -1,0 +1,252 @@
+"""``python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 out=DIR``
+
+Writes a hidden-state feature dataset: Arrow shards plus ``manifest.json`` (DESIGN.md §4). Per sample:
+``input_ids``, ``loss_mask`` (assistant tokens), ``aux_hidden`` (the captured layers, concatenated) and
+``last_hidden`` (after the final norm; the teacher distribution is recomputed as ``lm_head(last_hidden)`` at
+training time instead of storing logits).
+
+Keys: ``layers`` = eagle3 | lastK | [i,j,...] (output-of-layer ids, 0-based; ``data_prep.layers``),
+``dtype`` = bf16 | fp16 | fp32 (storage), ``regenerate=true`` answers the prompts with the target itself
+(engine ``ar``; ``max_new_tokens``, ``temperature``), ``split`` = all | train | eval, ``batch_size``,
+``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``.
+
+Re-running the same command after an interruption (even kill -9) resumes without losing or duplicating a
+sample; other arguments into an existing DIR are refused. Before starting it prints the estimated disk size
+and refuses if free disk is short.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
+from data_prep.layers import LAYER_CONVENTION, resolve_layers, spec_name
+from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
+from data_prep.shards import ShardWriter, column
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = ("python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 "
+         "dtype=bf16 out=DIR")
+ESTIMATE_SAMPLES = 256  # conversations tokenized up front to estimate the dataset size
+DISK_MARGIN = 1.10  # refuse unless free disk exceeds the estimate by this factor
+SHARD_BYTES = 1 << 30  # auto shard size: a kill loses at most about this much work
+# Arrow list offsets: 4 bytes per token for each of the two [T, W] columns' rows, plus per-sample overhead.
+OFFSET_BYTES_PER_TOKEN = 8
+
+
+@dataclass
+class ExtractConfig:
+    target: str = "smollm2"
+    source: str = "sharegpt"
+    split: str = "all"  # all | train | eval (stable hash split, data_prep.prompts)
+    n_samples: int = 1000  # source conversations to read; ones without assistant tokens are skipped
+    max_len: int = 2048
+    layers: Any = "eagle3"  # eagle3 | lastK | [i, j, ...]
+    dtype: str = "bf16"  # storage dtype: bf16 | fp16 | fp32
+    batch_size: int = 8
+    shard_size: int = 0  # samples per shard (committed atomically); 0 = auto, about SHARD_BYTES per shard
+    seed: int = 0
+    regenerate: bool = False  # replace assistant turns with the target's own answers
+    max_new_tokens: int = 1024  # per regenerated answer
+    temperature: float = 0.0  # for regenerated answers (0 = greedy)
+    device: str = "auto"
+    out: str | None = None
+
+
+# Keys that do not change what is written; everything else must match to resume.
+RUN_ONLY_KEYS = ("out",)
+
+
+def parse_args(argv: Sequence[str]) -> Any:
+    cfg = parse_cli(argv, ExtractConfig, USAGE)
+    if not cfg.out:
+        raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    storage_dtype(cfg.dtype)
+    for key in ("n_samples", "max_len", "batch_size"):
+        if cfg[key] < 1:
+            raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
+    if cfg.shard_size < 0:
+        raise OverrideError(f"shard_size must be >= 1 (or 0 for auto), got {cfg.shard_size}")
+    return cfg
+
+
+def content_args(cfg: Any) -> dict[str, Any]:
+    args = OmegaConf.to_container(cfg, resolve=True)
+    for key in RUN_ONLY_KEYS:
+        args.pop(key, None)
+    if not args["regenerate"]:  # generation settings mean nothing without regeneration
+        args.pop("max_new_tokens")
+        args.pop("temperature")
+    return args
+
+
+def feature_columns(layers: list[int], hidden: int, dtype: str) -> dict[str, dict[str, Any]]:
+    logical = DTYPE_NAMES[dtype]
+    return {
+        "input_ids": column("int32", ["T"], "token ids (chat template applied)"),
+        "loss_mask": column("int8", ["T"], "1 on assistant tokens (trained on), 0 elsewhere"),
+        "aux_hidden": column(logical, ["T", len(layers) * hidden],
+                             f"outputs of decoder layers {layers} (0-based), concatenated in that order"),
+        "last_hidden": column(logical, ["T", hidden], "final hidden state after the final norm"),
+    }
+
+
+def bytes_per_token(columns: dict[str, dict[str, Any]]) -> int:
+    import numpy as np
+
+    from data_prep.shards import STORAGE_DTYPE
+
+    total = OFFSET_BYTES_PER_TOKEN
+    for spec in columns.values():
+        width = spec["shape"][1] if len(spec["shape"]) == 2 else 1
+        total += width * np.dtype(STORAGE_DTYPE[spec["dtype"]]).itemsize
+    return total
+
+
+def auto_shard_size(per_token: int, max_len: int, batch_size: int) -> int:
+    """Samples per shard for about ``SHARD_BYTES`` at full length, a multiple of the batch size (so a resumed run
+    forms the same batches as an uninterrupted one)."""
+    batches = max(1, round(SHARD_BYTES / (per_token * max_len * batch_size)))
+    return batches * batch_size
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def check_disk(out: Path, remaining_tokens: int, per_token: int, basis: str) -> int:
+    """Print the estimated size of what is left to write; refuse (one line) if free disk is short."""
+    estimate = remaining_tokens * per_token
+    probe = out if out.exists() else next(p for p in out.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    print(f"[extract] estimated size: {_human(estimate)} (~{remaining_tokens:,} tokens x {per_token:,} bytes/token, "
+          f"{basis}); free on {probe}: {_human(free)}", file=sys.stderr, flush=True)
+    if free < estimate * DISK_MARGIN:
+        raise DatasetError(f"not enough free disk in {probe}: the dataset needs ~{_human(estimate)} (+10% margin) "
+                           f"but {_human(free)} is free; free space, lower n_samples/max_len or use dtype=bf16")
+    return estimate
+
+
+def _estimate_tokens(conversations, start: int, cfg: Any, build: SampleBuilder) -> tuple[int, str]:
+    remaining = len(conversations) - start
+    if remaining <= 0:
+        return 0, "nothing left"
+    if cfg.regenerate:
+        return remaining * cfg.max_len, "upper bound: regenerated answers may fill max_len"
+    probe = conversations[start:start + ESTIMATE_SAMPLES]
+    lengths = [len(s) for i, c in enumerate(probe) if (s := build(start + i, c)) is not None]
+    mean = sum(lengths) / max(len(probe), 1)
+    basis = "measured" if len(probe) == remaining else f"mean of the next {len(probe)} samples"
+    return int(mean * remaining), basis
+
+
+def _batches(conversations, start: int, build: SampleBuilder, batch_size: int):
+    """Yield (samples, source_end, skipped) with up to ``batch_size`` samples, in source order."""
+    batch: list[TokenSample] = []
+    skipped = 0
+    for index in range(start, len(conversations)):
+        sample = build(index, conversations[index])
+        if sample is None:
+            skipped += 1
+        else:
+            batch.append(sample)
+        if len(batch) == batch_size:
+            yield batch, index + 1, skipped
+            batch, skipped = [], 0
+    if batch or skipped:
+        yield batch, len(conversations), skipped
+
+
+def extract(cfg: Any, target=None) -> dict[str, Any]:
+    """Run (or resume) an extraction; returns the final manifest. ``target``: a preloaded LoadedModel."""
+    from tqdm.auto import tqdm
+
+    from data_prep.regenerate import Regenerator
+    from inference.drafters import eos_token_ids, load_lm
+
+    out = Path(cfg.out)
+    refuse_other_args(out, content_args(cfg))
+    if target is None:
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size)
+    runner, tokenizer = target.runner, target.tokenizer
+    config = runner.config
+    layers = resolve_layers(cfg.layers, config.num_hidden_layers)
+    columns = feature_columns(layers, config.hidden_size, cfg.dtype)
+    header = new_header(
+        "features", content_args(cfg), target_identity(cfg.target, config), tokenizer_identity(tokenizer), columns,
+        layers={"spec": spec_name(cfg.layers), "ids": layers, "convention": LAYER_CONVENTION},
+        compute={"device": runner.device.type, "dtype": str(runner.dtype).removeprefix("torch.")},
+    )
+    per_token = bytes_per_token(columns)
+    shard_size = cfg.shard_size or auto_shard_size(per_token, cfg.max_len, cfg.batch_size)
+    with ShardWriter(out, header, shard_size) as writer:
+        if writer.complete:
+            print(f"[extract] {out} is already complete ({writer.manifest['num_rows']} samples)", file=sys.stderr)
+            return writer.manifest
+        conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
+        require_answers(conversations, cfg.regenerate, cfg.source)
+        regenerator = None
+        if cfg.regenerate:
+            regenerator = Regenerator(runner, tokenizer, eos_token_ids(tokenizer, target.model.config),
+                                      max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
+                                      temperature=cfg.temperature, seed=cfg.seed)
+        build = SampleBuilder(tokenizer, cfg.max_len, regenerator)
+        start = writer.next_source_index
+        if start:
+            print(f"[extract] resuming {out} at source item {start} ({writer.manifest['num_rows']} samples in "
+                  f"{len(writer.manifest['shards'])} shards)", file=sys.stderr)
+        tokens, basis = _estimate_tokens(conversations, start, cfg, build)
+        check_disk(out, tokens, per_token, basis)
+
+        capture = HiddenCapture(runner, layers, cfg.dtype)
+        done_tokens, t0 = 0, time.perf_counter()
+        with tqdm(total=len(conversations), initial=start, desc="extract", unit="sample", file=sys.stderr,
+                  dynamic_ncols=True) as progress:
+            for samples, source_end, skipped in _batches(conversations, start, build, cfg.batch_size):
+                rows = capture(samples) if samples else []
+                n_tokens = sum(len(s) for s in samples)
+                writer.add(rows, source_end=source_end, skipped=skipped, num_tokens=n_tokens)
+                done_tokens += n_tokens
+                progress.update(len(samples) + skipped)
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                progress.set_postfix(tok_s=f"{done_tokens / elapsed:,.0f}", shards=len(writer.manifest["shards"]))
+        manifest = writer.finish()
+    elapsed = time.perf_counter() - t0
+    print(f"[extract] wrote {manifest['num_rows']} samples ({manifest['num_tokens']:,} tokens, {manifest['skipped']} "
+          f"skipped) in {len(manifest['shards'])} shards to {out}; this run: {done_tokens:,} tokens in "
+          f"{elapsed:.1f} s", file=sys.stderr)
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("keys:", ", ".join(ExtractConfig.__dataclass_fields__))
+        return 0
+    try:
+        extract(parse_args(argv))
+    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
+        if os.environ.get("SPECTRAIN_DEBUG"):
+            raise
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

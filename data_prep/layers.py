@@ -1,0 +1,65 @@
+"""Which target hidden states a dataset holds, and the one convention they are named in.
+
+Every layer id in spectrain is an OUTPUT-of-decoder-layer index, 0-based: id ``i`` is the residual stream after
+decoder layer ``i``, i.e. transformers' ``output_hidden_states[i + 1]`` (index 0 there is the embeddings).
+``last_hidden`` is the state after the final norm, so ``lm_head(last_hidden) == logits``. This is the
+inference runner's capture convention (``inference.runner``), so features captured in training and at serving
+time are the same tensors.
+
+Layer specs (``layers=`` on the CLIs):
+
+- ``eagle3``: the EAGLE-3 triple ``[1, L//2 - 1, L - 4]`` (SGLang/SpecForge/ModelOpt "output" ids; vLLM writes
+  the same tensors as input ids ``[2, L//2, L - 3]``). SmolLM2 (L=30): ``[1, 14, 26]``.
+- ``lastK`` (e.g. ``last4``, H-RAD): the last K entries of the HF ``hidden_states`` tuple, as SpecBranch's H-RAD
+  reads them: raw outputs of layers ``L-K .. L-2`` plus the final-normed state. The aux ids are therefore
+  ``[L-K, ..., L-2]`` and the K-th block is ``last_hidden`` (stored anyway), so nothing is stored twice.
+- ``[i, j, ...]``: explicit output-of-layer ids, increasing (negative ids count from the end).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+LAYER_CONVENTION = ("output of decoder layer i, 0-based (transformers output_hidden_states[i + 1]); "
+                    "last_hidden is after the final norm (lm_head(last_hidden) == logits)")
+_LAST_K = re.compile(r"^last(\d+)$")
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """The EAGLE-3 triple in output-of-layer ids: outputs of layers 1, L//2 - 1 and L - 4."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def resolve_layers(spec: Any, num_layers: int) -> list[int]:
+    """Aux layer ids (output-of-layer, 0-based, increasing) for a spec: eagle3 | lastK | [i, j, ...]."""
+    if isinstance(spec, str) and spec == "eagle3":
+        ids = eagle3_layers(num_layers)
+        if len(set(ids)) < 3 or min(ids) < 0:
+            raise ValueError(f"layers=eagle3 gives {ids} for a {num_layers}-layer target (needs at least 8 "
+                             "layers); give explicit ids, e.g. layers=[0,1]")
+        return ids
+    if isinstance(spec, str) and (match := _LAST_K.match(spec)):
+        k = int(match.group(1))
+        if not 2 <= k <= num_layers:
+            raise ValueError(f"layers={spec}: K must be in 2..{num_layers} for a {num_layers}-layer target")
+        return list(range(num_layers - k, num_layers - 1))
+    if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec:
+        raise ValueError(f"layers={spec!r} is not a layer spec; use eagle3, lastK (e.g. last4) or a list "
+                         "of output-of-layer ids like [1,14,26]")
+    ids = []
+    for layer in spec:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -num_layers <= layer < num_layers:
+            raise ValueError(f"layers={list(spec)}: {layer!r} is not a layer id of a {num_layers}-layer target "
+                             f"(0..{num_layers - 1}, negative counts from the end)")
+        ids.append(layer % num_layers)
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        # The order is the concatenation order of aux_hidden; never reorder silently.
+        raise ValueError(f"layers={list(spec)}: list distinct layer ids in increasing order")
+    return ids
+
+
+def spec_name(spec: Any) -> str:
+    """A printable form of a layer spec for manifests (``eagle3``, ``last4``, ``[1, 2]``)."""
+    return spec if isinstance(spec, str) else str([int(x) for x in spec])

@@ -1,0 +1,196 @@
+"""``python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 out=DIR``
+
+Runs chain speculative decoding (``inference.algorithms.sps``) on the first user turn of each prompt and
+records every verification round: H-RAD's features and labels, and the bandit's replay data. One row per
+round, written with the same shard writer, manifest and resume rules as ``data_prep.extract``:
+
+- ``sample_index``: source item; ``round``: round number within that generation (from 0)
+- ``position``: position of the branch token in the sequence (prompt + tokens emitted before the round)
+- ``branch_token``: the first drafted token (``draft_tokens[0]``)
+- ``hidden_lastk`` [K*H]: the target's last K HF ``hidden_states`` entries at ``position - 1`` (the position
+  whose output predicts the branch token), concatenated: raw outputs of decoder layers L-K .. L-2, then the
+  final-normed state (SpecBranch's H-RAD convention; ``data_prep.layers``)
+- ``draft_tokens`` [γ], ``draft_probs`` [γ] (temperature-1 draft probability of each drafted token),
+  ``draft_max_probs`` [γ] (max of that distribution: SpecBranch's confidence)
+- ``num_accepted``: leading drafted tokens the target kept (the branch token is the first); ``draft_len``: γ
+  of the round (smaller near the token budget)
+
+``hrad_class`` turns a row into SpecBranch's 3-way label. Prompts that do not fit ``max_seq_len`` with
+``max_new_tokens`` are skipped (counted in the manifest), as are generations that end before any round.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from data_prep.capture import DTYPE_NAMES, storage_dtype
+from data_prep.layers import LAYER_CONVENTION, resolve_layers
+from data_prep.manifest import new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.shards import ShardWriter, column
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = ("python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "
+         "temperature=0 out=DIR")
+
+
+@dataclass
+class TracesConfig:
+    target: str = "smollm2"
+    drafter: str | None = None  # a draft LM sharing the target's tokenizer
+    source: str = "sharegpt"
+    split: str = "all"
+    n_samples: int = 100  # prompts
+    gamma: int = 7  # draft length per round (SpecBranch's H-RAD uses 7)
+    temperature: float = 0.0
+    verifier: str = "tokenwise"
+    max_new_tokens: int = 256
+    last_k: int = 4  # hidden_states entries recorded per round (H-RAD: 4)
+    dtype: str = "bf16"  # storage dtype of hidden_lastk
+    shard_size: int = 4096  # rounds per shard (committed at prompt boundaries)
+    seed: int = 0
+    device: str = "auto"
+    max_seq_len: int = 2048
+    out: str | None = None
+
+
+def hrad_class(num_accepted: int, draft_len: int) -> int | None:
+    """SpecBranch's H-RAD label for a round (``specbranch_hsd_selfdraft.md`` §2.3): among the continuation
+    tokens after an accepted branch token, 0 = none accepted, 2 = all (``draft_len - 1``) accepted, 1 = some.
+    None when the branch token itself was rejected (H-RAD only runs on a surviving branch)."""
+    if num_accepted == 0:
+        return None
+    continuation = num_accepted - 1
+    return 0 if continuation == 0 else 2 if continuation == draft_len - 1 else 1
+
+
+def trace_columns(hidden: int, last_k: int, dtype: str) -> dict[str, dict[str, Any]]:
+    return {
+        "sample_index": column("int64", [], "source item (prompt) index"),
+        "round": column("int32", [], "verification round within the generation, from 0"),
+        "position": column("int32", [], "sequence position of the branch token (first drafted token)"),
+        "branch_token": column("int32", [], "the first drafted token"),
+        "hidden_lastk": column(DTYPE_NAMES[dtype], [last_k * hidden],
+                               f"last {last_k} HF hidden_states entries at position - 1, concatenated"),
+        "draft_tokens": column("int32", ["T"], "drafted chain (T = draft length)"),
+        "draft_probs": column("float32", ["T"], "temperature-1 draft probability of each drafted token"),
+        "draft_max_probs": column("float32", ["T"], "max of the temperature-1 draft distribution per step"),
+        "num_accepted": column("int32", [], "leading drafted tokens kept by the verifier"),
+        "draft_len": column("int32", [], "drafted tokens this round"),
+    }
+
+
+def parse_args(argv: Sequence[str]) -> Any:
+    cfg = parse_cli(argv, TracesConfig, USAGE)
+    if not cfg.out:
+        raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    if not cfg.drafter:
+        raise OverrideError(f"drafter=PATH is required (a draft LM for this target); usage: {USAGE}")
+    storage_dtype(cfg.dtype)
+    for key in ("n_samples", "gamma", "max_new_tokens", "shard_size", "max_seq_len"):
+        if cfg[key] < 1:
+            raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
+    return cfg
+
+
+def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
+    """Run (or resume) trace collection; returns the final manifest. ``target``/``draft``: preloaded models."""
+    from tqdm.auto import tqdm
+
+    from data_prep.prompts import prompt_turns, render_prompt
+    from data_prep.samples import load_source
+    from inference.algorithms.sps import RoundInfo, SpeculativeSampling
+    from inference.drafters import eos_token_ids, load_draft_lm, load_lm
+    from inference.sampling import SamplingParams
+    from spectrain.assets import model_identity
+
+    out = Path(cfg.out)
+    args = OmegaConf.to_container(cfg, resolve=True)
+    args.pop("out")
+    refuse_other_args(out, args)
+    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    draft = draft or load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    config = target.runner.config
+    num_layers = config.num_hidden_layers
+    capture = resolve_layers(f"last{cfg.last_k}", num_layers)  # + the final-normed state
+    header = new_header(
+        "traces", args, target_identity(cfg.target, config), tokenizer_identity(target.tokenizer),
+        trace_columns(config.hidden_size, cfg.last_k, cfg.dtype),
+        drafter=model_identity(str(cfg.drafter)),
+        layers={"spec": f"last{cfg.last_k}", "ids": capture, "plus_final_norm": True,
+                "convention": LAYER_CONVENTION},
+        compute={"device": target.runner.device.type, "dtype": str(target.runner.dtype).removeprefix("torch.")},
+    )
+    rows: list[dict[str, Any]] = []
+
+    def on_round(info: RoundInfo) -> None:
+        hidden = torch.cat([info.hidden[i] for i in capture] + [info.last_hidden])
+        rows.append({"round": info.index, "position": info.prefix_len, "branch_token": info.draft_tokens[0],
+                     "hidden_lastk": hidden, "draft_tokens": info.draft_tokens, "draft_probs": info.draft_probs,
+                     "draft_max_probs": info.draft_max_probs, "num_accepted": info.num_accepted,
+                     "draft_len": len(info.draft_tokens)})
+
+    sps = SpeculativeSampling(target.runner, draft.runner, gamma=cfg.gamma, verifier=cfg.verifier,
+                              on_round=on_round, round_capture_layers=capture)
+    sampling = SamplingParams(cfg.temperature)
+    eos = eos_token_ids(target.tokenizer, target.model.config)
+
+    with ShardWriter(out, header, cfg.shard_size) as writer:
+        if writer.complete:
+            print(f"[traces] {out} is already complete ({writer.manifest['num_rows']} rounds)", file=sys.stderr)
+            return writer.manifest
+        conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
+        start = writer.next_source_index
+        if start:
+            print(f"[traces] resuming {out} at prompt {start} ({writer.manifest['num_rows']} rounds so far)",
+                  file=sys.stderr)
+        new_tokens, rounds, t0 = 0, 0, time.perf_counter()
+        with tqdm(total=len(conversations), initial=start, desc="traces", unit="prompt", file=sys.stderr,
+                  dynamic_ncols=True) as progress:
+            for index in range(start, len(conversations)):
+                ids = render_prompt(target.tokenizer, prompt_turns(conversations[index]))
+                rows.clear()
+                if len(ids) + cfg.max_new_tokens + sps.lookahead() <= sps.max_seq_len:
+                    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+                    result = sps.generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                                          generator=generator, eos_ids=eos)
+                    new_tokens += result.stats.new_tokens
+                for row in rows:
+                    row["sample_index"] = index
+                writer.add(list(rows), source_end=index + 1, skipped=0 if rows else 1)
+                rounds += len(rows)
+                progress.update(1)
+                progress.set_postfix(rounds=rounds,
+                                     tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.1f}")
+        manifest = writer.finish()
+    print(f"[traces] wrote {manifest['num_rows']} rounds from {manifest['next_source_index'] - manifest['skipped']} "
+          f"prompts ({manifest['skipped']} skipped) to {out}", file=sys.stderr)
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("keys:", ", ".join(TracesConfig.__dataclass_fields__))
+        return 0
+    try:
+        record_traces(parse_args(argv))
+    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
+        if os.environ.get("SPECTRAIN_DEBUG"):
+            raise
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

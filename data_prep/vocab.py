@@ -1,0 +1,184 @@
+"""``python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE``: the EAGLE-3 reduced draft vocabulary.
+
+Counts assistant tokens (``loss_mask == 1``) in a feature dataset, or in a prompt source tokenized with the
+target's tokenizer (``target=smollm2 source=sharegpt n_samples=N max_len=L`` instead of ``dataset=``), keeps the
+K most frequent ids (ties: lower id first; if fewer than K ids occur, the lowest unused ids fill up), sorts them
+ascending into ``used[0..K-1]`` and writes (``specblock_ssd_eagle3.md`` §0.3, ``eagle3_export_contract.md``):
+
+- ``d2t`` int64 [K]: offsets, ``target_id = draft_id + d2t[draft_id]`` (i.e. ``d2t[i] = used[i] - i``);
+- ``t2d`` bool [V]: ``t2d[v] = v in used`` over the target vocabulary;
+
+as safetensors with metadata (sizes, assistant-token coverage, what was counted). Both the writer and the loader
+check ``d2t + arange(K) == nonzero(t2d)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = ("python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE  |  python -m data_prep.vocab "
+         "target=smollm2 source=sharegpt n_samples=N max_len=L draft_vocab_size=K out=FILE")
+
+
+@dataclass
+class VocabConfig:
+    dataset: str | None = None  # a data_prep.extract directory
+    target: str | None = None  # with source=: tokenize prompts with this target's tokenizer
+    source: str | None = None
+    n_samples: int = 1000
+    max_len: int = 2048
+    split: str = "all"
+    seed: int = 0
+    draft_vocab_size: int = 32000
+    out: str | None = None
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Raise ValueError (one line) unless ``d2t + arange == nonzero(t2d)`` (SpecForge's consistency check)."""
+    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
+        raise ValueError(f"vocab map must be d2t [K] and bool t2d [V], got {tuple(d2t.shape)} and "
+                         f"{tuple(t2d.shape)} {t2d.dtype}")
+    used = torch.nonzero(t2d).flatten()
+    if used.numel() != d2t.numel():
+        raise ValueError(f"vocab map is inconsistent: t2d marks {used.numel()} tokens but d2t has {d2t.numel()}")
+    if not torch.equal(d2t.long() + torch.arange(d2t.numel()), used):
+        raise ValueError("vocab map is inconsistent: d2t + arange != nonzero(t2d); rebuild it with "
+                         "python -m data_prep.vocab")
+
+
+def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` keeping the ``draft_vocab_size`` most frequent ids of ``counts`` [V]."""
+    vocab = len(counts)
+    if not 1 <= draft_vocab_size <= vocab:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), got {draft_vocab_size}")
+    # Stable sort on -count: equal counts keep id order, so ties go to the lower id (and zero-count fill-ins
+    # are the lowest unused ids).
+    order = np.argsort(-counts.astype(np.int64), kind="stable")
+    used = np.sort(order[:draft_vocab_size])
+    d2t = torch.from_numpy(used - np.arange(draft_vocab_size)).long()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.from_numpy(used)] = True
+    check_vocab_mapping(d2t, t2d)
+    return d2t, t2d
+
+
+def count_tokens(sequences: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
+    """Frequencies [V] of the tokens with mask 1 over ``(input_ids, loss_mask)`` pairs."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in sequences:
+        ids = np.asarray(ids)[np.asarray(mask).astype(bool)]
+        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+            raise ValueError(f"token id {int(ids.max())} is outside the target vocabulary of {vocab_size}")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def counts_from_dataset(directory: str | Path) -> tuple[np.ndarray, dict[str, str]]:
+    from data_prep.features import check_features
+    from data_prep.shards import ShardReader
+
+    manifest = check_features(directory)
+    reader = ShardReader(directory, manifest)
+    vocab = int(manifest["target"]["vocab_size"])
+    counts = count_tokens(zip(reader.column_arrays("input_ids"), reader.column_arrays("loss_mask")), vocab)
+    return counts, {"counted": f"dataset {directory}", "target_config_hash": manifest["target"]["config_hash"],
+                    "tokenizer_vocab_hash": manifest["tokenizer"]["vocab_hash"]}
+
+
+def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
+    from data_prep.manifest import tokenizer_identity
+    from data_prep.samples import SampleBuilder, load_source, require_answers
+    from spectrain.assets import load_tokenizer, model_identity
+
+    identity = model_identity(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
+    require_answers(conversations, False, cfg.source)
+    build = SampleBuilder(tokenizer, cfg.max_len)
+    samples = (s for i, c in enumerate(conversations) if (s := build(i, c)) is not None)
+    counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples), int(identity["vocab_size"]))
+    return counts, {"counted": f"source {cfg.source} (n_samples={cfg.n_samples}, max_len={cfg.max_len}, "
+                               f"split={cfg.split})", "target_config_hash": identity["config_hash"],
+                    "tokenizer_vocab_hash": tokenizer_identity(tokenizer)["vocab_hash"]}
+
+
+def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metadata: dict[str, str]) -> None:
+    """Write ``{d2t, t2d}`` as safetensors, atomically (temporary file + rename)."""
+    from safetensors.torch import save_file
+
+    check_vocab_mapping(d2t, t2d)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp,
+                  metadata={"format": "spectrain.vocab_map", **{k: str(v) for k, v in metadata.items()}})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, str]]:
+    """``(d2t, t2d, metadata)``; refuses an inconsistent map."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
+    check_vocab_mapping(d2t, t2d)
+    return d2t, t2d, metadata
+
+
+def make_vocab(cfg: Any) -> dict[str, Any]:
+    if bool(cfg.dataset) == bool(cfg.source):
+        raise OverrideError(f"give exactly one of dataset=DIR or source=NAME (with target=); usage: {USAGE}")
+    if cfg.source and not cfg.target:
+        raise OverrideError("source= needs target= (whose tokenizer and chat template tokenize the prompts)")
+    if not cfg.out:
+        raise OverrideError(f"out=FILE is required; usage: {USAGE}")
+    counts, provenance = counts_from_dataset(cfg.dataset) if cfg.dataset else counts_from_source(cfg)
+    total = int(counts.sum())
+    if total == 0:
+        raise ValueError("no assistant token was counted (every loss_mask is 0); check the source")
+    d2t, t2d = build_vocab_map(counts, cfg.draft_vocab_size)
+    covered = int(counts[t2d.numpy()].sum())
+    info = {"target_vocab_size": len(counts), "draft_vocab_size": cfg.draft_vocab_size, "counted_tokens": total,
+            "distinct_tokens": int((counts > 0).sum()), "coverage": round(covered / total, 6), **provenance}
+    save_vocab_map(cfg.out, d2t, t2d, info)
+    return {**info, "out": str(cfg.out)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("keys:", ", ".join(VocabConfig.__dataclass_fields__))
+        return 0
+    try:
+        info = make_vocab(parse_cli(argv, VocabConfig, USAGE))
+    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
+        if os.environ.get("SPECTRAIN_DEBUG"):
+            raise
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"[vocab] {info['draft_vocab_size']} of {info['target_vocab_size']} ids cover {info['coverage']:.2%} of "
+          f"{info['counted_tokens']:,} assistant tokens ({info['distinct_tokens']:,} distinct); wrote {info['out']}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

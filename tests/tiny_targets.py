@@ -1,0 +1,56 @@
+"""Tiny random Llama targets with SmolLM2's real tokenizer, saved as HF directories (fast, offline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SMOLLM2_VOCAB = 49152
+
+
+def save_tiny_target(directory: Path, *, seed: int = 0, layers: int = 8, hidden: int = 32,
+                     noise: float = 0.0) -> Path:
+    """A random LlamaForCausalLM (vocab 49152, untied lm_head: a tied one just repeats its input) plus SmolLM2's tokenizer in ``directory``.
+
+    ``noise`` > 0 perturbs every weight (after seeding the same init): a draft that partly agrees with the
+    unperturbed model of the same seed."""
+    from spectrain.assets import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=SMOLLM2_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    if noise:
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(noise * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_jsonl(path: Path, n: int, *, prompt_only_every: int = 0) -> Path:
+    """``n`` short chats (some multi-turn, some with a system prompt); every ``prompt_only_every``-th record
+    has no assistant turn (so it is skipped by extraction)."""
+    lines = []
+    for i in range(n):
+        if prompt_only_every and i % prompt_only_every == prompt_only_every - 1:
+            lines.append({"prompt": f"Say something about the number {i}."})
+            continue
+        messages = [{"role": "user", "content": f"What is {i} plus {i}?"},
+                    {"role": "assistant", "content": f"{i} plus {i} is {2 * i}." + " Indeed." * (i % 5)}]
+        if i % 3 == 0:
+            messages = [{"role": "system", "content": "Answer briefly."}] + messages
+        if i % 4 == 1:
+            messages += [{"role": "user", "content": "And times two?"},
+                         {"role": "assistant", "content": f"{i} times two is {2 * i}."}]
+        lines.append({"id": f"chat-{i}", "messages": messages})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
