@@ -124,4 +124,3 @@ def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> None:
     """Atomic: a reader (or a resumed run) sees the old manifest or the new one, never half of one."""
     path = Path(directory) / MANIFEST_NAME
     atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
-    path.chmod(0o644)  # the temporary file behind the atomic write is created 0600

@@ -187,6 +187,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cp
 
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-load "Loading weights" bar is noise in CLI output and logs
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(name_or_path), dtype=dtype)
     return model.to(device).eval()
 

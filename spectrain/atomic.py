@@ -34,6 +34,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a written file should read like any other
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
