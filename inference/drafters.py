@@ -1,7 +1,8 @@
 """Loading what the engine runs: the target (runner + tokenizer) and drafters, with compatibility checks.
 
 A draft LM is any causal-LM directory (an exported ``draft_lm`` or a plain HF directory) or a registry name; it
-must share the target's tokenizer, because draft token ids are verified as target token ids.
+must share the target's tokenizer, because draft token ids are verified as target token ids. An EAGLE-3 drafter
+is an export directory of ``python -m spectrain.export``; it must record the very target it runs with.
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from inference.runner import load_runner
 from spectrain import assets
+
+if TYPE_CHECKING:
+    from spectrain.drafters.eagle3 import Eagle3Drafter
 
 
 def pick_device(device: str = "auto") -> str:
@@ -75,3 +79,25 @@ def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
         raise ValueError(f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
                          f"'{target.name}' has {target.runner.config.vocab_size}")
     return draft
+
+
+def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
+    """Load an EAGLE-3 export (any layout with a spectrain block) onto ``target``'s device and dtype, sharing its
+    token embedding. Refuses (one line) a drafter trained for another target, hidden size or vocabulary."""
+    from spectrain.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
+    from spectrain.export import target_record
+
+    ckpt = read_checkpoint(path)
+    if ckpt.target is None:
+        raise ValueError(f"drafter '{path}' does not record its target; import it first: python -m spectrain.export "
+                         f"import={path} target={target.name} out=DIR")
+    record = target_record(target.name)
+    if not same_target(ckpt.target, record):
+        raise ValueError(f"drafter '{path}' was trained for target '{ckpt.target.get('name')}' (config "
+                         f"{ckpt.target.get('config_hash')}, weights {ckpt.target.get('weights_hash')}), not "
+                         f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
+                         "drafter trained for this target")
+    check_against_target(ckpt.config, record)
+    runner = target.runner
+    drafter = ckpt.build(embed_weight=runner.embed_tokens.weight)
+    return drafter.to(device=runner.device, dtype=runner.dtype).eval()

@@ -1,5 +1,8 @@
 """``python -m inference.evaluate target=smollm2 drafter=PATH algorithms=[ar,sps] verifier=hsd bench=mt_bench ...``
 
+``drafter=PATH`` is a draft LM for draft-LM algorithms (``sps``) or an EAGLE-3 export for ``eagle3_tree``; to run
+both kinds at once give the EAGLE-3 export as ``feature_drafter=PATH``.
+
 Runs every listed algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so
 speedups compare like with like) and writes ``out/results.json``, ``out/report.md`` and ``out/acceptance.png``.
 MT-Bench prompts are the first user turn of each question.
@@ -20,7 +23,7 @@ from omegaconf import OmegaConf
 
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationStats
-from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_lm
+from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_eagle3, load_lm
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli
 
@@ -31,11 +34,15 @@ USAGE = ("python -m inference.evaluate target=smollm2 drafter=PATH algorithms=[a
 @dataclass
 class EvalConfig:
     target: str = "smollm2"
-    drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name) for draft-LM algorithms
+    drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or an EAGLE-3 export
+    feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
     verifier: str = "tokenwise"  # tokenwise | block | hsd
     hsd_final_ratio: str = "capped"  # capped (lossless) | uncapped (the HSD authors' lossy rule)
     gamma: int = 4
+    tree_depth: int = 6  # eagle3_tree: longest drafted path
+    tree_topk: int = 8  # eagle3_tree: children per expanded node, and nodes expanded per level
+    tree_total: int = 48  # eagle3_tree: tokens per verification forward, root included
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
     max_new_tokens: int = 128
@@ -107,22 +114,31 @@ def run_record(name: str, bench: str, n_prompts: int, stats: GenerationStats) ->
     }
 
 
-def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None) -> dict[str, Any]:
-    """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``)."""
+def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
+             features=None) -> dict[str, Any]:
+    """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
+    ``draft`` / ``features`` (an EAGLE-3 drafter module) replace loading them from ``cfg``."""
     from tqdm.auto import tqdm
 
     names = ["ar"] + [a for a in cfg.algorithms if a != "ar"]
-    needs_draft = any(algorithm_class(n).drafter == "draft_lm" for n in names)
+    kinds = {n: algorithm_class(n).drafter for n in names}
+    needs_draft, needs_features = "draft_lm" in kinds.values(), "features" in kinds.values()
     if needs_draft and not cfg.drafter and draft is None:
-        raise OverrideError(f"algorithms {[n for n in names if algorithm_class(n).drafter == 'draft_lm']} need a "
+        raise OverrideError(f"algorithms {[n for n in names if kinds[n] == 'draft_lm']} need a "
                             "draft LM: add drafter=PATH")
+    feature_path = cfg.feature_drafter or (None if needs_draft else cfg.drafter)
+    if needs_features and not feature_path and features is None:
+        raise OverrideError(f"algorithms {[n for n in names if kinds[n] == 'features']} need an EAGLE-3 export: add "
+                            "drafter=PATH (feature_drafter=PATH when a draft LM is also given)")
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
     if needs_draft and draft is None:
         draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    if needs_features and features is None:
+        features = load_eagle3(feature_path, target)
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    draft_runner = draft.runner if draft else None
-    algorithms = {n: build_algorithm(n, target.runner, draft_runner, **algorithm_class(n).options_from_config(cfg))
-                  for n in names}
+    drafters = {"draft_lm": draft.runner if draft else None, "features": features}
+    algorithms = {n: build_algorithm(n, target.runner, drafters.get(kinds[n]),
+                                     **algorithm_class(n).options_from_config(cfg)) for n in names}
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 
     if cfg.warmup:  # first calls pay for allocation and kernel selection; keep them out of the timings

@@ -1,7 +1,8 @@
 """``python -m inference.generate target=smollm2 algorithm=ar prompt="..."`` — stream one answer.
 
 The prompt is a single user message rendered with the target's chat template. Draft-LM algorithms take
-``drafter=PATH``. Statistics (tokens/s, τ) are printed to stderr after the answer.
+``drafter=PATH`` (a draft LM); ``eagle3_tree`` takes ``drafter=PATH`` (an EAGLE-3 export). Statistics (tokens/s,
+τ) are printed to stderr after the answer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
-from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_lm
+from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_eagle3, load_lm
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli
 
@@ -31,6 +32,9 @@ class GenerateConfig:
     verifier: str = "tokenwise"
     hsd_final_ratio: str = "capped"
     gamma: int = 4
+    tree_depth: int = 6
+    tree_topk: int = 8
+    tree_total: int = 48
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int = 0
@@ -61,12 +65,13 @@ class TextStreamer:
 
 def generate_text(cfg: Any, target: LoadedModel, draft: LoadedModel | None = None,
                   on_tokens=None) -> GenerationResult:
-    """Answer ``cfg.prompt`` with ``cfg.algorithm`` on an already loaded target (and draft)."""
+    """Answer ``cfg.prompt`` with ``cfg.algorithm`` on an already loaded target (and draft: a LoadedModel draft
+    LM, or an EAGLE-3 drafter module for feature algorithms)."""
     from data_prep.prompts import render_prompt
 
     cls = algorithm_class(cfg.algorithm)
-    algorithm = build_algorithm(cfg.algorithm, target.runner, draft.runner if draft else None,
-                                **cls.options_from_config(cfg))
+    drafter = draft.runner if isinstance(draft, LoadedModel) else draft
+    algorithm = build_algorithm(cfg.algorithm, target.runner, drafter, **cls.options_from_config(cfg))
     prompt_ids = render_prompt(target.tokenizer, [{"role": "user", "content": cfg.prompt}])
     return algorithm.generate(prompt_ids, max_new_tokens=cfg.max_new_tokens,
                               sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
@@ -85,11 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not cfg.prompt:
             raise OverrideError(f'no prompt given; usage: {USAGE}')
         cls = algorithm_class(cfg.algorithm)
-        if cls.drafter == "draft_lm" and not cfg.drafter:
-            raise OverrideError(f"algorithm '{cfg.algorithm}' needs a draft LM: add drafter=PATH")
+        if cls.drafter != "none" and not cfg.drafter:
+            kind = "a draft LM" if cls.drafter == "draft_lm" else "an EAGLE-3 export"
+            raise OverrideError(f"algorithm '{cfg.algorithm}' needs {kind}: add drafter=PATH")
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-        draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len) \
-            if cls.drafter == "draft_lm" else None
+        draft = None
+        if cls.drafter == "draft_lm":
+            draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+        elif cls.drafter == "features":
+            draft = load_eagle3(cfg.drafter, target)
         result = generate_text(cfg, target, draft, on_tokens=TextStreamer(target.tokenizer))
     except (OverrideError, ValueError, RuntimeError) as exc:
         if os.environ.get("SPECTRAIN_DEBUG"):

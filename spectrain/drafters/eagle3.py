@@ -1,0 +1,391 @@
+"""The EAGLE-3 drafter (``specblock_ssd_eagle3.md`` Part 0): one module, one code path for training and serving.
+
+Architecture. Parameter names are SGLang's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so
+the module's state dict *is* the SGLang weight layout::
+
+    g      = fc(concat(aux_0, aux_1, aux_2))                # target features 3·H_t -> H (no bias), or a drafted g'
+    e      = embed_tokens(token)                            # the target's embedding, frozen
+    x      = concat(input_layernorm(e), hidden_norm(g))     # 2H: the attention input (embeddings FIRST)
+    r      = hidden_norm(g) if norm_before_residual else g  # residual stream (SGLang: False; speculators: True)
+    r      = r + self_attn(x)                               # q/k/v read 2H, o_proj writes H
+    g'     = r + mlp(post_attention_layernorm(r))           # the next hidden state (pre-norm)
+    logits = lm_head(norm(g'))                              # over the draft vocabulary (Vd rows)
+    draft id i -> target id i + d2t[i]                      # EAGLE-3 offsets; t2d[v]: v is in the draft vocab
+
+Rows (the "EAGLE shift", Part 0.1). Row ``i`` pairs the target's features at position ``i`` with the token at
+``i + 1`` and predicts the token at ``i + 2`` (the target's distribution at position ``i + 1``). Its RoPE
+position is ``i``. A drafted row one step further along (training-time test step ``j``, or a tree node ``j``
+levels below committed row ``i``) reads ``g'`` of its parent row instead of target features, the token at
+``i + 1 + j``, sits at position ``i + j``, and attends to the committed rows ``<= i`` plus its own chain.
+
+Training (:meth:`Eagle3Drafter.forward`): whole sequences, ``steps`` unrolled training-time-test steps; step ``j``
+feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys plus the same row's keys of steps
+``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows against a small KV cache
+(:class:`Eagle3Cache`) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.runner import MLP, RMSNorm, _rope_inv_freq, _rotate_half
+
+NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
+
+
+@dataclass
+class Eagle3Config:
+    """Everything that shapes an EAGLE-3 drafter; ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based
+    (``data_prep.layers`` convention; the runner's capture convention)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # the TARGET vocabulary (embedding rows, t2d length)
+    draft_vocab_size: int  # lm_head rows, d2t length
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # transformers-4 style scaling dict (rope_type, factor, ...)
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    own_embedding: bool = False  # True: the drafter carries its own embed_tokens (exported); False: the target's
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if self.head_dim is None:  # stored resolved, so configs compare equal whatever their source wrote
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if len(self.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in self.aux_layer_ids):
+            raise ValueError(f"EAGLE-3 needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {self.aux_layer_ids}")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"eagle3 config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return int(self.head_dim)
+
+    @classmethod
+    def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int],
+                   **overrides: Any) -> Eagle3Config:
+        """A drafter shaped like one layer of ``target_config`` (a transformers config), as EAGLE-3 recipes do."""
+        theta, scaling = rope_of(target_config)
+        values = dict(
+            hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
+            num_attention_heads=target_config.num_attention_heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
+            or target_config.num_attention_heads,
+            head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
+            draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
+            aux_layer_ids=list(aux_layer_ids), rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta,
+            rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
+            hidden_act=getattr(target_config, "hidden_act", "silu"),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def llama_config(self):
+        """The transformers ``LlamaConfig`` of the drafter's decoder layer (RoPE, MLP, norms read it)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.resolved_head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
+            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+            tie_word_embeddings=False,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Eagle3Config:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown eagle3 config fields {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def rope_of(config) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling dict or None)`` of a transformers config (or its dict), from its v5
+    ``rope_parameters`` or v4 ``rope_theta`` / ``rope_scaling``."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    params = dict(get("rope_parameters") or {})
+    theta = params.pop("rope_theta", None) or get("rope_theta") or 10000.0
+    if not params:
+        params = dict(get("rope_scaling") or {})
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        return float(theta), None
+    return float(theta), params
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
+    """``x`` moved ``n`` places left along dim 1 (row i gets row i + n), the last ``n`` rows set to ``fill``.
+    Training-time test step ``j`` reads its tokens as ``shift_left(input_ids, j + 1)``; a trainer shifts its
+    targets and masks with the same helper."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide ``[embeddings ; hidden]`` input."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.resolved_head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
+                past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend).
+        Returns (output [B, T, H], this call's K, V [B, kv_heads, T, D])."""
+        batch, new, _ = x.shape
+        q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1)), k, v
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """SGLang's ``midlayer``: one decoder layer over ``[input_layernorm(e) ; hidden_norm(g)]``."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = MLP(config.llama_config())
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, *attn_args) -> tuple[torch.Tensor, ...]:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        attn, k, v = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), *attn_args)
+        x = residual + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+@dataclass
+class Eagle3Output:
+    """``logits`` over the draft vocabulary [B, T, Vd] and the next hidden states ``hidden`` (pre-norm) [B, T, H]
+    per step (training: one entry per training-time-test step)."""
+
+    logits: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+
+
+@dataclass
+class Eagle3Step:
+    """One serving call: ``logits`` over the draft vocabulary [B, T, Vd], next hidden states [B, T, H]."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class Eagle3Cache:
+    """The drafter's KV cache for serving: K/V [B, kv_heads, max_len, D] and the number of rows held."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"drafter cache overflow: {end} rows needed, capacity {self.capacity}; build it with "
+                             "a larger max_len")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate drafter cache to {n} but it holds {self.length} rows")
+        self.length = n
+
+
+class Eagle3Drafter(nn.Module):
+    """The EAGLE-3 drafter; see the module docstring for the architecture and the row/position convention."""
+
+    def __init__(self, config: Eagle3Config, embed_weight: torch.Tensor | None = None):
+        """``embed_weight`` [V, H]: the target's token embedding, shared (not copied) and frozen."""
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        if embed_weight is not None:
+            self._check_embedding(embed_weight)
+        # With _weight the target's matrix is used as-is: shared storage, no random init of a V x H copy.
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, _weight=embed_weight)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        # Identity-like default map (the first Vd target ids); set_vocab_map installs the trained one.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # A plain fp32 attribute, not a buffer: module.to(bfloat16) must not round the RoPE frequencies
+        # (and on CPU even when the module is built on the meta device).
+        with torch.device("cpu"):
+            self._inv_freq, self.rope_scale = _rope_inv_freq(config.llama_config(), config.resolved_head_dim)
+
+    # -- setup -----------------------------------------------------------------------------------------------
+
+    def _check_embedding(self, weight: torch.Tensor) -> None:
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"target embedding is {tuple(weight.shape)} but this drafter needs {expected} "
+                             "(vocab_size, hidden_size); it was trained for another target")
+
+    def use_target_embedding(self, weight: torch.Tensor) -> None:
+        """Share the target's embedding matrix (frozen); refuses a shape that does not fit this drafter."""
+        self._check_embedding(weight)
+        self.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a reduced vocabulary (``data_prep.vocab`` output); refuses an inconsistent map."""
+        from data_prep.vocab import check_vocab_mapping
+
+        if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
+            raise ValueError(f"vocab map has {d2t.numel()} draft / {t2d.numel()} target ids but the drafter has "
+                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
+        check_vocab_mapping(d2t.cpu(), t2d.cpu())
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def new_cache(self, max_len: int, batch_size: int = 1) -> Eagle3Cache:
+        ref = self.fc.weight
+        shape = (batch_size, self.config.num_key_value_heads, max_len, self.config.resolved_head_dim)
+        return Eagle3Cache(ref.new_zeros(shape), ref.new_zeros(shape))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- the one code path -----------------------------------------------------------------------------------
+
+    def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              past_k: torch.Tensor | None, past_v: torch.Tensor | None,
+              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows (token [B, T], hidden [B, T, H]) at ``positions`` [B, T] against past K/V under ``mask``
+        [B, T, P + T] -> (logits [B, T, Vd], next hidden [B, T, H], K, V of these rows)."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self._inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
+        dtype = hidden.dtype
+        cos, sin = (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        embeds = self.embed_tokens(tokens).to(dtype)
+        out, k, v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
+        return self.lm_head(self.norm(out)), out, k, v
+
+    # -- training --------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, steps: int = 1,
+                attention_mask: torch.Tensor | None = None) -> Eagle3Output:
+        """Training forward over whole sequences, ``steps`` training-time-test steps.
+
+        ``input_ids`` [B, T] and ``aux_hidden`` [B, T, 3·H_t] are UNshifted (row t = token t and the target's
+        features at t, as ``data_prep.features`` stores them); ``attention_mask`` [B, T] marks real tokens.
+        Step ``j``, row ``i`` reads token ``i + 1 + j`` and predicts token ``i + 2 + j`` (the target's
+        distribution at position ``i + 1 + j``); rows past the sequence end read token 0 and must be masked
+        out of the loss by the caller (``shift_left`` its targets and masks by ``j + 1``).
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1 (training-time-test steps), got {steps}")
+        batch, length = input_ids.shape
+        device = input_ids.device
+        rows = torch.arange(length, device=device)
+        causal = (rows[None, :] <= rows[:, None]).expand(batch, length, length)
+        if attention_mask is not None:
+            causal = causal & attention_mask.bool()[:, None, :]
+        diagonal = torch.eye(length, dtype=torch.bool, device=device).expand(batch, length, length)
+        causal = causal | diagonal  # padded rows still see themselves: no empty softmax row
+        positions = rows.expand(batch, length)
+
+        hidden = self.fc(aux_hidden)
+        past_k = past_v = None
+        logits_steps, hidden_steps = [], []
+        for j in range(steps):
+            # step-0 keys causally, then the same row's keys of steps 1..j (diagonal blocks)
+            mask = torch.cat([causal] + [diagonal] * j, dim=-1)
+            logits, hidden, k, v = self._rows(shift_left(input_ids, j + 1), hidden, positions + j, past_k, past_v,
+                                              mask)
+            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+            logits_steps.append(logits)
+            hidden_steps.append(hidden)
+        return Eagle3Output(logits_steps, hidden_steps)
+
+    # -- serving ---------------------------------------------------------------------------------------------
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Target features [..., 3·H_t] -> the drafter's hidden input [..., H]."""
+        return self.fc(aux_hidden)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Eagle3Cache,
+             attention_mask: torch.Tensor | None = None) -> Eagle3Step:
+        """Serve new rows (tokens [B, T], hidden [B, T, H]: ``project``-ed target features or a parent's ``g'``)
+        at ``positions`` [B, T] against ``cache``, then append their K/V to it. ``attention_mask`` bool
+        [B, T, P + T] (P = cache rows) or None = causal over everything cached."""
+        batch, new = tokens.shape
+        cached = cache.length
+        if attention_mask is None:
+            full = torch.ones(new, cached + new, dtype=torch.bool, device=tokens.device).tril(cached)
+            attention_mask = full.expand(batch, new, cached + new)
+        elif tuple(attention_mask.shape[-2:]) != (new, cached + new):
+            raise ValueError(f"drafter mask must be [B, {new}, {cached + new}], got {tuple(attention_mask.shape)}")
+        own = torch.zeros(new, cached + new, dtype=torch.bool, device=tokens.device)
+        own[:, cached:] = torch.eye(new, dtype=torch.bool, device=tokens.device)
+        attention_mask = attention_mask.to(torch.bool).expand(batch, new, cached + new) | own
+        past_k, past_v = cache.view() if cached else (None, None)
+        logits, out, k, v = self._rows(tokens, hidden, positions.expand(batch, new), past_k, past_v, attention_mask)
+        cache.append(k, v)
+        return Eagle3Step(logits, out)

@@ -1,0 +1,191 @@
+"""``python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR`` — export a trained drafter.
+
+``python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR`` reads an EAGLE-3
+checkpoint in the SGLang or speculators/vLLM layout (auto-detected) back into our module and writes it out.
+
+What ``ckpt=`` accepts (the training contract):
+
+* a Lightning ``.ckpt`` whose ``state_dict`` holds the drafter under the prefix ``drafter.`` (the
+  LightningModule keeps the ``nn.Module`` as ``self.drafter``) and whose top-level ``"spectrain"`` entry is
+  :func:`checkpoint_metadata` (the LightningModule adds it in ``on_save_checkpoint``): drafter kind and config,
+  target record, optionally the resolved recipe and metrics;
+* an export directory in any layout (re-export to another layout).
+
+The output directory (written atomically; it must not exist yet) holds ``config.json`` (with the ``spectrain``
+block: kind, target identity, architecture, layer ids + convention, vocab map sizes), ``model.safetensors``,
+``recipe.yaml`` when the checkpoint has a recipe, and ``metrics.json`` (training metrics and provenance).
+Layouts and their engine conventions: :mod:`spectrain.drafters.eagle3_layouts`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spectrain.atomic import atomic_directory
+from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from spectrain.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
+                                               drafter_tensors, read_checkpoint, same_target, write_layout)
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR  |  "
+         "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
+DRAFTER_PREFIX = "drafter."
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExportConfig:
+    ckpt: str | None = None  # a Lightning .ckpt (drafter.* state dict + "spectrain" metadata) or an export dir
+    import_path: str | None = None  # given on the command line as import=PATH
+    format: str = "native"  # native | sglang | speculators
+    out: str | None = None
+    target: str | None = None  # target name or HF dir: identity for foreign checkpoints, checked otherwise
+    dtype: str = "auto"  # auto (as stored) | float32 | bfloat16 | float16
+    speculative_tokens: int = 3  # speculators layout: vLLM's default num_speculative_tokens
+
+
+def target_record(name_or_path: str) -> dict[str, Any]:
+    """Identity (config + weights hash, ``assets.model_identity``) plus the facts a drafter depends on."""
+    from spectrain import assets
+
+    config = json.loads((assets.resolve_model_dir(name_or_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return {**assets.model_identity(str(name_or_path)), "num_hidden_layers": text["num_hidden_layers"],
+            "hidden_size": text["hidden_size"], "architectures": config.get("architectures") or []}
+
+
+def checkpoint_metadata(drafter: Eagle3Drafter, target: dict[str, Any], *, recipe: dict[str, Any] | None = None,
+                        metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a LightningModule stores as ``checkpoint["spectrain"]`` so ``ckpt=`` can be exported."""
+    return {"kind": "eagle3", "config": drafter.config.to_dict(), "target": target, "recipe": recipe,
+            "metrics": metrics or {}}
+
+
+@dataclass
+class Loaded:
+    checkpoint: Eagle3Checkpoint
+    recipe: dict[str, Any] | None
+    metrics: dict[str, Any]
+
+
+def load_lightning_checkpoint(path: Path) -> Loaded:
+    # A Lightning checkpoint also pickles training state (loops, hyper-parameters): it is the user's own
+    # artifact, so full unpickling is acceptable here (weights_only would refuse omegaconf objects).
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    meta = raw.get("spectrain") if isinstance(raw, dict) else None
+    if not meta:
+        raise CheckpointError(f"{path} has no 'spectrain' metadata: the LightningModule must add "
+                              "spectrain.export.checkpoint_metadata(...) in on_save_checkpoint")
+    if meta.get("kind") != "eagle3":
+        raise CheckpointError(f"{path} holds a '{meta.get('kind')}' drafter; this exporter handles eagle3")
+    state = raw.get("state_dict") or {}
+    drafter_state = {k.removeprefix(DRAFTER_PREFIX): v for k, v in state.items() if k.startswith(DRAFTER_PREFIX)}
+    if not drafter_state:
+        raise CheckpointError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule must "
+                              "keep the drafter as self.drafter)")
+    config = Eagle3Config.from_dict(meta["config"])
+    metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "epoch": raw.get("epoch")}
+    # save_hyperparameters({"recipe": ...}) is where our LightningModules keep the resolved recipe
+    recipe = meta.get("recipe") or (raw.get("hyper_parameters") or {}).get("recipe")
+    return Loaded(Eagle3Checkpoint(config, drafter_tensors(drafter_state, config), meta.get("target"), "lightning"),
+                  recipe, metrics)
+
+
+def load_source(path: str, target: dict[str, Any] | None) -> Loaded:
+    """A Lightning checkpoint or an export dir; ``target`` (a target record) fills in a missing target record
+    and must match a recorded one."""
+    source = Path(path)
+    if source.is_dir():
+        loaded = Loaded(read_checkpoint(source, target), None, {})
+        if (source / "metrics.json").is_file():
+            loaded.metrics = json.loads((source / "metrics.json").read_text())
+        if (source / "recipe.yaml").is_file():
+            from omegaconf import OmegaConf
+
+            loaded.recipe = OmegaConf.to_container(OmegaConf.load(source / "recipe.yaml"))
+        return loaded
+    if not source.is_file():
+        raise CheckpointError(f"checkpoint '{path}' does not exist")
+    loaded = load_lightning_checkpoint(source)
+    if target is not None:
+        recorded = loaded.checkpoint.target
+        if recorded is not None and not same_target(recorded, target):
+            raise CheckpointError(f"{path} was trained for target '{recorded.get('name')}', not "
+                                  f"'{target.get('name')}'; use the target it was trained for")
+        check_against_target(loaded.checkpoint.config, target)
+        loaded.checkpoint.target = recorded or target
+    return loaded
+
+
+def write_export(ckpt: Eagle3Checkpoint, out: str | Path, *, layout: str = "native",
+                 recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+                 dtype: torch.dtype | None = None, speculative_tokens: int = 3) -> Path:
+    """Write ``ckpt`` as an export directory, atomically (also what a LightningModule's ``export`` calls).
+    Refuses a drafter without a target record: an export must say which target it runs with."""
+    out = Path(out)
+    if any(out.iterdir()) if out.is_dir() else out.exists():
+        raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
+    if ckpt.target is None:
+        raise CheckpointError("this checkpoint does not record its target: give target=NAME_OR_DIR (the model it "
+                              "drafts for) so the export can be checked and loaded safely")
+    ckpt.check_shapes()  # every tensor must fit the module before anything is written
+    with atomic_directory(out) as tmp:
+        write_layout(ckpt, layout, tmp, dtype=dtype, speculative_tokens=speculative_tokens)
+        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
+        if recipe is not None:
+            from omegaconf import OmegaConf
+
+            (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
+    return out
+
+
+def export(cfg: Any) -> Path:
+    """Run the export a config describes; returns the output directory."""
+    if bool(cfg.ckpt) == bool(cfg.import_path):
+        raise OverrideError(f"give exactly one of ckpt=PATH or import=PATH; usage: {USAGE}")
+    if cfg.format not in LAYOUTS:
+        raise OverrideError(f"format must be one of {', '.join(LAYOUTS)}, got '{cfg.format}'")
+    if cfg.dtype not in DTYPES:
+        raise OverrideError(f"dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
+    if not cfg.out:
+        raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    source = cfg.ckpt or cfg.import_path
+    loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
+    metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
+    return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,
+                        dtype=DTYPES[cfg.dtype], speculative_tokens=cfg.speculative_tokens)
+
+
+def parse_args(argv: Sequence[str]) -> Any:
+    # "import" is a Python keyword, so the schema field is import_path; accept the documented spelling.
+    argv = [("import_path=" + a.split("=", 1)[1]) if a.startswith("import=") else a for a in argv]
+    return parse_cli(argv, ExportConfig, USAGE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        cfg = parse_args(argv)
+        out = export(cfg)
+    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
+        if os.environ.get("SPECTRAIN_DEBUG"):
+            raise
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"[export] wrote {cfg.format} EAGLE-3 drafter to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
