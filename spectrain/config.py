@@ -17,9 +17,12 @@ from omegaconf import MISSING
 class DataConfig:
     source: str = "sharegpt"  # a data_prep.prompts source, or where the features were extracted from
     dataset_dir: str | None = None  # an extracted feature dataset (data_prep.extract); None = online
+    val_dataset_dir: str | None = None  # extracted validation features; online: the source's eval split
+    layers: Any = "eagle3"  # target layers captured as features: eagle3 | lastK | [i, j, k]
+    dtype: str = "bf16"  # feature dtype (online capture uses the same rounding as stored datasets)
+    n_val_samples: int = 16
     n_samples: int = 1000
     max_len: int = 512
-    eval_fraction: float = 0.05
     batch_size: int = 8
     num_workers: int = 0
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-KIND_MODULES: list[str] = [
-    # modules that call register_kind(...) at import time
+KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import time
+    "spectrain.modules.draft_lm",
 ]
 
 

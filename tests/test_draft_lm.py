@@ -1,0 +1,135 @@
+"""kind=draft_lm: layer-drop init, the distillation loss and acceptance metric, a short fit, export, engine load."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from spectrain import fit as fit_cli
+from spectrain.drafters.draft_lm import evenly_spaced_layers, layer_drop_init
+from spectrain.losses import soft_cross_entropy
+from spectrain.metrics import SimulatedAcceptance, token_acceptance
+from tiny_targets import save_tiny_target, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_evenly_spaced_layers():
+    assert evenly_spaced_layers(30, 4) == [0, 10, 19, 29]
+    assert evenly_spaced_layers(30, 1) == [0]
+    assert evenly_spaced_layers(5, 5) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="between 1 and the target's 30"):
+        evenly_spaced_layers(30, 31)
+
+
+def test_layer_drop_keeping_every_layer_reproduces_the_target():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=50)).eval()
+    ids = torch.tensor([[1, 5, 7, 9, 3]])
+    same = layer_drop_init(target, [0, 1, 2, 3]).eval()
+    torch.testing.assert_close(same(ids).logits, target(ids).logits)
+    dropped = layer_drop_init(target, [0, 3]).eval()
+    assert dropped.config.num_hidden_layers == 2
+    torch.testing.assert_close(dropped.model.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    assert dropped.model.layers[1].mlp.up_proj.weight.data_ptr() != target.model.layers[3].mlp.up_proj.weight.data_ptr()
+
+
+def test_soft_cross_entropy_is_kl_plus_entropy_on_masked_positions():
+    torch.manual_seed(0)
+    student, teacher_logits = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    teacher = teacher_logits.softmax(-1)
+    mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
+    loss = soft_cross_entropy(student, teacher, mask)
+    log_q = student.log_softmax(-1)
+    expected = torch.stack([-(teacher[b, t] * log_q[b, t]).sum() for b, t in [(0, 0), (0, 2), (1, 2)]]).mean()
+    torch.testing.assert_close(loss, expected)
+    assert soft_cross_entropy(teacher_logits, teacher, mask) < loss  # the teacher itself is the minimiser
+
+
+def test_simulated_acceptance_matches_brute_force():
+    torch.manual_seed(0)
+    gamma = 3
+    alpha = torch.rand(2, 7)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    metric = SimulatedAcceptance(gamma)
+    metric.update(alpha, valid)
+    result = metric.compute()
+    chains, starts = torch.zeros(gamma, dtype=torch.float64), 0
+    for b, t in itertools.product(range(2), range(7 - gamma + 1)):
+        if valid[b, t:t + gamma].all():
+            starts += 1
+            for k in range(gamma):
+                chains[k] += alpha[b, t:t + k + 1].double().prod()
+    chains /= starts
+    assert result["tau_sim"].item() == pytest.approx(1 + chains.sum().item(), abs=1e-12)
+    assert result["acc_1"].item() == pytest.approx(chains[0].item(), abs=1e-12)
+    assert result["acc_2"].item() == pytest.approx((chains[1] / chains[0]).item(), abs=1e-12)
+
+
+def test_token_acceptance_greedy_and_sampled():
+    p = torch.tensor([[0.7, 0.2, 0.1]])
+    q_logits = torch.log(torch.tensor([[0.5, 0.4, 0.1]]))
+    assert token_acceptance(q_logits, p, greedy=True).item() == 1.0
+    assert token_acceptance(q_logits, p, greedy=False).item() == pytest.approx(0.5 + 0.2 + 0.1)
+
+
+@pytest.fixture()
+def draft_recipe(tmp_path: Path):
+    """The real draftlm_smollm2 recipe pointed at a tiny random target and a small JSONL source."""
+    target = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
+    model = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():  # a random tiny target is nearly uniform; sharpen it so there is something to distil
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(target)
+    source = write_jsonl(tmp_path / "chats.jsonl", 120)
+    recipes = tmp_path / "recipes"
+    shutil.copytree(REPO / "recipes", recipes)
+    args = ["recipe=draftlm_smollm2", f"target={target}", f"source=jsonl:{source}", "n_samples=40",
+            "n_val_samples=4", "max_len=64", "batch_size=4", "num_layers=2", "max_steps=6", "val_check_interval=3",
+            "checkpoint_every_n_steps=3", "warmup_steps=2", f"runs_dir={tmp_path / 'runs'}", "lr=1e-2",
+            "log_every_n_steps=1"]
+    return recipes, args, target
+
+
+def test_draft_lm_fit_lowers_the_loss_exports_and_loads_in_the_engine(draft_recipe, tmp_path):
+    from inference.algorithms import build_algorithm
+    from inference.drafters import load_draft_lm, load_lm
+    from inference.sampling import SamplingParams
+
+    recipes, args, target = draft_recipe
+    cfg = fit_cli.compose_recipe(args, directory=recipes)
+    result = fit_cli.fit(cfg)
+    assert result["trained"] and result["global_step"] == 6
+    metrics = result["metrics"]
+    assert 1.0 <= metrics["val/tau_sim"] <= 1.0 + cfg.model.gamma
+    import csv
+
+    rows = list(csv.DictReader(open(next((tmp_path / "runs" / "draftlm_smollm2" / "logs").glob("*/metrics.csv")))))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0]  # distillation makes progress on the training stream
+    module_cls = __import__("spectrain.modules.draft_lm", fromlist=["DraftLMModule"]).DraftLMModule
+    module = module_cls.load_from_checkpoint(tmp_path / "runs" / "draftlm_smollm2" / "checkpoints" / "last.ckpt",
+                                             cfg=cfg, weights_only=False)
+    module.export(tmp_path / "export", metrics={"val/tau_sim": metrics["val/tau_sim"]})
+
+    target_lm = load_lm(str(target), max_seq_len=128)
+    draft = load_draft_lm(str(tmp_path / "export"), target_lm, max_seq_len=128)
+    assert draft.model.config.spectrain["kind"] == "draft_lm"
+    prompt = [1, 2, 3, 4]
+    greedy = SamplingParams(0.0)
+    reference = build_algorithm("ar", target_lm.runner).generate(prompt, max_new_tokens=12, sampling=greedy)
+    sps = build_algorithm("sps", target_lm.runner, draft.runner, gamma=3)
+    assert sps.generate(prompt, max_new_tokens=12, sampling=greedy).tokens == reference.tokens
+
+
+def test_unknown_model_key_for_draft_lm_is_refused(draft_recipe):
+    recipes, args, _ = draft_recipe
+    with pytest.raises(fit_cli.OverrideError, match="unknown key 'model.depth'"):
+        fit_cli.compose_recipe([*args, "+model.depth=3"], directory=recipes)
