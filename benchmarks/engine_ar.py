@@ -1,6 +1,6 @@
 """Engine AR vs transformers ``generate`` on SmolLM2: same prompts, same process, greedy.
 
-    python benchmarks/engine_ar.py [n_prompts=3] [max_new_tokens=128] [device=auto] [dtype=fp32|bf16] [repeats=2] [threads=0]
+    python benchmarks/engine_ar.py [n_prompts=3] [max_new_tokens=128] [device=auto] [dtype=fp32|bf16|fp16] [repeats=2] [threads=0]
 
 Prints tokens/s of both and their ratio, and checks that both produced the same tokens. Timings on shared
 machines are noisy: each configuration is run ``repeats`` times interleaved and the best run is kept.
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(argv, BenchConfig, __doc__.strip().splitlines()[2].strip())
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     target = load_lm("smollm2", device=cfg.device, dtype=dtype, max_seq_len=2048)
     device = target.runner.device
     prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n_prompts)]
