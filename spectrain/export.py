@@ -158,10 +158,45 @@ def export(cfg: Any) -> Path:
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
     source = cfg.ckpt or cfg.import_path
+    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "draft_lm":
+        return export_draft_lm_checkpoint(Path(cfg.ckpt), cfg)
     loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
     metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
     return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,
                         dtype=DTYPES[cfg.dtype], speculative_tokens=cfg.speculative_tokens)
+
+
+def checkpoint_kind(path: str) -> str | None:
+    """The drafter kind a Lightning checkpoint was trained as (None for export dirs)."""
+    source = Path(path)
+    if not source.is_file():
+        return None
+    raw = torch.load(source, map_location="cpu", weights_only=False)
+    meta = raw.get("spectrain") or {}
+    recipe = (raw.get("hyper_parameters") or {}).get("recipe") or {}
+    return meta.get("kind") or recipe.get("kind")
+
+
+def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
+    """A draft LM is a plain causal LM: exported as a loadable HF directory (weights, tokenizer, spectrain block)."""
+    from omegaconf import OmegaConf
+
+    from spectrain.modules.draft_lm import DraftLMModule
+
+    if cfg.format != "native":
+        raise OverrideError(f"a draft_lm exports only as format=native (a Hugging Face directory); "
+                            f"'{cfg.format}' is an EAGLE-3 layout")
+    out = Path(cfg.out)
+    if out.exists():
+        raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    recipe = OmegaConf.create(raw["hyper_parameters"]["recipe"])
+    if cfg.target and cfg.target != recipe.target:
+        raise CheckpointError(f"{path} was trained for target '{recipe.target}', not '{cfg.target}'")
+    module = DraftLMModule.load_from_checkpoint(path, cfg=recipe, map_location="cpu", weights_only=False)
+    metrics = (raw.get("spectrain") or {}).get("metrics") or {}
+    module.export(out, metrics={**metrics, "global_step": raw.get("global_step"), "source": str(path)})
+    return out
 
 
 def parse_args(argv: Sequence[str]) -> Any:
@@ -183,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(f"[export] wrote {cfg.format} EAGLE-3 drafter to {out}", file=sys.stderr)
+    print(f"[export] wrote {cfg.format} drafter to {out}", file=sys.stderr)
     return 0
 
 

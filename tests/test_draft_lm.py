@@ -114,14 +114,18 @@ def test_draft_lm_fit_lowers_the_loss_exports_and_loads_in_the_engine(draft_reci
     rows = list(csv.DictReader(open(next((tmp_path / "runs" / "draftlm_smollm2" / "logs").glob("*/metrics.csv")))))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) == 6 and losses[-1] < losses[0]  # distillation makes progress on the training stream
-    module_cls = __import__("spectrain.modules.draft_lm", fromlist=["DraftLMModule"]).DraftLMModule
-    module = module_cls.load_from_checkpoint(tmp_path / "runs" / "draftlm_smollm2" / "checkpoints" / "last.ckpt",
-                                             cfg=cfg, weights_only=False)
-    module.export(tmp_path / "export", metrics={"val/tau_sim": metrics["val/tau_sim"]})
+    from spectrain import export as export_cli
+
+    ckpt = tmp_path / "runs" / "draftlm_smollm2" / "checkpoints" / "last.ckpt"
+    assert export_cli.main([f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'x'}"]) == 2  # EAGLE-3 layouts only
+    assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={tmp_path / 'export'}"]) == 0
 
     target_lm = load_lm(str(target), max_seq_len=128)
     draft = load_draft_lm(str(tmp_path / "export"), target_lm, max_seq_len=128)
-    assert draft.model.config.spectrain["kind"] == "draft_lm"
+    block = draft.model.config.spectrain
+    assert block["kind"] == "draft_lm" and block["kept_layers"] == [0, 3]
+    # the metrics of the last validation before the checkpoint was written travel with the export
+    assert 1.0 <= block["metrics"]["val/tau_sim"] <= 1.0 + cfg.model.gamma and block["metrics"]["global_step"] == 6
     prompt = [1, 2, 3, 4]
     greedy = SamplingParams(0.0)
     reference = build_algorithm("ar", target_lm.runner).generate(prompt, max_new_tokens=12, sampling=greedy)

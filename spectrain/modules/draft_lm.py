@@ -60,6 +60,7 @@ class DraftLMModule(L.LightningModule):
         self.register_buffer("teacher_lm_head", target.lm_head.weight.detach().float().clone(), persistent=False)
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
         self.val_sampled = SimulatedAcceptance(model_cfg.gamma)
+        self.last_val_metrics: dict[str, float] = {}
 
     def _step(self, batch: dict[str, torch.Tensor]):
         logits = self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -91,8 +92,15 @@ class DraftLMModule(L.LightningModule):
             if key.startswith("acc_"):
                 self.log(f"val/{key}", value)
         self.log("val/top1_agreement", greedy["acc_1"])
+        self.last_val_metrics = {"val/tau_sim": float(greedy["tau_sim"]), "val/tau_sim_t1": float(sampled["tau_sim"]),
+                                 **{f"val/{k}": float(v) for k, v in greedy.items() if k.startswith("acc_")}}
         self.val_greedy.reset()
         self.val_sampled.reset()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # What spectrain.export reads: the kind, and the metrics the exported model was selected by.
+        checkpoint["spectrain"] = {"kind": "draft_lm", "kept_layers": self.kept_layers,
+                                   "metrics": self.last_val_metrics}
 
     def configure_optimizers(self):
         optim = self.cfg.optim
