@@ -17,7 +17,6 @@ and refuses if free disk is short.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
@@ -33,7 +32,7 @@ from data_prep.layers import LAYER_CONVENTION, resolve_layers, spec_name
 from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
 from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import ShardWriter, column
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 "
          "dtype=bf16 out=DIR")
@@ -233,20 +232,7 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("keys:", ", ".join(ExtractConfig.__dataclass_fields__))
-        return 0
-    try:
-        extract(parse_args(argv))
-    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
-    return 0
-
+    return run_cli(argv, lambda args: extract(parse_args(args)), doc=__doc__, schema=ExtractConfig)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,6 @@ round, written with the same shard writer, manifest and resume rules as ``data_p
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from data_prep.capture import DTYPE_NAMES, storage_dtype
 from data_prep.layers import LAYER_CONVENTION, resolve_layers
 from data_prep.manifest import new_header, refuse_other_args, target_identity, tokenizer_identity
 from data_prep.shards import ShardWriter, column
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "
          "temperature=0 out=DIR")
@@ -177,20 +176,7 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("keys:", ", ".join(TracesConfig.__dataclass_fields__))
-        return 0
-    try:
-        record_traces(parse_args(argv))
-    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
-    return 0
-
+    return run_cli(argv, lambda args: record_traces(parse_args(args)), doc=__doc__, schema=TracesConfig)
 
 if __name__ == "__main__":
     sys.exit(main())

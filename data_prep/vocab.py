@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE  |  python -m data_prep.vocab "
          "target=smollm2 source=sharegpt n_samples=N max_len=L draft_vocab_size=K out=FILE")
@@ -161,24 +161,15 @@ def make_vocab(cfg: Any) -> dict[str, Any]:
     return {**info, "out": str(cfg.out)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("keys:", ", ".join(VocabConfig.__dataclass_fields__))
-        return 0
-    try:
-        info = make_vocab(parse_cli(argv, VocabConfig, USAGE))
-    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+def _report(info: dict) -> None:
     print(f"[vocab] {info['draft_vocab_size']} of {info['target_vocab_size']} ids cover {info['coverage']:.2%} of "
           f"{info['counted_tokens']:,} assistant tokens ({info['distinct_tokens']:,} distinct); wrote {info['out']}",
           file=sys.stderr)
-    return 0
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(argv, lambda args: make_vocab(parse_cli(args, VocabConfig, USAGE)), doc=__doc__,
+                   schema=VocabConfig, report=_report)
 
 if __name__ == "__main__":
     sys.exit(main())

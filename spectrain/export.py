@@ -20,7 +20,6 @@ Layouts and their engine conventions: :mod:`spectrain.drafters.eagle3_layouts`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from spectrain.atomic import atomic_directory
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from spectrain.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
                                                drafter_tensors, read_checkpoint, same_target, write_layout)
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR  |  "
          "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
@@ -206,21 +205,14 @@ def parse_args(argv: Sequence[str]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    try:
-        cfg = parse_args(argv)
-        out = export(cfg)
-    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
-    print(f"[export] wrote {cfg.format} drafter to {out}", file=sys.stderr)
-    return 0
+    def run(args: list[str]) -> tuple[Any, Path]:
+        cfg = parse_args(args)
+        return cfg, export(cfg)
 
+    def report(result: tuple[Any, Path]) -> None:
+        print(f"[export] wrote {result[0].format} drafter to {result[1]}", file=sys.stderr)
+
+    return run_cli(argv, run, doc=__doc__, schema=ExportConfig, report=report)
 
 if __name__ == "__main__":
     sys.exit(main())

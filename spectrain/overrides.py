@@ -7,7 +7,9 @@ that is unambiguous; an unknown key names the closest valid one and lists them a
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -64,3 +66,25 @@ def parse_cli(argv: Sequence[str], schema: type, usage: str) -> Any:
         return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
     except Exception as exc:  # OmegaConf's messages are multi-line; keep the first line
         raise OverrideError(f"bad value in {' '.join(dotlist)}: {str(exc).splitlines()[0]}") from None
+
+
+def run_cli(argv: Sequence[str] | None, action: Callable[[list[str]], Any], *, doc: str | None,
+            schema: type | None = None, report: Callable[[Any], None] | None = None) -> int:
+    """The shared ``main`` of every key=value CLI: ``--help``, then ``action(argv)``; any expected failure
+    (bad input, missing file, refused dataset) prints ONE line and exits 2. ``SPECTRAIN_DEBUG=1`` re-raises."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(doc or "")
+        if schema is not None:
+            print("keys:", ", ".join(schema.__dataclass_fields__))
+        return 0
+    try:
+        result = action(argv)
+    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
+        if os.environ.get("SPECTRAIN_DEBUG"):
+            raise
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    if report is not None:
+        report(result)
+    return 0
