@@ -43,6 +43,13 @@ class EvalConfig:
     tree_depth: int = 6  # eagle3_tree: longest drafted path
     tree_topk: int = 8  # eagle3_tree: children per expanded node, and nodes expanded per level
     tree_total: int = 48  # eagle3_tree: tokens per verification forward, root included
+    self_draft_L: int = 6  # self_draft: branch length L (draft levels per branch = L - 2)
+    self_draft_N: int = 6  # self_draft: number of draft branches N
+    self_draft_G: int = 4  # self_draft: context gram length G (capped at L - 1)
+    self_draft_candidates: int = 10  # self_draft: context-cache candidates per step
+    self_draft_verify_branches: bool = True  # self_draft: also accept tokens from the branches (lossless)
+    ngram_corpus: str | None = None  # self_draft: corpus cache file from python -m data_prep.ngram_corpus
+    compat_original_cap: bool = False  # self_draft: the original's counting (no bonus token), for the paper's DE
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
     max_new_tokens: int = 128

@@ -8,7 +8,7 @@ the deep one. The result is a plain transformers causal LM, so the engine loads 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -23,7 +23,7 @@ from spectrain.registry import DrafterKind, register_kind
 @dataclass
 class DraftLMSchema:
     num_layers: int = 4  # decoder layers kept from the target (evenly spaced, first and last included)
-    layers: Optional[list[int]] = None  # explicit layer ids instead of num_layers
+    layers: list[int] | None = None  # explicit layer ids instead of num_layers
     lora_rank: int = 0  # 0 = train the copied layers fully; > 0 = LoRA adapters on them (peft)
     gamma: int = 4  # draft length the simulated acceptance assumes
     freeze_embeddings: bool = True

@@ -1,0 +1,401 @@
+"""Self-Draft (Gao et al., AAAI 2025): multi-branch self-drafting plus n-gram caches, no draft model.
+
+Spec: ../shared/algorithms/specbranch_hsd_selfdraft.md §4. Every step is ONE target forward over
+
+* the **head**: the tokens to commit, causal (the prompt at prefill, afterwards the last emitted token x_last);
+  its last token is the **root** of everything below;
+* the **grid**: N draft branches ("columns"). A column is a chain hanging off the root: its padding tokens,
+  then its L-2 draft levels. Chain token k sits at position root+1+k and sees the committed text, the root
+  and its own earlier chain tokens, nothing of other columns (§4.4). Once the grid is complete (warm-up,
+  §4.3), each forward makes every column drop its oldest token and append the target's argmax at its last
+  token (Jacobi-style, §4.5);
+* the **candidates**: grams from the context cache (keyed by the root token) and the corpus cache, merged
+  into a prefix trie hanging off the root; a trie node sees the root and its ancestors (§4.4, §4.8).
+
+The root's and the nodes' logits are then verified by walking the forest from the root with the
+deterministic-candidate rule (``verify.multi_candidate`` at each node, i.e. ``verify.tree_walk``'s rule):
+exact for greedy and for sampling. The argmax at every grid token feeds the grid update and the context cache
+(§4.7). The context cache lives as long as the algorithm instance (so it carries over between prompts) and is
+trimmed every ``flush_interval`` prompts.
+
+Differences from the original code, all lossless (they change speed, never the output):
+
+* a fully matched candidate also emits the bonus token (the original stops at G tokens, §4.6);
+* every grid column is a chain rooted at x_last, exactly like a candidate, so the walk also accepts tokens from
+  the columns (their logits are computed anyway);
+* candidates are verified from the prefill on, and the context cache is filled during the warm-up too; the
+  prompt's own grams are indexed before the prefill;
+* candidates sharing a prefix share trie nodes (same tokens at the same positions after the same ancestors
+  give the same logits, so the emitted tokens are unchanged).
+
+``compat_original_cap=True`` restores the original's counting for comparison with the paper's DE: no bonus
+after a fully matched candidate, only cache candidates verified, and neither candidates nor cache updates
+before the grid is complete.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
+from inference.ngram_cache import ContextCache, CorpusCache
+from inference.sampling import SamplingParams
+from inference.verify import multi_candidate
+
+PAD_SEED = 10  # the original reseeds its padding RNG with 10 at every generate call (spec §4.3)
+CORPUS_GRAM_LEN = 4  # corpus grams are 4 tokens whatever G is (spec §4.9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The branch grid
+
+
+@dataclass
+class Column:
+    """One draft branch: ``tokens`` = its ``pad_len`` padding tokens followed by its draft levels."""
+
+    tokens: list[int]
+    pad_len: int
+
+    @property
+    def levels(self) -> int:
+        return len(self.tokens) - self.pad_len
+
+
+class BranchGrid:
+    """The N columns of draft branches, through warm-up (growing) and steady state (sliding), spec §4.3, §4.5."""
+
+    def __init__(self, columns: list[Column], branch_len: int):
+        self.columns = columns
+        self.branch_len = branch_len
+
+    @classmethod
+    def initial(cls, prompt: Sequence[int], branch_len: int, branch_num: int, max_pad_len: int,
+                rng: random.Random) -> BranchGrid:
+        """N + L - 3 padding-only columns copied at random from the prompt. The first L-2 columns, which
+        become column 0 one after the other during warm-up, get a single padding token."""
+        columns = []
+        for j in range(branch_num + branch_len - 3):
+            pad_len = 1 if j < branch_len - 2 else rng.randint(1, max_pad_len)
+            columns.append(Column([rng.choice(prompt) for _ in range(pad_len)], pad_len))
+        return cls(columns, branch_len)
+
+    @property
+    def full(self) -> bool:
+        """True once every column holds its L-2 draft levels (steady state)."""
+        return self.columns[0].levels >= self.branch_len - 2
+
+    def advance(self, tail_preds: Sequence[int]) -> None:
+        """Grow every column by the argmax at its last token, then slide (steady state) or, during warm-up,
+        drop the unpadded column 0 and unpad the next column, which becomes the new column 0."""
+        steady = self.full
+        columns = [Column(c.tokens + [int(p)], c.pad_len) for c, p in zip(self.columns, tail_preds)]
+        if steady:
+            for column in columns:  # padding is a FIFO of fixed length; column 0 loses its first level
+                column.tokens = column.tokens[1:]
+        else:
+            if columns[0].pad_len == 0:
+                columns = columns[1:]
+            first = columns[0]
+            columns[0] = Column(first.tokens[first.pad_len:], 0)
+        self.columns = columns
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One step's token layout: grid columns and the candidate trie as one forest under the root
+
+
+@dataclass
+class StepLayout:
+    """The nodes of one forward after the head. ``parents[i] = -1``: child of the root; ``depths[i]``: 1 for a
+    child of the root; ``column_nodes[j][k]``: node of column j's chain token k; nodes ``[0, num_grid)`` are
+    grid tokens, the rest candidate-trie nodes."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    column_nodes: list[list[int]]
+    num_grid: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def layout_step(columns: Sequence[Column], candidates: Sequence[Sequence[int]]) -> StepLayout:
+    """Grid tokens in the original's order (every column's padding, column by column, then the draft levels
+    level by level across columns), then the candidates merged into a prefix trie (spec §4.4)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+
+    def add(token: int, parent: int) -> int:
+        tokens.append(int(token))
+        parents.append(parent)
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        return len(tokens) - 1
+
+    column_nodes = [[-1] * len(c.tokens) for c in columns]
+
+    def add_chain_token(j: int, k: int) -> None:
+        column_nodes[j][k] = add(columns[j].tokens[k], column_nodes[j][k - 1] if k else -1)
+
+    for j, column in enumerate(columns):
+        for k in range(column.pad_len):
+            add_chain_token(j, k)
+    for level in range(columns[0].levels if columns else 0):
+        for j, column in enumerate(columns):
+            add_chain_token(j, column.pad_len + level)
+    num_grid = len(tokens)
+
+    trie: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for gram in candidates:
+        parent = -1
+        for token in gram:
+            node = trie.get((parent, int(token)))
+            if node is None:
+                node = trie[(parent, int(token))] = add(token, parent)
+            parent = node
+    return StepLayout(tokens, parents, depths, column_nodes, num_grid)
+
+
+def attention_inputs(layout: StepLayout, head_len: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [T] and the new-token mask [T, T] (True = may attend; the KV cache is visible to all) for
+    the head (``head_len`` tokens from position ``start``, causal) followed by the layout's nodes: a node at
+    depth d sits at root position + d and sees the whole head, its ancestors and itself."""
+    n = len(layout)
+    total = head_len + n
+    mask = np.zeros((total, total), dtype=bool)
+    mask[:head_len, :head_len] = np.tri(head_len, dtype=bool)
+    mask[head_len:, :head_len] = True
+    nodes = mask[head_len:, head_len:]
+    for node, parent in enumerate(layout.parents):  # parents precede children, so one pass suffices
+        if parent >= 0:
+            nodes[node] = nodes[parent]
+        nodes[node, node] = True
+    root = start + head_len - 1
+    positions = np.concatenate([np.arange(start, start + head_len), root + np.asarray(layout.depths, dtype=np.int64)])
+    return torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+class SelfDraft(Algorithm):
+    """Self-Draft; defaults are the paper's (L = N = 6, G = 4, 10 context + 2-3 corpus candidates, spec §4.10).
+
+    ``corpus``: a :class:`CorpusCache` or the path of one (``python -m data_prep.ngram_corpus``); None = no
+    corpus cache. ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``:
+    also accept tokens from the grid columns (lossless; off under ``compat_original_cap``).
+    """
+
+    name = "self_draft"
+    drafter = "none"
+
+    def __init__(
+        self,
+        target,
+        *,
+        branch_len: int = 6,
+        branch_num: int = 6,
+        gram_len: int = 4,
+        corpus: CorpusCache | str | Path | None = None,
+        context_cache: bool = True,
+        ctx_candidates: int = 10,
+        corpus_candidates: int = 3,
+        max_pad_len: int = 2,
+        flush_interval: int = 2,
+        keep_num: int = 2,
+        verify_branches: bool = True,
+        compat_original_cap: bool = False,
+        max_seq_len: int | None = None,
+    ):
+        super().__init__(target, max_seq_len=max_seq_len)
+        checks = [
+            (branch_len >= 3, f"branch_len (L) must be >= 3, got {branch_len}"),
+            (branch_num >= 1, f"branch_num (N) must be >= 1, got {branch_num}"),
+            (gram_len >= 2, f"gram_len (G) must be >= 2, got {gram_len}"),
+            (max_pad_len >= 1, f"max_pad_len must be >= 1, got {max_pad_len}"),
+            (ctx_candidates >= 0 and corpus_candidates >= 0,
+             f"candidate counts must be >= 0, got ctx={ctx_candidates} corpus={corpus_candidates}"),
+            (flush_interval >= 0 and keep_num >= 1,
+             f"need flush_interval >= 0 (0 = never) and keep_num >= 1, got {flush_interval}, {keep_num}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.branch_len, self.branch_num, self.max_pad_len = branch_len, branch_num, max_pad_len
+        self.gram_len = min(gram_len, branch_len - 1)  # spec: G = min(context_gram_n, L - 1)
+        self.ctx_candidates, self.corpus_candidates = ctx_candidates, corpus_candidates
+        self.flush_interval, self.keep_num = flush_interval, keep_num
+        self.compat = compat_original_cap
+        self.verify_branches = verify_branches and not compat_original_cap
+        self.context = ContextCache() if context_cache else None
+        self.corpus = CorpusCache.load(corpus) if isinstance(corpus, (str, Path)) else corpus
+        vocab = getattr(target.config, "vocab_size", None)
+        if self.corpus is not None and vocab is not None and self.corpus.max_token_id >= vocab:
+            raise ValueError(f"n-gram corpus holds token id {self.corpus.max_token_id} >= the target's vocab_size "
+                             f"{vocab}: it was built for another tokenizer")
+        self._conversations = 0
+
+    @classmethod
+    def options_from_config(cls, cfg) -> dict:
+        options = {
+            "branch_len": getattr(cfg, "self_draft_L", 6),
+            "branch_num": getattr(cfg, "self_draft_N", 6),
+            "gram_len": getattr(cfg, "self_draft_G", 4),
+            "ctx_candidates": getattr(cfg, "self_draft_candidates", 10),
+            "verify_branches": getattr(cfg, "self_draft_verify_branches", True),
+            "compat_original_cap": getattr(cfg, "compat_original_cap", False),
+        }
+        corpus_path = getattr(cfg, "ngram_corpus", None)
+        if corpus_path:
+            from inference.drafters import tokenizer_fingerprint
+            from spectrain import assets
+
+            fingerprint = tokenizer_fingerprint(assets.load_tokenizer(cfg.target))
+            options["corpus"] = CorpusCache.load(corpus_path, tokenizer_fingerprint=fingerprint)
+        return options
+
+    def lookahead(self) -> int:
+        """Root + the largest grid (warm-up included) + every candidate token, an upper bound."""
+        grid = (self.branch_num + self.branch_len - 3) * (self.max_pad_len + self.branch_len - 2)
+        candidates = self.ctx_candidates * self.gram_len + self.corpus_candidates * CORPUS_GRAM_LEN
+        return 1 + grid + candidates
+
+    def reset_caches(self) -> None:
+        """Forget the context cache (it otherwise carries over between prompts)."""
+        if self.context is not None:
+            self.context.clear()
+        self._conversations = 0
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
+                  generator: torch.Generator | None, stats: GenerationStats) -> None:
+        try:
+            self._decode(prompt_ids, out, sampling, generator, stats)
+        finally:
+            self._conversations += 1
+            if self.context is not None and self.flush_interval and self._conversations % self.flush_interval == 0:
+                self.context.trim(self.keep_num)
+
+    def _decode(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
+                generator: torch.Generator | None, stats: GenerationStats) -> None:
+        target = self.target
+        target.reset(1)
+        grid = BranchGrid.initial(prompt_ids, self.branch_len, self.branch_num, self.max_pad_len,
+                                  random.Random(PAD_SEED))
+        text = list(prompt_ids)  # committed tokens; text[-1] is the root of the next forward
+        head = list(prompt_ids)
+        indexed = self._index_prompt(text) if self.context is not None and not self.compat else 0
+        while True:
+            live = not self.compat or grid.full  # the original has no candidates before steady state
+            layout = layout_step(grid.columns, self._candidates(text) if live else [])
+            positions, mask = attention_inputs(layout, len(head), target.length())
+            logits = self._forward(head, layout, positions, mask)  # [1 + nodes, V]: root row, then node rows
+            stats.target_forwards += 1
+            preds = logits[: 1 + layout.num_grid].argmax(dim=-1).tolist()  # root and grid: cache + grid update
+            if self.context is not None and live:
+                indexed = self._update_context(text, indexed, grid, layout, preds)
+
+            first = 0 if self.verify_branches else layout.num_grid
+            path, bonus, children = self._walk(layout, logits, first, sampling, generator)
+            emitted = [layout.tokens[n] for n in path] + [bonus]
+            kept_nodes = path
+            if self.compat and path and not children[path[-1] + 1]:
+                emitted, kept_nodes = emitted[:-1], path[:-1]  # original: stop at G tokens, no bonus
+            drafted = max(layout.depths[first:], default=0)
+            if drafted:
+                stats.record_round(drafted, len(path))
+            out.extend(emitted)
+            if out.done:
+                return
+            target.commit([list(range(len(head))) + [len(head) + n for n in kept_nodes]])
+            text.extend(emitted)
+            head = [emitted[-1]]
+            grid.advance([preds[1 + nodes[-1]] for nodes in layout.column_nodes])
+
+    def _forward(self, head: list[int], layout: StepLayout, positions: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+        target = self.target
+        ids = torch.tensor([head + layout.tokens], dtype=torch.long, device=target.device)
+        positions, mask = positions[None].to(target.device), mask.to(target.device)
+        if len(head) == 1:
+            return target.forward(ids, positions=positions, attention_mask=mask).logits[0]
+        # Prefill: logits are needed from the root on only, so skip the lm_head over the rest of the prompt.
+        result = target.forward(ids, positions=positions, attention_mask=mask, return_last_hidden=True,
+                                only_last_logits=True)
+        return target.lm_head(result.last_hidden[0, len(head) - 1:]).float()
+
+    def _walk(self, layout: StepLayout, logits: torch.Tensor, first: int, sampling: SamplingParams,
+              generator: torch.Generator | None) -> tuple[list[int], int, list[list[int]]]:
+        """Accepted node path, the correction/bonus token, and the walkable children per row (row 0 = root,
+        row i + 1 = node i). Nodes before ``first`` are not offered at the root. Rows are warped lazily: only
+        the visited ones (warping all T x V rows would cost more than the forward on a CPU)."""
+        children: list[list[int]] = [[] for _ in range(len(layout) + 1)]
+        for node, parent in enumerate(layout.parents):
+            if parent >= 0 or node >= first:
+                children[parent + 1].append(node)
+        path: list[int] = []
+        row = 0
+        while True:
+            kids = children[row]
+            match = multi_candidate([layout.tokens[k] for k in kids], sampling.warp(logits[row]), generator)
+            if match.candidate_index is None:
+                return path, match.token, children
+            node = kids[match.candidate_index]
+            path.append(node)
+            row = node + 1
+
+    # -- caches ----------------------------------------------------------------------------------------------
+
+    def _candidates(self, text: list[int]) -> list[tuple[int, ...]]:
+        """Context grams keyed by the root token (most recent ones if capped), then corpus grams (spec §4.8)."""
+        chosen = []
+        if self.context is not None and self.ctx_candidates:
+            chosen = self.context.retrieve(text[-1])[-self.ctx_candidates:]
+        if self.corpus is not None and self.corpus_candidates:
+            full = len(chosen) >= self.ctx_candidates
+            slots = self.corpus_candidates - 1 if full else min(self.corpus_candidates,
+                                                                 self.ctx_candidates - len(chosen))
+            chosen = chosen + self.corpus.lookup(text[-CORPUS_GRAM_LEN:], slots, exclude=chosen)
+        return chosen
+
+    def _index_prompt(self, text: list[int]) -> int:
+        """Insert the prompt's complete grams before the prefill; returns the first position left to index."""
+        g = self.gram_len
+        for i in range(len(text) - g):
+            self.context.insert(text[i], text[i + 1:i + 1 + g])
+        return max(len(text) - g, 0)
+
+    def _update_context(self, text: list[int], indexed: int, grid: BranchGrid, layout: StepLayout,
+                        preds: list[int]) -> int:
+        """Spec §4.7: grams from every column (G-1 chain tokens + the fresh argmax after them; the column
+        attached to the root also yields the gram after the root), then the committed text since position
+        ``indexed`` (padded with the root-attached column when short), then the freshly decoded gram.
+        Returns the new ``indexed``."""
+        g, cache, t0 = self.gram_len, self.context, preds[0]
+        tail: list[int] = []  # the root-attached column's continuation (the text's noisy future)
+        order = list(range(1, len(grid.columns))) + [0]  # the original inserts column 0 last
+        for j in order:
+            column, nodes = grid.columns[j], layout.column_nodes[j]
+            chain, chain_preds = column.tokens, [preds[1 + n] for n in nodes]
+            if column.pad_len == 0:
+                tail = chain + chain_preds[-1:]
+                chain, chain_preds = [text[-1]] + chain, [t0] + chain_preds
+            for start in range(len(chain) - g + 1):
+                cache.insert(chain[start], chain[start + 1:start + g] + [chain_preds[start + g - 1]])
+        for i in range(indexed, len(text)):
+            gram = text[i + 1:i + 1 + g]
+            gram = gram + tail[:g - len(gram)]
+            if len(gram) == g:
+                cache.insert(text[i], gram)
+        if len(text) >= g:
+            cache.insert(text[-g], text[-g + 1:] + [t0])
+        return len(text)
