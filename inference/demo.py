@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -11,7 +11,6 @@ MT-Bench prompts are the first user turn of each question.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,42 +22,24 @@ from omegaconf import OmegaConf
 
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationStats
+from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_eagle3, load_lm
 from inference.sampling import SamplingParams
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafter=PATH algorithms=[ar,sps] verifier=tokenwise "
          "bench=mt_bench n_prompts=N max_new_tokens=M temperature=T out=DIR")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(AlgorithmOptions):
     target: str = "smollm2"
     drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or an EAGLE-3 export
     feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
-    verifier: str = "tokenwise"  # tokenwise | block | hsd
-    hsd_final_ratio: str = "capped"  # capped (lossless) | uncapped (the HSD authors' lossy rule)
-    gamma: int = 4
-    tree_depth: int = 6  # eagle3_tree: longest drafted path
-    tree_topk: int = 8  # eagle3_tree: children per expanded node, and nodes expanded per level
-    tree_total: int = 48  # eagle3_tree: tokens per verification forward, root included
-    self_draft_L: int = 6  # self_draft: branch length L (draft levels per branch = L - 2)
-    self_draft_N: int = 6  # self_draft: number of draft branches N
-    self_draft_G: int = 4  # self_draft: context gram length G (capped at L - 1)
-    self_draft_candidates: int = 10  # self_draft: context-cache candidates per step
-    self_draft_verify_branches: bool = True  # self_draft: also accept tokens from the branches (lossless)
-    ngram_corpus: str | None = None  # self_draft: corpus cache file from python -m data_prep.ngram_corpus
-    compat_original_cap: bool = False  # self_draft: the original's counting (no bonus token), for the paper's DE
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
     max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    device: str = "auto"
-    max_seq_len: int = 2048
     warmup: bool = True
     out: str = "results/eval"
 
@@ -191,24 +172,21 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     acceptance_plot(results, out / "acceptance.png")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("keys:", ", ".join(f.name for f in EvalConfig.__dataclass_fields__.values()))
-        print("algorithms:", ", ".join(ALGORITHMS))
-        return 0
-    try:
-        cfg = parse_args(argv)
-        results = evaluate(cfg)
-    except (OverrideError, ValueError, RuntimeError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+def _run(args: list[str]) -> Any:
+    cfg = parse_args(args)
+    apply_threads(cfg)
+    evaluate(cfg)
+    return cfg
+
+
+def _report(cfg: Any) -> None:
     print(Path(cfg.out, "report.md").read_text())
     print(f"wrote {cfg.out}/results.json, report.md, acceptance.png")
-    return 0 if results else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    doc = f"{__doc__}\nalgorithms: {', '.join(ALGORITHMS)}"
+    return run_cli(argv, _run, doc=doc, schema=EvalConfig, report=_report)
 
 
 if __name__ == "__main__":

@@ -7,41 +7,30 @@ The prompt is a single user message rendered with the target's chat template. Dr
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
+from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_eagle3, load_lm
 from inference.sampling import SamplingParams
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(AlgorithmOptions):
     prompt: str = ""
     target: str = "smollm2"
     algorithm: str = "ar"
-    drafter: Optional[str] = None
-    verifier: str = "tokenwise"
-    hsd_final_ratio: str = "capped"
-    gamma: int = 4
-    tree_depth: int = 6
-    tree_topk: int = 8
-    tree_total: int = 48
+    drafter: str | None = None
     max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    device: str = "auto"
-    max_seq_len: int = 2048
 
 
 class TextStreamer:
@@ -79,36 +68,34 @@ def generate_text(cfg: Any, target: LoadedModel, draft: LoadedModel | None = Non
                               eos_ids=eos_token_ids(target.tokenizer, target.model.config), on_tokens=on_tokens)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("algorithms:", ", ".join(ALGORITHMS))
-        return 0
-    try:
-        cfg = parse_cli(argv, GenerateConfig, USAGE)
-        if not cfg.prompt:
-            raise OverrideError(f'no prompt given; usage: {USAGE}')
-        cls = algorithm_class(cfg.algorithm)
-        if cls.drafter != "none" and not cfg.drafter:
-            kind = "a draft LM" if cls.drafter == "draft_lm" else "an EAGLE-3 export"
-            raise OverrideError(f"algorithm '{cfg.algorithm}' needs {kind}: add drafter=PATH")
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-        draft = None
-        if cls.drafter == "draft_lm":
-            draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-        elif cls.drafter == "features":
-            draft = load_eagle3(cfg.drafter, target)
-        result = generate_text(cfg, target, draft, on_tokens=TextStreamer(target.tokenizer))
-    except (OverrideError, ValueError, RuntimeError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+def _run(args: list[str]) -> tuple[Any, GenerationResult]:
+    cfg = parse_cli(args, GenerateConfig, USAGE)
+    if not cfg.prompt:
+        raise OverrideError(f"no prompt given; usage: {USAGE}")
+    apply_threads(cfg)
+    cls = algorithm_class(cfg.algorithm)
+    if cls.drafter != "none" and not cfg.drafter:
+        kind = "a draft LM" if cls.drafter == "draft_lm" else "an EAGLE-3 export"
+        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {kind}: add drafter=PATH")
+    target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    draft = None
+    if cls.drafter == "draft_lm":
+        draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    elif cls.drafter == "features":
+        draft = load_eagle3(cfg.drafter, target)
+    return cfg, generate_text(cfg, target, draft, on_tokens=TextStreamer(target.tokenizer))
+
+
+def _report(outcome: tuple[Any, GenerationResult]) -> None:
+    cfg, result = outcome
     stats = result.stats
     print(f"\n[{cfg.algorithm}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s = {stats.tokens_per_s:.1f} tokens/s, "
           f"τ = {stats.tau:.2f} tokens per target forward", file=sys.stderr)
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    doc = f"{__doc__}\nalgorithms: {', '.join(ALGORITHMS)}"
+    return run_cli(argv, _run, doc=doc, schema=GenerateConfig, report=_report)
 
 
 if __name__ == "__main__":

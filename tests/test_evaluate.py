@@ -92,3 +92,14 @@ def test_generate_streams_the_answer(smollm2, capsys):
     result = generate_cli.generate_text(cfg, loaded(smollm2), on_tokens=streamer)
     assert capsys.readouterr().out == "The capital of France is Paris."
     assert result.stats.new_tokens == 8  # the answer ends with <|im_end|>, an EOS of the chat template
+
+
+@pytest.mark.parametrize("name", ["ar", "sps", "eagle3_tree", "self_draft"])
+def test_every_algorithm_reads_its_options_from_both_clis(name):
+    from inference.algorithms import algorithm_class
+
+    cls = algorithm_class(name)
+    eval_cfg = evaluate_cli.parse_args(["gamma=3", "tree_depth=2", "self_draft_L=5"])
+    gen_cfg = generate_cli.parse_cli(["prompt=hi", "gamma=3", "tree_depth=2", "self_draft_L=5"],
+                                     generate_cli.GenerateConfig, generate_cli.USAGE)
+    assert cls.options_from_config(eval_cfg) == cls.options_from_config(gen_cfg)
