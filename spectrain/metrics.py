@@ -32,8 +32,12 @@ class SimulatedAcceptance(Metric):
         self.add_state("chain_sums", default=torch.zeros(gamma, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("starts", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, alpha: torch.Tensor, valid: torch.Tensor) -> None:
-        """``alpha`` [B, T] per-token acceptance, ``valid`` [B, T] where the token counts."""
+    def update(self, alpha: torch.Tensor | list[torch.Tensor], valid: torch.Tensor | list[torch.Tensor]) -> None:
+        """``alpha`` [B, T] per-token acceptance along the sequence, ``valid`` [B, T] where the token counts;
+        or lists of γ such tensors for chains read across training-time-test steps (``_update_chains``)."""
+        if isinstance(alpha, (list, tuple)):
+            self._update_chains(alpha, valid)
+            return
         alpha = alpha.double() * valid
         length = alpha.shape[1] - self.gamma + 1
         if length <= 0:
@@ -44,6 +48,18 @@ class SimulatedAcceptance(Metric):
         product = torch.ones_like(alpha[:, :length])
         for k in range(self.gamma):
             product = product * alpha[:, k:k + length]
+            self.chain_sums[k] += (product * window_valid).sum()
+        self.starts += window_valid.sum()
+
+    def _update_chains(self, alpha_steps: list[torch.Tensor], valid_steps: list[torch.Tensor]) -> None:
+        """Chains read across training-time-test steps: ``alpha_steps[k]`` [B, T] is the acceptance of chain
+        position k+1 for the chain starting at row t (EAGLE-3: step k at row t drafts token t+2+k)."""
+        product = torch.ones_like(alpha_steps[0], dtype=torch.float64)
+        window_valid = torch.ones_like(alpha_steps[0], dtype=torch.bool)
+        for k in range(self.gamma):
+            window_valid &= valid_steps[k].bool()
+        for k in range(self.gamma):
+            product = product * alpha_steps[k].double()
             self.chain_sums[k] += (product * window_valid).sum()
         self.starts += window_valid.sum()
 

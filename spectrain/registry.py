@@ -13,6 +13,7 @@ from typing import Any
 
 KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import time
     "spectrain.modules.draft_lm",
+    "spectrain.modules.eagle3",
 ]
 
 

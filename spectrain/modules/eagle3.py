@@ -1,0 +1,155 @@
+"""``kind=eagle3``: train the EAGLE-3 drafter with the training-time test (recipe ``eagle3_smollm2``).
+
+Per step j = 0..ttt_steps-1 the drafter reads its own hidden states of step j-1 and predicts token t+2+j; the
+loss is the soft cross-entropy against the target's distribution restricted to the draft vocabulary, weighted
+0.8^j, on assistant tokens whose target argmax lies in the draft vocabulary (EAGLE-3's position mask). The
+teacher comes from the stored final hidden state through the target's lm_head (no stored logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+
+from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
+from spectrain.losses import soft_cross_entropy
+from spectrain.metrics import SimulatedAcceptance, token_acceptance
+from spectrain.modules.draft_lm import cosine_with_warmup
+from spectrain.registry import DrafterKind, register_kind
+
+
+@dataclass
+class Eagle3Schema:
+    draft_vocab_size: int = 0  # 0 = the target's whole vocabulary
+    vocab_map: str | None = None  # data_prep.vocab output; None + draft_vocab_size > 0: counted from data.source
+    ttt_steps: int = 7  # training-time-test steps
+    step_weight: float = 0.8  # loss weight of step j is step_weight ** j
+    norm_before_residual: bool = False
+    gamma: int = 4  # draft length the simulated acceptance assumes (<= ttt_steps)
+
+
+def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(d2t, t2d) from ``model.vocab_map``, or counted over the recipe's training source; None = full vocab."""
+    from omegaconf import OmegaConf
+
+    from data_prep.vocab import build_vocab_map, counts_from_source, load_vocab_map
+
+    model = cfg.model
+    if model.vocab_map:
+        d2t, t2d, _ = load_vocab_map(model.vocab_map)
+        if model.draft_vocab_size and d2t.numel() != model.draft_vocab_size:
+            raise ValueError(f"vocab_map {model.vocab_map} has {d2t.numel()} draft ids but "
+                             f"model.draft_vocab_size={model.draft_vocab_size}")
+        return d2t, t2d
+    if not model.draft_vocab_size or model.draft_vocab_size >= vocab_size:
+        return None
+    counting = OmegaConf.create({"target": cfg.target, "source": cfg.data.source, "n_samples": cfg.data.n_samples,
+                                 "max_len": cfg.data.max_len, "split": "train", "seed": cfg.seed})
+    counts, _ = counts_from_source(counting)
+    return build_vocab_map(counts, model.draft_vocab_size)
+
+
+class Eagle3Module(L.LightningModule):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        from omegaconf import OmegaConf
+
+        from data_prep.layers import resolve_layers
+        from spectrain.data import loaded_target
+
+        self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
+        self.cfg = cfg
+        target = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size).model
+        model_cfg = cfg.model
+        if model_cfg.gamma > model_cfg.ttt_steps:
+            raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}")
+        layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
+        vocab_map = vocab_map_for(cfg, target.config.vocab_size)
+        draft_vocab = target.config.vocab_size if vocab_map is None else int(vocab_map[0].numel())
+        config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
+                                         norm_before_residual=model_cfg.norm_before_residual)
+        self.drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach())
+        if vocab_map is not None:
+            self.drafter.set_vocab_map(*vocab_map)
+        self.target_name = cfg.target
+        self.register_buffer("teacher_lm_head", target.lm_head.weight.detach().float().clone(), persistent=False)
+        self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
+        self.last_val_metrics: dict[str, float] = {}
+
+    def _teacher_draft_logits(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target logits restricted to the draft vocabulary, and whether the target's argmax is in it."""
+        logits = last_hidden.float() @ self.teacher_lm_head.T
+        in_draft_vocab = self.drafter.t2d[logits.argmax(-1)]
+        return logits[..., self.drafter.t2d], in_draft_vocab
+
+    def _steps(self, batch: dict[str, torch.Tensor]):
+        """Per TTT step: (student logits, teacher probs, mask) aligned row by row."""
+        model_cfg = self.cfg.model
+        out = self.drafter(batch["input_ids"], batch["aux_hidden"].to(self.drafter.fc.weight.dtype),
+                           steps=model_cfg.ttt_steps, attention_mask=batch["attention_mask"])
+        teacher_logits, in_vocab = self._teacher_draft_logits(batch["last_hidden"])
+        supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        for j, student in enumerate(out.logits):
+            # row i at step j predicts token i+2+j from the target's distribution at position i+1+j
+            teacher = shift_left(teacher_logits, j + 1).softmax(-1)
+            mask = shift_left(supervised, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
+            yield student, teacher, mask
+
+    def training_step(self, batch, batch_idx):
+        weight = self.cfg.model.step_weight
+        losses = [weight**j * soft_cross_entropy(s, t, m) for j, (s, t, m) in enumerate(self._steps(batch))]
+        loss = torch.stack(losses).sum()
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss_step0", losses[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        # A chain from row t drafts with step k at position k+1 (its own hidden states, as when serving).
+        alphas, masks = [], []
+        for k, (student, teacher, mask) in enumerate(self._steps(batch)):
+            if k == 0:
+                self.log("val/loss_step0", soft_cross_entropy(student, teacher, mask),
+                         batch_size=len(batch["input_ids"]))
+            if k < self.cfg.model.gamma:
+                alphas.append(token_acceptance(student, teacher, greedy=True))
+                masks.append(mask)
+        self.val_greedy.update(alphas, masks)
+
+    def on_validation_epoch_end(self):
+        greedy = self.val_greedy.compute()
+        self.log("val/tau_sim", greedy["tau_sim"], prog_bar=True)
+        self.log("val/top1_agreement", greedy["acc_1"])
+        for key, value in greedy.items():
+            if key.startswith("acc_"):
+                self.log(f"val/{key}", value)
+        self.last_val_metrics = {key: float(value) for key, value in greedy.items()}
+        self.val_greedy.reset()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        from spectrain.export import checkpoint_metadata, target_record
+
+        checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target_record(self.target_name),
+                                                      recipe=dict(self.hparams["recipe"]),
+                                                      metrics={f"val/{k}": v for k, v in self.last_val_metrics.items()})
+
+    def configure_optimizers(self):
+        optim = self.cfg.optim
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+        total = self.cfg.trainer.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def build_datamodule(cfg: Any):
+    from spectrain.data import build_feature_datamodule
+
+    return build_feature_datamodule(cfg)
+
+
+register_kind(DrafterKind(name="eagle3", build_module=Eagle3Module, build_datamodule=build_datamodule,
+                          model_schema=Eagle3Schema))

@@ -1,0 +1,85 @@
+"""kind=eagle3: training-time-test loss alignment, a short fit, export in every layout, engine load and greedy
+equality of eagle3_tree with AR."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from spectrain import fit as fit_cli
+from spectrain.metrics import SimulatedAcceptance
+from tiny_targets import save_tiny_target, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_chain_acceptance_across_steps_matches_brute_force():
+    torch.manual_seed(0)
+    alphas = [torch.rand(2, 5) for _ in range(3)]
+    masks = [torch.ones(2, 5, dtype=torch.bool) for _ in range(3)]
+    masks[2][0, 4] = False
+    metric = SimulatedAcceptance(3)
+    metric.update(alphas, masks)
+    starts = [(b, t) for b in range(2) for t in range(5) if all(m[b, t] for m in masks)]
+    chains = [sum(torch.stack([alphas[j][b, t] for j in range(k + 1)]).prod().item() for b, t in starts) / len(starts)
+              for k in range(3)]
+    assert metric.compute()["tau_sim"].item() == pytest.approx(1 + sum(chains), abs=1e-6)
+
+
+@pytest.fixture()
+def eagle3_recipe(tmp_path: Path):
+    target = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
+    model = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():  # a sharper teacher than a random tiny model's near-uniform output
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(target)
+    source = write_jsonl(tmp_path / "chats.jsonl", 120)
+    recipes = tmp_path / "recipes"
+    shutil.copytree(REPO / "recipes", recipes)
+    args = ["recipe=eagle3_smollm2", f"target={target}", f"source=jsonl:{source}", "n_samples=40",
+            "n_val_samples=4", "max_len=64", "batch_size=4", "draft_vocab_size=512", "ttt_steps=3", "gamma=2",
+            "max_steps=6", "val_check_interval=3", "checkpoint_every_n_steps=3", "warmup_steps=2", "lr=5e-3",
+            f"runs_dir={tmp_path / 'runs'}", "log_every_n_steps=1", "layers=[0,1,2]"]
+    return recipes, args, target
+
+
+def test_eagle3_fit_exports_and_serves_losslessly(eagle3_recipe, tmp_path):
+    from inference.algorithms import build_algorithm
+    from inference.drafters import load_eagle3, load_lm
+    from inference.sampling import SamplingParams
+    from spectrain import export as export_cli
+
+    recipes, args, target = eagle3_recipe
+    cfg = fit_cli.compose_recipe(args, directory=recipes)
+    result = fit_cli.fit(cfg)
+    assert result["trained"] and result["global_step"] == 6
+    assert 1.0 <= result["metrics"]["val/tau_sim"] <= 1.0 + cfg.model.gamma
+    rows = list(csv.DictReader(open(next((tmp_path / "runs" / "eagle3_smollm2" / "logs").glob("*/metrics.csv")))))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+    ckpt = tmp_path / "runs" / "eagle3_smollm2" / "checkpoints" / "last.ckpt"
+    for layout in ("native", "sglang", "speculators"):
+        assert export_cli.main([f"ckpt={ckpt}", f"format={layout}", f"out={tmp_path / layout}"]) == 0
+    config = (tmp_path / "native" / "config.json").read_text()
+    assert '"draft_vocab_size": 512' in config
+
+    target_lm = load_lm(str(target), max_seq_len=128)
+    drafter = load_eagle3(str(tmp_path / "native"), target_lm)
+    greedy = SamplingParams(0.0)
+    prompt = [1, 2, 3, 4, 5]
+    reference = build_algorithm("ar", target_lm.runner).generate(prompt, max_new_tokens=16, sampling=greedy)
+    tree = build_algorithm("eagle3_tree", target_lm.runner, drafter, tree_depth=3, tree_topk=2, tree_total=8)
+    assert tree.generate(prompt, max_new_tokens=16, sampling=greedy).tokens == reference.tokens
+
+
+def test_eagle3_recipe_refuses_gamma_beyond_ttt_steps(eagle3_recipe):
+    recipes, args, _ = eagle3_recipe
+    cfg = fit_cli.compose_recipe([*args, "gamma=5"], directory=recipes)
+    with pytest.raises(ValueError, match="model.gamma=5 exceeds model.ttt_steps=3"):
+        fit_cli.fit(cfg)
