@@ -7,16 +7,15 @@ assistant tokens. Metrics: simulated acceptance (``spectrain.metrics``) greedy a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import torch
 
 from spectrain.drafters.draft_lm import add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings, layer_drop_init
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
+from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.registry import DrafterKind, register_kind
 
 
@@ -29,25 +28,10 @@ class DraftLMSchema:
     freeze_embeddings: bool = True
 
 
-def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
-    if step < warmup:
-        return (step + 1) / max(warmup, 1)
-    if kind == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))  # decays to 10% of the peak
-
-
-class DraftLMModule(L.LightningModule):
+class DraftLMModule(DrafterModule):
     def __init__(self, cfg: Any):
-        super().__init__()
-        from omegaconf import OmegaConf
-
-        from spectrain.data import loaded_target
-
-        self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
-        self.cfg = cfg
-        target = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size).model
+        super().__init__(cfg)
+        target = self.target_model()
         model_cfg = cfg.model
         keep = list(model_cfg.layers) if model_cfg.layers else evenly_spaced_layers(
             target.config.num_hidden_layers, model_cfg.num_layers)
@@ -56,15 +40,12 @@ class DraftLMModule(L.LightningModule):
         if model_cfg.freeze_embeddings:
             freeze_embeddings(draft)
         self.drafter = add_lora(draft, model_cfg.lora_rank) if model_cfg.lora_rank else draft
-        # The teacher's projection: frozen, not saved (the target provides it again at load time).
-        self.register_buffer("teacher_lm_head", target.lm_head.weight.detach().float().clone(), persistent=False)
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
         self.val_sampled = SimulatedAcceptance(model_cfg.gamma)
-        self.last_val_metrics: dict[str, float] = {}
 
     def _step(self, batch: dict[str, torch.Tensor]):
         logits = self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        teacher = (batch["last_hidden"].float() @ self.teacher_lm_head.T).softmax(-1)
+        teacher = self.teacher_logits(batch["last_hidden"]).softmax(-1)
         # Position t predicts token t+1: it is supervised when token t+1 is an assistant token.
         predicts_answer = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()
         student, teacher = logits[:, :-1], teacher[:, :-1]
@@ -102,15 +83,6 @@ class DraftLMModule(L.LightningModule):
         checkpoint["spectrain"] = {"kind": "draft_lm", "kept_layers": self.kept_layers,
                                    "metrics": self.last_val_metrics}
 
-    def configure_optimizers(self):
-        optim = self.cfg.optim
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
-        total = self.cfg.trainer.max_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
     def export(self, out_dir, metrics: dict | None = None) -> None:
         """A loadable draft-LM directory: HF weights + tokenizer + the ``spectrain`` block."""
         from spectrain import assets
@@ -120,12 +92,6 @@ class DraftLMModule(L.LightningModule):
         block = {"kind": "draft_lm", "target": assets.model_identity(self.cfg.target), "kept_layers": self.kept_layers,
                  "metrics": metrics or {}}
         export_draft_lm(self.drafter, tokenizer, out_dir, spectrain_block=block)
-
-
-def build_datamodule(cfg: Any):
-    from spectrain.data import build_feature_datamodule
-
-    return build_feature_datamodule(cfg)
 
 
 register_kind(DrafterKind(name="draft_lm", build_module=DraftLMModule, build_datamodule=build_datamodule,

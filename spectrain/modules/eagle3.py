@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import torch
 
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.modules.draft_lm import cosine_with_warmup
+from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.registry import DrafterKind, register_kind
 
 
@@ -52,17 +51,12 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     return build_vocab_map(counts, model.draft_vocab_size)
 
 
-class Eagle3Module(L.LightningModule):
+class Eagle3Module(DrafterModule):
     def __init__(self, cfg: Any):
-        super().__init__()
-        from omegaconf import OmegaConf
-
+        super().__init__(cfg)
         from data_prep.layers import resolve_layers
-        from spectrain.data import loaded_target
 
-        self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
-        self.cfg = cfg
-        target = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size).model
+        target = self.target_model()
         model_cfg = cfg.model
         if model_cfg.gamma > model_cfg.ttt_steps:
             raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}")
@@ -74,14 +68,11 @@ class Eagle3Module(L.LightningModule):
         self.drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach())
         if vocab_map is not None:
             self.drafter.set_vocab_map(*vocab_map)
-        self.target_name = cfg.target
-        self.register_buffer("teacher_lm_head", target.lm_head.weight.detach().float().clone(), persistent=False)
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
-        self.last_val_metrics: dict[str, float] = {}
 
     def _teacher_draft_logits(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target logits restricted to the draft vocabulary, and whether the target's argmax is in it."""
-        logits = last_hidden.float() @ self.teacher_lm_head.T
+        logits = self.teacher_logits(last_hidden)
         in_draft_vocab = self.drafter.t2d[logits.argmax(-1)]
         return logits[..., self.drafter.t2d], in_draft_vocab
 
@@ -131,24 +122,9 @@ class Eagle3Module(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         from spectrain.export import checkpoint_metadata, target_record
 
-        checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target_record(self.target_name),
+        checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target_record(self.cfg.target),
                                                       recipe=dict(self.hparams["recipe"]),
                                                       metrics={f"val/{k}": v for k, v in self.last_val_metrics.items()})
-
-    def configure_optimizers(self):
-        optim = self.cfg.optim
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
-        total = self.cfg.trainer.max_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def build_datamodule(cfg: Any):
-    from spectrain.data import build_feature_datamodule
-
-    return build_feature_datamodule(cfg)
 
 
 register_kind(DrafterKind(name="eagle3", build_module=Eagle3Module, build_datamodule=build_datamodule,

@@ -1,0 +1,60 @@
+"""What every drafter's LightningModule shares: the recipe, the target's frozen lm_head as the teacher's
+projection, the optimiser and schedule, and the DataModule. Drafter-specific code lives in the subclasses."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
+    """LR multiplier: linear warm-up, then cosine decay to 10 % of the peak (or constant)."""
+    if step < warmup:
+        return (step + 1) / max(warmup, 1)
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class DrafterModule(L.LightningModule):
+    """Subclasses set ``self.drafter`` (the nn.Module that is exported) in their ``__init__``."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        from omegaconf import OmegaConf
+
+        self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
+        self.cfg = cfg
+        target = self.target_model()
+        # The teacher's projection: frozen and not saved (the target provides it again at load time).
+        self.register_buffer("teacher_lm_head", target.lm_head.weight.detach().float().clone(), persistent=False)
+        self.last_val_metrics: dict[str, float] = {}
+
+    def target_model(self):
+        """The target (loaded once per process; NOT a submodule, so it is neither trained nor checkpointed)."""
+        from spectrain.data import loaded_target
+
+        return loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size).model
+
+    def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits recomputed from its final (normed) hidden state."""
+        return last_hidden.float() @ self.teacher_lm_head.T
+
+    def configure_optimizers(self):
+        optim = self.cfg.optim
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+        total = self.cfg.trainer.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def build_datamodule(cfg: Any):
+    from spectrain.data import build_feature_datamodule
+
+    return build_feature_datamodule(cfg)
