@@ -170,3 +170,11 @@ def test_cli_unknown_recipe_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: unknown recipe 'definitely_not_a_recipe'")
+
+
+def test_wandb_logger_is_offline_without_an_api_key(recipes, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "logger=wandb")
+    logger = fit_cli.build_logger(cfg, tmp_path / "toy")
+    assert type(logger).__name__ == "WandbLogger" and logger._offline
