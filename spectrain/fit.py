@@ -8,6 +8,7 @@ A key may be given by its full path (``trainer.max_steps=50``) or, when unambigu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -202,6 +203,24 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
     )
 
 
+GPU_ONLY_STRATEGIES = ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_strategy(name: str):
+    """The Lightning strategy object a recipe names (DeepSpeed needs the ``deepspeed`` extra)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        raise RecipeError(f"trainer.strategy={name} needs DeepSpeed: pip install -e '.[deepspeed]'")
+    return StrategyRegistry.get(name)
+
+
 def save_run_info(cfg: DictConfig, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, directory / "recipe.yaml", resolve=True)
@@ -215,6 +234,10 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
     from spectrain.registry import get_kind
 
+    gpu_only = cfg.trainer.strategy in GPU_ONLY_STRATEGIES and not _cuda_available()
+    if gpu_only and not cfg.dry_run:
+        raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} needs CUDA GPUs and none is visible; use "
+                          "strategy=auto or ddp here, or dry_run=true to validate the recipe without GPUs")
     pl.seed_everything(cfg.seed, workers=True)
     directory = run_dir(cfg)
     ckpt_path = resume_checkpoint(cfg)
@@ -222,11 +245,16 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     kind = get_kind(cfg.kind)
     module = kind.build_module(cfg)
     datamodule = kind.build_datamodule(cfg)
+    if gpu_only:  # dry run without GPUs: Lightning refuses a CPU Trainer for these; build the strategy alone
+        strategy = build_strategy(cfg.trainer.strategy)
+        print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and "
+              f"{type(strategy).__name__} (no GPU here, so no Trainer); nothing trained. Run dir: {directory}")
+        return {"run_dir": str(directory), "trained": False, "strategy": type(strategy).__name__}
     trainer = build_trainer(cfg, directory)
     if cfg.dry_run:
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
               f"nothing trained. Run dir: {directory}")
-        return {"run_dir": str(directory), "trained": False}
+        return {"run_dir": str(directory), "trained": False, "strategy": type(trainer.strategy).__name__}
     if ckpt_path:
         print(f"[spectrain] resuming from {ckpt_path}")
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

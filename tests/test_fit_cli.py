@@ -160,7 +160,7 @@ def test_resume_path_must_exist(recipes, tmp_path):
 
 def test_dry_run_builds_without_training(recipes, tmp_path):
     result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "dry_run=true", "logger=tensorboard"))
-    assert result == {"run_dir": str(tmp_path / "toy"), "trained": False}
+    assert result == {"run_dir": str(tmp_path / "toy"), "trained": False, "strategy": "SingleDeviceStrategy"}
     assert not (tmp_path / "toy" / "checkpoints").exists()
 
 
@@ -178,3 +178,14 @@ def test_wandb_logger_is_offline_without_an_api_key(recipes, tmp_path, monkeypat
     cfg = compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "logger=wandb")
     logger = fit_cli.build_logger(cfg, tmp_path / "toy")
     assert type(logger).__name__ == "WandbLogger" and logger._offline
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_gpu_only_strategies_fail_fast_on_cpu_and_dry_run_builds_the_strategy(recipes, tmp_path):
+    cfg = compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "strategy=fsdp")
+    with pytest.raises(fit_cli.RecipeError, match="trainer.strategy=fsdp needs CUDA GPUs"):
+        fit_cli.fit(cfg)
+    result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "strategy=fsdp", "dry_run=true"))
+    assert result["strategy"] == "FSDPStrategy" and not result["trained"]
+    assert fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "strategy=ddp", "dry_run=true",
+                               "devices=1"))["strategy"] == "DDPStrategy"
