@@ -11,15 +11,15 @@ so memory is about 2 x tokens x 8 x 4 bytes per key length.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from inference.ngram_cache import CorpusCache, Gram
-from spectrain.overrides import OverrideError, parse_cli
+from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = "python -m data_prep.ngram_corpus target=smollm2 source=sharegpt out=FILE n_samples=2000"
 KEY_LENS = (1, 2, 3, 4)
@@ -120,28 +120,26 @@ def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
     return CorpusCache(tables, meta)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    try:
-        cfg = parse_cli(argv, NgramCorpusConfig, USAGE)
-        if not cfg.out:
-            raise OverrideError(f"out=FILE is required; usage: {USAGE}")
-        if cfg.n_samples < 1 or cfg.max_per_key < 1 or cfg.min_count < 1:
-            raise OverrideError("n_samples, max_per_key and min_count must be >= 1")
-        corpus = build_corpus(cfg)
-        corpus.save(cfg.out)
-    except (OverrideError, ValueError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
-            raise
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+def _build(args: list[str]) -> tuple[Any, CorpusCache]:
+    cfg = parse_cli(args, NgramCorpusConfig, USAGE)
+    if not cfg.out:
+        raise OverrideError(f"out=FILE is required; usage: {USAGE}")
+    if cfg.n_samples < 1 or cfg.max_per_key < 1 or cfg.min_count < 1:
+        raise OverrideError("n_samples, max_per_key and min_count must be >= 1")
+    corpus = build_corpus(cfg)
+    corpus.save(cfg.out)
+    return cfg, corpus
+
+
+def _report(outcome: tuple[Any, CorpusCache]) -> None:
+    cfg, corpus = outcome
     keys = ", ".join(f"{n}: {k}" for n, k in corpus.num_keys().items())
     print(f"wrote {cfg.out}: {corpus.meta['n_tokens']} tokens from {corpus.meta['n_documents']} documents; "
           f"keys per key length {{{keys}}}")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(argv, _build, doc=__doc__, schema=NgramCorpusConfig, report=_report)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,28 @@ def exact_target_law(model, prompt: list[int], n: int, vocab: int) -> dict[tuple
     return law
 
 
+def sampled_law(algorithm, prompt: list[int], n: int, runs: int, seed: int = 1234) -> tuple[dict, int]:
+    """Empirical law of the first ``n`` tokens over ``runs`` T=1 generations, and the draft tokens accepted."""
+    generator = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for _ in range(runs):
+        result = algorithm.generate(prompt, max_new_tokens=n, sampling=SamplingParams(1.0), generator=generator)
+        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+        accepted += result.stats.accepted_draft_tokens
+    return counts, accepted
+
+
+def assert_follows_law(counts: dict, law: dict, runs: int, max_tv: float) -> None:
+    """Chi-square within 6 sd of its mean (beyond p = 1e-6 for an exact rule; a biased one lands far above) and
+    total variation below ``max_tv``."""
+    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
+    dof = len(law) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
+    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
+    assert tv < max_tv, tv
+
+
 @pytest.mark.parametrize("verifier", ["tokenwise", "block"])
 def test_sps_sampling_follows_the_target_law(verifier):
     """Monte Carlo: the law of sps's first 3 tokens equals the target's (chi-square, fixed seed)."""
@@ -138,18 +160,8 @@ def test_sps_sampling_follows_the_target_law(verifier):
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
     sps = build_algorithm("sps", runner(target, 16), runner(draft, 16), gamma=2, verifier=verifier)
-    generator = torch.Generator().manual_seed(1234)
-    counts: dict[tuple[int, ...], int] = {}
-    for _ in range(runs):
-        tokens = tuple(sps.generate(prompt, max_new_tokens=n, sampling=SamplingParams(1.0),
-                                    generator=generator).tokens)
-        counts[tokens] = counts.get(tokens, 0) + 1
-    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
-    dof = len(law) - 1
-    # chi2 with 63 dof: mean 63, sd ~11.2; 63 + 6 sd is beyond p = 1e-6 while a biased rule lands far above.
-    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
-    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
-    assert tv < 0.06, tv
+    counts, _ = sampled_law(sps, prompt, n, runs)
+    assert_follows_law(counts, law, runs, max_tv=0.06)
 
 
 @pytest.mark.real_model

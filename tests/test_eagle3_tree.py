@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-from test_algorithms import GREEDY, exact_target_law, runner, tiny_llama
+from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
-from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -147,19 +146,9 @@ def test_sampling_follows_the_target_law():
     law = exact_target_law(target, prompt, n, vocab)
     algorithm = build_algorithm("eagle3_tree", runner(target, 16), drafter, tree_depth=2, tree_topk=2,
                                 tree_total=4)
-    generator = torch.Generator().manual_seed(1234)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    for _ in range(runs):
-        result = algorithm.generate(prompt, max_new_tokens=n, sampling=SamplingParams(1.0), generator=generator)
-        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-        accepted += result.stats.accepted_draft_tokens
+    counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # the tree paths are really exercised, not just the bonus token
-    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
-    dof = len(law) - 1
-    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2  # 63 dof: beyond p = 1e-6 for an exact rule
-    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
-    assert tv < 0.07, tv
+    assert_follows_law(counts, law, runs, max_tv=0.07)
 
 
 def test_tree_children_follow_each_nodes_own_chain(setup):

@@ -4,13 +4,12 @@ corpus building, accounting, and the sampling law."""
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import numpy as np
 import pytest
 import torch
-from test_algorithms import exact_target_law, runner, tiny_llama
+from test_algorithms import assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm
@@ -393,19 +392,9 @@ def test_sampling_follows_the_target_law():
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
     algorithm = build_algorithm("self_draft", runner(target, 96), branch_len=4, branch_num=2)
-    generator = torch.Generator().manual_seed(1234)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    for _ in range(runs):
-        result = algorithm.generate(prompt, max_new_tokens=n, sampling=SamplingParams(1.0), generator=generator)
-        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-        accepted += result.stats.accepted_draft_tokens
+    counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # drafts were really accepted, not just AR in disguise
-    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
-    dof = len(law) - 1
-    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
-    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
-    assert tv < 0.07, tv
+    assert_follows_law(counts, law, runs, max_tv=0.07)
 
 
 # ----------------------------------------------------------------------------------------------- real model
