@@ -99,6 +99,7 @@ def run_record(name: str, bench: str, n_prompts: int, stats: GenerationStats) ->
         "draft_forwards": stats.draft_forwards, "drafted_tokens": stats.drafted_tokens,
         "rollback_rate": round(stats.rollback_rate, 4),
         "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
+        "accepted_hist": list(stats.accepted_hist),
     }
 
 
@@ -164,12 +165,14 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
-    from inference.report import acceptance_plot, markdown_table
+    from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "report.md").write_text(markdown_table(results))
     acceptance_plot(results, out / "acceptance.png")
+    speedup_plot(results, out / "speedup.png")
+    tau_distribution_plot(results, out / "tau_distribution.png")
 
 
 def _run(args: list[str]) -> Any:
@@ -181,7 +184,7 @@ def _run(args: list[str]) -> Any:
 
 def _report(cfg: Any) -> None:
     print(Path(cfg.out, "report.md").read_text())
-    print(f"wrote {cfg.out}/results.json, report.md, acceptance.png")
+    print(f"wrote {cfg.out}/results.json, report.md, acceptance.png, speedup.png, tau_distribution.png")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,3 +61,63 @@ def acceptance_plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _axes(figsize=(6, 4)):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(figsize=figsize)
+
+
+def speedup_plot(results: dict[str, Any], path: Path) -> None:
+    """Speedup over AR (same run) per algorithm, one bar group per bench."""
+    import numpy as np
+
+    plt, fig, ax = _axes((7, 4))
+    runs = [r for r in results["runs"] if r["algorithm"] != "ar"]
+    benches = list(dict.fromkeys(r["bench"] for r in runs))
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in runs))
+    width = 0.8 / max(len(benches), 1)
+    for j, bench in enumerate(benches):
+        values = [next((r.get("speedup_vs_ar") or 0.0 for r in runs
+                        if r["algorithm"] == a and r["bench"] == bench), 0.0) for a in algorithms]
+        ax.bar(np.arange(len(algorithms)) + j * width, values, width, label=bench)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(np.arange(len(algorithms)) + width * (len(benches) - 1) / 2, algorithms, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s ÷ AR tokens/s (same run)")
+    ax.set_title("Speedup over autoregressive decoding" if runs else "Speedup (only AR ran)")
+    if benches:
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def tau_distribution_plot(results: dict[str, Any], path: Path) -> None:
+    """Distribution of tokens emitted per verification round (accepted drafted tokens + 1) per algorithm."""
+    plt, fig, ax = _axes((6, 4))
+    merged: dict[str, list[int]] = {}
+    for run in results["runs"]:
+        hist = merged.setdefault(run["algorithm"], [])
+        for n, rounds in enumerate(run.get("accepted_hist") or []):
+            hist.extend([0] * (n + 1 - len(hist)))
+            hist[n] += rounds
+    plotted = 0
+    for name, hist in merged.items():
+        total = sum(hist)
+        if total:
+            ax.plot(range(1, len(hist) + 1), [h / total for h in hist], marker="o", label=name)
+            plotted += 1
+    ax.set_xlabel("tokens emitted in one verification round")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_title("Tokens per target forward" if plotted else "Tokens per target forward (no drafting algorithm ran)")
+    if plotted:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

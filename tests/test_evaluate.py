@@ -36,10 +36,12 @@ def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
     assert sps["new_tokens"] == ar["new_tokens"] == 16
     assert sps["target_forwards"] == 4 and sps["tau"] == 4.0 and sps["rollback_rate"] == 0.0
     assert sps["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert sps["accepted_hist"] == [0, 0, 0, 0, 3]  # three rounds kept all 4 drafted tokens
     assert set(results["speedup_vs_ar"]) == {"ar", "sps"} and results["speedup_vs_ar"]["ar"] == 1.0
     report = (tmp_path / "report.md").read_text()
     assert "| sps | mt_bench | 1 | 16 | 4.00 |" in report
-    assert (tmp_path / "acceptance.png").stat().st_size > 1000
+    for png in ("acceptance.png", "speedup.png", "tau_distribution.png"):
+        assert (tmp_path / png).stat().st_size > 1000
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -32,6 +32,7 @@ class GenerationStats:
     wall_s: float = 0.0
     accepted_at: list[int] = field(default_factory=list)  # [k]: rounds where draft position k+1 was accepted
     attempted_at: list[int] = field(default_factory=list)  # [k]: rounds where draft position k+1 was judged
+    accepted_hist: list[int] = field(default_factory=list)  # [n]: rounds that kept exactly n drafted tokens
 
     def record_round(self, drafted: int, accepted: int) -> None:
         """One verification of ``drafted`` chain tokens of which the first ``accepted`` were kept."""
@@ -39,6 +40,8 @@ class GenerationStats:
         self.drafted_tokens += drafted
         self.accepted_draft_tokens += accepted
         judged = min(accepted + 1, drafted)  # positions after the first rejection are never judged
+        self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
         self._grow(drafted)
         for k in range(judged):
             self.attempted_at[k] += 1
@@ -61,6 +64,9 @@ class GenerationStats:
         for k, (acc, att) in enumerate(zip(other.accepted_at, other.attempted_at)):
             self.accepted_at[k] += acc
             self.attempted_at[k] += att
+        self.accepted_hist.extend([0] * (len(other.accepted_hist) - len(self.accepted_hist)))
+        for n, rounds in enumerate(other.accepted_hist):
+            self.accepted_hist[n] += rounds
         return self
 
     @property
