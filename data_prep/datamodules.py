@@ -15,7 +15,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from data_prep.capture import HiddenCapture
 from data_prep.features import FeatureDataset, collate_features
@@ -23,8 +24,28 @@ from data_prep.layers import resolve_layers
 from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _shuffle_generator(seed: int) -> torch.Generator:
+    """The sampler's own generator. torchdata restores a shuffling generator to its state before the epoch's
+    permutation, but a loader also draws a worker base seed from its generator when an epoch starts, so sharing
+    one generator makes every epoch after a resume differ from the uninterrupted run. The one draw made here is
+    the base seed a plain ``DataLoader(generator=manual_seed(seed))`` drew before its first permutation, so the
+    first epoch keeps the order runs had before loaders became resumable."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return generator
+
+
+def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, seed: int = 0, num_workers: int = 0,
+                     collate_fn: Any = None) -> StatefulDataLoader:
+    """A DataLoader whose position inside an epoch (shuffle order + batches yielded) is in its ``state_dict``.
+
+    Lightning stores the train loader's ``state_dict`` in every checkpoint and loads it on resume, so a run resumed
+    mid-epoch continues with the very next batch. The own seeded generator keeps the order independent of the
+    global RNG (which the model's dropout consumes).
+    """
+    sampler = RandomSampler(dataset, generator=_shuffle_generator(seed)) if shuffle else None
+    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                              generator=torch.Generator().manual_seed(seed + 1), collate_fn=collate_fn)
 
 
 class FeatureDataModule(L.LightningDataModule):
@@ -46,18 +67,17 @@ class FeatureDataModule(L.LightningDataModule):
         if self.val_directory is not None and self.val_set is None:
             self.val_set = FeatureDataset(self.val_directory, **self.expect)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle,
-                          generator=_generator(self.seed), num_workers=self.num_workers,
-                          collate_fn=collate_features)
+        return resumable_loader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
+                                num_workers=self.num_workers, collate_fn=collate_features)
 
-    def val_dataloader(self) -> DataLoader | list:
+    def val_dataloader(self) -> StatefulDataLoader | list:
         self.setup()
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=collate_features)
+        return resumable_loader(self.val_set, batch_size=self.batch_size, seed=self.seed,
+                                num_workers=self.num_workers, collate_fn=collate_features)
 
 
 class OnlineFeatureDataModule(L.LightningDataModule):
@@ -99,7 +119,7 @@ class OnlineFeatureDataModule(L.LightningDataModule):
     def _collate(self, samples: list[TokenSample]) -> dict[str, torch.Tensor]:
         return collate_features(self.capture(samples))
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
-        return DataLoader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle,
-                          generator=_generator(self.seed), num_workers=0, collate_fn=self._collate)
+        return resumable_loader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
+                                collate_fn=self._collate)

@@ -45,11 +45,11 @@ class TrainerConfig:
     devices: Any = "auto"
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | fsdp | deepspeed_stage_2 | deepspeed_stage_3
-    precision: str = "auto"  # auto = bf16-mixed on CUDA, 32-true on CPU
+    precision: str = "auto"  # auto = bf16-mixed on CUDA, 32-true on CPU; half precision on CPU is refused
     accumulate_grad_batches: int = 1
     gradient_clip_val: float = 1.0
     log_every_n_steps: int = 10
-    checkpoint_every_n_steps: int = 100
+    checkpoint_every_n_steps: int = 100  # each writes stepN.ckpt and last.ckpt (atomically); resume=auto uses last
     monitor: str = "val/tau_sim"
     monitor_mode: str = "max"
 
@@ -73,3 +73,4 @@ class FitConfig:
 
 LOGGERS = ("csv", "wandb", "tensorboard")
 STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed")

@@ -6,18 +6,62 @@ offline, and from the prompt source's held-out eval split online, so validation 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 
+_WEIGHTLESS = False  # set by weightless_targets(): dry runs build targets without reading their weights
 
-@functools.lru_cache(maxsize=2)
+
+@contextlib.contextmanager
+def weightless_targets() -> Iterator[None]:
+    """Inside the block ``loaded_target`` returns the target built on the meta device: its config, tokenizer and
+    every tensor shape, but no weights read and no memory used, so a dry run validates an 8B recipe on a CPU."""
+    global _WEIGHTLESS
+    previous, _WEIGHTLESS = _WEIGHTLESS, True
+    try:
+        yield
+    finally:
+        _WEIGHTLESS = previous
+
+
 def loaded_target(name: str, max_len: int, batch_size: int, device: str = "auto"):
     """The target, loaded once per process and shared by the LightningModule and the online DataModule."""
+    if _WEIGHTLESS:
+        return _weightless_target(name)
+    return _loaded_target(name, max_len, batch_size, device)
+
+
+@functools.lru_cache(maxsize=2)
+def _loaded_target(name: str, max_len: int, batch_size: int, device: str):
+    import os
+
+    import torch
+
     from inference.drafters import load_lm
 
+    if device == "auto" and torch.cuda.is_available():
+        # Multi-GPU launchers start one process per GPU and set LOCAL_RANK: each rank's target on its own GPU.
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     return load_lm(name, device=device, max_seq_len=max_len, max_batch_size=batch_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _weightless_target(name: str):
+    """A ``LoadedModel`` whose model lives on the meta device and that has no runner (nothing can run)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from inference.drafters import LoadedModel
+    from spectrain.assets import load_tokenizer, resolve_model_dir
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(name))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return LoadedModel(str(name), None, load_tokenizer(name), model.eval())
 
 
 class TrainValDataModule(L.LightningDataModule):

@@ -4,22 +4,31 @@ Recipes are Hydra config-group options under ``recipes/recipe/``; the schema is 
 Overrides are checked before any work: an unknown key fails with one line naming it and the valid keys.
 A key may be given by its full path (``trainer.max_steps=50``) or, when unambiguous, by its last part
 (``max_steps=50``). The resolved recipe and the git commit are saved in ``runs/<run_name>/``.
+
+Resume is exact: every checkpoint (``trainer.checkpoint_every_n_steps``, written atomically) holds the weights,
+optimizer, scheduler, the train loader's position inside its epoch and the torch/numpy/python RNG states, so a run
+killed at any point and restarted with ``resume=auto`` continues as if it had never stopped.
+Modules named in ``SPECTRAIN_KIND_MODULES`` (comma-separated) are imported first, so drafter kinds defined outside
+spectrain register themselves.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from spectrain.config import LOGGERS, STRATEGIES, FitConfig
+from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
 from spectrain.overrides import OverrideError, leaf_keys, resolve_key, split_key_values
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +93,10 @@ def _validate(cfg: DictConfig, recipe: str) -> None:
         raise RecipeError(f"logger={cfg.logger} is not one of {', '.join(LOGGERS)}")
     if cfg.trainer.strategy not in STRATEGIES:
         raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} is not one of {', '.join(STRATEGIES)}")
+    if cfg.trainer.precision not in PRECISIONS:
+        raise RecipeError(f"trainer.precision={cfg.trainer.precision} is not one of {', '.join(PRECISIONS)}")
+    if cfg.trainer.checkpoint_every_n_steps < 1:
+        raise RecipeError(f"trainer.checkpoint_every_n_steps={cfg.trainer.checkpoint_every_n_steps} must be >= 1")
     try:
         kind = get_kind(cfg.kind)
     except ValueError as exc:
@@ -130,12 +143,14 @@ def run_dir(cfg: DictConfig) -> Path:
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest of ``last.ckpt`` and the ``step<N>.ckpt`` files. A kill between writing ``step<N>.ckpt`` and
+    ``last.ckpt`` leaves the step file newer. ``best.ckpt`` is never picked: it is written after validation, so it
+    is not where the next training step starts."""
     ckpt_dir = directory / "checkpoints"
-    last = ckpt_dir / "last.ckpt"
-    if last.is_file():
-        return last
-    ckpts = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return ckpts[-1] if ckpts else None
+    candidates = [p for p in ckpt_dir.glob("*.ckpt") if p.name == "last.ckpt" or
+                  (p.stem.startswith("step") and p.stem[len("step"):].isdigit())]
+    # On equal times last.ckpt wins; it holds the same state as the step file written just before it.
+    return max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"), default=None)
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
@@ -145,7 +160,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
         found = latest_checkpoint(run_dir(cfg))
         return str(found) if found else None
     path = Path(cfg.resume)
-    if not path.is_file():
+    if not path.exists():  # a file, or the directory DeepSpeed writes under the .ckpt name
         raise RecipeError(f"resume={cfg.resume}: no such checkpoint; use resume=auto or a path to a .ckpt file")
     return str(path)
 
@@ -166,23 +181,149 @@ def build_logger(cfg: DictConfig, directory: Path):
     return WandbLogger(project=cfg.wandb_project, name=cfg.run_name, save_dir=str(directory), offline=offline)
 
 
+def resolve_precision(precision: str, cuda: bool) -> str:
+    """The Lightning precision ``trainer.precision`` means on a machine with (``cuda``) or without CUDA.
+
+    ``auto`` is bf16 autocast (``bf16-mixed``) on CUDA and fp32 on CPU. Half precision on CPU is refused rather
+    than silently emulated: CPU autocast is slow and no CPU recipe is tuned for it."""
+    if precision == "auto":
+        return "bf16-mixed" if cuda else "32-true"
+    if not cuda and precision != "32-true":
+        raise RecipeError(f"trainer.precision={precision} needs a CUDA GPU and none is used here; "
+                          "use precision=auto (fp32 on CPU) or precision=32-true")
+    return precision
+
+
+def _uses_cuda(cfg: DictConfig) -> bool:
+    return cfg.trainer.accelerator in ("auto", "gpu", "cuda") and _cuda_available()
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """The torch, CUDA, numpy and python RNG states as tensors and plain Python values, which a
+    ``torch.load(weights_only=True)`` accepts (Lightning's own helper keeps numpy's array and is refused)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(),
+              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+    if _cuda_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`collect_rng_states` returned."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in states and _cuda_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+@functools.cache
+def resume_classes() -> tuple[type, type, type]:
+    """``(RngStateCallback, FinalStepCheckpoint, AtomicCheckpointIO)``, defined on first use: they subclass
+    Lightning classes, and importing Lightning costs seconds that ``--help`` and recipe errors should not pay."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class RngStateCallback(Callback):
+        """Saves the torch, numpy, python (and CUDA) RNG states in every checkpoint; on resume restores them right
+        before the first training batch, i.e. after the sanity check and data-loader setup that a fresh process
+        runs but the uninterrupted run did not. Exact as long as nothing draws from the global RNG between a
+        checkpoint and the next training step: ``resumable_loader`` loaders use their own generators and
+        validation in eval mode draws nothing.
+
+        Only rank 0's states are saved and every rank gets them back: ranks are seeded alike
+        (``seed_everything``), so their streams are identical unless a kind makes them draw differently."""
+
+        def __init__(self) -> None:
+            self._pending: dict[str, Any] | None = None
+
+        @property
+        def state_key(self) -> str:  # stable, so checkpoints keep restoring if this class moves
+            return "spectrain.rng_states"
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"rng": collect_rng_states()}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self._pending = state_dict.get("rng")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if self._pending is not None:
+                set_rng_states(self._pending)
+                self._pending = None
+
+    class FinalStepCheckpoint(Callback):
+        """Writes ``last.ckpt`` after the final step when ``max_steps`` is not a multiple of the checkpoint
+        interval, at the point periodic checkpoints are written: a checkpoint taken after ``fit`` returns marks
+        the epoch as finished, so a run extended from it would not continue the way an uninterrupted one does."""
+
+        def __init__(self, path: Path, every_n_steps: int) -> None:
+            self.path, self.every_n_steps = path, every_n_steps
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            step = trainer.global_step
+            # Once global_step reaches max_steps the loop stops: this is the batch that made the final step.
+            if step == trainer.max_steps and step % self.every_n_steps:
+                trainer.save_checkpoint(str(self.path))
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        """Writes a checkpoint to a temporary file in its own directory, fsyncs it and renames it over the final
+        name, so a process killed mid-write leaves the previous ``last.ckpt`` intact. (Lightning's own writer goes
+        through a temporary file in /tmp and ``shutil.move``, a copy when /tmp is another filesystem.)"""
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+            import torch
+
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # The temporary name does not end in .ckpt, so resume=auto never picks a half-written file.
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    torch.save(checkpoint, handle)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+    return RngStateCallback, FinalStepCheckpoint, AtomicCheckpointIO
+
+
 def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[Any] = ()):
     import lightning.pytorch as pl
-    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     trainer_cfg = cfg.trainer
-    precision = trainer_cfg.precision
-    if precision == "auto":
-        precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    precision = resolve_precision(trainer_cfg.precision, _uses_cuda(cfg))
+    # DeepSpeed writes its own sharded checkpoint directories; every other strategy goes through CheckpointIO.
+    rng_callback, final_checkpoint, atomic_io = resume_classes()
+    plugins = [] if trainer_cfg.strategy.startswith("deepspeed") else [atomic_io()]
     checkpoints = [
+        # No version counter: a resumed run overwrites last.ckpt instead of writing last-v1.ckpt beside it.
         ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="step{step}", auto_insert_metric_name=False,
-                        every_n_train_steps=trainer_cfg.checkpoint_every_n_steps, save_last=True, save_top_k=-1),
+                        every_n_train_steps=trainer_cfg.checkpoint_every_n_steps, save_last=True, save_top_k=-1,
+                        enable_version_counter=False),
     ]
     if trainer_cfg.monitor:
         checkpoints.append(ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="best",
                                            monitor=trainer_cfg.monitor, mode=trainer_cfg.monitor_mode,
-                                           save_top_k=1, auto_insert_metric_name=False))
+                                           save_top_k=1, auto_insert_metric_name=False,
+                                           enable_version_counter=False))
     return pl.Trainer(
         default_root_dir=str(directory),
         max_steps=trainer_cfg.max_steps,
@@ -198,7 +339,10 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
         gradient_clip_val=trainer_cfg.gradient_clip_val or None,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=build_logger(cfg, directory),
-        callbacks=[*checkpoints, *extra_callbacks],
+        callbacks=[*checkpoints, final_checkpoint(directory / "checkpoints" / "last.ckpt",
+                                                  trainer_cfg.checkpoint_every_n_steps),
+                   rng_callback(), *extra_callbacks],
+        plugins=plugins,
         enable_progress_bar=True,
     )
 
@@ -221,6 +365,28 @@ def build_strategy(name: str):
     return StrategyRegistry.get(name)
 
 
+def check_target(cfg: DictConfig) -> None:
+    """Fail with one line, before any work, when ``target`` is neither a registry name nor a model directory."""
+    from spectrain.assets import EMBEDDED_MODELS, AssetError, resolve_model_dir
+
+    if cfg.target in EMBEDDED_MODELS:
+        return
+    try:
+        resolve_model_dir(cfg.target)
+    except AssetError as exc:
+        raise RecipeError(f"target={cfg.target} is not usable: {exc}; pass target=/path/to/model_dir") from None
+
+
+def import_kind_modules(names: str | None = None) -> None:
+    """Import the out-of-tree drafter-kind modules named in ``SPECTRAIN_KIND_MODULES`` (comma-separated)."""
+    names = os.environ.get("SPECTRAIN_KIND_MODULES", "") if names is None else names
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise RecipeError(f"SPECTRAIN_KIND_MODULES names '{name}', which does not import: {exc}") from None
+
+
 def save_run_info(cfg: DictConfig, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, directory / "recipe.yaml", resolve=True)
@@ -228,33 +394,58 @@ def save_run_info(cfg: DictConfig, directory: Path) -> None:
     (directory / "run_info.json").write_text(json.dumps(info, indent=2))
 
 
+def trainable_params(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
+    """The kind's LightningModule and DataModule. A dry run builds them over a weightless (meta-device) target,
+    so validating an 8B recipe reads no weights; a kind that copies target weights into its drafter cannot be
+    built that way, and gets the real target instead (said in one line)."""
+    from spectrain.data import weightless_targets
+    from spectrain.registry import get_kind
+
+    kind = get_kind(cfg.kind)
+    if cfg.dry_run:
+        try:
+            with weightless_targets():
+                return kind.build_module(cfg), kind.build_datamodule(cfg)
+        except (RuntimeError, NotImplementedError) as exc:  # what operations on meta tensors raise
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            print(f"[spectrain] dry run: kind {cfg.kind} cannot be built without the target's weights ({reason}); "
+                  "loading them")
+    return kind.build_module(cfg), kind.build_datamodule(cfg)
+
+
 def fit(cfg: DictConfig) -> dict[str, Any]:
     """Train (or, with ``dry_run=true``, only build) the drafter a composed recipe describes."""
     import lightning.pytorch as pl
-
-    from spectrain.registry import get_kind
 
     gpu_only = cfg.trainer.strategy in GPU_ONLY_STRATEGIES and not _cuda_available()
     if gpu_only and not cfg.dry_run:
         raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} needs CUDA GPUs and none is visible; use "
                           "strategy=auto or ddp here, or dry_run=true to validate the recipe without GPUs")
+    check_target(cfg)
+    # Refuses half precision on CPU before any work (a GPU-only dry run checks what the GPUs will use).
+    precision = resolve_precision(cfg.trainer.precision, cuda=gpu_only or _uses_cuda(cfg))
     pl.seed_everything(cfg.seed, workers=True)
     directory = run_dir(cfg)
     ckpt_path = resume_checkpoint(cfg)
     save_run_info(cfg, directory)
-    kind = get_kind(cfg.kind)
-    module = kind.build_module(cfg)
-    datamodule = kind.build_datamodule(cfg)
+    module, datamodule = build_module_and_data(cfg)
     if gpu_only:  # dry run without GPUs: Lightning refuses a CPU Trainer for these; build the strategy alone
         strategy = build_strategy(cfg.trainer.strategy)
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and "
-              f"{type(strategy).__name__} (no GPU here, so no Trainer); nothing trained. Run dir: {directory}")
-        return {"run_dir": str(directory), "trained": False, "strategy": type(strategy).__name__}
+              f"{type(strategy).__name__} (no GPU here, so no Trainer; precision {precision} on the GPUs); "
+              f"nothing trained. Run dir: {directory}")
+        return {"run_dir": str(directory), "trained": False, "strategy": type(strategy).__name__,
+                "precision": precision, "trainable_params": trainable_params(module)}
     trainer = build_trainer(cfg, directory)
     if cfg.dry_run:
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
               f"nothing trained. Run dir: {directory}")
-        return {"run_dir": str(directory), "trained": False, "strategy": type(trainer.strategy).__name__}
+        return {"run_dir": str(directory), "trained": False, "strategy": type(trainer.strategy).__name__,
+                "precision": trainer.precision, "trainable_params": trainable_params(module)}
     if ckpt_path:
         print(f"[spectrain] resuming from {ckpt_path}")
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -269,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("available recipes:", ", ".join(available_recipes()))
         return 0
     try:
+        import_kind_modules()
         fit(compose_recipe(argv))
     except OverrideError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,11 +1,14 @@
-"""The recipe CLI: composition, one-line errors, run directory, resume=auto."""
+"""The recipe CLI: composition, one-line errors, run directory, resume=auto, strategies built by a dry run,
+precision mapping, and the GPU recipe eagle3_llama8b validated on CPU. (Exact resume: test_resume.py.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,9 +17,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from data_prep.datamodules import resumable_loader
 from spectrain import fit as fit_cli
 from spectrain.overrides import OverrideError, resolve_key
 from spectrain.registry import DrafterKind, register_kind
+from tiny_targets import save_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,20 +29,24 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass
 class ToyModelSchema:
     hidden: int = 8
+    dropout: float = 0.0  # > 0 makes the training steps consume the global RNG (what resume must restore)
+    step_seconds: float = 0.0  # a pause per step, so a test can kill the run between two checkpoints
 
 
 class ToyRegression(pl.LightningModule):
     """A real (tiny) model so the trainer, checkpoints and resume are exercised end to end."""
 
-    def __init__(self, hidden: int, lr: float):
+    def __init__(self, hidden: int, lr: float, dropout: float = 0.0, step_seconds: float = 0.0):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-        self.lr = lr
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(hidden, 1))
+        self.lr, self.step_seconds = lr, step_seconds
 
     def training_step(self, batch, _):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train/loss", loss)
+        time.sleep(self.step_seconds)
         return loss
 
     def validation_step(self, batch, _):
@@ -57,15 +66,15 @@ class ToyData(pl.LightningDataModule):
         self.batch_size = batch_size
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True)
+        return resumable_loader(self.dataset, batch_size=self.batch_size, shuffle=True, seed=0)
 
     def val_dataloader(self):
-        return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size)
+        return resumable_loader(self.dataset, batch_size=self.batch_size)
 
 
 register_kind(DrafterKind(
     name="toy_regression",
-    build_module=lambda cfg: ToyRegression(cfg.model.hidden, cfg.optim.lr),
+    build_module=lambda cfg: ToyRegression(cfg.model.hidden, cfg.optim.lr, cfg.model.dropout, cfg.model.step_seconds),
     build_datamodule=lambda cfg: ToyData(cfg.data.batch_size),
     model_schema=ToyModelSchema,
 ))
@@ -75,6 +84,8 @@ kind: toy_regression
 run_name: toy
 model:
   hidden: 8
+  dropout: 0.0
+  step_seconds: 0.0
 optim:
   lr: 0.05
 data:
@@ -160,7 +171,8 @@ def test_resume_path_must_exist(recipes, tmp_path):
 
 def test_dry_run_builds_without_training(recipes, tmp_path):
     result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "dry_run=true", "logger=tensorboard"))
-    assert result == {"run_dir": str(tmp_path / "toy"), "trained": False, "strategy": "SingleDeviceStrategy"}
+    assert result == {"run_dir": str(tmp_path / "toy"), "trained": False, "strategy": "SingleDeviceStrategy",
+                      "precision": "32-true", "trainable_params": 4 * 8 + 8 + 8 + 1}
     assert not (tmp_path / "toy" / "checkpoints").exists()
 
 
@@ -187,5 +199,76 @@ def test_gpu_only_strategies_fail_fast_on_cpu_and_dry_run_builds_the_strategy(re
         fit_cli.fit(cfg)
     result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "strategy=fsdp", "dry_run=true"))
     assert result["strategy"] == "FSDPStrategy" and not result["trained"]
+    assert result["precision"] == "bf16-mixed"  # precision=auto: what the GPUs will run
     assert fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "strategy=ddp", "dry_run=true",
                                "devices=1"))["strategy"] == "DDPStrategy"
+
+
+@pytest.mark.parametrize("precision, cuda, expected", [
+    ("auto", True, "bf16-mixed"), ("auto", False, "32-true"), ("bf16-mixed", True, "bf16-mixed"),
+    ("32-true", False, "32-true"), ("32-true", True, "32-true"), ("16-mixed", True, "16-mixed"),
+])
+def test_precision_maps_to_bf16_autocast_on_cuda_and_fp32_on_cpu(precision, cuda, expected):
+    assert fit_cli.resolve_precision(precision, cuda) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_half_precision_on_cpu_is_refused_before_any_work(recipes, tmp_path):
+    with pytest.raises(fit_cli.RecipeError) as info:
+        fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "precision=bf16-mixed"))
+    assert str(info.value) == ("trainer.precision=bf16-mixed needs a CUDA GPU and none is used here; use "
+                               "precision=auto (fp32 on CPU) or precision=32-true")
+    assert not (tmp_path / "toy").exists()
+    with pytest.raises(fit_cli.RecipeError, match="trainer.precision=fp8 is not one of auto, 32-true, bf16-mixed"):
+        compose(recipes, "recipe=toy", "precision=fp8")
+
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed (make install adds the [deepspeed] extra)")
+
+
+@needs_deepspeed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_strategies_are_built_by_a_dry_run(recipes, tmp_path, stage):
+    strategy = f"deepspeed_stage_{stage}"
+    with pytest.raises(fit_cli.RecipeError, match=f"trainer.strategy={strategy} needs CUDA GPUs"):
+        fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={strategy}"))
+    result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={strategy}",
+                                 "dry_run=true"))
+    assert result["strategy"] == "DeepSpeedStrategy" and not result["trained"]
+    assert fit_cli.build_strategy(strategy).config["zero_optimization"]["stage"] == stage
+
+
+@pytest.fixture()
+def llama8b_args(tmp_path: Path) -> list[str]:
+    """The real eagle3_llama8b recipe with a tiny local HF directory as the 8B target and a small prompt file."""
+    target = save_tiny_target(tmp_path / "Llama-3.1-8B-Instruct", layers=8, hidden=32)  # eagle3 layers need >= 8
+    source = write_jsonl(tmp_path / "chats.jsonl", 12)
+    return ["recipe=eagle3_llama8b", f"target={target}", f"source=jsonl:{source}", "n_samples=12",
+            "draft_vocab_size=256", f"runs_dir={tmp_path / 'runs'}"]
+
+
+@needs_deepspeed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_eagle3_llama8b_recipe_dry_runs_on_cpu_without_the_weights(llama8b_args, monkeypatch):
+    from spectrain import data
+
+    cfg = fit_cli.compose_recipe([*llama8b_args, "dry_run=true"])
+    assert (cfg.kind, cfg.trainer.strategy, cfg.trainer.precision, cfg.trainer.devices, cfg.logger) == (
+        "eagle3", "deepspeed_stage_2", "bf16-mixed", 8, "wandb")
+    monkeypatch.setattr(data, "_loaded_target", None)  # reading the target's weights would fail the dry run
+    result = fit_cli.fit(cfg)
+    assert result["strategy"] == "DeepSpeedStrategy" and result["precision"] == "bf16-mixed"
+    assert not result["trained"] and result["trainable_params"] > 0
+    assert fit_cli.OmegaConf.load(Path(result["run_dir"]) / "recipe.yaml").target == cfg.target
+
+
+def test_eagle3_llama8b_recipe_without_its_target_fails_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SPECTRAIN_LLAMA8B", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert fit_cli.main(["recipe=eagle3_llama8b", "dry_run=true", f"runs_dir={tmp_path}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: target=models/Llama-3.1-8B-Instruct is not usable: unknown model 'models/Llama-3.1-8B-Instruct'")
+    assert "pass target=/path/to/model_dir" in lines[0]
