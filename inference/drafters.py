@@ -19,6 +19,7 @@ from spectrain import assets
 
 if TYPE_CHECKING:
     from spectrain.drafters.eagle3 import Eagle3Drafter
+    from spectrain.drafters.specblock import SpecBlockDrafter
 
 
 def pick_device(device: str = "auto") -> str:
@@ -101,3 +102,54 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
     runner = target.runner
     drafter = ckpt.build(embed_weight=runner.embed_tokens.weight)
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
+
+
+def load_specblock(path: str, target: LoadedModel) -> SpecBlockDrafter:
+    """Load a SpecBlock native export onto ``target``'s device and dtype, sharing its token embedding. Refuses
+    (one line) a drafter trained for another target, hidden size, vocabulary or layer count."""
+    from spectrain.drafters.eagle3_layouts import same_target
+    from spectrain.drafters.specblock import build_drafter, read_native
+    from spectrain.export import target_record
+
+    config, tensors, block = read_native(path)
+    recorded = block.get("target")
+    if recorded is None:
+        raise ValueError(f"drafter '{path}' does not record its target; re-export it with its target record")
+    record = target_record(target.name)
+    if not same_target(recorded, record):
+        raise ValueError(f"drafter '{path}' was trained for target '{recorded.get('name')}' (config "
+                         f"{recorded.get('config_hash')}, weights {recorded.get('weights_hash')}), not "
+                         f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
+                         "drafter trained for this target")
+    if (config.vocab_size, config.target_hidden_size) != (target.runner.config.vocab_size,
+                                                          target.runner.config.hidden_size):
+        raise ValueError(f"drafter '{path}' expects vocab {config.vocab_size} / hidden {config.target_hidden_size} "
+                         f"but target '{target.name}' has {target.runner.config.vocab_size} / "
+                         f"{target.runner.config.hidden_size}: it was trained for another target")
+    if max(config.aux_layer_ids) >= record["num_hidden_layers"]:
+        raise ValueError(f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
+                         f"({record['num_hidden_layers']} layers) does not have")
+    runner = target.runner
+    drafter = build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight)
+    return drafter.to(device=runner.device, dtype=runner.dtype).eval()
+
+
+# What each algorithm drafter kind is loaded from: the export kind written by spectrain.export, and a hint.
+DRAFTER_KINDS: dict[str, tuple[str, str]] = {
+    "draft_lm": ("draft_lm", "a draft LM (an exported draft_lm or a HF directory sharing the target's tokenizer)"),
+    "features": ("eagle3", "an EAGLE-3 export of python -m spectrain.export for this target"),
+    "specblock": ("specblock", "a SpecBlock export of python -m spectrain.export for this target"),
+}
+
+
+def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "auto", max_seq_len: int = 2048,
+                 max_batch_size: int = 1) -> Any:
+    """The object an algorithm of drafter kind ``kind`` takes: a draft-LM runner, or a drafter module."""
+    if kind == "draft_lm":
+        return load_draft_lm(path, target, device=device, max_seq_len=max_seq_len,
+                             max_batch_size=max_batch_size).runner
+    if kind == "features":
+        return load_eagle3(path, target)
+    if kind == "specblock":
+        return load_specblock(path, target)
+    raise ValueError(f"unknown drafter kind '{kind}'; known: {', '.join(DRAFTER_KINDS)}")

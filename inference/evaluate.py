@@ -1,11 +1,17 @@
-"""``python -m inference.evaluate target=smollm2 drafter=PATH algorithms=[ar,sps] verifier=hsd bench=mt_bench ...``
+"""``python -m inference.evaluate target=smollm2 drafters=DIR algorithms=all bench=[mt_bench,humaneval] ...``
 
-``drafter=PATH`` is a draft LM for draft-LM algorithms (``sps``) or an EAGLE-3 export for ``eagle3_tree``; to run
-both kinds at once give the EAGLE-3 export as ``feature_drafter=PATH``.
+Drafters: ``drafters=DIR`` is a directory of exports (``python -m spectrain.export`` outputs, found by the kind
+their ``config.json`` records: draft_lm, eagle3, specblock, hrad). Each can also be named on its own, which wins
+over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``feature_drafter=PATH``
+(EAGLE-3), ``specblock_drafter=PATH``, ``hrad=PATH`` (SpecBranch's H-RAD; ``hrad=none`` for the ablation).
 
-Runs every listed algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so
-speedups compare like with like) and writes ``out/results.json``, ``out/report.md`` and ``out/acceptance.png``.
-MT-Bench prompts are the first user turn of each question.
+Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
+skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other
+options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,ssd@ssd_fallback=fast]``.
+
+Runs every algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so speedups
+compare like with like) and writes ``out/results.json``, ``out/report.md`` and PNGs (acceptance by position,
+speedup, tokens per round). MT-Bench prompts are the first user turn of each question.
 """
 
 from __future__ import annotations
@@ -23,22 +29,26 @@ from omegaconf import OmegaConf
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_eagle3, load_lm
+from inference.drafter_index import export_kind, find_exports
+from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
-USAGE = ("python -m inference.evaluate target=smollm2 drafter=PATH algorithms=[ar,sps] verifier=tokenwise "
+USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
          "bench=mt_bench n_prompts=N max_new_tokens=M temperature=T out=DIR")
 
 
 @dataclass
 class EvalConfig(AlgorithmOptions):
     target: str = "smollm2"
-    drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or an EAGLE-3 export
+    drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
+    drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
     feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
+    specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
+    batch_size: int = 1  # prompts per generate_batch call for algorithms that batch (ssd); the others run one by one
     max_new_tokens: int = 128
     warmup: bool = True
     out: str = "results/eval"
@@ -48,10 +58,13 @@ def parse_args(argv: Sequence[str]) -> Any:
     # Accept the singular forms users type (bench=mt_bench, algorithms=sps) for the list fields.
     argv = [_listify(arg, ("bench", "algorithms")) for arg in argv]
     cfg = parse_cli(argv, EvalConfig, USAGE)
-    for name in cfg.algorithms:
-        algorithm_class(name)  # unknown names fail here, before any model loads
-    if cfg.max_new_tokens < 1 or cfg.n_prompts < 1:
-        raise OverrideError("max_new_tokens and n_prompts must be >= 1")
+    for label in cfg.algorithms:
+        if label != "all":
+            base, overrides = parse_variant(label)
+            algorithm_class(base)  # unknown names and keys fail here, before any model loads
+            with_overrides(cfg, overrides, label)
+    if cfg.max_new_tokens < 1 or cfg.n_prompts < 1 or cfg.batch_size < 1:
+        raise OverrideError("max_new_tokens, n_prompts and batch_size must be >= 1")
     SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     return cfg
 
@@ -61,6 +74,73 @@ def _listify(arg: str, list_keys: tuple[str, ...]) -> str:
     if sep and key in list_keys and not value.startswith("["):
         return f"{key}=[{value}]"
     return arg
+
+
+def parse_variant(label: str) -> tuple[str, list[str]]:
+    """``sps@verifier=hsd@gamma=3`` -> ("sps", ["verifier=hsd", "gamma=3"])."""
+    base, *overrides = label.split("@")
+    for item in overrides:
+        if "=" not in item:
+            raise OverrideError(f"algorithm variant '{label}': '{item}' is not key=value; write NAME@key=value")
+    return base, overrides
+
+
+def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
+    """``cfg`` with a variant's options applied (validated against the schema, like any key=value)."""
+    if not overrides:
+        return cfg
+    if not OmegaConf.is_config(cfg):
+        cfg = OmegaConf.structured(cfg)
+    try:
+        variant = parse_cli(list(overrides), EvalConfig, USAGE)
+    except OverrideError as exc:
+        raise OverrideError(f"algorithm variant '{label}': {exc}") from None
+    merged = OmegaConf.merge(cfg, {k.split("=", 1)[0]: OmegaConf.select(variant, k.split("=", 1)[0])
+                                   for k in overrides})
+    return merged
+
+
+def drafter_paths(cfg: Any) -> dict[str, str]:
+    """Algorithm drafter kind (draft_lm | features | specblock | hrad) -> path: ``drafters=DIR`` first, then each
+    explicitly named drafter on top."""
+    by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
+    paths: dict[str, str] = {}
+    if cfg.drafters:
+        for export, path in find_exports(cfg.drafters).items():
+            paths[by_export.get(export, export)] = str(path)
+    if cfg.drafter:
+        paths[by_export.get(export_kind(Path(cfg.drafter)) or "draft_lm", "draft_lm")] = cfg.drafter
+    if cfg.feature_drafter:
+        paths["features"] = cfg.feature_drafter
+    if cfg.specblock_drafter:
+        paths["specblock"] = cfg.specblock_drafter
+    if cfg.hrad not in ("auto", "none"):
+        paths["hrad"] = cfg.hrad
+    return paths
+
+
+def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[str, str]]:
+    """The run's algorithm labels (``ar`` first) and, for ``all``, the skipped ones with why."""
+    labels, skipped = ["ar"], {}
+    for label in cfg.algorithms:
+        if label == "all":
+            for name in ALGORITHMS:
+                kind = algorithm_class(name).drafter
+                if kind == "none" or kind in available:
+                    labels.append(name)
+                else:
+                    skipped[name] = f"needs {DRAFTER_KINDS[kind][1]}"
+        else:
+            labels.append(label)
+    labels = list(dict.fromkeys(labels))
+    missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
+    missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
+    if missing:
+        first, kind = next(iter(missing.items()))
+        option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter"}[kind]
+        raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
+                            f"add {option}=PATH or drafters=DIR (a directory of exports)")
+    return labels, skipped
 
 
 @dataclass
@@ -80,13 +160,16 @@ def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress
     stats, outputs = GenerationStats(), []
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    for ids in prompts.ids:
-        result = algorithm.generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                                    generator=generator, eos_ids=eos)
-        stats.merge(result.stats)
-        outputs.append(result.tokens)
+    batch = getattr(cfg, "batch_size", 1) if hasattr(algorithm, "generate_batch") else 1
+    for start in range(0, len(prompts.ids), batch):
+        chunk = prompts.ids[start:start + batch]
+        kw = {"max_new_tokens": cfg.max_new_tokens, "sampling": sampling, "generator": generator, "eos_ids": eos}
+        results = algorithm.generate_batch(chunk, **kw) if batch > 1 else [algorithm.generate(chunk[0], **kw)]
+        for result in results:
+            stats.merge(result.stats)
+            outputs.append(result.tokens)
         if progress is not None:
-            progress.update(1)
+            progress.update(len(chunk))
             progress.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}", tau=f"{stats.tau:.2f}")
     return stats, outputs
 
@@ -104,30 +187,36 @@ def run_record(name: str, bench: str, n_prompts: int, stats: GenerationStats) ->
 
 
 def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
-             features=None) -> dict[str, Any]:
+             features=None, specblock=None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
-    ``draft`` / ``features`` (an EAGLE-3 drafter module) replace loading them from ``cfg``."""
+    ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` replace loading them from ``cfg``."""
     from tqdm.auto import tqdm
 
-    names = ["ar"] + [a for a in cfg.algorithms if a != "ar"]
-    kinds = {n: algorithm_class(n).drafter for n in names}
-    needs_draft, needs_features = "draft_lm" in kinds.values(), "features" in kinds.values()
-    if needs_draft and not cfg.drafter and draft is None:
-        raise OverrideError(f"algorithms {[n for n in names if kinds[n] == 'draft_lm']} need a "
-                            "draft LM: add drafter=PATH")
-    feature_path = cfg.feature_drafter or (None if needs_draft else cfg.drafter)
-    if needs_features and not feature_path and features is None:
-        raise OverrideError(f"algorithms {[n for n in names if kinds[n] == 'features']} need an EAGLE-3 export: add "
-                            "drafter=PATH (feature_drafter=PATH when a draft LM is also given)")
-    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-    if needs_draft and draft is None:
-        draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-    if needs_features and features is None:
-        features = load_eagle3(feature_path, target)
+    paths = drafter_paths(cfg)
+    preloaded = {"draft_lm": draft.runner if isinstance(draft, LoadedModel) else draft, "features": features,
+                 "specblock": specblock}
+    available = {kind for kind, obj in preloaded.items() if obj is not None} | set(paths)
+    labels, skipped = select_algorithms(cfg, available)
+    for name, why in skipped.items():
+        print(f"[evaluate] skipping {name}: it {why}", file=sys.stderr)
+    needed = {algorithm_class(parse_variant(label)[0]).drafter for label in labels} - {"none"}
+    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
+                               max_batch_size=cfg.batch_size)
+    drafters = {kind: preloaded[kind] if preloaded.get(kind) is not None else
+                load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
+                             max_batch_size=cfg.batch_size) for kind in needed}
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    drafters = {"draft_lm": draft.runner if draft else None, "features": features}
-    algorithms = {n: build_algorithm(n, target.runner, drafters.get(kinds[n]),
-                                     **algorithm_class(n).options_from_config(cfg)) for n in names}
+    # Algorithms that rebuild a drafter elsewhere (a draft process) read its path from cfg.
+    resolved = OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
+                               {"drafter": paths.get("draft_lm"),
+                                "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
+    algorithms = {}
+    for label in labels:
+        name, overrides = parse_variant(label)
+        variant_cfg = with_overrides(resolved, overrides, label)
+        kind = algorithm_class(name).drafter
+        algorithms[label] = build_algorithm(name, target.runner, drafters.get(kind),
+                                            **algorithm_class(name).options_from_config(variant_cfg))
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 
     if cfg.warmup:  # first calls pay for allocation and kernel selection; keep them out of the timings
@@ -136,13 +225,15 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
                                eos_ids=eos)
 
     runs, totals, ar_outputs = [], {}, {}
-    total = len(names) * sum(len(b.ids) for b in benches)
+    total = len(labels) * sum(len(b.ids) for b in benches)
     with tqdm(total=total, desc="evaluate", unit="prompt", file=sys.stderr) as progress:
         for prompts in benches:
             for name, algorithm in algorithms.items():
                 progress.set_description(f"{name}/{prompts.bench}")
+                algorithm.extra_metrics()  # starts this run's period (drops warm-up figures)
                 stats, outputs = run_one(algorithm, prompts, cfg, eos, progress)
                 record = run_record(name, prompts.bench, len(prompts.ids), stats)
+                record.update(algorithm.extra_metrics())
                 if cfg.temperature == 0:
                     if name == "ar":
                         ar_outputs[prompts.bench] = outputs
@@ -150,6 +241,8 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
                 runs.append(record)
                 totals.setdefault(name, GenerationStats()).merge(stats)
 
+    for algorithm in algorithms.values():
+        getattr(algorithm, "close", lambda: None)()  # executors with a draft process or thread
     ar_rate = totals["ar"].tokens_per_s
     for record in runs:
         base = next(r for r in runs if r["algorithm"] == "ar" and r["bench"] == record["bench"])
@@ -158,6 +251,7 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
         "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else dict(cfg),
         "device": str(target.runner.device),
         "runs": runs,
+        "skipped": skipped,
         "speedup_vs_ar": {n: round(s.tokens_per_s / ar_rate, 4) if ar_rate else None for n, s in totals.items()},
     }
     write_outputs(results, Path(cfg.out))

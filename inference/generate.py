@@ -1,7 +1,8 @@
 """``python -m inference.generate target=smollm2 algorithm=ar prompt="..."`` — stream one answer.
 
 The prompt is a single user message rendered with the target's chat template. Draft-LM algorithms take
-``drafter=PATH`` (a draft LM); ``eagle3_tree`` takes ``drafter=PATH`` (an EAGLE-3 export). Statistics (tokens/s,
+``drafter=PATH`` (a draft LM); ``eagle3_tree`` and ``specblock_tree`` take ``drafter=PATH`` (their export).
+Statistics (tokens/s,
 τ) are printed to stderr after the answer.
 """
 
@@ -17,7 +18,7 @@ import torch
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafters import LoadedModel, eos_token_ids, load_draft_lm, load_eagle3, load_lm
+from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
@@ -75,14 +76,11 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     apply_threads(cfg)
     cls = algorithm_class(cfg.algorithm)
     if cls.drafter != "none" and not cfg.drafter:
-        kind = "a draft LM" if cls.drafter == "draft_lm" else "an EAGLE-3 export"
-        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {kind}: add drafter=PATH")
+        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[cls.drafter][1]}: add drafter=PATH")
     target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
     draft = None
-    if cls.drafter == "draft_lm":
-        draft = load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-    elif cls.drafter == "features":
-        draft = load_eagle3(cfg.drafter, target)
+    if cls.drafter != "none":
+        draft = load_drafter(cls.drafter, cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
     return cfg, generate_text(cfg, target, draft, on_tokens=TextStreamer(target.tokenizer))
 
 

@@ -159,6 +159,19 @@ def export(cfg: Any) -> Path:
     source = cfg.ckpt or cfg.import_path
     if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "draft_lm":
         return export_draft_lm_checkpoint(Path(cfg.ckpt), cfg)
+    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "hrad":
+        from spectrain.modules.hrad import export_hrad_checkpoint
+
+        return export_hrad_checkpoint(Path(cfg.ckpt), cfg)
+    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "specblock":
+        from spectrain.modules.specblock import export_specblock_checkpoint
+
+        return export_specblock_checkpoint(Path(cfg.ckpt), cfg)
+    reference = Path(cfg.import_path or "") / "config.json"  # the SpecBlock reference release's config
+    if cfg.import_path and reference.is_file() and "diffspec_draft_token_num" in json.loads(reference.read_text()):
+        from spectrain.modules.specblock import import_specblock_reference
+
+        return import_specblock_reference(Path(cfg.import_path), cfg)
     loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
     metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
     return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,

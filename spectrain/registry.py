@@ -14,6 +14,8 @@ from typing import Any
 KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import time
     "spectrain.modules.draft_lm",
     "spectrain.modules.eagle3",
+    "spectrain.modules.specblock",
+    "spectrain.modules.hrad",
 ]
 
 

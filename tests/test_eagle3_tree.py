@@ -207,7 +207,7 @@ def test_tree_mask_positions_and_pruning():
 
 def test_bad_drafters_and_options_are_one_line_errors(setup):
     target, _, _, _ = setup
-    with pytest.raises(ValueError, match="needs a feature-conditioned drafter: pass drafter=PATH"):
+    with pytest.raises(ValueError, match="needs an EAGLE-3 export of python -m spectrain.export for this target: pass drafter=PATH"):
         build_algorithm("eagle3_tree", runner(target))
     with pytest.raises(ValueError, match="drafter vocab_size 50 differs from the target's 97"):
         build_algorithm("eagle3_tree", runner(target), random_drafter(tiny_llama(2, vocab=50), draft_vocab=20))
@@ -248,8 +248,8 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["algorithms=eagle3_tree", "n_prompts=1"], "need an EAGLE-3 export: add drafter=PATH"),
-    (["algorithms=[sps,eagle3_tree]", "drafter=/some/draft_lm", "n_prompts=1"], "feature_drafter=PATH when a draft LM"),
+    (["algorithms=eagle3_tree", "n_prompts=1"], "'eagle3_tree' needs an EAGLE-3 export"),
+    (["algorithms=[sps,eagle3_tree]", "drafter=/some/draft_lm", "n_prompts=1"], "add feature_drafter=PATH or drafters=DIR"),
 ])
 def test_evaluate_names_the_missing_eagle3_export(args, needle, capsys, tmp_path):
     from inference import evaluate as evaluate_cli
@@ -263,4 +263,5 @@ def test_generate_names_the_missing_eagle3_export(capsys):
     from inference import generate as generate_cli
 
     assert generate_cli.main(["algorithm=eagle3_tree", "prompt=hi"]) == 2
-    assert "algorithm 'eagle3_tree' needs an EAGLE-3 export: add drafter=PATH" in capsys.readouterr().err
+    assert "algorithm 'eagle3_tree' needs an EAGLE-3 export of python -m spectrain.export for this target: add " \
+        "drafter=PATH" in capsys.readouterr().err

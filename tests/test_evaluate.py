@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from inference import evaluate as evaluate_cli
 from inference import generate as generate_cli
 from inference.drafters import LoadedModel, load_draft_lm
+from spectrain.overrides import OverrideError
 from inference.runner import ModelRunner
 
 
@@ -47,7 +48,7 @@ def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["algorithms=[ar,nope]"], "unknown algorithm 'nope'; available: ar, sps"),
     (["algoritms=[ar]"], "unknown key 'algoritms' (did you mean 'algorithms'?)"),
-    (["algorithms=[sps]", "n_prompts=1"], "need a draft LM: add drafter=PATH"),
+    (["algorithms=[sps]", "n_prompts=1"], "'sps' needs a draft LM"),
     (["temperature=-1"], "temperature must be a finite number >= 0"),
     (["target=/no/such/model"], "unknown model '/no/such/model'"),
 ])
@@ -105,3 +106,61 @@ def test_every_algorithm_reads_its_options_from_both_clis(name):
     gen_cfg = generate_cli.parse_cli(["prompt=hi", "gamma=3", "tree_depth=2", "self_draft_L=5"],
                                      generate_cli.GenerateConfig, generate_cli.USAGE)
     assert cls.options_from_config(eval_cfg) == cls.options_from_config(gen_cfg)
+
+
+def _fake_export(path, kind: str):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"spectrain": {"kind": kind}}))
+    return path
+
+
+def test_drafters_dir_is_indexed_by_export_kind_and_explicit_paths_win(tmp_path):
+    for kind in ("draft_lm", "eagle3", "specblock", "hrad"):
+        _fake_export(tmp_path / "exports" / kind, kind)
+    cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", "algorithms=all"])
+    paths = evaluate_cli.drafter_paths(cfg)
+    assert {k: p.rsplit("/", 1)[-1] for k, p in paths.items()} == {
+        "draft_lm": "draft_lm", "features": "eagle3", "specblock": "specblock", "hrad": "hrad"}
+    other = _fake_export(tmp_path / "other_e3", "eagle3")
+    cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", f"drafter={other}"])
+    assert evaluate_cli.drafter_paths(cfg)["features"] == str(other)  # drafter=PATH goes by the export's kind
+
+
+def test_two_exports_of_one_kind_are_refused(tmp_path):
+    _fake_export(tmp_path / "a", "eagle3")
+    _fake_export(tmp_path / "b", "eagle3")
+    cfg = evaluate_cli.parse_args([f"drafters={tmp_path}"])
+    with pytest.raises(ValueError, match="holds 2 'eagle3' exports"):
+        evaluate_cli.drafter_paths(cfg)
+
+
+def test_all_runs_what_the_drafters_allow_and_says_what_it_skipped():
+    cfg = evaluate_cli.parse_args(["algorithms=all"])
+    labels, skipped = evaluate_cli.select_algorithms(cfg, {"draft_lm"})
+    assert labels[0] == "ar" and {"sps", "self_draft", "pearl", "specbranch", "ssd"} <= set(labels)
+    assert set(skipped) == {"eagle3_tree", "specblock_tree"} and "EAGLE-3 export" in skipped["eagle3_tree"]
+    cfg = evaluate_cli.parse_args(["algorithms=[sps,eagle3_tree]"])
+    with pytest.raises(OverrideError, match="'eagle3_tree' needs an EAGLE-3 export"):
+        evaluate_cli.select_algorithms(cfg, {"draft_lm"})
+
+
+@pytest.mark.parametrize("variant, needle", [
+    ("sps@verifier", "'verifier' is not key=value"),
+    ("sps@verifer=hsd", "unknown key 'verifer' (did you mean 'verifier'?)"),
+    ("nope@gamma=2", "unknown algorithm 'nope'"),
+])
+def test_bad_variants_fail_before_loading(variant, needle, tmp_path, capsys):
+    assert evaluate_cli.main([f"algorithms=[{variant}]", f"out={tmp_path}"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_variants_run_side_by_side_with_their_own_options(smollm2, tmp_path):
+    cfg = evaluate_cli.parse_args(["algorithms=[sps,sps@verifier=hsd@gamma=2]", "bench=mt_bench", "n_prompts=1",
+                                   "max_new_tokens=12", "gamma=4", f"out={tmp_path}", "warmup=false"])
+    results = evaluate_cli.evaluate(cfg, target=loaded(smollm2), draft=loaded(smollm2))
+    labels = [r["algorithm"] for r in results["runs"]]
+    assert labels == ["ar", "sps", "sps@verifier=hsd@gamma=2"]
+    sps, variant = results["runs"][1:]
+    assert sps["greedy_equal_to_ar"] and variant["greedy_equal_to_ar"]
+    assert len(sps["acceptance_by_position"]) == 4 and len(variant["acceptance_by_position"]) == 2  # its own gamma

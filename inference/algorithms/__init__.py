@@ -10,6 +10,10 @@ ALGORITHMS: dict[str, str] = {
     "sps": "inference.algorithms.sps:SpeculativeSampling",
     "eagle3_tree": "inference.algorithms.eagle3_tree:Eagle3Tree",
     "self_draft": "inference.algorithms.self_draft:SelfDraft",
+    "pearl": "inference.algorithms.pearl:Pearl",
+    "specbranch": "inference.algorithms.specbranch:SpecBranch",
+    "specblock_tree": "inference.algorithms.specblock_tree:SpecBlockTree",
+    "ssd": "inference.algorithms.ssd:SSD",
 }
 
 
@@ -21,17 +25,14 @@ def algorithm_class(name: str):
 
 
 def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter (a draft LM, or a feature-conditioned drafter such as
-    EAGLE-3) refuses to start without one."""
+    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3 or a SpecBlock drafter) refuses
+    to start without one."""
+    from inference.drafters import DRAFTER_KINDS
+
     cls = algorithm_class(name)
-    if cls.drafter == "draft_lm":
-        if draft is None:
-            raise ValueError(f"algorithm '{name}' needs a draft LM: pass drafter=PATH (an exported draft LM or a "
-                             "HF model directory sharing the target's tokenizer)")
-        return cls(target, draft, **options)
-    if cls.drafter == "features":
-        if draft is None:
-            raise ValueError(f"algorithm '{name}' needs a feature-conditioned drafter: pass drafter=PATH (an "
-                             "EAGLE-3 export of python -m spectrain.export for this target)")
-        return cls(target, draft, **options)
-    return cls(target, **options)
+    if cls.drafter == "none":
+        return cls(target, **options)
+    if draft is None:
+        raise ValueError(f"algorithm '{name}' needs {DRAFTER_KINDS[cls.drafter][1]}: pass drafter=PATH or "
+                         "drafters=DIR (a directory of exports)")
+    return cls(target, draft, **options)

@@ -129,7 +129,7 @@ class Algorithm(ABC):
     """A lossless decoding algorithm. Subclasses declare which drafter they need and implement ``_generate``."""
 
     name: ClassVar[str]
-    drafter: ClassVar[str] = "none"  # none | draft_lm | features
+    drafter: ClassVar[str] = "none"  # none | draft_lm | features (EAGLE-3) | specblock
 
     def __init__(self, target, *, max_seq_len: int | None = None):
         self.target = target
@@ -138,6 +138,11 @@ class Algorithm(ABC):
     @classmethod
     def options_from_config(cls, cfg) -> dict:
         """Constructor keyword arguments taken from an evaluate/generate config (override per algorithm)."""
+        return {}
+
+    def extra_metrics(self) -> dict:
+        """Algorithm-specific figures for the evaluation record of the runs since the previous call (e.g. an
+        executor's simulated-overlap timing); each call starts a new period. Default: none."""
         return {}
 
     def lookahead(self) -> int:

@@ -18,6 +18,10 @@ in it:
    rows, and the drafter's cache drops the tree rows.
 
 ``tree_total`` counts the tokens of the verification forward INCLUDING the root (EAGLE's ``total_token``).
+
+``adapt=bandit`` (``spectrain.adapt``): after every verification the adapter receives the committed rows (their
+features and the target's logits) and the drafter's distribution at the rejected position; after the query it
+may update the drafter in place. The verifier and the emitted tokens are untouched, so output stays lossless.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.sampling import SamplingParams, sample
+from inference.algorithms.feature_drafting import FeatureDrafting
+from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
 from inference.verify import tree_walk
 
@@ -44,13 +49,15 @@ def check_drafter_fits(target, drafter) -> None:
                          f"{target.num_layers}-layer target")
 
 
-class Eagle3Tree(Algorithm):
+class Eagle3Tree(FeatureDrafting, Algorithm):
     name = "eagle3_tree"
     drafter = "features"
 
     def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, adapt: str = "none", adapt_settings=None):
         super().__init__(target, max_seq_len=max_seq_len)
+        if adapt not in ("none", "bandit"):
+            raise ValueError(f"adapt={adapt} is unknown; use adapt=none or adapt=bandit")
         if tree_depth < 1 or tree_topk < 1 or tree_total < 2:
             raise ValueError(f"need tree_depth >= 1, tree_topk >= 1 and tree_total >= 2 (root + one node), got "
                              f"{tree_depth}, {tree_topk}, {tree_total}")
@@ -58,17 +65,25 @@ class Eagle3Tree(Algorithm):
         self.drafter = drafter.eval()
         self.tree_depth, self.tree_topk, self.tree_total = tree_depth, tree_topk, tree_total
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
+        self.adapter = None
+        if adapt == "bandit":  # measures its costs now (start-up), on this target and drafter
+            from spectrain.adapt.adapter import AdaptSettings
+            from spectrain.adapt.engine import build_adapter
+
+            self.adapter = build_adapter(target, drafter, adapt_settings or AdaptSettings(),
+                                         verify_tokens=tree_total, max_accept=tree_depth + 1)
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:
-        return {"tree_depth": cfg.tree_depth, "tree_topk": cfg.tree_topk, "tree_total": cfg.tree_total}
+        options = {"tree_depth": cfg.tree_depth, "tree_topk": cfg.tree_topk, "tree_total": cfg.tree_total}
+        if getattr(cfg, "adapt", "none") != "none":
+            from spectrain.adapt.adapter import AdaptSettings
+
+            options.update(adapt=cfg.adapt, adapt_settings=AdaptSettings.from_options(cfg))
+        return options
 
     def lookahead(self) -> int:
         return self.tree_total
-
-    def _features(self, output) -> torch.Tensor:
-        """[1, T, 3·H_t]: the aux layers concatenated in the drafter's order, in the drafter's dtype."""
-        return torch.cat([output.hidden[i] for i in self.aux_layers], dim=-1).to(self.drafter.fc.weight.dtype)
 
     def _generate(
         self,
@@ -80,16 +95,13 @@ class Eagle3Tree(Algorithm):
     ) -> None:
         target, drafter = self.target, self.drafter
         device = target.device
-        target.reset(1)
         cache = drafter.new_cache(self.max_seq_len + self.tree_topk * self.tree_depth)
-        output = target.forward(as_batch(prompt_ids, device), capture_layers=self.aux_layers, only_last_logits=True)
-        stats.target_forwards += 1
-        root = int(sample(sampling.warp(output.logits[0, -1]), generator))
-        out.extend([root])
-        # Rows the drafter has not read yet: features of positions committed - len .. committed - 1, each paired
-        # with the token that follows it.
-        features, next_tokens = self._features(output), prompt_ids[1:] + [root]
+        start = self._prefill(prompt_ids, out, sampling, generator, stats)
+        output, root, features, next_tokens = start.output, start.root, start.features, start.next_tokens
         committed = len(prompt_ids)
+        adapter = self.adapter
+        if adapter is not None:
+            adapter.begin_query(prompt_ids, features[0], output.logits[0, -1], max_accept=self.tree_depth + 1)
 
         while not out.done:
             first_row = committed - len(next_tokens)
@@ -98,7 +110,8 @@ class Eagle3Tree(Algorithm):
                                 torch.arange(first_row, committed, device=device)[None], cache)
             stats.draft_forwards += 1
             depth = max(1, min(self.tree_depth, out.remaining - 1))  # never draft past the token budget
-            tree = self._grow_tree(step.logits[0, -1], step.hidden[0, -1], committed, cache, depth, stats)
+            expanded: dict[int, torch.Tensor] | None = None if adapter is None else {}
+            tree = self._grow_tree(step.logits[0, -1], step.hidden[0, -1], committed, cache, depth, stats, expanded)
 
             tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
             output = target.forward(tokens, positions=tree.positions(committed, device)[None],
@@ -114,12 +127,28 @@ class Eagle3Tree(Algorithm):
             emitted = walk.tokens.tolist()
             out.extend(emitted)
             features, next_tokens = self._features(output)[:, kept_rows], emitted
+            if adapter is not None:
+                self._observe(tree, walk, root, features[0], output.logits[0, kept_rows], expanded)
             committed += len(kept_rows)
             root = emitted[-1]
+        if adapter is not None:
+            adapter.end_query(root)
+
+    def _observe(self, tree: DraftTree, walk, root: int, features: torch.Tensor, target_logits: torch.Tensor,
+                 expanded: dict[int, torch.Tensor]) -> None:
+        """Hand the adapter this round's committed rows and, where the walk stopped at a node with drafted
+        children, the drafter's distribution there with the target's token (the rejected position)."""
+        end = walk.path[-1] if walk.path else -1
+        drafted_below = any(parent == end for parent in tree.parents)
+        rejected = (expanded[end], int(walk.tokens[-1])) if drafted_below and end in expanded else None
+        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], features, target_logits,
+                                   walk.num_accepted, rejected)
 
     def _grow_tree(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, committed: int, cache,
-                   depth: int, stats: GenerationStats) -> DraftTree:
-        """EAGLE-2 dynamic expansion by cumulative draft log-probability, then reranking to ``tree_total - 1``."""
+                   depth: int, stats: GenerationStats, expanded: dict[int, torch.Tensor] | None = None) -> DraftTree:
+        """EAGLE-2 dynamic expansion by cumulative draft log-probability, then reranking to ``tree_total - 1``.
+        ``expanded`` (a dict, for the adapter) receives the draft logits of every kept expanded node by its
+        index in the returned tree (-1: the root)."""
         drafter, device = self.drafter, root_hidden.device
         k = min(self.tree_topk, drafter.config.draft_vocab_size)
         best = _log_probs(root_logits).topk(k)
@@ -145,6 +174,8 @@ class Eagle3Tree(Algorithm):
             for row, node in enumerate(frontier):
                 cache_row[node] = cached + row
 
+            if expanded is not None:
+                expanded.update({node: step.logits[0, row] for row, node in enumerate(frontier)})
             children = _log_probs(step.logits[0]).topk(k, dim=-1)  # [width, k]
             child_scores = torch.tensor([scores[n] for n in frontier], device=device)[:, None] + children.values
             first_child = len(draft_ids)
@@ -158,6 +189,12 @@ class Eagle3Tree(Algorithm):
             frontier_hidden = step.hidden[0][order // k]
 
         kept = keep_best(scores, parents, self.tree_total - 1)
+        if expanded is not None:  # re-key by index in the kept tree
+            index = {node: i for i, node in enumerate(kept)}
+            logits_by_node = dict(expanded)
+            expanded.clear()
+            expanded.update({index[n]: row for n, row in logits_by_node.items() if n in index})
+            expanded[-1] = root_logits
         target_ids = drafter.to_target_ids(torch.tensor(draft_ids, device=device)).tolist()
         return subtree(target_ids, parents, depths, kept)
 

@@ -19,6 +19,32 @@ class AlgorithmOptions:
     tree_depth: int = 6  # longest drafted path
     tree_topk: int = 8  # children per expanded node, and nodes expanded per level
     tree_total: int = 48  # tokens per verification forward, root included
+    # serving-time drafter adaptation (eagle3_tree, specblock_tree; spectrain.adapt.AdaptSettings documents each)
+    adapt: str = "none"  # none | bandit
+    adapt_arms: str = "head,full"
+    adapt_horizon: int = 1024
+    adapt_prior: float = 0.3
+    adapt_ucb_c: float = 0.5
+    adapt_bins: int = 4
+    adapt_ema: float = 0.3
+    adapt_head_steps: int = 4
+    adapt_head_lr: float = 1e-3
+    adapt_full_steps: int = 2
+    adapt_full_lr: float = 3e-4
+    adapt_clip: float = 1.0
+    adapt_min_gap: int = 2
+    adapt_patience: int = 2
+    adapt_watch: int = 4
+    adapt_rollback_to: str = "last"
+    adapt_max_rows: int = 384
+    adapt_buffer: int = 1
+    adapt_ttt_steps: int = 3
+    adapt_step_weight: float = 0.8
+    adapt_signal_floor: float = 1e-6
+    adapt_cost_rows: int = 256
+    adapt_cost_cache: str | None = "~/.cache/spectrain/adapt_costs.json"
+    adapt_log: str | None = None  # DIR: decisions.csv + trace records for python -m spectrain.adapt.replay
+    adapt_wandb: str | None = None  # wandb project for the decision log
     # self_draft
     self_draft_L: int = 6  # branch length L (draft levels per branch = L - 2)
     self_draft_N: int = 6  # number of draft branches N
@@ -27,6 +53,27 @@ class AlgorithmOptions:
     self_draft_verify_branches: bool = True  # also accept tokens from the branches (lossless)
     ngram_corpus: str | None = None  # corpus cache file from python -m data_prep.ngram_corpus
     compat_original_cap: bool = False  # the original's counting (no bonus token), for the paper's DE
+    # specblock_tree (§1.6 released defaults)
+    specblock_width: int = 10  # W: block-1 slot-0 width; leaf beam for rounds after block 2
+    specblock_budget: int = 90  # N: tree nodes, root excluded
+    specblock_widths: list[int] | None = None  # TOPK[rank bucket]; None = the drafter's ([2, 4, 6, 4])
+    specblock_blocks: int = 2  # N_blk_inf: blocks per tree
+    specblock_prob_caps: bool = True  # confidence caps on the widths
+    # pearl, specbranch (draft side overlapped with the target; they use gamma too)
+    executor: str = "sequential"  # sequential | cuda_streams | multiprocess (inference.executors)
+    # specbranch: H-RAD export PATH; none = confidence cut every round ("w/o H-RAD"); auto = the H-RAD export of
+    # evaluate's drafters=DIR when there is one, else none
+    hrad: str = "auto"
+    specbranch_kmax: int = 3  # most branches per branch point; 1 = "w/o branching"
+    specbranch_eps: float | None = None  # confidence threshold ε; None = the H-RAD export's, else 0.3
+    # ssd (lookahead K = gamma; spec Part 2)
+    ssd_budget: int = 8  # B: cached speculations per sequence per round
+    ssd_fanout: str = "geometric"  # geometric (closed form, a_p by EMA) | K+1 ints, e.g. "2:2:2:1:1"
+    ssd_fanout_miss: str = "auto"  # auto (JIT: = hit vector; fast: geometric on fast acceptance) | K+1 ints
+    ssd_fanout_r: float = 1.0  # power-law exponent r of the cache-miss model
+    ssd_fallback: str = "jit"  # jit (drafter drafts on a miss) | fast (n-gram/random tokens) | auto (batch-aware)
+    ssd_fast: str = "ngram"  # ngram | random: the fast fallback's tokens
+    ssd_saguaro_c: float = 1.0  # SAGUARO C in (0, 1]: scale of the cached guesses' draft probability
     # sampling and placement
     temperature: float = 0.0
     top_k: int = 0

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.runner import MLP, RMSNorm, _rope_inv_freq, _rotate_half
+from inference.runner import MLP, RMSNorm, _rotate_half
+from spectrain.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
 
@@ -249,64 +250,23 @@ class Eagle3Cache:
         self.length = n
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(TargetTiedDrafter):
     """The EAGLE-3 drafter; see the module docstring for the architecture and the row/position convention."""
 
     def __init__(self, config: Eagle3Config, embed_weight: torch.Tensor | None = None):
         """``embed_weight`` [V, H]: the target's token embedding, shared (not copied) and frozen."""
         super().__init__()
-        self.config = config
+        self._init_target_tied(config, embed_weight)
         hidden = config.hidden_size
-        if embed_weight is not None:
-            self._check_embedding(embed_weight)
-        # With _weight the target's matrix is used as-is: shared storage, no random init of a V x H copy.
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, _weight=embed_weight)
-        self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        # Identity-like default map (the first Vd target ids); set_vocab_map installs the trained one.
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        # A plain fp32 attribute, not a buffer: module.to(bfloat16) must not round the RoPE frequencies
-        # (and on CPU even when the module is built on the meta device).
-        with torch.device("cpu"):
-            self._inv_freq, self.rope_scale = _rope_inv_freq(config.llama_config(), config.resolved_head_dim)
-
-    # -- setup -----------------------------------------------------------------------------------------------
-
-    def _check_embedding(self, weight: torch.Tensor) -> None:
-        expected = (self.config.vocab_size, self.config.hidden_size)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"target embedding is {tuple(weight.shape)} but this drafter needs {expected} "
-                             "(vocab_size, hidden_size); it was trained for another target")
-
-    def use_target_embedding(self, weight: torch.Tensor) -> None:
-        """Share the target's embedding matrix (frozen); refuses a shape that does not fit this drafter."""
-        self._check_embedding(weight)
-        self.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
-
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a reduced vocabulary (``data_prep.vocab`` output); refuses an inconsistent map."""
-        from data_prep.vocab import check_vocab_mapping
-
-        if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
-            raise ValueError(f"vocab map has {d2t.numel()} draft / {t2d.numel()} target ids but the drafter has "
-                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
-        check_vocab_mapping(d2t.cpu(), t2d.cpu())
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> Eagle3Cache:
         ref = self.fc.weight
         shape = (batch_size, self.config.num_key_value_heads, max_len, self.config.resolved_head_dim)
         return Eagle3Cache(ref.new_zeros(shape), ref.new_zeros(shape))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     # -- the one code path -----------------------------------------------------------------------------------
 

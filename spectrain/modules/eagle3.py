@@ -8,6 +8,7 @@ teacher comes from the stored final hidden state through the target's lm_head (n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,35 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     return build_vocab_map(counts, model.draft_vocab_size)
 
 
+def teacher_in_draft_vocab(logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits [..., V] restricted to the draft vocabulary [..., Vd], and whether the target's argmax is in
+    it [...] (EAGLE-3's position mask)."""
+    return logits[..., t2d], t2d[logits.argmax(-1)]
+
+
+def ttt_targets(teacher_logits: torch.Tensor, in_vocab: torch.Tensor, supervised: torch.Tensor,
+                steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per TTT step j: (teacher probs [B, T, Vd], mask [B, T]) aligned with the drafter's rows.
+
+    ``teacher_logits`` [B, T, Vd] / ``in_vocab`` [B, T]: the target's distribution at position t (over the draft
+    vocabulary) and whether its argmax is drafted; ``supervised`` [B, T]: tokens that carry a loss. Row i at step
+    j predicts token i+2+j from the target's distribution at position i+1+j. Shared by training and the online
+    adapter (``spectrain.adapt``)."""
+    targets = []
+    for j in range(steps):
+        teacher = shift_left(teacher_logits, j + 1).softmax(-1)
+        mask = shift_left(supervised, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
+        targets.append((teacher, mask))
+    return targets
+
+
+def ttt_loss(students: Sequence[torch.Tensor], teachers: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+             *, step_weight: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Σ_j step_weight^j · soft-CE(student_j, teacher_j, mask_j), and the unweighted per-step losses."""
+    losses = [soft_cross_entropy(s, t, m) for s, t, m in zip(students, teachers, masks)]
+    return torch.stack([step_weight**j * loss for j, loss in enumerate(losses)]).sum(), losses
+
+
 class Eagle3Module(DrafterModule):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
@@ -70,29 +100,19 @@ class Eagle3Module(DrafterModule):
             self.drafter.set_vocab_map(*vocab_map)
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
 
-    def _teacher_draft_logits(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target logits restricted to the draft vocabulary, and whether the target's argmax is in it."""
-        logits = self.teacher_logits(last_hidden)
-        in_draft_vocab = self.drafter.t2d[logits.argmax(-1)]
-        return logits[..., self.drafter.t2d], in_draft_vocab
-
     def _steps(self, batch: dict[str, torch.Tensor]):
         """Per TTT step: (student logits, teacher probs, mask) aligned row by row."""
         model_cfg = self.cfg.model
         out = self.drafter(batch["input_ids"], batch["aux_hidden"].to(self.drafter.fc.weight.dtype),
                            steps=model_cfg.ttt_steps, attention_mask=batch["attention_mask"])
-        teacher_logits, in_vocab = self._teacher_draft_logits(batch["last_hidden"])
+        teacher_logits, in_vocab = teacher_in_draft_vocab(self.teacher_logits(batch["last_hidden"]), self.drafter.t2d)
         supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        for j, student in enumerate(out.logits):
-            # row i at step j predicts token i+2+j from the target's distribution at position i+1+j
-            teacher = shift_left(teacher_logits, j + 1).softmax(-1)
-            mask = shift_left(supervised, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
+        targets = ttt_targets(teacher_logits, in_vocab, supervised, len(out.logits))
+        for student, (teacher, mask) in zip(out.logits, targets):
             yield student, teacher, mask
 
     def training_step(self, batch, batch_idx):
-        weight = self.cfg.model.step_weight
-        losses = [weight**j * soft_cross_entropy(s, t, m) for j, (s, t, m) in enumerate(self._steps(batch))]
-        loss = torch.stack(losses).sum()
+        loss, losses = ttt_loss(*zip(*self._steps(batch)), step_weight=self.cfg.model.step_weight)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/loss_step0", losses[0])
         return loss

@@ -1,0 +1,165 @@
+"""Serving-time adaptation on a domain shift: eagle3_tree with ``adapt=none`` vs ``adapt=bandit``, greedy.
+
+    python benchmarks/adapt_domain_shift.py drafter=/tmp/exports/e3 [target=smollm2] [n=4] [max_new_tokens=64]
+        [streams=[shift,in_domain]] [threads=1] [out=runs/adapt_shift] [horizon=1024] [key=value of adapt_*]
+
+Streams: ``shift`` = n HumanEval prompts then n GSM-symbolic prompts (a drafter trained on ShareGPT sees code,
+then math); ``in_domain`` = 2n held-out ShareGPT prompts (the ``eval`` split). Each mode loads a FRESH drafter
+(the bandit updates its copy in place); both serve the stream in order, interleaved prompt by prompt (alternating
+which goes first) so machine load hits both alike; one process, one thread. Reported
+per run: τ (new tokens per target forward), accept length per round, tokens/s over the whole stream with every
+update's time included (updates run inside ``generate``), the number of updates / rollbacks, and whether the
+tokens equal those of ``adapt=none`` (they must: the verifier is untouched). The start-up cost measurement is
+reported separately (cached across runs). Per-query decisions: ``out/<stream>/decisions.csv`` and ``tau.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+from inference.algorithms import build_algorithm
+from inference.drafters import eos_token_ids, load_eagle3, load_lm
+from inference.sampling import SamplingParams
+from spectrain.adapt.adapter import AdaptSettings
+from spectrain.adapt.log import plot_tau
+
+
+@dataclass
+class ShiftConfig:
+    drafter: str = "/tmp/exports/e3"
+    target: str = "smollm2"
+    n: int = 4  # prompts per domain
+    max_new_tokens: int = 64
+    streams: list[str] = field(default_factory=lambda: ["shift", "in_domain"])
+    threads: int = 1
+    out: str = "runs/adapt_shift"
+    tree_depth: int = 4  # a small tree: CPU verification cost grows with tree_total
+    tree_topk: int = 4
+    tree_total: int = 16
+    max_prompt_tokens: int = 384  # longer prompts are skipped (CPU time)
+
+
+def stream_prompts(name: str, n: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
+    sources = {"shift": [("humaneval", "all"), ("gsm_symbolic", "all")], "in_domain": [("sharegpt", "eval")]}
+    if name not in sources:
+        raise ValueError(f"unknown stream '{name}'; use shift or in_domain")
+    prompts = []
+    for source, split in sources[name]:
+        want = n * (2 if name == "in_domain" else 1)
+        kept = []
+        for conversation in load_prompts(source, n=8 * want, split=split):
+            ids = render_prompt(tokenizer, prompt_turns(conversation))
+            if len(ids) <= max_tokens:
+                kept.append((source, ids))
+            if len(kept) == want:
+                break
+        prompts += kept
+    return prompts
+
+
+def _build(cfg: ShiftConfig, target, adapt: str, settings: AdaptSettings | None):
+    drafter = load_eagle3(cfg.drafter, target)  # fresh weights per run: the bandit updates its copy in place
+    start = time.perf_counter()
+    algorithm = build_algorithm("eagle3_tree", target.runner, drafter, tree_depth=cfg.tree_depth,
+                                tree_topk=cfg.tree_topk, tree_total=cfg.tree_total, adapt=adapt,
+                                adapt_settings=settings)
+    return algorithm, time.perf_counter() - start
+
+
+def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) -> dict[str, dict]:
+    """Serve the stream with adapt=none and adapt=bandit INTERLEAVED per prompt (alternating which goes
+    first), so both see the same machine load; each keeps its own drafter."""
+    algorithms, setup = {}, {}
+    for adapt in ("none", "bandit"):
+        algorithms[adapt], setup[adapt] = _build(cfg, target, adapt, settings if adapt == "bandit" else None)
+    greedy = SamplingParams(0.0)
+    runs = {adapt: {"adapt": adapt, "setup_s": setup[adapt], "per_query": [], "outputs": []} for adapt in algorithms}
+    for i, (source, ids) in enumerate(prompts):
+        for adapt in (("none", "bandit") if i % 2 == 0 else ("bandit", "none")):
+            result = algorithms[adapt].generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=greedy,
+                                                eos_ids=eos)
+            s = result.stats
+            runs[adapt]["per_query"].append({
+                "source": source, "new_tokens": s.new_tokens, "target_forwards": s.target_forwards,
+                "rounds": s.rounds, "accepted": s.accepted_draft_tokens, "wall_s": s.wall_s,
+                "accept_len": (s.accepted_draft_tokens + s.rounds) / max(s.rounds, 1)})
+            runs[adapt]["outputs"].append(result.tokens)
+    for adapt, run in runs.items():
+        queries = run["per_query"]
+        tokens, wall = sum(q["new_tokens"] for q in queries), sum(q["wall_s"] for q in queries)
+        rounds = sum(q["rounds"] for q in queries)
+        adapter = algorithms[adapt].adapter
+        rows = adapter.log.rows if adapter else []
+        if adapter:
+            adapter.close()
+        run.update(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                   tau=tokens / sum(q["target_forwards"] for q in queries),
+                   accept_len=(sum(q["accepted"] for q in queries) + rounds) / max(rounds, 1),
+                   updates=sum(r.get("arm") not in (None, "skip") for r in rows),
+                   rollbacks=sum(bool(r.get("rolled_back")) for r in rows),
+                   update_s=sum(float(r["update_s"]) for r in rows if r.get("update_s") not in (None, "")),
+                   arms=[r.get("arm") for r in rows], log=rows)
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    from spectrain.overrides import OverrideError, split_key_values
+
+    known = set(ShiftConfig.__dataclass_fields__)
+    adapt_fields = set(AdaptSettings.__dataclass_fields__)
+    cfg_values, adapt_values = {}, {}
+    for key, value in split_key_values(argv, __doc__.splitlines()[2]):
+        if key in known:
+            cfg_values[key] = value
+        elif key.removeprefix("adapt_") in adapt_fields:
+            adapt_values[key.removeprefix("adapt_")] = value
+        else:
+            raise OverrideError(f"unknown key '{key}'")
+    defaults = ShiftConfig()
+    for key, value in list(cfg_values.items()):
+        kind = type(getattr(defaults, key))
+        cfg_values[key] = value.strip("[]").split(",") if kind is list else kind(value)
+    cfg = ShiftConfig(**cfg_values)
+    settings_defaults = AdaptSettings()
+    typed = {k: type(getattr(settings_defaults, k))(v) if isinstance(getattr(settings_defaults, k), (int, float))
+             else v for k, v in adapt_values.items()}
+    torch.set_num_threads(cfg.threads)
+    target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 64)
+    eos = eos_token_ids(target.tokenizer, target.model.config)
+    out = Path(cfg.out)
+    summary = {"config": cfg.__dict__, "adapt_overrides": typed, "streams": {}}
+    for stream in cfg.streams:
+        prompts = stream_prompts(stream, cfg.n, target.tokenizer, cfg.max_prompt_tokens)
+        settings = AdaptSettings(**{**typed, "log": str(out / stream)})
+        runs = run_pair(cfg, target, eos, prompts, settings)
+        none, bandit = runs["none"], runs["bandit"]
+        lossless = none["outputs"] == bandit["outputs"]
+        plot_tau(bandit["log"], out / stream / "tau.png", title=f"{stream}: τ per query, adapt=bandit")
+        gain = bandit["tokens_per_s"] / none["tokens_per_s"] - 1
+        summary["streams"][stream] = {"prompts": [s for s, _ in prompts], "none": none, "bandit": bandit,
+                                      "lossless": lossless, "tokens_per_s_gain": gain}
+        print(f"[{stream}] {len(prompts)} prompts, {none['tokens']} tokens; identical outputs: {lossless}")
+        for run in (none, bandit):
+            print(f"  adapt={run['adapt']:6s} tau={run['tau']:.3f} accept_len={run['accept_len']:.3f} "
+                  f"tok/s={run['tokens_per_s']:.2f} wall={run['wall_s']:.1f}s updates={run['updates']} "
+                  f"rollbacks={run['rollbacks']} update_s={run['update_s']:.1f} setup_s={run['setup_s']:.1f}")
+        print(f"  tokens/s bandit vs none: {100 * gain:+.1f} %   arms: {bandit['arms']}")
+        print("  per-query accept length none  :", [round(q["accept_len"], 2) for q in none["per_query"]])
+        print("  per-query accept length bandit:", [round(q["accept_len"], 2) for q in bandit["per_query"]])
+    for stream in summary["streams"].values():
+        for mode in ("none", "bandit"):
+            stream[mode].pop("outputs")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,135 @@
+"""SSD vs SpS on a real target + draft LM: hit rate, τ, tokens/s (real and simulated-overlap), batch 1 and b.
+
+    python benchmarks/ssd_sweep.py [drafter=/tmp/exports/draftlm] [target=smollm2] [n=4] [max_new_tokens=48]
+        [batches=[1,4]] [gamma=4] [configs=[jit:8:1.0,fast:8:1.0]] [temperature=0] [threads=1]
+        [executor=sequential] [bench=mt_bench] [out=runs/ssd_sweep]
+
+``configs`` entries are ``fallback:B:C`` (fallback jit | fast | auto; B = cache budget per sequence; C = SAGUARO
+scale). ``sps`` runs prompt by prompt (batch 1, its only mode) with the same γ; every SSD config runs the same
+prompts in batches of each size. "tokens/s sim" is SSD's simulated-overlap rate from the sequential executor
+(Σ max(t_verify, t_draft) per round in place of their sum): what a second device would give if transfers were free.
+At temperature 0 each run's tokens are compared with sps's (they must be equal).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+from inference.algorithms import build_algorithm
+from inference.drafters import eos_token_ids, load_draft_lm, load_lm
+from inference.sampling import SamplingParams
+
+
+@dataclass
+class SweepConfig:
+    drafter: str = "/tmp/exports/draftlm"
+    target: str = "smollm2"
+    n: int = 4
+    max_new_tokens: int = 48
+    batches: list[int] = field(default_factory=lambda: [1, 4])
+    gamma: int = 4
+    configs: list[str] = field(default_factory=lambda: ["jit:8:1.0", "fast:8:1.0"])
+    temperature: float = 0.0
+    threads: int = 1
+    executor: str = "sequential"
+    bench: str = "mt_bench"
+    seed: int = 0
+    out: str = "runs/ssd_sweep"
+
+
+def parse(argv: list[str]) -> SweepConfig:
+    from spectrain.overrides import OverrideError, split_key_values
+
+    defaults, values = SweepConfig(), {}
+    for key, value in split_key_values(argv, __doc__.splitlines()[2]):
+        if key not in SweepConfig.__dataclass_fields__:
+            raise OverrideError(f"unknown key '{key}'; valid: {', '.join(SweepConfig.__dataclass_fields__)}")
+        default = getattr(defaults, key)
+        if isinstance(default, list):
+            items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+            values[key] = [int(v) for v in items] if key == "batches" else items
+        else:
+            values[key] = type(default)(value)
+    return SweepConfig(**values)
+
+
+def run_sps(cfg, target, draft, prompts, eos, sampling) -> dict:
+    sps = build_algorithm("sps", target.runner, draft.runner, gamma=cfg.gamma)
+    sps.generate(prompts[0], max_new_tokens=8, sampling=sampling, eos_ids=eos)  # warm-up
+    generator = torch.Generator().manual_seed(cfg.seed)
+    outputs, tokens, forwards, start = [], 0, 0, time.perf_counter()
+    for ids in prompts:
+        result = sps.generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling, generator=generator,
+                              eos_ids=eos)
+        outputs.append(result.tokens)
+        tokens += result.stats.new_tokens
+        forwards += result.stats.target_forwards
+    wall = time.perf_counter() - start
+    return {"algorithm": "sps", "batch": 1, "tokens": tokens, "wall_s": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 3), "tau": round(tokens / forwards, 3), "outputs": outputs}
+
+
+def run_ssd(cfg, target, draft, prompts, eos, sampling, spec: str, batch: int) -> dict:
+    fallback, budget, c = spec.split(":")
+    ssd = build_algorithm("ssd", target.runner, draft.runner, gamma=cfg.gamma, budget=int(budget), fallback=fallback,
+                          saguaro_c=float(c), executor=cfg.executor, seed=cfg.seed, max_batch_size=batch)
+    try:
+        ssd.generate_batch(prompts[:batch], max_new_tokens=8, sampling=sampling, eos_ids=eos)  # warm-up
+        ssd.extra_metrics()
+        generator = torch.Generator().manual_seed(cfg.seed)
+        outputs, tokens, forwards, start = [], 0, 0, time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            for result in ssd.generate_batch(prompts[i:i + batch], max_new_tokens=cfg.max_new_tokens,
+                                             sampling=sampling, generator=generator, eos_ids=eos):
+                outputs.append(result.tokens)
+                tokens += result.stats.new_tokens
+                forwards += result.stats.target_forwards
+        wall = time.perf_counter() - start
+        metrics = ssd.extra_metrics()
+    finally:
+        ssd.close()
+    return {"algorithm": f"ssd[{spec}]", "batch": batch, "tokens": tokens, "wall_s": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 3), "tau": round(tokens / forwards, 3),
+            "tokens_per_s_sim": metrics["tokens_per_s_simulated_overlap"], "outputs": outputs, **metrics}
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse(argv)
+    torch.set_num_threads(cfg.threads)
+    max_batch = max(cfg.batches)
+    target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=max_batch)
+    draft = load_draft_lm(cfg.drafter, target, device="cpu", max_seq_len=1024, max_batch_size=max_batch)
+    eos = eos_token_ids(target.tokenizer, target.model.config)
+    prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n)]
+    sampling = SamplingParams(cfg.temperature)
+    runs = [run_sps(cfg, target, draft, prompts, eos, sampling)]
+    print(f"sps        b=1  tok/s={runs[0]['tokens_per_s']:.2f} tau={runs[0]['tau']:.2f}", flush=True)
+    for batch in cfg.batches:
+        for spec in cfg.configs:
+            run = run_ssd(cfg, target, draft, prompts, eos, sampling, spec, batch)
+            if cfg.temperature == 0:
+                run["greedy_equal_to_sps"] = run["outputs"] == runs[0]["outputs"]
+            runs.append(run)
+            print(f"{run['algorithm']:10s} b={batch}  tok/s={run['tokens_per_s']:.2f} "
+                  f"sim={run['tokens_per_s_sim']} tau={run['tau']:.2f} hit={run['cache_hit_rate']} "
+                  f"by_k={run['cache_hit_rate_by_k']} bonus_hit={run['bonus_hit_rate']} "
+                  f"fallbacks={run['fallback_counts']} idle={run['drafter_idle_s']}s "
+                  f"equal={run.get('greedy_equal_to_sps')}", flush=True)
+    for run in runs:
+        run.pop("outputs")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"config": cfg.__dict__, "runs": runs}, indent=2) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,612 @@
+"""The SpecBlock drafter (``specblock_ssd_eagle3.md`` §1.3–1.4): one module, one code path for training and serving.
+
+One forward at an anchor drafts a BLOCK of ``K`` dependent positions (slots)::
+
+    c      = RMSNorm_c(W_c · f_i)           target features 3·H_t -> H (first block), or RMSNorm_c(G_s) (later block)
+    e      = RMSNorm_e(Emb(token))          the target's embedding, frozen
+    q_k    = RMSNorm_q(P[k])                learnable position queries, k = 0..K-1
+    z_k    = W_f · [c ; e ; q_k]            "prefix broadcast": c and e are the same for all K slots
+    before decoder layer l >= 1:  z_k <- W_s^(l) · [z_k ; z_{k-1}]   (slot 0 paired with itself; per anchor)
+    G_k    = output of the last decoder layer (pre-norm; conditions later blocks)
+    logits = lm_head(RMSNorm_out(G_k))      over the draft vocabulary (Vd)
+    rank   = RankHead([stopgrad(RMSNorm_out(G_k)) ; φ(logits)])   4 buckets of the target token's draft rank
+
+Rows follow the EAGLE shift (§0.1): anchor ``i`` pairs the target's features at position ``i`` with the token at
+``i + 1``; its slot ``k`` predicts the token at ``i + 2 + k`` and sits at RoPE position ``i + 1 + k``. A later
+block started from slot ``s`` of anchor ``i`` keeps anchor ``i``'s positions (§1.4).
+
+Attention (§1.4), entries flattened as ``anchor·K + slot``:
+
+* first block: slot ``(i, k)`` sees ``(j, k')`` iff ``j < i`` or (``j == i`` and ``k' <= k``);
+* block ``b >= 2``: the first block's entries of anchors ``j < i``; for each previous block ``b'`` the SAME
+  anchor's entries with slot ``< valid[b']`` (the cut used when leaving ``b'``); its own block causally within the
+  anchor (plus anchors ``j < i`` only with ``train_block2_sees_other_anchors``, a training quirk of the release).
+
+Training calls :meth:`SpecBlockDrafter.forward_block`; serving calls :meth:`SpecBlockDrafter.extend_and_draft`
+(first blocks of newly committed anchors against the cross cache) and :meth:`SpecBlockDrafter.forward_leaves`
+(later blocks of pending tree leaves). All three run :meth:`SpecBlockDrafter._trunk` + :meth:`_heads`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.runner import MLP, RMSNorm, _rotate_half
+from spectrain.drafters.eagle3 import NUM_AUX_LAYERS, rope_of
+from spectrain.drafters.target_tied import TargetTiedDrafter
+
+NUM_RANK_FEATURES = 15
+RANK_BUCKET_UPPER = (1, 4, 10)  # bucket c holds ranks in (UPPER[c-1], UPPER[c]]; > 10 is the "give up" bucket
+FORMAT_VERSION = 1
+KIND = "specblock"
+EMBED = "embed_tokens.weight"
+
+
+@dataclass
+class SpecBlockConfig:
+    """Everything that shapes a SpecBlock drafter; ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based."""
+
+    block_size: int  # K: slots per block
+    num_layers: int  # L_d
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # the TARGET vocabulary (embedding rows, t2d length)
+    draft_vocab_size: int  # lm_head rows, d2t length
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # the DRAFTER's RoPE base (§1.3: the Llama release has none -> 10 000)
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    rank_buckets: int = 4
+    rank_topk: int = 20  # rank features read the top-20 draft logits, in training AND serving (§1.9 item 2)
+    rank_hidden_size: int = 256
+    widths: list[int] = field(default_factory=lambda: [2, 4, 6, 4])  # serving default TOPK[bucket] table
+    train_block2_sees_other_anchors: bool = False  # release quirk (§1.4): later blocks see other anchors' blocks
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        self.widths = [int(w) for w in self.widths]
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if len(self.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in self.aux_layer_ids):
+            raise ValueError(f"SpecBlock needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {self.aux_layer_ids}")
+        for name in ("block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "draft_vocab_size", "target_hidden_size", "rank_topk",
+                     "rank_hidden_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"specblock config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.rank_buckets != len(RANK_BUCKET_UPPER) + 1:
+            raise ValueError(f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
+                             f"{self.rank_buckets}")
+        if len(self.widths) != self.rank_buckets or any(w < 0 for w in self.widths):
+            raise ValueError(f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
+                             f"bucket), got {self.widths}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return int(self.head_dim)
+
+    @classmethod
+    def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], block_size: int = 4,
+                   num_layers: int = 2, **overrides: Any) -> SpecBlockConfig:
+        """A drafter whose decoder layers have the target's per-layer shapes (§1.3), like the release.
+        RoPE: the target's unless ``rope_theta`` / ``rope_scaling`` are overridden."""
+        theta, scaling = rope_of(target_config)
+        values = dict(
+            block_size=block_size, num_layers=num_layers, hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_attention_heads=target_config.num_attention_heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
+            or target_config.num_attention_heads,
+            head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
+            draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
+            aux_layer_ids=list(aux_layer_ids), rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta,
+            rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
+            hidden_act=getattr(target_config, "hidden_act", "silu"),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def llama_config(self):
+        """The transformers ``LlamaConfig`` of one decoder layer (RoPE and MLP read it)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.resolved_head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
+            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+            tie_word_embeddings=False,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpecBlockConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown specblock config fields {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rank features and buckets
+
+
+@torch.no_grad()
+def rank_features(logits: torch.Tensor, topk: int = 20) -> torch.Tensor:
+    """The 15 rank-head features φ of §1.3 from draft logits [..., Vd] -> fp32 [..., 15], no gradient.
+
+    With ``ℓ(1) >= ... >= ℓ(topk)`` the top logits, ``A = logsumexp(ℓ)``, ``π = exp(ℓ - A)``: ``ℓ(1..10) - A``,
+    the gaps ``ℓ(1) - ℓ(2)``, ``ℓ(1) - ℓ(3)``, ``ℓ(1) - ℓ(5)``, ``π_1`` and the entropy ``-Σ π log π``.
+    A draft vocabulary smaller than ``topk`` (tiny test models) is padded with logits 1e4 below the smallest,
+    whose probability is exactly 0 in fp32."""
+    top = logits.detach().float().topk(min(topk, logits.shape[-1]), dim=-1).values
+    if top.shape[-1] < max(topk, 10):
+        pad = top[..., -1:] - 1e4
+        top = torch.cat([top, pad.expand(*top.shape[:-1], max(topk, 10) - top.shape[-1])], dim=-1)
+    log_z = torch.logsumexp(top, dim=-1, keepdim=True)
+    log_pi = top - log_z
+    pi = log_pi.exp()
+    entropy = -torch.special.xlogy(pi, pi).sum(-1, keepdim=True)
+    gaps = top[..., :1] - top[..., [1, 2, 4]]
+    return torch.cat([log_pi[..., :10], gaps, pi[..., :1], entropy], dim=-1)
+
+
+def rank_bucket(rank: torch.Tensor) -> torch.Tensor:
+    """1-based rank of the target token in the draft ranking -> bucket: 1 -> 0, 2-4 -> 1, 5-10 -> 2, >10 -> 3."""
+    upper = torch.tensor(RANK_BUCKET_UPPER, dtype=torch.long, device=rank.device)
+    return torch.bucketize(rank.long(), upper)
+
+
+def shift_slots(z: torch.Tensor) -> torch.Tensor:
+    """The layer-wise shift's partner [..., K, H]: slot 0 gets itself, slot k gets slot k - 1 (per anchor)."""
+    return torch.cat([z[..., :1, :], z[..., :-1, :]], dim=-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attention masks (boolean, True = attend) over flattened entries anchor·K + slot
+
+
+def first_block_mask(anchors: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[A·K, A·K]: ``(i, k)`` sees ``(j, k')`` iff ``j < i`` or (``j == i`` and ``k' <= k``)."""
+    anchor = torch.arange(anchors, device=device).repeat_interleave(k)
+    slot = torch.arange(k, device=device).repeat(anchors)
+    earlier = anchor[None, :] < anchor[:, None]
+    same = (anchor[None, :] == anchor[:, None]) & (slot[None, :] <= slot[:, None])
+    return earlier | same
+
+
+def _earlier_anchors(anchors: int, k: int, device) -> torch.Tensor:
+    anchor = torch.arange(anchors, device=device).repeat_interleave(k)
+    return anchor[None, :] < anchor[:, None]
+
+
+def _same_anchor_below(anchors: int, k: int, valid: int, device) -> torch.Tensor:
+    anchor = torch.arange(anchors, device=device).repeat_interleave(k)
+    slot = torch.arange(k, device=device).repeat(anchors)
+    return (anchor[None, :] == anchor[:, None]) & (slot[None, :] < valid)
+
+
+def later_block_mask(anchors: int, k: int, *, first_block: bool, ttt_valid: Sequence[int],
+                     other_anchors: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[A·K, keys] of a training block ``b >= 2``; keys = [first block (if given)] + [one group per previous block
+    (``ttt_valid``)] + [this block], each group A·K wide (§1.4)."""
+    groups = []
+    if first_block:
+        groups.append(_earlier_anchors(anchors, k, device))
+    groups += [_same_anchor_below(anchors, k, int(valid), device) for valid in ttt_valid]
+    own = first_block_mask(anchors, k, device)
+    if not other_anchors:
+        own = own & ~_earlier_anchors(anchors, k, device)
+    return torch.cat(groups + [own], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class SpecBlockAttention(nn.Module):
+    """Llama attention (no biases) over explicit past K/V, returning this call's K/V (for caches and TTT)."""
+
+    def __init__(self, config: SpecBlockConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.resolved_head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
+                past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T]."""
+        batch, new, _ = x.shape
+        q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1)), k, v
+
+
+class SpecBlockLayer(nn.Module):
+    """A standard pre-norm Llama decoder layer with the target's shapes (transformers parameter names)."""
+
+    def __init__(self, config: SpecBlockConfig):
+        super().__init__()
+        self.self_attn = SpecBlockAttention(config)
+        self.mlp = MLP(config.llama_config())
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, *attn_args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn, k, v = self.self_attn(self.input_layernorm(x), *attn_args)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+@dataclass
+class BlockKV:
+    """Per-layer K/V of one block forward: ``k[l]``, ``v[l]`` [B, kv_heads, entries, D], entries anchor·K + slot.
+    Training keeps them WITH grad (the TTT cache)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def entries(self) -> int:
+        return self.k[0].shape[2]
+
+    def select(self, index: torch.Tensor) -> BlockKV:
+        """The entries at ``index`` (LongTensor over the entry axis)."""
+        return BlockKV([k.index_select(2, index) for k in self.k], [v.index_select(2, index) for v in self.v])
+
+    @staticmethod
+    def cat(parts: Sequence[BlockKV]) -> BlockKV:
+        layers = len(parts[0].k)
+        return BlockKV([torch.cat([p.k[i] for p in parts], dim=2) for i in range(layers)],
+                       [torch.cat([p.v[i] for p in parts], dim=2) for i in range(layers)])
+
+
+@dataclass
+class BlockOutput:
+    """One block forward: per anchor ``i`` and slot ``k``."""
+
+    logits: torch.Tensor  # [B, S, K, Vd] draft logits
+    rank_logits: torch.Tensor  # [B, S, K, rank_buckets]
+    hidden: torch.Tensor  # [B, S, K, H] pre-norm last-layer hidden G (conditions later blocks)
+    kv: BlockKV  # this block's K/V for its B·S·K entries
+
+
+class SpecBlockCache:
+    """The serving CROSS cache (§1.4): per layer K/V [B, kv_heads, capacity, D] holding all K slots of every
+    committed anchor (first-block entries computed from target features), ``length`` entries in use."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], block_size: int):
+        self.k, self.v, self.block_size = k, v, block_size
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def anchors(self) -> int:
+        return self.length // self.block_size
+
+    def append(self, kv: BlockKV) -> None:
+        end = self.length + kv.entries
+        if end > self.capacity:
+            raise ValueError(f"SpecBlock cross cache overflow: {end} entries needed, capacity {self.capacity}; "
+                             "build it with a larger max_anchors")
+        for layer in range(len(self.k)):
+            self.k[layer][:, :, self.length:end] = kv.k[layer]
+            self.v[layer][:, :, self.length:end] = kv.v[layer]
+        self.length = end
+
+    def view(self) -> BlockKV:
+        return BlockKV([k[:, :, : self.length] for k in self.k], [v[:, :, : self.length] for v in self.v])
+
+    def truncate(self, anchors: int) -> None:
+        if not 0 <= anchors <= self.anchors:
+            raise ValueError(f"truncate the cross cache to {anchors} anchors but it holds {self.anchors}")
+        self.length = anchors * self.block_size
+
+
+class SpecBlockDrafter(TargetTiedDrafter):
+    """The SpecBlock drafter; see the module docstring for the architecture, positions and masks."""
+
+    def __init__(self, config: SpecBlockConfig, embed_weight: torch.Tensor | None = None):
+        """``embed_weight`` [V, H]: the target's token embedding, shared (not copied) and frozen."""
+        super().__init__()
+        self._init_target_tied(config, embed_weight)
+        hidden, k = config.hidden_size, config.block_size
+        self.fc = nn.Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)  # W_c
+        self.cond_norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_c
+        self.embed_norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_e
+        self.query_norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_q
+        self.position_queries = nn.Parameter(torch.empty(k, hidden))  # P
+        nn.init.normal_(self.position_queries, std=0.02)
+        self.fuse = nn.Linear(3 * hidden, hidden, bias=False)  # W_f over [c ; e ; q]
+        self.layers = nn.ModuleList(SpecBlockLayer(config) for _ in range(config.num_layers))
+        self.shift = nn.ModuleList(nn.Linear(2 * hidden, hidden, bias=False) for _ in range(config.num_layers - 1))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_out
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rank_head = nn.Sequential(nn.Linear(hidden + NUM_RANK_FEATURES, config.rank_hidden_size, bias=False),
+                                       nn.SiLU(), nn.Linear(config.rank_hidden_size, config.rank_buckets, bias=False))
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        """The output pathway (lm_head + rank head) that the serving-time bandit's head-only update trains."""
+        return list(self.lm_head.parameters()) + list(self.rank_head.parameters())
+
+    def new_cache(self, max_anchors: int, batch_size: int = 1) -> SpecBlockCache:
+        """An empty cross cache for ``max_anchors`` committed anchors (K entries each)."""
+        ref = self.fc.weight
+        shape = (batch_size, self.config.num_key_value_heads, max_anchors * self.config.block_size,
+                 self.config.resolved_head_dim)
+        layers = self.config.num_layers
+        return SpecBlockCache([ref.new_zeros(shape) for _ in range(layers)],
+                              [ref.new_zeros(shape) for _ in range(layers)], self.config.block_size)
+
+    # -- the one code path -----------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self._inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    def _trunk(self, cond: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, past: BlockKV | None,
+               mask: torch.Tensor) -> tuple[torch.Tensor, BlockKV]:
+        """Block forward of A anchors: ``cond`` [B, A, H] (RMSNorm_c input), ``tokens`` [B, A] target ids,
+        ``anchors`` [B, A] anchor indices (slot k at position anchor + 1 + k), ``past`` keys before this block's,
+        ``mask`` bool [B, A·K, P + A·K] -> (G [B, A, K, H], this block's K/V)."""
+        batch, count = tokens.shape
+        k, hidden = self.config.block_size, self.config.hidden_size
+        c = self.cond_norm(cond)
+        dtype = c.dtype
+        e = self.embed_norm(self.embed_tokens(tokens).to(dtype))
+        q = self.query_norm(self.position_queries).to(dtype)
+        # W_f · [c ; e ; q_k] split by input block: c and e are projected once per anchor (prefix broadcast).
+        w_c, w_e, w_q = self.fuse.weight.split(hidden, dim=1)
+        z = (F.linear(c, w_c) + F.linear(e, w_e))[:, :, None, :] + F.linear(q, w_q)  # [B, A, K, H]
+        positions = (anchors[..., None] + 1 + torch.arange(k, device=anchors.device)).reshape(batch, count * k)
+        cos, sin = self._rope(positions, dtype)
+        ks, vs = [], []
+        for index, layer in enumerate(self.layers):
+            if index >= 1:  # the shift projection REPLACES the layer input (no residual add)
+                z = self.shift[index - 1](torch.cat([z, shift_slots(z)], dim=-1))
+            past_k = None if past is None else past.k[index]
+            past_v = None if past is None else past.v[index]
+            x, key, value = layer(z.reshape(batch, count * k, hidden), cos, sin, past_k, past_v, mask)
+            z = x.view(batch, count, k, hidden)
+            ks.append(key)
+            vs.append(value)
+        return z, BlockKV(ks, vs)
+
+    def _heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """G [..., H] -> (draft logits [..., Vd], rank logits [..., buckets]); the rank head reads no gradient
+        path into the trunk (detached hidden, no-grad features)."""
+        normed = self.norm(hidden)
+        logits = self.lm_head(normed)
+        features = rank_features(logits, self.config.rank_topk).to(normed.dtype)
+        return logits, self.rank_head(torch.cat([normed.detach(), features], dim=-1))
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Target features [..., 3·H_t] -> W_c · f (RMSNorm_c is applied inside the block forward)."""
+        return self.fc(aux_hidden)
+
+    # -- training --------------------------------------------------------------------------------------------
+
+    def forward_block(self, cond: torch.Tensor, tokens: torch.Tensor, *, from_target: bool,
+                      first_block_kv: BlockKV | None = None, ttt_kv: Sequence[BlockKV] = (),
+                      ttt_valid: Sequence[int] = ()) -> BlockOutput:
+        """Training-mode forward of one block for all anchors of a batch.
+
+        ``cond``: [B, S, 3·H_t] target aux features (W_c + RMSNorm_c applied here) when ``from_target``, else
+        [B, S, H] drafter pre-norm hiddens G (RMSNorm_c only). ``tokens``: [B, S] target-vocab ids (row i = the
+        token embedded with anchor i). Slot k of anchor i sits at RoPE position i + 1 + k (later blocks reuse
+        the anchor's positions). Attention per §1.4 (module docstring); ``first_block_kv`` / ``ttt_kv`` /
+        ``ttt_valid`` are used by later blocks only (``ttt_kv[b']`` = block b''s ``kv``, ``ttt_valid[b']`` = the
+        cut M leaving it)."""
+        if len(ttt_kv) != len(ttt_valid):
+            raise ValueError(f"ttt_kv has {len(ttt_kv)} blocks but ttt_valid {len(ttt_valid)}: give one cut per block")
+        if from_target and (first_block_kv is not None or ttt_kv):
+            raise ValueError("a first block (from_target=True) attends to no earlier block: drop first_block_kv/ttt_kv")
+        if any(not 1 <= int(m) <= self.config.block_size for m in ttt_valid):
+            raise ValueError(f"ttt_valid cuts must lie in 1..K={self.config.block_size}, got {list(ttt_valid)}")
+        batch, count = tokens.shape
+        device = tokens.device
+        if from_target:
+            cond = self.fc(cond)
+            mask = first_block_mask(count, self.config.block_size, device)
+            past = None
+        else:
+            mask = later_block_mask(count, self.config.block_size, first_block=first_block_kv is not None,
+                                    ttt_valid=ttt_valid, other_anchors=self.config.train_block2_sees_other_anchors,
+                                    device=device)
+            groups = ([first_block_kv] if first_block_kv is not None else []) + list(ttt_kv)
+            past = BlockKV.cat(groups) if groups else None
+        anchors = torch.arange(count, device=device).expand(batch, count)
+        hidden, kv = self._trunk(cond, tokens, anchors, past, mask.expand(batch, *mask.shape))
+        logits, rank = self._heads(hidden)
+        return BlockOutput(logits, rank, hidden, kv)
+
+    # -- serving ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def extend_and_draft(self, features: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache) -> BlockOutput:
+        """Commit new anchors and draft the first block of the last one.
+
+        ``features`` [B, T, 3·H_t]: the target's aux features of positions ``n .. n + T - 1`` (``n`` = anchors
+        already in ``cache``), ``tokens`` [B, T]: the token that follows each. Every new anchor's K slots see the
+        whole cross cache plus earlier new anchors and their own slots causally (= the training first-block mask);
+        all K entries of every new anchor are appended to ``cache``. Returns the LAST anchor's block
+        ([B, 1, K, ...]; ``kv`` = its entries)."""
+        batch, count = tokens.shape
+        k = self.config.block_size
+        first = cache.anchors
+        past = cache.view() if cache.length else None
+        own = first_block_mask(count, k, tokens.device)
+        mask = torch.cat([own.new_ones(count * k, cache.length), own], dim=-1).expand(batch, -1, -1)
+        anchors = (first + torch.arange(count, device=tokens.device)).expand(batch, count)
+        hidden, kv = self._trunk(self.fc(features), tokens, anchors, past, mask)
+        cache.append(kv)
+        last = hidden[:, -1:]
+        logits, rank = self._heads(last)
+        return BlockOutput(logits, rank, last, kv.select(torch.arange((count - 1) * k, count * k, device=tokens.device)))
+
+    @torch.no_grad()
+    def forward_leaves(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache, *,
+                       current_valid: torch.Tensor, ttt: BlockKV | None = None,
+                       ttt_visible: torch.Tensor | None = None) -> BlockOutput:
+        """Later blocks of L pending tree leaves of the CURRENT anchor (the last one in ``cache``), in one forward.
+
+        ``cond`` [B, L, H]: the pre-norm hidden G of each leaf's source slot; ``tokens`` [B, L]: the leaf tokens
+        (target ids). Each leaf sees the cross cache of earlier anchors, the current anchor's first-block slots
+        ``< current_valid[l]`` (LongTensor [L]), the TTT entries ``ttt`` where ``ttt_visible`` [L, entries] is
+        True (its lineage's earlier later-blocks, slot < source slot + 1), and its own slots causally. Positions
+        are the current anchor's (§1.4)."""
+        batch, count = tokens.shape
+        k = self.config.block_size
+        device = tokens.device
+        current = cache.anchors - 1
+        if current < 0:
+            raise ValueError("forward_leaves needs the current anchor's first block in the cache: call "
+                             "extend_and_draft first")
+        slot = torch.arange(k, device=device)
+        earlier = torch.ones(count * k, current * k, dtype=torch.bool, device=device)
+        block1 = (slot[None, :] < current_valid.to(device)[:, None]).repeat_interleave(k, dim=0)  # [L·K, K]
+        groups, parts = [earlier, block1], [cache.view()]
+        if ttt is not None:
+            if ttt_visible is None or tuple(ttt_visible.shape) != (count, ttt.entries):
+                raise ValueError(f"ttt_visible must be [{count}, {ttt.entries}] when ttt entries are given")
+            groups.append(ttt_visible.to(device).repeat_interleave(k, dim=0))
+            parts.append(ttt)
+        own = first_block_mask(count, k, device) & ~_earlier_anchors(count, k, device)
+        mask = torch.cat(groups + [own], dim=-1).expand(batch, -1, -1)
+        anchors = torch.full((batch, count), current, dtype=torch.long, device=device)
+        hidden, kv = self._trunk(cond, tokens, anchors, BlockKV.cat(parts), mask)
+        logits, rank = self._heads(hidden)
+        return BlockOutput(logits, rank, hidden, kv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Native export directory (DESIGN.md §4)
+
+
+def spectrain_block(config: SpecBlockConfig, target: dict[str, Any] | None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    from data_prep.layers import LAYER_CONVENTION
+
+    return {
+        "format_version": FORMAT_VERSION, "kind": KIND, "layout": "native", "target": target,
+        "architecture": config.to_dict(), "block_size": config.block_size, "num_layers": config.num_layers,
+        "layers": {"ids": list(config.aux_layer_ids), "convention": LAYER_CONVENTION},
+        "rank_buckets": {"count": config.rank_buckets, "rank_upper_bounds": list(RANK_BUCKET_UPPER),
+                         "topk_features": config.rank_topk},
+        "widths": list(config.widths),
+        "vocab": {"vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size},
+        "embed_tokens": "target", **(extra or {}),
+    }
+
+
+def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[str, Any],
+                recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+                extra: dict[str, Any] | None = None) -> Path:
+    """Write the native export dir atomically: ``config.json`` (``spectrain`` block), ``model.safetensors``
+    (without the frozen target embedding), ``metrics.json`` and ``recipe.yaml`` when given. Refuses an existing
+    non-empty ``out_dir`` (exports are never overwritten)."""
+    from safetensors.torch import save_file
+
+    from spectrain.atomic import atomic_directory
+
+    out = Path(out_dir)
+    if any(out.iterdir()) if out.is_dir() else out.exists():
+        raise ValueError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
+    if target is None:
+        raise ValueError("a SpecBlock export must record its target: pass target=target_record(NAME)")
+    tensors = {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items() if name != EMBED}
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "spectrain_kind": KIND})
+        config = {"spectrain": spectrain_block(drafter.config, target, extra)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
+        if recipe is not None:
+            from omegaconf import OmegaConf
+
+            (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
+    return out
+
+
+def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, tensors, spectrain block) of a native SpecBlock export; one-line errors for anything else."""
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+        raise ValueError(f"{directory} is not a SpecBlock export (needs config.json and model.safetensors); "
+                         "export one with spectrain.drafters.specblock.save_native")
+    block = json.loads((directory / "config.json").read_text()).get("spectrain") or {}
+    if block.get("kind") != KIND:
+        raise ValueError(f"{directory} holds a '{block.get('kind')}' drafter, not specblock; use its own loader")
+    return SpecBlockConfig.from_dict(block["architecture"]), load_file(str(directory / "model.safetensors")), block
+
+
+def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],
+                  embed_weight: torch.Tensor | None = None) -> SpecBlockDrafter:
+    """The module holding ``tensors`` (strict: no missing or unknown tensor, shapes checked)."""
+    from data_prep.vocab import check_vocab_mapping
+
+    with torch.device("meta"):
+        drafter = SpecBlockDrafter(config)
+    expected = {name: t.shape for name, t in drafter.state_dict().items() if name != EMBED}
+    unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"SpecBlock weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
+                         "re-export the drafter")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
+                             f"{tuple(expected[name])}")
+    check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
+    drafter.load_state_dict(tensors, strict=False, assign=True)
+    if embed_weight is None:  # a placeholder; serving must share the target's embedding (use_target_embedding)
+        embed_weight = torch.zeros(config.vocab_size, config.hidden_size, dtype=tensors["fc.weight"].dtype)
+    drafter.use_target_embedding(embed_weight)
+    return drafter
+
+
+def load_native(path: str | Path, embed_weight: torch.Tensor | None = None) -> SpecBlockDrafter:
+    """Load a native export. ``embed_weight``: the target's embedding, shared; without it the embedding is a
+    zero placeholder (weights inspection, tests) that must be replaced before serving."""
+    config, tensors, _ = read_native(path)
+    return build_drafter(config, tensors, embed_weight)

@@ -1,0 +1,367 @@
+"""spectrain.adapt: the cost-aware bandit, its safety rules, lossless serving with adaptation on, and replay."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+
+import pytest
+import torch
+from test_algorithms import GREEDY, runner, tiny_llama
+from test_eagle3_tree import random_drafter
+
+from inference.algorithms import build_algorithm
+from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
+from spectrain.adapt.bandit import CostAwareUCB
+from spectrain.adapt.cost import CostModel, max_saving, saving
+from spectrain.adapt.drafters import Eagle3Adaptable
+from spectrain.adapt.signal import ContextBuckets, query_signal
+
+TAU, ITER, HORIZON, MAX_ACCEPT = 2.0, 1.2, 200, 7
+
+
+def simulate(bandit: CostAwareUCB, true_dtau: dict[str, float], costs: dict[str, float], rounds: int,
+             seed: int = 0) -> list[str]:
+    """A stationary environment with known Δτ per arm (Gaussian noise); returns the arms played."""
+    generator = torch.Generator().manual_seed(seed)
+    played = []
+    for _ in range(rounds):
+        decision = bandit.decide(0, tau=TAU, iter_ratio=ITER, horizon=HORIZON, max_accept=MAX_ACCEPT, costs=costs)
+        played.append(decision.arm)
+        if decision.arm != "skip":
+            noise = 0.1 * float(torch.randn((), generator=generator))
+            bandit.feedback(0, decision.arm, true_dtau[decision.arm] + noise)
+    return played
+
+
+def value(dtau: float, cost: float) -> float:
+    return saving(dtau, TAU, ITER, HORIZON, MAX_ACCEPT) - cost
+
+
+@pytest.mark.parametrize("true_dtau, costs, best", [
+    ({"head": 0.1, "full": 0.5}, {"head": 2.0, "full": 12.0}, "full"),  # full's bigger gain pays its cost
+    ({"head": 0.1, "full": 0.5}, {"head": 2.0, "full": 30.0}, "head"),  # full costs more than it saves
+    ({"head": -0.2, "full": 0.0}, {"head": 2.0, "full": 12.0}, "skip"),  # updates do not help
+])
+def test_bandit_converges_to_the_best_arm(true_dtau, costs, best):
+    values = {arm: value(true_dtau[arm], costs[arm]) for arm in costs}
+    expected = max(values, key=values.get) if max(values.values()) > 0 else "skip"
+    assert expected == best  # the scenario's known answer
+    played = simulate(CostAwareUCB(ucb_c=0.3, prior=1.0), true_dtau, costs, rounds=300)
+    assert played[-100:].count(best) >= 90
+
+
+def test_an_unvisited_context_borrows_the_arms_pooled_statistics():
+    bandit = CostAwareUCB(ucb_c=0.0, prior=1.0)
+    assert bandit.ucb(1, "head") == 1.0  # never played anywhere: the prior
+    bandit.feedback(0, "head", -0.5)
+    bandit.feedback(2, "head", -0.1)
+    assert bandit.ucb(1, "head") == pytest.approx(-0.3) and bandit.ucb(0, "head") == pytest.approx(-0.5)
+    assert bandit.ucb(1, "full") == 1.0
+
+
+def test_never_picks_an_arm_whose_cost_exceeds_any_possible_gain():
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        tau = 1 + 5 * float(torch.rand((), generator=generator))
+        iter_ratio = 0.5 + float(torch.rand((), generator=generator))
+        bound = max_saving(tau, iter_ratio, HORIZON, MAX_ACCEPT)
+        costs = {"head": bound * (1 + float(torch.rand((), generator=generator))), "full": bound * 1.0001}
+        bandit = CostAwareUCB(prior=1e6, ucb_c=1e3)  # as optimistic as it gets
+        decision = bandit.decide(0, tau=tau, iter_ratio=iter_ratio, horizon=HORIZON, max_accept=MAX_ACCEPT,
+                                 costs=costs)
+        assert decision.arm == "skip"
+        assert all(v <= 0 for v in decision.value.values())
+    # the same bandit does update once an arm is cheaper than the bound
+    cheap = CostAwareUCB(prior=1.0).decide(0, tau=2.0, iter_ratio=1.0, horizon=HORIZON, max_accept=MAX_ACCEPT,
+                                          costs={"head": 1.0, "full": 1e9})
+    assert cheap.arm == "head"
+
+
+def test_signal_and_context_buckets():
+    assert query_signal([0.5, 0.25], rounds=2) == pytest.approx((math.log(2) + math.log(4)) / 2)
+    assert query_signal([0.0], rounds=0) == pytest.approx(-math.log(1e-6))  # floored, rounds clamped to 1
+    buckets = ContextBuckets(bins=4)
+    contexts = [buckets.observe(s) for s in [1.0, 2.0, 3.0, 4.0, 5.0, 0.5, 4.5]]
+    assert contexts[:2] == [0, 3] and contexts[5] == 0 and contexts[6] == 3
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the adapter on a tiny EAGLE-3 drafter
+
+PROMPTS = [[7, 1, 8, 2, 8], [3, 14, 15, 9, 2, 6], [5, 3, 5, 8, 9], [2, 7, 1, 8, 2, 8]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_llama(0, layers=4, temperature_scale=8.0)
+    return target, random_drafter(target, draft_vocab=60)
+
+
+def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:
+    """Settings under which every allowed query updates (optimistic prior, cheap costs, no rate limit)."""
+    values = dict(prior=5.0, min_gap=1, cost_cache=None, cost_rows=24, head_lr=1e-2, full_lr=1e-2,
+                  log=None if tmp_path is None else str(tmp_path))
+    values.update(kw)
+    return AdaptSettings(**values)
+
+
+def test_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    ar = build_algorithm("ar", runner(target))
+    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=3, tree_topk=3, tree_total=10,
+                                adapt="bandit", adapt_settings=forcing_settings(tmp_path))
+    for prompt in PROMPTS:
+        reference = ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
+        assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == reference
+    rows = algorithm.adapter.log.rows
+    assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
+    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it did adapt
+    assert torch.equal(drafter.embed_tokens.weight, target.model.embed_tokens.weight)  # never the target's
+    with (tmp_path / "decisions.csv").open() as f:
+        assert [r["arm"] for r in csv.DictReader(f)] == [r["arm"] for r in rows]
+
+
+def test_bad_adapt_options_are_one_line_errors(tiny):
+    target, drafter = tiny
+    with pytest.raises(ValueError, match="adapt=sometimes is unknown"):
+        build_algorithm("eagle3_tree", runner(target), drafter, adapt="sometimes")
+    with pytest.raises(ValueError, match="adapt_arms must be a non-empty subset"):
+        BanditAdapter(Eagle3Adaptable(drafter), CostModel(1.0, {"head": 0.0}), AdaptSettings(arms="lora"))
+
+
+def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
+    from dataclasses import fields
+
+    from inference.algorithms.eagle3_tree import Eagle3Tree
+    from inference.algorithms.options import AlgorithmOptions
+
+    options = AlgorithmOptions()
+    for field in fields(AdaptSettings):
+        assert getattr(options, f"adapt_{field.name}") == getattr(AdaptSettings(), field.name), field.name
+    assert Eagle3Tree.options_from_config(options) == {"tree_depth": 6, "tree_topk": 8, "tree_total": 48}
+    chosen = Eagle3Tree.options_from_config(AlgorithmOptions(adapt="bandit", adapt_horizon=7))
+    assert chosen["adapt"] == "bandit" and chosen["adapt_settings"] == AdaptSettings(horizon=7)
+
+
+def adapter_for(drafter, costs_per_row: float = 1e-6, **kw) -> tuple[BanditAdapter, Eagle3Adaptable]:
+    adaptable = Eagle3Adaptable(drafter)
+    costs = CostModel(1e-3, {"head": costs_per_row, "full": costs_per_row})
+    return BanditAdapter(adaptable, costs, forcing_settings(arms="head", min_gap=3, **kw)), adaptable
+
+
+@pytest.mark.parametrize("taus, rolled_back_at", [
+    ([2.0, 1.0, 1.0], 2),  # two consecutive queries below the pre-update EMA -> restore the snapshot
+    ([2.0, 1.0, 3.0], None),  # one bad query is not enough
+])
+def test_rollback_after_consecutive_drops(tiny, taus, rolled_back_at):
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter)
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    record.max_accept = 7
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    rows = [adapter.process(record, tau=tau, signal=1.0, iter_ratio=1.0) for tau in taus]
+    assert [r["arm"] for r in rows] == ["head", "skip", "skip"]
+    assert [r["rolled_back"] for r in rows] == [i == rolled_back_at for i in range(len(taus))]
+    same = all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    assert same == (rolled_back_at is not None)  # restored exactly, or the update stays
+
+
+@pytest.mark.parametrize("rollback_to", ["last", "origin"])
+def test_rollback_restores_the_last_snapshot_or_the_origin(tiny, rollback_to):
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, ucb_c=0.0, rollback_to=rollback_to)  # min_gap=3 -> 2 below
+    adapter.settings.min_gap = 2
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    record.max_accept = 7
+    states = [{k: v.clone() for k, v in drafter.state_dict().items()}]
+    rows = []
+    for tau in [2.0, 2.5, 2.5, 1.0, 1.0]:
+        rows.append(adapter.process(record, tau=tau, signal=1.0, iter_ratio=1.0))
+        states.append({k: v.clone() for k, v in drafter.state_dict().items()})
+    assert [r["arm"] for r in rows] == ["head", "skip", "head", "skip", "skip"]
+    assert [r["rolled_back"] for r in rows] == [False] * 4 + [True]
+    expected = states[0] if rollback_to == "origin" else states[1]  # before the 1st / the 2nd update
+    assert all(torch.equal(expected[k], v) for k, v in states[-1].items())
+    assert not all(torch.equal(states[0][k], v) for k, v in states[1].items())
+
+
+def test_at_most_one_update_per_min_gap_queries(tiny):
+    target, drafter = tiny
+    adapter, adaptable = adapter_for(copy.deepcopy(drafter))  # min_gap=3
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    record.max_accept = 7
+    rows = [adapter.process(record, tau=2.0, signal=1.0, iter_ratio=1.0) for _ in range(5)]
+    assert [r["arm"] for r in rows] == ["head", "skip", "skip", "head", "skip"]
+    assert [r["forced"] for r in rows] == ["", "rate_limit", "rate_limit", "", "rate_limit"]
+
+
+def test_costly_arms_are_never_played_and_leave_the_drafter_alone(tiny):
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, costs_per_row=10.0)  # every update costs ~10^4 target forwards
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    record.max_accept = 7
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    rows = [adapter.process(record, tau=1.5, signal=float(i), iter_ratio=1.0) for i in range(6)]
+    assert [r["arm"] for r in rows] == ["skip"] * 6 and all(r["forced"] == "" for r in rows)
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+
+
+def test_update_is_bounded_and_uses_the_training_loss(tiny):
+    """head touches only norm + lm_head; the loss is the TTT loss of spectrain.modules.eagle3 (it decreases)."""
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter)
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    head = {id(p) for p in adaptable.head_parameters()}
+    before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
+    result = adapter.updater.update(record, "head")
+    assert result.steps == adapter.settings.head_steps and result.loss_after < result.loss_before
+    for name, p in drafter.named_parameters():
+        assert torch.equal(before[name], p) != (id(p) in head), name
+    assert all(p.requires_grad == (name != "embed_tokens.weight") for name, p in drafter.named_parameters())
+
+
+def test_buffered_update_trains_on_the_mean_loss_of_recent_queries(tiny):
+    target, drafter = tiny
+    adapter, adaptable = adapter_for(copy.deepcopy(drafter), buffer=2)
+    records = [adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in (1, 2)]
+    with torch.no_grad():
+        separate = [float(adaptable.loss_closure(r, "full")()) for r in records]
+    result = adapter.updater.update(records, "full")
+    assert result.loss_before == pytest.approx(sum(separate) / 2, rel=1e-6)
+    for record in records:
+        record.max_accept = 7
+    adapter.costs.refine = 0.0  # keep the cost per row fixed (an update would refine it with its wall time)
+    rows = [adapter.process(r, tau=2.0, signal=1.0, iter_ratio=1.0) for r in records]
+    assert [len(adapter.recent), rows[1]["cost_head"]] == [2, pytest.approx(2 * rows[0]["cost_head"])]
+
+
+def test_replay_is_deterministic(tiny, tmp_path):
+    """Record traces online (adapt_log), then replay them twice from the same drafter: identical decisions."""
+    from spectrain.adapt.record import read_trace
+    from spectrain.adapt.replay import replay
+
+    target, drafter = tiny
+    start = copy.deepcopy(drafter)
+    online = build_algorithm("eagle3_tree", runner(target), copy.deepcopy(drafter), tree_depth=3, tree_topk=3,
+                             tree_total=10, adapt="bandit", adapt_settings=forcing_settings(tmp_path / "trace"))
+    for prompt in PROMPTS:
+        online.generate(prompt, max_new_tokens=20, sampling=GREEDY)
+    manifest, records = read_trace(tmp_path / "trace")
+    assert len(records) == len(PROMPTS) and manifest["max_accept"] == 4
+    runs = []
+    for i in range(2):
+        drafter_copy = copy.deepcopy(start)
+        settings = forcing_settings(min_gap=2)
+        rows = replay(copy.deepcopy(records), Eagle3Adaptable(drafter_copy), settings,
+                      CostModel.from_dict(manifest["costs"]), gamma=3, out=tmp_path / f"replay{i}")
+        runs.append(([{k: v for k, v in r.items() if k != "update_s"} for r in rows],
+                     {k: v.clone() for k, v in drafter_copy.state_dict().items()}))
+    assert runs[0][0] == runs[1][0]
+    assert {r["arm"] for r in runs[0][0]} & {"head", "full"}  # the replay really updated
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    assert (tmp_path / "replay0" / "decisions.csv").is_file()
+
+
+def test_specblock_plugs_in_with_its_own_losses(tiny):
+    """A SpecBlock drafter gets its adapter class from adaptable_for; updates use spectrain.specblock_losses."""
+    from spectrain.adapt.drafters import SpecBlockAdaptable, adaptable_for
+    from spectrain.adapt.updater import ArmUpdate, Updater
+    from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+
+    target, _ = tiny
+    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size,
+                                        aux_layer_ids=[0, 1, 2], block_size=4, rank_hidden_size=16)
+    torch.manual_seed(0)
+    drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
+    adaptable = adaptable_for(drafter, max_rows=64)
+    assert isinstance(adaptable, SpecBlockAdaptable)
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    updater = Updater(adaptable, {"head": ArmUpdate(3, 1e-3), "full": ArmUpdate(3, 1e-3)})
+    head = {id(p) for p in drafter.head_parameters()}
+    before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
+    # the closure is the training objective itself (§1.5 total loss over the unrolled blocks)
+    from spectrain.specblock_losses import total_loss, unroll_blocks
+
+    with torch.no_grad():
+        direct = total_loss(unroll_blocks(drafter, *adaptable._row_frame(record), [2]))
+        assert float(adaptable.loss_closure(record, "full")()) == pytest.approx(float(direct))
+    result = updater.update(record, "head")
+    assert math.isfinite(result.loss_after)
+    for name, p in drafter.named_parameters():
+        assert torch.equal(before[name], p) != (id(p) in head), name
+    updater.update(record, "full")
+    assert not torch.equal(before["fc.weight"], drafter.fc.weight)
+    assert torch.equal(before["embed_tokens.weight"], drafter.embed_tokens.weight)
+    tau, rejection_q, starts = adaptable.simulate(record, gamma=3)
+    assert 1.0 <= tau <= 4.0 and starts > 0 and len(rejection_q) <= starts
+    assert all(0.0 <= q <= 1.0 for q in rejection_q)
+
+
+def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
+    """python -m spectrain.adapt.replay traces=DIR drafter=PATH on traces recorded by the engine hook."""
+    from tiny_targets import save_tiny_target
+
+    from inference.drafters import load_eagle3, load_lm
+    from spectrain.adapt import replay as replay_cli
+    from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from spectrain.drafters.eagle3_layouts import Eagle3Checkpoint
+    from spectrain.export import target_record, write_export
+
+    target_dir = save_tiny_target(tmp_path / "target", layers=4)
+    target = load_lm(str(target_dir), device="cpu", max_seq_len=128)
+    config = Eagle3Config.for_target(target.model.config, draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, embed_weight=target.runner.embed_tokens.weight)
+    vocab = config.vocab_size
+    used = torch.sort(torch.randperm(vocab)[:256]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    drafter.set_vocab_map(used - torch.arange(256), t2d)
+    export = write_export(Eagle3Checkpoint.from_drafter(drafter, target_record(str(target_dir))), tmp_path / "e3")
+
+    online = build_algorithm("eagle3_tree", target.runner, load_eagle3(str(export), target), tree_depth=3,
+                             tree_topk=3, tree_total=10, adapt="bandit",
+                             adapt_settings=forcing_settings(tmp_path / "trace"))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        prompt = torch.randint(1000, (8,), generator=generator).tolist()
+        online.generate(prompt, max_new_tokens=16, sampling=GREEDY)
+    tables = []
+    for i in range(2):
+        out = tmp_path / f"replay{i}"
+        assert replay_cli.main([f"traces={tmp_path / 'trace'}", f"drafter={export}", f"out={out}", "min_gap=1"]) == 0
+        with (out / "decisions.csv").open() as f:
+            tables.append([{k: v for k, v in row.items() if k != "update_s"} for row in csv.DictReader(f)])
+        assert (out / "tau.png").stat().st_size > 0
+    assert tables[0] == tables[1] and len(tables[0]) == 3
+    assert {row["arm"] for row in tables[0]} & {"head", "full"}
+    assert replay_cli.main([f"traces={tmp_path / 'nothing'}", f"drafter={export}"]) == 2  # one-line error
+
+
+def test_specblock_tree_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
+    """adapt=bandit on specblock_tree: the drafter changes between queries, the output never does."""
+    from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+
+    target, _ = tiny
+    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size,
+                                        aux_layer_ids=[0, 1, 2], block_size=4, rank_hidden_size=16)
+    torch.manual_seed(0)
+    drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    ar = build_algorithm("ar", runner(target))
+    algorithm = build_algorithm("specblock_tree", runner(target), drafter, width=3, budget=12,
+                                adapt="bandit", adapt_settings=forcing_settings(tmp_path))
+    for prompt in PROMPTS:
+        reference = ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
+        assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == reference
+    rows = algorithm.adapter.log.rows
+    assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
+    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it did adapt

@@ -1,0 +1,129 @@
+"""PEARL (spec §2.1): greedy equality with AR, the exact target law at T=1, the same tokens from every executor."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+
+from inference.algorithms import build_algorithm
+from inference.draft_side import DraftSide, draft_side_from_runner
+from inference.sampling import SamplingParams
+
+PROMPT = [7, 1, 8, 2, 8]
+
+
+def noisy_copy(model, noise: float, seed: int = 5):
+    """The model with every weight perturbed: a draft that agrees with it often, not always."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(noise * torch.randn(param.shape, generator=generator))
+    return draft
+
+
+def tiny_pair(noise: float = 0.002, scale: float = 8.0):
+    target = tiny_llama(0, layers=2, temperature_scale=scale)
+    return target, noisy_copy(target, noise)
+
+
+def tiny_draft_side(kmax: int = 1, noise: float = 0.002, scale: float = 8.0) -> DraftSide:
+    """Picklable draft-side builder (what a multiprocess draft process runs): rebuilds the same tiny draft."""
+    return draft_side_from_runner(runner(tiny_pair(noise, scale)[1]), kmax)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def ar_tokens(target, n: int) -> list[int]:
+    return build_algorithm("ar", runner(target)).generate(PROMPT, max_new_tokens=n, sampling=GREEDY).tokens
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_pearl_greedy_equals_ar(pair, gamma):
+    target, draft = pair
+    pearl = build_algorithm("pearl", runner(target), runner(draft), gamma=gamma)
+    result = pearl.generate(PROMPT, max_new_tokens=37, sampling=GREEDY)
+    assert result.tokens == ar_tokens(target, 37)
+    stats = result.stats
+    assert stats.target_forwards == stats.rounds and stats.accepted_draft_tokens > 0
+    assert stats.drafted_tokens == gamma * stats.rounds >= stats.accepted_draft_tokens
+    if gamma > 1:  # pending segments were judged while more was drafted: fewer target calls than tokens
+        assert stats.target_forwards < 37
+
+
+def test_pearl_with_the_target_as_draft_accepts_every_judged_token(pair):
+    target, _ = pair
+    pearl = build_algorithm("pearl", runner(target), runner(target), gamma=3)
+    result = pearl.generate(PROMPT, max_new_tokens=31, sampling=GREEDY)
+    assert result.tokens == ar_tokens(target, 31)
+    assert result.stats.acceptance_by_position == [1.0] * 3
+    assert result.stats.rounds == 1 + (31 - 1 + 2) // 3  # one pre-verify round, then γ tokens per round
+
+
+def test_extra_metrics_report_the_simulated_overlap_per_period(pair):
+    target, draft = pair
+    pearl = build_algorithm("pearl", runner(target), runner(draft), gamma=3)
+    pearl.generate(PROMPT, max_new_tokens=20, sampling=GREEDY)
+    first = pearl.extra_metrics()
+    assert first["executor"] == "sequential" and first["overlap"]["rounds"] > 0
+    overlap = first["overlap"]
+    assert max(overlap["target_s"], overlap["draft_s"]) <= overlap["simulated_s"] + 1e-3
+    assert first["simulated_tokens_per_s"] > 0
+    assert pearl.extra_metrics()["overlap"]["rounds"] == 0  # a new period starts at each call
+
+
+@pytest.mark.slow
+def test_pearl_sampling_follows_the_target_law():
+    """Monte Carlo: sampled drafts verified tokenwise; the law of the first 3 tokens is the target's."""
+    vocab, n, runs = 4, 3, 800
+    target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
+    draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
+    law = exact_target_law(target, [1, 2], n, vocab)
+    pearl = build_algorithm("pearl", runner(target, 16), runner(draft, 16), gamma=2)
+    counts, accepted = sampled_law(pearl, [1, 2], n, runs)
+    assert accepted > runs // 4  # drafts were really used
+    assert_follows_law(counts, law, runs, max_tv=0.15)  # sampling noise alone gives TV ~0.1
+
+
+@pytest.mark.parametrize("name", ["cuda_streams", pytest.param("multiprocess", marks=pytest.mark.slow)])
+def test_every_executor_gives_the_sequential_tokens(pair, name):
+    """Same tokens at T=0 and, with one seeded generator, at T=1 (draft draws on the draft side's own stream)."""
+    target, draft = pair
+
+    def run(executor: str, **kwargs) -> list[list[int]]:
+        pearl = build_algorithm("pearl", runner(target), runner(draft), gamma=3, executor=executor, **kwargs)
+        try:
+            outputs = [pearl.generate(PROMPT, max_new_tokens=24, sampling=GREEDY).tokens]
+            generator = torch.Generator().manual_seed(3)
+            for _ in range(2):
+                outputs.append(pearl.generate(PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0),
+                                              generator=generator).tokens)
+            return outputs
+        finally:
+            pearl.close()
+
+    kwargs = {}
+    if name == "multiprocess":
+        kwargs = {"draft_factory": functools.partial(tiny_draft_side), "executor_kwargs": {"threads": 1}}
+    reference = run("sequential")
+    assert reference[0] == ar_tokens(target, 24) and reference[1] != reference[2]
+    assert run(name, **kwargs) == reference
+
+
+def test_bad_options_are_one_line_errors(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        build_algorithm("pearl", runner(target), runner(draft), gamma=0)
+    with pytest.raises(ValueError, match="unknown executor 'threads'; choose one of sequential"):
+        build_algorithm("pearl", runner(target), runner(draft), executor="threads")
+    with pytest.raises(ValueError, match="executor=multiprocess loads the draft LM in its own process"):
+        build_algorithm("pearl", runner(target), runner(draft), executor="multiprocess")
+    with pytest.raises(ValueError, match="needs a draft LM"):
+        build_algorithm("pearl", runner(target))

@@ -1,0 +1,220 @@
+"""SpecBranch (spec §2.2–2.10): greedy exactness for k in {1,2,3} and each forced H-RAD class, the exact law at
+T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q, H-RAD feature convention."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_pearl import PROMPT, ar_tokens, tiny_draft_side, tiny_pair
+
+from inference.algorithms import build_algorithm
+from inference.algorithms.specbranch import continuation_to_keep
+from inference.draft_side import draft_side_from_runner
+from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
+
+
+class ForcedClass:
+    """A stub H-RAD that always answers ``cls`` (§2.10), recording the features it was given."""
+
+    def __init__(self, cls: int, capture_layers: list[int] = ()):
+        self.cls, self.capture_layers, self.calls = cls, list(capture_layers), []
+
+    def predict(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        self.calls.append((hidden_lastk, token_emb))
+        return torch.nn.functional.one_hot(torch.tensor([self.cls]), 3).float()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def specbranch(target, draft, rounds: list | None = None, **kwargs):
+    return build_algorithm("specbranch", runner(target), runner(draft), on_round=None if rounds is None else
+                           rounds.append, **kwargs)
+
+
+@pytest.mark.parametrize("hrad", [None, 0, 1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_ar(pair, k, hrad):
+    """k = max(1, ⌊kmax(1 − q_b)⌋) reaches kmax only at q_b = 0, so k branches need kmax = k + 1 (k > 1)."""
+    kmax = 1 if k == 1 else k + 1
+    target, draft = pair
+    gamma, rounds = 4, []
+    algo = specbranch(target, draft, rounds, gamma=gamma, kmax=kmax,
+                      hrad=None if hrad is None else ForcedClass(hrad))
+    result = algo.generate(PROMPT, max_new_tokens=40, sampling=GREEDY)
+    assert result.tokens == ar_tokens(target, 40)
+    assert max(r.branches for r in rounds) == k  # the flat draft (q_b < 1/4) forks as wide as allowed
+    survived = [r for r in rounds if r.survivor is not None]
+    assert survived and all(r.hrad_class == (1 if hrad is None else hrad) for r in survived)
+    if hrad in (0, 2):
+        assert {r.keep for r in survived} == {0 if hrad == 0 else gamma - 1}
+    if k > 1:
+        assert any(r.survivor > 0 for r in survived)  # a branch other than the draft's favourite was kept
+    stats = result.stats
+    assert stats.target_forwards == stats.rounds == len(rounds)
+    assert stats.drafted_tokens >= stats.accepted_draft_tokens >= 0 and 0 <= stats.rollback_rate <= 1
+
+
+@pytest.mark.parametrize("hrad", [None, 0, 2])
+def test_kv_bookkeeping(pair, hrad):
+    """After every round the target holds |S|-1 tokens and the draft |S|+|U| when the branch-point q is cached
+    (a survivor cut short), |S|+|U|-1 otherwise; the cached q is really reused (no draft forward for it)."""
+    target, draft = pair
+    gamma, rounds = 4, []
+    algo = specbranch(target, draft, rounds, gamma=gamma, kmax=3, hrad=None if hrad is None else ForcedClass(hrad))
+
+    def check(r):
+        rounds.append(r)
+        assert r.target_len == r.committed - 1
+        length, cached = algo.executor.call("select", list(r.context))  # what the next draft job starts from
+        assert cached == (r.survivor is not None and r.keep < gamma - 1)
+        assert length == len(r.context) - (0 if cached else 1) and len(r.context) == r.committed + r.pending
+
+    algo.on_round = check
+    result = algo.generate(PROMPT, max_new_tokens=40, sampling=GREEDY)
+    assert result.tokens == ar_tokens(target, 40)
+    reused = sum(r.survivor is not None and r.keep < gamma - 1 for r in rounds[:-1])
+    # each round: (1 forward unless q is cached) + γ-1 batched branch steps
+    assert result.stats.draft_forwards == len(rounds) * gamma - reused
+    assert hrad == 2 or reused > 0
+
+
+def test_cached_branch_point_q_equals_a_fresh_forward(pair):
+    _, draft = pair
+    side = draft_side_from_runner(runner(draft), 3)
+    side.start(0)
+    branches = side.branches(PROMPT, 3, 4)
+    assert len(branches.tokens) == 2 and branches.forwards == 4
+    for row, keep in ((1, 0), (0, 2)):
+        context = PROMPT + branches.tokens[row][:1 + keep]
+        length, cached = side.select(context)
+        assert cached and length == len(context) and side.lengths() == [len(context)]
+        fresh = runner(draft).forward(torch.tensor([context])).logits[0, -1]
+        torch.testing.assert_close(side.logits[0][length], fresh, atol=1e-5, rtol=1e-5)
+        side.branches(PROMPT, 3, 4)  # fork again for the next check
+
+
+def test_continuation_cut_per_class():
+    confidence = [0.9, 0.1, 0.8, 0.2, 0.9]  # branch token, then 4 continuation tokens
+    assert continuation_to_keep(0, confidence, 0.3) == 0
+    assert continuation_to_keep(1, confidence, 0.3) == 2  # 1st continuation kept even though low; stops at c_3
+    assert continuation_to_keep(1, confidence, 0.05) == 4
+    assert continuation_to_keep(2, confidence, 0.3) == 4
+
+
+def test_hrad_features_follow_the_last_k_convention():
+    """The predictor sees [1, K, d] = HF hidden_states[-K:] at the position before the survivor token, and the
+    target's input embedding of that token [1, d] (a real HRADPredictor checks the shapes too)."""
+    from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+
+    target = tiny_llama(0, layers=4, temperature_scale=8.0)
+    draft = tiny_llama(0, layers=4, temperature_scale=8.0)
+    real = HRADPredictor(HRAD(HRADConfig(hidden_size=32, last_k=4, gamma=4, boundaries=[1, 3])),
+                         {"layers": {"ids": capture_layers(4, 4)}})
+
+    class Recording(ForcedClass):
+        def predict(self, hidden_lastk, token_emb):
+            super().predict(hidden_lastk, token_emb)
+            return real.predict(hidden_lastk, token_emb)
+
+    hrad, rounds = Recording(0, real.capture_layers), []
+    algo = specbranch(target, draft, rounds, gamma=4, kmax=2, hrad=hrad)
+    assert algo.generate(PROMPT, max_new_tokens=12, sampling=GREEDY).tokens == ar_tokens(target, 12)
+    survived = [r for r in rounds if r.survivor is not None]
+    assert len(hrad.calls) == len(survived) > 0
+    for (lastk, emb), r in zip(hrad.calls, survived):
+        sequence = list(r.context[:r.committed])
+        assert lastk.shape == (1, 4, 32) and emb.shape == (1, 32)
+        with torch.no_grad():
+            states = target(torch.tensor([sequence[:-1]]), output_hidden_states=True).hidden_states
+        expected = torch.stack([h[0, -1] for h in states[-4:]])
+        torch.testing.assert_close(lastk[0], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(emb[0], target.model.embed_tokens.weight[sequence[-1]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hrad", [None, 0])
+def test_sampling_follows_the_target_law(hrad):
+    """Monte Carlo at T=1: pending tokens (§1.2) + Match; the law of the first 3 tokens is the target's."""
+    vocab, n, runs = 4, 3, 800
+    target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
+    draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
+    law = exact_target_law(target, [1, 2], n, vocab)
+    algo = build_algorithm("specbranch", runner(target, 16), ModelRunner.from_hf_model(draft, max_seq_len=16),
+                           gamma=2, kmax=3, hrad=None if hrad is None else ForcedClass(hrad))
+    counts, accepted = sampled_law(algo, [1, 2], n, runs)
+    assert accepted > runs // 4  # drafts were really used
+    assert_follows_law(counts, law, runs, max_tv=0.15)  # sampling noise alone gives TV ~0.1
+
+
+@pytest.mark.parametrize("name", ["cuda_streams", pytest.param("multiprocess", marks=pytest.mark.slow)])
+def test_every_executor_gives_the_sequential_tokens(pair, name):
+    target, draft = pair
+
+    def run(executor: str, **kwargs) -> list[list[int]]:
+        algo = specbranch(target, draft, gamma=4, kmax=3, executor=executor, **kwargs)
+        try:
+            outputs = [algo.generate(PROMPT, max_new_tokens=24, sampling=GREEDY).tokens]
+            generator = torch.Generator().manual_seed(3)
+            for _ in range(2):
+                outputs.append(algo.generate(PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0),
+                                             generator=generator).tokens)
+            return outputs
+        finally:
+            algo.close()
+
+    kwargs = {}
+    if name == "multiprocess":
+        kwargs = {"draft_factory": functools.partial(tiny_draft_side, 3), "executor_kwargs": {"threads": 1}}
+    reference = run("sequential")
+    assert reference[0] == ar_tokens(target, 24) and reference[1] != reference[2]
+    assert run(name, **kwargs) == reference
+
+
+def test_bad_options_are_one_line_errors(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="gamma and kmax must be >= 1"):
+        specbranch(target, draft, kmax=0)
+    with pytest.raises(ValueError, match="is not an H-RAD export"):
+        specbranch(target, draft, hrad="/nonexistent/hrad")
+    side = draft_side_from_runner(runner(draft), 1)
+    with pytest.raises(ValueError, match="need a draft runner with max_batch_size >= 3"):
+        side._fork(3)
+
+
+@pytest.mark.gpu
+def test_cuda_streams_on_gpu_gives_the_sequential_tokens():
+    """On CUDA the draft job runs on its own stream in a worker thread; tokens must not change."""
+    target, draft = (m.to("cuda", torch.float32) for m in tiny_pair())
+
+    def run(executor: str) -> list[int]:
+        algo = build_algorithm("specbranch", ModelRunner.from_hf_model(target, max_seq_len=192, dtype=torch.float32),
+                               ModelRunner.from_hf_model(draft, max_seq_len=192, dtype=torch.float32), gamma=4,
+                               kmax=4, executor=executor)
+        try:
+            return algo.generate(PROMPT, max_new_tokens=32, sampling=GREEDY).tokens
+        finally:
+            algo.close()
+
+    assert run("cuda_streams") == run("sequential")
+
+
+@pytest.mark.parametrize("name", ["pearl", "specbranch"])
+def test_options_come_from_both_clis(name):
+    from inference import evaluate as evaluate_cli
+    from inference import generate as generate_cli
+    from inference.algorithms import algorithm_class
+
+    args = ["gamma=3", "drafter=/models/draft", "hrad=/exports/hrad", "specbranch_kmax=4", "executor=multiprocess"]
+    eval_cfg = evaluate_cli.parse_args(args)
+    gen_cfg = generate_cli.parse_cli(["prompt=hi"] + args, generate_cli.GenerateConfig, generate_cli.USAGE)
+    options = algorithm_class(name).options_from_config(eval_cfg)
+    assert options == algorithm_class(name).options_from_config(gen_cfg)
+    assert options["executor"] == "multiprocess" and options["draft_path"] == "/models/draft"
+    assert name == "pearl" or (options["kmax"], options["hrad"]) == (4, "/exports/hrad")
