@@ -1,48 +1,154 @@
-"""The main job on the embedded default (``make demo``).
+"""The main job on the embedded default (``make demo``): extract → train → export → evaluate, on SmolLM2.
 
-Answers the first MT-Bench questions with SmolLM2-135M-Instruct on the bundled engine and prints each answer
-with its tokens/s. Later stages (extract -> train drafters -> export -> evaluate all algorithms) join here as
-they land.
+Every stage is one of the project's own commands, printed before it runs, so any stage can be re-run by hand
+(or scaled up: the ``demo_*`` recipes are the ``*_smollm2`` recipes with fewer steps). A stage whose output is
+complete is skipped, and the commands themselves resume (extraction and training continue where a kill left
+them), so re-running ``make demo`` after an interruption continues instead of starting over.
+
+    python -m inference.demo [out=runs/demo] [n_prompts=4] [max_new_tokens=64] [stages=all|extract,...]
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
+from spectrain.overrides import parse_cli, run_cli
 
-from inference.algorithms import build_algorithm
-from inference.algorithms.base import GenerationStats
-from inference.drafters import eos_token_ids, load_lm
-from inference.sampling import SamplingParams
+USAGE = "python -m inference.demo out=runs/demo n_prompts=4 max_new_tokens=64 stages=all"
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    n_samples: int = 96  # ShareGPT conversations extracted for training
+    n_val_samples: int = 12
+    max_len: int = 192
+    trace_prompts: int = 16  # prompts whose SpS rounds label the H-RAD classifier
+    train_steps: int = 0  # optimizer steps of the draft LM, EAGLE-3 and SpecBlock runs; 0 = the demo_* recipes'
+    bench: list[str] = field(default_factory=lambda: ["mt_bench"])
+    n_prompts: int = 4
+    max_new_tokens: int = 64
+    stages: list[str] = field(default_factory=lambda: ["all"])
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    minutes: float  # measured on the reference machine (2-core CPU, nothing else running)
+    what: str
+    argv: tuple[str, ...]  # arguments of `python -m ...`
+    output: Path
+    marker: Path  # written when the stage's command succeeded: a killed stage leaves none and resumes
+
+    def done(self) -> bool:
+        return self.marker.is_file() and self.output.exists()
+
+    def mark_done(self) -> None:
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.write_text(" ".join(self.argv) + "\n")
+
+
+def build_stages(cfg: DemoConfig) -> list[Stage]:
+    out = Path(cfg.out)
+    feats, runs, exports = out / "features", out / "runs", out / "exports"
+    extract = ("data_prep.extract", "target=smollm2", "source=sharegpt", "layers=eagle3", "dtype=bf16",
+               f"max_len={cfg.max_len}", "batch_size=4")
+
+    steps = () if not cfg.train_steps else (
+        f"trainer.max_steps={cfg.train_steps}", f"trainer.val_check_interval={max(1, cfg.train_steps // 4)}",
+        f"trainer.checkpoint_every_n_steps={max(1, cfg.train_steps // 4)}")
+
+    def fit(recipe: str, *extra: str) -> tuple[str, ...]:
+        return ("spectrain.fit", f"recipe={recipe}", f"runs_dir={runs}", "resume=auto",
+                f"data.dataset_dir={feats / 'train'}", f"data.val_dataset_dir={feats / 'eval'}",
+                f"data.max_len={cfg.max_len}", *steps, *extra)
+
+    def last_ckpt(run_name: str) -> Path:
+        return runs / run_name / "checkpoints" / "last.ckpt"
+
+    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path) -> Stage:
+        return Stage(name, minutes, what, argv, output, out / ".done" / name)
+
+    stages = [
+        stage("extract", 2.0, f"target hidden states of {cfg.n_samples} ShareGPT conversations (train split)",
+              (*extract, "split=train", f"n_samples={cfg.n_samples}", f"out={feats / 'train'}"), feats / "train"),
+        stage("extract-eval", 0.5, f"the same for {cfg.n_val_samples} held-out conversations (eval split)",
+              (*extract, "split=eval", f"n_samples={cfg.n_val_samples}", f"out={feats / 'eval'}"), feats / "eval"),
+        stage("train-draftlm", 3.0, "distil a 4-layer draft LM (layer-drop init, KL to the target)",
+              fit("demo_draftlm"), last_ckpt("demo_draftlm")),
+        stage("export-draftlm", 0.3, "export the draft LM as an HF directory the engine loads",
+              ("spectrain.export", f"ckpt={last_ckpt('demo_draftlm')}", f"out={exports / 'draft_lm'}"),
+              exports / "draft_lm"),
+        stage("traces", 2.0, f"SpS acceptance traces of the draft LM on {cfg.trace_prompts} prompts (H-RAD labels)",
+              ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", "source=sharegpt",
+               "split=train", f"n_samples={cfg.trace_prompts}", "gamma=4", "max_new_tokens=48",
+               f"out={out / 'traces'}"), out / "traces"),
+        stage("train-hrad", 0.5, "train SpecBranch's H-RAD classifier on the traces (calibrated)",
+              ("spectrain.fit", "recipe=demo_hrad", f"runs_dir={runs}", "resume=auto",
+               f"data.dataset_dir={out / 'traces'}"), last_ckpt("demo_hrad")),
+        stage("export-hrad", 0.2, "export H-RAD with its class boundaries, ε and temperature",
+              ("spectrain.export", f"ckpt={last_ckpt('demo_hrad')}", f"out={exports / 'hrad'}"), exports / "hrad"),
+        stage("train-eagle3", 3.0, "train the EAGLE-3 drafter (training-time test, reduced vocabulary)",
+              fit("demo_eagle3"), last_ckpt("demo_eagle3")),
+        stage("export-eagle3", 0.3, "export EAGLE-3 (native layout)",
+              ("spectrain.export", f"ckpt={last_ckpt('demo_eagle3')}", "format=native", f"out={exports / 'eagle3'}"),
+              exports / "eagle3"),
+        stage("train-specblock", 3.0, "train the SpecBlock drafter on the same data and steps as EAGLE-3",
+              fit("demo_specblock"), last_ckpt("demo_specblock")),
+        stage("export-specblock", 0.3, "export SpecBlock (native layout)",
+              ("spectrain.export", f"ckpt={last_ckpt('demo_specblock')}", "format=native",
+               f"out={exports / 'specblock'}"), exports / "specblock"),
+        stage("evaluate", 5.0, f"every algorithm on {cfg.n_prompts} prompts of {', '.join(cfg.bench)} "
+              "against AR in one run",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}", "algorithms=all",
+               f"bench=[{','.join(cfg.bench)}]", f"n_prompts={cfg.n_prompts}",
+               f"max_new_tokens={cfg.max_new_tokens}", f"out={out / 'eval'}"), out / "eval"),
+    ]
+    return stages
+
+
+def run_stages(cfg: DemoConfig) -> None:
+    stages = build_stages(cfg)
+    wanted = [s for s in stages if "all" in cfg.stages or s.name in cfg.stages]
+    unknown = set(cfg.stages) - {"all"} - {s.name for s in stages}
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages: {', '.join(s.name for s in stages)}")
+    todo = [s for s in wanted if not s.done()]
+    print(f"[demo] {len(wanted)} stages, {len(wanted) - len(todo)} already done; about "
+          f"{sum(s.minutes for s in todo):.0f} min of work left on a 2-core CPU. Output: {cfg.out}/", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    for i, stage in enumerate(wanted, 1):
+        head = f"[demo] stage {i}/{len(wanted)} {stage.name}"
+        if stage.done():
+            print(f"{head}: done already ({stage.output}), skipped", flush=True)
+            continue
+        command = [sys.executable, "-m", *stage.argv]
+        print(f"{head}: {stage.what} (about {stage.minutes:g} min)\n[demo]   $ python -m {' '.join(stage.argv)}",
+              flush=True)
+        start = time.perf_counter()
+        if subprocess.run(command, env=env).returncode != 0 or not stage.output.exists():
+            raise RuntimeError(f"demo stage {stage.name} failed (its error is above); fix it and re-run `make demo`: "
+                               "finished stages are kept and this one resumes")
+        stage.mark_done()
+        print(f"{head}: finished in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+    report = Path(cfg.out) / "eval" / "report.md"
+    if report.is_file():
+        print("\n" + report.read_text())
+        print(f"[demo] results: {report.parent}/results.json, report.md and the PNGs next to them")
+
+
+def _run(args: list[str]) -> None:
+    run_stages(parse_cli(args, DemoConfig, USAGE))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
-
-    n_questions, max_new_tokens = 3, 128
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"[demo] stage 1/1: answer {n_questions} MT-Bench questions with SmolLM2-135M-Instruct "
-          f"(engine, greedy, ≤{max_new_tokens} new tokens each; about a minute on a 2-core CPU)", flush=True)
-    start = time.perf_counter()
-    target = load_lm("smollm2", max_seq_len=1024)
-    print(f"[demo] target loaded on {target.runner.device} in {time.perf_counter() - start:.1f} s", flush=True)
-    ar = build_algorithm("ar", target.runner)
-    eos = eos_token_ids(target.tokenizer, target.model.config)
-    total = GenerationStats()
-    for i, conversation in enumerate(load_prompts("mt_bench", n=n_questions), 1):
-        prompt = render_prompt(target.tokenizer, prompt_turns(conversation))
-        result = ar.generate(prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0), eos_ids=eos)
-        total.merge(result.stats)
-        answer = target.tokenizer.decode(result.tokens, skip_special_tokens=True).strip()
-        print(f"\n=== Q{i} [{conversation.meta.get('category', 'mt_bench')}] {conversation.first_user_message}\n")
-        print(answer)
-        print(f"\n--- {result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tokens/s")
-    print(f"\n[demo] {total.new_tokens} tokens in {total.wall_s:.1f} s: {total.tokens_per_s:.1f} tokens/s "
-          f"(engine AR, {target.runner.device})")
-    return 0
+    return run_cli(argv, _run, doc=__doc__, schema=DemoConfig)
 
 
 if __name__ == "__main__":

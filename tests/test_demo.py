@@ -1,0 +1,80 @@
+"""make demo's pipeline: every stage is a valid project command, done stages are skipped, a failure is one line."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+
+import pytest
+
+from inference import demo
+from spectrain.overrides import parse_cli
+
+PARSERS = {  # module -> how that CLI validates its arguments without doing the work
+    "data_prep.extract": lambda argv: importlib.import_module("data_prep.extract").parse_args(argv),
+    "data_prep.traces": lambda argv: importlib.import_module("data_prep.traces").parse_args(argv),
+    "spectrain.export": lambda argv: importlib.import_module("spectrain.export").parse_args(argv),
+    "inference.evaluate": lambda argv: importlib.import_module("inference.evaluate").parse_args(argv),
+    "spectrain.fit": lambda argv: importlib.import_module("spectrain.fit").compose_recipe(argv),
+}
+
+
+def config(tmp_path, *args: str):
+    return parse_cli([f"out={tmp_path / 'demo'}", *args], demo.DemoConfig, demo.USAGE)
+
+
+def test_every_stage_is_a_command_its_cli_accepts(tmp_path):
+    stages = demo.build_stages(config(tmp_path))
+    assert [s.name for s in stages][:2] == ["extract", "extract-eval"] and stages[-1].name == "evaluate"
+    trained = {s.argv[1].split("=")[1] for s in stages if s.argv[0] == "spectrain.fit"}
+    assert trained == {"demo_draftlm", "demo_hrad", "demo_eagle3", "demo_specblock"}
+    for stage in stages:
+        PARSERS[stage.argv[0]](list(stage.argv[1:]))
+
+
+def _mark_done(stage: demo.Stage) -> None:
+    stage.output.parent.mkdir(parents=True, exist_ok=True)
+    if stage.output.suffix == ".ckpt":
+        stage.output.write_bytes(b"ckpt")
+    else:
+        stage.output.mkdir(exist_ok=True)
+    stage.mark_done()
+
+
+def test_finished_stages_are_skipped_and_the_table_is_printed(tmp_path, monkeypatch, capsys):
+    cfg = config(tmp_path)
+    stages = demo.build_stages(cfg)
+    for stage in stages:
+        _mark_done(stage)
+    (stages[-1].output / "report.md").write_text("| algorithm | τ |\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished stage ran again"))
+    demo.run_stages(cfg)
+    out = capsys.readouterr().out
+    assert out.count("done already") == len(stages) and "| algorithm | τ |" in out
+
+
+def test_a_stage_killed_midway_is_not_done(tmp_path):
+    """A checkpoint or a partial dataset without the stage's marker means the command did not finish."""
+    train = next(s for s in demo.build_stages(config(tmp_path)) if s.name == "train-eagle3")
+    train.output.parent.mkdir(parents=True)
+    train.output.write_bytes(b"half-trained")
+    assert not train.done()
+    train.mark_done()
+    assert train.done()
+
+
+def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, monkeypatch, capsys):
+    cfg = config(tmp_path, "stages=[extract,extract-eval]")
+    first, _ = demo.build_stages(cfg)[:2]
+    _mark_done(first)
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+    assert demo.main([f"out={tmp_path / 'demo'}", "stages=[extract,extract-eval]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "demo stage extract-eval failed" in err and "\n" not in err
+    assert len(calls) == 1 and first.done()
+
+
+def test_unknown_stage_is_refused(tmp_path, capsys):
+    assert demo.main([f"out={tmp_path}", "stages=[extract,trian]"]) == 2
+    assert "unknown stage(s) ['trian']" in capsys.readouterr().err
