@@ -85,33 +85,13 @@ class Eagle3Config:
     def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int],
                    **overrides: Any) -> Eagle3Config:
         """A drafter shaped like one layer of ``target_config`` (a transformers config), as EAGLE-3 recipes do."""
-        theta, scaling = rope_of(target_config)
-        values = dict(
-            hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
-            or target_config.num_attention_heads,
-            head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
-            draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
-            aux_layer_ids=list(aux_layer_ids), rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta,
-            rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
-            hidden_act=getattr(target_config, "hidden_act", "silu"),
-        )
+        values = target_layer_shape(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
         values.update(overrides)
         return cls(**values)
 
     def llama_config(self):
         """The transformers ``LlamaConfig`` of the drafter's decoder layer (RoPE, MLP, norms read it)."""
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=1,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.resolved_head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
-            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
-            tie_word_embeddings=False,
-        )
+        return layer_llama_config(self, num_layers=1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +103,36 @@ class Eagle3Config:
         if unknown:
             raise ValueError(f"unknown eagle3 config fields {unknown}; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict[str, Any]:
+    """Config fields of a drafter whose decoder layers have ``target_config``'s per-layer shapes (EAGLE-3 and
+    SpecBlock both do), reading its aux layers and predicting over ``draft_vocab_size`` ids."""
+    theta, scaling = rope_of(target_config)
+    return dict(
+        hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+        head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
+        draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
+        aux_layer_ids=list(aux_layer_ids), rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta,
+        rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+    )
+
+
+def layer_llama_config(config: Any, *, num_layers: int):
+    """The transformers ``LlamaConfig`` of a drafter's decoder layers (RoPE, MLP and norms read it)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.resolved_head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta, rope_scaling=dict(config.rope_scaling) if config.rope_scaling else None,
+        max_position_embeddings=config.max_position_embeddings, hidden_act=config.hidden_act,
+        tie_word_embeddings=False,
+    )
 
 
 def rope_of(config) -> tuple[float, dict[str, Any] | None]:
@@ -155,13 +165,14 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H-wide ``[embeddings ; hidden]`` input."""
+    """Llama attention (no biases) over explicit past K/V, returning this call's K/V (for caches and TTT). For
+    EAGLE-3 q/k/v read the 2H-wide ``[embeddings ; hidden]`` input; SpecBlock's layers pass ``input_width=H``."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Any, input_width: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.resolved_head_dim
-        width = 2 * config.hidden_size
+        width = input_width or 2 * config.hidden_size
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
@@ -169,7 +180,7 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
                 past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, 2H]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend).
+        """x [B, T, input width]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend).
         Returns (output [B, T, H], this call's K, V [B, kv_heads, T, D])."""
         batch, new, _ = x.shape
         q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.runner import MLP, RMSNorm, _rotate_half
-from spectrain.drafters.eagle3 import NUM_AUX_LAYERS, rope_of
+from inference.runner import MLP, RMSNorm
+from spectrain.drafters.eagle3 import NUM_AUX_LAYERS, Eagle3Attention, layer_llama_config, target_layer_shape
 from spectrain.drafters.target_tied import TargetTiedDrafter
 
 NUM_RANK_FEATURES = 15
@@ -109,34 +109,14 @@ class SpecBlockConfig:
                    num_layers: int = 2, **overrides: Any) -> SpecBlockConfig:
         """A drafter whose decoder layers have the target's per-layer shapes (§1.3), like the release.
         RoPE: the target's unless ``rope_theta`` / ``rope_scaling`` are overridden."""
-        theta, scaling = rope_of(target_config)
-        values = dict(
-            block_size=block_size, num_layers=num_layers, hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None)
-            or target_config.num_attention_heads,
-            head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
-            draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
-            aux_layer_ids=list(aux_layer_ids), rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta,
-            rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
-            hidden_act=getattr(target_config, "hidden_act", "silu"),
-        )
+        values = target_layer_shape(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
+        values.update(block_size=block_size, num_layers=num_layers)
         values.update(overrides)
         return cls(**values)
 
     def llama_config(self):
         """The transformers ``LlamaConfig`` of one decoder layer (RoPE and MLP read it)."""
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.resolved_head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
-            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
-            tie_word_embeddings=False,
-        )
+        return layer_llama_config(self, num_layers=self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,41 +207,12 @@ def later_block_mask(anchors: int, k: int, *, first_block: bool, ttt_valid: Sequ
 # Modules
 
 
-class SpecBlockAttention(nn.Module):
-    """Llama attention (no biases) over explicit past K/V, returning this call's K/V (for caches and TTT)."""
-
-    def __init__(self, config: SpecBlockConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.resolved_head_dim
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, H]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T]."""
-        batch, new, _ = x.shape
-        q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1)), k, v
-
-
 class SpecBlockLayer(nn.Module):
     """A standard pre-norm Llama decoder layer with the target's shapes (transformers parameter names)."""
 
     def __init__(self, config: SpecBlockConfig):
         super().__init__()
-        self.self_attn = SpecBlockAttention(config)
+        self.self_attn = Eagle3Attention(config, input_width=config.hidden_size)
         self.mlp = MLP(config.llama_config())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
