@@ -29,10 +29,9 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.algorithms.feature_drafting import FeatureDrafting
+from inference.algorithms.feature_drafting import FeatureDrafting, TreeVerification
 from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
-from inference.verify import tree_walk
 
 
 def check_drafter_fits(target, drafter) -> None:
@@ -49,7 +48,7 @@ def check_drafter_fits(target, drafter) -> None:
                          f"{target.num_layers}-layer target")
 
 
-class Eagle3Tree(FeatureDrafting, Algorithm):
+class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
     name = "eagle3_tree"
     drafter = "features"
 
@@ -113,36 +112,15 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
             expanded: dict[int, torch.Tensor] | None = None if adapter is None else {}
             tree = self._grow_tree(step.logits[0, -1], step.hidden[0, -1], committed, cache, depth, stats, expanded)
 
-            tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
-            output = target.forward(tokens, positions=tree.positions(committed, device)[None],
-                                    attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers)
-            stats.target_forwards += 1
-            walk = tree_walk(tree.tokens, tree.parents, sampling.warp(output.logits[0]), generator)
-            kept_rows = [0] + [node + 1 for node in walk.path]
-            target.commit([kept_rows])
-            # Every tree node was drafted; acceptance by position follows the walked path.
-            stats.record_round(tree.max_depth, walk.num_accepted)
-            stats.drafted_tokens += len(tree) - tree.max_depth
-
-            emitted = walk.tokens.tolist()
-            out.extend(emitted)
-            features, next_tokens = self._features(output)[:, kept_rows], emitted
+            verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
+            kept_rows, emitted = verified.kept_rows, verified.emitted
+            features, next_tokens = verified.features, emitted
             if adapter is not None:
-                self._observe(tree, walk, root, features[0], output.logits[0, kept_rows], expanded)
+                self._observe_round(root, tree, verified, expanded)
             committed += len(kept_rows)
             root = emitted[-1]
         if adapter is not None:
             adapter.end_query(root)
-
-    def _observe(self, tree: DraftTree, walk, root: int, features: torch.Tensor, target_logits: torch.Tensor,
-                 expanded: dict[int, torch.Tensor]) -> None:
-        """Hand the adapter this round's committed rows and, where the walk stopped at a node with drafted
-        children, the drafter's distribution there with the target's token (the rejected position)."""
-        end = walk.path[-1] if walk.path else -1
-        drafted_below = any(parent == end for parent in tree.parents)
-        rejected = (expanded[end], int(walk.tokens[-1])) if drafted_below and end in expanded else None
-        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], features, target_logits,
-                                   walk.num_accepted, rejected)
 
     def _grow_tree(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, committed: int, cache,
                    depth: int, stats: GenerationStats, expanded: dict[int, torch.Tensor] | None = None) -> DraftTree:

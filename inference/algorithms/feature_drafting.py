@@ -1,5 +1,6 @@
 """What tree algorithms over feature-conditioned drafters (``eagle3_tree``, ``specblock_tree``) share: reading
-the drafter's input features from the target's captured hidden states, and the prefill that starts a query."""
+the drafter's input features from the target's captured hidden states, the prefill that starts a query, the
+verification of a draft tree, and what the serving-time adapter is told after it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
 from inference.sampling import SamplingParams, sample
+from inference.verify import tree_walk
 
 
 @dataclass
@@ -37,3 +39,43 @@ class FeatureDrafting:
         root = int(sample(sampling.warp(output.logits[0, -1]), generator))
         out.extend([root])
         return FeaturePrefill(root, output, self._features(output), prompt_ids[1:] + [root])
+
+
+@dataclass
+class TreeRound:
+    output: object  # the target's verification RunnerOutput
+    walk: object  # inference.verify.TreeWalk: accepted path and emitted tokens
+    kept_rows: list[int]  # verification rows committed to the target's cache: the root and the accepted path
+    emitted: list[int]
+    features: torch.Tensor  # [1, len(kept_rows), 3·H_t] features of the committed rows (the next anchors)
+
+
+class TreeVerification:
+    """Mixin: verify a draft tree below ``root`` in ONE target forward and commit the accepted path."""
+
+    def _verify_tree(self, root: int, tree, committed: int, sampling: SamplingParams,
+                     generator: torch.Generator | None, stats: GenerationStats, out: OutputBuffer) -> TreeRound:
+        target, device = self.target, self.target.device
+        tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
+        output = target.forward(tokens, positions=tree.positions(committed, device)[None],
+                                attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers)
+        stats.target_forwards += 1
+        walk = tree_walk(tree.tokens, tree.parents, sampling.warp(output.logits[0]), generator)
+        kept_rows = [0] + [node + 1 for node in walk.path]
+        target.commit([kept_rows])
+        # Every tree node was drafted; acceptance by position follows the walked path.
+        stats.record_round(tree.max_depth, walk.num_accepted)
+        stats.drafted_tokens += len(tree) - tree.max_depth
+        emitted = walk.tokens.tolist()
+        out.extend(emitted)
+        return TreeRound(output, walk, kept_rows, emitted, self._features(output)[:, kept_rows])
+
+    def _observe_round(self, root: int, tree, verified: TreeRound, child_logits: dict[int, torch.Tensor]) -> None:
+        """Hand the serving-time adapter this round's committed rows and, where the walk stopped at a node with
+        drafted children, the drafter's distribution there with the target's token (the rejected position)."""
+        walk = verified.walk
+        end = walk.path[-1] if walk.path else -1
+        drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
+        rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
+        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], verified.features[0],
+                                   verified.output.logits[0, verified.kept_rows], walk.num_accepted, rejected)

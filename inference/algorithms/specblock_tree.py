@@ -28,13 +28,12 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.algorithms.feature_drafting import FeatureDrafting
+from inference.algorithms.feature_drafting import FeatureDrafting, TreeVerification
 from inference.sampling import SamplingParams
 from inference.specblock_tree_builder import SpecBlockTreeBuilder, TreeShape
-from inference.verify import tree_walk
 
 
-class SpecBlockTree(FeatureDrafting, Algorithm):
+class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
     name = "specblock_tree"
     drafter = "specblock"
 
@@ -101,25 +100,11 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
                                              child_logits=child_logits)
             stats.draft_forwards += later
 
-            tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
-            output = target.forward(tokens, positions=tree.positions(committed, device)[None],
-                                    attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers)
-            stats.target_forwards += 1
-            walk = tree_walk(tree.tokens, tree.parents, sampling.warp(output.logits[0]), generator)
-            kept_rows = [0] + [node + 1 for node in walk.path]
-            target.commit([kept_rows])
-            stats.record_round(tree.max_depth, walk.num_accepted)
-            stats.drafted_tokens += len(tree) - tree.max_depth
-
-            emitted = walk.tokens.tolist()
-            out.extend(emitted)
-            features, next_tokens = self._features(output)[:, kept_rows], emitted
+            verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
+            kept_rows, emitted = verified.kept_rows, verified.emitted
+            features, next_tokens = verified.features, emitted
             if adapter is not None:
-                end = walk.path[-1] if walk.path else -1
-                drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
-                rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
-                adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], features[0],
-                                      output.logits[0, kept_rows], walk.num_accepted, rejected)
+                self._observe_round(root, tree, verified, child_logits)
             committed += len(kept_rows)
             root = emitted[-1]
         if adapter is not None:
