@@ -100,15 +100,10 @@ class DraftSide:
         return length, cached
 
     def _keep_row(self, row: int, length: int) -> None:
-        runner = self.runner
-        if row != 0:  # move the survivor's K/V to row 0 (static cache: plain slice copies)
-            for cache in (runner.k_cache, runner.v_cache):
-                cache[:, 0, :, :length] = cache[:, row, :, :length]
+        self.runner.select_rows([row], length)  # the survivor's K/V become the only row
         # Only the distribution right after the kept tokens can be reused; drop the rest (V floats each).
         logits = {length: self.logits[row][length]} if length in self.logits[row] else {}
         self.rows, self.logits = [self.rows[row][:length]], [logits]
-        runner.reset(1)
-        runner.cache_lens = torch.tensor([length], dtype=torch.long, device=runner.device)
 
     def _sync(self, context: list[int]) -> tuple[torch.Tensor, int, bool]:
         """(draft logits [V] after ``context``, forwards run, reused) with row 0 holding the context."""
@@ -175,11 +170,7 @@ class DraftSide:
         if k > runner.max_batch_size:
             raise ValueError(f"{k} branches need a draft runner with max_batch_size >= {k}, it has "
                              f"{runner.max_batch_size}; build the draft side with kmax={k}")
-        length = runner.length(0)
-        for cache in (runner.k_cache, runner.v_cache):
-            cache[:, 1:k, :, :length] = cache[:, :1, :, :length]
-        runner.reset(k)
-        runner.cache_lens = torch.full((k,), length, dtype=torch.long, device=runner.device)
+        runner.select_rows([0] * k, runner.length(0))
         self.rows = [list(self.rows[0]) for _ in range(k)]
         self.logits = [dict(self.logits[0]) for _ in range(k)]
 

@@ -424,6 +424,21 @@ class ModelRunner(nn.Module):
         self.cache_lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._pending = None
 
+    @torch.no_grad()
+    def select_rows(self, rows: Sequence[int], length: int) -> None:
+        """Rebuild the batch from existing rows: new row i holds a copy of current row ``rows[i]``'s first
+        ``length`` cached tokens (forking branches from one prefix, keeping a surviving branch)."""
+        if not 1 <= len(rows) <= self.max_batch_size:
+            raise ValueError(f"{len(rows)} rows outside 1..max_batch_size={self.max_batch_size}")
+        shortest = min(self.length(r) for r in rows)
+        if not 0 <= length <= shortest:
+            raise ValueError(f"select_rows keeps {length} tokens but the chosen rows hold only {shortest}")
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, : len(rows), :, :length] = cache[:, index, :, :length]  # the gather copies before writing
+        self.cache_lens = torch.full((len(rows),), length, dtype=torch.long, device=self.device)
+        self._pending = None
+
     def truncate(self, n: int | torch.Tensor) -> None:
         """Roll every row (or row b to ``n[b]``) back to length ``n``; the dropped K/V become dead slots."""
         new_lens = torch.as_tensor(n, dtype=torch.long, device=self.device).expand(self.batch_size)

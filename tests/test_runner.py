@@ -334,3 +334,20 @@ def test_load_runner_picks_backend():
     assert isinstance(load_runner(hf_model("llama"), max_seq_len=16), ModelRunner)
     assert isinstance(load_runner(hf_model("gpt2"), max_seq_len=16), TransformersRunner)
     assert isinstance(load_runner(hf_model("llama"), backend="transformers"), TransformersRunner)
+
+
+def test_select_rows_forks_and_keeps_rows_like_fresh_prefills():
+    """select_rows([1, 1, 0], n): each new row continues exactly as a fresh prefill of that row's first n tokens."""
+    runner = make_runner("llama", "native", batch=3)
+    ids = tokens(2, 9)
+    runner.reset(2)
+    runner.forward(ids)
+    runner.select_rows([1, 1, 0], 6)
+    nxt = tokens(3, 1, seed=5)
+    out = runner.forward(nxt).logits
+    for row, source in enumerate([1, 1, 0]):
+        fresh = make_runner("llama", "native")
+        expected = fresh.forward(torch.cat([ids[source:source + 1, :6], nxt[row:row + 1]], dim=1)).logits[:, -1]
+        assert_close(out[row:row + 1, -1], expected)
+    with pytest.raises(ValueError, match="keeps 9 tokens but the chosen rows hold only 7"):
+        runner.select_rows([0], 9)
