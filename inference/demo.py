@@ -5,7 +5,7 @@ Every stage is one of the project's own commands, printed before it runs, so any
 complete is skipped, and the commands themselves resume (extraction and training continue where a kill left
 them), so re-running ``make demo`` after an interruption continues instead of starting over.
 
-    python -m inference.demo [out=runs/demo] [n_prompts=4] [max_new_tokens=64] [stages=all|extract,...]
+    python -m inference.demo [out=runs/demo] [n_prompts=3] [max_new_tokens=48] [stages=all|extract,...]
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference.algorithms import ALGORITHMS
 from spectrain.overrides import parse_cli, run_cli
 
-USAGE = "python -m inference.demo out=runs/demo n_prompts=4 max_new_tokens=64 stages=all"
+DEMO_RECIPE_STEPS = 40  # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
+USAGE = "python -m inference.demo out=runs/demo n_prompts=3 max_new_tokens=48 stages=all"
 
 
 @dataclass
@@ -29,11 +31,11 @@ class DemoConfig:
     n_samples: int = 96  # ShareGPT conversations extracted for training
     n_val_samples: int = 12
     max_len: int = 192
-    trace_prompts: int = 16  # prompts whose SpS rounds label the H-RAD classifier
+    trace_prompts: int = 12  # prompts whose SpS rounds label the H-RAD classifier
     train_steps: int = 0  # optimizer steps of the draft LM, EAGLE-3 and SpecBlock runs; 0 = the demo_* recipes'
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
-    n_prompts: int = 4
-    max_new_tokens: int = 64
+    n_prompts: int = 3
+    max_new_tokens: int = 48
     stages: list[str] = field(default_factory=lambda: ["all"])
 
 
@@ -60,6 +62,11 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
     extract = ("data_prep.extract", "target=smollm2", "source=sharegpt", "layers=eagle3", "dtype=bf16",
                f"max_len={cfg.max_len}", "batch_size=4")
 
+    # Minutes per stage: measured on the 2-core CPU with one thread and another job running (a quiet machine is
+    # faster); they scale with the settings that drive each stage's work.
+    steps_n = cfg.train_steps or DEMO_RECIPE_STEPS
+    algorithms = ["all", "sps@verifier=hsd", "specbranch@hrad=none"]
+    n_runs = (len(ALGORITHMS) + len(algorithms) - 1) * len(cfg.bench)  # "all" is every registered algorithm
     steps = () if not cfg.train_steps else (
         f"trainer.max_steps={cfg.train_steps}", f"trainer.val_check_interval={max(1, cfg.train_steps // 4)}",
         f"trainer.checkpoint_every_n_steps={max(1, cfg.train_steps // 4)}")
@@ -76,37 +83,38 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
         return Stage(name, minutes, what, argv, output, out / ".done" / name)
 
     stages = [
-        stage("extract", 2.0, f"target hidden states of {cfg.n_samples} ShareGPT conversations (train split)",
+        stage("extract", 0.3 + 0.008 * cfg.n_samples, f"target hidden states of {cfg.n_samples} ShareGPT conversations (train split)",
               (*extract, "split=train", f"n_samples={cfg.n_samples}", f"out={feats / 'train'}"), feats / "train"),
-        stage("extract-eval", 0.5, f"the same for {cfg.n_val_samples} held-out conversations (eval split)",
+        stage("extract-eval", 0.2 + 0.008 * cfg.n_val_samples, f"the same for {cfg.n_val_samples} held-out conversations (eval split)",
               (*extract, "split=eval", f"n_samples={cfg.n_val_samples}", f"out={feats / 'eval'}"), feats / "eval"),
-        stage("train-draftlm", 3.0, "distil a 4-layer draft LM (layer-drop init, KL to the target)",
+        stage("train-draftlm", 0.7 + 0.05 * steps_n, "distil a 4-layer draft LM (layer-drop init, KL to the target)",
               fit("demo_draftlm"), last_ckpt("demo_draftlm")),
-        stage("export-draftlm", 0.3, "export the draft LM as an HF directory the engine loads",
+        stage("export-draftlm", 0.1, "export the draft LM as an HF directory the engine loads",
               ("spectrain.export", f"ckpt={last_ckpt('demo_draftlm')}", f"out={exports / 'draft_lm'}"),
               exports / "draft_lm"),
-        stage("traces", 2.0, f"SpS acceptance traces of the draft LM on {cfg.trace_prompts} prompts (H-RAD labels)",
+        stage("traces", 0.3 + 0.11 * cfg.trace_prompts, f"SpS acceptance traces of the draft LM on {cfg.trace_prompts} prompts (H-RAD labels)",
               ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", "source=sharegpt",
                "split=train", f"n_samples={cfg.trace_prompts}", "gamma=4", "max_new_tokens=48",
                f"out={out / 'traces'}"), out / "traces"),
-        stage("train-hrad", 0.5, "train SpecBranch's H-RAD classifier on the traces (calibrated)",
+        stage("train-hrad", 0.2, "train SpecBranch's H-RAD classifier on the traces (calibrated)",
               ("spectrain.fit", "recipe=demo_hrad", f"runs_dir={runs}", "resume=auto",
                f"data.dataset_dir={out / 'traces'}"), last_ckpt("demo_hrad")),
-        stage("export-hrad", 0.2, "export H-RAD with its class boundaries, ε and temperature",
+        stage("export-hrad", 0.1, "export H-RAD with its class boundaries, ε and temperature",
               ("spectrain.export", f"ckpt={last_ckpt('demo_hrad')}", f"out={exports / 'hrad'}"), exports / "hrad"),
-        stage("train-eagle3", 3.0, "train the EAGLE-3 drafter (training-time test, reduced vocabulary)",
+        stage("train-eagle3", 0.7 + 0.035 * steps_n, "train the EAGLE-3 drafter (training-time test, reduced vocabulary)",
               fit("demo_eagle3"), last_ckpt("demo_eagle3")),
-        stage("export-eagle3", 0.3, "export EAGLE-3 (native layout)",
+        stage("export-eagle3", 0.1, "export EAGLE-3 (native layout)",
               ("spectrain.export", f"ckpt={last_ckpt('demo_eagle3')}", "format=native", f"out={exports / 'eagle3'}"),
               exports / "eagle3"),
-        stage("train-specblock", 3.0, "train the SpecBlock drafter on the same data and steps as EAGLE-3",
+        stage("train-specblock", 0.7 + 0.11 * steps_n, "train the SpecBlock drafter on the same data and steps as EAGLE-3",
               fit("demo_specblock"), last_ckpt("demo_specblock")),
-        stage("export-specblock", 0.3, "export SpecBlock (native layout)",
+        stage("export-specblock", 0.1, "export SpecBlock (native layout)",
               ("spectrain.export", f"ckpt={last_ckpt('demo_specblock')}", "format=native",
                f"out={exports / 'specblock'}"), exports / "specblock"),
-        stage("evaluate", 5.0, f"every algorithm on {cfg.n_prompts} prompts of {', '.join(cfg.bench)} "
+        stage("evaluate", 0.5 + 0.0036 * n_runs * cfg.n_prompts * cfg.max_new_tokens, f"every algorithm on {cfg.n_prompts} prompts of {', '.join(cfg.bench)} "
               "against AR in one run",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}", "algorithms=all",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
+               f"algorithms=[{','.join(algorithms)}]",
                f"bench=[{','.join(cfg.bench)}]", f"n_prompts={cfg.n_prompts}",
                f"max_new_tokens={cfg.max_new_tokens}", f"out={out / 'eval'}"), out / "eval"),
     ]

@@ -19,22 +19,31 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def markdown_table(results: dict[str, Any]) -> str:
     cfg = results.get("config", {})
     lines = [
-        f"# Evaluation: target `{cfg.get('target')}`, drafter `{cfg.get('drafter')}`",
+        f"# Evaluation: target `{cfg.get('target')}`, drafters `{_drafters(cfg)}`",
         "",
         f"temperature {cfg.get('temperature')}, max_new_tokens {cfg.get('max_new_tokens')}, "
         f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}",
         "",
         "| algorithm | bench | prompts | new tokens | τ (tokens/target fwd) | tokens/s | speedup vs AR "
-        "| rollback rate | greedy = AR |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rollback rate | drafter fwd / target fwd | greedy = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
+        per_forward = run.get("draft_forwards", 0) / max(run.get("target_forwards", 0), 1)
         lines.append(
             f"| {run['algorithm']} | {run['bench']} | {run['n_prompts']} | {run['new_tokens']} | {_fmt(run['tau'])} "
             f"| {_fmt(run['tokens_per_s'], 1)} | {_fmt(run.get('speedup_vs_ar'))}× | {_fmt(run['rollback_rate'])} "
-            f"| {_fmt(run.get('greedy_equal_to_ar'))} |"
+            f"| {_fmt(per_forward, 1)} | {_fmt(run.get('greedy_equal_to_ar'))} |"
         )
+    for name, why in (results.get("skipped") or {}).items():
+        lines.append(f"\nskipped `{name}`: it {why}")
     return "\n".join(lines) + "\n"
+
+
+def _drafters(cfg: dict[str, Any]) -> str:
+    named = [f"{k}={cfg[k]}" for k in ("drafters", "drafter", "feature_drafter", "specblock_drafter", "hrad")
+             if cfg.get(k) not in (None, "auto", "none")]
+    return ", ".join(named) or "none"
 
 
 def acceptance_plot(results: dict[str, Any], path: Path) -> None:
