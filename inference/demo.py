@@ -137,7 +137,7 @@ def run_stages(cfg: DemoConfig) -> None:
             print(f"{head}: done already ({stage.output}), skipped", flush=True)
             continue
         command = [sys.executable, "-m", *stage.argv]
-        print(f"{head}: {stage.what} (about {stage.minutes:g} min)\n[demo]   $ python -m {' '.join(stage.argv)}",
+        print(f"{head}: {stage.what} (about {stage.minutes:.1f} min)\n[demo]   $ python -m {' '.join(stage.argv)}",
               flush=True)
         start = time.perf_counter()
         if subprocess.run(command, env=env).returncode != 0 or not stage.output.exists():
