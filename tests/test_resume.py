@@ -17,6 +17,7 @@ import torch
 from test_fit_cli import TOY_RECIPE
 
 from spectrain import fit as fit_cli
+from spectrain import resume
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -68,7 +69,7 @@ def kill_after_checkpoint(recipes: Path, runs: Path, step: int) -> None:
 def test_sigkill_mid_epoch_then_resume_auto_matches_an_uninterrupted_run(recipes, tmp_path):
     killed, reference = tmp_path / "killed", tmp_path / "reference"
     kill_after_checkpoint(recipes, killed, step=6)
-    latest = torch.load(fit_cli.latest_checkpoint(killed / "toy"), weights_only=True)  # what resume=auto loads
+    latest = torch.load(resume.latest_checkpoint(killed / "toy"), weights_only=True)  # what resume=auto loads
     resumed_from = latest["global_step"]
     # The kill landed mid-run and mid-epoch: the loader position inside the epoch is part of the checkpoint.
     assert 6 <= resumed_from < 20 and resumed_from % BATCHES_PER_EPOCH != 0
@@ -114,7 +115,7 @@ def test_a_finished_run_extended_with_more_steps_matches_the_longer_run(recipes,
 
 
 def test_killed_checkpoint_write_keeps_the_previous_file(tmp_path, monkeypatch):
-    *_, atomic_io = fit_cli.resume_classes()
+    *_, atomic_io = resume.resume_classes()
     path = tmp_path / "checkpoints" / "last.ckpt"
     atomic_io().save_checkpoint({"global_step": 3}, path)
 
@@ -133,14 +134,14 @@ def test_killed_checkpoint_write_keeps_the_previous_file(tmp_path, monkeypatch):
 def test_resume_auto_takes_the_newest_step_or_last_checkpoint(tmp_path):
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
-    assert fit_cli.latest_checkpoint(tmp_path) is None
+    assert resume.latest_checkpoint(tmp_path) is None
     for age, name in enumerate(("best.ckpt", ".last.ckpt.tmp-x", "step12.ckpt", "last.ckpt", "step9.ckpt")):
         (ckpts / name).write_bytes(b"")
         os.utime(ckpts / name, ns=(age, 10**9 * (10 - age)))
     # best.ckpt and the half-written temporary are newest but never resumed; step12 (killed before last) is.
-    assert fit_cli.latest_checkpoint(tmp_path) == ckpts / "step12.ckpt"
+    assert resume.latest_checkpoint(tmp_path) == ckpts / "step12.ckpt"
     os.utime(ckpts / "last.ckpt", ns=(0, 10**9 * 8))  # written with step12 (same state): last.ckpt wins
-    assert fit_cli.latest_checkpoint(tmp_path) == ckpts / "last.ckpt"
+    assert resume.latest_checkpoint(tmp_path) == ckpts / "last.ckpt"
 
 
 def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
@@ -148,9 +149,9 @@ def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
 
     import numpy as np
 
-    states = fit_cli.collect_rng_states()
+    states = resume.collect_rng_states()
     torch.save(states, tmp_path / "rng.pt")
     expected = (torch.rand(3), np.random.rand(3), random.random())
-    fit_cli.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    resume.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
