@@ -48,12 +48,7 @@ def _drafters(cfg: dict[str, Any]) -> str:
 
 def acceptance_plot(results: dict[str, Any], path: Path) -> None:
     """Per-position acceptance rate of every run that drafted anything."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = _axes()
     plotted = 0
     for run in results["runs"]:
         rates = run.get("acceptance_by_position") or []
@@ -61,9 +56,13 @@ def acceptance_plot(results: dict[str, Any], path: Path) -> None:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{run['algorithm']} / {run['bench']}")
             plotted += 1
     ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate (given the earlier positions were accepted)")
+    ax.set_ylabel("P(accepted | earlier positions accepted)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Per-position acceptance" if plotted else "Per-position acceptance (no drafting algorithm ran)")
+    _finish(plt, fig, ax, path, "Per-position acceptance", plotted)
+
+
+def _finish(plt, fig, ax, path: Path, title: str, plotted: int) -> None:
+    ax.set_title(title if plotted else f"{title} (no drafting algorithm ran)")
     if plotted:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -123,10 +122,4 @@ def tau_distribution_plot(results: dict[str, Any], path: Path) -> None:
             plotted += 1
     ax.set_xlabel("tokens emitted in one verification round")
     ax.set_ylabel("fraction of rounds")
-    ax.set_title("Tokens per target forward" if plotted else "Tokens per target forward (no drafting algorithm ran)")
-    if plotted:
-        ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, "Tokens per target forward", plotted)
