@@ -62,20 +62,7 @@ class Eagle3Config:
     own_embedding: bool = False  # True: the drafter carries its own embed_tokens (exported); False: the target's
 
     def __post_init__(self) -> None:
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if self.head_dim is None:  # stored resolved, so configs compare equal whatever their source wrote
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if len(self.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in self.aux_layer_ids):
-            raise ValueError(f"EAGLE-3 needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {self.aux_layer_ids}")
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size", "draft_vocab_size", "target_hidden_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"eagle3 config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+        check_drafter_config(self, "EAGLE-3")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -103,6 +90,25 @@ class Eagle3Config:
         if unknown:
             raise ValueError(f"unknown eagle3 config fields {unknown}; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def check_drafter_config(config: Any, kind: str, extra_positive: tuple[str, ...] = ()) -> None:
+    """Normalise and check what every target-shaped drafter config (EAGLE-3, SpecBlock) shares: the aux layer
+    triple, positive sizes, a draft vocabulary inside the target's, grouped-query heads. Resolves ``head_dim``."""
+    config.aux_layer_ids = [int(i) for i in config.aux_layer_ids]
+    if config.head_dim is None:  # stored resolved, so configs compare equal whatever their source wrote
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if len(config.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in config.aux_layer_ids):
+        raise ValueError(f"{kind} needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {config.aux_layer_ids}")
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                 "draft_vocab_size", "target_hidden_size", *extra_positive):
+        if int(getattr(config, name)) < 1:
+            raise ValueError(f"{kind} config: {name} must be >= 1, got {getattr(config, name)}")
+    if config.draft_vocab_size > config.vocab_size:
+        raise ValueError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocab_size {config.vocab_size}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads {config.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads {config.num_key_value_heads}")
 
 
 def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict[str, Any]:

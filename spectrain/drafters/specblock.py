@@ -40,7 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.runner import MLP, RMSNorm
-from spectrain.drafters.eagle3 import NUM_AUX_LAYERS, Eagle3Attention, layer_llama_config, target_layer_shape
+from spectrain.drafters.eagle3 import (
+    NUM_AUX_LAYERS,
+    Eagle3Attention,
+    check_drafter_config,
+    layer_llama_config,
+    target_layer_shape,
+)
 from spectrain.drafters.target_tied import TargetTiedDrafter
 
 NUM_RANK_FEATURES = 15
@@ -77,28 +83,14 @@ class SpecBlockConfig:
     train_block2_sees_other_anchors: bool = False  # release quirk (§1.4): later blocks see other anchors' blocks
 
     def __post_init__(self) -> None:
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
         self.widths = [int(w) for w in self.widths]
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if len(self.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in self.aux_layer_ids):
-            raise ValueError(f"SpecBlock needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {self.aux_layer_ids}")
-        for name in ("block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size", "draft_vocab_size", "target_hidden_size", "rank_topk",
-                     "rank_hidden_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"specblock config: {name} must be >= 1, got {getattr(self, name)}")
+        check_drafter_config(self, "SpecBlock", ("block_size", "num_layers", "rank_topk", "rank_hidden_size"))
         if self.rank_buckets != len(RANK_BUCKET_UPPER) + 1:
             raise ValueError(f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
                              f"{self.rank_buckets}")
         if len(self.widths) != self.rank_buckets or any(w < 0 for w in self.widths):
             raise ValueError(f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
                              f"bucket), got {self.widths}")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
 
     @property
     def resolved_head_dim(self) -> int:
