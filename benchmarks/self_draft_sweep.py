@@ -20,7 +20,7 @@ import torch
 from spectrain.overrides import OverrideError, parse_cli
 
 USAGE = ("python benchmarks/self_draft_sweep.py target=smollm2 bench=humaneval n_prompts=3 max_new_tokens=96 "
-         "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 threads=0")
+         "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 grid_vocab=0 threads=0")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class SweepConfig:
     grid: list[list[int]] = field(default_factory=lambda: [[4, 2], [5, 3], [6, 6]])  # [L, N] pairs
     candidates: list[int] = field(default_factory=lambda: [10])  # context-cache candidates per step
     corpus_candidates: int = 3  # corpus-cache candidates per step (with ngram_corpus)
+    grid_vocab: int = 0  # grid argmax over the K lowest ids + the text's tokens; 0 = full vocabulary
     ngram_corpus: str | None = None
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     forward_cost: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48])  # [] = skip
@@ -46,7 +47,7 @@ def settings(cfg) -> dict[str, dict]:
         for candidates in cfg.candidates:
             out[f"self_draft L={pair[0]} N={pair[1]} ctx={candidates}"] = {
                 "branch_len": int(pair[0]), "branch_num": int(pair[1]), "ctx_candidates": int(candidates),
-                "corpus_candidates": cfg.corpus_candidates}
+                "corpus_candidates": cfg.corpus_candidates, "grid_vocab": cfg.grid_vocab}
     return out
 
 

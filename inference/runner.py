@@ -57,7 +57,7 @@ KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
 @dataclass
 class RunnerOutput:
-    """``logits``: float32 [B, T, V] (or [B, 1, V] with ``only_last_logits``); ``hidden``: captured layer
+    """``logits``: float32 [B, T, V] (or the requested rows only); ``hidden``: captured layer
     outputs {layer index: [B, T, H]}; ``last_hidden``: final-normed hidden [B, T, H] when requested."""
 
     logits: torch.Tensor
@@ -67,6 +67,12 @@ class RunnerOutput:
 
 # ----------------------------------------------------------------------------------------------------------
 # Config checks shared by both runners
+
+
+def _logit_rows(only_last: bool, rows: slice | None) -> slice:
+    if only_last and rows is not None:
+        raise ValueError("pass only_last_logits or logit_rows, not both")
+    return slice(-1, None) if only_last else rows if rows is not None else slice(None)
 
 
 def _default_dtype(device: torch.device) -> torch.dtype:
@@ -147,6 +153,20 @@ def _kept_to_tensor(
 # Llama-family modules (parameter names match transformers so the state dict loads as-is)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict names) that runs 2 or 3 rows as 4 on a CPU: MKL's fp32
+    GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of
+    such shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows not in (2, 3) or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        padded = torch.cat([flat, flat.new_zeros(4 - rows, flat.shape[-1])])
+        return F.linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -173,10 +193,10 @@ class Attention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
         # Qwen3: RMSNorm over each head's vector, before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -222,9 +242,9 @@ class MLP(nn.Module):
         from transformers.activations import ACT2FN
 
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -311,7 +331,7 @@ class ModelRunner(nn.Module):
         out_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         with torch.device("meta"):  # weights come from the state dict; don't allocate them twice
             self.model = Decoder(config, qkv_bias, out_bias, qk_norm=model_type == "qwen3")
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -501,9 +521,12 @@ class ModelRunner(nn.Module):
         capture_layers: Sequence[int] = (),
         return_last_hidden: bool = False,
         only_last_logits: bool = False,
+        logit_rows: slice | None = None,
     ) -> RunnerOutput:
         """Run T new tokens per row; see the module docstring for positions, mask and capture conventions.
-        ``only_last_logits`` returns logits for the last new token only ([B, 1, V]; saves prefill memory)."""
+        ``only_last_logits`` returns logits for the last new token only ([B, 1, V]; saves prefill memory);
+        ``logit_rows`` (a slice of the new tokens) returns those rows only: on a CPU the lm_head over a large
+        vocabulary costs as much as the decoder layers, so callers that need few rows ask for just those."""
         batch, new = input_ids.shape
         if batch != self.batch_size:
             raise ValueError(
@@ -543,7 +566,7 @@ class ModelRunner(nn.Module):
         self.cache_lens = self.cache_lens + new
 
         x = self.model.norm(x)
-        logits = self.lm_head(x[:, -1:] if only_last_logits else x).float()
+        logits = self.lm_head(x[:, _logit_rows(only_last_logits, logit_rows)]).float()
         return RunnerOutput(logits=logits, hidden=hidden, last_hidden=x if return_last_hidden else None)
 
 
@@ -701,6 +724,7 @@ class TransformersRunner:
         capture_layers: Sequence[int] = (),
         return_last_hidden: bool = False,
         only_last_logits: bool = False,
+        logit_rows: slice | None = None,
     ) -> RunnerOutput:
         """As :meth:`ModelRunner.forward`."""
         batch, new = input_ids.shape
@@ -759,7 +783,7 @@ class TransformersRunner:
         self._cache = out.past_key_values
         self._slot_valid = torch.cat([self._slot_valid, self._slot_valid.new_ones(batch, new)], dim=1)
         self._pending = physical
-        logits = out.logits[:, -1:] if only_last_logits else out.logits
+        logits = out.logits[:, _logit_rows(only_last_logits, logit_rows)]
         return RunnerOutput(
             logits=logits.float(),
             hidden=dict(sorted(hidden.items())),

@@ -291,6 +291,30 @@ def test_from_config_with_state_dict_and_only_last_logits():
     assert_close(out.logits[0, 0], reference("llama", seq).logits[0, -1])
 
 
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+def test_logit_rows_returns_just_those_rows(kind):
+    seq = tokens(7, seed=19)
+    full = make_runner("llama", kind).forward(seq[None]).logits
+    out = make_runner("llama", kind).forward(seq[None], logit_rows=slice(2, 5), return_last_hidden=True)
+    assert out.logits.shape == (1, 3, VOCAB) and out.last_hidden.shape[1] == 7
+    assert_close(out.logits, full[:, 2:5])
+    with pytest.raises(ValueError, match="only_last_logits or logit_rows, not both"):
+        make_runner("llama", kind).forward(seq[None], only_last_logits=True, logit_rows=slice(0, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_linear_pads_two_or_three_rows_without_changing_them(rows):
+    from inference.runner import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(24, 40)
+    x = torch.randn(1, rows, 24)
+    out = layer(x)
+    assert out.shape == (1, rows, 40)
+    assert torch.allclose(out, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-6)
+    assert set(layer.state_dict()) == {"weight", "bias"}  # loads transformers' names as-is
+
+
 def test_tied_embeddings_share_weight():
     runner = make_runner("qwen2_bias_tied", "native")
     assert runner.lm_head.weight is runner.embed_tokens.weight

@@ -13,7 +13,8 @@ from test_algorithms import assert_follows_law, exact_target_law, runner, sample
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm
-from inference.algorithms.self_draft import BranchGrid, Column, SelfDraft, attention_inputs, layout_step
+from inference.algorithms.self_draft import (BranchGrid, Column, GridVocab, SelfDraft, attention_inputs,
+                                             layout_step)
 from inference.ngram_cache import ContextCache, CorpusCache
 from inference.sampling import SamplingParams
 
@@ -66,7 +67,7 @@ def test_greedy_equals_ar_with_both_caches(model, references, corpus, branch_len
 
 
 @pytest.mark.parametrize("branch_len,branch_num", [(4, 2), (6, 6), (7, 3)])
-@pytest.mark.parametrize("caches", ["context", "corpus", "none", "compat", "no_branch_verify"])
+@pytest.mark.parametrize("caches", ["context", "corpus", "none", "compat", "no_branch_verify", "grid_vocab"])
 def test_greedy_equals_ar_per_cache_and_mode(model, references, corpus, branch_len, branch_num, caches):
     options = {
         "context": {"context_cache": True},
@@ -74,6 +75,7 @@ def test_greedy_equals_ar_per_cache_and_mode(model, references, corpus, branch_l
         "none": {"context_cache": False},
         "compat": {"corpus": corpus, "compat_original_cap": True},
         "no_branch_verify": {"corpus": corpus, "verify_branches": False},
+        "grid_vocab": {"corpus": corpus, "grid_vocab": 40},  # the grid's argmax sees ids < 40 + the text's
     }[caches]
     algorithm = self_draft(model, branch_len=branch_len, branch_num=branch_num, **options)
     accepted = assert_greedy_equal(algorithm, references)
@@ -364,6 +366,9 @@ def test_bad_options_are_one_line_errors(model):
         self_draft(model, branch_len=2)
     with pytest.raises(ValueError, match=r"^gram_len \(G\) must be >= 2"):
         self_draft(model, gram_len=1)
+    with pytest.raises(ValueError, match=r"^grid_vocab must be >= 0 \(0 = the full vocabulary\), got -1$"):
+        self_draft(model, grid_vocab=-1)
+    assert self_draft(model, grid_vocab=97).grid_vocab is None  # not smaller than the vocabulary: full
     big = CorpusCache({1: {(3,): [((4, 5, 6, 500), 9)]}})
     with pytest.raises(ValueError, match="token id 500 >= the target's vocab_size 97"):
         self_draft(model, corpus=big)
@@ -376,9 +381,28 @@ def test_options_from_the_evaluate_cli(model):
                       "compat_original_cap=true"])
     options = SelfDraft.options_from_config(cfg)
     assert options == {"branch_len": 4, "branch_num": 2, "gram_len": 4, "ctx_candidates": 3,
-                       "verify_branches": True, "compat_original_cap": True}
+                       "corpus_candidates": 3, "verify_branches": True, "compat_original_cap": True,
+                       "grid_vocab": 0}
     algorithm = SelfDraft(runner(model), **options)
     assert algorithm.gram_len == 3 and not algorithm.verify_branches  # G capped at L - 1; compat: candidates only
+
+
+def test_grid_vocab_argmax_is_the_argmax_over_its_tokens():
+    """Ids below K plus the text's tokens, whichever side wins; the same answer as masking the full logits."""
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(97, 16), torch.randn(5, 16)
+    vocab = GridVocab(20)
+    vocab.reset([3, 50, 50, 70])
+    vocab.add([90, 5])
+    allowed = torch.zeros(97, dtype=torch.bool)
+    allowed[:20] = True
+    allowed[[50, 70, 90]] = True
+    full = hidden @ weight.T
+    expected = full.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+    assert vocab.argmax(hidden, weight) == expected
+    assert any(token >= 20 for token in expected)  # the extra tokens really compete
+    vocab.reset([1])
+    assert vocab.argmax(hidden, weight) == full[:, :20].argmax(-1).tolist()
 
 
 # ----------------------------------------------------------------------------------------------- sampling

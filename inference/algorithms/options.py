@@ -50,7 +50,9 @@ class AlgorithmOptions:
     self_draft_N: int = 6  # number of draft branches N
     self_draft_G: int = 4  # context gram length G (capped at L - 1)
     self_draft_candidates: int = 10  # context-cache candidates per step
+    self_draft_corpus_candidates: int = 3  # corpus-cache candidates per step (with ngram_corpus)
     self_draft_verify_branches: bool = True  # also accept tokens from the branches (lossless)
+    self_draft_grid_vocab: int = 0  # grid argmax over the K lowest ids + the text's tokens (CPU); 0 = all
     ngram_corpus: str | None = None  # corpus cache file from python -m data_prep.ngram_corpus
     compat_original_cap: bool = False  # the original's counting (no bonus token), for the paper's DE
     # specblock_tree (§1.6 released defaults)

@@ -186,11 +186,81 @@ def attention_inputs(layout: StepLayout, head_len: int, start: int) -> tuple[tor
 # ----------------------------------------------------------------------------------------------------------
 
 
+class NodeLogits:
+    """One step's logits by row (0 = root, i + 1 = node i), computed only where needed: on a CPU the lm_head
+    over a 49k vocabulary streams as many weights per call as a third of the decoder layers.
+
+    * the root row comes with the forward (full vocabulary: it is always verified);
+    * the grid rows need only their argmax (grid update, context cache, never verification by themselves):
+      :meth:`grid_argmax` takes it over the full vocabulary in one call, or over ``vocab`` when given;
+    * any other row is computed in full the first time the walk visits it (about τ rows of dozens).
+
+    Which tokens the grid proposes changes speed only; every emitted token comes from full-vocabulary rows.
+    """
+
+    def __init__(self, root: torch.Tensor, hidden: torch.Tensor, lm_head: torch.nn.Module):
+        self.root, self.hidden, self.lm_head = root, hidden, lm_head
+        self._full: dict[int, torch.Tensor] = {0: root}
+
+    @torch.no_grad()
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self._full:
+            self._full[row] = self.lm_head(self.hidden[row:row + 1]).float()[0]
+        return self._full[row]
+
+    @torch.no_grad()
+    def grid_argmax(self, num_grid: int, vocab: GridVocab | None) -> list[int]:
+        """Argmax at the root (full) and at the ``num_grid`` grid rows (full, or over ``vocab``)."""
+        if not num_grid:
+            return [int(self.root.argmax())]
+        hidden = self.hidden[1:1 + num_grid]
+        if vocab is None:
+            logits = self.lm_head(hidden).float()
+            self._full.update({1 + i: row for i, row in enumerate(logits)})  # the walk may visit them
+            preds = logits.argmax(dim=-1).tolist()
+        else:
+            preds = vocab.argmax(hidden, self.lm_head.weight)
+        return [int(self.root.argmax())] + preds
+
+
+class GridVocab:
+    """The tokens the grid's argmax looks at when ``grid_vocab=K``: ids below K (byte-level BPE ids follow
+    merge order, so the lowest ids are the commonest tokens), plus every token of the prompt and of the text
+    so far. On SmolLM2 greedy outputs K = 8192 covers 95 % (HumanEval), 85 % (MT-Bench) and 98 %
+    (GSM-symbolic) of the tokens, at a sixth of the lm_head's cost per grid row."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._extra: list[int] = []
+        self._seen: set[int] = set()
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        self._extra, self._seen = [], set()
+        self.add(tokens)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            if token >= self.size and token not in self._seen:
+                self._seen.add(token)
+                self._extra.append(token)
+
+    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
+        logits = torch.nn.functional.linear(hidden, weight[: self.size]).float()
+        if self._extra:
+            extra = torch.tensor(self._extra, device=weight.device)
+            extra_logits = torch.nn.functional.linear(hidden, weight[extra]).float()
+            best_extra, extra_index = extra_logits.max(dim=-1)
+            best, index = logits.max(dim=-1)
+            return torch.where(best_extra > best, extra[extra_index], index).tolist()
+        return logits.argmax(dim=-1).tolist()
+
+
 class SelfDraft(Algorithm):
     """Self-Draft; defaults are the paper's (L = N = 6, G = 4, 10 context + 2-3 corpus candidates, spec §4.10).
 
     ``corpus``: a :class:`CorpusCache` or the path of one (``python -m data_prep.ngram_corpus``); None = no
-    corpus cache. ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``:
+    corpus cache. ``grid_vocab=K`` takes the grid's argmax over the K lowest ids plus the text's tokens
+    (:class:`GridVocab`; a CPU speed-up, lossless like every grid choice); 0 = the full vocabulary. ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``:
     also accept tokens from the grid columns (lossless; off under ``compat_original_cap``).
     """
 
@@ -213,6 +283,7 @@ class SelfDraft(Algorithm):
         keep_num: int = 2,
         verify_branches: bool = True,
         compat_original_cap: bool = False,
+        grid_vocab: int = 0,
         max_seq_len: int | None = None,
     ):
         super().__init__(target, max_seq_len=max_seq_len)
@@ -223,6 +294,7 @@ class SelfDraft(Algorithm):
             (max_pad_len >= 1, f"max_pad_len must be >= 1, got {max_pad_len}"),
             (ctx_candidates >= 0 and corpus_candidates >= 0,
              f"candidate counts must be >= 0, got ctx={ctx_candidates} corpus={corpus_candidates}"),
+            (grid_vocab >= 0, f"grid_vocab must be >= 0 (0 = the full vocabulary), got {grid_vocab}"),
             (flush_interval >= 0 and keep_num >= 1,
              f"need flush_interval >= 0 (0 = never) and keep_num >= 1, got {flush_interval}, {keep_num}"),
         ]
@@ -241,6 +313,7 @@ class SelfDraft(Algorithm):
         if self.corpus is not None and vocab is not None and self.corpus.max_token_id >= vocab:
             raise ValueError(f"n-gram corpus holds token id {self.corpus.max_token_id} >= the target's vocab_size "
                              f"{vocab}: it was built for another tokenizer")
+        self.grid_vocab = GridVocab(grid_vocab) if 0 < grid_vocab < (vocab or grid_vocab + 1) else None
         self._conversations = 0
 
     @classmethod
@@ -250,8 +323,10 @@ class SelfDraft(Algorithm):
             "branch_num": getattr(cfg, "self_draft_N", 6),
             "gram_len": getattr(cfg, "self_draft_G", 4),
             "ctx_candidates": getattr(cfg, "self_draft_candidates", 10),
+            "corpus_candidates": getattr(cfg, "self_draft_corpus_candidates", 3),
             "verify_branches": getattr(cfg, "self_draft_verify_branches", True),
             "compat_original_cap": getattr(cfg, "compat_original_cap", False),
+            "grid_vocab": getattr(cfg, "self_draft_grid_vocab", 0),
         }
         corpus_path = getattr(cfg, "ngram_corpus", None)
         if corpus_path:
@@ -292,15 +367,17 @@ class SelfDraft(Algorithm):
         grid = BranchGrid.initial(prompt_ids, self.branch_len, self.branch_num, self.max_pad_len,
                                   random.Random(PAD_SEED))
         text = list(prompt_ids)  # committed tokens; text[-1] is the root of the next forward
+        if self.grid_vocab is not None:
+            self.grid_vocab.reset(prompt_ids)
         head = list(prompt_ids)
         indexed = self._index_prompt(text) if self.context is not None and not self.compat else 0
         while True:
             live = not self.compat or grid.full  # the original has no candidates before steady state
             layout = layout_step(grid.columns, self._candidates(text) if live else [])
             positions, mask = attention_inputs(layout, len(head), target.length())
-            logits = self._forward(head, layout, positions, mask)  # [1 + nodes, V]: root row, then node rows
+            logits = self._forward(head, layout, positions, mask)  # row 0 = root, row i + 1 = node i
             stats.target_forwards += 1
-            preds = logits[: 1 + layout.num_grid].argmax(dim=-1).tolist()  # root and grid: cache + grid update
+            preds = logits.grid_argmax(layout.num_grid, self.grid_vocab)  # root and grid: cache + grid update
             if self.context is not None and live:
                 indexed = self._update_context(text, indexed, grid, layout, preds)
 
@@ -318,22 +395,22 @@ class SelfDraft(Algorithm):
                 return
             target.commit([list(range(len(head))) + [len(head) + n for n in kept_nodes]])
             text.extend(emitted)
+            if self.grid_vocab is not None:
+                self.grid_vocab.add(emitted)
             head = [emitted[-1]]
             grid.advance([preds[1 + nodes[-1]] for nodes in layout.column_nodes])
 
     def _forward(self, head: list[int], layout: StepLayout, positions: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
+                 mask: torch.Tensor) -> NodeLogits:
         target = self.target
         ids = torch.tensor([head + layout.tokens], dtype=torch.long, device=target.device)
         positions, mask = positions[None].to(target.device), mask.to(target.device)
-        if len(head) == 1:
-            return target.forward(ids, positions=positions, attention_mask=mask).logits[0]
-        # Prefill: logits are needed from the root on only, so skip the lm_head over the rest of the prompt.
+        root = len(head) - 1  # rows before the root (the rest of a prompt) need no logits
         result = target.forward(ids, positions=positions, attention_mask=mask, return_last_hidden=True,
-                                only_last_logits=True)
-        return target.lm_head(result.last_hidden[0, len(head) - 1:]).float()
+                                logit_rows=slice(root, root + 1))
+        return NodeLogits(result.logits[0, 0], result.last_hidden[0, root:], target.lm_head)
 
-    def _walk(self, layout: StepLayout, logits: torch.Tensor, first: int, sampling: SamplingParams,
+    def _walk(self, layout: StepLayout, logits: NodeLogits, first: int, sampling: SamplingParams,
               generator: torch.Generator | None) -> tuple[list[int], int, list[list[int]]]:
         """Accepted node path, the correction/bonus token, and the walkable children per row (row 0 = root,
         row i + 1 = node i). Nodes before ``first`` are not offered at the root. Rows are warped lazily: only

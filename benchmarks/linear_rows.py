@@ -1,0 +1,90 @@
+"""``python benchmarks/linear_rows.py [rows=[1,2,3,4,6,8]] [threads=1] [repeats=7]``
+
+Why the engine's ``inference.runner.Linear`` pads 2-3 rows to 4 on a CPU: milliseconds for one pass over
+SmolLM2-135M's decoder matmul shapes (30 layers x q/k/v/o + gate/up/down, fp32, weights streamed from memory
+as in a real forward) and over its 49,152-row lm_head, for a few row counts, with plain ``F.linear`` and with
+the runner's ``Linear``. Prints a table; compare the columns of one run only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from inference.runner import Linear
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = "python benchmarks/linear_rows.py rows=[1,2,3,4,6,8] threads=1 repeats=7"
+HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152  # SmolLM2-135M
+
+
+@dataclass
+class LinearRowsConfig:
+    rows: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    threads: int = 1
+    repeats: int = 7
+
+
+def _modules(shapes: list[tuple[int, int]]) -> list[Linear]:
+    torch.manual_seed(0)
+    modules = []
+    for fan_in, fan_out in shapes:
+        module = Linear(fan_in, fan_out, bias=False)
+        torch.nn.init.normal_(module.weight, std=0.02)
+        modules.append(module)
+    return modules
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # kernel selection out of the timing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[repeats // 2]
+
+
+@torch.no_grad()
+def measure(cfg: LinearRowsConfig) -> list[dict]:
+    torch.set_num_threads(cfg.threads)
+    layer_shapes = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN),
+                    (HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)] * LAYERS
+    decoder, lm_head = _modules(layer_shapes), _modules([(HIDDEN, VOCAB)])[0]
+    inputs = {width: {rows: torch.randn(rows, width) for rows in cfg.rows} for width in (HIDDEN, INTERMEDIATE)}
+
+    def run(modules, rows, padded):
+        for module in modules:
+            x = inputs[module.in_features][rows]
+            module(x) if padded else F.linear(x, module.weight)
+
+    results = []
+    for rows in cfg.rows:
+        row = {"rows": rows}
+        for name, modules in (("decoder", decoder), ("lm_head", [lm_head])):
+            row[f"{name}_plain_ms"] = _median_ms(lambda: run(modules, rows, False), cfg.repeats)
+            row[f"{name}_padded_ms"] = _median_ms(lambda: run(modules, rows, True), cfg.repeats)
+        results.append(row)
+    return results
+
+
+def main(argv: list[str]) -> None:
+    try:
+        cfg = parse_cli(argv, LinearRowsConfig, usage=USAGE)
+    except OverrideError as error:
+        sys.exit(f"error: {error}")
+    results = measure(cfg)
+    print(f"SmolLM2-135M matmul shapes, fp32, {cfg.threads} thread(s), median of {cfg.repeats}\n")
+    print("| rows | decoder F.linear ms | decoder runner.Linear ms | lm_head F.linear ms | lm_head runner.Linear ms |")
+    print("|---|---|---|---|---|")
+    for row in results:
+        print(f"| {row['rows']} | {row['decoder_plain_ms']:.1f} | {row['decoder_padded_ms']:.1f} | "
+              f"{row['lm_head_plain_ms']:.1f} | {row['lm_head_padded_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
