@@ -102,7 +102,7 @@ def tiny():
 def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:
     """Settings under which every allowed query updates (optimistic prior, cheap costs, no rate limit)."""
     values = dict(prior=5.0, min_gap=1, cost_cache=None, cost_rows=24, head_lr=1e-2, full_lr=1e-2,
-                  log=None if tmp_path is None else str(tmp_path))
+                  validate=False, log=None if tmp_path is None else str(tmp_path))
     values.update(kw)
     return AdaptSettings(**values)
 
@@ -150,7 +150,7 @@ def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
 def adapter_for(drafter, costs_per_row: float = 1e-6, **kw) -> tuple[BanditAdapter, Eagle3Adaptable]:
     adaptable = Eagle3Adaptable(drafter)
     costs = CostModel(1e-3, {"head": costs_per_row, "full": costs_per_row})
-    return BanditAdapter(adaptable, costs, forcing_settings(arms="head", min_gap=3, **kw)), adaptable
+    return BanditAdapter(adaptable, costs, forcing_settings(**{"arms": "head", "min_gap": 3, **kw})), adaptable
 
 
 @pytest.mark.parametrize("taus, rolled_back_at", [
@@ -211,6 +211,26 @@ def test_costly_arms_are_never_played_and_leave_the_drafter_alone(tiny):
     rows = [adapter.process(record, tau=1.5, signal=float(i), iter_ratio=1.0) for i in range(6)]
     assert [r["arm"] for r in rows] == ["skip"] * 6 and all(r["forced"] == "" for r in rows)
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+
+
+@pytest.mark.parametrize("held_out_seed, kept", [(1, True), (2, False)])
+def test_validation_keeps_an_update_only_if_the_held_out_loss_drops(tiny, held_out_seed, kept):
+    """The first query cannot update (nothing held out); the second trains on itself and is judged on the first:
+    the same record (seed 1) must improve, an unrelated one (seed 2) under a huge step must not, and then the
+    drafter is exactly as before."""
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, validate=True, min_gap=1, head_lr=1e-2 if kept else 50.0)
+    first, second = (adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in (held_out_seed, 1))
+    first.max_accept = second.max_accept = 7
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    rows = [adapter.process(r, tau=1.5, signal=1.0, iter_ratio=1.0) for r in (first, second)]
+    assert [r["arm"] for r in rows] == ["skip", "head"] and rows[0]["forced"] == "no_held_out"
+    assert rows[1]["kept"] is kept
+    assert (rows[1]["val_loss_after"] < rows[1]["val_loss_before"]) is kept
+    unchanged = all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    assert unchanged is not kept
+    assert (adapter.watch is not None) is kept  # an undone update has nothing left to watch
 
 
 def test_update_is_bounded_and_uses_the_training_loss(tiny):

@@ -38,6 +38,7 @@ class AlgorithmOptions:
     adapt_rollback_to: str = "last"
     adapt_max_rows: int = 384
     adapt_buffer: int = 1
+    adapt_validate: bool = True
     adapt_ttt_steps: int = 3
     adapt_step_weight: float = 0.8
     adapt_signal_floor: float = 1e-6

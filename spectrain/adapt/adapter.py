@@ -10,7 +10,12 @@ Order of work at the end of query k (after its last verification, before the nex
 3. context = running-quantile bucket of the signal S_k; at most one update per ``min_gap`` queries (rate bound);
    otherwise the UCB choice of :mod:`spectrain.adapt.bandit` with costs from the measured :class:`CostModel`;
 4. a non-skip arm: snapshot, then at most ``{arm}_steps`` clipped AdamW steps on query k's record (with
-   ``buffer`` > 1: the mean loss over the last ``buffer`` queries' records; §1.7 uses one query).
+   ``buffer`` > 1: the mean loss over the last ``buffer`` queries' records; §1.7 uses one query);
+5. validation (``validate``, on by default; our addition to §1.7): the update is kept only if it lowers the
+   training loss on the most recent query it did NOT train on; otherwise the snapshot is restored at once. An
+   update that fits one query at the expense of the rest is caught before it serves a single token, instead of
+   after ``patience`` slow queries (the τ watch of step 2 stays as the second line). With no such query yet
+   (the first ``buffer`` queries), nothing is updated.
 
 The same :meth:`BanditAdapter.process` runs online (τ and S measured by the engine) and in replay (τ and S
 simulated from recorded traces), so the CI replay test exercises the production policy.
@@ -63,6 +68,7 @@ class AdaptSettings:
     rollback_to: str = "last"  # last: the snapshot before the update (§1.7) | origin: the drafter as served first
     max_rows: int = 384  # bounded update size: the last rows of a query
     buffer: int = 1  # queries an update trains on (the latest ones); 1 = this query only (§1.7)
+    validate: bool = True  # keep an update only if it lowers the loss on the latest query it did not train on
     ttt_steps: int = 3  # training-time-test steps of the EAGLE-3 update loss
     step_weight: float = 0.8
     signal_floor: float = 1e-6
@@ -120,6 +126,7 @@ class BanditAdapter:
         self.since_update = settings.min_gap  # queries since the last update; the first query may update
         self.recorder: QueryRecorder | None = None
         self.recent: deque[QueryRecord] = deque(maxlen=settings.buffer)
+        self.held_out: QueryRecord | None = None  # the newest query not in ``recent`` (validation)
         self._started = 0.0
 
     @staticmethod
@@ -135,6 +142,8 @@ class BanditAdapter:
         row: dict[str, Any] = {"query": self.query, "rows": record.num_rows, "signal": signal, "tau": tau,
                                "iter_ratio": iter_ratio, "rolled_back": False}
         max_accept = record.max_accept
+        if len(self.recent) == s.buffer:
+            self.held_out = self.recent[0]  # about to leave the training window
         self.recent.append(record)
         rows = sum(min(r.num_rows, s.max_rows) for r in self.recent)  # what an update would train on
         if self.pending is not None:  # 1. feedback for the previous decision
@@ -166,6 +175,8 @@ class BanditAdapter:
         self.since_update += 1
         if decision.arm != "skip" and self.since_update < s.min_gap:
             decision = Decision("skip", decision.ucb, decision.value, decision.cost, forced="rate_limit")
+        elif decision.arm != "skip" and s.validate and self.held_out is None:
+            decision = Decision("skip", decision.ucb, decision.value, decision.cost, forced="no_held_out")
         row.update(context=context, arm=decision.arm, forced=decision.forced)
         for arm in self.bandit.arms:
             row.update({f"ucb_{arm}": decision.ucb[arm], f"value_{arm}": decision.value[arm],
@@ -175,12 +186,22 @@ class BanditAdapter:
         if decision.arm != "skip":  # 4. bounded update with a snapshot
             snapshot = self.updater.snapshot()
             self.origin = snapshot if self.origin is None else self.origin
+            started = time.perf_counter()
+            val_before = self.updater.loss(self.held_out, decision.arm) if s.validate else None
             result = self.updater.update(list(self.recent), decision.arm)
+            kept = True
+            if s.validate:
+                val_after = self.updater.loss(self.held_out, decision.arm)
+                kept = val_after < val_before
+                if not kept:
+                    self.updater.restore(snapshot)
+                row.update(val_loss_before=val_before, val_loss_after=val_after)
+            seconds = time.perf_counter() - started
             paid = self.costs.cost(decision.arm, rows)  # the estimate the decision used
-            self.costs.observe_update(decision.arm, rows, result.seconds)
-            self.watch = _Watch(snapshot, self.tau_ema)
+            self.costs.observe_update(decision.arm, rows, seconds)
+            self.watch = _Watch(snapshot, self.tau_ema) if kept else None
             self.since_update = 0
-            row.update(update_s=result.seconds, loss_before=result.loss_before, loss_after=result.loss_after)
+            row.update(update_s=seconds, loss_before=result.loss_before, loss_after=result.loss_after, kept=kept)
         self.pending = (context, decision.arm, self.skip_ema.get(context, tau), paid)
         self.log.add(row)
         self.query += 1

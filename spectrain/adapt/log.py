@@ -8,7 +8,8 @@ from typing import Any
 
 FIELDS = ["query", "rows", "signal", "context", "tau", "tau_ema", "iter_ratio", "arm", "forced", "ucb_head",
           "ucb_full", "value_head", "value_full", "cost_head", "cost_full", "prev_arm", "realised_dtau",
-          "realised_reward", "update_s", "loss_before", "loss_after", "rolled_back", "tau_none"]
+          "realised_reward", "update_s", "loss_before", "loss_after", "val_loss_before", "val_loss_after", "kept",
+          "rolled_back", "tau_none"]
 
 
 class DecisionLog:
@@ -70,6 +71,10 @@ def plot_tau(rows: list[dict[str, Any]], path: str | Path, title: str = "τ over
         if picked:
             ax.scatter([int(r["query"]) for r in picked], [float(r["tau"]) for r in picked], marker=marker,
                        color=color, label=arm, zorder=3)
+    rejected = [r for r in rows if r.get("kept") in (False, "False")]
+    if rejected:
+        ax.scatter([int(r["query"]) for r in rejected], [float(r["tau"]) for r in rejected], marker="+",
+                   color="tab:purple", s=80, label="update undone (validation)", zorder=4)
     rolled = [r for r in rows if r["rolled_back"] in (True, "True", 1)]
     if rolled:
         ax.scatter([int(r["query"]) for r in rolled], [float(r["tau"]) for r in rolled], marker="x", color="k",
