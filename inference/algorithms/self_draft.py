@@ -226,8 +226,8 @@ class NodeLogits:
 class GridVocab:
     """The tokens the grid's argmax looks at when ``grid_vocab=K``: ids below K (byte-level BPE ids follow
     merge order, so the lowest ids are the commonest tokens), plus every token of the prompt and of the text
-    so far. On SmolLM2 greedy outputs K = 8192 covers 95 % (HumanEval), 85 % (MT-Bench) and 98 %
-    (GSM-symbolic) of the tokens, at a sixth of the lm_head's cost per grid row."""
+    so far. On SmolLM2's greedy outputs (3 prompts x 96 tokens per bench) K = 8192 covers 95 % (HumanEval),
+    85 % (MT-Bench) and 98 % (GSM-symbolic) of the tokens, at a sixth of the lm_head's cost per grid row."""
 
     def __init__(self, size: int):
         self.size = size
