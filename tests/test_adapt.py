@@ -233,6 +233,26 @@ def test_validation_keeps_an_update_only_if_the_held_out_loss_drops(tiny, held_o
     assert (adapter.watch is not None) is kept  # an undone update has nothing left to watch
 
 
+def test_undone_updates_back_off_the_update_rate(tiny):
+    """Every update fails validation (a huge step on an unrelated record), so the gap between attempts doubles:
+    queries 1 (the first with a held-out query), then 5 (gap 2 doubled), then not before 13 (gap 8), and the
+    drafter ends exactly as it started."""
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, validate=True, min_gap=2, head_lr=50.0, backoff=4)
+    adapter.costs.refine = 0.0  # keep updates cheap in the cost model: only the backoff may space them out
+    records = [adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in range(9)]
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    rows = []
+    for record in records:
+        record.max_accept = 7
+        rows.append(adapter.process(record, tau=1.5, signal=1.0, iter_ratio=1.0))
+    assert [i for i, r in enumerate(rows) if r["arm"] == "head"] == [1, 5]
+    assert [r["kept"] for r in rows if r["arm"] == "head"] == [False] * 2
+    assert [r["forced"] for r in rows[6:]] == ["rate_limit"] * 3
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+
+
 def test_update_is_bounded_and_uses_the_training_loss(tiny):
     """head touches only norm + lm_head; the loss is the TTT loss of spectrain.modules.eagle3 (it decreases)."""
     target, drafter = tiny

@@ -39,6 +39,7 @@ class AlgorithmOptions:
     adapt_max_rows: int = 384
     adapt_buffer: int = 1
     adapt_validate: bool = True
+    adapt_backoff: int = 4
     adapt_ttt_steps: int = 3
     adapt_step_weight: float = 0.8
     adapt_signal_floor: float = 1e-6

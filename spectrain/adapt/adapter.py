@@ -15,7 +15,8 @@ Order of work at the end of query k (after its last verification, before the nex
    training loss on the most recent query it did NOT train on; otherwise the snapshot is restored at once. An
    update that fits one query at the expense of the rest is caught before it serves a single token, instead of
    after ``patience`` slow queries (the τ watch of step 2 stays as the second line). With no such query yet
-   (the first ``buffer`` queries), nothing is updated.
+   (the first ``buffer`` queries), nothing is updated. Each undone update doubles the rate bound's gap (up to
+   ``2**backoff`` × ``min_gap``; a kept update resets it): updates that keep failing stop costing time.
 
 The same :meth:`BanditAdapter.process` runs online (τ and S measured by the engine) and in replay (τ and S
 simulated from recorded traces), so the CI replay test exercises the production policy.
@@ -69,6 +70,7 @@ class AdaptSettings:
     max_rows: int = 384  # bounded update size: the last rows of a query
     buffer: int = 1  # queries an update trains on (the latest ones); 1 = this query only (§1.7)
     validate: bool = True  # keep an update only if it lowers the loss on the latest query it did not train on
+    backoff: int = 4  # max doublings of min_gap after consecutive undone updates (0 = none)
     ttt_steps: int = 3  # training-time-test steps of the EAGLE-3 update loss
     step_weight: float = 0.8
     signal_floor: float = 1e-6
@@ -104,6 +106,8 @@ class BanditAdapter:
                              f"{settings.min_gap}, {settings.watch}, {settings.patience}")
         if settings.rollback_to not in ("last", "origin"):
             raise ValueError(f"adapt_rollback_to must be last or origin, got {settings.rollback_to}")
+        if settings.backoff < 0:
+            raise ValueError(f"adapt_backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
         if settings.buffer < 1:
             raise ValueError(f"adapt_buffer must be >= 1 (queries per update), got {settings.buffer}")
         if not 0 < settings.ema <= 1 or settings.horizon < 1:
@@ -124,6 +128,7 @@ class BanditAdapter:
         self.watch: _Watch | None = None
         self.origin: Snapshot | None = None  # the drafter before its first update
         self.since_update = settings.min_gap  # queries since the last update; the first query may update
+        self.undone = 0  # consecutive updates undone by validation (backoff)
         self.recorder: QueryRecorder | None = None
         self.recent: deque[QueryRecord] = deque(maxlen=settings.buffer)
         self.held_out: QueryRecord | None = None  # the newest query not in ``recent`` (validation)
@@ -173,7 +178,8 @@ class BanditAdapter:
         decision = self.bandit.decide(context, tau=tau, iter_ratio=iter_ratio, horizon=s.horizon,
                                       max_accept=max_accept, costs=costs)
         self.since_update += 1
-        if decision.arm != "skip" and self.since_update < s.min_gap:
+        gap = s.min_gap * 2 ** min(self.undone, s.backoff)
+        if decision.arm != "skip" and self.since_update < gap:
             decision = Decision("skip", decision.ucb, decision.value, decision.cost, forced="rate_limit")
         elif decision.arm != "skip" and s.validate and self.held_out is None:
             decision = Decision("skip", decision.ucb, decision.value, decision.cost, forced="no_held_out")
@@ -193,6 +199,7 @@ class BanditAdapter:
             if s.validate:
                 val_after = self.updater.loss(self.held_out, decision.arm)
                 kept = val_after < val_before
+                self.undone = 0 if kept else self.undone + 1
                 if not kept:
                     self.updater.restore(snapshot)
                 row.update(val_loss_before=val_before, val_loss_after=val_after)
