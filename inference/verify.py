@@ -355,15 +355,17 @@ def _children_by_row(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def _check_tree(tree_tokens: list[int], parents: list[int], target_probs: Tensor) -> None:
+def _check_tree(tree_tokens: list[int], parents: list[int], target_probs) -> None:
+    is_tensor = isinstance(target_probs, Tensor)
     if (
         len(parents) != len(tree_tokens)
-        or target_probs.dim() != 2
-        or target_probs.shape[0] != len(parents) + 1
+        or (is_tensor and target_probs.dim() != 2)
+        or len(target_probs) != len(parents) + 1
     ):
+        rows = tuple(target_probs.shape) if is_tensor else f"{len(target_probs)} rows"
         raise ValueError(
             f"need tree_tokens [N], parents [N], target_probs [N+1, V]; got {len(tree_tokens)}, "
-            f"{len(parents)}, {tuple(target_probs.shape)}"
+            f"{len(parents)}, {rows}"
         )
 
 
@@ -376,7 +378,8 @@ def tree_walk(
     """Walk a deterministic draft tree from the root with the multi-candidate rule at every node.
 
     target_probs[0] is the distribution after the committed context (the root), target_probs[i + 1] the
-    distribution after node i. At each node z ~ p is drawn; a child carrying z is accepted and the walk goes
+    distribution after node i: a [N+1, V] tensor, or rows computed on demand (``inference.row_logits``:
+    anything with ``len``, ``[row]`` and ``.device``), since the walk reads only the root and its path. At each node z ~ p is drawn; a child carrying z is accepted and the walk goes
     on, otherwise z is the correction (or, at a leaf, the bonus) token. Exact for sampling; greedy (one-hot
     rows) gives the target's argmax path. EOS handling is the caller's job.
     """

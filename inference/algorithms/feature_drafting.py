@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
+from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
 from inference.sampling import SamplingParams, sample
 from inference.verify import tree_walk
 
@@ -43,7 +44,8 @@ class FeatureDrafting:
 
 @dataclass
 class TreeRound:
-    output: object  # the target's verification RunnerOutput
+    output: object  # the target's verification RunnerOutput (captured layers; logits: see ``logits``)
+    logits: RowLogits  # the verification logits by row (on a CPU computed only for the rows the walk read)
     walk: object  # inference.verify.TreeWalk: accepted path and emitted tokens
     kept_rows: list[int]  # verification rows committed to the target's cache: the root and the accepted path
     emitted: list[int]
@@ -57,10 +59,13 @@ class TreeVerification:
                      generator: torch.Generator | None, stats: GenerationStats, out: OutputBuffer) -> TreeRound:
         target, device = self.target, self.target.device
         tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
+        lazy = lazy_rows_on(device)  # the walk reads ~τ rows of the tree's: on a CPU compute only those
         output = target.forward(tokens, positions=tree.positions(committed, device)[None],
-                                attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers)
+                                attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers,
+                                return_last_hidden=lazy, logit_rows=slice(0, 0) if lazy else None)
         stats.target_forwards += 1
-        walk = tree_walk(tree.tokens, tree.parents, sampling.warp(output.logits[0]), generator)
+        logits = RowLogits(output.last_hidden[0], target.lm_head) if lazy else RowLogits.computed(output.logits[0])
+        walk = tree_walk(tree.tokens, tree.parents, WarpedRows(logits, sampling.warp), generator)
         kept_rows = [0] + [node + 1 for node in walk.path]
         target.commit([kept_rows])
         # Every tree node was drafted; acceptance by position follows the walked path.
@@ -68,7 +73,7 @@ class TreeVerification:
         stats.drafted_tokens += len(tree) - tree.max_depth
         emitted = walk.tokens.tolist()
         out.extend(emitted)
-        return TreeRound(output, walk, kept_rows, emitted, self._features(output)[:, kept_rows])
+        return TreeRound(output, logits, walk, kept_rows, emitted, self._features(output)[:, kept_rows])
 
     def _observe_round(self, root: int, tree, verified: TreeRound, child_logits: dict[int, torch.Tensor]) -> None:
         """Hand the serving-time adapter this round's committed rows and, where the walk stopped at a node with
@@ -78,4 +83,4 @@ class TreeVerification:
         drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
         rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
         self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], verified.features[0],
-                                   verified.output.logits[0, verified.kept_rows], walk.num_accepted, rejected)
+                                   verified.logits.stack(verified.kept_rows), walk.num_accepted, rejected)

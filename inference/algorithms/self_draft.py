@@ -45,6 +45,7 @@ import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
 from inference.ngram_cache import ContextCache, CorpusCache
+from inference.row_logits import RowLogits, lazy_rows_on
 from inference.sampling import SamplingParams
 from inference.verify import multi_candidate
 
@@ -186,41 +187,28 @@ def attention_inputs(layout: StepLayout, head_len: int, start: int) -> tuple[tor
 # ----------------------------------------------------------------------------------------------------------
 
 
-class NodeLogits:
-    """One step's logits by row (0 = root, i + 1 = node i), computed only where needed: on a CPU the lm_head
-    over a 49k vocabulary streams as many weights per call as a third of the decoder layers.
-
-    * the root row comes with the forward (full vocabulary: it is always verified);
-    * the grid rows need only their argmax (grid update, context cache, never verification by themselves):
-      :meth:`grid_argmax` takes it over the full vocabulary in one call, or over ``vocab`` when given;
-    * any other row is computed in full the first time the walk visits it (about τ rows of dozens).
-
-    Which tokens the grid proposes changes speed only; every emitted token comes from full-vocabulary rows.
-    """
-
-    def __init__(self, root: torch.Tensor, hidden: torch.Tensor, lm_head: torch.nn.Module):
-        self.root, self.hidden, self.lm_head = root, hidden, lm_head
-        self._full: dict[int, torch.Tensor] = {0: root}
-
-    @torch.no_grad()
-    def __getitem__(self, row: int) -> torch.Tensor:
-        if row not in self._full:
-            self._full[row] = self.lm_head(self.hidden[row:row + 1]).float()[0]
-        return self._full[row]
+class NodeLogits(RowLogits):
+    """One step's logits by row (0 = root, i + 1 = node i; ``inference.row_logits``). The root row always comes
+    with the forward (it is always verified), and on a GPU every row does. On a CPU the other rows are computed
+    on demand: the grid rows need only their argmax (grid update, context cache), which :meth:`grid_argmax`
+    takes in one call over the full vocabulary or over a :class:`GridVocab`, and a candidate row is computed
+    when the walk visits it. Which tokens the grid proposes changes speed only; every emitted token comes
+    from full-vocabulary rows."""
 
     @torch.no_grad()
     def grid_argmax(self, num_grid: int, vocab: GridVocab | None) -> list[int]:
         """Argmax at the root (full) and at the ``num_grid`` grid rows (full, or over ``vocab``)."""
+        root = [int(self[0].argmax())]
         if not num_grid:
-            return [int(self.root.argmax())]
+            return root
+        if len(self.known) > num_grid:  # computed with the forward: nothing to save
+            return root + self.known[1:1 + num_grid].argmax(dim=-1).tolist()
         hidden = self.hidden[1:1 + num_grid]
-        if vocab is None:
-            logits = self.lm_head(hidden).float()
-            self._full.update({1 + i: row for i, row in enumerate(logits)})  # the walk may visit them
-            preds = logits.argmax(dim=-1).tolist()
-        else:
-            preds = vocab.argmax(hidden, self.lm_head.weight)
-        return [int(self.root.argmax())] + preds
+        if vocab is not None:
+            return root + vocab.argmax(hidden, self.lm_head.weight)
+        logits = self.lm_head(hidden).float()
+        self._rows.update({1 + i: row for i, row in enumerate(logits)})  # the walk may visit them
+        return root + logits.argmax(dim=-1).tolist()
 
 
 class GridVocab:
@@ -406,9 +394,10 @@ class SelfDraft(Algorithm):
         ids = torch.tensor([head + layout.tokens], dtype=torch.long, device=target.device)
         positions, mask = positions[None].to(target.device), mask.to(target.device)
         root = len(head) - 1  # rows before the root (the rest of a prompt) need no logits
+        lazy = lazy_rows_on(target.device)
         result = target.forward(ids, positions=positions, attention_mask=mask, return_last_hidden=True,
-                                logit_rows=slice(root, root + 1))
-        return NodeLogits(result.logits[0, 0], result.last_hidden[0, root:], target.lm_head)
+                                logit_rows=slice(root, root + 1 if lazy else None))
+        return NodeLogits(result.last_hidden[0, root:], target.lm_head, known=result.logits[0])
 
     def _walk(self, layout: StepLayout, logits: NodeLogits, first: int, sampling: SamplingParams,
               generator: torch.Generator | None) -> tuple[list[int], int, list[list[int]]]:
