@@ -22,6 +22,9 @@ from inference.algorithms import ALGORITHMS
 from spectrain.overrides import parse_cli, run_cli
 
 DEMO_RECIPE_STEPS = 40  # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
+# Self-Draft's small grid, the setting that beat AR in wall-clock on the 2-core CPU (BENCHMARKS.md, third session)
+SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidates=2@self_draft_corpus_candidates=1"
+                  "@self_draft_grid_vocab=8192")
 USAGE = "python -m inference.demo out=runs/demo n_prompts=3 max_new_tokens=48 stages=all"
 
 
@@ -65,7 +68,7 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
     # Minutes per stage: measured on the 2-core CPU with one thread and another job running (a quiet machine is
     # faster); they scale with the settings that drive each stage's work.
     steps_n = cfg.train_steps or DEMO_RECIPE_STEPS
-    algorithms = ["all", "sps@verifier=hsd", "specbranch@hrad=none"]
+    algorithms = ["all", "sps@verifier=hsd", "specbranch@hrad=none", SELF_DRAFT_CPU]
     n_runs = (len(ALGORITHMS) + len(algorithms) - 1) * len(cfg.bench)  # "all" is every registered algorithm
     steps = () if not cfg.train_steps else (
         f"trainer.max_steps={cfg.train_steps}", f"trainer.val_check_interval={max(1, cfg.train_steps // 4)}",
@@ -87,6 +90,9 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
               (*extract, "split=train", f"n_samples={cfg.n_samples}", f"out={feats / 'train'}"), feats / "train"),
         stage("extract-eval", 0.2 + 0.008 * cfg.n_val_samples, f"the same for {cfg.n_val_samples} held-out conversations (eval split)",
               (*extract, "split=eval", f"n_samples={cfg.n_val_samples}", f"out={feats / 'eval'}"), feats / "eval"),
+        stage("ngram-corpus", 1.0, "Self-Draft's corpus n-gram cache from 4,000 ShareGPT conversations (train split)",
+              ("data_prep.ngram_corpus", "target=smollm2", "source=sharegpt", "split=train", "n_samples=4000",
+               f"out={out / 'ngram_corpus.pt'}"), out / "ngram_corpus.pt"),
         stage("train-draftlm", 0.7 + 0.05 * steps_n, "distil a 4-layer draft LM (layer-drop init, KL to the target)",
               fit("demo_draftlm"), last_ckpt("demo_draftlm")),
         stage("export-draftlm", 0.1, "export the draft LM as an HF directory the engine loads",
@@ -114,7 +120,7 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
         stage("evaluate", 0.5 + 0.0036 * n_runs * cfg.n_prompts * cfg.max_new_tokens, f"every algorithm on {cfg.n_prompts} prompts of {', '.join(cfg.bench)} "
               "against AR in one run",
               ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               f"algorithms=[{','.join(algorithms)}]",
+               f"algorithms=[{','.join(algorithms)}]", f"ngram_corpus={out / 'ngram_corpus.pt'}",
                f"bench=[{','.join(cfg.bench)}]", f"n_prompts={cfg.n_prompts}",
                f"max_new_tokens={cfg.max_new_tokens}", f"out={out / 'eval'}"), out / "eval"),
     ]
