@@ -66,8 +66,9 @@ def measure(cfg: LinearRowsConfig) -> list[dict]:
     for rows in cfg.rows:
         row = {"rows": rows}
         for name, modules in (("decoder", decoder), ("lm_head", [lm_head])):
-            row[f"{name}_plain_ms"] = _median_ms(lambda: run(modules, rows, False), cfg.repeats)
-            row[f"{name}_padded_ms"] = _median_ms(lambda: run(modules, rows, True), cfg.repeats)
+            for padded in (False, True):
+                row[f"{name}_{'padded' if padded else 'plain'}_ms"] = _median_ms(
+                    lambda modules=modules, rows=rows, padded=padded: run(modules, rows, padded), cfg.repeats)
         results.append(row)
     return results
 

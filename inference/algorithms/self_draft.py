@@ -248,8 +248,9 @@ class SelfDraft(Algorithm):
 
     ``corpus``: a :class:`CorpusCache` or the path of one (``python -m data_prep.ngram_corpus``); None = no
     corpus cache. ``grid_vocab=K`` takes the grid's argmax over the K lowest ids plus the text's tokens
-    (:class:`GridVocab`; a CPU speed-up, lossless like every grid choice); 0 = the full vocabulary. ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``:
-    also accept tokens from the grid columns (lossless; off under ``compat_original_cap``).
+    (:class:`GridVocab`; a CPU speed-up, lossless like every grid choice); 0 = the full vocabulary.
+    ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``: also accept tokens
+    from the grid columns (lossless; off under ``compat_original_cap``).
     """
 
     name = "self_draft"
