@@ -526,7 +526,8 @@ class ModelRunner(nn.Module):
         """Run T new tokens per row; see the module docstring for positions, mask and capture conventions.
         ``only_last_logits`` returns logits for the last new token only ([B, 1, V]; saves prefill memory);
         ``logit_rows`` (a slice of the new tokens) returns those rows only: on a CPU the lm_head over a large
-        vocabulary costs as much as the decoder layers, so callers that need few rows ask for just those."""
+        vocabulary is a sizeable share of a step (≈ 12 of ≈ 70 ms for SmolLM2) and grows with the rows, so
+        callers that need few rows ask for just those."""
         batch, new = input_ids.shape
         if batch != self.batch_size:
             raise ValueError(
