@@ -107,19 +107,27 @@ def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:
     return AdaptSettings(**values)
 
 
-def test_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
-    target, drafter = tiny
-    drafter = copy.deepcopy(drafter)
+def assert_adapts_and_stays_greedy_equal(target, drafter, algorithm_name: str, tmp_path, **options) -> list[dict]:
+    """Serve PROMPTS with adapt=bandit under forcing settings: every output equals AR's, some update arm was
+    played, and the drafter's weights really changed. Returns the decision rows."""
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     ar = build_algorithm("ar", runner(target))
-    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=3, tree_topk=3, tree_total=10,
-                                adapt="bandit", adapt_settings=forcing_settings(tmp_path))
+    algorithm = build_algorithm(algorithm_name, runner(target), drafter, adapt="bandit",
+                                adapt_settings=forcing_settings(tmp_path), **options)
     for prompt in PROMPTS:
         reference = ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
         assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == reference
     rows = algorithm.adapter.log.rows
     assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
     assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it did adapt
+    return rows
+
+
+def test_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    rows = assert_adapts_and_stays_greedy_equal(target, drafter, "eagle3_tree", tmp_path, tree_depth=3,
+                                                tree_topk=3, tree_total=10)
     assert torch.equal(drafter.embed_tokens.weight, target.model.embed_tokens.weight)  # never the target's
     with (tmp_path / "decisions.csv").open() as f:
         assert [r["arm"] for r in csv.DictReader(f)] == [r["arm"] for r in rows]
@@ -395,13 +403,4 @@ def test_specblock_tree_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_pat
                                         aux_layer_ids=[0, 1, 2], block_size=4, rank_hidden_size=16)
     torch.manual_seed(0)
     drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
-    before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    ar = build_algorithm("ar", runner(target))
-    algorithm = build_algorithm("specblock_tree", runner(target), drafter, width=3, budget=12,
-                                adapt="bandit", adapt_settings=forcing_settings(tmp_path))
-    for prompt in PROMPTS:
-        reference = ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
-        assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == reference
-    rows = algorithm.adapter.log.rows
-    assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
-    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it did adapt
+    assert_adapts_and_stays_greedy_equal(target, drafter, "specblock_tree", tmp_path, width=3, budget=12)
