@@ -186,8 +186,10 @@ def _native_copy(runner: Any, max_batch: int) -> ModelRunner:
                          "load the draft LM with backend=auto or native")
     if max_batch <= runner.max_batch_size:
         return runner
-    return ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
+    copy = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
                                    max_batch_size=max_batch, max_seq_len=runner.max_seq_len)
+    copy.logit_vocab = runner.logit_vocab
+    return copy
 
 
 def draft_side_from_runner(runner: Any, max_batch: int = 1, seed: int = 0) -> DraftSide:
@@ -196,16 +198,16 @@ def draft_side_from_runner(runner: Any, max_batch: int = 1, seed: int = 0) -> Dr
 
 
 def draft_side_from_path(path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch: int = 1,
-                         seed: int = 0) -> DraftSide:
+                         seed: int = 0, logit_vocab: int | None = None) -> DraftSide:
     """Draft side that loads its draft LM from a directory (what a multiprocess draft process runs)."""
     from inference.drafters import pick_device
-    from inference.runner import load_runner
+    from inference.runner import load_runner, with_logit_vocab
     from spectrain import assets
 
     device = pick_device(device)
     model = assets.load_model(path, device=device)
     runner = load_runner(model, backend="native", device=device, max_seq_len=max_seq_len, max_batch_size=max_batch)
-    return DraftSide(runner, seed=seed)
+    return DraftSide(with_logit_vocab(runner, logit_vocab), seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -237,7 +239,8 @@ class OverlappedDraftAlgorithm(Algorithm):
                 # "cuda" = the child's current device (cuda:1 under NCCL), not the parent's draft device
                 device = "cuda" if torch.device(draft.device).type == "cuda" else "cpu"
                 draft_factory = functools.partial(draft_side_from_path, str(draft_path), device=device,
-                                                  max_seq_len=draft.max_seq_len, max_batch=max_batch)
+                                                  max_seq_len=draft.max_seq_len, max_batch=max_batch,
+                                                  logit_vocab=getattr(draft, "logit_vocab", None))
             else:
                 draft_factory = functools.partial(draft_side_from_runner, draft, max_batch)
         self.executor_name = executor

@@ -31,6 +31,7 @@ from inference.algorithms.base import GenerationStats
 from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafter_index import export_kind, find_exports
 from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
+from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
@@ -210,12 +211,16 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     resolved = OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
                                {"drafter": paths.get("draft_lm"),
                                 "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
-    algorithms = {}
+    algorithms, limited = {}, {}
     for label in labels:
         name, overrides = parse_variant(label)
         variant_cfg = with_overrides(resolved, overrides, label)
         kind = algorithm_class(name).drafter
-        algorithms[label] = build_algorithm(name, target.runner, drafters.get(kind),
+        drafter = drafters.get(kind)
+        if kind == "draft_lm" and variant_cfg.draft_vocab:  # one runner (shared weights) per vocabulary limit
+            vocab = variant_cfg.draft_vocab
+            drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
+        algorithms[label] = build_algorithm(name, target.runner, drafter,
                                             **algorithm_class(name).options_from_config(variant_cfg))
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 

@@ -19,6 +19,7 @@ from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
+from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
@@ -61,6 +62,8 @@ def generate_text(cfg: Any, target: LoadedModel, draft: LoadedModel | None = Non
 
     cls = algorithm_class(cfg.algorithm)
     drafter = draft.runner if isinstance(draft, LoadedModel) else draft
+    if cls.drafter == "draft_lm" and drafter is not None:
+        drafter = with_logit_vocab(drafter, cfg.draft_vocab)
     algorithm = build_algorithm(cfg.algorithm, target.runner, drafter, **cls.options_from_config(cfg))
     prompt_ids = render_prompt(target.tokenizer, [{"role": "user", "content": cfg.prompt}])
     return algorithm.generate(prompt_ids, max_new_tokens=cfg.max_new_tokens,

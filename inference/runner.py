@@ -158,13 +158,34 @@ class Linear(nn.Linear):
     GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of
     such shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
+        weight, bias = self.weight, self.bias
+        if out_features is not None:
+            weight, bias = weight[:out_features], None if bias is None else bias[:out_features]
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in (2, 3) or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
         padded = torch.cat([flat, flat.new_zeros(4 - rows, flat.shape[-1])])
-        return F.linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+def check_logit_vocab(vocab: int | None, vocab_size: int) -> int | None:
+    """``None`` / 0 = the whole vocabulary; otherwise 1..vocab_size."""
+    if not vocab:
+        return None
+    if not 1 <= vocab <= vocab_size:
+        raise ValueError(f"draft_vocab={vocab} is outside 1..{vocab_size} (the model's vocabulary); use 0 for all ids")
+    return None if vocab == vocab_size else int(vocab)
+
+
+def limited_logits(scored: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """fp32 logits over the whole vocabulary from ``scored`` (the lowest ids); ids beyond it get -inf, so their
+    probability is exactly 0 under any temperature, top-k or top-p."""
+    full = scored.new_full((*scored.shape[:-1], vocab_size), float("-inf"), dtype=torch.float32)
+    full[..., : scored.shape[-1]] = scored
+    return full
 
 
 class RMSNorm(nn.Module):
@@ -347,6 +368,7 @@ class ModelRunner(nn.Module):
         self.cache_lens = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self._pending: tuple[torch.Tensor, int] | None = None  # (lengths before the last forward, its T)
         self._dtype = dtype
+        self.logit_vocab: int | None = None  # see with_logit_vocab
 
     # -- construction ----------------------------------------------------------------------------------------
 
@@ -567,7 +589,11 @@ class ModelRunner(nn.Module):
         self.cache_lens = self.cache_lens + new
 
         x = self.model.norm(x)
-        logits = self.lm_head(x[:, _logit_rows(only_last_logits, logit_rows)]).float()
+        rows = x[:, _logit_rows(only_last_logits, logit_rows)]
+        if self.logit_vocab is None:
+            logits = self.lm_head(rows).float()
+        else:
+            logits = limited_logits(self.lm_head(rows, self.logit_vocab).float(), self.config.vocab_size)
         return RunnerOutput(logits=logits, hidden=hidden, last_hidden=x if return_last_hidden else None)
 
 
@@ -593,6 +619,7 @@ class TransformersRunner:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.num_layers = self.config.num_hidden_layers
+        self.logit_vocab: int | None = None  # see with_logit_vocab
         self._decoder_layers = next(
             (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == self.num_layers), None
         )
@@ -784,9 +811,11 @@ class TransformersRunner:
         self._cache = out.past_key_values
         self._slot_valid = torch.cat([self._slot_valid, self._slot_valid.new_ones(batch, new)], dim=1)
         self._pending = physical
-        logits = out.logits[:, _logit_rows(only_last_logits, logit_rows)]
+        logits = out.logits[:, _logit_rows(only_last_logits, logit_rows)].float()
+        if self.logit_vocab is not None:  # transformers scored every id; the limit still holds exactly
+            logits = limited_logits(logits[..., : self.logit_vocab], self.config.vocab_size)
         return RunnerOutput(
-            logits=logits.float(),
+            logits=logits,
             hidden=dict(sorted(hidden.items())),
             last_hidden=captured_last[0] if captured_last else None,
         )
@@ -830,3 +859,21 @@ def load_runner(
     if backend == "native" or (backend == "auto" and native):
         return ModelRunner.from_hf_model(model, **kw)
     return TransformersRunner.from_hf_model(model, **kw)
+
+
+def with_logit_vocab(runner: ModelRunner | TransformersRunner, vocab: int | None) -> ModelRunner | TransformersRunner:
+    """``runner``'s model (weights shared, not copied) with its own cache, whose logits score only the ``vocab``
+    lowest token ids (the rest are -inf). For a draft LM: SmolLM2-style BPE vocabularies are ordered roughly by
+    merge frequency, so the lowest ids hold most generated tokens, and on a CPU the lm_head is most of a small
+    draft's forward. Lossless wherever the drafter is used: its proposals simply have probability 0 outside the
+    range, and verification corrects to the target's token. ``vocab`` None / 0 returns ``runner`` itself."""
+    vocab = check_logit_vocab(vocab, runner.config.vocab_size)
+    if vocab == runner.logit_vocab:
+        return runner
+    if isinstance(runner, ModelRunner):
+        view = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
+                                       max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
+    else:
+        view = TransformersRunner(runner.model, max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
+    view.logit_vocab = vocab
+    return view

@@ -155,15 +155,18 @@ def given_runner(runner: Any) -> Any:
     return runner
 
 
-def build_draft_runner(source: Any, *, device: str | torch.device, max_batch_size: int, max_seq_len: int) -> Any:
-    """A drafter runner from a runner, a callable returning a runner / HF model, or a draft LM directory path."""
-    from inference.runner import load_runner
+def build_draft_runner(source: Any, *, device: str | torch.device, max_batch_size: int, max_seq_len: int,
+                       logit_vocab: int | None = None) -> Any:
+    """A drafter runner from a runner, a callable returning a runner / HF model, or a draft LM directory path
+    (``logit_vocab``: see ``inference.runner.with_logit_vocab``; a runner given already carries its own)."""
+    from inference.runner import load_runner, with_logit_vocab
 
     if isinstance(source, str):
         from spectrain import assets
 
         model = assets.load_model(source, device=str(device))
-        return load_runner(model, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        runner = load_runner(model, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        return with_logit_vocab(runner, logit_vocab)
     built = source() if callable(source) and not hasattr(source, "forward") else source
     if hasattr(built, "truncate"):  # already a runner
         return built
@@ -174,11 +177,12 @@ class SSDDraftSide:
     """Owns the drafter runner, the speculation cache, the n-gram tables and the draft-side generator."""
 
     def __init__(self, source: Any, *, lookahead: int, budget: int, seed: int = 0, device: str = "cpu",
-                 max_batch_size: int = 1, max_seq_len: int = 2048, threads: int | None = None):
+                 max_batch_size: int = 1, max_seq_len: int = 2048, threads: int | None = None,
+                 logit_vocab: int | None = None):
         if threads:
             torch.set_num_threads(threads)
         self.runner = build_draft_runner(source, device=device, max_batch_size=max_batch_size,
-                                         max_seq_len=max_seq_len)
+                                         max_seq_len=max_seq_len, logit_vocab=logit_vocab)
         self.device = self.runner.device
         self.k = lookahead
         self.budget = budget

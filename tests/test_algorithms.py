@@ -188,3 +188,33 @@ def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
             result = sps.generate(prompt, max_new_tokens=24, sampling=GREEDY)
             assert result.tokens == expected
             assert result.stats.rounds > 0 and result.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd"])
+def test_a_vocabulary_limited_draft_stays_greedy_equal(pair, name):
+    """draft_vocab: the draft proposes only ids < 40 of 97; every draft-LM algorithm still emits the target's tokens."""
+    from inference.runner import with_logit_vocab
+
+    target, draft = pair
+    prompt = [7, 1, 8, 2, 8]
+    reference = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).tokens
+    limited = with_logit_vocab(runner(draft), 40)
+    result = build_algorithm(name, runner(target), limited).generate(prompt, max_new_tokens=30, sampling=GREEDY)
+    assert result.tokens == reference
+    assert any(t >= 40 for t in reference)  # the target does emit ids the draft can never propose
+
+
+def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
+    """Monte Carlo: a draft that can only propose ids {0, 1} of 4 still yields exactly the target's law."""
+    from inference.runner import with_logit_vocab
+
+    vocab, n, runs = 4, 2, 4000
+    target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
+    draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
+    prompt = [1, 2]
+    law = exact_target_law(target, prompt, n, vocab)
+    sps = build_algorithm("sps", runner(target, 16), with_logit_vocab(runner(draft, 16), 2), gamma=2)
+    counts, accepted = sampled_law(sps, prompt, n, runs)
+    assert accepted > 0
+    assert_follows_law(counts, law, runs, max_tv=0.06)
+

@@ -156,11 +156,13 @@ def test_bad_variants_fail_before_loading(variant, needle, tmp_path, capsys):
 
 @pytest.mark.real_model
 def test_variants_run_side_by_side_with_their_own_options(smollm2, tmp_path):
-    cfg = evaluate_cli.parse_args(["algorithms=[sps,sps@verifier=hsd@gamma=2]", "bench=mt_bench", "n_prompts=1",
-                                   "max_new_tokens=12", "gamma=4", f"out={tmp_path}", "warmup=false"])
+    cfg = evaluate_cli.parse_args(["algorithms=[sps,sps@verifier=hsd@gamma=2,sps@draft_vocab=300]", "bench=mt_bench",
+                                   "n_prompts=1", "max_new_tokens=12", "gamma=4", f"out={tmp_path}", "warmup=false"])
     results = evaluate_cli.evaluate(cfg, target=loaded(smollm2), draft=loaded(smollm2))
     labels = [r["algorithm"] for r in results["runs"]]
-    assert labels == ["ar", "sps", "sps@verifier=hsd@gamma=2"]
-    sps, variant = results["runs"][1:]
-    assert sps["greedy_equal_to_ar"] and variant["greedy_equal_to_ar"]
+    assert labels == ["ar", "sps", "sps@verifier=hsd@gamma=2", "sps@draft_vocab=300"]
+    sps, variant, limited = results["runs"][1:]
+    assert sps["greedy_equal_to_ar"] and variant["greedy_equal_to_ar"] and limited["greedy_equal_to_ar"]
     assert len(sps["acceptance_by_position"]) == 4 and len(variant["acceptance_by_position"]) == 2  # its own gamma
+    # The target drafting for itself accepts everything, except tokens above the 300 ids it may propose.
+    assert sps["rollback_rate"] == 0.0 < limited["rollback_rate"] and limited["tau"] < sps["tau"]

@@ -302,6 +302,30 @@ def test_logit_rows_returns_just_those_rows(kind):
         make_runner("llama", kind).forward(seq[None], only_last_logits=True, logit_rows=slice(0, 1))
 
 
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+def test_logit_vocab_scores_only_the_lowest_ids_over_shared_weights(kind):
+    from inference.runner import with_logit_vocab
+
+    seq = tokens(6, seed=23)
+    base = make_runner("llama", kind)
+    limited = with_logit_vocab(base, 10)
+    assert with_logit_vocab(base, 0) is base and with_logit_vocab(limited, 10) is limited
+    assert limited.embed_tokens.weight.data_ptr() == base.embed_tokens.weight.data_ptr()  # weights not copied
+    for rows in ({}, {"only_last_logits": True}, {"logit_rows": slice(1, 3)}):
+        full = base.forward(seq[None], **rows).logits
+        out = limited.forward(seq[None], **rows).logits
+        assert out.shape == full.shape and out.dtype == torch.float32
+        assert_close(out[..., :10], full[..., :10])
+        assert torch.isneginf(out[..., 10:]).all()
+        assert torch.isfinite(out.softmax(-1)).all() and (out.softmax(-1)[..., 10:] == 0).all()
+        base.reset(), limited.reset()
+    assert base.length() == limited.length() == 0
+    limited.forward(seq[None])
+    assert base.length() == 0 and limited.length() == 6  # caches are separate
+    with pytest.raises(ValueError, match=rf"draft_vocab={VOCAB + 1} is outside 1..{VOCAB}"):
+        with_logit_vocab(base, VOCAB + 1)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_linear_pads_two_or_three_rows_without_changing_them(rows):
     from inference.runner import Linear

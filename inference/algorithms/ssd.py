@@ -164,7 +164,8 @@ class SSD(Algorithm):
                 source = functools.partial(given_runner, self.draft)
             device = str(getattr(self.draft, "device", self.target.device))
             factory = draft_side_factory(source, lookahead=self.k, budget=self.budget, seed=self.seed, device=device,
-                                         max_batch_size=self.draft_max_batch, max_seq_len=self.max_seq_len)
+                                         max_batch_size=self.draft_max_batch, max_seq_len=self.max_seq_len,
+                                         logit_vocab=getattr(self.draft, "logit_vocab", None))
             # backend / threads only mean something for the draft process
             kwargs = self.executor_kwargs if self.executor_name == "multiprocess" else {}
             self._executor = make_executor(self.executor_name, factory, **kwargs)
