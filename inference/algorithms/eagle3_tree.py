@@ -29,23 +29,10 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.algorithms.feature_drafting import FeatureDrafting, TreeVerification
+from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options, check_adapt,
+                                                   check_drafter_fits)
 from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
-
-
-def check_drafter_fits(target, drafter) -> None:
-    """Refuse an EAGLE-3 drafter built for another target shape (one line each)."""
-    config, target_config = drafter.config, target.config
-    if config.vocab_size != target_config.vocab_size:
-        raise ValueError(f"EAGLE-3 drafter vocab_size {config.vocab_size} differs from the target's "
-                         f"{target_config.vocab_size}: it was trained for another tokenizer")
-    if config.target_hidden_size != target_config.hidden_size:
-        raise ValueError(f"EAGLE-3 drafter reads features of width {config.target_hidden_size} but the target's "
-                         f"hidden_size is {target_config.hidden_size}: it was trained for another target")
-    if max(config.aux_layer_ids) >= target.num_layers:
-        raise ValueError(f"EAGLE-3 drafter aux layers {config.aux_layer_ids} do not exist in a "
-                         f"{target.num_layers}-layer target")
 
 
 class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
@@ -55,72 +42,38 @@ class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
     def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,
                  max_seq_len: int | None = None, adapt: str = "none", adapt_settings=None):
         super().__init__(target, max_seq_len=max_seq_len)
-        if adapt not in ("none", "bandit"):
-            raise ValueError(f"adapt={adapt} is unknown; use adapt=none or adapt=bandit")
+        check_adapt(adapt)
         if tree_depth < 1 or tree_topk < 1 or tree_total < 2:
             raise ValueError(f"need tree_depth >= 1, tree_topk >= 1 and tree_total >= 2 (root + one node), got "
                              f"{tree_depth}, {tree_topk}, {tree_total}")
-        check_drafter_fits(target, drafter)
+        check_drafter_fits(target, drafter.config, "EAGLE-3")
         self.drafter = drafter.eval()
         self.tree_depth, self.tree_topk, self.tree_total = tree_depth, tree_topk, tree_total
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
-        self.adapter = None
-        if adapt == "bandit":  # measures its costs now (start-up), on this target and drafter
-            from spectrain.adapt.adapter import AdaptSettings
-            from spectrain.adapt.engine import build_adapter
-
-            self.adapter = build_adapter(target, drafter, adapt_settings or AdaptSettings(),
-                                         verify_tokens=tree_total, max_accept=tree_depth + 1)
+        self._build_adapter(adapt, adapt_settings, verify_tokens=tree_total, max_accept=tree_depth + 1)
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:
-        options = {"tree_depth": cfg.tree_depth, "tree_topk": cfg.tree_topk, "tree_total": cfg.tree_total}
-        if getattr(cfg, "adapt", "none") != "none":
-            from spectrain.adapt.adapter import AdaptSettings
-
-            options.update(adapt=cfg.adapt, adapt_settings=AdaptSettings.from_options(cfg))
-        return options
+        return {"tree_depth": cfg.tree_depth, "tree_topk": cfg.tree_topk, "tree_total": cfg.tree_total,
+                **adapt_options(cfg)}
 
     def lookahead(self) -> int:
         return self.tree_total
 
-    def _generate(
-        self,
-        prompt_ids: list[int],
-        out: OutputBuffer,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        stats: GenerationStats,
-    ) -> None:
-        target, drafter = self.target, self.drafter
-        device = target.device
-        cache = drafter.new_cache(self.max_seq_len + self.tree_topk * self.tree_depth)
-        start = self._prefill(prompt_ids, out, sampling, generator, stats)
-        output, root, features, next_tokens = start.output, start.root, start.features, start.next_tokens
-        committed = len(prompt_ids)
-        adapter = self.adapter
-        if adapter is not None:
-            adapter.begin_query(prompt_ids, features[0], output.logits[0, -1], max_accept=self.tree_depth + 1)
+    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
+                  generator: torch.Generator | None, stats: GenerationStats) -> None:
+        cache = self.drafter.new_cache(self.max_seq_len + self.tree_topk * self.tree_depth)
+        self._generate_trees(prompt_ids, out, sampling, generator, stats, cache=cache, max_accept=self.tree_depth + 1)
 
-        while not out.done:
-            first_row = committed - len(next_tokens)
-            cache.truncate(first_row)  # drop last round's tree rows
-            step = drafter.step(as_batch(next_tokens, device), drafter.project(features),
-                                torch.arange(first_row, committed, device=device)[None], cache)
-            stats.draft_forwards += 1
-            depth = max(1, min(self.tree_depth, out.remaining - 1))  # never draft past the token budget
-            expanded: dict[int, torch.Tensor] | None = None if adapter is None else {}
-            tree = self._grow_tree(step.logits[0, -1], step.hidden[0, -1], committed, cache, depth, stats, expanded)
-
-            verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
-            kept_rows, emitted = verified.kept_rows, verified.emitted
-            features, next_tokens = verified.features, emitted
-            if adapter is not None:
-                self._observe_round(root, tree, verified, expanded)
-            committed += len(kept_rows)
-            root = emitted[-1]
-        if adapter is not None:
-            adapter.end_query(root)
+    def _draft_tree(self, features, next_tokens, committed, cache, out, stats, child_logits) -> DraftTree:
+        drafter, device = self.drafter, self.target.device
+        first_row = committed - len(next_tokens)
+        cache.truncate(first_row)  # drop last round's tree rows
+        step = drafter.step(as_batch(next_tokens, device), drafter.project(features),
+                            torch.arange(first_row, committed, device=device)[None], cache)
+        stats.draft_forwards += 1
+        depth = max(1, min(self.tree_depth, out.remaining - 1))  # never draft past the token budget
+        return self._grow_tree(step.logits[0, -1], step.hidden[0, -1], committed, cache, depth, stats, child_logits)
 
     def _grow_tree(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, committed: int, cache,
                    depth: int, stats: GenerationStats, expanded: dict[int, torch.Tensor] | None = None) -> DraftTree:

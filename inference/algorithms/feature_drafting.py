@@ -1,6 +1,7 @@
-"""What tree algorithms over feature-conditioned drafters (``eagle3_tree``, ``specblock_tree``) share: reading
-the drafter's input features from the target's captured hidden states, the prefill that starts a query, the
-verification of a draft tree, and what the serving-time adapter is told after it."""
+"""What tree algorithms over feature-conditioned drafters (``eagle3_tree``, ``specblock_tree``) share: the checks
+that a drafter fits the target, reading its input features from the target's captured hidden states, the query
+loop (prefill, then per round: draft a tree, verify it in one target forward, commit), and the serving-time
+adapter's set-up and what it is told after each round. Each algorithm supplies only ``_draft_tree``."""
 
 from __future__ import annotations
 
@@ -22,8 +23,75 @@ class FeaturePrefill:
     next_tokens: list[int]  # the token after each of those positions (the prompt shifted, then the root)
 
 
+def check_drafter_fits(target, config, what: str) -> None:
+    """Refuse a ``what`` drafter (EAGLE-3, SpecBlock) built for another target shape (one line each)."""
+    if config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"{what} drafter vocab_size {config.vocab_size} differs from the target's "
+                         f"{target.config.vocab_size}: it was trained for another tokenizer")
+    if config.target_hidden_size != target.config.hidden_size:
+        raise ValueError(f"{what} drafter reads features of width {config.target_hidden_size} but the target's "
+                         f"hidden_size is {target.config.hidden_size}: it was trained for another target")
+    if max(config.aux_layer_ids) >= target.num_layers:
+        raise ValueError(f"{what} drafter aux layers {config.aux_layer_ids} do not exist in a "
+                         f"{target.num_layers}-layer target")
+
+
+def check_adapt(adapt: str) -> None:
+    if adapt not in ("none", "bandit"):
+        raise ValueError(f"adapt={adapt} is unknown; use adapt=none or adapt=bandit")
+
+
+def adapt_options(cfg) -> dict:
+    """The ``adapt=`` keywords of an evaluate/generate config (none when adaptation is off)."""
+    if getattr(cfg, "adapt", "none") == "none":
+        return {}
+    from spectrain.adapt.adapter import AdaptSettings
+
+    return {"adapt": cfg.adapt, "adapt_settings": AdaptSettings.from_options(cfg)}
+
+
 class FeatureDrafting:
-    """Mixin for algorithms whose drafter reads the target's aux layers (``self.drafter``, ``self.aux_layers``)."""
+    """Mixin for algorithms whose drafter reads the target's aux layers (``self.drafter``, ``self.aux_layers``,
+    ``self.adapter``); they implement ``_draft_tree`` and call ``_generate_trees``."""
+
+    def _build_adapter(self, adapt: str, settings, *, verify_tokens: int, max_accept: int) -> None:
+        """``self.adapter``: None, or for ``adapt=bandit`` the serving-time adapter (measures its costs now, at
+        start-up, on this target and drafter)."""
+        self.adapter = None
+        if adapt == "bandit":
+            from spectrain.adapt.adapter import AdaptSettings
+            from spectrain.adapt.engine import build_adapter
+
+            self.adapter = build_adapter(self.target, self.drafter, settings or AdaptSettings(),
+                                         verify_tokens=verify_tokens, max_accept=max_accept)
+
+    def _draft_tree(self, features: torch.Tensor, next_tokens: list[int], committed: int, cache, out: OutputBuffer,
+                    stats: GenerationStats, child_logits: dict[int, torch.Tensor] | None):
+        """The draft tree below the root: the drafter reads ``features`` paired with ``next_tokens`` (the rows the
+        last verification committed), with ``committed`` tokens in the target's cache. ``child_logits`` (for the
+        adapter) receives the drafter's logits of every expanded node by its index in the tree (-1: the root)."""
+        raise NotImplementedError
+
+    def _generate_trees(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
+                        generator: torch.Generator | None, stats: GenerationStats, *, cache, max_accept: int) -> None:
+        """One query: prefill, then rounds of draft tree -> one verification forward -> commit, until done."""
+        start = self._prefill(prompt_ids, out, sampling, generator, stats)
+        root, features, next_tokens = start.root, start.features, start.next_tokens
+        committed = len(prompt_ids)
+        adapter = self.adapter
+        if adapter is not None:
+            adapter.begin_query(prompt_ids, features[0], start.output.logits[0, -1], max_accept=max_accept)
+        while not out.done:
+            child_logits: dict[int, torch.Tensor] | None = None if adapter is None else {}
+            tree = self._draft_tree(features, next_tokens, committed, cache, out, stats, child_logits)
+            verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
+            if adapter is not None:
+                self._observe_round(root, tree, verified, child_logits)
+            features, next_tokens = verified.features, verified.emitted
+            committed += len(verified.kept_rows)
+            root = verified.emitted[-1]
+        if adapter is not None:
+            adapter.end_query(root)
 
     def _features(self, output) -> torch.Tensor:
         """[1, T, 3·H_t]: the aux layers concatenated in the drafter's order, in the drafter's dtype."""

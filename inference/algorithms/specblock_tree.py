@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.algorithms.feature_drafting import FeatureDrafting, TreeVerification
+from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options, check_adapt,
+                                                   check_drafter_fits)
 from inference.sampling import SamplingParams
 from inference.specblock_tree_builder import SpecBlockTreeBuilder, TreeShape
 
@@ -41,84 +42,35 @@ class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
                  blocks: int = 2, prob_caps: bool = True, max_seq_len: int | None = None, adapt: str = "none",
                  adapt_settings=None):
         super().__init__(target, max_seq_len=max_seq_len)
-        if adapt not in ("none", "bandit"):
-            raise ValueError(f"adapt={adapt} is unknown; use adapt=none or adapt=bandit")
+        check_adapt(adapt)
         if not hasattr(drafter, "forward_leaves"):
             raise ValueError(f"specblock_tree needs a SpecBlock drafter, got {type(drafter).__name__}: pass "
                              "specblock_drafter=PATH (a SpecBlock export for this target)")
-        _check_drafter_fits(target, drafter.config)
+        check_drafter_fits(target, drafter.config, "SpecBlock")
         self.drafter = drafter.eval()
         widths = list(drafter.config.widths if widths is None else widths)
         self.shape = TreeShape(width=width, budget=budget, widths=tuple(widths), blocks=blocks, prob_caps=prob_caps)
         self.builder = SpecBlockTreeBuilder(self.drafter, self.shape)
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.max_accept = blocks * drafter.config.block_size + 1
-        self.adapter = None
-        if adapt == "bandit":  # measures its costs now (start-up), on this target and drafter
-            from spectrain.adapt.adapter import AdaptSettings
-            from spectrain.adapt.engine import build_adapter
-
-            self.adapter = build_adapter(target, drafter, adapt_settings or AdaptSettings(),
-                                         verify_tokens=budget + 1, max_accept=self.max_accept)
+        self._build_adapter(adapt, adapt_settings, verify_tokens=budget + 1, max_accept=self.max_accept)
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:
-        options = {"width": cfg.specblock_width, "budget": cfg.specblock_budget, "widths": cfg.specblock_widths,
-                   "blocks": cfg.specblock_blocks, "prob_caps": cfg.specblock_prob_caps}
-        if getattr(cfg, "adapt", "none") != "none":
-            from spectrain.adapt.adapter import AdaptSettings
-
-            options.update(adapt=cfg.adapt, adapt_settings=AdaptSettings.from_options(cfg))
-        return options
+        return {"width": cfg.specblock_width, "budget": cfg.specblock_budget, "widths": cfg.specblock_widths,
+                "blocks": cfg.specblock_blocks, "prob_caps": cfg.specblock_prob_caps, **adapt_options(cfg)}
 
     def lookahead(self) -> int:
         return self.shape.budget + 1
 
-    def _generate(
-        self,
-        prompt_ids: list[int],
-        out: OutputBuffer,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        stats: GenerationStats,
-    ) -> None:
-        target, drafter = self.target, self.drafter
-        device = target.device
-        cache = drafter.new_cache(self.max_seq_len + 1)
-        start = self._prefill(prompt_ids, out, sampling, generator, stats)
-        output, root, features, next_tokens = start.output, start.root, start.features, start.next_tokens
-        committed = len(prompt_ids)
-        adapter = self.adapter
-        if adapter is not None:
-            adapter.begin_query(prompt_ids, features[0], output.logits[0, -1], max_accept=self.max_accept)
+    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
+                  generator: torch.Generator | None, stats: GenerationStats) -> None:
+        self._generate_trees(prompt_ids, out, sampling, generator, stats,
+                             cache=self.drafter.new_cache(self.max_seq_len + 1), max_accept=self.max_accept)
 
-        while not out.done:
-            first = drafter.extend_and_draft(features, as_batch(next_tokens, device), cache)
-            stats.draft_forwards += 1
-            child_logits: dict[int, torch.Tensor] | None = None if adapter is None else {}
-            tree, later = self.builder.build(first, cache, max_depth=max(1, out.remaining - 1),
-                                             child_logits=child_logits)
-            stats.draft_forwards += later
-
-            verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
-            kept_rows, emitted = verified.kept_rows, verified.emitted
-            features, next_tokens = verified.features, emitted
-            if adapter is not None:
-                self._observe_round(root, tree, verified, child_logits)
-            committed += len(kept_rows)
-            root = emitted[-1]
-        if adapter is not None:
-            adapter.end_query(root)
-
-
-def _check_drafter_fits(target, config) -> None:
-    """Refuse a SpecBlock drafter built for another target shape (one line each)."""
-    if config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"SpecBlock drafter vocab_size {config.vocab_size} differs from the target's "
-                         f"{target.config.vocab_size}: it was trained for another tokenizer")
-    if config.target_hidden_size != target.config.hidden_size:
-        raise ValueError(f"SpecBlock drafter reads features of width {config.target_hidden_size} but the target's "
-                         f"hidden_size is {target.config.hidden_size}: it was trained for another target")
-    if max(config.aux_layer_ids) >= target.num_layers:
-        raise ValueError(f"SpecBlock drafter aux layers {config.aux_layer_ids} do not exist in a "
-                         f"{target.num_layers}-layer target")
+    def _draft_tree(self, features, next_tokens, committed, cache, out, stats, child_logits):
+        first = self.drafter.extend_and_draft(features, as_batch(next_tokens, self.target.device), cache)
+        stats.draft_forwards += 1
+        tree, later = self.builder.build(first, cache, max_depth=max(1, out.remaining - 1), child_logits=child_logits)
+        stats.draft_forwards += later
+        return tree
