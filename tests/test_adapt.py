@@ -109,17 +109,22 @@ def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:
 
 def assert_adapts_and_stays_greedy_equal(target, drafter, algorithm_name: str, tmp_path, **options) -> list[dict]:
     """Serve PROMPTS with adapt=bandit under forcing settings: every output equals AR's, some update arm was
-    played, and the drafter's weights really changed. Returns the decision rows."""
+    played, the adapted drafter's weights really changed, and the loaded drafter did not. Returns the rows."""
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     ar = build_algorithm("ar", runner(target))
-    algorithm = build_algorithm(algorithm_name, runner(target), drafter, adapt="bandit",
-                                adapt_settings=forcing_settings(tmp_path), **options)
+    settings = forcing_settings(tmp_path, **options.pop("settings", {}))
+    algorithm = build_algorithm(algorithm_name, runner(target), drafter, adapt="bandit", adapt_settings=settings,
+                                **options)
     for prompt in PROMPTS:
         reference = ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
         assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == reference
     rows = algorithm.adapter.log.rows
-    assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
-    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it did adapt
+    assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & set(settings.arm_list())
+    adapted = {k.replace(".base_layer.", "."): v for k, v in algorithm.drafter.state_dict().items()}
+    assert any(not torch.equal(before[k], adapted[k]) for k in before) or any(  # it did adapt
+        ".lora_B" in k and v.abs().sum() > 0 for k, v in adapted.items())
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # on its own copy
+    assert algorithm.drafter.embed_tokens.weight is drafter.embed_tokens.weight  # the target's, shared
     return rows
 
 
@@ -138,7 +143,9 @@ def test_bad_adapt_options_are_one_line_errors(tiny):
     with pytest.raises(ValueError, match="adapt=sometimes is unknown"):
         build_algorithm("eagle3_tree", runner(target), drafter, adapt="sometimes")
     with pytest.raises(ValueError, match="adapt_arms must be a non-empty subset"):
-        BanditAdapter(Eagle3Adaptable(drafter), CostModel(1.0, {"head": 0.0}), AdaptSettings(arms="lora"))
+        BanditAdapter(Eagle3Adaptable(drafter), CostModel(1.0, {"head": 0.0}), AdaptSettings(arms="head,adam"))
+    with pytest.raises(ValueError, match="the lora arm needs LoRA adapters"):
+        Eagle3Adaptable(drafter).lora_parameters()
 
 
 def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
@@ -274,6 +281,39 @@ def test_update_is_bounded_and_uses_the_training_loss(tiny):
     for name, p in drafter.named_parameters():
         assert torch.equal(before[name], p) != (id(p) in head), name
     assert all(p.requires_grad == (name != "embed_tokens.weight") for name, p in drafter.named_parameters())
+
+
+def test_lora_arm_adds_adapters_that_change_nothing_until_trained_and_trains_only_them(tiny):
+    """peft LoRA on the decoder linears: zero-initialised (same logits), only adapters move, same TTT loss."""
+    from spectrain.adapt.engine import adaptable_with_settings
+
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    plain = Eagle3Adaptable(copy.deepcopy(drafter))
+    record = plain.synthetic_record(24, prompt_len=6)
+    with torch.no_grad():
+        loss_plain = float(plain.loss_closure(record, "full")())
+    adaptable = adaptable_with_settings(drafter, AdaptSettings(arms="head,lora", lora_rank=4))
+    lora = {id(p) for p in adaptable.lora_parameters()}
+    assert len(lora) == 2 * 7  # A and B on q, k, v, o, gate, up, down
+    with torch.no_grad():
+        assert float(adaptable.loss_closure(record, "lora")()) == pytest.approx(loss_plain, rel=1e-6)
+    before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
+    updater = BanditAdapter.updater_for(adaptable, AdaptSettings(lora_lr=1e-2))
+    result = updater.update(record, "lora")
+    assert result.steps == 2 and result.loss_after < result.loss_before
+    for name, p in drafter.named_parameters():  # step 1 moves B off zero, step 2 then moves A too
+        assert (not torch.equal(before[name], p)) == (id(p) in lora), name
+    assert all(p.requires_grad == (name != "embed_tokens.weight") for name, p in drafter.named_parameters())
+    snapshot_ids = {id(p) for p, _ in updater.snapshot()}
+    assert lora <= snapshot_ids  # rollback restores the adapters too
+
+
+def test_eagle3_tree_stays_greedy_equal_with_the_lora_arm(tiny, tmp_path):
+    target, drafter = tiny
+    rows = assert_adapts_and_stays_greedy_equal(target, drafter, "eagle3_tree", tmp_path, tree_depth=3,
+                                                tree_topk=3, tree_total=10, settings={"arms": "lora"})
+    assert {r["arm"] for r in rows} <= {"skip", "lora"}
 
 
 def test_buffered_update_trains_on_the_mean_loss_of_recent_queries(tiny):

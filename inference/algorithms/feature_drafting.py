@@ -56,12 +56,14 @@ class FeatureDrafting:
 
     def _build_adapter(self, adapt: str, settings, *, verify_tokens: int, max_accept: int) -> None:
         """``self.adapter``: None, or for ``adapt=bandit`` the serving-time adapter (measures its costs now, at
-        start-up, on this target and drafter)."""
+        start-up, on this target and drafter). It adapts a private copy of the drafter, so algorithms sharing
+        the loaded one (variants in one evaluate run) never see its updates."""
         self.adapter = None
         if adapt == "bandit":
             from spectrain.adapt.adapter import AdaptSettings
-            from spectrain.adapt.engine import build_adapter
+            from spectrain.adapt.engine import build_adapter, private_copy
 
+            self.drafter = private_copy(self.drafter)
             self.adapter = build_adapter(self.target, self.drafter, settings or AdaptSettings(),
                                          verify_tokens=verify_tokens, max_accept=max_accept)
 

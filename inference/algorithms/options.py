@@ -34,6 +34,9 @@ class AlgorithmOptions:
     adapt_head_lr: float = 1e-3
     adapt_full_steps: int = 2
     adapt_full_lr: float = 3e-4
+    adapt_lora_rank: int = 8
+    adapt_lora_steps: int = 2
+    adapt_lora_lr: float = 1e-3
     adapt_clip: float = 1.0
     adapt_min_gap: int = 2
     adapt_patience: int = 2

@@ -50,10 +50,10 @@ class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
         self.drafter = drafter.eval()
         widths = list(drafter.config.widths if widths is None else widths)
         self.shape = TreeShape(width=width, budget=budget, widths=tuple(widths), blocks=blocks, prob_caps=prob_caps)
-        self.builder = SpecBlockTreeBuilder(self.drafter, self.shape)
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.max_accept = blocks * drafter.config.block_size + 1
         self._build_adapter(adapt, adapt_settings, verify_tokens=budget + 1, max_accept=self.max_accept)
+        self.builder = SpecBlockTreeBuilder(self.drafter, self.shape)  # after: adaptation may copy the drafter
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:

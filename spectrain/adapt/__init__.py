@@ -4,8 +4,8 @@ Modules, one job each:
 
 - :mod:`~spectrain.adapt.signal`: the per-query signal from rejected positions and its context buckets;
 - :mod:`~spectrain.adapt.cost`: the measured cost model (target forwards) and the value of a Δτ;
-- :mod:`~spectrain.adapt.bandit`: the cost-aware UCB choice between ``skip``, ``head`` and ``full``;
-- :mod:`~spectrain.adapt.drafters`: the :class:`AdaptableDrafter` protocol and its EAGLE-3 implementation;
+- :mod:`~spectrain.adapt.bandit`: the cost-aware UCB choice between ``skip``, ``head``, ``full`` (and opt-in ``lora``);
+- :mod:`~spectrain.adapt.drafters`: the :class:`AdaptableDrafter` protocol, its EAGLE-3 and SpecBlock implementations, LoRA adapters;
 - :mod:`~spectrain.adapt.updater`: bounded updates (steps, clip, lr) with snapshot / restore;
 - :mod:`~spectrain.adapt.adapter`: the policy per query (feedback, rollback, rate limit, update) and engine hooks;
 - :mod:`~spectrain.adapt.engine`: ``adapt=bandit`` set-up for the engine (start-up cost measurement, cached);

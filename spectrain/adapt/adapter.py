@@ -62,6 +62,9 @@ class AdaptSettings:
     head_lr: float = 1e-3  # lrs chosen by replay of recorded smollm2 streams (module docstring)
     full_steps: int = 2
     full_lr: float = 3e-4
+    lora_rank: int = 8  # the lora arm: peft LoRA adapters on the drafter's decoder linears (added when played)
+    lora_steps: int = 2
+    lora_lr: float = 1e-3
     clip: float = 1.0  # gradient-norm bound per step
     min_gap: int = 2  # at most one update per min_gap queries
     patience: int = 2  # roll back after this many consecutive queries below the pre-update EMA
@@ -137,7 +140,8 @@ class BanditAdapter:
     @staticmethod
     def updater_for(adaptable: AdaptableDrafter, settings: AdaptSettings) -> Updater:
         return Updater(adaptable, {"head": ArmUpdate(settings.head_steps, settings.head_lr),
-                                   "full": ArmUpdate(settings.full_steps, settings.full_lr)}, clip=settings.clip)
+                                   "full": ArmUpdate(settings.full_steps, settings.full_lr),
+                                   "lora": ArmUpdate(settings.lora_steps, settings.lora_lr)}, clip=settings.clip)
 
     # -- the policy (online and replay) ------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from spectrain.adapt.cost import saving
 
-UPDATE_ARMS = ("head", "full")
+UPDATE_ARMS = ("head", "full", "lora")  # lora is opt-in (adapt_arms=head,full,lora): it adds adapters
+DEFAULT_ARMS = ("head", "full")
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Decision:
 
 
 class CostAwareUCB:
-    def __init__(self, arms: Sequence[str] = UPDATE_ARMS, *, ucb_c: float = 0.5, prior: float = 0.3):
+    def __init__(self, arms: Sequence[str] = DEFAULT_ARMS, *, ucb_c: float = 0.5, prior: float = 0.3):
         unknown = sorted(set(arms) - set(UPDATE_ARMS))
         if unknown or not arms:
             raise ValueError(f"adapt_arms must be a non-empty subset of {list(UPDATE_ARMS)}, got {list(arms)}")

@@ -44,6 +44,9 @@ class AdaptableDrafter(Protocol):
         ...
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class FeatureDrafterAdaptable:
     """What EAGLE-3 and SpecBlock share: feature-conditioned, the target's embedding, a draft vocabulary with
     ``t2d`` / ``d2t``, and the EAGLE row convention (row t = token t and the target's features at t)."""
@@ -58,6 +61,28 @@ class FeatureDrafterAdaptable:
     def all_parameters(self) -> list[nn.Parameter]:
         shared = self.module.embed_tokens.weight  # the target's embedding: never trained here
         return [p for p in self.module.parameters() if p is not shared]
+
+    def add_lora(self, rank: int) -> None:
+        """Put peft LoRA adapters (rank ``rank``, zero-initialised B: the drafter's output is unchanged) on the
+        decoder's linear layers, for the ``lora`` arm. Trainable flags stay as they were (peft would freeze the
+        rest; the updater chooses per arm)."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        if rank < 1:
+            raise ValueError(f"adapt_lora_rank must be >= 1, got {rank}")
+        flags = {name: p.requires_grad for name, p in self.module.named_parameters()}
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        inject_adapter_in_model(config, self.module)
+        for name, p in self.module.named_parameters():
+            base = name.replace(".base_layer.", ".")
+            p.requires_grad_(flags.get(base, flags.get(name, True)))
+        self.lora = [p for name, p in self.module.named_parameters() if ".lora_" in name]
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        lora = getattr(self, "lora", None)
+        if not lora:
+            raise ValueError("the lora arm needs LoRA adapters on the drafter: include lora in adapt_arms")
+        return lora
 
     def teacher_rows(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from spectrain.modules.eagle3 import teacher_in_draft_vocab
@@ -124,7 +149,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
         def forward() -> list[torch.Tensor]:
             return drafter(batch["input_ids"], batch["aux_hidden"], steps=self.ttt_steps).logits
 
-        if arm == "full":
+        if arm in ("full", "lora"):  # lora: the same loss, only the adapters are trainable (Updater)
             return lambda: ttt_loss(forward(), teachers, masks, step_weight=self.step_weight)[0]
         if arm == "head":
             with torch.no_grad():  # the frozen decoder runs once; steps reuse its pre-norm hidden states
@@ -139,7 +164,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
                 return ttt_loss(students, picked, everywhere, step_weight=self.step_weight)[0]
 
             return head_loss
-        raise ValueError(f"unknown update arm '{arm}'; use head or full")
+        raise ValueError(f"unknown update arm '{arm}'; use head, full or lora")
 
     @torch.no_grad()
     def simulate(self, record: QueryRecord, gamma: int) -> tuple[float, list[float], int]:
@@ -200,8 +225,8 @@ class SpecBlockAdaptable(FeatureDrafterAdaptable):
     def loss_closure(self, record: QueryRecord, arm: str) -> Callable[[], torch.Tensor]:
         from spectrain.specblock_losses import total_loss, unroll_blocks
 
-        if arm not in ("head", "full"):
-            raise ValueError(f"unknown update arm '{arm}'; use head or full")
+        if arm not in ("head", "full", "lora"):
+            raise ValueError(f"unknown update arm '{arm}'; use head, full or lora")
         aux, tokens, teacher, pm = self._row_frame(record)
         cuts = [max(1, self.module.config.block_size // 2)] * (self.blocks - 1)
 

@@ -37,10 +37,27 @@ def _device_name(device: torch.device) -> str:
     return f"cpu x{torch.get_num_threads()}"
 
 
-def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: int, max_accept: int) -> BanditAdapter:
-    """A :class:`BanditAdapter` for ``drafter`` served with ``target``; measures (or loads cached) costs."""
+def adaptable_with_settings(drafter, settings: AdaptSettings) -> AdaptableDrafter:
+    """The drafter's adapter class under ``settings`` (LoRA adapters added when the lora arm may be played)."""
     adaptable = adaptable_for(drafter, ttt_steps=settings.ttt_steps, step_weight=settings.step_weight,
                               max_rows=settings.max_rows)
+    if "lora" in settings.arm_list():
+        adaptable.add_lora(settings.lora_rank)
+    return adaptable
+
+
+def private_copy(drafter):
+    """A copy of ``drafter`` that adaptation may change without touching the loaded one (other algorithms of the
+    same evaluate run serve from it); the target's embedding stays shared, not copied."""
+    import copy
+
+    shared = drafter.embed_tokens.weight
+    return copy.deepcopy(drafter, memo={id(shared): shared})
+
+
+def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: int, max_accept: int) -> BanditAdapter:
+    """A :class:`BanditAdapter` for ``drafter`` served with ``target``; measures (or loads cached) costs."""
+    adaptable = adaptable_with_settings(drafter, settings)
     probe = BanditAdapter.updater_for(adaptable, settings)
     arms = settings.arm_list()
     context = min(settings.cost_rows, max(1, target.max_seq_len - verify_tokens))
@@ -51,7 +68,8 @@ def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: in
         "drafter": type(drafter).__name__, "drafter_config": getattr(getattr(drafter, "config", None), "to_dict",
                                                                      dict)(),
         "settings": {k: v for k, v in asdict(settings).items()
-                     if k in ("head_steps", "full_steps", "ttt_steps", "max_rows", "cost_rows")},
+                     if k in ("head_steps", "full_steps", "lora_steps", "lora_rank", "ttt_steps", "max_rows",
+                              "cost_rows")},
         "arms": arms, "verify_tokens": verify_tokens, "context": context}
     costs = cached_costs(settings.cost_cache, key, lambda: measure_costs(
         target, adaptable, probe, arms, verify_tokens=verify_tokens, context=context, rows=settings.cost_rows))

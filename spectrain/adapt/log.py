@@ -49,7 +49,8 @@ def _rounded(row: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
 
 
-ARM_STYLE = {"skip": ("o", "tab:gray"), "head": ("^", "tab:blue"), "full": ("s", "tab:red")}
+ARM_STYLE = {"skip": ("o", "tab:gray"), "head": ("^", "tab:blue"), "full": ("s", "tab:red"),
+             "lora": ("D", "tab:green")}
 
 
 def plot_tau(rows: list[dict[str, Any]], path: str | Path, title: str = "τ over queries") -> Path:

@@ -26,7 +26,7 @@ import torch
 
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
 from spectrain.adapt.cost import CostModel
-from spectrain.adapt.drafters import adaptable_for
+from spectrain.adapt.engine import adaptable_with_settings
 from spectrain.adapt.log import plot_tau
 from spectrain.adapt.record import read_trace
 from spectrain.adapt.signal import query_signal
@@ -118,8 +118,7 @@ def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1 (simulated chain length), got {gamma}")
     out = Path(cfg.out) if cfg.out else Path(cfg.traces) / "replay"
-    adaptable = adaptable_for(drafter, ttt_steps=settings.ttt_steps, step_weight=settings.step_weight,
-                              max_rows=settings.max_rows)
+    adaptable = adaptable_with_settings(drafter, settings)
     rows = replay(records, adaptable, settings, CostModel.from_dict(manifest["costs"]), gamma=gamma, out=out)
     plot_tau(rows, out / "tau.png", title=f"replay of {Path(cfg.traces).name}: τ_sim (γ={gamma}) over queries")
     def mean(key: str) -> float:

@@ -51,7 +51,9 @@ class Updater:
             return self.adaptable.head_parameters()
         if arm == "full":
             return self.adaptable.all_parameters()
-        raise ValueError(f"unknown update arm '{arm}'; use head or full")
+        if arm == "lora":
+            return self.adaptable.lora_parameters()
+        raise ValueError(f"unknown update arm '{arm}'; use head, full or lora")
 
     def snapshot(self) -> Snapshot:
         """Copies of every parameter any arm can change."""
