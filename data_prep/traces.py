@@ -51,6 +51,7 @@ class TracesConfig:
     gamma: int = 7  # draft length per round (SpecBranch's H-RAD uses 7)
     temperature: float = 0.0
     verifier: str = "tokenwise"
+    draft_vocab: int = 0  # as the engine's draft_vocab: record the drafter as it will serve (0 = every id)
     max_new_tokens: int = 256
     last_k: int = 4  # hidden_states entries recorded per round (H-RAD: 4)
     dtype: str = "bf16"  # storage dtype of hidden_lastk
@@ -108,6 +109,7 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     from data_prep.samples import load_source
     from inference.algorithms.sps import RoundInfo, SpeculativeSampling
     from inference.drafters import eos_token_ids, load_draft_lm, load_lm
+    from inference.runner import with_logit_vocab
     from inference.sampling import SamplingParams
     from spectrain.assets import model_identity
 
@@ -137,7 +139,8 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
                      "draft_max_probs": info.draft_max_probs, "num_accepted": info.num_accepted,
                      "draft_len": len(info.draft_tokens)})
 
-    sps = SpeculativeSampling(target.runner, draft.runner, gamma=cfg.gamma, verifier=cfg.verifier,
+    draft_runner = with_logit_vocab(draft.runner, cfg.draft_vocab)
+    sps = SpeculativeSampling(target.runner, draft_runner, gamma=cfg.gamma, verifier=cfg.verifier,
                               on_round=on_round, round_capture_layers=capture)
     sampling = SamplingParams(cfg.temperature)
     eos = eos_token_ids(target.tokenizer, target.model.config)

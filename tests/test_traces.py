@@ -185,6 +185,13 @@ def test_traces_cli_records_rounds_and_resumes(models, tmp_path, monkeypatch):
             assert torch.equal(a[key], b[key]), key
 
 
+def test_traces_record_the_drafter_as_it_serves_with_draft_vocab(models, tmp_path):
+    cfg = parse_args(traces_args(models, tmp_path / "limited", draft_vocab=300, n_samples=3))
+    record_traces(cfg, target=models["target"], draft=models["draft"])
+    drafted = torch.cat([r["draft_tokens"] for r in read_rows(tmp_path / "limited")])
+    assert len(drafted) and int(drafted.max()) < 300
+
+
 def test_traces_cli_errors(models, tmp_path, capsys):
     assert main(traces_args(models, tmp_path / "x")[:1] + [f"out={tmp_path / 'x'}"]) == 2
     assert "drafter=PATH is required" in capsys.readouterr().err
