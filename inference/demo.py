@@ -68,7 +68,7 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
     # Minutes per stage: measured on the 2-core CPU with one thread and another job running (a quiet machine is
     # faster); they scale with the settings that drive each stage's work.
     steps_n = cfg.train_steps or DEMO_RECIPE_STEPS
-    algorithms = ["all", "sps@verifier=hsd", "specbranch@hrad=none", SELF_DRAFT_CPU]
+    algorithms = ["all", "sps@verifier=hsd", "sps@draft_vocab=8192", "specbranch@hrad=none", SELF_DRAFT_CPU]
     n_runs = (len(ALGORITHMS) + len(algorithms) - 1) * len(cfg.bench)  # "all" is every registered algorithm
     steps = () if not cfg.train_steps else (
         f"trainer.max_steps={cfg.train_steps}", f"trainer.val_check_interval={max(1, cfg.train_steps // 4)}",
