@@ -97,6 +97,17 @@ def test_generate_streams_the_answer(smollm2, capsys):
     assert result.stats.new_tokens == 8  # the answer ends with <|im_end|>, an EOS of the chat template
 
 
+@pytest.mark.real_model
+def test_generate_with_a_vocabulary_limited_draft_gives_the_same_answer(smollm2, capsys):
+    cfg = generate_cli.parse_cli(["prompt=What is the capital of France?", "max_new_tokens=12", "algorithm=sps",
+                                  "draft_vocab=1000"], generate_cli.GenerateConfig, generate_cli.USAGE)
+    streamer = generate_cli.TextStreamer(smollm2[1])
+    result = generate_cli.generate_text(cfg, loaded(smollm2), loaded(smollm2), on_tokens=streamer)
+    assert capsys.readouterr().out == "The capital of France is Paris."
+    # the target drafting for itself accepts all 8 drafted tokens unlimited; 3575, 4649 and 7042 lie beyond id 1000
+    assert 0 < result.stats.accepted_draft_tokens < result.stats.drafted_tokens
+
+
 @pytest.mark.parametrize("name", ["ar", "sps", "eagle3_tree", "self_draft"])
 def test_every_algorithm_reads_its_options_from_both_clis(name):
     from inference.algorithms import algorithm_class
