@@ -96,22 +96,30 @@ def test_pearl_sampling_follows_the_target_law():
 def test_every_executor_gives_the_sequential_tokens(pair, name):
     """Same tokens at T=0 and, with one seeded generator, at T=1 (draft draws on the draft side's own stream)."""
     target, draft = pair
+    assert_executor_matches_sequential(
+        target, name, lambda executor, **kw: build_algorithm("pearl", runner(target), runner(draft), gamma=3,
+                                                             executor=executor, **kw), kmax=1)
+
+
+def assert_executor_matches_sequential(target, name: str, build, kmax: int) -> None:
+    """``build(executor, **kwargs)`` under executor ``name`` gives the sequential executor's tokens: one greedy
+    answer (= AR's) and two T=1 answers from one seeded generator (they differ from each other)."""
 
     def run(executor: str, **kwargs) -> list[list[int]]:
-        pearl = build_algorithm("pearl", runner(target), runner(draft), gamma=3, executor=executor, **kwargs)
+        algorithm = build(executor, **kwargs)
         try:
-            outputs = [pearl.generate(PROMPT, max_new_tokens=24, sampling=GREEDY).tokens]
+            outputs = [algorithm.generate(PROMPT, max_new_tokens=24, sampling=GREEDY).tokens]
             generator = torch.Generator().manual_seed(3)
             for _ in range(2):
-                outputs.append(pearl.generate(PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0),
-                                              generator=generator).tokens)
+                outputs.append(algorithm.generate(PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0),
+                                                  generator=generator).tokens)
             return outputs
         finally:
-            pearl.close()
+            algorithm.close()
 
     kwargs = {}
     if name == "multiprocess":
-        kwargs = {"draft_factory": functools.partial(tiny_draft_side), "executor_kwargs": {"threads": 1}}
+        kwargs = {"draft_factory": functools.partial(tiny_draft_side, kmax), "executor_kwargs": {"threads": 1}}
     reference = run("sequential")
     assert reference[0] == ar_tokens(target, 24) and reference[1] != reference[2]
     assert run(name, **kwargs) == reference

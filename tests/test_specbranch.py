@@ -3,18 +3,16 @@ T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
-from test_pearl import PROMPT, ar_tokens, tiny_draft_side, tiny_pair
+from test_pearl import PROMPT, ar_tokens, assert_executor_matches_sequential, tiny_pair
 
 from inference.algorithms import build_algorithm
 from inference.algorithms.specbranch import continuation_to_keep
 from inference.draft_side import draft_side_from_runner
 from inference.runner import ModelRunner
-from inference.sampling import SamplingParams
 
 
 class ForcedClass:
@@ -156,25 +154,9 @@ def test_sampling_follows_the_target_law(hrad):
 @pytest.mark.parametrize("name", ["cuda_streams", pytest.param("multiprocess", marks=pytest.mark.slow)])
 def test_every_executor_gives_the_sequential_tokens(pair, name):
     target, draft = pair
-
-    def run(executor: str, **kwargs) -> list[list[int]]:
-        algo = specbranch(target, draft, gamma=4, kmax=3, executor=executor, **kwargs)
-        try:
-            outputs = [algo.generate(PROMPT, max_new_tokens=24, sampling=GREEDY).tokens]
-            generator = torch.Generator().manual_seed(3)
-            for _ in range(2):
-                outputs.append(algo.generate(PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0),
-                                             generator=generator).tokens)
-            return outputs
-        finally:
-            algo.close()
-
-    kwargs = {}
-    if name == "multiprocess":
-        kwargs = {"draft_factory": functools.partial(tiny_draft_side, 3), "executor_kwargs": {"threads": 1}}
-    reference = run("sequential")
-    assert reference[0] == ar_tokens(target, 24) and reference[1] != reference[2]
-    assert run(name, **kwargs) == reference
+    assert_executor_matches_sequential(
+        target, name, lambda executor, **kw: specbranch(target, draft, gamma=4, kmax=3, executor=executor, **kw),
+        kmax=3)
 
 
 def test_bad_options_are_one_line_errors(pair):
