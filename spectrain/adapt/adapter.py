@@ -62,7 +62,7 @@ class AdaptSettings:
     head_lr: float = 1e-3  # lrs chosen by replay of recorded smollm2 streams (module docstring)
     full_steps: int = 2
     full_lr: float = 3e-4
-    lora_rank: int = 8  # the lora arm: peft LoRA adapters on the drafter's decoder linears (added when played)
+    lora_rank: int = 8  # the lora arm: peft LoRA adapters on the decoder linears (added at start-up if in arms)
     lora_steps: int = 2
     lora_lr: float = 1e-3
     clip: float = 1.0  # gradient-norm bound per step
