@@ -83,6 +83,24 @@ def test_kv_bookkeeping(pair, hrad):
     assert hrad == 2 or reused > 0
 
 
+@pytest.mark.parametrize("hrad", [0, 2])
+def test_rollback_rates_count_what_was_bet_on(pair, hrad):
+    """rollback_rate_speculated counts only the branch-point token and the kept continuation (verified next
+    round); rollback_rate counts every drafted token, siblings and the H-RAD cut included."""
+    target, draft = pair
+    gamma, rounds = 4, []
+    algo = specbranch(target, draft, rounds, gamma=gamma, kmax=3, hrad=ForcedClass(hrad))
+    result = algo.generate(PROMPT, max_new_tokens=40, sampling=GREEDY)
+    metrics = algo.extra_metrics()
+    accepted = sum(r.pending_accepted + (r.survivor is not None) for r in rounds)
+    speculated = len(rounds) + sum(r.pending for r in rounds[:-1])  # each round verifies U + the branch point
+    assert accepted == result.stats.accepted_draft_tokens
+    assert metrics["rollback_rate_speculated"] == round(1 - accepted / speculated, 4)
+    assert metrics["sibling_branch_tokens"] == sum((r.branches - 1) * gamma for r in rounds)
+    assert metrics["rollback_rate_speculated"] < metrics["rollback_rate_without_siblings"] <= result.stats.rollback_rate
+    assert algo.extra_metrics()["rollback_rate_speculated"] == 0.0  # counters restart per report
+
+
 def test_cached_branch_point_q_equals_a_fresh_forward(pair):
     _, draft = pair
     side = draft_side_from_runner(runner(draft), 3)

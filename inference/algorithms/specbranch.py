@@ -103,7 +103,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
         self.epsilon = epsilon if epsilon is not None else stored if stored is not None else DEFAULT_EPSILON
         self.capture = list(getattr(self.predictor, "capture_layers", [])) if self.predictor is not None else []
         self.on_round = on_round
-        self.branch_counts = {"drafted": 0, "accepted": 0, "siblings": 0}  # since the last extra_metrics()
+        self.branch_counts = {"drafted": 0, "accepted": 0, "siblings": 0, "speculated": 0}  # since extra_metrics()
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:
@@ -153,6 +153,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
             new, accepted, survivor = result.tokens, result.pending_accepted, result.survivor
             hrad_class, keep = None, 0
             stats.record_round(len(pending) + 1, accepted + (survivor is not None))
+            self.branch_counts["speculated"] += len(pending) + 1
             stats.drafted_tokens -= len(pending) + 1  # counted when drafted (above)
             if survivor is not None:
                 hrad_class = self._hrad_class(output, first + len(pending), new[-1])
@@ -173,10 +174,16 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def extra_metrics(self) -> dict[str, Any]:
         metrics = super().extra_metrics()
         counts = self.branch_counts
-        # rollback_rate counts every drafted token, sibling branches included; this one counts only the path
-        # that could have been kept (pending tokens + the surviving branch), for comparison with chain methods.
+        # Three denominators, since the paper's is unverified (spec §1.3). rollback_rate: every drafted token,
+        # sibling branches and the continuation H-RAD cut included. Without siblings: the path that could have
+        # been kept. Speculated: only what the algorithm bet on, i.e. the branch-point token and the continuation
+        # H-RAD kept, the tokens a rejection rolls back; the only reading under which the paper's SpecBranch
+        # (39.6 %) can sit below SpS (76.6 %). SpS and PEARL keep every drafted token as their speculation, so
+        # for them all three equal rollback_rate.
         path = counts["drafted"] - counts["siblings"]
         metrics["sibling_branch_tokens"] = counts["siblings"]
         metrics["rollback_rate_without_siblings"] = round(1 - counts["accepted"] / path, 4) if path else 0.0
-        self.branch_counts = {"drafted": 0, "accepted": 0, "siblings": 0}
+        speculated = counts["speculated"]
+        metrics["rollback_rate_speculated"] = round(1 - counts["accepted"] / speculated, 4) if speculated else 0.0
+        self.branch_counts = dict.fromkeys(counts, 0)
         return metrics
