@@ -40,9 +40,13 @@ NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's
 
 
 @dataclass
-class Eagle3Config:
-    """Everything that shapes an EAGLE-3 drafter; ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based
-    (``data_prep.layers`` convention; the runner's capture convention)."""
+class TargetShapedConfig:
+    """The fields and (de)serialisation every target-shaped drafter config shares (EAGLE-3, SpecBlock): decoder
+    layers with a target's per-layer shapes, its embedding rows, a draft vocabulary and three aux layers.
+    ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based (``data_prep.layers`` convention; the runner's
+    capture convention)."""
+
+    KIND = "drafter"  # names the drafter in errors
 
     hidden_size: int
     intermediate_size: int
@@ -54,19 +58,38 @@ class Eagle3Config:
     aux_layer_ids: list[int] = field(default_factory=list)
     head_dim: int | None = None
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # the DRAFTER's RoPE base
     rope_scaling: dict[str, Any] | None = None  # transformers-4 style scaling dict (rope_type, factor, ...)
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
-    norm_before_residual: bool = False
-    own_embedding: bool = False  # True: the drafter carries its own embed_tokens (exported); False: the target's
-
-    def __post_init__(self) -> None:
-        check_drafter_config(self, "EAGLE-3")
 
     @property
     def resolved_head_dim(self) -> int:
         return int(self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.KIND.lower().replace('-', '')} config fields {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+@dataclass
+class Eagle3Config(TargetShapedConfig):
+    """Everything that shapes an EAGLE-3 drafter (one decoder layer)."""
+
+    KIND = "EAGLE-3"
+
+    norm_before_residual: bool = False
+    own_embedding: bool = False  # True: the drafter carries its own embed_tokens (exported); False: the target's
+
+    def __post_init__(self) -> None:
+        check_drafter_config(self, self.KIND)
 
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int],
@@ -79,17 +102,6 @@ class Eagle3Config:
     def llama_config(self):
         """The transformers ``LlamaConfig`` of the drafter's decoder layer (RoPE, MLP, norms read it)."""
         return layer_llama_config(self, num_layers=1)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Eagle3Config:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown eagle3 config fields {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**values)
 
 
 def check_drafter_config(config: Any, kind: str, extra_positive: tuple[str, ...] = ()) -> None:

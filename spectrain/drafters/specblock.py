@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from inference.runner import MLP, RMSNorm
 from spectrain.drafters.eagle3 import (
     NUM_AUX_LAYERS,
     Eagle3Attention,
+    TargetShapedConfig,
     check_drafter_config,
     layer_llama_config,
     target_layer_shape,
@@ -56,26 +57,15 @@ KIND = "specblock"
 EMBED = "embed_tokens.weight"
 
 
-@dataclass
-class SpecBlockConfig:
-    """Everything that shapes a SpecBlock drafter; ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based."""
+@dataclass(kw_only=True)
+class SpecBlockConfig(TargetShapedConfig):
+    """Everything that shapes a SpecBlock drafter (the shared fields: :class:`TargetShapedConfig`; §1.3: the Llama
+    release has no RoPE base of its own, so ``rope_theta`` defaults to 10 000). Its own fields are keyword-only."""
+
+    KIND = "SpecBlock"
 
     block_size: int  # K: slots per block
     num_layers: int  # L_d
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int  # the TARGET vocabulary (embedding rows, t2d length)
-    draft_vocab_size: int  # lm_head rows, d2t length
-    target_hidden_size: int
-    aux_layer_ids: list[int] = field(default_factory=list)
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0  # the DRAFTER's RoPE base (§1.3: the Llama release has none -> 10 000)
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    hidden_act: str = "silu"
     rank_buckets: int = 4
     rank_topk: int = 20  # rank features read the top-20 draft logits, in training AND serving (§1.9 item 2)
     rank_hidden_size: int = 256
@@ -84,17 +74,13 @@ class SpecBlockConfig:
 
     def __post_init__(self) -> None:
         self.widths = [int(w) for w in self.widths]
-        check_drafter_config(self, "SpecBlock", ("block_size", "num_layers", "rank_topk", "rank_hidden_size"))
+        check_drafter_config(self, self.KIND, ("block_size", "num_layers", "rank_topk", "rank_hidden_size"))
         if self.rank_buckets != len(RANK_BUCKET_UPPER) + 1:
             raise ValueError(f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
                              f"{self.rank_buckets}")
         if len(self.widths) != self.rank_buckets or any(w < 0 for w in self.widths):
             raise ValueError(f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
                              f"bucket), got {self.widths}")
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return int(self.head_dim)
 
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], block_size: int = 4,
@@ -109,17 +95,6 @@ class SpecBlockConfig:
     def llama_config(self):
         """The transformers ``LlamaConfig`` of one decoder layer (RoPE and MLP read it)."""
         return layer_llama_config(self, num_layers=self.num_layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> SpecBlockConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown specblock config fields {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**values)
 
 
 # ----------------------------------------------------------------------------------------------------------
