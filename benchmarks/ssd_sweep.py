@@ -97,7 +97,7 @@ def run_ssd(cfg, target, draft, prompts, eos, sampling, spec: str, batch: int) -
         ssd.close()
     return {"algorithm": f"ssd[{spec}]", "batch": batch, "tokens": tokens, "wall_s": round(wall, 2),
             "tokens_per_s": round(tokens / wall, 3), "tau": round(tokens / forwards, 3),
-            "tokens_per_s_sim": metrics["tokens_per_s_simulated_overlap"], "outputs": outputs, **metrics}
+            "tokens_per_s_sim": metrics["simulated_tokens_per_s"], "outputs": outputs, **metrics}
 
 
 def main(argv: list[str]) -> int:

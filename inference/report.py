@@ -25,19 +25,32 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}",
         "",
         "| algorithm | bench | prompts | new tokens | τ (tokens/target fwd) | tokens/s | speedup vs AR "
-        "| rollback rate | drafter fwd / target fwd | greedy = AR |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| rollback rate | drafter fwd / target fwd | greedy = AR | simulated-overlap tokens/s | own figures |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
         per_forward = run.get("draft_forwards", 0) / max(run.get("target_forwards", 0), 1)
         lines.append(
             f"| {run['algorithm']} | {run['bench']} | {run['n_prompts']} | {run['new_tokens']} | {_fmt(run['tau'])} "
             f"| {_fmt(run['tokens_per_s'], 1)} | {_fmt(run.get('speedup_vs_ar'))}× | {_fmt(run['rollback_rate'])} "
-            f"| {_fmt(per_forward, 1)} | {_fmt(run.get('greedy_equal_to_ar'))} |"
+            f"| {_fmt(per_forward, 1)} | {_fmt(run.get('greedy_equal_to_ar'))} "
+            f"| {_fmt(run.get('simulated_tokens_per_s'), 1)} | {_own_figures(run)} |"
         )
     for name, why in (results.get("skipped") or {}).items():
         lines.append(f"\nskipped `{name}`: it {why}")
     return "\n".join(lines) + "\n"
+
+
+OWN_FIGURES = {  # results.json key -> its label in the table (only the runs that report it)
+    "cache_hit_rate": "cache hit rate",
+    "rollback_rate_speculated": "rollback (speculated)",
+    "executor": "executor",
+}
+
+
+def _own_figures(run: dict[str, Any]) -> str:
+    shown = [f"{label} {_fmt(run[key])}" for key, label in OWN_FIGURES.items() if run.get(key) is not None]
+    return "; ".join(shown) or "–"
 
 
 def _drafters(cfg: dict[str, Any]) -> str:

@@ -177,3 +177,19 @@ def test_variants_run_side_by_side_with_their_own_options(smollm2, tmp_path):
     assert len(sps["acceptance_by_position"]) == 4 and len(variant["acceptance_by_position"]) == 2  # its own gamma
     # The target drafting for itself accepts everything, except tokens above the 300 ids it may propose.
     assert sps["rollback_rate"] == 0.0 < limited["rollback_rate"] and limited["tau"] < sps["tau"]
+
+
+def test_report_shows_each_algorithm_its_own_figures():
+    from inference.report import markdown_table
+
+    base = {"bench": "mt_bench", "n_prompts": 1, "new_tokens": 8, "tau": 1.5, "tokens_per_s": 3.0,
+            "speedup_vs_ar": 0.5, "rollback_rate": 0.9, "target_forwards": 4, "draft_forwards": 8,
+            "greedy_equal_to_ar": True}
+    runs = [dict(base, algorithm="sps"),
+            dict(base, algorithm="ssd", cache_hit_rate=0.25, simulated_tokens_per_s=4.0),
+            dict(base, algorithm="specbranch", rollback_rate_speculated=0.5, simulated_tokens_per_s=5.0,
+                 executor="multiprocess")]
+    rows = markdown_table({"config": {}, "runs": runs}).splitlines()
+    assert rows[-3].endswith("| yes | – | – |")
+    assert rows[-2].endswith("| yes | 4.0 | cache hit rate 0.25 |")
+    assert rows[-1].endswith("| yes | 5.0 | rollback (speculated) 0.50; executor multiprocess |")

@@ -380,4 +380,4 @@ def test_evaluate_writes_ssd_metrics_per_run_in_batches(smollm2, tmp_path):
     assert ssd["algorithm"] == "ssd" and ssd["greedy_equal_to_ar"] is True and ssd["new_tokens"] == 20
     assert ssd["cache_hit_rate"] > 0.5 and ssd["first_round_misses"] == 2
     assert {"cache_hit_rate_by_k", "bonus_hit_rate", "fallback_counts", "drafter_idle_s",
-            "tokens_per_s_simulated_overlap"} <= set(ssd)
+            "simulated_tokens_per_s"} <= set(ssd)

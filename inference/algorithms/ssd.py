@@ -80,7 +80,7 @@ class SSDMetrics:
             "target_s": round(self.target_s, 4),
             "draft_s": round(self.draft_s, 4),
             "simulated_overlap_s": round(self.simulated_s, 4),
-            "tokens_per_s_simulated_overlap": round(self.new_tokens / self.simulated_s, 3) if self.simulated_s else None,
+            "simulated_tokens_per_s": round(self.new_tokens / self.simulated_s, 3) if self.simulated_s else None,
         }
 
 
