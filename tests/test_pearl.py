@@ -82,14 +82,20 @@ def test_extra_metrics_report_the_simulated_overlap_per_period(pair):
 @pytest.mark.slow
 def test_pearl_sampling_follows_the_target_law():
     """Monte Carlo: sampled drafts verified tokenwise; the law of the first 3 tokens is the target's."""
+    assert_overlapped_law(lambda target, draft: build_algorithm("pearl", runner(target, 16), runner(draft, 16),
+                                                                gamma=2))
+
+
+def assert_overlapped_law(build) -> None:
+    """Monte Carlo at T=1 on a 4-token vocabulary: ``build(target, draft)``'s law of the first 3 tokens after
+    [1, 2] is the target's (800 runs; sampling noise alone gives TV ~0.1), and its drafts were really used."""
     vocab, n, runs = 4, 3, 800
     target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
     draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
     law = exact_target_law(target, [1, 2], n, vocab)
-    pearl = build_algorithm("pearl", runner(target, 16), runner(draft, 16), gamma=2)
-    counts, accepted = sampled_law(pearl, [1, 2], n, runs)
-    assert accepted > runs // 4  # drafts were really used
-    assert_follows_law(counts, law, runs, max_tv=0.15)  # sampling noise alone gives TV ~0.1
+    counts, accepted = sampled_law(build(target, draft), [1, 2], n, runs)
+    assert accepted > runs // 4
+    assert_follows_law(counts, law, runs, max_tv=0.15)
 
 
 @pytest.mark.parametrize("name", ["cuda_streams", pytest.param("multiprocess", marks=pytest.mark.slow)])
