@@ -444,3 +444,29 @@ def test_specblock_tree_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_pat
     torch.manual_seed(0)
     drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
     assert_adapts_and_stays_greedy_equal(target, drafter, "specblock_tree", tmp_path, width=3, budget=12)
+
+
+@pytest.mark.parametrize("taus, kept", [((1.5, 1.75), True), ((1.5, 1.5), False), ((1.5, 1.25), False)])
+def test_validation_on_tau_keeps_an_update_only_if_the_held_out_accept_length_rises(tiny, taus, kept):
+    """validate_on=tau judges an update by τ_sim of the held-out query (chains of tree depth = max_accept − 1
+    drafts), before and after, instead of its loss; a tie is not an improvement."""
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, validate=True, validate_on="tau", min_gap=1)
+    first, second = (adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in (1, 2))
+    first.max_accept = second.max_accept = 5
+    scripted, calls = iter(taus), []
+
+    def simulate(record, gamma):
+        calls.append((record, gamma))
+        return next(scripted), [], 1
+
+    adaptable.simulate = simulate
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    rows = [adapter.process(r, tau=1.5, signal=1.0, iter_ratio=1.0) for r in (first, second)]
+    assert [r["arm"] for r in rows] == ["skip", "head"] and rows[1]["kept"] is kept
+    assert calls == [(first, 4), (first, 4)]  # the held-out query, before and after the update
+    assert (rows[1]["val_tau_before"], rows[1]["val_tau_after"]) == taus
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items()) is not kept
+    with pytest.raises(ValueError, match="adapt_validate_on must be loss or tau"):
+        adapter_for(drafter, validate_on="accuracy")

@@ -45,6 +45,7 @@ class AlgorithmOptions:
     adapt_max_rows: int = 384
     adapt_buffer: int = 1
     adapt_validate: bool = True
+    adapt_validate_on: str = "loss"
     adapt_backoff: int = 4
     adapt_ttt_steps: int = 3
     adapt_step_weight: float = 0.8

@@ -12,7 +12,8 @@ Order of work at the end of query k (after its last verification, before the nex
 4. a non-skip arm: snapshot, then at most ``{arm}_steps`` clipped AdamW steps on query k's record (with
    ``buffer`` > 1: the mean loss over the last ``buffer`` queries' records; §1.7 uses one query);
 5. validation (``validate``, on by default; our addition to §1.7): the update is kept only if it lowers the
-   training loss on the most recent query it did NOT train on; otherwise the snapshot is restored at once. An
+   training loss (``validate_on=tau``: raises the simulated accept length) on the most recent query it did NOT
+   train on; otherwise the snapshot is restored at once. An
    update that fits one query at the expense of the rest is caught before it serves a single token, instead of
    after ``patience`` slow queries (the τ watch of step 2 stays as the second line). With no such query yet
    (the first ``buffer`` queries), nothing is updated. Each undone update doubles the rate bound's gap (up to
@@ -72,7 +73,8 @@ class AdaptSettings:
     rollback_to: str = "last"  # last: the snapshot before the update (§1.7) | origin: the drafter as served first
     max_rows: int = 384  # bounded update size: the last rows of a query
     buffer: int = 1  # queries an update trains on (the latest ones); 1 = this query only (§1.7)
-    validate: bool = True  # keep an update only if it lowers the loss on the latest query it did not train on
+    validate: bool = True  # keep an update only if it helps on the latest query it did not train on
+    validate_on: str = "loss"  # loss: its training loss drops | tau: its simulated accept length (τ_sim) rises
     backoff: int = 4  # max doublings of min_gap after consecutive undone updates (0 = none)
     ttt_steps: int = 3  # training-time-test steps of the EAGLE-3 update loss
     step_weight: float = 0.8
@@ -113,6 +115,8 @@ class BanditAdapter:
             raise ValueError(f"adapt_backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
         if settings.buffer < 1:
             raise ValueError(f"adapt_buffer must be >= 1 (queries per update), got {settings.buffer}")
+        if settings.validate_on not in ("loss", "tau"):
+            raise ValueError(f"adapt_validate_on must be loss or tau, got {settings.validate_on}")
         if not 0 < settings.ema <= 1 or settings.horizon < 1:
             raise ValueError(f"need 0 < adapt_ema <= 1 and adapt_horizon >= 1, got {settings.ema}, {settings.horizon}")
         self.adaptable, self.costs = adaptable, costs
@@ -197,16 +201,16 @@ class BanditAdapter:
             snapshot = self.updater.snapshot()
             self.origin = snapshot if self.origin is None else self.origin
             started = time.perf_counter()
-            val_before = self.updater.loss(self.held_out, decision.arm) if s.validate else None
+            val_before = self._held_out_score(decision.arm) if s.validate else None
             result = self.updater.update(list(self.recent), decision.arm)
             kept = True
             if s.validate:
-                val_after = self.updater.loss(self.held_out, decision.arm)
-                kept = val_after < val_before
+                val_after = self._held_out_score(decision.arm)
+                kept = val_after < val_before if s.validate_on == "loss" else val_after > val_before
                 self.undone = 0 if kept else self.undone + 1
                 if not kept:
                     self.updater.restore(snapshot)
-                row.update(val_loss_before=val_before, val_loss_after=val_after)
+                row.update({f"val_{s.validate_on}_before": val_before, f"val_{s.validate_on}_after": val_after})
             seconds = time.perf_counter() - started
             paid = self.costs.cost(decision.arm, rows)  # the estimate the decision used
             self.costs.observe_update(decision.arm, rows, seconds)
@@ -217,6 +221,14 @@ class BanditAdapter:
         self.log.add(row)
         self.query += 1
         return row
+
+    def _held_out_score(self, arm: str) -> float:
+        """The held-out query's training loss for ``arm`` (lower is better), or with ``validate_on=tau`` its
+        simulated accept length: greedy chains as long as the engine's, teacher-forced on the same tokens, so
+        before and after are paired (higher is better)."""
+        if self.settings.validate_on == "loss":
+            return self.updater.loss(self.held_out, arm)
+        return self.adaptable.simulate(self.held_out, max(self.held_out.max_accept - 1, 1))[0]  # drafts per chain
 
     # -- engine hooks ------------------------------------------------------------------------------------------
 

@@ -43,6 +43,11 @@ class AdaptableDrafter(Protocol):
         """Drafter probability of a target token id from one row of draft logits (0 outside the draft vocab)."""
         ...
 
+    def simulate(self, record: QueryRecord, gamma: int) -> tuple[float, list[float], int]:
+        """Greedy chains of ``gamma`` drafts teacher-forced on ``record``: (τ_sim, q at each chain's first
+        rejection, number of chains). Replay's environment and ``validate_on=tau``."""
+        ...
+
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
