@@ -172,7 +172,8 @@ class MultiprocessExecutor(Executor):
 
         if dist.is_initialized():
             raise RuntimeError("executor=multiprocess needs its own process group but torch.distributed is already "
-                               "initialised in this process; use executor=sequential or cuda_streams here")
+                               "initialised in this process (another multiprocess executor still running? close() "
+                               "its algorithm first); or use executor=sequential or cuda_streams")
         self.backend = backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
         if self.backend == "nccl" and torch.cuda.device_count() < 2:
             raise ValueError("executor=multiprocess with nccl needs two GPUs (one per process); use backend=gloo")

@@ -193,3 +193,21 @@ def test_report_shows_each_algorithm_its_own_figures():
     assert rows[-3].endswith("| yes | – | – |")
     assert rows[-2].endswith("| yes | 4.0 | cache hit rate 0.25 |")
     assert rows[-1].endswith("| yes | 5.0 | rollback (speculated) 0.50; executor multiprocess |")
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_several_multiprocess_variants_run_in_one_evaluation(smollm2, tmp_path):
+    """Each algorithm runs (and releases its draft process and process group) before the next, so two
+    multiprocess variants fit in one run; results stay ordered by bench, then algorithm."""
+    import torch.distributed as dist
+
+    cfg = evaluate_cli.parse_args(["algorithms=[pearl@executor=multiprocess,specbranch@executor=multiprocess]",
+                                   "drafter=smollm2", "hrad=none", "bench=[mt_bench,humaneval]", "n_prompts=1",
+                                   "max_new_tokens=6", "gamma=2", "threads=1", f"out={tmp_path}", "warmup=false"])
+    results = evaluate_cli.evaluate(cfg, target=loaded(smollm2), draft=loaded(smollm2))
+    labels = [(r["bench"], r["algorithm"].split("@")[0]) for r in results["runs"]]
+    assert labels == [(b, a) for b in ("mt_bench", "humaneval") for a in ("ar", "pearl", "specbranch")]
+    overlapped = [r for r in results["runs"] if r["algorithm"] != "ar"]
+    assert all(r["executor"] == "multiprocess" and r["greedy_equal_to_ar"] for r in overlapped)
+    assert not dist.is_initialized()  # the last draft process was released too
