@@ -314,6 +314,7 @@ def test_eagle3_tree_stays_greedy_equal_with_the_lora_arm(tiny, tmp_path):
     rows = assert_adapts_and_stays_greedy_equal(target, drafter, "eagle3_tree", tmp_path, tree_depth=3,
                                                 tree_topk=3, tree_total=10, settings={"arms": "lora"})
     assert {r["arm"] for r in rows} <= {"skip", "lora"}
+    assert all(r["ucb_lora"] != "" and r["cost_lora"] != "" for r in rows)  # the log keeps the lora columns
 
 
 def test_buffered_update_trains_on_the_mean_loss_of_recent_queries(tiny):
@@ -467,6 +468,7 @@ def test_validation_on_tau_keeps_an_update_only_if_the_held_out_accept_length_ri
     assert [r["arm"] for r in rows] == ["skip", "head"] and rows[1]["kept"] is kept
     assert calls == [(first, 4), (first, 4)]  # the held-out query, before and after the update
     assert (rows[1]["val_tau_before"], rows[1]["val_tau_after"]) == taus
+    assert (adapter.log.rows[1]["val_tau_before"], adapter.log.rows[1]["val_tau_after"]) == taus  # logged too
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items()) is not kept
     with pytest.raises(ValueError, match="adapt_validate_on must be loss or tau"):
         adapter_for(drafter, validate_on="accuracy")

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 FIELDS = ["query", "rows", "signal", "context", "tau", "tau_ema", "iter_ratio", "arm", "forced", "ucb_head",
-          "ucb_full", "value_head", "value_full", "cost_head", "cost_full", "prev_arm", "realised_dtau",
-          "realised_reward", "update_s", "loss_before", "loss_after", "val_loss_before", "val_loss_after", "kept",
-          "rolled_back", "tau_none"]
+          "ucb_full", "ucb_lora", "value_head", "value_full", "value_lora", "cost_head", "cost_full", "cost_lora",
+          "prev_arm", "realised_dtau", "realised_reward", "update_s", "loss_before", "loss_after", "val_loss_before",
+          "val_loss_after", "val_tau_before", "val_tau_after", "kept", "rolled_back", "tau_none"]
 
 
 class DecisionLog:
