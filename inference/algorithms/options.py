@@ -38,7 +38,7 @@ class AlgorithmOptions:
     adapt_lora_steps: int = 2
     adapt_lora_lr: float = 1e-3
     adapt_clip: float = 1.0
-    adapt_min_gap: int = 2
+    adapt_min_gap: int = 4
     adapt_patience: int = 2
     adapt_watch: int = 4
     adapt_rollback_to: str = "last"

@@ -67,7 +67,7 @@ class AdaptSettings:
     lora_steps: int = 2
     lora_lr: float = 1e-3
     clip: float = 1.0  # gradient-norm bound per step
-    min_gap: int = 2  # at most one update per min_gap queries
+    min_gap: int = 4  # at most one update per min_gap queries (2 measured worse on a 48-query shift: BENCHMARKS)
     patience: int = 2  # roll back after this many consecutive queries below the pre-update EMA
     watch: int = 4  # queries after an update during which a rollback can trigger
     rollback_to: str = "last"  # last: the snapshot before the update (§1.7) | origin: the drafter as served first
