@@ -2,7 +2,7 @@
 
     python benchmarks/ssd_sweep.py [drafter=/tmp/exports/draftlm] [target=smollm2] [n=4] [max_new_tokens=48]
         [batches=[1,4]] [gamma=4] [configs=[jit:8:1.0,fast:8:1.0]] [temperature=0] [threads=1]
-        [executor=sequential] [bench=mt_bench] [out=runs/ssd_sweep]
+        [executor=sequential] [bench=mt_bench] [draft_vocab=0] [out=runs/ssd_sweep]
 
 ``configs`` entries are ``fallback:B:C`` (fallback jit | fast | auto; B = cache budget per sequence; C = SAGUARO
 scale). ``sps`` runs prompt by prompt (batch 1, its only mode) with the same γ; every SSD config runs the same
@@ -13,6 +13,7 @@ At temperature 0 each run's tokens are compared with sps's (they must be equal).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ import torch
 from data_prep.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_draft_lm, load_lm
+from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 
 
@@ -41,6 +43,7 @@ class SweepConfig:
     executor: str = "sequential"
     bench: str = "mt_bench"
     seed: int = 0
+    draft_vocab: int = 0  # K > 0: the draft proposes only ids < K (evaluate's draft_vocab); 0 = all
     out: str = "runs/ssd_sweep"
 
 
@@ -106,6 +109,8 @@ def main(argv: list[str]) -> int:
     max_batch = max(cfg.batches)
     target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=max_batch)
     draft = load_draft_lm(cfg.drafter, target, device="cpu", max_seq_len=1024, max_batch_size=max_batch)
+    if cfg.draft_vocab:
+        draft = dataclasses.replace(draft, runner=with_logit_vocab(draft.runner, cfg.draft_vocab))
     eos = eos_token_ids(target.tokenizer, target.model.config)
     prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n)]
     sampling = SamplingParams(cfg.temperature)
