@@ -75,7 +75,8 @@ class TargetShapedConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown {cls.KIND.lower().replace('-', '')} config fields {unknown}; known: {', '.join(sorted(known))}")
+            name = cls.KIND.lower().replace("-", "")
+            raise ValueError(f"unknown {name} config fields {unknown}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
 
