@@ -10,6 +10,7 @@ The online module computes features inside the DataLoader's collate function, so
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,9 @@ class OnlineFeatureDataModule(L.LightningDataModule):
         require_answers(conversations, False, self.source)
         build = SampleBuilder(target.tokenizer, self.max_len)
         self.samples = [s for i, c in enumerate(conversations) if (s := build(i, c)) is not None]
+        if len(self.samples) < len(conversations):  # say what the data really is: steps x batch may exceed it
+            print(f"[data] {self.source} ({self.split}): {len(self.samples)} of {len(conversations)} conversations "
+                  f"have answer tokens within max_len={self.max_len}; the rest are skipped", file=sys.stderr)
 
     def _collate(self, samples: list[TokenSample]) -> dict[str, torch.Tensor]:
         return collate_features(self.capture(samples))

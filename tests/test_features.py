@@ -29,13 +29,14 @@ def setup(tmp_path_factory):
     return {"root": root, "target_dir": target_dir, "chats": chats, "target": target, "feats": root / "feats"}
 
 
-def test_offline_and_online_batches_are_identical(setup):
+def test_offline_and_online_batches_are_identical(setup, capsys):
     offline = FeatureDataModule(setup["feats"], batch_size=4, shuffle=False, target=str(setup["target_dir"]),
                                 layers="eagle3", tokenizer=setup["target"].tokenizer, dtype="bf16")
     online = OnlineFeatureDataModule(setup["target"], source=f"jsonl:{setup['chats']}", n_samples=14, max_len=96,
                                      layers="eagle3", dtype="bf16", batch_size=4, shuffle=False)
     offline_batches, online_batches = list(offline.train_dataloader()), list(online.train_dataloader())
     assert len(offline_batches) == len(online_batches) == 3  # 12 samples (2 prompt-only skipped)
+    assert "12 of 14 conversations have answer tokens within max_len=96" in capsys.readouterr().err
     for a, b in zip(offline_batches, online_batches):
         assert a.keys() == b.keys() == {"input_ids", "loss_mask", "attention_mask", "aux_hidden", "last_hidden"}
         for key in a:
