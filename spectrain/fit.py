@@ -169,17 +169,31 @@ def build_logger(cfg: DictConfig, directory: Path):
     return WandbLogger(project=cfg.wandb_project, name=cfg.run_name, save_dir=str(directory), offline=offline)
 
 
-def resolve_precision(precision: str, cuda: bool) -> str:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), where bf16 autocast is faster than fp32."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(precision: str, cuda: bool, cpu_bf16: bool | None = None) -> str:
     """The Lightning precision ``trainer.precision`` means on a machine with (``cuda``) or without CUDA.
 
-    ``auto`` is bf16 autocast (``bf16-mixed``) on CUDA and fp32 on CPU. Half precision on CPU is refused rather
-    than silently emulated: CPU autocast is slow and no CPU recipe is tuned for it."""
+    ``auto`` is bf16 autocast (``bf16-mixed``) on CUDA and fp32 on CPU. On a CPU, ``bf16-mixed`` is accepted only
+    where the CPU computes bf16 natively (``cpu_bf16``, detected when None); elsewhere, and every other half
+    precision on a CPU, is refused rather than silently emulated (slow)."""
     if precision == "auto":
         return "bf16-mixed" if cuda else "32-true"
-    if not cuda and precision != "32-true":
-        raise RecipeError(f"trainer.precision={precision} needs a CUDA GPU and none is used here; "
-                          "use precision=auto (fp32 on CPU) or precision=32-true")
-    return precision
+    if cuda or precision == "32-true":
+        return precision
+    if precision == "bf16-mixed" and (cpu_has_native_bf16() if cpu_bf16 is None else cpu_bf16):
+        return precision
+    raise RecipeError(f"trainer.precision={precision} needs a CUDA GPU (bf16-mixed: or a CPU with native bf16, "
+                      "AVX512-BF16 or AMX) and none is used here; use precision=auto (fp32 on CPU) or "
+                      "precision=32-true")
 
 
 def _uses_cuda(cfg: DictConfig) -> bool:

@@ -212,12 +212,25 @@ def test_precision_maps_to_bf16_autocast_on_cuda_and_fp32_on_cpu(precision, cuda
     assert fit_cli.resolve_precision(precision, cuda) == expected
 
 
+@pytest.mark.parametrize("precision, cpu_bf16, accepted", [
+    ("bf16-mixed", True, True), ("bf16-mixed", False, False), ("bf16-true", True, False), ("16-mixed", True, False),
+])
+def test_on_cpu_only_bf16_autocast_on_a_native_bf16_cpu_is_accepted(precision, cpu_bf16, accepted):
+    if accepted:
+        assert fit_cli.resolve_precision(precision, cuda=False, cpu_bf16=cpu_bf16) == precision
+    else:
+        with pytest.raises(fit_cli.RecipeError, match=f"trainer.precision={precision} needs a CUDA GPU"):
+            fit_cli.resolve_precision(precision, cuda=False, cpu_bf16=cpu_bf16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
-def test_half_precision_on_cpu_is_refused_before_any_work(recipes, tmp_path):
+def test_half_precision_on_cpu_is_refused_before_any_work(recipes, tmp_path, monkeypatch):
+    monkeypatch.setattr(fit_cli, "cpu_has_native_bf16", lambda: False)  # a CPU without native bf16
     with pytest.raises(fit_cli.RecipeError) as info:
         fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "precision=bf16-mixed"))
-    assert str(info.value) == ("trainer.precision=bf16-mixed needs a CUDA GPU and none is used here; use "
-                               "precision=auto (fp32 on CPU) or precision=32-true")
+    assert str(info.value) == ("trainer.precision=bf16-mixed needs a CUDA GPU (bf16-mixed: or a CPU with native "
+                               "bf16, AVX512-BF16 or AMX) and none is used here; use precision=auto (fp32 on CPU) "
+                               "or precision=32-true")
     assert not (tmp_path / "toy").exists()
     with pytest.raises(fit_cli.RecipeError, match="trainer.precision=fp8 is not one of auto, 32-true, bf16-mixed"):
         compose(recipes, "recipe=toy", "precision=fp8")
