@@ -274,6 +274,8 @@ def test_update_is_bounded_and_uses_the_training_loss(tiny):
     drafter = copy.deepcopy(drafter)
     adapter, adaptable = adapter_for(drafter)
     record = adaptable.synthetic_record(24, prompt_len=6)
+    # the head arm's loss runs lm_head on supervised rows only: the same value (validation scores this way)
+    assert adapter.updater.loss(record, "head") == pytest.approx(adapter.updater.loss(record, "full"), rel=1e-5)
     head = {id(p) for p in adaptable.head_parameters()}
     before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
     result = adapter.updater.update(record, "head")
@@ -472,3 +474,27 @@ def test_validation_on_tau_keeps_an_update_only_if_the_held_out_accept_length_ri
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items()) is not kept
     with pytest.raises(ValueError, match="adapt_validate_on must be loss or tau"):
         adapter_for(drafter, validate_on="accuracy")
+
+
+@pytest.mark.parametrize("head_lr, check_seed, reset", [(50.0, 2, True), (1e-2, 1, False)])
+def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, head_lr, check_seed, reset):
+    """Query 0 updates on record 1 and the τ watch lets it stay; at query 1 the origin check scores that query's
+    record under the adapted and the original weights. A huge step has wrecked the drafter for an unrelated record
+    (seed 2): it goes back to the original, exactly. A small step on the same record helps: the adapted weights
+    stay, and so does a drafter that never adapted (no check at all)."""
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, min_gap=10, watch=1, patience=1, origin_check=1, head_lr=head_lr)
+    first, checked = (adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in (1, check_seed))
+    first.max_accept = checked.max_accept = 7
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    rows = [adapter.process(r, tau=t, signal=1.0, iter_ratio=1.0) for r, t in ((first, 1.5), (checked, 2.0))]
+    assert [r["arm"] for r in rows] == ["head", "skip"] and not rows[1]["rolled_back"]
+    assert rows[1]["reset"] is reset and not rows[0]["reset"]
+    assert (rows[1]["check_loss_origin"] < rows[1]["check_loss_adapted"]) is reset
+    unchanged = all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    assert unchanged is reset and adapter.adapted is not reset
+    later = adapter.process(checked, tau=2.0, signal=1.0, iter_ratio=1.0)  # checked again only while adapted
+    assert ("check_s" in later) is not reset
+    with pytest.raises(ValueError, match="adapt_origin_check must be >= 0"):
+        adapter_for(drafter, origin_check=-1)

@@ -17,7 +17,13 @@ Order of work at the end of query k (after its last verification, before the nex
    update that fits one query at the expense of the rest is caught before it serves a single token, instead of
    after ``patience`` slow queries (the τ watch of step 2 stays as the second line). With no such query yet
    (the first ``buffer`` queries), nothing is updated. Each undone update doubles the rate bound's gap (up to
-   ``2**backoff`` × ``min_gap``; a kept update resets it): updates that keep failing stop costing time.
+   ``2**backoff`` × ``min_gap``; a kept update resets it): updates that keep failing stop costing time;
+6. origin check (``origin_check`` = N > 0; our addition): every N queries while the drafter serves adapted
+   weights, the latest query (which no update has trained on) is scored under the adapted weights and under the
+   drafter as it was before its first update, with the validation metric; if the original does better, it is
+   restored (``reset``). Validation and the τ watch judge an update right after it; this catches the later case
+   where the stream moved on to a domain the adapted weights serve worse than the original (measured: a drafter
+   adapted on HumanEval served GSM-symbolic 2 % below the original, BENCHMARKS.md). It runs before step 3.
 
 The same :meth:`BanditAdapter.process` runs online (τ and S measured by the engine) and in replay (τ and S
 simulated from recorded traces), so the CI replay test exercises the production policy.
@@ -76,6 +82,7 @@ class AdaptSettings:
     validate: bool = True  # keep an update only if it helps on the latest query it did not train on
     validate_on: str = "loss"  # loss: its training loss drops | tau: its simulated accept length (τ_sim) rises
     backoff: int = 4  # max doublings of min_gap after consecutive undone updates (0 = none)
+    origin_check: int = 4  # every N queries on adapted weights: back to the original if it scores better (0 = off)
     ttt_steps: int = 3  # training-time-test steps of the EAGLE-3 update loss
     step_weight: float = 0.8
     signal_floor: float = 1e-6
@@ -98,6 +105,7 @@ class AdaptSettings:
 class _Watch:
     snapshot: Snapshot
     pre_ema: float
+    snapshot_adapted: bool  # whether the snapshot itself holds adapted weights (restoring it keeps them)
     since: int = 0
     below: int = 0
 
@@ -111,6 +119,9 @@ class BanditAdapter:
                              f"{settings.min_gap}, {settings.watch}, {settings.patience}")
         if settings.rollback_to not in ("last", "origin"):
             raise ValueError(f"adapt_rollback_to must be last or origin, got {settings.rollback_to}")
+        if settings.origin_check < 0:
+            raise ValueError(f"adapt_origin_check must be >= 0 (queries between checks; 0 = off), got "
+                             f"{settings.origin_check}")
         if settings.backoff < 0:
             raise ValueError(f"adapt_backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
         if settings.buffer < 1:
@@ -134,6 +145,8 @@ class BanditAdapter:
         self.pending: tuple[int, str, float, float] | None = None  # (context, arm, baseline τ, cost paid)
         self.watch: _Watch | None = None
         self.origin: Snapshot | None = None  # the drafter before its first update
+        self.adapted = False  # the drafter serves weights an update changed (not the origin's)
+        self.since_check = 0  # queries served on adapted weights since the last origin check
         self.since_update = settings.min_gap  # queries since the last update; the first query may update
         self.undone = 0  # consecutive updates undone by validation (backoff)
         self.recorder: QueryRecorder | None = None
@@ -153,7 +166,7 @@ class BanditAdapter:
         """Everything that happens after one query; returns (and logs) its decision row."""
         s = self.settings
         row: dict[str, Any] = {"query": self.query, "rows": record.num_rows, "signal": signal, "tau": tau,
-                               "iter_ratio": iter_ratio, "rolled_back": False}
+                               "iter_ratio": iter_ratio, "rolled_back": False, "reset": False}
         max_accept = record.max_accept
         if len(self.recent) == s.buffer:
             self.held_out = self.recent[0]  # about to leave the training window
@@ -173,13 +186,20 @@ class BanditAdapter:
             watch.since += 1
             watch.below = watch.below + 1 if tau < watch.pre_ema else 0
             if watch.below >= s.patience:
-                self.updater.restore(self.origin if s.rollback_to == "origin" else watch.snapshot)
+                to_origin = s.rollback_to == "origin"
+                self.updater.restore(self.origin if to_origin else watch.snapshot)
+                self.adapted = False if to_origin else watch.snapshot_adapted
                 row["rolled_back"] = True
                 self.watch = None
             elif watch.since >= s.watch:
                 self.watch = None  # the update stays
         self.tau_ema = tau if self.tau_ema is None else (1 - s.ema) * self.tau_ema + s.ema * tau
         row["tau_ema"] = self.tau_ema
+        if self.adapted and self.watch is None:  # 6. origin check
+            self.since_check += 1
+            if s.origin_check and self.since_check >= s.origin_check:
+                self.since_check = 0
+                row.update(self._origin_check(record))
 
         context = self.buckets.observe(signal)  # 3. context and decision
         costs = {arm: self.costs.cost(arm, rows) for arm in self.bandit.arms}
@@ -201,11 +221,11 @@ class BanditAdapter:
             snapshot = self.updater.snapshot()
             self.origin = snapshot if self.origin is None else self.origin
             started = time.perf_counter()
-            val_before = self._held_out_score(decision.arm) if s.validate else None
+            val_before = self._score(self.held_out) if s.validate else None
             result = self.updater.update(list(self.recent), decision.arm)
             kept = True
             if s.validate:
-                val_after = self._held_out_score(decision.arm)
+                val_after = self._score(self.held_out)
                 kept = val_after < val_before if s.validate_on == "loss" else val_after > val_before
                 self.undone = 0 if kept else self.undone + 1
                 if not kept:
@@ -214,7 +234,8 @@ class BanditAdapter:
             seconds = time.perf_counter() - started
             paid = self.costs.cost(decision.arm, rows)  # the estimate the decision used
             self.costs.observe_update(decision.arm, rows, seconds)
-            self.watch = _Watch(snapshot, self.tau_ema) if kept else None
+            self.watch = _Watch(snapshot, self.tau_ema, self.adapted) if kept else None
+            self.adapted = self.adapted or kept
             self.since_update = 0
             row.update(update_s=seconds, loss_before=result.loss_before, loss_after=result.loss_after, kept=kept)
         self.pending = (context, decision.arm, self.skip_ema.get(context, tau), paid)
@@ -222,13 +243,30 @@ class BanditAdapter:
         self.query += 1
         return row
 
-    def _held_out_score(self, arm: str) -> float:
-        """The held-out query's training loss for ``arm`` (lower is better), or with ``validate_on=tau`` its
-        simulated accept length: greedy chains as long as the engine's, teacher-forced on the same tokens, so
-        before and after are paired (higher is better)."""
+    def _origin_check(self, record: QueryRecord) -> dict[str, Any]:
+        """Score ``record`` under the adapted weights and under the origin; keep whichever does better."""
+        s = self.settings
+        adapted = self.updater.snapshot()
+        started = time.perf_counter()
+        now = self._score(record)
+        self.updater.restore(self.origin)
+        original = self._score(record)
+        reset = original < now if s.validate_on == "loss" else original > now
+        if reset:
+            self.adapted = False
+        else:
+            self.updater.restore(adapted)
+        return {f"check_{s.validate_on}_adapted": now, f"check_{s.validate_on}_origin": original, "reset": reset,
+                "check_s": time.perf_counter() - started}
+
+    def _score(self, record: QueryRecord) -> float:
+        """``record``'s training loss (lower is better), or with ``validate_on=tau`` its simulated accept length:
+        greedy chains as long as the engine's, teacher-forced on the same tokens, so two scores of one record are
+        paired (higher is better). The loss is computed the ``head`` arm's way, whatever arm was played: the same
+        value, with lm_head run on the supervised (generated) rows only instead of every prompt row too."""
         if self.settings.validate_on == "loss":
-            return self.updater.loss(self.held_out, arm)
-        return self.adaptable.simulate(self.held_out, max(self.held_out.max_accept - 1, 1))[0]  # drafts per chain
+            return self.updater.loss(record, "head")
+        return self.adaptable.simulate(record, max(record.max_accept - 1, 1))[0]  # drafts per chain
 
     # -- engine hooks ------------------------------------------------------------------------------------------
 

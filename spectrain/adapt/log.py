@@ -9,7 +9,8 @@ from typing import Any
 FIELDS = ["query", "rows", "signal", "context", "tau", "tau_ema", "iter_ratio", "arm", "forced", "ucb_head",
           "ucb_full", "ucb_lora", "value_head", "value_full", "value_lora", "cost_head", "cost_full", "cost_lora",
           "prev_arm", "realised_dtau", "realised_reward", "update_s", "loss_before", "loss_after", "val_loss_before",
-          "val_loss_after", "val_tau_before", "val_tau_after", "kept", "rolled_back", "tau_none"]
+          "val_loss_after", "val_tau_before", "val_tau_after", "kept", "rolled_back", "check_loss_adapted",
+          "check_loss_origin", "check_tau_adapted", "check_tau_origin", "check_s", "reset", "tau_none"]
 
 
 class DecisionLog:
@@ -80,6 +81,10 @@ def plot_tau(rows: list[dict[str, Any]], path: str | Path, title: str = "τ over
     if rolled:
         ax.scatter([int(r["query"]) for r in rolled], [float(r["tau"]) for r in rolled], marker="x", color="k",
                    s=80, label="rollback", zorder=4)
+    reset = [r for r in rows if r.get("reset") in (True, "True", 1)]
+    if reset:
+        ax.scatter([int(r["query"]) for r in reset], [float(r["tau"]) for r in reset], marker="*", color="tab:orange",
+                   s=90, label="back to the original (origin check)", zorder=4)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
