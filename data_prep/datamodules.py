@@ -92,10 +92,11 @@ class OnlineFeatureDataModule(L.LightningDataModule):
 
     def __init__(self, target: Any, *, source: str, n_samples: int, max_len: int, layers: Any = "eagle3",
                  dtype: str = "bf16", batch_size: int = 8, shuffle: bool = True, seed: int = 0,
-                 split: str = "all", device: str = "auto"):
+                 split: str = "all", device: str = "auto", window: str = "start"):
         super().__init__()
         self.target_arg = target
         self.source, self.n_samples, self.max_len, self.split = source, n_samples, max_len, split
+        self.window = window
         self.layers_spec, self.dtype = layers, dtype
         self.batch_size, self.shuffle, self.seed, self.device = batch_size, shuffle, seed, device
         self.samples: list[TokenSample] | None = None
@@ -114,11 +115,13 @@ class OnlineFeatureDataModule(L.LightningDataModule):
         self.capture = HiddenCapture(target.runner, layers, self.dtype)
         conversations = load_source(self.source, self.n_samples, self.seed, self.split)
         require_answers(conversations, False, self.source)
-        build = SampleBuilder(target.tokenizer, self.max_len)
+        build = SampleBuilder(target.tokenizer, self.max_len, window=self.window)
         self.samples = [s for i, c in enumerate(conversations) if (s := build(i, c)) is not None]
         if len(self.samples) < len(conversations):  # say what the data really is: steps x batch may exceed it
             print(f"[data] {self.source} ({self.split}): {len(self.samples)} of {len(conversations)} conversations "
-                  f"have answer tokens within max_len={self.max_len}; the rest are skipped", file=sys.stderr)
+                  f"have answer tokens within their max_len={self.max_len} window (window={self.window}); the rest "
+                  "are skipped" + ("" if self.window == "answer" else " (window=answer keeps long prompts)"),
+                  file=sys.stderr)
 
     def _collate(self, samples: list[TokenSample]) -> dict[str, torch.Tensor]:
         return collate_features(self.capture(samples))

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
 from data_prep.layers import LAYER_CONVENTION, resolve_layers, spec_name
 from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
-from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
+from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import ShardWriter, column
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
@@ -50,6 +50,7 @@ class ExtractConfig:
     split: str = "all"  # all | train | eval (stable hash split, data_prep.prompts)
     n_samples: int = 1000  # source conversations to read; ones without assistant tokens are skipped
     max_len: int = 2048
+    window: str = "start"  # start | answer: where a long conversation's max_len window sits (data_prep.samples)
     layers: Any = "eagle3"  # eagle3 | lastK | [i, j, ...]
     dtype: str = "bf16"  # storage dtype: bf16 | fp16 | fp32
     batch_size: int = 8
@@ -74,6 +75,8 @@ def parse_args(argv: Sequence[str]) -> Any:
     for key in ("n_samples", "max_len", "batch_size"):
         if cfg[key] < 1:
             raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
+    if cfg.window not in WINDOWS:
+        raise OverrideError(f"window must be one of {', '.join(WINDOWS)}, got '{cfg.window}'")
     if cfg.shard_size < 0:
         raise OverrideError(f"shard_size must be >= 1 (or 0 for auto), got {cfg.shard_size}")
     return cfg
@@ -83,6 +86,8 @@ def content_args(cfg: Any) -> dict[str, Any]:
     args = OmegaConf.to_container(cfg, resolve=True)
     for key in RUN_ONLY_KEYS:
         args.pop(key, None)
+    if args["window"] == "start":  # the default, and what datasets made before the option hold
+        args.pop("window")
     if not args["regenerate"]:  # generation settings mean nothing without regeneration
         args.pop("max_new_tokens")
         args.pop("temperature")
@@ -203,7 +208,7 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
             regenerator = Regenerator(runner, tokenizer, eos_token_ids(tokenizer, target.model.config),
                                       max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
                                       temperature=cfg.temperature, seed=cfg.seed)
-        build = SampleBuilder(tokenizer, cfg.max_len, regenerator)
+        build = SampleBuilder(tokenizer, cfg.max_len, regenerator, window=cfg.window)
         start = writer.next_source_index
         if start:
             print(f"[extract] resuming {out} at source item {start} ({writer.manifest['num_rows']} samples in "

@@ -23,6 +23,7 @@ class DataConfig:
     n_val_samples: int = 16
     n_samples: int = 1000
     max_len: int = 512
+    window: str = "start"  # online: start | answer, where a long conversation's window sits (data_prep.samples)
     batch_size: int = 8
     num_workers: int = 0
 

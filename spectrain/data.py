@@ -87,12 +87,15 @@ def build_feature_datamodule(cfg: Any) -> L.LightningDataModule:
 
     data = cfg.data
     if data.dataset_dir:
+        if data.window != "start":
+            raise ValueError(f"data.window={data.window} applies to online features only: an extracted dataset's "
+                             "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)")
         return FeatureDataModule(data.dataset_dir, batch_size=data.batch_size, seed=cfg.seed,
                                  num_workers=data.num_workers, val_directory=data.val_dataset_dir,
                                  target=cfg.target, layers=data.layers, max_len=data.max_len)
     target = loaded_target(cfg.target, data.max_len, data.batch_size)
     common = dict(source=data.source, max_len=data.max_len, layers=data.layers, dtype=data.dtype,
-                  batch_size=data.batch_size, seed=cfg.seed)
+                  batch_size=data.batch_size, seed=cfg.seed, window=data.window)
     train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train", **common)
     val = OnlineFeatureDataModule(target, n_samples=data.n_val_samples, split="eval", shuffle=False, **common)
     return TrainValDataModule(train, val)

@@ -81,6 +81,7 @@ def test_extract_stores_the_runner_convention(tiny, chats, tmp_path):
     assert set(manifest["tokenizer"]) == {"vocab_hash", "vocab_size", "chat_template_hash"}
     assert manifest["args"]["max_len"] == 64 and manifest["args"]["source"] == f"jsonl:{chats}"
     assert manifest["spectrain_version"] and manifest["args"]["seed"] == 0
+    assert "window" not in manifest["args"]  # the default: datasets made before the option still resume
 
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
     tokenizer = load_tokenizer(tiny)
@@ -175,6 +176,7 @@ def test_refusals_are_one_line(tiny, chats, tmp_path, capsys, monkeypatch):
     assert "out=DIR is required" in error_of(base)
     assert "did you mean 'layers'" in error_of(base + ["layer=[0]", f"out={tmp_path / 'a'}"])
     assert "dtype=fp8" in error_of(base + ["dtype=fp8", f"out={tmp_path / 'a'}"])
+    assert "window must be one of start, answer" in error_of(base + ["window=middle", f"out={tmp_path / 'a'}"])
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     assert "not empty and has no manifest.json" in error_of(base + [f"out={tmp_path / 'full'}"])
@@ -188,6 +190,18 @@ def test_refusals_are_one_line(tiny, chats, tmp_path, capsys, monkeypatch):
     err = error_of(base + [f"out={tmp_path / 'c'}"])
     assert "not enough free disk" in err and "is free" in err
     assert not (tmp_path / "c").exists()  # refused before writing anything
+
+
+def test_answer_window_keeps_long_prompts_and_is_recorded(tiny, chats, tmp_path):
+    """Every chat's first answer token lies past max_len=24 (the template's default system prompt is long), so
+    window=start would keep none; window=answer keeps each chat that has an answer, 12 prompt tokens then
+    answer, and the manifest says which window the dataset holds."""
+    base = [f"target={tiny}", f"source=jsonl:{chats}", "n_samples=8", "max_len=24", "layers=[0,1]"]
+    answer = run_extract(base + ["window=answer", f"out={tmp_path / 'answer'}"])
+    assert answer["args"]["window"] == "answer" and answer["num_rows"] == 7 and answer["skipped"] == 1
+    stored = rows(tmp_path / "answer")
+    assert all(len(r["input_ids"]) <= 24 and r["loss_mask"][:12].sum() == 0 and r["loss_mask"][12] == 1
+               for r in stored)
 
 
 def test_regenerate_answers_with_the_target(tiny, tmp_path):

@@ -36,7 +36,7 @@ def test_offline_and_online_batches_are_identical(setup, capsys):
                                      layers="eagle3", dtype="bf16", batch_size=4, shuffle=False)
     offline_batches, online_batches = list(offline.train_dataloader()), list(online.train_dataloader())
     assert len(offline_batches) == len(online_batches) == 3  # 12 samples (2 prompt-only skipped)
-    assert "12 of 14 conversations have answer tokens within max_len=96" in capsys.readouterr().err
+    assert "12 of 14 conversations have answer tokens within their max_len=96 window" in capsys.readouterr().err
     for a, b in zip(offline_batches, online_batches):
         assert a.keys() == b.keys() == {"input_ids", "loss_mask", "attention_mask", "aux_hidden", "last_hidden"}
         for key in a:
@@ -150,3 +150,15 @@ def test_feature_dataset_pickles_as_a_path_for_dataloader_workers(setup):
     assert len(clone) == len(dataset)
     for key, value in dataset[7].items():
         assert torch.equal(clone[7][key], value)
+
+
+def test_online_window_option_is_refused_for_an_extracted_dataset(setup):
+    from omegaconf import OmegaConf
+
+    from spectrain.config import FitConfig
+    from spectrain.data import build_feature_datamodule
+
+    cfg = OmegaConf.structured(FitConfig)
+    cfg.data.dataset_dir, cfg.data.window = str(setup["feats"]), "answer"
+    with pytest.raises(ValueError, match="data.window=answer applies to online features only"):
+        build_feature_datamodule(cfg)

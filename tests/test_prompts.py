@@ -272,3 +272,27 @@ def test_not_prefix_stable_template_is_rejected(tok):
     with pytest.raises(ValueError, match="not prefix-stable") as err:
         P.tokenize_conversation(tok, turns, template_kwargs={"chat_template": template})
     assert "\n" not in str(err.value)
+
+
+def test_answer_window_keeps_conversations_whose_prompt_fills_max_len(tok):
+    """window=start drops a conversation whose prompt alone fills max_len; window=answer keeps it, starting
+    max_len // 2 tokens before the first answer token; a conversation that fit is the same either way."""
+    from data_prep.samples import SampleBuilder
+
+    long = P.Conversation("long", [{"role": "user", "content": "word " * 120},
+                                   {"role": "assistant", "content": "one two three four five six seven eight"}], "t")
+    short = P.Conversation("short", [{"role": "user", "content": "Count."},
+                                     {"role": "assistant", "content": "one two three"}], "t")
+    full_ids, full_mask = P.tokenize_conversation(tok, long)
+    first, max_len = full_mask.index(1), 64
+    assert first > max_len
+    assert SampleBuilder(tok, max_len, window="start")(0, long) is None
+    sample = SampleBuilder(tok, max_len, window="answer")(0, long)
+    start = first - max_len // 2
+    assert sample.input_ids == full_ids[start:start + max_len] and sample.loss_mask == full_mask[start:start + max_len]
+    assert sample.loss_mask[: max_len // 2] == [0] * (max_len // 2) and sample.loss_mask[max_len // 2] == 1
+    assert _masked_text(tok, sample.input_ids, sample.loss_mask).startswith("one two three")
+    kept = SampleBuilder(tok, max_len)(1, short)
+    assert kept is not None and SampleBuilder(tok, max_len, window="answer")(1, short) == kept
+    with pytest.raises(ValueError, match="window must be one of start, answer, got 'middle'"):
+        SampleBuilder(tok, max_len, window="middle")
