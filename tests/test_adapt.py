@@ -243,6 +243,9 @@ def test_validation_keeps_an_update_only_if_the_held_out_loss_drops(tiny, held_o
     assert [r["arm"] for r in rows] == ["skip", "head"] and rows[0]["forced"] == "no_held_out"
     assert rows[1]["kept"] is kept
     assert (rows[1]["val_loss_after"] < rows[1]["val_loss_before"]) is kept
+    # one scorer served before and after the head update: its scores are those of the drafter recomputed afresh
+    standing = adapter.updater.loss(first, "full")
+    assert standing == pytest.approx(rows[1]["val_loss_after" if kept else "val_loss_before"], rel=1e-5)
     unchanged = all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
     assert unchanged is not kept
     assert (adapter.watch is not None) is kept  # an undone update has nothing left to watch
@@ -476,24 +479,28 @@ def test_validation_on_tau_keeps_an_update_only_if_the_held_out_accept_length_ri
         adapter_for(drafter, validate_on="accuracy")
 
 
-@pytest.mark.parametrize("head_lr, check_seed, reset", [(50.0, 2, True), (1e-2, 1, False)])
-def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, head_lr, check_seed, reset):
+@pytest.mark.parametrize("arm, lr, check_seed, reset", [("head", 50.0, 2, True), ("head", 1e-2, 1, False),
+                                                         ("full", 1.0, 2, True), ("full", 50.0, 2, True)])
+def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, arm, lr, check_seed, reset):
     """Query 0 updates on record 1 and the τ watch lets it stay; at query 1 the origin check scores that query's
-    record under the adapted and the original weights. A huge step has wrecked the drafter for an unrelated record
+    record under the adapted and the original weights (the head arm: one trunk pass serves both). A huge step has wrecked the drafter for an unrelated record
     (seed 2): it goes back to the original, exactly. A small step on the same record helps: the adapted weights
     stay, and so does a drafter that never adapted (no check at all)."""
     target, drafter = tiny
     drafter = copy.deepcopy(drafter)
-    adapter, adaptable = adapter_for(drafter, min_gap=10, watch=1, patience=1, origin_check=1, head_lr=head_lr)
+    adapter, adaptable = adapter_for(drafter, arms=arm, min_gap=10, watch=1, patience=1, origin_check=1,
+                                     head_lr=lr, full_lr=lr)
     first, checked = (adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in (1, check_seed))
     first.max_accept = checked.max_accept = 7
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     rows = [adapter.process(r, tau=t, signal=1.0, iter_ratio=1.0) for r, t in ((first, 1.5), (checked, 2.0))]
-    assert [r["arm"] for r in rows] == ["head", "skip"] and not rows[1]["rolled_back"]
+    assert [r["arm"] for r in rows] == [arm, "skip"] and not rows[1]["rolled_back"]
     assert rows[1]["reset"] is reset and not rows[0]["reset"]
-    assert (rows[1]["check_loss_origin"] < rows[1]["check_loss_adapted"]) is reset
+    assert (not rows[1]["check_loss_adapted"] <= rows[1]["check_loss_origin"]) is reset  # lr 50 on full: NaN
     unchanged = all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
     assert unchanged is reset and adapter.adapted is not reset
+    standing = adapter.updater.loss(checked, "full")  # the drafter it kept, scored afresh
+    assert standing == pytest.approx(rows[1]["check_loss_origin" if reset else "check_loss_adapted"], rel=1e-5)
     later = adapter.process(checked, tau=2.0, signal=1.0, iter_ratio=1.0)  # checked again only while adapted
     assert ("check_s" in later) is not reset
     with pytest.raises(ValueError, match="adapt_origin_check must be >= 0"):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -221,11 +222,12 @@ class BanditAdapter:
             snapshot = self.updater.snapshot()
             self.origin = snapshot if self.origin is None else self.origin
             started = time.perf_counter()
-            val_before = self._score(self.held_out) if s.validate else None
+            judge = self._scorer(self.held_out) if s.validate else None
+            val_before = judge() if s.validate else None
             result = self.updater.update(list(self.recent), decision.arm)
             kept = True
             if s.validate:
-                val_after = self._score(self.held_out)
+                val_after = (judge if decision.arm == "head" else self._scorer(self.held_out))()
                 kept = val_after < val_before if s.validate_on == "loss" else val_after > val_before
                 self.undone = 0 if kept else self.undone + 1
                 if not kept:
@@ -246,12 +248,16 @@ class BanditAdapter:
     def _origin_check(self, record: QueryRecord) -> dict[str, Any]:
         """Score ``record`` under the adapted weights and under the origin; keep whichever does better."""
         s = self.settings
-        adapted = self.updater.snapshot()
         started = time.perf_counter()
-        now = self._score(record)
+        adapted = self.updater.snapshot()
+        head = {id(p) for p in self.adaptable.head_parameters()}
+        same_trunk = all(torch.equal(p, saved) for p, saved in self.origin if id(p) not in head)
+        judge = self._scorer(record)
+        now = judge()
         self.updater.restore(self.origin)
-        original = self._score(record)
-        reset = original < now if s.validate_on == "loss" else original > now
+        original = (judge if same_trunk else self._scorer(record))()
+        # written so that a NaN score of the adapted weights (a diverged update) also sends them back
+        reset = not (now <= original) if s.validate_on == "loss" else not (now >= original)
         if reset:
             self.adapted = False
         else:
@@ -259,14 +265,21 @@ class BanditAdapter:
         return {f"check_{s.validate_on}_adapted": now, f"check_{s.validate_on}_origin": original, "reset": reset,
                 "check_s": time.perf_counter() - started}
 
-    def _score(self, record: QueryRecord) -> float:
-        """``record``'s training loss (lower is better), or with ``validate_on=tau`` its simulated accept length:
-        greedy chains as long as the engine's, teacher-forced on the same tokens, so two scores of one record are
-        paired (higher is better). The loss is computed the ``head`` arm's way, whatever arm was played: the same
-        value, with lm_head run on the supervised (generated) rows only instead of every prompt row too."""
-        if self.settings.validate_on == "loss":
-            return self.updater.loss(record, "head")
-        return self.adaptable.simulate(record, max(record.max_accept - 1, 1))[0]  # drafts per chain
+    def _scorer(self, record: QueryRecord) -> Callable[[], float]:
+        """``record``'s score under the drafter as it stands at each call: its training loss (lower is better), or
+        with ``validate_on=tau`` its simulated accept length (greedy chains as long as the engine's, teacher-forced
+        on the same tokens), so two scores of one record are paired (higher is better). The loss is the ``head``
+        arm's closure, whatever arm was played: the same value, with the frozen part run once at creation, so one
+        scorer serves before and after a change of head parameters only (half the validation time)."""
+        if self.settings.validate_on == "tau":
+            return lambda: self.adaptable.simulate(record, max(record.max_accept - 1, 1))[0]  # drafts per chain
+        closure = self.adaptable.loss_closure(record, "head")
+
+        def loss() -> float:
+            with torch.no_grad():
+                return float(closure())
+
+        return loss
 
     # -- engine hooks ------------------------------------------------------------------------------------------
 
