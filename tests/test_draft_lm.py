@@ -137,3 +137,9 @@ def test_unknown_model_key_for_draft_lm_is_refused(draft_recipe):
     recipes, args, _ = draft_recipe
     with pytest.raises(fit_cli.OverrideError, match="unknown key 'model.depth'"):
         fit_cli.compose_recipe([*args, "+model.depth=3"], directory=recipes)
+
+
+def test_the_window_key_reaches_the_online_data(draft_recipe):
+    recipes, args, _ = draft_recipe
+    assert fit_cli.compose_recipe(args, directory=recipes).data.window == "start"
+    assert fit_cli.compose_recipe(args + ["window=answer"], directory=recipes).data.window == "answer"
