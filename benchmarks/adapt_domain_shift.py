@@ -104,6 +104,7 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
                    accept_len=(sum(q["accepted"] for q in queries) + rounds) / max(rounds, 1),
                    updates=sum(r.get("arm") not in (None, "skip") for r in rows),
                    rollbacks=sum(bool(r.get("rolled_back")) for r in rows),
+                   resets=sum(bool(r.get("reset")) for r in rows),
                    update_s=sum(float(r["update_s"]) for r in rows if r.get("update_s") not in (None, "")),
                    arms=[r.get("arm") for r in rows], log=rows)
     return runs
@@ -149,7 +150,8 @@ def main(argv: list[str]) -> int:
         for run in (none, bandit):
             print(f"  adapt={run['adapt']:6s} tau={run['tau']:.3f} accept_len={run['accept_len']:.3f} "
                   f"tok/s={run['tokens_per_s']:.2f} wall={run['wall_s']:.1f}s updates={run['updates']} "
-                  f"rollbacks={run['rollbacks']} update_s={run['update_s']:.1f} setup_s={run['setup_s']:.1f}")
+                  f"rollbacks={run['rollbacks']} resets={run['resets']} update_s={run['update_s']:.1f} "
+                  f"setup_s={run['setup_s']:.1f}")
         print(f"  tokens/s bandit vs none: {100 * gain:+.1f} %   arms: {bandit['arms']}")
         print("  per-query accept length none  :", [round(q["accept_len"], 2) for q in none["per_query"]])
         print("  per-query accept length bandit:", [round(q["accept_len"], 2) for q in bandit["per_query"]])

@@ -125,7 +125,8 @@ def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
         return sum(float(r[key]) for r in rows) / len(rows)
 
     print(f"{len(rows)} queries: mean τ_sim {mean('tau'):.3f} with adaptation, {mean('tau_none'):.3f} without; "
-          f"{sum(r['arm'] != 'skip' for r in rows)} updates, {sum(bool(r['rolled_back']) for r in rows)} rollbacks")
+          f"{sum(r['arm'] != 'skip' for r in rows)} updates, {sum(bool(r['rolled_back']) for r in rows)} rollbacks, "
+          f"{sum(bool(r['reset']) for r in rows)} returns to the original drafter (origin check)")
     return out
 
 
