@@ -65,11 +65,6 @@ class Updater:
             for param, saved in snapshot:
                 param.copy_(saved)
 
-    @torch.no_grad()
-    def loss(self, record: QueryRecord, arm: str) -> float:
-        """The training loss of ``arm`` on ``record`` as the drafter stands (no update)."""
-        return float(self.adaptable.loss_closure(record, arm)())
-
     def update(self, records: QueryRecord | Sequence[QueryRecord], arm: str) -> UpdateResult:
         """Train ``arm`` on ``records`` (one, or several: the mean of their losses, each its own sequence)."""
         records = [records] if isinstance(records, QueryRecord) else list(records)
