@@ -93,10 +93,15 @@ def test_signal_and_context_buckets():
 PROMPTS = [[7, 1, 8, 2, 8], [3, 14, 15, 9, 2, 6], [5, 3, 5, 8, 9], [2, 7, 1, 8, 2, 8]]
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def tiny_pair():
+    """A tiny target and a random EAGLE-3 drafter for it."""
     target = tiny_llama(0, layers=4, temperature_scale=8.0)
     return target, random_drafter(target, draft_vocab=60)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_pair()
 
 
 def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:

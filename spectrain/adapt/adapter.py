@@ -84,6 +84,8 @@ class AdaptSettings:
     validate_on: str = "loss"  # loss: its training loss drops | tau: its simulated accept length (τ_sim) rises
     backoff: int = 4  # max doublings of min_gap after consecutive undone updates (0 = none)
     origin_check: int = 4  # every N queries on adapted weights: back to the original if it scores better (0 = off)
+    background: bool = False  # run the work after a query on a worker thread while the next one is served
+    #   (spectrain.adapt.background): its result serves one query later, the update time leaves the serving path
     ttt_steps: int = 3  # training-time-test steps of the EAGLE-3 update loss
     step_weight: float = 0.8
     signal_floor: float = 1e-6
@@ -98,6 +100,23 @@ class AdaptSettings:
         values = {f.name: getattr(cfg, f"adapt_{f.name}") for f in fields(cls) if hasattr(cfg, f"adapt_{f.name}")}
         return cls(**values)
 
+    @classmethod
+    def with_overrides(cls, base: AdaptSettings | dict[str, Any], overrides: dict[str, str]) -> AdaptSettings:
+        """``base`` (settings, or a dict of field values: unknown keys ignored) with ``overrides`` (field name ->
+        command-line string) parsed and type-checked by OmegaConf (``validate=false`` is False, ``log=null`` None)."""
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(base, dict):
+            base = cls(**{f.name: base[f.name] for f in fields(cls) if f.name in base})
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(base),
+                                     OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
+        except OmegaConfBaseException as error:
+            key = getattr(error, "full_key", None) or "*"
+            raise ValueError(f"bad setting adapt_{key}: {str(error).splitlines()[0]}") from None
+        return OmegaConf.to_object(merged)
+
     def arm_list(self) -> list[str]:
         return [a.strip() for a in self.arms.split(",") if a.strip()]
 
@@ -107,13 +126,18 @@ class _Watch:
     snapshot: Snapshot
     pre_ema: float
     snapshot_adapted: bool  # whether the snapshot itself holds adapted weights (restoring it keeps them)
+    delay: int = 0  # queries still served before the update (background: it is published one query late)
     since: int = 0
     below: int = 0
 
 
 class BanditAdapter:
     def __init__(self, adaptable: AdaptableDrafter, costs: CostModel, settings: AdaptSettings | None = None, *,
-                 write_traces: bool = True, manifest: dict[str, Any] | None = None):
+                 write_traces: bool = True, manifest: dict[str, Any] | None = None,
+                 serving: torch.nn.Module | None = None):
+        """``serving``: with ``background``, the drafter the engine serves from (``adaptable`` trains a private
+        copy of it, published into it by :mod:`spectrain.adapt.background`). Replay passes none and publishes
+        itself."""
         self.settings = settings = settings or AdaptSettings()
         if settings.min_gap < 1 or settings.patience < 1 or settings.watch < settings.patience:
             raise ValueError(f"need adapt_min_gap >= 1 and adapt_watch >= adapt_patience >= 1, got "
@@ -143,7 +167,10 @@ class BanditAdapter:
         self.query = 0
         self.tau_ema: float | None = None
         self.skip_ema: dict[int, float] = {}
-        self.pending: tuple[int, str, float, float] | None = None  # (context, arm, baseline τ, cost paid)
+        # decisions awaiting feedback, oldest first: (context, arm, baseline τ, cost paid). A decision's first
+        # query is the next one, or with ``background`` the one after (lag): its τ gives the feedback.
+        self.lag = 1 if settings.background else 0
+        self.pending: deque[tuple[int, str, float, float]] = deque()
         self.watch: _Watch | None = None
         self.origin: Snapshot | None = None  # the drafter before its first update
         self.adapted = False  # the drafter serves weights an update changed (not the origin's)
@@ -154,6 +181,14 @@ class BanditAdapter:
         self.recent: deque[QueryRecord] = deque(maxlen=settings.buffer)
         self.held_out: QueryRecord | None = None  # the newest query not in ``recent`` (validation)
         self._started = 0.0
+        self.background = None
+        if settings.background and serving is not None:
+            from spectrain.adapt.background import BackgroundRunner, Publisher
+
+            if serving is adaptable.module:
+                raise ValueError("adapt_background needs a training copy of the drafter, not the serving one")
+            publisher = Publisher(adaptable.module, serving, self.updater.parameters("full"))
+            self.background = BackgroundRunner(publisher, next(serving.parameters()).device)
 
     @staticmethod
     def updater_for(adaptable: AdaptableDrafter, settings: AdaptSettings) -> Updater:
@@ -173,8 +208,8 @@ class BanditAdapter:
             self.held_out = self.recent[0]  # about to leave the training window
         self.recent.append(record)
         rows = sum(min(r.num_rows, s.max_rows) for r in self.recent)  # what an update would train on
-        if self.pending is not None:  # 1. feedback for the previous decision
-            context, arm, baseline, paid = self.pending
+        if len(self.pending) > self.lag:  # 1. feedback for the decision this query is the first to show
+            context, arm, baseline, paid = self.pending.popleft()
             dtau = tau - baseline
             self.bandit.feedback(context, arm, dtau)
             if arm == "skip":
@@ -182,7 +217,9 @@ class BanditAdapter:
                 self.skip_ema[context] = (1 - s.ema) * old + s.ema * tau
             row.update(prev_arm=arm, realised_dtau=dtau,
                        realised_reward=saving(dtau, baseline, iter_ratio, s.horizon, max_accept) - paid)
-        if self.watch is not None:  # 2. rollback watch
+        if self.watch is not None and self.watch.delay > 0:  # served before the update was published
+            self.watch.delay -= 1
+        elif self.watch is not None:  # 2. rollback watch
             watch = self.watch
             watch.since += 1
             watch.below = watch.below + 1 if tau < watch.pre_ema else 0
@@ -236,11 +273,11 @@ class BanditAdapter:
             seconds = time.perf_counter() - started
             paid = self.costs.cost(decision.arm, rows)  # the estimate the decision used
             self.costs.observe_update(decision.arm, rows, seconds)
-            self.watch = _Watch(snapshot, self.tau_ema, self.adapted) if kept else None
+            self.watch = _Watch(snapshot, self.tau_ema, self.adapted, delay=self.lag) if kept else None
             self.adapted = self.adapted or kept
             self.since_update = 0
             row.update(update_s=seconds, loss_before=result.loss_before, loss_after=result.loss_after, kept=kept)
-        self.pending = (context, decision.arm, self.skip_ema.get(context, tau), paid)
+        self.pending.append((context, decision.arm, self.skip_ema.get(context, tau), paid))
         self.log.add(row)
         self.query += 1
         return row
@@ -300,16 +337,31 @@ class BanditAdapter:
         self.recorder.add_round(tokens, features, teacher, in_vocab, accepted, q)
 
     def end_query(self, last_token: int) -> dict[str, Any]:
-        """After the last verification of a query: decide and maybe update (its time counts in the query's)."""
+        """After the last verification of a query: decide and maybe update (its time counts in the query's).
+        With ``background``: collect the previous query's work (waiting for it if it still runs; its weight
+        changes now serve), then start this query's on the worker; returns the collected row."""
         record = self.recorder.finish(last_token, time.perf_counter() - self._started)
         self.recorder = None
         if record.rounds == 0:  # a one-token answer: nothing was drafted, nothing to learn or judge
             return {}
+        iter_s = record.decode_s / max(record.rounds, 1)
+        observed = dict(tau=record.tau, iter_ratio=iter_s / self.costs.target_forward_s,
+                        signal=query_signal(record.rejection_q, record.rounds, self.settings.signal_floor))
+        if self.settings.background and self.background is None:
+            raise RuntimeError("adapt_background: this adapter was built without the serving drafter "
+                               "(spectrain.adapt.engine.build_adapter passes it)")
+        collected = self.background.collect() if self.background else None  # before self.query is read
         if self.write_traces:
             write_record(self.log_dir, self.query, record)
-        iter_s = record.decode_s / max(record.rounds, 1)
-        return self.process(record, tau=record.tau, iter_ratio=iter_s / self.costs.target_forward_s,
-                            signal=query_signal(record.rejection_q, record.rounds, self.settings.signal_floor))
+        if self.background is None:
+            return self.process(record, **observed)
+        self.background.submit(lambda: self.process(record, **observed))
+        return collected or {}
 
     def close(self) -> None:
-        self.log.close()
+        """Finish (with ``background``: wait for the last query's work) and close the decision log."""
+        try:
+            if self.background is not None:
+                self.background.close()
+        finally:
+            self.log.close()

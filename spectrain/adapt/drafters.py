@@ -60,6 +60,7 @@ class FeatureDrafterAdaptable:
         if max_rows < 2:
             raise ValueError(f"adapt_max_rows must be >= 2, got {max_rows}")
         self.module, self.max_rows = drafter, max_rows
+        self.lora = self._lora_parameters()  # adapters already on the module (a copy of one with them)
         # target id -> draft id (the drafted ids are the sorted members of t2d; data_prep.vocab's layout)
         self.draft_index = (torch.cumsum(drafter.t2d.long(), 0) - 1).clamp(min=0)
 
@@ -81,10 +82,13 @@ class FeatureDrafterAdaptable:
         for name, p in self.module.named_parameters():
             base = name.replace(".base_layer.", ".")
             p.requires_grad_(flags.get(base, flags.get(name, True)))
-        self.lora = [p for name, p in self.module.named_parameters() if ".lora_" in name]
+        self.lora = self._lora_parameters()
+
+    def _lora_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.module.named_parameters() if ".lora_" in name]
 
     def lora_parameters(self) -> list[nn.Parameter]:
-        lora = getattr(self, "lora", None)
+        lora = self.lora
         if not lora:
             raise ValueError("the lora arm needs LoRA adapters on the drafter: include lora in adapt_arms")
         return lora

@@ -55,9 +55,19 @@ def private_copy(drafter):
     return copy.deepcopy(drafter, memo={id(shared): shared})
 
 
+def training_copy(adaptable: AdaptableDrafter, settings: AdaptSettings) -> AdaptableDrafter:
+    """The same adapter class over a private copy of ``adaptable``'s drafter (LoRA adapters included): what
+    ``adapt_background`` trains while the original serves, and what replay measures τ on."""
+    return adaptable_for(private_copy(adaptable.module), ttt_steps=settings.ttt_steps,
+                         step_weight=settings.step_weight, max_rows=settings.max_rows)
+
+
 def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: int, max_accept: int) -> BanditAdapter:
-    """A :class:`BanditAdapter` for ``drafter`` served with ``target``; measures (or loads cached) costs."""
+    """A :class:`BanditAdapter` for ``drafter`` served with ``target``; measures (or loads cached) costs. With
+    ``adapt_background`` it trains a copy of ``drafter`` and publishes into ``drafter`` between queries."""
     adaptable = adaptable_with_settings(drafter, settings)
+    if settings.background:
+        adaptable = training_copy(adaptable, settings)
     probe = BanditAdapter.updater_for(adaptable, settings)
     arms = settings.arm_list()
     context = min(settings.cost_rows, max(1, target.max_seq_len - verify_tokens))
@@ -73,6 +83,6 @@ def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: in
         "arms": arms, "verify_tokens": verify_tokens, "context": context}
     costs = cached_costs(settings.cost_cache, key, lambda: measure_costs(
         target, adaptable, probe, arms, verify_tokens=verify_tokens, context=context, rows=settings.cost_rows))
-    return BanditAdapter(adaptable, costs, settings, manifest={"max_accept": max_accept,
-                                                              "verify_tokens": verify_tokens,
-                                                              "drafter": type(drafter).__name__})
+    return BanditAdapter(adaptable, costs, settings, serving=drafter if settings.background else None,
+                         manifest={"max_accept": max_accept, "verify_tokens": verify_tokens,
+                                   "drafter": type(drafter).__name__})

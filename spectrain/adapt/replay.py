@@ -69,28 +69,30 @@ def parse_args(argv: Sequence[str]) -> tuple[ReplayConfig, dict[str, str]]:
     return config, overrides
 
 
-def _typed(settings: dict[str, Any], overrides: dict[str, str]) -> AdaptSettings:
-    values = {f.name: settings[f.name] for f in fields(AdaptSettings) if f.name in settings}
-    defaults = AdaptSettings()
-    for key, raw in overrides.items():
-        kind = type(getattr(defaults, key))
-        values[key] = None if raw in ("null", "None") else (kind(raw) if kind in (int, float) else raw)
-    return AdaptSettings(**values)
-
-
 def replay(records, adaptable, settings: AdaptSettings, costs: CostModel, *, gamma: int,
            out: Path | None) -> list[dict[str, Any]]:
-    """Run the policy over ``records`` (in order) with ``adaptable``'s drafter; returns the decision rows."""
+    """Run the policy over ``records`` (in order) with ``adaptable``'s drafter; returns the decision rows. With
+    ``background``, τ is measured on a serving copy that receives the policy's weight changes one query late, at
+    the points the engine publishes them (:mod:`spectrain.adapt.background`)."""
+    from spectrain.adapt.background import Publisher, changed_weights
+    from spectrain.adapt.engine import training_copy
+
     settings.log, settings.cost_cache = (str(out) if out else None), None
     costs = CostModel(costs.target_forward_s, dict(costs.update_s_per_row), refine=0.0)  # recorded, frozen
     adapter = BanditAdapter(adaptable, costs, settings, write_traces=False)
+    serving, publisher = adaptable, None
+    if settings.background:
+        serving = training_copy(adaptable, settings)
+        publisher = Publisher(adaptable.module, serving.module, adapter.updater.parameters("full"))
     # τ_sim of the drafter as loaded (no adaptation), per query: the baseline every row is compared with
     baseline = [adaptable.simulate(record, gamma)[0] for record in records]
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         for record, tau_none in zip(records, baseline):
             record.max_accept = gamma + 1
-            tau, rejection_q, chains = adaptable.simulate(record, gamma)
+            tau, rejection_q, chains = serving.simulate(record, gamma)
+            if publisher is not None and rows and changed_weights(rows[-1]):
+                publisher.publish()  # the engine publishes the previous query's work at the end of this one
             iter_ratio = record.decode_s / max(record.rounds, 1) / costs.target_forward_s
             adapter.log.extra = {"tau_none": tau_none}
             rows.append(adapter.process(record, tau=tau, iter_ratio=iter_ratio,
@@ -106,7 +108,7 @@ def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
 
     torch.set_num_threads(cfg.threads)
     manifest, records = read_trace(cfg.traces)
-    settings = _typed(manifest.get("settings", {}), overrides)
+    settings = AdaptSettings.with_overrides(manifest.get("settings", {}), overrides)
     if cfg.logger == "wandb":
         settings.wandb = settings.wandb or "spectrain"
     target_name = cfg.target or (read_checkpoint(cfg.drafter).target or {}).get("name")

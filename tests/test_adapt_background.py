@@ -1,0 +1,185 @@
+"""adapt_background: the adapter's work on a worker thread, published one query late; the policy and replay know
+the lag; settings parsed from strings (the replay / benchmark command lines)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_adapt import PROMPTS, adapter_for, forcing_settings, tiny_pair
+from test_algorithms import GREEDY, runner
+
+from inference.algorithms import build_algorithm
+from spectrain.adapt.adapter import AdaptSettings
+from spectrain.adapt.background import BackgroundRunner, Publisher, changed_weights
+from spectrain.adapt.cost import CostModel
+from spectrain.adapt.drafters import Eagle3Adaptable
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_pair()
+
+
+def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_background_serving_stays_greedy_equal_and_publishes_one_query_late(tiny, monkeypatch):
+    target, drafter = tiny
+    loaded = state(drafter)
+    ar = build_algorithm("ar", runner(target))
+    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=3, tree_topk=3, tree_total=10,
+                                adapt="bandit", adapt_settings=forcing_settings(background=True))
+    adapter = algorithm.adapter
+    serving, training = algorithm.drafter, adapter.adaptable.module
+    assert training is not serving and training.embed_tokens.weight is serving.embed_tokens.weight
+    # what serves each query, and what the training copy holds as each query ends (before its own work)
+    served, trained = [], []
+    original_process = adapter.process
+
+    def process(record, **kw):
+        row = original_process(record, **kw)
+        trained.append(state(training))
+        return row
+
+    monkeypatch.setattr(adapter, "process", process)
+    for prompt in PROMPTS:
+        served.append(state(serving))
+        assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == \
+            ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
+    adapter.close()
+    rows = adapter.log.rows
+    assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
+    assert same(served[0], served[1]) and same(served[1], state(drafter))  # job 0 ran during query 1
+    assert same(served[2], trained[0]) and same(served[3], trained[1])  # query k+2 serves job k's weights
+    assert not same(served[2], served[0])  # it did adapt
+    assert same(state(serving), trained[-1])  # close() published the last job
+    assert drafter is not serving and same(state(drafter), loaded)  # the loaded drafter: never touched
+
+
+@pytest.mark.parametrize("background, rolled_back_at", [(False, 2), (True, 3)])
+def test_the_policy_waits_a_query_longer_for_feedback_and_rollback_in_background(tiny, background,
+                                                                                 rolled_back_at):
+    """Replay-style (no thread): after an update at query 0, the first query it serves is 1, or 2 in background;
+    its feedback and the rollback watch start there."""
+    target, drafter = tiny
+    drafter = copy.deepcopy(drafter)
+    adapter, adaptable = adapter_for(drafter, background=background, min_gap=5)
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    record.max_accept = 7
+    rows = [adapter.process(record, tau=tau, signal=1.0, iter_ratio=1.0) for tau in [2.0, 1.0, 1.0, 1.0]]
+    assert [r["arm"] for r in rows] == ["head", "skip", "skip", "skip"]
+    first_feedback = 2 if background else 1
+    assert [r.get("prev_arm", "") for r in rows][first_feedback] == "head"
+    assert all(r.get("prev_arm", "") in ("", None) for r in rows[:first_feedback])
+    assert [r["rolled_back"] for r in rows] == [i == rolled_back_at for i in range(4)]
+
+
+def test_publisher_copies_only_trainable_parameters_by_name(tiny):
+    target, drafter = tiny
+    training, serving = copy.deepcopy(drafter), copy.deepcopy(drafter)
+    adaptable = Eagle3Adaptable(training)
+    with torch.no_grad():
+        for p in adaptable.all_parameters():
+            p.add_(1.0)
+    publisher = Publisher(training, serving, adaptable.all_parameters())
+    assert not same(state(training), state(serving))
+    publisher.publish()
+    assert same(state(training), state(serving))
+    assert training.embed_tokens.weight.data_ptr() != serving.embed_tokens.weight.data_ptr()
+    bad = copy.deepcopy(drafter)
+    bad.lm_head = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="has no parameter 'lm_head.weight'"):
+        Publisher(training, bad, adaptable.all_parameters())
+
+
+def test_background_runner_publishes_only_changes_and_raises_job_errors_in_the_caller(tiny):
+    target, drafter = tiny
+    training, serving = copy.deepcopy(drafter), copy.deepcopy(drafter)
+    trainable = Eagle3Adaptable(training).all_parameters()
+    runner_ = BackgroundRunner(Publisher(training, serving, trainable), torch.device("cpu"))
+    assert runner_.collect() is None
+
+    def bump(kept: bool):
+        def job():
+            with torch.no_grad():
+                training.lm_head.weight.add_(1.0)
+            return {"kept": kept, "rolled_back": False, "reset": False}
+        return job
+
+    runner_.submit(bump(False))
+    with pytest.raises(RuntimeError, match="collect the running job"):
+        runner_.submit(bump(True))
+    assert runner_.collect() == {"kept": False, "rolled_back": False, "reset": False}
+    assert not torch.equal(training.lm_head.weight, serving.lm_head.weight)  # not published: nothing "changed"
+    runner_.submit(bump(True))
+    runner_.collect()
+    assert torch.equal(training.lm_head.weight, serving.lm_head.weight)
+
+    def broken():
+        raise FloatingPointError("the update diverged")
+
+    runner_.submit(broken)
+    with pytest.raises(FloatingPointError, match="diverged"):
+        runner_.close()
+    assert [changed_weights(r) for r in ({"kept": ""}, {"rolled_back": True}, {"reset": True}, {})] == \
+        [False, True, True, False]
+
+
+def test_background_replay_is_deterministic_and_measures_the_serving_copy(tiny, tmp_path):
+    from spectrain.adapt.record import read_trace
+    from spectrain.adapt.replay import replay
+
+    target, drafter = tiny
+    online = build_algorithm("eagle3_tree", runner(target), copy.deepcopy(drafter), tree_depth=3, tree_topk=3,
+                             tree_total=10, adapt="bandit", adapt_settings=forcing_settings(tmp_path / "trace"))
+    for prompt in PROMPTS:
+        online.generate(prompt, max_new_tokens=20, sampling=GREEDY)
+    manifest, records = read_trace(tmp_path / "trace")
+    runs = []
+    for background in (True, True, False):
+        settings = forcing_settings(min_gap=1, background=background)
+        rows = replay(copy.deepcopy(records), Eagle3Adaptable(copy.deepcopy(drafter)), settings,
+                      CostModel.from_dict(manifest["costs"]), gamma=3, out=None)
+        runs.append([{k: v for k, v in r.items() if k not in ("update_s",)} for r in rows])
+    assert runs[0] == runs[1]
+    assert {r["arm"] for r in runs[0]} & {"head", "full"}
+    # query 1 is measured on the loaded weights in background (query 0's update is published after it), on the
+    # updated ones in the foreground: its signal (drafter probabilities at rejections) tells them apart
+    assert runs[0][0]["kept"] is True and runs[2][0]["kept"] is True
+    assert runs[0][1]["tau"] == runs[0][1]["tau_none"]
+    assert runs[0][1]["signal"] != runs[2][1]["signal"]
+    assert runs[0][0]["signal"] == runs[2][0]["signal"]
+
+
+def test_settings_parse_from_command_line_strings():
+    base = AdaptSettings(horizon=7)
+    parsed = AdaptSettings.with_overrides(base, {"validate": "false", "log": "null", "head_lr": "3e-3",
+                                                 "background": "true", "min_gap": "2"})
+    assert parsed == AdaptSettings(horizon=7, validate=False, log=None, head_lr=3e-3, background=True, min_gap=2)
+    assert AdaptSettings.with_overrides({"horizon": 9, "not_a_setting": 1}, {}) == AdaptSettings(horizon=9)
+    with pytest.raises(ValueError, match="bad setting adapt_min_gap: .*'often'"):
+        AdaptSettings.with_overrides(base, {"min_gap": "often"})
+
+
+def test_the_domain_shift_benchmark_refuses_background_with_interleaved_queries():
+    import sys
+    from pathlib import Path
+
+    from spectrain.overrides import OverrideError
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    try:
+        import adapt_domain_shift as module
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(OverrideError, match="needs order=blocks"):
+        module.main(["adapt_background=true"])
+    with pytest.raises(OverrideError, match="order must be interleaved or blocks"):
+        module.main(["order=shuffled"])
