@@ -516,3 +516,31 @@ def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, arm,
     assert ("check_s" in later) is not reset
     with pytest.raises(ValueError, match="adapt_origin_check must be >= 0"):
         adapter_for(drafter, origin_check=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
+def test_teacher_temperature_sharpens_the_update_target_without_moving_its_argmax(tiny, temperature):
+    """adapt_teacher_temperature: 1 is the training loss as is; 0 is cross-entropy on the target's greedy token
+    (what a greedy verifier accepts); the simulated accept length (argmax-based) does not depend on it."""
+    from spectrain.adapt.drafters import sharpened
+
+    target, drafter = tiny
+    plain = Eagle3Adaptable(drafter, ttt_steps=1)
+    sharp = Eagle3Adaptable(drafter, ttt_steps=1, teacher_temperature=temperature)
+    record = plain.synthetic_record(24, prompt_len=6, seed=3)
+    logits = record.teacher
+    assert torch.equal(sharpened(logits, temperature).argmax(-1), logits.argmax(-1))
+    batch = sharp.batch(record)
+    with torch.no_grad():
+        students = drafter(batch["input_ids"], batch["aux_hidden"], steps=1).logits[0]
+    # step 0's row i predicts token i+2 from the target's distribution at position i+1 (teacher rows start at
+    # the prompt's last position): rows prompt-2 .. rows-2 carry the loss
+    rows = torch.arange(record.prompt_len - 2, record.num_rows - 1)
+    if temperature == 0.0:
+        expected = torch.nn.functional.cross_entropy(students[0, rows], logits.argmax(-1))
+        assert loss_of(sharp, record, "full") == pytest.approx(float(expected), rel=1e-5)
+    if temperature == 1.0:
+        assert loss_of(sharp, record, "full") == loss_of(plain, record, "full")
+    assert sharp.simulate(record, 2) == plain.simulate(record, 2)
+    with pytest.raises(ValueError, match="adapt_teacher_temperature must be >= 0"):
+        Eagle3Adaptable(drafter, teacher_temperature=-1.0)

@@ -50,6 +50,7 @@ class AlgorithmOptions:
     adapt_origin_check: int = 4
     adapt_background: bool = False  # update on a worker thread while the next query is served (one query late)
     adapt_ttt_steps: int = 3
+    adapt_teacher_temperature: float = 1.0
     adapt_step_weight: float = 0.8
     adapt_signal_floor: float = 1e-6
     adapt_cost_rows: int = 256

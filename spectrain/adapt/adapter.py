@@ -87,6 +87,7 @@ class AdaptSettings:
     background: bool = False  # run the work after a query on a worker thread while the next one is served
     #   (spectrain.adapt.background): its result serves one query later, the update time leaves the serving path
     ttt_steps: int = 3  # training-time-test steps of the EAGLE-3 update loss
+    teacher_temperature: float = 1.0  # the update's teacher: target logits at this temperature (0: greedy token)
     step_weight: float = 0.8
     signal_floor: float = 1e-6
     cost_rows: int = 256  # rows of the synthetic record the start-up measurement times

@@ -77,6 +77,13 @@ class BackgroundRunner:
 
         self.job = self.pool.submit(run)
 
+    def wait(self) -> None:
+        """Block until the running job (if any) has finished; it stays to be collected."""
+        if self.job is not None:
+            self.job.result()
+            if self.stream is not None:
+                self.stream.synchronize()
+
     def collect(self) -> dict[str, Any] | None:
         """The finished job's decision row (None when nothing ran); its weight changes now serve."""
         if self.job is None:

@@ -49,6 +49,17 @@ class AdaptableDrafter(Protocol):
         ...
 
 
+def sharpened(teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Teacher logits at ``temperature`` (1: as recorded; 0: all mass on the argmax, the token a greedy verifier
+    accepts). The losses soft-max them, so only the teacher's sharpness changes, never its argmax."""
+    if temperature == 1.0:
+        return teacher_logits
+    if temperature == 0.0:
+        hard = torch.full_like(teacher_logits, -1e4)
+        return hard.scatter_(-1, teacher_logits.argmax(-1, keepdim=True), 0.0)
+    return teacher_logits / temperature
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -56,10 +67,13 @@ class FeatureDrafterAdaptable:
     """What EAGLE-3 and SpecBlock share: feature-conditioned, the target's embedding, a draft vocabulary with
     ``t2d`` / ``d2t``, and the EAGLE row convention (row t = token t and the target's features at t)."""
 
-    def __init__(self, drafter, *, max_rows: int = 384):
+    def __init__(self, drafter, *, max_rows: int = 384, teacher_temperature: float = 1.0):
         if max_rows < 2:
             raise ValueError(f"adapt_max_rows must be >= 2, got {max_rows}")
-        self.module, self.max_rows = drafter, max_rows
+        if teacher_temperature < 0:
+            raise ValueError(f"adapt_teacher_temperature must be >= 0 (0: the target's greedy token), got "
+                             f"{teacher_temperature}")
+        self.module, self.max_rows, self.teacher_temperature = drafter, max_rows, teacher_temperature
         self.lora = self._lora_parameters()  # adapters already on the module (a copy of one with them)
         # target id -> draft id (the drafted ids are the sorted members of t2d; data_prep.vocab's layout)
         self.draft_index = (torch.cumsum(drafter.t2d.long(), 0) - 1).clamp(min=0)
@@ -110,7 +124,7 @@ class FeatureDrafterAdaptable:
         vd = record.teacher.shape[-1]
         # teacher rows cover positions prompt-1 .. rows-1; the appended last token gets a zero row (never read)
         teacher = torch.zeros(rows + 1, vd)
-        teacher[prompt - 1: rows] = record.teacher
+        teacher[prompt - 1: rows] = sharpened(record.teacher, self.teacher_temperature)
         in_vocab = torch.zeros(rows + 1, dtype=torch.bool)
         in_vocab[prompt - 1: rows] = record.in_vocab
         supervised = torch.arange(rows + 1) >= prompt
@@ -139,10 +153,11 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
     """EAGLE-3: the loss is the training-time-test loss of ``spectrain.modules.eagle3`` over the query's
     committed sequence (prompt rows as attention context only, generated rows supervised)."""
 
-    def __init__(self, drafter, *, ttt_steps: int = 3, step_weight: float = 0.8, max_rows: int = 384):
+    def __init__(self, drafter, *, ttt_steps: int = 3, step_weight: float = 0.8, max_rows: int = 384,
+                 teacher_temperature: float = 1.0):
         if ttt_steps < 1:
             raise ValueError(f"adapt_ttt_steps must be >= 1, got {ttt_steps}")
-        super().__init__(drafter, max_rows=max_rows)
+        super().__init__(drafter, max_rows=max_rows, teacher_temperature=teacher_temperature)
         self.ttt_steps, self.step_weight = ttt_steps, step_weight
 
     def head_parameters(self) -> list[nn.Parameter]:
@@ -213,10 +228,10 @@ class SpecBlockAdaptable(FeatureDrafterAdaptable):
     (``block_size // 2``), so an update is deterministic."""
 
     def __init__(self, drafter, *, blocks: int = 2, slot_weight: float = 0.8, rank_weight: float = 1.0,
-                 max_rows: int = 384):
+                 max_rows: int = 384, teacher_temperature: float = 1.0):
         if blocks < 1:
             raise ValueError(f"SpecBlock adaptation needs blocks >= 1, got {blocks}")
-        super().__init__(drafter, max_rows=max_rows)
+        super().__init__(drafter, max_rows=max_rows, teacher_temperature=teacher_temperature)
         self.blocks, self.slot_weight, self.rank_weight = blocks, slot_weight, rank_weight
 
     def head_parameters(self) -> list[nn.Parameter]:
@@ -275,6 +290,7 @@ def adaptable_for(drafter, **settings) -> AdaptableDrafter:
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Adaptable(drafter, **settings)
     if hasattr(drafter, "forward_block") and hasattr(drafter, "head_parameters"):  # SpecBlockDrafter
-        return SpecBlockAdaptable(drafter, max_rows=settings.get("max_rows", 384))
+        return SpecBlockAdaptable(drafter, max_rows=settings.get("max_rows", 384),
+                                  teacher_temperature=settings.get("teacher_temperature", 1.0))
     raise ValueError(f"adapt=bandit does not support a {type(drafter).__name__} drafter; supported: "
                      "Eagle3Drafter, SpecBlockDrafter")

@@ -37,10 +37,15 @@ def _device_name(device: torch.device) -> str:
     return f"cpu x{torch.get_num_threads()}"
 
 
+def adaptable_options(settings: AdaptSettings) -> dict[str, Any]:
+    """The settings a drafter's adapter class takes (how its update loss is built)."""
+    return {"ttt_steps": settings.ttt_steps, "step_weight": settings.step_weight, "max_rows": settings.max_rows,
+            "teacher_temperature": settings.teacher_temperature}
+
+
 def adaptable_with_settings(drafter, settings: AdaptSettings) -> AdaptableDrafter:
     """The drafter's adapter class under ``settings`` (LoRA adapters added when the lora arm may be played)."""
-    adaptable = adaptable_for(drafter, ttt_steps=settings.ttt_steps, step_weight=settings.step_weight,
-                              max_rows=settings.max_rows)
+    adaptable = adaptable_for(drafter, **adaptable_options(settings))
     if "lora" in settings.arm_list():
         adaptable.add_lora(settings.lora_rank)
     return adaptable
@@ -58,8 +63,7 @@ def private_copy(drafter):
 def training_copy(adaptable: AdaptableDrafter, settings: AdaptSettings) -> AdaptableDrafter:
     """The same adapter class over a private copy of ``adaptable``'s drafter (LoRA adapters included): what
     ``adapt_background`` trains while the original serves, and what replay measures τ on."""
-    return adaptable_for(private_copy(adaptable.module), ttt_steps=settings.ttt_steps,
-                         step_weight=settings.step_weight, max_rows=settings.max_rows)
+    return adaptable_for(private_copy(adaptable.module), **adaptable_options(settings))
 
 
 def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: int, max_accept: int) -> BanditAdapter:
