@@ -1,12 +1,12 @@
 """Serving-time adaptation on a domain shift: eagle3_tree with ``adapt=none`` vs ``adapt=bandit``, greedy.
 
     python benchmarks/adapt_domain_shift.py drafter=/tmp/exports/e3 [target=smollm2] [n=4] [max_new_tokens=64]
-        [streams=[shift,in_domain]] [threads=1] [out=runs/adapt_shift] [horizon=1024] [key=value of adapt_*]
+        [streams=[shift,in_domain]] [threads=1] [block=1] [out=runs/adapt_shift] [key=value of adapt_*]
 
 Streams: ``shift`` = n HumanEval prompts then n GSM-symbolic prompts (a drafter trained on ShareGPT sees code,
 then math); ``in_domain`` = 2n held-out ShareGPT prompts (the ``eval`` split). Each mode loads a FRESH drafter
-(the bandit updates its copy in place); both serve the stream in order, interleaved prompt by prompt (alternating
-which goes first) so machine load hits both alike; one process, one thread. Reported
+(the bandit updates its copy in place); both serve the stream in order, interleaved in blocks of ``block`` prompts
+(default 1) in ABBA order so machine load hits both alike; one process, one thread. Reported
 per run: τ (new tokens per target forward), accept length per round, tokens/s over the whole stream with every
 update's time included (updates run inside ``generate``; with ``adapt_background=true`` on a worker thread: a
 wait for it counts, and so does finishing it before an ``adapt=none`` query starts, which it must not slow;
@@ -47,6 +47,7 @@ class ShiftConfig:
     tree_topk: int = 4
     tree_total: int = 16
     max_prompt_tokens: int = 384  # longer prompts are skipped (CPU time)
+    block: int = 1  # prompts a mode serves in a row before the other takes over (ABBA order over blocks)
 
 
 def stream_prompts(name: str, n: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
@@ -76,16 +77,29 @@ def _build(cfg: ShiftConfig, target, adapt: str, settings: AdaptSettings | None)
     return algorithm, time.perf_counter() - start
 
 
+def interleaved(n: int, block: int) -> list[tuple[int, str]]:
+    """(prompt, mode) in serving order: blocks of ``block`` prompts, none then bandit, then bandit then none
+    (ABBA: a linear drift of machine speed hits both modes alike). Background work that a bandit query starts
+    overlaps the next bandit query inside a block; only at a switch to none must it be waited for."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    schedule = []
+    for b, first in enumerate(range(0, n, block)):
+        indices = range(first, min(first + block, n))
+        for adapt in (("none", "bandit") if b % 2 == 0 else ("bandit", "none")):
+            schedule += [(i, adapt) for i in indices]
+    return schedule
+
+
 def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) -> dict[str, dict]:
-    """Serve the stream with adapt=none and adapt=bandit INTERLEAVED per prompt (alternating which goes
-    first), so both see the same machine load; each keeps its own drafter."""
+    """Serve the stream with adapt=none and adapt=bandit interleaved (:func:`interleaved`), so both see the
+    same machine load; each keeps its own drafter."""
     algorithms, setup = {}, {}
     for adapt in ("none", "bandit"):
         algorithms[adapt], setup[adapt] = _build(cfg, target, adapt, settings if adapt == "bandit" else None)
     greedy = SamplingParams(0.0)
     runs = {adapt: {"adapt": adapt, "setup_s": setup[adapt], "per_query": [], "outputs": []} for adapt in algorithms}
-    schedule = [(i, adapt) for i in range(len(prompts))
-                for adapt in (("none", "bandit") if i % 2 == 0 else ("bandit", "none"))]
+    schedule = interleaved(len(prompts), cfg.block)
     background = algorithms["bandit"].adapter.background
     for step, (i, adapt) in enumerate(schedule):
         source, ids = prompts[i]
@@ -93,7 +107,8 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
                                             eos_ids=eos)
         s = result.stats
         wall, drain = s.wall_s, 0.0
-        if background is not None and adapt == "bandit" and step + 1 < len(schedule):
+        if background is not None and adapt == "bandit" and step + 1 < len(schedule) and \
+                schedule[step + 1][1] == "none":
             # adapt_background: the work this query started must not run during adapt=none's next query; waiting
             # for it is charged to this query (conservative: in a real stream it overlaps the next bandit query)
             started = time.perf_counter()

@@ -168,3 +168,23 @@ def test_settings_parse_from_command_line_strings():
     assert AdaptSettings.with_overrides({"horizon": 9, "not_a_setting": 1}, {}) == AdaptSettings(horizon=9)
     with pytest.raises(ValueError, match="bad setting adapt_min_gap: .*'often'"):
         AdaptSettings.with_overrides(base, {"min_gap": "often"})
+
+
+def test_the_domain_shift_benchmark_serves_each_query_once_in_abba_blocks():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    try:
+        from adapt_domain_shift import interleaved
+    finally:
+        sys.path.pop(0)
+    assert interleaved(3, 1) == [(0, "none"), (0, "bandit"), (1, "bandit"), (1, "none"), (2, "none"), (2, "bandit")]
+    schedule = interleaved(10, 4)
+    assert sorted(schedule) == sorted((i, a) for i in range(10) for a in ("none", "bandit"))
+    assert [a for i, a in schedule if i < 4] == ["none"] * 4 + ["bandit"] * 4
+    assert [a for i, a in schedule if 4 <= i < 8] == ["bandit"] * 4 + ["none"] * 4
+    for mode in ("none", "bandit"):  # each mode serves the stream in order
+        assert [i for i, a in schedule if a == mode] == list(range(10))
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        interleaved(3, 0)
