@@ -25,6 +25,10 @@ Order of work at the end of query k (after its last verification, before the nex
    where the stream moved on to a domain the adapted weights serve worse than the original (measured: a drafter
    adapted on HumanEval served GSM-symbolic 2 % below the original, BENCHMARKS.md). It runs before step 3.
 
+With ``background`` (our addition), all of this runs on a worker thread while query k+1 is served, and its weight
+changes serve from query k+2 on; feedback and the rollback watch account for that lag
+(:mod:`spectrain.adapt.background`).
+
 The same :meth:`BanditAdapter.process` runs online (τ and S measured by the engine) and in replay (τ and S
 simulated from recorded traces), so the CI replay test exercises the production policy.
 
