@@ -87,14 +87,19 @@ class OnlineFeatureDataModule(L.LightningDataModule):
 
     ``target`` is a name/dir (loaded here) or an ``inference.drafters.LoadedModel`` whose runner holds at least
     ``batch_size`` rows of ``max_len`` tokens. ``regenerate`` is not offered online: generating answers per
-    batch would dominate training time; regenerate once with ``data_prep.extract`` instead.
+    batch would dominate training time; regenerate once with ``data_prep.regenerate`` instead.
+
+    ``features=False`` yields token batches only (``input_ids``, ``loss_mask``, ``attention_mask``) and never
+    runs the target: for a drafter trained on the target's own greedy answers, the next token IS the target's
+    argmax, so the hidden states (a full target forward per batch) are not needed.
     """
 
     def __init__(self, target: Any, *, source: str, n_samples: int, max_len: int, layers: Any = "eagle3",
                  dtype: str = "bf16", batch_size: int = 8, shuffle: bool = True, seed: int = 0,
-                 split: str = "all", device: str = "auto", window: str = "start"):
+                 split: str = "all", device: str = "auto", window: str = "start", features: bool = True):
         super().__init__()
         self.target_arg = target
+        self.features = features
         self.source, self.n_samples, self.max_len, self.split = source, n_samples, max_len, split
         self.window = window
         self.layers_spec, self.dtype = layers, dtype
@@ -111,8 +116,9 @@ class OnlineFeatureDataModule(L.LightningDataModule):
         if not isinstance(target, LoadedModel):
             target = load_lm(str(target), device=self.device, max_seq_len=self.max_len,
                              max_batch_size=self.batch_size)
-        layers = resolve_layers(self.layers_spec, target.runner.config.num_hidden_layers)
-        self.capture = HiddenCapture(target.runner, layers, self.dtype)
+        if self.features:
+            layers = resolve_layers(self.layers_spec, target.runner.config.num_hidden_layers)
+            self.capture = HiddenCapture(target.runner, layers, self.dtype)
         conversations = load_source(self.source, self.n_samples, self.seed, self.split)
         require_answers(conversations, False, self.source)
         build = SampleBuilder(target.tokenizer, self.max_len, window=self.window)
@@ -124,6 +130,9 @@ class OnlineFeatureDataModule(L.LightningDataModule):
                   file=sys.stderr)
 
     def _collate(self, samples: list[TokenSample]) -> dict[str, torch.Tensor]:
+        if not self.features:
+            return collate_features([{"input_ids": torch.tensor(s.input_ids), "loss_mask": torch.tensor(s.loss_mask)}
+                                     for s in samples])
         return collate_features(self.capture(samples))
 
     def train_dataloader(self) -> StatefulDataLoader:

@@ -14,8 +14,13 @@ Sources (``load_prompts(source, ...)``):
   (the file splits long chats, so continuation records start with ``gpt``) are dropped, as FastChat does.
 - ``gsm_symbolic``: procedural grade-school math from ``reasoning_gym`` (seeded); the worked solution
   (``metadata.answer_cot``, else the bare answer) is kept as the assistant turn.
+- ``gsm_symbolic_train``: the same generator from seeds that never meet the evaluation's. Item i of
+  ``gsm_symbolic`` (seed s) is drawn from ``Random(s + i)``, so evaluation items use seeds below
+  ``GSM_TRAIN_SEED`` and training items ``GSM_TRAIN_SEED + seed + i``: no training question is an evaluation
+  question (the ~100 GSM-Symbolic templates are shared; their numbers and names are not).
 - ``jsonl:PATH``: one JSON object per line with ``prompt`` (str), ``messages`` ([{role, content}]) or
-  ``conversations`` ([{from, value}]), optionally ``id``.
+  ``conversations`` ([{from, value}]), optionally ``id``. A first line holding only ``spectrain_regenerate``
+  (the settings ``data_prep.regenerate`` records) is skipped.
 
 ``seed`` only affects procedural sources (``gsm_symbolic``); file sources keep their file order.
 
@@ -42,9 +47,12 @@ from typing import Any
 
 Turn = dict[str, str]
 ROLES = ("system", "user", "assistant")
-SOURCES = "mt_bench, humaneval, sharegpt, gsm_symbolic, jsonl:PATH"
+SOURCES = "mt_bench, humaneval, sharegpt, gsm_symbolic, gsm_symbolic_train, jsonl:PATH"
 DEFAULT_EVAL_FRACTION = 0.05
 GSM_DEFAULT_N = 1000
+# Evaluation draws gsm_symbolic items from Random(0 .. GSM_TRAIN_SEED - 1), training from Random(>= GSM_TRAIN_SEED).
+GSM_TRAIN_SEED = 10_000_000
+JSONL_HEADER_KEY = "spectrain_regenerate"
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -215,8 +223,14 @@ def sharegpt_stats(path: str | Path | None = None) -> dict[str, int]:
     return stats
 
 
-def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N) -> Iterator[Conversation]:
+def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N, train: bool = False) -> Iterator[Conversation]:
     import reasoning_gym  # lazy: ~1.5 s import
+
+    if not train and seed + size > GSM_TRAIN_SEED:
+        raise ValueError(f"gsm_symbolic seed={seed} with {size} items reaches the training seeds (>= {GSM_TRAIN_SEED}); "
+                         "use a smaller seed, or source=gsm_symbolic_train for training data")
+    if train:
+        seed += GSM_TRAIN_SEED
 
     # reasoning_gym draws item i from Random(seed + i) and task ids from a prefix-stable choices() call, so
     # the first k items do not depend on ``size``.
@@ -227,7 +241,8 @@ def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N) -> Iterator[Conv
         turns = [{"role": "user", "content": item["question"]}]
         if answer:
             turns.append({"role": "assistant", "content": str(answer)})
-        yield Conversation(id=f"gsm_symbolic/{seed}/{index}", turns=turns, source="gsm_symbolic",
+        yield Conversation(id=f"gsm_symbolic/{seed}/{index}", turns=turns,
+                           source="gsm_symbolic_train" if train else "gsm_symbolic",
                            meta={"answer": item.get("answer")})
 
 
@@ -264,6 +279,8 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
                 rec = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg}); {_JSONL_EXPECTED}") from None
+            if lineno == 1 and isinstance(rec, dict) and set(rec) == {JSONL_HEADER_KEY}:
+                continue  # data_prep.regenerate's settings line
             turns = _jsonl_turns(rec)
             if turns is None:
                 raise ValueError(f"{path}:{lineno}: {_JSONL_EXPECTED}")
@@ -292,14 +309,14 @@ def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = 
         items = iter_humaneval()
     elif source == "sharegpt":
         items = iter_sharegpt()
-    elif source == "gsm_symbolic":
+    elif source in ("gsm_symbolic", "gsm_symbolic_train"):
         want = GSM_DEFAULT_N if n is None else n
         # Generation is lazy and per-item, so over-provision the size when a split filter discards items.
         frac = {"all": 1.0, "train": 1.0 - eval_fraction, "eval": eval_fraction}[split]
         if want and frac == 0.0:
             return []
         size = want if split == "all" else math.ceil(want / frac * 2) + 100
-        items = iter_gsm_symbolic(seed=seed, size=size)
+        items = iter_gsm_symbolic(seed=seed, size=size, train=source == "gsm_symbolic_train")
         n = want
     elif source.startswith("jsonl:") and len(source) > len("jsonl:"):
         items = iter_jsonl(source[len("jsonl:"):])

@@ -1,4 +1,15 @@
-"""Replace a conversation's assistant turns with the target's own answers, generated with the engine (``ar``).
+"""Replace a conversation's assistant turns with the target's own answers, generated with the engine.
+
+``python -m data_prep.regenerate target=smollm2 source=gsm_symbolic_train n_samples=N out=FILE.jsonl``
+
+answers many prompts at once (``inference.batched_generation``: ``batch_size`` rows, continuous batching) and
+writes one JSON line per conversation (``messages``; the first line records the settings), readable by every
+``source=jsonl:FILE.jsonl`` consumer (extract, online training, vocab, traces). It is resumable: a line is
+written only once its conversation is complete, so after a kill (even -9) the same command carries on with no
+lost or duplicated conversation (a torn last line is dropped), and other settings into an existing FILE are
+refused. When all are done the file is rewritten in source order, so it does not depend on batching.
+
+``Regenerator`` below is the one-conversation form ``extract regenerate=true`` uses.
 
 Training a drafter on the target's own outputs is the standard fix for low acceptance (USER_PAIN_POINTS 1).
 Turn k is answered conditioned on the target's earlier answers (``prompt_turns``). Answers stop at the
@@ -9,11 +20,35 @@ exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
-import torch
+import json
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from data_prep.prompts import Conversation, prompt_turns, render_prompt
+import torch
+from omegaconf import OmegaConf
+
+from data_prep.prompts import JSONL_HEADER_KEY as HEADER_KEY
+from data_prep.prompts import Conversation, load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
+from inference.batched_generation import ContinuousBatcher, Job
+from inference.drafters import eos_token_ids, load_lm
 from inference.sampling import SamplingParams
+from spectrain.atomic import atomic_write_text
+from spectrain.overrides import OverrideError, parse_cli, run_cli
+
+USAGE = ("python -m data_prep.regenerate target=smollm2 source=gsm_symbolic_train n_samples=N max_len=L "
+         "batch_size=16 out=FILE.jsonl")
+
+
+def job_seed(seed: int, index: int, turn: int = 0) -> int:
+    """The sampling stream of (source item, turn): independent of batching, so a resumed run redraws the same."""
+    return seed * 1_000_003 + index + (turn << 40)  # turn 0: the stream extract's Regenerator has always used
 
 
 class Regenerator:
@@ -38,7 +73,7 @@ class Regenerator:
                 "temperature": self.sampling.temperature, "seed": self.seed}
 
     def __call__(self, index: int, conversation: Conversation) -> Conversation:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        generator = torch.Generator().manual_seed(job_seed(self.seed, index))
         answers: list[str] = []
         n_users = len(conversation.user_turns)
         while len(answers) < n_users:
@@ -57,3 +92,207 @@ class Regenerator:
                                 conversation.meta)
         turns = prompt_turns(conversation, answers[:-1]) + [{"role": "assistant", "content": answers[-1]}]
         return Conversation(conversation.id, turns, conversation.source, {**conversation.meta, "regenerated": True})
+
+
+# ------------------------------------------------------------------------------------------------ batched CLI
+
+
+@dataclass
+class RegenerateConfig:
+    target: str = "smollm2"
+    source: str = "sharegpt"  # any prompt source: sharegpt, gsm_symbolic_train, jsonl:PATH, ...
+    split: str = "all"  # all | train | eval (stable hash split, data_prep.prompts)
+    n_samples: int = 1000  # source conversations to answer
+    seed: int = 0  # selects procedural items (gsm_symbolic*) and the sampling streams
+    max_len: int = 1024  # tokens per conversation, prompt and answers (nothing past it is trained on)
+    max_new_tokens: int = 512  # per answer
+    temperature: float = 0.0  # 0 = greedy (the target's own argmax: what a greedy drafter must predict)
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 16  # rows answered side by side
+    device: str = "auto"
+    out: str | None = None  # FILE.jsonl
+
+
+# They change speed or how much is written, not what a record holds: item i's prompt does not depend on
+# n_samples (sources are prefix-stable), so a re-run with a larger n_samples extends a file.
+RUN_ONLY_KEYS = ("n_samples", "batch_size", "device", "out")
+
+
+def parse_args(argv: Sequence[str]) -> Any:
+    cfg = parse_cli(argv, RegenerateConfig, USAGE)
+    if not cfg.out:
+        raise OverrideError(f"out=FILE.jsonl is required; usage: {USAGE}")
+    for key in ("n_samples", "max_len", "max_new_tokens", "batch_size"):
+        if cfg[key] < 1:
+            raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
+    SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise OverrideError(f"out={out} is a directory; give a file path such as {out}/regenerated.jsonl")
+    return cfg
+
+
+def settings(cfg: Any) -> dict[str, Any]:
+    args = OmegaConf.to_container(cfg, resolve=True)
+    return {k: v for k, v in args.items() if k not in RUN_ONLY_KEYS}
+
+
+def read_done(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Finished records of an earlier run of the same settings, by source index; drops a torn last line."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data):  # killed mid-write: that conversation is answered again
+        with open(path, "r+b") as handle:
+            handle.truncate(cut)
+        data = data[:cut]
+    lines = data.decode("utf-8").splitlines()
+    if not lines:
+        return {}
+    try:
+        first = json.loads(lines[0])
+    except json.JSONDecodeError:
+        first = None
+    if not isinstance(first, dict) or HEADER_KEY not in first:
+        raise ValueError(f"{path} exists and is not a data_prep.regenerate output; choose another out= or remove it")
+    diffs = {k: (first[HEADER_KEY].get("settings", {}).get(k), v) for k, v in header["settings"].items()
+             if first[HEADER_KEY].get("settings", {}).get(k) != v}
+    if diffs:
+        key, (old, new) = next(iter(diffs.items()))
+        raise ValueError(f"{path} was written with other settings ({key}={old!r}, now {new!r}; {len(diffs)} differ); "
+                         "use the same settings to resume, or another out=")
+    done = {}
+    for lineno, line in enumerate(lines[1:], start=2):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: damaged line ({err.msg}); remove that line and re-run to redo it") from None
+        done[int(record["source_index"])] = record
+    return done
+
+
+class _ConversationQueue:
+    """Turns become jobs one at a time: turn k of a conversation is asked once turn k-1 is answered."""
+
+    def __init__(self, conversations: list[Conversation], todo: list[int], tokenizer, cfg: Any):
+        self.conversations, self.tokenizer, self.cfg = conversations, tokenizer, cfg
+        self.waiting = deque(todo)  # source indices whose first turn is not asked yet
+        self.ready: deque[Job] = deque()  # follow-up turns, asked before new conversations
+        self.answers: dict[int, list[str]] = {}
+        self.finished: list[tuple[int, list[str]]] = []
+
+    def next_job(self) -> Job | None:
+        while self.ready or self.waiting:
+            if self.ready:
+                return self.ready.popleft()
+            index = self.waiting.popleft()
+            self.answers[index] = []
+            job = self._job(index)
+            if job is not None:
+                return job
+        return None
+
+    def _job(self, index: int) -> Job | None:
+        """The job for the conversation's next turn, or None (and the conversation finishes) if none is left."""
+        conversation, answers = self.conversations[index], self.answers[index]
+        if len(answers) < len(conversation.user_turns):
+            ids = render_prompt(self.tokenizer, prompt_turns(conversation, answers))
+            budget = min(self.cfg.max_new_tokens, self.cfg.max_len - len(ids))
+            if budget >= 1:
+                return Job((index, len(answers)), ids, budget, job_seed(self.cfg.seed, index, len(answers)))
+        self.finished.append((index, self.answers.pop(index)))
+        return None
+
+    def answered(self, job: Job, tokens: list[int], eos: set[int]) -> None:
+        index, _ = job.key
+        if tokens and tokens[-1] in eos:
+            tokens = tokens[:-1]  # the chat template adds the end-of-turn token itself
+        self.answers[index].append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        follow_up = self._job(index)
+        if follow_up is not None:
+            self.ready.append(follow_up)
+
+
+def record_of(index: int, conversation: Conversation, answers: list[str]) -> dict[str, Any] | None:
+    if not answers:  # the prompt alone fills max_len
+        return None
+    turns = prompt_turns(conversation, answers[:-1]) + [{"role": "assistant", "content": answers[-1]}]
+    return {"id": conversation.id, "source_index": index, "messages": turns}
+
+
+def regenerate(cfg: Any, target=None) -> dict[str, Any]:
+    """Run (or resume) a batched regeneration; returns counts and this run's throughput."""
+    from tqdm.auto import tqdm
+
+    out = Path(cfg.out)
+    header = {"settings": settings(cfg)}
+    done = read_done(out, header)  # refuses other settings before any model loads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    conversations = load_prompts(cfg.source, n=cfg.n_samples, seed=cfg.seed, split=cfg.split)
+    if not conversations:
+        raise ValueError(f"source '{cfg.source}' (split={cfg.split}) gave no conversations")
+    if target is None:
+        # Headroom: a refill writes the widest new prompt into every row (inference.batched_generation).
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=2 * cfg.max_len, max_batch_size=cfg.batch_size)
+    eos = eos_token_ids(target.tokenizer, target.model.config)
+    header["target"] = cfg.target
+    todo = [i for i in range(len(conversations)) if i not in done]
+    if done:
+        print(f"[regenerate] resuming {out}: {len(done)} of {len(conversations)} conversations done", file=sys.stderr)
+    queue = _ConversationQueue(conversations, todo, target.tokenizer, cfg)
+    batcher = ContinuousBatcher(target.runner, batch_size=cfg.batch_size, eos_ids=eos,
+                                sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))
+    mode = "a" if out.exists() and out.stat().st_size else "w"
+    start = time.perf_counter()
+    with open(out, mode, encoding="utf-8") as handle, \
+            tqdm(total=len(conversations), initial=len(done), desc="regenerate", unit="conv", file=sys.stderr,
+                 dynamic_ncols=True) as progress:
+        if mode == "w":
+            handle.write(json.dumps({HEADER_KEY: header}) + "\n")
+
+        def flush_finished() -> None:
+            for index, answers in queue.finished:
+                record = record_of(index, conversations[index], answers)
+                if record is not None:
+                    done[index] = record
+                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: whole line or torn
+                    handle.flush()
+                progress.update(1)
+            if queue.finished:
+                os.fsync(handle.fileno())
+                queue.finished.clear()
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                progress.set_postfix(tok_s=f"{batcher.new_tokens / elapsed:.1f}")
+
+        def on_done(job: Job, tokens: list[int]) -> None:
+            queue.answered(job, tokens, set(eos))
+            flush_finished()
+
+        def next_job() -> Job | None:
+            job = queue.next_job()
+            flush_finished()  # conversations that finished without a job (prompt fills max_len)
+            return job
+
+        batcher.run(next_job, on_done)
+    elapsed = time.perf_counter() - start
+    # Source order, so the finished file does not depend on batching or on where a run was killed.
+    lines = [json.dumps({HEADER_KEY: header})] + [json.dumps(done[i], ensure_ascii=False) for i in sorted(done)]
+    atomic_write_text(out, "\n".join(lines) + "\n")
+    answered = sum(1 for i in done if i < len(conversations))
+    summary = {"conversations": answered, "skipped": len(conversations) - answered, "new_tokens": batcher.new_tokens,
+               "wall_s": round(elapsed, 2), "tokens_per_s": round(batcher.new_tokens / max(elapsed, 1e-9), 2),
+               "forwards": batcher.forwards}
+    print(f"[regenerate] {out}: {summary['conversations']} conversations ({summary['skipped']} without room for an "
+          f"answer); this run {summary['new_tokens']:,} tokens in {elapsed:.1f} s = {summary['tokens_per_s']} tokens/s",
+          file=sys.stderr)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(argv, lambda args: regenerate(parse_args(args)), doc=__doc__, schema=RegenerateConfig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,7 +82,8 @@ class TrainValDataModule(L.LightningDataModule):
         return self.val.train_dataloader()
 
 
-def build_feature_datamodule(cfg: Any) -> L.LightningDataModule:
+def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningDataModule:
+    """``features=False``: online token batches only, no target forward (``OnlineFeatureDataModule``)."""
     from data_prep.datamodules import FeatureDataModule, OnlineFeatureDataModule
 
     data = cfg.data
@@ -95,7 +96,7 @@ def build_feature_datamodule(cfg: Any) -> L.LightningDataModule:
                                  target=cfg.target, layers=data.layers, max_len=data.max_len)
     target = loaded_target(cfg.target, data.max_len, data.batch_size)
     common = dict(source=data.source, max_len=data.max_len, layers=data.layers, dtype=data.dtype,
-                  batch_size=data.batch_size, seed=cfg.seed, window=data.window)
+                  batch_size=data.batch_size, seed=cfg.seed, window=data.window, features=features)
     train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train", **common)
     val = OnlineFeatureDataModule(target, n_samples=data.n_val_samples, split="eval", shuffle=False, **common)
     return TrainValDataModule(train, val)

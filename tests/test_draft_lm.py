@@ -143,3 +143,41 @@ def test_the_window_key_reaches_the_online_data(draft_recipe):
     recipes, args, _ = draft_recipe
     assert fit_cli.compose_recipe(args, directory=recipes).data.window == "start"
     assert fit_cli.compose_recipe(args + ["window=answer"], directory=recipes).data.window == "answer"
+
+
+def test_token_teacher_trains_the_draft_vocabulary_without_running_the_target(draft_recipe, tmp_path, monkeypatch):
+    """recipe draftlm_smollm2_gsm (teacher=tokens, train_vocab=K): the loss is cross-entropy on the next token over
+    the K lowest ids only, labels outside them carry no loss and count as rejections, and no batch runs the
+    target (its capture is never called)."""
+    import torch.nn.functional as F
+
+    from data_prep.capture import HiddenCapture
+    from spectrain.modules.draft_lm import DraftLMModule
+
+    recipes, args, _ = draft_recipe
+    args = ["recipe=draftlm_smollm2_gsm", *args[1:]]
+    cfg = fit_cli.compose_recipe([*args, "train_vocab=300"], directory=recipes)
+    assert cfg.model.teacher == "tokens" and cfg.model.train_vocab == 300
+    module = DraftLMModule(cfg)
+    ids = torch.tensor([[5, 250, 299, 300, 7, 40000, 12]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 0]])}
+    loss, greedy, sampled, mask = module._step(batch)
+    full = module.drafter(input_ids=ids).logits[0, :-1]
+    torch.testing.assert_close(module._logits(batch)[0], module.drafter(input_ids=ids).logits[0, :, :300])
+    labels = ids[0, 1:]
+    supervised = [t for t in range(6) if mask[0, t] and labels[t] < 300]  # 250, 299 and 7: not 300 nor 40000
+    assert supervised == [0, 1, 3]
+    expected = F.cross_entropy(full[supervised, :300], labels[supervised])
+    torch.testing.assert_close(loss, expected)
+    assert greedy[0, 2] == 0 and greedy[0, 4] == 0 and sampled[0, 2] == 0  # undraftable labels: rejections
+    torch.testing.assert_close(sampled[0, 0], full[0, :300].softmax(-1)[250])
+
+    def no_capture(*a, **k):
+        raise AssertionError("the target ran during teacher=tokens training")
+
+    monkeypatch.setattr(HiddenCapture, "__call__", no_capture)
+    result = fit_cli.fit(fit_cli.compose_recipe(args, directory=recipes))
+    assert result["trained"] and result["global_step"] == 6
+    with pytest.raises(ValueError, match="train_vocab needs model.teacher=tokens"):
+        DraftLMModule(fit_cli.compose_recipe([*args, "teacher=target"], directory=recipes))

@@ -3,6 +3,11 @@
 The teacher distribution is recomputed from the stored (or online-captured) final hidden state through the
 target's lm_head, so no logits are ever stored. Loss: soft cross-entropy (= forward KL up to a constant) on
 assistant tokens. Metrics: simulated acceptance (``spectrain.metrics``) greedy and at T=1.
+
+``model.teacher=tokens`` trains on the data's next tokens instead (cross-entropy, no target forward at all).
+On data the target answered greedily (``data_prep.regenerate``) the next answer token is the target's argmax,
+so this is distillation of exactly what greedy verification accepts, at the cost of the draft model alone
+(the online teacher's 30-layer forward is most of a ``teacher=target`` step on a CPU).
 """
 
 from __future__ import annotations
@@ -11,11 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from spectrain.drafters.draft_lm import add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings, layer_drop_init
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.modules.base import DrafterModule, build_datamodule
+from spectrain.data import build_feature_datamodule
+from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 
 
@@ -26,6 +33,13 @@ class DraftLMSchema:
     lora_rank: int = 0  # 0 = train the copied layers fully; > 0 = LoRA adapters on them (peft)
     gamma: int = 4  # draft length the simulated acceptance assumes
     freeze_embeddings: bool = True
+    teacher: str = "target"  # target: the target's distribution (soft CE) | tokens: the data's next token (CE)
+    # teacher=tokens only: train the logits of the K lowest ids, the ones the engine's draft_vocab=K drafts from
+    # (0 = all). On a CPU the 49k-row lm_head is most of a step's cost; K = 8192 cuts it 6x.
+    train_vocab: int = 0
+
+
+TEACHERS = ("target", "tokens")
 
 
 class DraftLMModule(DrafterModule):
@@ -33,6 +47,13 @@ class DraftLMModule(DrafterModule):
         super().__init__(cfg)
         target = self.target_model()
         model_cfg = cfg.model
+        if model_cfg.teacher not in TEACHERS:
+            raise ValueError(f"model.teacher must be one of {', '.join(TEACHERS)}, got '{model_cfg.teacher}'")
+        self.hard_labels = model_cfg.teacher == "tokens"
+        self.train_vocab = int(model_cfg.get("train_vocab", 0) or 0)
+        if self.train_vocab and not self.hard_labels:
+            raise ValueError("model.train_vocab needs model.teacher=tokens (a soft teacher's mass outside the K ids "
+                             "has nowhere to go); set model.train_vocab=0 or model.teacher=tokens")
         keep = list(model_cfg.layers) if model_cfg.layers else evenly_spaced_layers(
             target.config.num_hidden_layers, model_cfg.num_layers)
         self.kept_layers = keep
@@ -44,25 +65,47 @@ class DraftLMModule(DrafterModule):
         self.val_sampled = SimulatedAcceptance(model_cfg.gamma)
 
     def _step(self, batch: dict[str, torch.Tensor]):
-        logits = self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        teacher = self.teacher_logits(batch["last_hidden"]).softmax(-1)
+        """(loss, greedy acceptance, T=1 acceptance, mask), all per position t predicting token t+1."""
         # Position t predicts token t+1: it is supervised when token t+1 is an assistant token.
         predicts_answer = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()
-        student, teacher = logits[:, :-1], teacher[:, :-1]
-        return soft_cross_entropy(student, teacher, predicts_answer), student, teacher, predicts_answer
+        if self.hard_labels:
+            student = self._logits(batch)[:, :-1]
+            labels = batch["input_ids"][:, 1:]
+            log_q = F.log_softmax(student.float(), dim=-1)
+            # A label outside the trained ids can never be drafted: α = 0 there, and it carries no loss.
+            in_vocab = labels < log_q.shape[-1]
+            log_q_label = log_q.gather(-1, labels.clamp(max=log_q.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+            log_q_label = log_q_label.masked_fill(~in_vocab, 0.0)
+            weights = (predicts_answer & in_vocab).float()
+            loss = -(log_q_label * weights).sum() / weights.sum().clamp(min=1.0)
+            with torch.no_grad():  # a one-hot teacher: α = 1[argmax q = label] greedy, q(label) at T=1
+                sampled = log_q_label.exp() * in_vocab
+                return loss, (student.argmax(-1) == labels).float(), sampled, predicts_answer
+        student = self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        teacher = self.teacher_logits(batch["last_hidden"]).softmax(-1)[:, :-1]
+        with torch.no_grad():
+            greedy = token_acceptance(student, teacher, greedy=True)
+            sampled = token_acceptance(student, teacher, greedy=False)
+        return soft_cross_entropy(student, teacher, predicts_answer), greedy, sampled, predicts_answer
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The drafter's logits, over the first ``train_vocab`` ids only when that is set."""
+        if not self.train_vocab:
+            return self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        causal_lm = self.drafter.get_base_model() if hasattr(self.drafter, "get_base_model") else self.drafter
+        hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return hidden @ causal_lm.lm_head.weight[:self.train_vocab].T
 
     def training_step(self, batch, batch_idx):
-        loss, student, teacher, mask = self._step(batch)
-        with torch.no_grad():
-            top1 = token_acceptance(student, teacher, greedy=True)[mask].mean()
+        loss, greedy, _, mask = self._step(batch)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/top1_agreement", top1, prog_bar=True)
+        self.log("train/top1_agreement", greedy[mask].mean(), prog_bar=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        loss, student, teacher, mask = self._step(batch)
-        self.val_greedy.update(token_acceptance(student, teacher, greedy=True), mask)
-        self.val_sampled.update(token_acceptance(student, teacher, greedy=False), mask)
+        loss, greedy, sampled, mask = self._step(batch)
+        self.val_greedy.update(greedy, mask)
+        self.val_sampled.update(sampled, mask)
         self.log("val/loss", loss, batch_size=len(batch["input_ids"]))
 
     def on_validation_epoch_end(self):
@@ -94,5 +137,10 @@ class DraftLMModule(DrafterModule):
         export_draft_lm(self.drafter, tokenizer, out_dir, spectrain_block=block)
 
 
-register_kind(DrafterKind(name="draft_lm", build_module=DraftLMModule, build_datamodule=build_datamodule,
+def build_draft_lm_datamodule(cfg: Any):
+    # teacher=tokens needs no hidden states: token batches only, the target never runs during training.
+    return build_feature_datamodule(cfg, features=cfg.model.get("teacher", "target") != "tokens")
+
+
+register_kind(DrafterKind(name="draft_lm", build_module=DraftLMModule, build_datamodule=build_draft_lm_datamodule,
                           model_schema=DraftLMSchema))

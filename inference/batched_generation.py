@@ -1,0 +1,158 @@
+"""Throughput-oriented autoregressive generation: many prompts at once, with continuous batching.
+
+Regenerating training data is a throughput job, not a latency one: on a CPU a decode step over 16 rows costs
+little more than over one (the weight matmuls are memory-bound), so answering 16 prompts side by side gives
+several times the tokens/s of one-prompt AR. Rows are ragged (each holds its own prompt and answer in the
+runner's per-row cache); a finished row is refilled with the next job as soon as enough rows are free, by one
+padded forward that appends the active rows' next token and the new rows' prompts together.
+
+Greedy output is the target's greedy output up to floating-point summation order: a padded batch computes
+the same math as one row, but a near-tie in the logits may resolve differently (tests check equality with
+``ar`` on a tiny model; ``benchmarks/regenerate.py`` reports the agreement on the real one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.sampling import SamplingParams, sample
+
+PAD_ID = 0  # any valid id: padded positions are truncated away before anything attends to them
+
+
+@dataclass
+class Job:
+    """One answer to generate: ``ids`` is the rendered prompt, ``max_new_tokens`` its budget; ``key`` names it
+    to the caller, and ``seed`` fixes its sampling stream (so a job samples the same tokens in any batch)."""
+
+    key: Hashable
+    ids: Sequence[int]
+    max_new_tokens: int
+    seed: int = 0
+
+
+@dataclass
+class _Row:
+    job: Job
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class ContinuousBatcher:
+    """Answers jobs ``batch_size`` at a time. ``next_job()`` returns the next ready job or None (none ready now;
+    a multi-turn caller makes a turn ready when the previous one finishes); ``on_done(job, tokens)`` gets each
+    answer (EOS included if it ended there). ``refill_at``: refill once this many rows are free (a refill is a
+    wide forward, so batching the refills saves work; default a quarter of the batch). A refill writes the widest
+    new prompt's width into every row, so it waits while the longest active row lacks that much room: a runner
+    with headroom over the longest job (regenerate builds ``max_seq_len = 2 * max_len``) refills at once."""
+
+    def __init__(self, runner, *, batch_size: int, eos_ids: Sequence[int], sampling: SamplingParams,
+                 refill_at: int | None = None):
+        if not 1 <= batch_size <= runner.max_batch_size:
+            raise ValueError(f"batch_size={batch_size} but the runner holds {runner.max_batch_size} rows; build it "
+                             "with max_batch_size >= batch_size")
+        self.runner = runner
+        self.batch_size = batch_size
+        self.eos_ids = set(eos_ids)
+        self.sampling = sampling
+        self.refill_at = max(1, refill_at if refill_at is not None else batch_size // 4)
+        self.forwards = 0
+        self.new_tokens = 0
+
+    @torch.no_grad()
+    def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, list[int]], None]) -> None:
+        runner, size = self.runner, self.batch_size
+        rows: list[_Row | None] = [None] * size
+        runner.reset(size)
+        pending = torch.full((size,), PAD_ID, dtype=torch.long)  # each active row's next input token
+        held: list[Job] = []  # pulled, but their refill did not fit yet
+        while True:
+            free = [i for i, row in enumerate(rows) if row is None]
+            active = size - len(free)
+            fresh: dict[int, Job] = {}
+            if free and (len(free) >= self.refill_at or active == 0):
+                for i in free:
+                    job = held.pop(0) if held else next_job()
+                    if job is None:
+                        break
+                    self._check(job)
+                    fresh[i] = job
+            if fresh and active and not self._refill_fits(fresh):
+                held = list(fresh.values()) + held  # wait until the longest rows finish
+                fresh = {}
+            if not fresh and active == 0:
+                return
+            if fresh:
+                logits = self._refill(rows, fresh, pending)
+            else:
+                logits = self._step(rows, pending)
+            self.forwards += 1
+            for i, row in enumerate(rows):
+                if row is None:
+                    continue
+                token = self._sample(logits[i], row)
+                row.tokens.append(token)
+                self.new_tokens += 1
+                pending[i] = token
+                if token in self.eos_ids or len(row.tokens) >= row.job.max_new_tokens:
+                    rows[i] = None
+                    on_done(row.job, row.tokens)
+
+    def _check(self, job: Job) -> None:
+        if not job.ids or job.max_new_tokens < 1:
+            raise ValueError(f"job {job.key!r}: needs a non-empty prompt and max_new_tokens >= 1")
+        if len(job.ids) + job.max_new_tokens > self.runner.max_seq_len:
+            raise ValueError(f"job {job.key!r}: prompt of {len(job.ids)} + {job.max_new_tokens} new tokens exceeds the "
+                             f"runner's max_seq_len={self.runner.max_seq_len}")
+
+    def _refill_fits(self, fresh: dict[int, Job]) -> bool:
+        """A refill writes ``width`` slots to every row (the runner's cache is rectangular), so the longest active
+        row must have room for the widest new prompt."""
+        width = max(len(job.ids) for job in fresh.values())
+        return int(self.runner.cache_lens.max()) + width <= self.runner.max_seq_len
+
+    def _sample(self, logits: torch.Tensor, row: _Row) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        if row.generator is None:
+            row.generator = torch.Generator().manual_seed(row.job.seed)
+        return int(sample(self.sampling.warp(logits), row.generator))
+
+    def _step(self, rows: list[_Row | None], pending: torch.Tensor) -> torch.Tensor:
+        """One decode step for every row; idle rows carry a pad token and are emptied again."""
+        runner = self.runner
+        idle = torch.tensor([row is None for row in rows], device=runner.device)
+        if bool(idle.any()):
+            runner.truncate(torch.where(idle, 0, runner.cache_lens))
+        return runner.forward(pending.view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
+
+    def _refill(self, rows: list[_Row | None], fresh: dict[int, Job], pending: torch.Tensor) -> torch.Tensor:
+        """One padded forward: active rows append their next token, fresh rows their whole prompt."""
+        runner = self.runner
+        lengths = runner.cache_lens.clone()
+        width = max(len(job.ids) for job in fresh.values())
+        ids = torch.full((self.batch_size, width), PAD_ID, dtype=torch.long)
+        keep = torch.ones(self.batch_size, dtype=torch.long)  # new tokens each row keeps
+        for i, row in enumerate(rows):
+            if i in fresh:
+                job = fresh[i]
+                ids[i, :len(job.ids)] = torch.tensor(list(job.ids))
+                keep[i] = len(job.ids)
+                lengths[i] = 0
+                rows[i] = _Row(job)
+            elif row is None:
+                keep[i] = 0
+                lengths[i] = 0
+            else:
+                ids[i, 0] = pending[i]
+        runner.truncate(lengths)
+        # Logits only for each row's last kept token: an lm_head over every padded prompt row would cost about
+        # as much as the decoder on a CPU.
+        out = runner.forward(ids.to(runner.device), logit_rows=slice(0, 0), return_last_hidden=True)
+        last = (keep - 1).clamp(min=0).to(runner.device)
+        hidden = out.last_hidden[torch.arange(self.batch_size, device=runner.device), last]
+        runner.truncate(lengths + keep.to(runner.device))
+        return runner.lm_head(hidden).float().cpu()
