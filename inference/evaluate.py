@@ -7,7 +7,9 @@ over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decide
 
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
 skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other
-options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,ssd@ssd_fallback=fast]``.
+options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,sps@temperature=1@seed=3]``.
+A variant may set any algorithm option, sampling (temperature, top_k, top_p), seed and max_new_tokens; the keys
+in ``RUN_LEVEL_KEYS`` (models, prompts, placement, outputs) are refused in a variant.
 
 Runs every algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so speedups
 compare like with like) and writes ``out/results.json``, ``out/report.md`` and PNGs (acceptance by position,
@@ -55,19 +57,46 @@ class EvalConfig(AlgorithmOptions):
     out: str = "results/eval"
 
 
+# Keys fixed for the whole run: models and caches are loaded once (sized by device, max_seq_len, batch_size),
+# every algorithm runs the same prompts, and threads/warmup/out describe the process. A variant may not set them.
+# (hrad stays a variant option: specbranch loads it itself, and specbranch@hrad=none is the H-RAD ablation.)
+RUN_LEVEL_KEYS = frozenset({"target", "drafters", "drafter", "feature_drafter", "specblock_drafter", "algorithms",
+                            "bench", "n_prompts", "batch_size", "warmup", "out", "device", "max_seq_len",
+                            "threads"})
+
+
 def parse_args(argv: Sequence[str]) -> Any:
     # Accept the singular forms users type (bench=mt_bench, algorithms=sps) for the list fields.
     argv = [_listify(arg, ("bench", "algorithms")) for arg in argv]
     cfg = parse_cli(argv, EvalConfig, USAGE)
+    if cfg.n_prompts < 1 or cfg.batch_size < 1:
+        raise OverrideError("n_prompts and batch_size must be >= 1")
+    _check_generation(cfg, "")
     for label in cfg.algorithms:
         if label != "all":
             base, overrides = parse_variant(label)
             algorithm_class(base)  # unknown names and keys fail here, before any model loads
-            with_overrides(cfg, overrides, label)
-    if cfg.max_new_tokens < 1 or cfg.n_prompts < 1 or cfg.batch_size < 1:
-        raise OverrideError("max_new_tokens, n_prompts and batch_size must be >= 1")
-    SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+            _check_generation(with_overrides(cfg, overrides, label), f"algorithm variant '{label}': ")
     return cfg
+
+
+def _check_generation(cfg: Any, where: str) -> None:
+    if cfg.max_new_tokens < 1:
+        raise OverrideError(f"{where}max_new_tokens must be >= 1")
+    try:
+        sampling_params(cfg)
+    except ValueError as exc:
+        raise OverrideError(f"{where}{exc}") from None
+
+
+def sampling_params(cfg: Any) -> SamplingParams:
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def generation_settings(cfg: Any) -> dict[str, Any]:
+    """What a run generated with (a variant may change each): recorded on every run record."""
+    return {"temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
+            "seed": int(cfg.seed), "max_new_tokens": int(cfg.max_new_tokens)}
 
 
 def _listify(arg: str, list_keys: tuple[str, ...]) -> str:
@@ -92,13 +121,16 @@ def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
         return cfg
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.structured(cfg)
+    keys = [k.split("=", 1)[0] for k in overrides]
+    for key, item in zip(keys, overrides):
+        if key in RUN_LEVEL_KEYS:  # before parsing: a list key's value would fail there with a vaguer message
+            raise OverrideError(f"algorithm variant '{label}': '{key}' cannot differ per variant; "
+                                f"set {item} for the whole run instead")
     try:
         variant = parse_cli(list(overrides), EvalConfig, USAGE)
     except OverrideError as exc:
         raise OverrideError(f"algorithm variant '{label}': {exc}") from None
-    merged = OmegaConf.merge(cfg, {k.split("=", 1)[0]: OmegaConf.select(variant, k.split("=", 1)[0])
-                                   for k in overrides})
-    return merged
+    return OmegaConf.merge(cfg, {key: OmegaConf.select(variant, key) for key in keys})
 
 
 def drafter_paths(cfg: Any) -> dict[str, str]:
@@ -158,8 +190,10 @@ def load_bench_prompts(bench: str, tokenizer, n: int) -> BenchPrompts:
 
 
 def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress=None) -> tuple[GenerationStats, list]:
+    """Generate for every prompt with ``cfg``'s sampling, seed and max_new_tokens (the variant's config, when the
+    algorithm is a variant)."""
     stats, outputs = GenerationStats(), []
-    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    sampling = sampling_params(cfg)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
     batch = getattr(cfg, "batch_size", 1) if hasattr(algorithm, "generate_batch") else 1
     for start in range(0, len(prompts.ids), batch):
@@ -185,6 +219,15 @@ def run_record(name: str, bench: str, n_prompts: int, stats: GenerationStats) ->
         "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
         "accepted_hist": list(stats.accepted_hist),
     }
+
+
+def greedy_equal(outputs: list, cfg: Any, ar_outputs: list, ar_cfg: Any) -> bool | None:
+    """Whether a greedy run emitted AR's greedy tokens; None unless both ran greedily (sampled outputs differ by
+    design). Compared over the shorter max_new_tokens of the two, so a variant's own length still compares."""
+    if cfg.temperature != 0 or ar_cfg.temperature != 0:
+        return None
+    n = min(cfg.max_new_tokens, ar_cfg.max_new_tokens)
+    return [out[:n] for out in outputs] == [out[:n] for out in ar_outputs]
 
 
 def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
@@ -215,34 +258,40 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     for label in labels:
         name, overrides = parse_variant(label)
         variant_cfg = with_overrides(resolved, overrides, label)
+        if variant_cfg.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
+            variant_cfg.hrad = resolved.hrad
         kind = algorithm_class(name).drafter
         drafter = drafters.get(kind)
         if kind == "draft_lm" and variant_cfg.draft_vocab:  # one runner (shared weights) per vocabulary limit
             vocab = variant_cfg.draft_vocab
             drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
-        algorithms[label] = build_algorithm(name, target.runner, drafter,
-                                            **algorithm_class(name).options_from_config(variant_cfg))
+        algorithms[label] = (build_algorithm(name, target.runner, drafter,
+                                             **algorithm_class(name).options_from_config(variant_cfg)), variant_cfg)
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 
-    runs, totals, ar_outputs = [], {}, {}
+    runs, totals, ar_runs = [], {}, {}
     total = len(labels) * sum(len(b.ids) for b in benches)
     with tqdm(total=total, desc="evaluate", unit="prompt", file=sys.stderr) as progress:
         # One algorithm at a time (ar first), released before the next: a multiprocess executor's draft process
         # and process group live only while its algorithm runs, so several such variants fit in one run.
-        for name, algorithm in algorithms.items():
+        for name, (algorithm, variant_cfg) in algorithms.items():
             if cfg.warmup:  # first calls pay for allocation and kernel selection; keep them out of the timings
-                algorithm.generate(benches[0].ids[0], max_new_tokens=8, sampling=SamplingParams(cfg.temperature),
-                                   eos_ids=eos)
+                # the variant's sampling takes the same code path as its run; its own generator leaves the run's
+                # draws (seeded by the variant's seed) untouched
+                warmup_rng = torch.Generator(device="cpu").manual_seed(variant_cfg.seed)
+                algorithm.generate(benches[0].ids[0], max_new_tokens=8, sampling=sampling_params(variant_cfg),
+                                   generator=warmup_rng, eos_ids=eos)
             for prompts in benches:
                 progress.set_description(f"{name}/{prompts.bench}")
                 algorithm.extra_metrics()  # starts this run's period (drops warm-up figures)
-                stats, outputs = run_one(algorithm, prompts, cfg, eos, progress)
-                record = run_record(name, prompts.bench, len(prompts.ids), stats)
+                stats, outputs = run_one(algorithm, prompts, variant_cfg, eos, progress)
+                record = run_record(name, prompts.bench, len(prompts.ids), stats) | generation_settings(variant_cfg)
                 record.update(algorithm.extra_metrics())
-                if cfg.temperature == 0:
-                    if name == "ar":
-                        ar_outputs[prompts.bench] = outputs
-                    record["greedy_equal_to_ar"] = outputs == ar_outputs[prompts.bench]
+                if name == "ar":  # labels start with the baseline, so every later run finds it
+                    ar_runs[prompts.bench] = (outputs, variant_cfg)
+                equal = greedy_equal(outputs, variant_cfg, *ar_runs[prompts.bench])
+                if equal is not None:
+                    record["greedy_equal_to_ar"] = equal
                 runs.append(record)
                 totals.setdefault(name, GenerationStats()).merge(stats)
             getattr(algorithm, "close", lambda: None)()  # executors with a draft process or thread

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from inference import evaluate as evaluate_cli
@@ -30,7 +33,8 @@ def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
     ar, sps = results["runs"]
     assert (ar["algorithm"], sps["algorithm"]) == ("ar", "sps")
     expected_keys = {"algorithm", "bench", "n_prompts", "new_tokens", "wall_s", "tokens_per_s", "target_forwards",
-                     "tau", "draft_forwards", "rollback_rate", "acceptance_by_position", "greedy_equal_to_ar"}
+                     "tau", "draft_forwards", "rollback_rate", "acceptance_by_position", "greedy_equal_to_ar",
+                     "temperature", "top_k", "top_p", "seed", "max_new_tokens"}
     assert expected_keys <= set(sps)
     assert sps["greedy_equal_to_ar"] is True and ar["greedy_equal_to_ar"] is True
     # the target drafting for itself accepts everything: 1 prefill token + 5 per round -> 16 tokens in 4 forwards
@@ -40,7 +44,7 @@ def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
     assert sps["accepted_hist"] == [0, 0, 0, 0, 3]  # three rounds kept all 4 drafted tokens
     assert set(results["speedup_vs_ar"]) == {"ar", "sps"} and results["speedup_vs_ar"]["ar"] == 1.0
     report = (tmp_path / "report.md").read_text()
-    assert "| sps | mt_bench | 1 | 16 | 4.00 |" in report
+    assert "| sps | mt_bench | greedy | 1 | 16 | 4.00 |" in report
     for png in ("acceptance.png", "speedup.png", "tau_distribution.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
@@ -211,3 +215,127 @@ def test_several_multiprocess_variants_run_in_one_evaluation(smollm2, tmp_path):
     overlapped = [r for r in results["runs"] if r["algorithm"] != "ar"]
     assert all(r["executor"] == "multiprocess" and r["greedy_equal_to_ar"] for r in overlapped)
     assert not dist.is_initialized()  # the last draft process was released too
+
+
+# Per-variant sampling, seed and max_new_tokens (issue 24): tiny random Llamas with a small vocabulary, so a run
+# over hundreds of prompts takes seconds and the target's law can be enumerated exactly.
+
+def tiny_loaded(seed: int, vocab: int, layers: int, scale: float) -> LoadedModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a sharper law than a random init's near-uniform one
+        model.lm_head.weight.mul_(scale)
+    return LoadedModel(f"tiny{seed}", ModelRunner.from_hf_model(model, max_seq_len=32), None, model)
+
+
+@pytest.fixture
+def tiny_eval(monkeypatch):
+    """``run(prompts, args) -> (results, calls)``: evaluate on fixed token prompts (no EOS) with a tiny target and
+    draft; ``calls[i]`` lists (sampling, tokens) of every generate call of the i-th algorithm built (ar first)."""
+    calls: list[list] = []
+    build = evaluate_cli.build_algorithm
+
+    def spying_build(*args, **kwargs):
+        algorithm, seen = build(*args, **kwargs), []
+        calls.append(seen)
+        generate = algorithm.generate
+
+        def spy(prompt, **kw):
+            result = generate(prompt, **kw)
+            seen.append((kw["sampling"], result.tokens))
+            return result
+
+        algorithm.generate = spy
+        return algorithm
+
+    monkeypatch.setattr(evaluate_cli, "build_algorithm", spying_build)
+    monkeypatch.setattr(evaluate_cli, "eos_token_ids", lambda *a, **k: [])
+
+    def run(prompts: list[list[int]], vocab: int, args: list[str]):
+        monkeypatch.setattr(evaluate_cli, "load_bench_prompts",
+                            lambda bench, tokenizer, n: evaluate_cli.BenchPrompts(bench, prompts[:n]))
+        cfg = evaluate_cli.parse_args([f"n_prompts={len(prompts)}", *args])
+        target, draft = tiny_loaded(10, vocab, 2, 3.0), tiny_loaded(11, vocab, 1, 3.0)
+        return evaluate_cli.evaluate(cfg, target=target, draft=draft), calls
+
+    return run
+
+
+def test_a_sampling_variant_in_a_greedy_run_samples_with_its_own_settings(tiny_eval, tmp_path):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    results, calls = tiny_eval(prompts, 16, [
+        "algorithms=[sps,sps@temperature=1,sps@temperature=1@seed=7,sps@temperature=1@top_k=1]", "temperature=0",
+        "max_new_tokens=8", "gamma=2", f"out={tmp_path}", "warmup=true"])
+    ar, sps, sampled, reseeded, top1 = results["runs"]
+    greedy_tokens = [tokens for _, tokens in calls[0][1:]]  # [0] is the warm-up call
+    sampled_tokens = [tokens for _, tokens in calls[2][1:]]
+    # the warm-up and every prompt of the variant ran with its sampling, not the run's temperature=0
+    assert all(sampling.temperature == 1.0 for sampling, _ in calls[2]) and len(calls[2]) == 1 + len(prompts)
+    assert sampled_tokens != greedy_tokens
+    assert [tokens for _, tokens in calls[3][1:]] != sampled_tokens  # seed=7 draws other tokens
+    assert [tokens for _, tokens in calls[4][1:]] == greedy_tokens  # top_k=1 leaves only the argmax
+    assert sps["greedy_equal_to_ar"] is True and ar["temperature"] == sps["temperature"] == 0.0
+    assert {k: sampled[k] for k in ("temperature", "top_k", "top_p", "seed", "max_new_tokens")} == {
+        "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0, "max_new_tokens": 8}
+    assert reseeded["seed"] == 7 and top1["top_k"] == 1
+    assert all(run.get("greedy_equal_to_ar") is None for run in (sampled, reseeded, top1))
+    rows = (tmp_path / "report.md").read_text().splitlines()
+    assert "| sps | mt_bench | greedy | 3 | 24 |" in rows[-4] and "| yes |" in rows[-4]
+    assert "| sps@temperature=1 | mt_bench | T=1 seed 0 | 3 | 24 |" in rows[-3] and "| sampled |" in rows[-3]
+    assert "| T=1 top-k 1 seed 0 |" in rows[-1] and "yes" not in rows[-1]
+
+
+def test_a_sampling_variant_follows_the_target_law(tiny_eval, tmp_path):
+    """Monte Carlo through evaluate: the first 2 tokens of sps@temperature=1 (a different draft, so the second
+    token goes through verification) follow the tiny target's law, enumerated exactly; greedy would not."""
+    vocab, runs, prompt = 4, 800, [1, 2]
+    results, calls = tiny_eval([prompt] * runs, vocab, [
+        "algorithms=[sps@temperature=1]", "temperature=0", "max_new_tokens=2", "gamma=2", "seed=3",
+        f"out={tmp_path}", "warmup=false"])
+    counts: dict[tuple[int, ...], int] = {}
+    for _, tokens in calls[1]:
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    model = tiny_loaded(10, vocab, 2, 3.0).model
+    law = {}
+    for seq in itertools.product(range(vocab), repeat=2):
+        with torch.no_grad():
+            probs = model(torch.tensor([prompt + list(seq)])).logits[0].double().softmax(-1)
+        law[seq] = float(probs[len(prompt) - 1, seq[0]] * probs[len(prompt), seq[1]])
+    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items())
+    dof = len(law) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2  # beyond p = 1e-6 for an exact sampler
+    assert 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items()) < 0.1
+    assert len(counts) > 4 and results["runs"][1]["temperature"] == 1.0
+
+
+@pytest.mark.parametrize("key, value", [("n_prompts", "3"), ("target", "smollm2"), ("drafter", "x"),
+                                        ("max_seq_len", "64"), ("batch_size", "2"), ("device", "cpu"),
+                                        ("bench", "humaneval"), ("threads", "1"), ("warmup", "false")])
+def test_a_run_level_key_in_a_variant_is_refused(key, value, tmp_path, capsys):
+    label = f"sps@gamma=2@{key}={value}"
+    with pytest.raises(OverrideError, match=f"'{key}' cannot differ per variant; set {key}={value} for the whole run"):
+        evaluate_cli.parse_args([f"algorithms=[{label}]"])
+    assert evaluate_cli.main([f"algorithms=[{label}]", f"out={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"algorithm variant '{label}'" in err and "\n" not in err
+
+
+def test_a_variants_bad_sampling_is_refused_at_parse_time():
+    with pytest.raises(OverrideError, match=r"variant 'sps@temperature=-1': temperature must be a finite number"):
+        evaluate_cli.parse_args(["algorithms=[sps@temperature=-1]"])
+    with pytest.raises(OverrideError, match=r"variant 'sps@max_new_tokens=0': max_new_tokens must be >= 1"):
+        evaluate_cli.parse_args(["algorithms=[sps@max_new_tokens=0]"])
+
+
+def test_a_variants_max_new_tokens_takes_effect(tiny_eval, tmp_path):
+    results, _ = tiny_eval([[1, 2, 3], [4, 5]], 16, [
+        "algorithms=[sps@max_new_tokens=3]", "max_new_tokens=6", f"out={tmp_path}", "warmup=false"])
+    ar, short = results["runs"]
+    assert (ar["new_tokens"], ar["max_new_tokens"]) == (12, 6)
+    assert (short["new_tokens"], short["max_new_tokens"]) == (6, 3)
+    assert short["greedy_equal_to_ar"] is True  # over its 3 tokens: AR's first 3
+    assert "| greedy max 3 new |" in (tmp_path / "report.md").read_text()
