@@ -234,8 +234,8 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     if not conversations:
         raise ValueError(f"source '{cfg.source}' (split={cfg.split}) gave no conversations")
     if target is None:
-        # Headroom: a refill writes the widest new prompt into every row (inference.batched_generation).
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=2 * cfg.max_len, max_batch_size=cfg.batch_size)
+        # Spare rows: new prompts are prefilled apart from the running batch (inference.batched_generation).
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=2 * cfg.batch_size)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     header["target"] = cfg.target
     todo = [i for i in range(len(conversations)) if i not in done]

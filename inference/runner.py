@@ -39,9 +39,10 @@ logits``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -479,6 +480,37 @@ class ModelRunner(nn.Module):
         for cache in (self.k_cache, self.v_cache):
             cache[:, : len(rows), :, :length] = cache[:, index, :, :length]  # the gather copies before writing
         self.cache_lens = torch.full((len(rows),), length, dtype=torch.long, device=self.device)
+        self._pending = None
+
+    @contextlib.contextmanager
+    def row_block(self, start: int, stop: int) -> Iterator[None]:
+        """Inside the block, forwards see only cache rows ``start..stop-1`` (a view, starting empty): a prefill of a
+        few prompts into spare rows costs those rows only, not a padded forward over the whole batch. The batch's
+        rows and lengths are restored on exit; :meth:`copy_rows` then moves the prefilled rows into place."""
+        if not 0 <= start < stop <= self.max_batch_size:
+            raise ValueError(f"row block {start}..{stop} outside 0..max_batch_size={self.max_batch_size}")
+        saved = (self.k_cache, self.v_cache, self.cache_lens, self._pending)
+        self.k_cache, self.v_cache = saved[0][:, start:stop], saved[1][:, start:stop]
+        self.cache_lens = torch.zeros(stop - start, dtype=torch.long, device=self.device)
+        self._pending = None
+        try:
+            yield
+        finally:
+            self.k_cache, self.v_cache, self.cache_lens, self._pending = saved
+
+    @torch.no_grad()
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
+        """Row ``dst[i]`` of the batch becomes a copy of cache row ``src[i]``'s first ``lengths[i]`` tokens (``src``
+        may lie outside the active batch, e.g. rows a :meth:`row_block` prefilled)."""
+        for s, d, n in zip(src, dst, lengths):
+            if not 0 <= d < self.batch_size or not 0 <= s < self.max_batch_size or not 0 <= n <= self.max_seq_len:
+                raise ValueError(f"copy_rows {s} -> {d} ({n} tokens) outside the cache")
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, d, :, :n] = cache[:, s, :, :n]
+        lens = self.cache_lens.clone()
+        lens[torch.as_tensor(list(dst), dtype=torch.long, device=self.device)] = torch.as_tensor(
+            list(lengths), dtype=torch.long, device=self.device)
+        self.cache_lens = lens
         self._pending = None
 
     def truncate(self, n: int | torch.Tensor) -> None:

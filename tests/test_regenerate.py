@@ -49,12 +49,17 @@ def run_batched(target, jobs: list[Job], batch_size: int, sampling: SamplingPara
     return answers
 
 
-def test_continuous_batching_equals_one_prompt_ar(target):
-    """7 prompts of different lengths and budgets through 3 rows (refills mid-flight) = AR run one by one."""
+@pytest.mark.parametrize("spare_rows", [True, False], ids=["prefill-apart", "padded-refill"])
+def test_continuous_batching_equals_one_prompt_ar(tiny, target, spare_rows):
+    """7 prompts of different lengths and budgets through 3 rows (refills mid-flight) = AR run one by one, both
+    with spare rows for the prompts' prefill and with the padded refill a runner without them uses."""
+    if spare_rows:
+        target = load_lm(str(tiny), device="cpu", max_seq_len=96, max_batch_size=6)
     ids = [render_prompt(target.tokenizer, [{"role": "user", "content": "x " * (3 * i + 1)}]) for i in range(7)]
     jobs = [Job(i, ids[i], max_new_tokens=4 + 3 * (i % 3)) for i in range(7)]
     greedy = SamplingParams(0.0)
     batched = run_batched(target, jobs, 3, greedy)
+    assert ContinuousBatcher(target.runner, batch_size=3, eos_ids=[], sampling=greedy)._can_prefill_apart(3) == spare_rows
     ar = build_algorithm("ar", target.runner)
     for job in jobs:
         expected = ar.generate(list(job.ids), max_new_tokens=job.max_new_tokens, sampling=greedy).tokens
