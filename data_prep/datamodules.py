@@ -49,6 +49,19 @@ def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, se
                               generator=torch.Generator().manual_seed(seed + 1), collate_fn=collate_fn)
 
 
+def length_buckets(lengths: list[int], batch_size: int, seed: int, window: int = 64) -> list[list[int]]:
+    """Sample indices grouped into batches of similar length, so a batch pads little: a seeded shuffle, then each
+    run of ``window`` batches' worth of samples is sorted by length and cut into batches. Every sample appears once;
+    which samples share a batch stays random beyond the window."""
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    batches = []
+    span = window * batch_size
+    for start in range(0, len(order), span):
+        chunk = sorted(order[start:start + span], key=lambda i: lengths[i])
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    return batches
+
+
 class FeatureDataModule(L.LightningDataModule):
     """Offline features from a ``data_prep.extract`` directory; ``expect`` holds ``check_features`` keywords
     (target, layers, tokenizer, dtype, max_len) so a dataset made for another recipe is refused at setup."""
@@ -96,10 +109,11 @@ class OnlineFeatureDataModule(L.LightningDataModule):
 
     def __init__(self, target: Any, *, source: str, n_samples: int, max_len: int, layers: Any = "eagle3",
                  dtype: str = "bf16", batch_size: int = 8, shuffle: bool = True, seed: int = 0,
-                 split: str = "all", device: str = "auto", window: str = "start", features: bool = True):
+                 split: str = "all", device: str = "auto", window: str = "start", features: bool = True,
+                 bucket_by_length: bool = False):
         super().__init__()
         self.target_arg = target
-        self.features = features
+        self.features, self.bucket_by_length = features, bucket_by_length
         self.source, self.n_samples, self.max_len, self.split = source, n_samples, max_len, split
         self.window = window
         self.layers_spec, self.dtype = layers, dtype
@@ -137,5 +151,10 @@ class OnlineFeatureDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
+        if self.bucket_by_length:  # the loader shuffles whole batches of similar-length samples
+            batches = length_buckets([len(s) for s in self.samples], self.batch_size, self.seed)
+            grouped = [[self.samples[i] for i in batch] for batch in batches]
+            return resumable_loader(grouped, batch_size=1, shuffle=self.shuffle, seed=self.seed,
+                                    collate_fn=lambda items: self._collate(items[0]))
         return resumable_loader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
                                 collate_fn=self._collate)

@@ -1,24 +1,21 @@
 """The main job on the embedded default (``make demo``): extract → train → export → evaluate, on SmolLM2.
 
-Every stage is one of the project's own commands, printed before it runs, so any stage can be re-run by hand
-(or scaled up: the ``demo_*`` recipes are the ``*_smollm2`` recipes with fewer steps). A stage whose output is
-complete is skipped, and the commands themselves resume (extraction and training continue where a kill left
-them), so re-running ``make demo`` after an interruption continues instead of starting over.
+Every stage is one of the project's own commands (``inference.pipeline``), printed before it runs, so any stage
+can be re-run by hand (or scaled up: the ``demo_*`` recipes are the ``*_smollm2`` recipes with fewer steps). A
+stage whose output is complete is skipped, and re-running ``make demo`` after an interruption continues.
 
     python -m inference.demo [out=runs/demo] [n_prompts=3] [max_new_tokens=48] [stages=all|extract,...]
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.algorithms import ALGORITHMS
+from inference.pipeline import Stage, run_pipeline, select
 from spectrain.overrides import parse_cli, run_cli
 
 DEMO_RECIPE_STEPS = 40  # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
@@ -40,23 +37,6 @@ class DemoConfig:
     n_prompts: int = 3
     max_new_tokens: int = 48
     stages: list[str] = field(default_factory=lambda: ["all"])
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    minutes: float  # measured on the reference machine (2-core CPU, nothing else running)
-    what: str
-    argv: tuple[str, ...]  # arguments of `python -m ...`
-    output: Path
-    marker: Path  # written when the stage's command succeeded: a killed stage leaves none and resumes
-
-    def done(self) -> bool:
-        return self.marker.is_file() and self.output.exists()
-
-    def mark_done(self) -> None:
-        self.marker.parent.mkdir(parents=True, exist_ok=True)
-        self.marker.write_text(" ".join(self.argv) + "\n")
 
 
 def build_stages(cfg: DemoConfig) -> list[Stage]:
@@ -128,32 +108,13 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
 
 
 def run_stages(cfg: DemoConfig) -> None:
-    stages = build_stages(cfg)
-    wanted = [s for s in stages if "all" in cfg.stages or s.name in cfg.stages]
-    unknown = set(cfg.stages) - {"all"} - {s.name for s in stages}
-    if unknown:
-        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages: {', '.join(s.name for s in stages)}")
-    todo = [s for s in wanted if not s.done()]
-    print(f"[demo] {len(wanted)} stages, {len(wanted) - len(todo)} already done; about "
-          f"{sum(s.minutes for s in todo):.0f} min of work left on a 2-core CPU. Output: {cfg.out}/", flush=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
-    for i, stage in enumerate(wanted, 1):
-        head = f"[demo] stage {i}/{len(wanted)} {stage.name}"
-        if stage.done():
-            print(f"{head}: done already ({stage.output}), skipped", flush=True)
-            continue
-        command = [sys.executable, "-m", *stage.argv]
-        print(f"{head}: {stage.what} (about {stage.minutes:.1f} min)\n[demo]   $ python -m {' '.join(stage.argv)}",
-              flush=True)
-        start = time.perf_counter()
-        if subprocess.run(command, env=env).returncode != 0 or not stage.output.exists():
-            raise RuntimeError(f"demo stage {stage.name} failed (its error is above); fix it and re-run `make demo`: "
-                               "finished stages are kept and this one resumes")
-        stage.mark_done()
-        print(f"{head}: finished in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+    stages = select(build_stages(cfg), cfg.stages)
+    print(f"[demo] output: {cfg.out}/", flush=True)
+    ran = run_pipeline(stages, label="demo", rerun_hint="`make demo`")
     report = Path(cfg.out) / "eval" / "report.md"
     if report.is_file():
-        print("\n" + report.read_text())
+        if "evaluate" not in ran:  # a fresh evaluate stage has just printed the table itself
+            print("\n" + report.read_text())
         print(f"[demo] results: {report.parent}/results.json, report.md and the PNGs next to them")
 
 

@@ -24,6 +24,7 @@ class DataConfig:
     n_samples: int = 1000
     max_len: int = 512
     window: str = "start"  # online: start | answer, where a long conversation's window sits (data_prep.samples)
+    bucket_by_length: bool = False  # online: batch samples of similar length (less padding; order stays seeded)
     batch_size: int = 8
     num_workers: int = 0
 

@@ -88,6 +88,8 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
 
     data = cfg.data
     if data.dataset_dir:
+        if data.bucket_by_length:
+            raise ValueError("data.bucket_by_length applies to online features only; drop it with data.dataset_dir")
         if data.window != "start":
             raise ValueError(f"data.window={data.window} applies to online features only: an extracted dataset's "
                              "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)")
@@ -97,6 +99,7 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
     target = loaded_target(cfg.target, data.max_len, data.batch_size)
     common = dict(source=data.source, max_len=data.max_len, layers=data.layers, dtype=data.dtype,
                   batch_size=data.batch_size, seed=cfg.seed, window=data.window, features=features)
-    train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train", **common)
+    train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train",
+                                    bucket_by_length=data.bucket_by_length, **common)
     val = OnlineFeatureDataModule(target, n_samples=data.n_val_samples, split="eval", shuffle=False, **common)
     return TrainValDataModule(train, val)

@@ -49,7 +49,7 @@ def test_finished_stages_are_skipped_and_the_table_is_printed(tmp_path, monkeypa
     for stage in stages:
         _mark_done(stage)
     (stages[-1].output / "report.md").write_text("| algorithm | τ |\n")
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished stage ran again"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a finished stage ran again"))
     demo.run_stages(cfg)
     out = capsys.readouterr().out
     assert out.count("done already") == len(stages) and "| algorithm | τ |" in out
@@ -70,7 +70,14 @@ def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, mon
     first, _ = demo.build_stages(cfg)[:2]
     _mark_done(first)
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+    class Failing:  # a stage process that exits 1
+        def __init__(self, cmd, **kwargs):
+            calls.append(cmd)
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Failing)
     assert demo.main([f"out={tmp_path / 'demo'}", "stages=[extract,extract-eval]"]) == 2
     err = capsys.readouterr().err.strip()
     assert "demo stage extract-eval failed" in err and "\n" not in err
@@ -80,3 +87,44 @@ def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, mon
 def test_unknown_stage_is_refused(tmp_path, capsys):
     assert demo.main([f"out={tmp_path}", "stages=[extract,trian]"]) == 2
     assert "unknown stage(s) ['trian']" in capsys.readouterr().err
+
+
+def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path, monkeypatch, capsys):
+    from inference.pipeline import Stage, run_pipeline
+
+    events = []
+
+    class Recording:  # starts "running" at construction, finishes (writing its output) at wait()
+        def __init__(self, cmd, **kwargs):
+            self.name = cmd[-1]
+            events.append(("start", self.name))
+
+        def wait(self):
+            (tmp_path / self.name).mkdir()
+            events.append(("end", self.name))
+            return 0
+
+    def stage(name: str, group: str = "") -> Stage:
+        return Stage(name, 1.0, name, ("x", name), tmp_path / name, tmp_path / ".done" / name, group)
+
+    monkeypatch.setattr(subprocess, "Popen", Recording)
+    stages = [stage("a"), stage("b", "train"), stage("c", "train"), stage("d")]
+    assert run_pipeline(stages, label="t", rerun_hint="it") == ["a", "b", "c", "d"]
+    assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("start", "c"), ("end", "b"), ("end", "c"),
+                      ("start", "d"), ("end", "d")]
+    assert all(s.done() and s.measured_minutes() is not None for s in stages)
+
+    cfg = config(tmp_path / "demo_run", "stages=[evaluate]")
+    evaluate = demo.build_stages(cfg)[-1]
+
+    class Evaluating(Recording):
+        def wait(self):
+            evaluate.output.mkdir(parents=True)
+            (evaluate.output / "report.md").write_text("| algorithm | τ |\n")
+            print("| algorithm | τ |")  # what inference.evaluate prints when it finishes
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Evaluating)
+    capsys.readouterr()
+    demo.run_stages(cfg)
+    assert capsys.readouterr().out.count("| algorithm | τ |") == 1

@@ -1,0 +1,78 @@
+"""``python benchmarks/train_step.py recipe=NAME [steps=6] [threads=1] [profile=false] [key=value ...]``
+
+Where a training step's time goes, for any recipe: builds the recipe's LightningModule and DataModule exactly as
+``spectrain.fit`` does, then times ``steps`` training steps split into the batch (collation, which for online
+features includes the target's forward) and the step (forward, backward, AdamW), after one warm-up step. Prints
+seconds per step and trained (answer) tokens/s; ``profile=true`` adds torch.profiler's top operators of one step.
+Any other ``key=value`` is a recipe override (``data.batch_size=8``, ``model.ttt_steps=5``, ...).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
+from spectrain.overrides import parse_cli
+
+USAGE = "python benchmarks/train_step.py recipe=NAME steps=6 threads=1 profile=false [recipe overrides]"
+OWN_KEYS = ("steps", "threads", "profile")
+
+
+@dataclass
+class TrainStepConfig:
+    steps: int = 6
+    threads: int = 1
+    profile: bool = False
+
+
+def main(argv: list[str]) -> None:
+    own = parse_cli([a for a in argv if a.split("=", 1)[0] in OWN_KEYS], TrainStepConfig, USAGE)
+    torch.set_num_threads(own.threads)
+    cfg = compose_recipe([a for a in argv if a.split("=", 1)[0] not in OWN_KEYS])
+    import_kind_modules()
+    module, data = build_module_and_data(cfg)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    optimizer = module.configure_optimizers()["optimizer"]
+    module.train()
+
+    def one_step() -> tuple[float, float, int]:
+        start = time.perf_counter()
+        batch = next(batches)
+        fetched = time.perf_counter()
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        trained = int((batch["loss_mask"].bool() & batch["attention_mask"].bool()).sum())
+        return fetched - start, time.perf_counter() - fetched, trained
+
+    module.log = lambda *a, **k: None  # no Trainer attached: logging is a no-op here
+    one_step()  # warm-up: first calls pay for allocation and kernel selection
+    fetch_s = step_s = 0.0
+    tokens = 0
+    for _ in range(own.steps):
+        f, s, n = one_step()
+        fetch_s, step_s, tokens = fetch_s + f, step_s + s, tokens + n
+    per_step = (fetch_s + step_s) / own.steps
+    print(f"recipe={cfg.run_name} kind={cfg.kind} batch_size={cfg.data.batch_size} max_len={cfg.data.max_len} "
+          f"threads={own.threads} steps={own.steps}")
+    print("| s/step | batch (incl. online target forward) | forward+backward+optimizer | answer tokens/step | "
+          "trained tokens/s |")
+    print("|---|---|---|---|---|")
+    print(f"| {per_step:.2f} | {fetch_s / own.steps:.2f} | {step_s / own.steps:.2f} | {tokens / own.steps:.0f} | "
+          f"{tokens / (fetch_s + step_s):.0f} |")
+    if own.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_step()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,99 @@
+"""Multi-stage jobs (``make demo``, ``benchmarks/drafter_quality.py``): each stage is one of the project's own
+commands, printed before it runs, so any stage can be re-run by hand. A stage whose output is complete is skipped,
+and the commands themselves resume (regeneration, extraction and training continue where a kill left them), so
+re-running a pipeline after an interruption continues instead of starting over.
+
+Consecutive stages that name the same ``group`` run side by side, one process each (on a 2-core CPU two
+one-thread trainings finish sooner than one after the other with two threads each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    minutes: float  # expected minutes on the reference machine (2-core CPU, one thread per stage)
+    what: str
+    argv: tuple[str, ...]  # arguments of `python -m ...`
+    output: Path
+    marker: Path  # written when the stage's command succeeded: a killed stage leaves none and resumes
+    group: str = ""  # consecutive stages with the same non-empty group run concurrently
+
+    def done(self) -> bool:
+        return self.marker.is_file() and self.output.exists()
+
+    def mark_done(self, minutes: float = 0.0) -> None:
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.write_text(json.dumps({"argv": list(self.argv), "minutes": round(minutes, 2)}) + "\n")
+
+    def measured_minutes(self) -> float | None:
+        """The wall minutes its finished run took (None for markers written before minutes were recorded)."""
+        try:
+            return float(json.loads(self.marker.read_text())["minutes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def select(stages: Sequence[Stage], names: Sequence[str]) -> list[Stage]:
+    """The stages ``names`` asks for ("all" = every stage), in pipeline order; unknown names fail in one line."""
+    unknown = set(names) - {"all"} - {s.name for s in stages}
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages: {', '.join(s.name for s in stages)}")
+    return [s for s in stages if "all" in names or s.name in names]
+
+
+def _batches(stages: Sequence[Stage]) -> list[list[Stage]]:
+    batches: list[list[Stage]] = []
+    for stage in stages:
+        if batches and stage.group and batches[-1][0].group == stage.group:
+            batches[-1].append(stage)
+        else:
+            batches.append([stage])
+    return batches
+
+
+def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str,
+                 env: dict[str, str] | None = None) -> list[str]:
+    """Run every stage not done yet; returns the names of those that ran. A failure raises one line naming the
+    stage (finished ones are kept)."""
+    todo = [s for s in stages if not s.done()]
+    print(f"[{label}] {len(stages)} stages, {len(stages) - len(todo)} already done; about "
+          f"{sum(s.minutes for s in todo):.0f} min of work left on a 2-core CPU.", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), **(env or {})}
+    index = {id(s): i for i, s in enumerate(stages, 1)}
+    ran: list[str] = []
+    for batch in _batches(stages):
+        running = []
+        for stage in batch:
+            head = f"[{label}] stage {index[id(stage)]}/{len(stages)} {stage.name}"
+            if stage.done():
+                print(f"{head}: done already ({stage.output}), skipped", flush=True)
+                continue
+            side = " (alongside the next stage)" if len(batch) > 1 else ""
+            print(f"{head}: {stage.what} (about {stage.minutes:.1f} min){side}\n[{label}]   $ python -m "
+                  f"{' '.join(stage.argv)}", flush=True)
+            running.append((stage, head, time.perf_counter(),
+                            subprocess.Popen([sys.executable, "-m", *stage.argv], env=env)))
+        failed = []
+        for stage, head, start, process in running:
+            if process.wait() != 0 or not stage.output.exists():
+                failed.append(stage.name)
+                continue
+            minutes = (time.perf_counter() - start) / 60
+            stage.mark_done(minutes)
+            ran.append(stage.name)
+            print(f"{head}: finished in {minutes:.1f} min", flush=True)
+        if failed:
+            raise RuntimeError(f"{label} stage {', '.join(failed)} failed (its error is above); fix it and re-run "
+                               f"{rerun_hint}: finished stages are kept and this one resumes")
+    return ran
