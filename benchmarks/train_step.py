@@ -1,25 +1,29 @@
-"""``python benchmarks/train_step.py recipe=NAME [steps=6] [threads=1] [profile=false] [key=value ...]``
+"""``python -m benchmarks.train_step recipe=NAME|[A,B] [steps=6] [threads=1] [profile=false] [out=FILE.json] [key=value ...]``
 
 Where a training step's time goes, for any recipe: builds the recipe's LightningModule and DataModule exactly as
 ``spectrain.fit`` does, then times ``steps`` training steps split into the batch (collation, which for online
 features includes the target's forward) and the step (forward, backward, AdamW), after one warm-up step. Prints
 seconds per step and trained (answer) tokens/s; ``profile=true`` adds torch.profiler's top operators of one step.
-Any other ``key=value`` is a recipe override (``data.batch_size=8``, ``model.ttt_steps=5``, ...).
+Any other ``key=value`` is a recipe override (``data.batch_size=8``, ``model.ttt_steps=5``, ...), applied to
+each recipe named; ``out=`` writes ``{kind: seconds per step}`` as JSON (``benchmarks/drafter_quality.py`` sizes
+SpecBlock's run to EAGLE-3's training wall time from it).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
 from spectrain.overrides import parse_cli
 
-USAGE = "python benchmarks/train_step.py recipe=NAME steps=6 threads=1 profile=false [recipe overrides]"
-OWN_KEYS = ("steps", "threads", "profile")
+USAGE = "python -m benchmarks.train_step recipe=NAME steps=6 threads=1 profile=false out=FILE [recipe overrides]"
+OWN_KEYS = ("steps", "threads", "profile", "out")
 
 
 @dataclass
@@ -27,13 +31,26 @@ class TrainStepConfig:
     steps: int = 6
     threads: int = 1
     profile: bool = False
+    out: str | None = None
 
 
 def main(argv: list[str]) -> None:
     own = parse_cli([a for a in argv if a.split("=", 1)[0] in OWN_KEYS], TrainStepConfig, USAGE)
     torch.set_num_threads(own.threads)
-    cfg = compose_recipe([a for a in argv if a.split("=", 1)[0] not in OWN_KEYS])
+    overrides = [a for a in argv if a.split("=", 1)[0] not in OWN_KEYS and a.split("=", 1)[0] != "recipe"]
+    recipes = next((a.split("=", 1)[1] for a in argv if a.startswith("recipe=")), "")
     import_kind_modules()
+    seconds = {}
+    for recipe in recipes.strip("[]").split(","):
+        cfg = compose_recipe([f"recipe={recipe.strip()}", *overrides])
+        seconds[cfg.kind] = time_steps(cfg, own)
+    if own.out:
+        Path(own.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(own.out).write_text(json.dumps(seconds) + "\n")
+
+
+def time_steps(cfg, own: TrainStepConfig) -> float:
+    """Seconds per training step (batch + step) of a composed recipe; prints the table."""
     module, data = build_module_and_data(cfg)
     data.setup("fit")
     batches = iter(data.train_dataloader())
@@ -44,7 +61,8 @@ def main(argv: list[str]) -> None:
         start = time.perf_counter()
         batch = next(batches)
         fetched = time.perf_counter()
-        loss = module.training_step(batch, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed"):
+            loss = module.training_step(batch, 0)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -72,6 +90,7 @@ def main(argv: list[str]) -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             one_step()
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    return per_step
 
 
 if __name__ == "__main__":

@@ -1,0 +1,261 @@
+"""``python -m benchmarks.drafter_quality [setting=gsm|general] [out=runs/drafter_quality] [stages=all] ...``
+
+Does what spectrain trains draft well? One resumable pipeline per setting, every stage a project command
+(``inference.pipeline``: printed before it runs, skipped once done, resumed after a kill):
+
+``gsm`` (one domain, GSM-symbolic; evaluation prompts from seeds disjoint from the training prompts'):
+  regenerate the target's own greedy answers to ``n_samples`` training prompts -> train the draft LM
+  (``draftlm_smollm2_gsm``) and EAGLE-3 (``eagle3_smollm2_gsm``) side by side, one core each -> time a step of
+  EAGLE-3 and SpecBlock (so SpecBlock gets EAGLE-3's training wall time) -> train SpecBlock beside the draft LM's
+  SpS traces and H-RAD -> export all -> ONE ``inference.evaluate`` run on held-out GSM prompts (greedy) -> HSD vs
+  tokenwise at T = 1 -> the goal table.
+``general`` (ShareGPT, evaluated on MT-Bench): regenerate ShareGPT answers -> EAGLE-3 (``eagle3_smollm2``
+  recipe on the regenerated file) -> export -> evaluate.
+
+The table is printed at the end and written to ``OUT/SETTING/goals.md``; each stage's wall minutes are in its
+marker under ``OUT/SETTING/.done/`` (the stage budget). Drafters are not committed: this script makes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference.pipeline import Stage, run_pipeline, select
+from spectrain.overrides import OverrideError, parse_cli, run_cli
+
+USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"
+SETTINGS = ("gsm", "general")
+DRAFT_VOCAB = 8192  # the draft LM proposes from the 8,192 lowest ids (what draftlm_smollm2_gsm trains)
+
+
+@dataclass
+class QualityConfig:
+    setting: str = "gsm"
+    out: str = "runs/drafter_quality"
+    n_samples: int = 800  # training prompts answered by the target
+    draftlm_steps: int = 500
+    eagle3_steps: int = 120
+    n_prompts: int = 6  # held-out evaluation prompts
+    max_new_tokens: int = 192
+    hsd_rounds: int = 1000  # verification rounds per verifier for the HSD figure (T = 1)
+    precision: str = "auto"  # trainer precision; auto = bf16-mixed on a CPU with native bf16, else 32-true
+    stages: list[str] = field(default_factory=lambda: ["all"])
+
+
+def _precision(name: str) -> str:
+    if name != "auto":
+        return name
+    from spectrain.fit import cpu_has_native_bf16
+
+    return "bf16-mixed" if cpu_has_native_bf16() else "32-true"
+
+
+def _fit(recipe: str, runs: Path, *extra: str) -> tuple[str, ...]:
+    return ("spectrain.fit", f"recipe={recipe}", f"runs_dir={runs}", "resume=auto", *extra)
+
+
+def _steps(n: int) -> tuple[str, ...]:
+    every = max(1, n // 4)
+    return (f"trainer.max_steps={n}", f"trainer.val_check_interval={every}", f"trainer.checkpoint_every_n_steps={every}")
+
+
+def equal_time_steps(eagle3_steps: int, probe: Path) -> int:
+    """SpecBlock's steps for EAGLE-3's training wall time, from the measured seconds per step of both."""
+    timed = json.loads(probe.read_text())
+    return max(1, round(eagle3_steps * timed["eagle3"] / timed["specblock"]))
+
+
+def gsm_stages(cfg: QualityConfig) -> list[Stage]:
+    out = Path(cfg.out) / "gsm"
+    runs, exports, data = out / "runs", out / "exports", out / "regenerated.jsonl"
+    source = f"data.source=jsonl:{data}"
+    precision = f"trainer.precision={_precision(cfg.precision)}"
+    probe = out / "step_seconds.json"
+    specblock_steps = equal_time_steps(cfg.eagle3_steps, probe) if probe.is_file() else cfg.eagle3_steps
+
+    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
+        return Stage(name, minutes, what, argv, output, out / ".done" / name, group)
+
+    def ckpt(run: str) -> Path:
+        return runs / run / "checkpoints" / "last.ckpt"
+
+    # HSD equals tokenwise at T = 0; its figure is the T = 1 stage ("hsd") below.
+    algorithms = [f"sps@draft_vocab={DRAFT_VOCAB}", f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess",
+                  f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess", f"ssd@draft_vocab={DRAFT_VOCAB}",
+                  "eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
+                  "eagle3_tree@tree_depth=5@tree_topk=2@tree_total=10",
+                  "specblock_tree", "specblock_tree@specblock_budget=16@specblock_width=4"]
+    return [
+        stage("regenerate", 0.12 * cfg.n_samples / 2, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
+              ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
+               "max_len=640", "max_new_tokens=384", "batch_size=24", f"out={data}"), data),
+        stage("train-draftlm", 0.06 * cfg.draftlm_steps, "draft LM on the target's tokens (no target forward)",
+              _fit("draftlm_smollm2_gsm", runs, source, precision, *_steps(cfg.draftlm_steps)),
+              ckpt("draftlm_smollm2_gsm"), group="train"),
+        stage("train-eagle3", 0.25 * cfg.eagle3_steps, "EAGLE-3 on the regenerated answers (online features)",
+              _fit("eagle3_smollm2_gsm", runs, source, precision, *_steps(cfg.eagle3_steps)),
+              ckpt("eagle3_smollm2_gsm"), group="train"),
+        stage("probe-step-time", 3.0, "seconds per training step of EAGLE-3 and SpecBlock (equal wall time)",
+              ("benchmarks.train_step", "recipe=[eagle3_smollm2_gsm,specblock_smollm2_gsm]", "steps=3", source,
+               precision, f"out={probe}"), probe),
+        stage("export-draftlm", 0.2, "export the draft LM", ("spectrain.export", f"ckpt={ckpt('draftlm_smollm2_gsm')}",
+              f"out={exports / 'draft_lm'}"), exports / "draft_lm"),
+        stage("train-specblock", 0.25 * cfg.eagle3_steps, f"SpecBlock for EAGLE-3's training wall time ({specblock_steps} steps)",
+              _fit("specblock_smollm2_gsm", runs, source, precision, *_steps(specblock_steps)),
+              ckpt("specblock_smollm2_gsm"), group="last"),
+        stage("traces", 6.0, "SpS acceptance traces of the draft LM on 32 training prompts (H-RAD labels)",
+              ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
+               "split=train", "n_samples=32", "gamma=4", "max_new_tokens=96", f"draft_vocab={DRAFT_VOCAB}",
+               f"out={out / 'traces'}"), out / "traces", group="last"),
+        stage("train-hrad", 0.3, "H-RAD on the traces", ("spectrain.fit", "recipe=demo_hrad", f"runs_dir={runs}",
+              "resume=auto", f"data.dataset_dir={out / 'traces'}"), ckpt("demo_hrad")),
+        stage("export-hrad", 0.2, "export H-RAD", ("spectrain.export", f"ckpt={ckpt('demo_hrad')}", f"out={exports / 'hrad'}"),
+              exports / "hrad"),
+        stage("export-eagle3", 0.2, "export EAGLE-3", ("spectrain.export", f"ckpt={ckpt('eagle3_smollm2_gsm')}",
+              "format=native", f"out={exports / 'eagle3'}"), exports / "eagle3"),
+        stage("export-specblock", 0.2, "export SpecBlock", ("spectrain.export", f"ckpt={ckpt('specblock_smollm2_gsm')}",
+              "format=native", f"out={exports / 'specblock'}"), exports / "specblock"),
+        stage("evaluate", 1.5 * (len(algorithms) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
+              f"every learned drafter on {cfg.n_prompts} held-out GSM prompts against AR, one run, greedy",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[{','.join(algorithms)}]",
+               "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
+               "temperature=0", "threads=1", f"out={out / 'eval'}"), out / "eval" / "results.json"),
+        stage("hsd", 0.008 * cfg.hsd_rounds, f"HSD (capped) vs tokenwise block efficiency at T = 1, {cfg.hsd_rounds} rounds",
+              ("benchmarks.hsd_block_efficiency", "target=smollm2", f"drafter={exports / 'draft_lm'}",
+               "bench=[gsm_symbolic]", f"n_prompts={cfg.n_prompts}", "max_new_tokens=128", "gamma=4",
+               "temperature=1.0", f"min_rounds={cfg.hsd_rounds}", f"draft_vocab={DRAFT_VOCAB}", "threads=1",
+               f"out={out / 'hsd.json'}"), out / "hsd.json"),
+    ]
+
+
+def general_stages(cfg: QualityConfig) -> list[Stage]:
+    out = Path(cfg.out) / "general"
+    runs, exports, data = out / "runs", out / "exports", out / "regenerated.jsonl"
+
+    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path) -> Stage:
+        return Stage(name, minutes, what, argv, output, out / ".done" / name)
+
+    ckpt = runs / "eagle3_smollm2" / "checkpoints" / "last.ckpt"
+    return [
+        stage("regenerate", 0.05 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} ShareGPT conversations",
+              ("data_prep.regenerate", "target=smollm2", "source=sharegpt", "split=train", f"n_samples={cfg.n_samples}",
+               "max_len=512", "max_new_tokens=256", "batch_size=24", f"out={data}"), data),
+        stage("train-eagle3", 0.25 * cfg.eagle3_steps, "EAGLE-3 on the regenerated conversations",
+              _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000", "data.max_len=512",
+                   "data.bucket_by_length=true", f"trainer.precision={_precision(cfg.precision)}",
+                   *_steps(cfg.eagle3_steps)), ckpt),
+        stage("export-eagle3", 0.2, "export EAGLE-3", ("spectrain.export", f"ckpt={ckpt}", "format=native",
+              f"out={exports / 'eagle3'}"), exports / "eagle3"),
+        stage("evaluate", 0.5 * cfg.n_prompts * cfg.max_new_tokens / 100, f"EAGLE-3 on {cfg.n_prompts} MT-Bench prompts",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
+               "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]", "bench=mt_bench",
+               f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1",
+               f"out={out / 'eval'}"), out / "eval" / "results.json"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- the goal table
+
+
+def _runs(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["algorithm"]: r for r in results["runs"]}
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
+    """(figure, goal, measured, met?) from the evaluate run (and HSD run) of one setting."""
+    results = json.loads((out / "eval" / "results.json").read_text())
+    runs = _runs(results)
+    rows: list[tuple[str, str, str, str]] = []
+
+    def add(figure: str, goal: str, value: float | None, ok: bool | None, text: str | None = None) -> None:
+        rows.append((figure, goal, text or _fmt(value), "–" if ok is None else ("yes" if ok else "no")))
+
+    lossless = all(r.get("greedy_equal_to_ar", True) for r in runs.values())
+    if setting == "general":
+        tau = runs["eagle3_tree"]["tau"]
+        add("MT-Bench: EAGLE-3 τ (default tree)", "≥ 2.0", tau, tau >= 2.0)
+        add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
+        return rows
+    eagle = runs["eagle3_tree"]
+    add("GSM: EAGLE-3 τ (default tree 6/8/48)", "≥ 3.0", eagle["tau"], eagle["tau"] >= 3.0)
+    learned = {k: r for k, r in runs.items() if k != "ar"}
+    best = max(learned, key=lambda k: learned[k]["speedup_vs_ar"] or 0)
+    speed = learned[best]["speedup_vs_ar"]
+    add("GSM: best learned drafter tokens/s ÷ AR", "≥ 1.5×", speed, speed >= 1.5, f"{speed:.2f}× ({best})")
+    sps = runs[f"sps@draft_vocab={DRAFT_VOCAB}"]
+    top1 = sps["acceptance_by_position"][0] if sps["acceptance_by_position"] else None
+    add("GSM: draft LM top-1 agreement (first draft token accepted, greedy)", "≥ 0.6", top1,
+        top1 is not None and top1 >= 0.6)
+    block = runs["specblock_tree"]
+    ratio = block["tau"] / eagle["tau"]
+    fwd = (block["draft_forwards"] / block["target_forwards"]) / (eagle["draft_forwards"] / eagle["target_forwards"])
+    minutes = {name: Stage(name, 0, "", (), out, out / ".done" / name).measured_minutes()
+               for name in ("train-eagle3", "train-specblock")}
+    add("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time", "≥ 1.10", ratio, ratio >= 1.10,
+        f"{ratio:.2f} (training {_fmt(minutes['train-specblock'], 1)} vs {_fmt(minutes['train-eagle3'], 1)} min)")
+    add("GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's", "≤ 0.5", fwd, fwd <= 0.5)
+    ssd = runs[f"ssd@draft_vocab={DRAFT_VOCAB}"]
+    hit = ssd.get("cache_hit_rate")
+    add("GSM: SSD cache hit rate (T = 0)", "≥ 0.6", hit, hit is not None and hit >= 0.6)
+    branch = runs[f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
+    pearl = runs[f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
+    rb = branch.get("rollback_rate_speculated", branch["rollback_rate"]) / max(sps["rollback_rate"], 1e-9)
+    add("GSM: SpecBranch rollback (speculated) ÷ SpS's", "≤ 0.6", rb, rb <= 0.6)
+    faster = branch["tokens_per_s"] > pearl["tokens_per_s"]
+    add("GSM: SpecBranch vs PEARL tokens/s (two processes)", "faster", None, faster,
+        f"{branch['tokens_per_s']:.1f} vs {pearl['tokens_per_s']:.1f}")
+    hsd_file = out / "hsd.json"
+    if hsd_file.is_file():
+        measured = json.loads(hsd_file.read_text())["summary"]["measured"]
+        low, high = measured["ci95"] if "ci95" in measured else (measured.get("low"), measured.get("high"))
+        add("GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1", "≥ 1.03", measured["value"],
+            measured["value"] >= 1.03, f"{measured['value']:.3f} [95 % CI {_fmt(low, 3)}, {_fmt(high, 3)}]")
+    add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
+    return rows
+
+
+def goal_table(setting: str, out: Path) -> str:
+    lines = ["| figure | goal | measured | met |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in goal_rows(setting, out)]
+    stages = sorted((out / ".done").glob("*"))
+    budget = ", ".join(f"{p.name} {_fmt(json.loads(p.read_text()).get('minutes'), 1)}" for p in stages
+                       if p.read_text().startswith("{"))
+    return "\n".join(lines) + f"\n\nStage minutes: {budget}\n"
+
+
+def run(cfg: QualityConfig) -> str:
+    if cfg.setting not in SETTINGS:
+        raise OverrideError(f"setting must be one of {', '.join(SETTINGS)}, got '{cfg.setting}'")
+    build = gsm_stages if cfg.setting == "gsm" else general_stages
+    out = Path(cfg.out) / cfg.setting
+    label = f"drafter_quality/{cfg.setting}"
+    stages = select(build(cfg), cfg.stages)
+    names = [s.name for s in stages]
+    # SpecBlock's step count comes from the step-time probe: build the later stages again once it has run.
+    cut = names.index("probe-step-time") + 1 if "probe-step-time" in names else len(stages)
+    run_pipeline(stages[:cut], label=label, rerun_hint="the same command", env={"OMP_NUM_THREADS": "1"})
+    if cut < len(stages):
+        rest = [s for s in select(build(cfg), cfg.stages) if s.name in names[cut:]]
+        run_pipeline(rest, label=label, rerun_hint="the same command", env={"OMP_NUM_THREADS": "1"})
+    table = goal_table(cfg.setting, out)
+    (out / "goals.md").write_text(table)
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(argv, lambda args: run(parse_cli(args, QualityConfig, USAGE)), doc=__doc__, schema=QualityConfig,
+                   report=print)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
