@@ -16,10 +16,11 @@ from pathlib import Path
 
 from inference.algorithms import ALGORITHMS
 from inference.pipeline import Stage, run_pipeline, select
+from spectrain.atomic import check_output
 from spectrain.overrides import parse_cli, run_cli
 
 DEMO_RECIPE_STEPS = 40  # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
-# Self-Draft's small grid, the setting that beat AR in wall-clock on the 2-core CPU (BENCHMARKS.md, third session)
+# Self-Draft's small grid, the setting that beat AR in wall-clock on the 2-core CPU (BENCHMARKS.md, "Self-Draft")
 SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidates=2@self_draft_corpus_candidates=1"
                   "@self_draft_grid_vocab=8192")
 USAGE = "python -m inference.demo out=runs/demo n_prompts=3 max_new_tokens=48 stages=all"
@@ -119,7 +120,9 @@ def run_stages(cfg: DemoConfig) -> None:
 
 
 def _run(args: list[str]) -> None:
-    run_stages(parse_cli(args, DemoConfig, USAGE))
+    cfg = parse_cli(args, DemoConfig, USAGE)
+    check_output(cfg.out)
+    run_stages(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,79 @@
+"""benchmarks/drafter_quality.py: every stage is a command its CLI accepts, SpecBlock gets EAGLE-3's wall time,
+and the goal table reads the evaluate run it says it reads."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+from test_demo import PARSERS
+
+from benchmarks import drafter_quality as dq
+from inference.pipeline import Stage
+from spectrain.overrides import parse_cli
+
+CLIS = {
+    **PARSERS,
+    "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),
+    "benchmarks.train_step": lambda argv: None,  # its own keys are checked in its main; recipes below
+    "benchmarks.hsd_block_efficiency": lambda argv: parse_cli(
+        argv, importlib.import_module("benchmarks.hsd_block_efficiency").BenchConfig, "usage"),
+}
+
+
+@pytest.mark.parametrize("setting", dq.SETTINGS)
+def test_every_stage_is_a_command_its_cli_accepts(tmp_path, setting):
+    cfg = parse_cli([f"out={tmp_path}", f"setting={setting}"], dq.QualityConfig, dq.USAGE)
+    stages = (dq.gsm_stages if setting == "gsm" else dq.general_stages)(cfg)
+    assert stages[0].name == "regenerate" and "evaluate" in [s.name for s in stages]
+    for stage in stages:
+        CLIS[stage.argv[0]](list(stage.argv[1:]))
+        if stage.argv[0] == "benchmarks.train_step":  # each recipe it times, with the overrides it passes
+            recipes = stage.argv[1].split("=", 1)[1].strip("[]").split(",")
+            for recipe in recipes:
+                PARSERS["spectrain.fit"]([f"recipe={recipe}", *(a for a in stage.argv[2:]
+                                                                 if a.startswith(("data.", "trainer.")))])
+    groups = [s.group for s in stages if s.group]
+    assert setting == "general" or groups.count("train") == 2  # draft LM and EAGLE-3 side by side
+
+
+def test_specblock_gets_eagle3s_wall_time_from_the_probe(tmp_path):
+    cfg = parse_cli([f"out={tmp_path}", "eagle3_steps=120"], dq.QualityConfig, dq.USAGE)
+    probe = tmp_path / "gsm" / "step_seconds.json"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(json.dumps({"eagle3": 10.0, "specblock": 25.0}))
+    specblock = next(s for s in dq.gsm_stages(cfg) if s.name == "train-specblock")
+    assert "trainer.max_steps=48" in specblock.argv and dq.equal_time_steps(120, probe) == 48
+
+
+def _record(algorithm: str, tau: float, speedup: float, **extra) -> dict:
+    return {"algorithm": algorithm, "bench": "gsm_symbolic", "tau": tau, "speedup_vs_ar": speedup,
+            "tokens_per_s": 10.0 * speedup, "draft_forwards": 10, "target_forwards": 10, "rollback_rate": 0.5,
+            "acceptance_by_position": [0.7, 0.6], "greedy_equal_to_ar": True, **extra}
+
+
+def test_goal_table_reads_the_evaluate_run(tmp_path):
+    out = tmp_path / "gsm"
+    (out / "eval").mkdir(parents=True)
+    v = dq.DRAFT_VOCAB
+    runs = [_record("ar", 1.0, 1.0), _record(f"sps@draft_vocab={v}", 2.5, 1.6),
+            _record(f"pearl@draft_vocab={v}@executor=multiprocess", 2.0, 1.2),
+            _record(f"specbranch@draft_vocab={v}@executor=multiprocess", 2.1, 1.3, rollback_rate_speculated=0.25),
+            _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4),
+            _record("eagle3_tree", 3.2, 1.1), _record("specblock_tree", 3.0, 0.8, draft_forwards=4)]
+    (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
+    Stage("train-eagle3", 0, "", (), out, out / ".done" / "train-eagle3").mark_done(30.0)
+    Stage("train-specblock", 0, "", (), out, out / ".done" / "train-specblock").mark_done(29.0)
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: EAGLE-3 τ (default tree 6/8/48)"] == ("3.20", "yes")
+    assert rows["GSM: best learned drafter tokens/s ÷ AR"] == (f"1.60× (sps@draft_vocab={v})", "yes")
+    assert rows["GSM: draft LM top-1 agreement (first draft token accepted, greedy)"] == ("0.70", "yes")
+    assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"] == (
+        "0.94 (training 29.0 vs 30.0 min)", "no")
+    assert rows["GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's"] == ("0.40", "yes")
+    assert rows["GSM: SSD cache hit rate (T = 0)"] == ("0.40", "no")
+    assert rows["GSM: SpecBranch rollback (speculated) ÷ SpS's"] == ("0.50", "yes")
+    assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
+    assert rows["greedy output = AR in every run"] == ("yes", "yes")
+    assert "train-eagle3 30.0" in dq.goal_table("gsm", out)
