@@ -32,6 +32,7 @@ from data_prep.layers import LAYER_CONVENTION, resolve_layers, spec_name
 from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import ShardWriter, column
+from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 "
@@ -71,6 +72,7 @@ def parse_args(argv: Sequence[str]) -> Any:
     cfg = parse_cli(argv, ExtractConfig, USAGE)
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    check_output(cfg.out)
     storage_dtype(cfg.dtype)
     for key in ("n_samples", "max_len", "batch_size"):
         if cfg[key] < 1:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from inference.ngram_cache import CorpusCache, Gram
+from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = "python -m data_prep.ngram_corpus target=smollm2 source=sharegpt out=FILE n_samples=2000"
@@ -126,6 +127,7 @@ def _build(args: list[str]) -> tuple[Any, CorpusCache]:
         raise OverrideError(f"out=FILE is required; usage: {USAGE}")
     if cfg.n_samples < 1 or cfg.max_per_key < 1 or cfg.min_count < 1:
         raise OverrideError("n_samples, max_per_key and min_count must be >= 1")
+    check_output(cfg.out, file=True)
     corpus = build_corpus(cfg)
     corpus.save(cfg.out)
     return cfg, corpus

@@ -271,8 +271,16 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"jsonl source {path} does not exist")
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    found = 0
+    with open(path, "rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                if b"\0" in raw:
+                    raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start}): is it a "
+                                 f"binary file? {_JSONL_EXPECTED}") from None
             if not line.strip():
                 continue
             try:
@@ -284,8 +292,11 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
             turns = _jsonl_turns(rec)
             if turns is None:
                 raise ValueError(f"{path}:{lineno}: {_JSONL_EXPECTED}")
+            found += 1
             yield Conversation(id=str(rec.get("id", f"{path.name}:{lineno}")), turns=turns,
                                source=f"jsonl:{path}")
+    if not found:
+        raise ValueError(f"jsonl source {path} holds no conversations (empty file); {_JSONL_EXPECTED}")
 
 
 def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = "all",

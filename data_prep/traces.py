@@ -35,6 +35,7 @@ from data_prep.capture import DTYPE_NAMES, storage_dtype
 from data_prep.layers import LAYER_CONVENTION, resolve_layers
 from data_prep.manifest import new_header, refuse_other_args, target_identity, tokenizer_identity
 from data_prep.shards import ShardWriter, column
+from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "
@@ -92,6 +93,7 @@ def parse_args(argv: Sequence[str]) -> Any:
     cfg = parse_cli(argv, TracesConfig, USAGE)
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    check_output(cfg.out)
     if not cfg.drafter:
         raise OverrideError(f"drafter=PATH is required (a draft LM for this target); usage: {USAGE}")
     storage_dtype(cfg.dtype)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE  |  python -m data_prep.vocab "
@@ -132,12 +133,14 @@ def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metad
 
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, str]]:
-    """``(d2t, t2d, metadata)``; refuses an inconsistent map."""
-    from safetensors import safe_open
+    """``(d2t, t2d, metadata)``; refuses (one line) a missing, damaged or inconsistent map."""
+    from spectrain.assets import load_safetensors
 
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
+    fix = "rebuild it with python -m data_prep.vocab"
+    tensors, metadata = load_safetensors(path, fix=fix, with_metadata=True)
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise ValueError(f"{path} is not a vocabulary map (no d2t/t2d tensors); {fix}")
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
     check_vocab_mapping(d2t, t2d)
     return d2t, t2d, metadata
 
@@ -149,6 +152,7 @@ def make_vocab(cfg: Any) -> dict[str, Any]:
         raise OverrideError("source= needs target= (whose tokenizer and chat template tokenize the prompts)")
     if not cfg.out:
         raise OverrideError(f"out=FILE is required; usage: {USAGE}")
+    check_output(cfg.out, file=True)
     counts, provenance = counts_from_dataset(cfg.dataset) if cfg.dataset else counts_from_source(cfg)
     total = int(counts.sum())
     if total == 0:

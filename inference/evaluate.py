@@ -35,6 +35,7 @@ from inference.drafter_index import export_kind, find_exports
 from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
+from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
@@ -71,6 +72,7 @@ def parse_args(argv: Sequence[str]) -> Any:
     cfg = parse_cli(argv, EvalConfig, USAGE)
     if cfg.n_prompts < 1 or cfg.batch_size < 1:
         raise OverrideError("n_prompts and batch_size must be >= 1")
+    check_output(cfg.out)  # results are written after the whole run: a bad out= must fail now
     _check_generation(cfg, "")
     for label in cfg.algorithms:
         if label != "all":
@@ -182,10 +184,20 @@ class BenchPrompts:
     ids: list[list[int]]
 
 
-def load_bench_prompts(bench: str, tokenizer, n: int) -> BenchPrompts:
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+def load_bench_conversations(bench: str, n: int) -> list:
+    """The first ``n`` conversations of ``bench``; refuses (one line) a bench that gives none."""
+    from data_prep.prompts import load_prompts
 
     conversations = load_prompts(bench, n=n)
+    if not conversations:
+        raise ValueError(f"bench={bench} gives no prompts; give a bench with at least one conversation")
+    return conversations
+
+
+def load_bench_prompts(bench: str, tokenizer, n: int) -> BenchPrompts:
+    from data_prep.prompts import prompt_turns, render_prompt
+
+    conversations = load_bench_conversations(bench, n)
     return BenchPrompts(bench, [render_prompt(tokenizer, prompt_turns(c)) for c in conversations])
 
 
@@ -244,6 +256,8 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     for name, why in skipped.items():
         print(f"[evaluate] skipping {name}: it {why}", file=sys.stderr)
     needed = {algorithm_class(parse_variant(label)[0]).drafter for label in labels} - {"none"}
+    for bench in cfg.bench:  # an unreadable or empty bench fails before any model loads (re-read below: cheap)
+        load_bench_conversations(bench, cfg.n_prompts)
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                                max_batch_size=cfg.batch_size)
     drafters = {kind: preloaded[kind] if preloaded.get(kind) is not None else

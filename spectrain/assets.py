@@ -174,6 +174,50 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
                      "directory (nothing is downloaded from a hub)")
 
 
+def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool = False):
+    """Every tensor of a safetensors file (and its metadata with ``with_metadata``). A missing, truncated or
+    corrupt file, or one holding NaN/inf, is refused in ONE line naming the file and ``fix`` (what to do)."""
+    import torch
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise AssetError(f"{path} does not exist; {fix}")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as exc:  # SafetensorError is no ValueError/OSError; a torn file raises either
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise AssetError(f"{path} is damaged (truncated or not a safetensors file: {reason}); {fix}") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise AssetError(f"{path} holds NaN/inf values (tensor '{name}'): the weights are unusable; {fix}")
+    return (tensors, metadata) if with_metadata else tensors
+
+
+def read_json(path: str | os.PathLike, *, fix: str):
+    """A JSON file's content; a damaged one is refused in one line naming it and ``fix``."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AssetError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); {fix}") from None
+
+
+def damaged_weights(model_dir: Path) -> str | None:
+    """``FILE: reason`` for the first ``*.safetensors`` of a model directory whose header does not read."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - any failure to open is the answer
+            return f"{file}: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+    return None
+
+
 def load_tokenizer(name_or_path: str | os.PathLike):
     from transformers import AutoTokenizer
 
@@ -190,7 +234,21 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cp
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load "Loading weights" bar is noise in CLI output and logs
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(name_or_path), dtype=dtype)
+    model_dir = resolve_model_dir(name_or_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    if "model_type" not in config and isinstance(config.get("spectrain"), dict):
+        kind = config["spectrain"].get("kind", "drafter")
+        raise AssetError(f"'{name_or_path}' is a spectrain {kind} export, not a causal LM: pass it as a drafter "
+                         "(drafters=DIR, feature_drafter= or specblock_drafter=) and give the model it drafts for "
+                         "as target=")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except Exception:
+        damaged = damaged_weights(model_dir)
+        if damaged is None:
+            raise
+        raise AssetError(f"the weights of '{name_or_path}' are damaged (truncated or corrupt: {damaged}); "
+                         "re-export or re-copy the model directory") from None
     return model.to(device).eval()
 
 

@@ -1,4 +1,8 @@
-"""Atomic writes: a killed process never leaves a half-written file or directory under the final name."""
+"""Atomic writes: a killed process never leaves a half-written file or directory under the final name.
+
+``check_output`` is what every CLI taking ``out=`` calls before any model loads, so an output location that
+cannot be written fails at once instead of after the work.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,30 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def check_output(path: str | os.PathLike, *, key: str = "out", file: bool = False) -> Path:
+    """Refuse, in one line (``OverrideError``) and before any work, an output location that cannot be written:
+    an existing file where a directory goes (or, with ``file=True``, a directory where a file goes), a parent
+    that is a file, or a nearest existing directory without write permission. Creates nothing."""
+    from spectrain.overrides import OverrideError
+
+    out = Path(path).expanduser()
+    if not file and out.exists() and not out.is_dir():
+        raise OverrideError(f"{key}={path} is an existing file, not a directory; choose a directory path "
+                            "(or remove the file)")
+    if file and out.is_dir():
+        raise OverrideError(f"{key}={path} is a directory; give a file path such as {out / 'NAME'}")
+    probe = out if out.is_dir() else out.parent
+    while not probe.exists() and probe != probe.parent:  # exists() is False below a file (ENOTDIR)
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OverrideError(f"{key}={path} cannot be created: {probe} is a file, not a directory; choose another "
+                            f"{key}=")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OverrideError(f"{key}={path} cannot be written: no write permission in {probe}; choose a location "
+                            "you can write to")
+    return out
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from spectrain.atomic import atomic_directory
+from spectrain.atomic import atomic_directory, check_output
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from spectrain.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
                                                drafter_tensors, read_checkpoint, same_target, write_layout)
@@ -75,11 +75,26 @@ class Loaded:
     metrics: dict[str, Any]
 
 
+def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint's content; a file that is not one (damaged, truncated, another format) is refused
+    in one line. It also pickles training state (loops, hyper-parameters): it is the user's own artifact, so
+    full unpickling is acceptable here (weights_only would refuse omegaconf objects)."""
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a torn zip, a foreign pickle or another format raises any of several types
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"ckpt={path} is not a readable Lightning checkpoint ({type(exc).__name__}: "
+                              f"{reason}); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt) of "
+                              "python -m spectrain.fit, or an export directory") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"ckpt={path} holds a {type(raw).__name__}, not a Lightning checkpoint; give "
+                              "runs/<run>/checkpoints/last.ckpt of python -m spectrain.fit")
+    return raw
+
+
 def load_lightning_checkpoint(path: Path) -> Loaded:
-    # A Lightning checkpoint also pickles training state (loops, hyper-parameters): it is the user's own
-    # artifact, so full unpickling is acceptable here (weights_only would refuse omegaconf objects).
-    raw = torch.load(path, map_location="cpu", weights_only=False)
-    meta = raw.get("spectrain") if isinstance(raw, dict) else None
+    raw = read_lightning_checkpoint(path)
+    meta = raw.get("spectrain")
     if not meta:
         raise CheckpointError(f"{path} has no 'spectrain' metadata: the LightningModule must add "
                               "spectrain.export.checkpoint_metadata(...) in on_save_checkpoint")
@@ -136,6 +151,10 @@ def write_export(ckpt: Eagle3Checkpoint, out: str | Path, *, layout: str = "nati
         raise CheckpointError("this checkpoint does not record its target: give target=NAME_OR_DIR (the model it "
                               "drafts for) so the export can be checked and loaded safely")
     ckpt.check_shapes()  # every tensor must fit the module before anything is written
+    for name, tensor in ckpt.tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"the drafter's tensor '{name}' holds NaN/inf (training diverged?): export an "
+                                  "earlier checkpoint (runs/<run>/checkpoints/stepN.ckpt) or retrain")
     with atomic_directory(out) as tmp:
         write_layout(ckpt, layout, tmp, dtype=dtype, speculative_tokens=speculative_tokens)
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
@@ -156,6 +175,9 @@ def export(cfg: Any) -> Path:
         raise OverrideError(f"dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    out = check_output(cfg.out)  # before reading anything
+    if out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     source = cfg.ckpt or cfg.import_path
     if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "draft_lm":
         return export_draft_lm_checkpoint(Path(cfg.ckpt), cfg)
@@ -183,7 +205,7 @@ def checkpoint_kind(path: str) -> str | None:
     source = Path(path)
     if not source.is_file():
         return None
-    raw = torch.load(source, map_location="cpu", weights_only=False)
+    raw = read_lightning_checkpoint(source)
     meta = raw.get("spectrain") or {}
     recipe = (raw.get("hyper_parameters") or {}).get("recipe") or {}
     return meta.get("kind") or recipe.get("kind")
@@ -201,7 +223,7 @@ def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
     out = Path(cfg.out)
     if out.exists():
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
-    raw = torch.load(path, map_location="cpu", weights_only=False)
+    raw = read_lightning_checkpoint(path)
     recipe = OmegaConf.create(raw["hyper_parameters"]["recipe"])
     if cfg.target and cfg.target != recipe.target:
         raise CheckpointError(f"{path} was trained for target '{recipe.target}', not '{cfg.target}'")

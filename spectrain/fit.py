@@ -27,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
-from spectrain.overrides import OverrideError, leaf_keys, resolve_key, split_key_values
+from spectrain.overrides import OverrideError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
 from spectrain.resume import latest_checkpoint, resume_classes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,15 +71,36 @@ def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictCo
     with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
         base = compose(config_name="config", overrides=[f"recipe={recipe}"])
         valid = leaf_keys(base, open_dicts=("model",))  # model fields are kind-specific
-        overrides = [f"{resolve_key(k, valid)}={v}" for k, v in pairs]
+        # The kind's model fields the recipe leaves at their defaults are valid too; Hydra adds them with '+'.
+        unset = [f"model.{k}" for k in _model_fields(dict(pairs).get("kind", OmegaConf.select(base, "kind"))) if k not in base.model]
+        overrides = [("+" if key in unset else "") + f"{key}={v}"
+                     for key, v in ((resolve_key(k, valid + unset), v) for k, v in pairs)]
         try:
             cfg = compose(config_name="config", overrides=[f"recipe={recipe}", *overrides])
-        except Exception as exc:  # Hydra's messages are multi-line; keep the first line
-            raise RecipeError(f"bad override in {' '.join(overrides)}: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # Hydra's messages are multi-line: name the override that fails, and why
+            def alone(item: str) -> None:
+                try:
+                    compose(config_name="config", overrides=[f"recipe={recipe}", item])
+                except Exception as one:  # the reason is in the cause (e.g. omegaconf's conversion error)
+                    raise (one.__cause__ or one) from None
+
+            raise RecipeError(f"bad override: {bad_value(overrides, exc, alone).removeprefix('bad value in ')}"
+                              ) from None
     GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, True)
     _validate(cfg, recipe)
     return cfg
+
+
+def _model_fields(kind_name: Any) -> list[str]:
+    """The model fields kind ``kind_name`` accepts (none when the kind is unknown: validation says so later)."""
+    from spectrain.registry import get_kind
+
+    try:
+        schema = get_kind(str(kind_name)).model_schema
+    except ValueError:
+        return []
+    return list(schema.__dataclass_fields__) if schema is not None else []
 
 
 def _validate(cfg: DictConfig, recipe: str) -> None:
@@ -275,6 +296,30 @@ def check_target(cfg: DictConfig) -> None:
         raise RecipeError(f"target={cfg.target} is not usable: {exc}; pass target=/path/to/model_dir") from None
 
 
+def check_datasets(cfg: DictConfig) -> None:
+    """Before any model loads: ``data.dataset_dir`` / ``data.val_dataset_dir`` must be spectrain datasets made
+    for this target (the kind's DataModule checks the rest when it opens them)."""
+    from data_prep.manifest import DatasetError, read_manifest
+    from spectrain.assets import model_identity
+
+    for key in ("dataset_dir", "val_dataset_dir"):
+        directory = cfg.data.get(key)
+        if not directory:
+            continue
+        try:
+            manifest = read_manifest(directory)
+        except DatasetError as exc:
+            raise DatasetError(f"data.{key}={exc}") from None
+        have, want = manifest.get("target") or {}, model_identity(str(cfg.target))
+        if (have.get("config_hash"), have.get("weights_hash")) != (want["config_hash"], want["weights_hash"]):
+            maker = "data_prep.traces" if manifest.get("kind") == "traces" else "data_prep.extract"
+            raise DatasetError(f"data.{key}={directory} was made for target '{have.get('name')}' (config "
+                               f"{have.get('config_hash')}, weights {have.get('weights_hash')}), not "
+                               f"'{cfg.target}' (config {want['config_hash']}, weights {want['weights_hash']}): "
+                               f"re-create it with python -m {maker} target={cfg.target}, or train for the target "
+                               "it was made for")
+
+
 def import_kind_modules(names: str | None = None) -> None:
     """Import the out-of-tree drafter-kind modules named in ``SPECTRAIN_KIND_MODULES`` (comma-separated)."""
     names = os.environ.get("SPECTRAIN_KIND_MODULES", "") if names is None else names
@@ -324,9 +369,11 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} needs CUDA GPUs and none is visible; use "
                           "strategy=auto or ddp here, or dry_run=true to validate the recipe without GPUs")
     check_target(cfg)
+    if not cfg.dry_run:  # a dry run reads no data
+        check_datasets(cfg)
     # Refuses half precision on CPU before any work (a GPU-only dry run checks what the GPUs will use).
     precision = resolve_precision(cfg.trainer.precision, cuda=gpu_only or _uses_cuda(cfg))
-    pl.seed_everything(cfg.seed, workers=True)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     directory = run_dir(cfg)
     ckpt_path = resume_checkpoint(cfg)
     save_run_info(cfg, directory)
@@ -352,18 +399,13 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("available recipes:", ", ".join(available_recipes()))
-        return 0
-    try:
+    """Like every CLI (``spectrain.overrides.run_cli``): a bad recipe, override, dataset or file is ONE line on
+    stderr and exit code 2, wherever it is found (also inside the trainer, e.g. a DataModule's setup)."""
+    def run(args: list[str]) -> dict[str, Any]:
         import_kind_modules()
-        fit(compose_recipe(argv))
-    except OverrideError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return fit(compose_recipe(args))
+
+    return run_cli(argv, run, doc=f"{__doc__}\navailable recipes: {', '.join(available_recipes())}")
 
 
 if __name__ == "__main__":

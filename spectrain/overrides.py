@@ -7,9 +7,11 @@ that is unambiguous; an unknown key names the closest valid one and lists them a
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -65,7 +67,42 @@ def parse_cli(argv: Sequence[str], schema: type, usage: str) -> Any:
     try:
         return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
     except Exception as exc:  # OmegaConf's messages are multi-line; keep the first line
-        raise OverrideError(f"bad value in {' '.join(dotlist)}: {str(exc).splitlines()[0]}") from None
+        raise OverrideError(bad_value(dotlist, exc, lambda item: OmegaConf.merge(base, OmegaConf.from_dotlist([item])))
+                            ) from None
+
+
+def bad_value(items: Sequence[str], exc: BaseException, apply_one: Callable[[str], Any]) -> str:
+    """One line naming the ``key=value`` of ``items`` that failed (found by applying each alone) and why."""
+    for item in items:
+        try:
+            apply_one(item)
+        except Exception as one:  # noqa: BLE001 - any failure names the culprit
+            key, _, value = item.partition("=")
+            reason = (str(one).splitlines() or [type(one).__name__])[0]
+            if not value:
+                return f"{key.lstrip('+')}= has no value ({reason}); write {key.lstrip('+')}=VALUE"
+            return f"bad value in {item}: {reason}"
+    return f"bad value in {' '.join(items)}: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a CLI prints for ``exc``: its first line, or for a bare OS error what went wrong and the fix."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None and exc.strerror:
+        name = str(exc.filename)
+        if exc.errno == errno.ENOSPC:
+            return f"no space left on the device while writing {name}: free disk space (or write elsewhere) and re-run"
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"cannot write {name} ({exc.strerror}): choose a location you can write to"
+        if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+            blocker = next((p for p in (Path(name), *Path(name).parents) if p.exists() and not p.is_dir()), None)
+            if blocker is not None:
+                needed = "" if str(blocker) == name else f" (to write {name})"
+                return f"{blocker} is a file where a directory is needed{needed}; choose another path"
+        return f"{exc.strerror}: {name}" + (f" -> {exc.filename2}" if exc.filename2 else "")
+    if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left on device" in str(exc):
+        return "no space left on the device: free disk space (or write elsewhere) and re-run"
+    lines = str(exc).splitlines()
+    return lines[0] if lines and lines[0] else type(exc).__name__
 
 
 def run_cli(argv: Sequence[str] | None, action: Callable[[list[str]], Any], *, doc: str | None,
@@ -80,10 +117,12 @@ def run_cli(argv: Sequence[str] | None, action: Callable[[list[str]], Any], *, d
         return 0
     try:
         result = action(argv)
-    except (OverrideError, ValueError, RuntimeError, OSError) as exc:
-        if os.environ.get("SPECTRAIN_DEBUG"):
+    except Exception as exc:
+        # safetensors' own error (e.g. a write that hits a full disk) derives from none of the expected types
+        expected = isinstance(exc, (ValueError, RuntimeError, OSError)) or type(exc).__name__ == "SafetensorError"
+        if not expected or os.environ.get("SPECTRAIN_DEBUG"):
             raise
-        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
     if report is not None:
         report(result)

@@ -30,6 +30,7 @@ from spectrain.adapt.engine import adaptable_with_settings
 from spectrain.adapt.log import plot_tau
 from spectrain.adapt.record import read_trace
 from spectrain.adapt.signal import query_signal
+from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, run_cli, split_key_values
 
 USAGE = "python -m spectrain.adapt.replay traces=DIR drafter=PATH [out=DIR] [gamma=N] [horizon=H ...]"
@@ -107,6 +108,7 @@ def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
     from spectrain.drafters.eagle3_layouts import read_checkpoint
 
     torch.set_num_threads(cfg.threads)
+    check_output(cfg.out or Path(cfg.traces) / "replay")
     manifest, records = read_trace(cfg.traces)
     settings = AdaptSettings.with_overrides(manifest.get("settings", {}), overrides)
     if cfg.logger == "wandb":

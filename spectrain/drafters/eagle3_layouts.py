@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from data_prep.layers import LAYER_CONVENTION, eagle3_layers
+from spectrain.assets import AssetError, load_safetensors, read_json
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
 
 LAYOUTS = ("native", "sglang", "speculators")
@@ -231,13 +232,20 @@ def detect_layout(config: dict[str, Any]) -> str:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` (or the ``pytorch_model.bin`` some hub drafters ship)."""
-    from safetensors.torch import load_file
-
-    if (directory / "model.safetensors").is_file():
-        return load_file(str(directory / "model.safetensors"))
+    """``model.safetensors`` (or the ``pytorch_model.bin`` some hub drafters ship); a damaged file, or one with
+    NaN/inf weights, is refused in one line."""
+    fix = "re-export the drafter (python -m spectrain.export)"
+    try:
+        if (directory / "model.safetensors").is_file():
+            return load_safetensors(directory / "model.safetensors", fix=fix)
+    except AssetError as exc:
+        raise CheckpointError(str(exc)) from None
     if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as exc:  # a torn zip or pickle raises any of several types
+            raise CheckpointError(f"{directory}/pytorch_model.bin is damaged ({str(exc).splitlines()[0]}); "
+                                  "re-download the drafter") from None
     raise CheckpointError(f"{directory} has no model.safetensors or pytorch_model.bin")
 
 
@@ -245,9 +253,18 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
     """Read an EAGLE-3 directory in any layout (auto-detected). ``target`` (a target record) fills in what a
     foreign checkpoint lacks (identity; default layer ids) and is checked against what it states."""
     directory = Path(path)
+    if not directory.exists():
+        raise CheckpointError(f"drafter '{directory}' does not exist; give an export directory of "
+                              "python -m spectrain.export")
     if not (directory / "config.json").is_file():
+        if (directory / "model.safetensors").is_file():
+            raise CheckpointError(f"{directory} has model.safetensors but no config.json: an interrupted or "
+                                  "incomplete copy of an export; re-export it (python -m spectrain.export)")
         raise CheckpointError(f"{directory} has no config.json: not an EAGLE-3 checkpoint directory")
-    raw = json.loads((directory / "config.json").read_text())
+    try:
+        raw = read_json(directory / "config.json", fix="re-export the drafter (python -m spectrain.export)")
+    except AssetError as exc:
+        raise CheckpointError(str(exc)) from None
     layout = detect_layout(raw)
     block = raw.get("spectrain")
     weights = read_weights(directory)

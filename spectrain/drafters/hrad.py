@@ -205,20 +205,20 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
 
 def load_native(path: str | Path) -> tuple[HRAD, dict[str, Any]]:
     """(model in eval mode, float32 on CPU; the ``spectrain`` block) from an export dir."""
-    from safetensors.torch import load_file
+    from spectrain.assets import load_safetensors, read_json
 
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HRADError(f"'{path}' is not an H-RAD export (no config.json); make one with python -m spectrain.export "
                         "ckpt=runs/<run>/checkpoints/last.ckpt out=DIR")
-    block = json.loads(config_file.read_text()).get("spectrain") or {}
+    block = read_json(config_file, fix="re-export it (python -m spectrain.export)").get("spectrain") or {}
     if block.get("kind") != KIND:
         raise HRADError(f"'{path}' holds a '{block.get('kind')}' drafter, not an H-RAD (kind=hrad)")
     if not (path / "model.safetensors").is_file():
         raise HRADError(f"'{path}' has no model.safetensors; re-export it")
     model = HRAD(HRADConfig.from_dict(block["config"]))
-    state = load_file(str(path / "model.safetensors"))
+    state = load_safetensors(path / "model.safetensors", fix="re-export it (python -m spectrain.export)")
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:

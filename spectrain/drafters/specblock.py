@@ -487,16 +487,20 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
 
 def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, spectrain block) of a native SpecBlock export; one-line errors for anything else."""
-    from safetensors.torch import load_file
+    from spectrain.assets import load_safetensors, read_json
 
     directory = Path(path)
+    fix = "re-export the drafter (python -m spectrain.export)"
+    if not directory.exists():
+        raise ValueError(f"drafter '{directory}' does not exist; give a SpecBlock export of python -m spectrain.export")
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
-        raise ValueError(f"{directory} is not a SpecBlock export (needs config.json and model.safetensors); "
-                         "export one with spectrain.drafters.specblock.save_native")
-    block = json.loads((directory / "config.json").read_text()).get("spectrain") or {}
+        raise ValueError(f"{directory} is not a SpecBlock export (needs config.json and model.safetensors; an "
+                         f"interrupted export or copy lacks one); {fix}")
+    block = read_json(directory / "config.json", fix=fix).get("spectrain") or {}
     if block.get("kind") != KIND:
         raise ValueError(f"{directory} holds a '{block.get('kind')}' drafter, not specblock; use its own loader")
-    return SpecBlockConfig.from_dict(block["architecture"]), load_file(str(directory / "model.safetensors")), block
+    tensors = load_safetensors(directory / "model.safetensors", fix=fix)
+    return SpecBlockConfig.from_dict(block["architecture"]), tensors, block
 
 
 def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],

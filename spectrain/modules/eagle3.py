@@ -40,9 +40,14 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     model = cfg.model
     if model.vocab_map:
         d2t, t2d, _ = load_vocab_map(model.vocab_map)
+        if t2d.numel() != vocab_size:
+            raise ValueError(f"model.vocab_map={model.vocab_map} maps a {t2d.numel()}-token vocabulary but target "
+                             f"'{cfg.target}' has {vocab_size} tokens (built for another tokenizer); rebuild it with "
+                             f"python -m data_prep.vocab target={cfg.target} ...")
         if model.draft_vocab_size and d2t.numel() != model.draft_vocab_size:
-            raise ValueError(f"vocab_map {model.vocab_map} has {d2t.numel()} draft ids but "
-                             f"model.draft_vocab_size={model.draft_vocab_size}")
+            raise ValueError(f"model.vocab_map={model.vocab_map} has {d2t.numel()} draft ids but "
+                             f"model.draft_vocab_size={model.draft_vocab_size}; set model.draft_vocab_size="
+                             f"{d2t.numel()} (or 0: the map's size) or rebuild the map with that size")
         return d2t, t2d
     if not model.draft_vocab_size or model.draft_vocab_size >= vocab_size:
         return None

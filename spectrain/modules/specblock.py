@@ -313,8 +313,7 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
+    from spectrain.assets import load_safetensors
     from spectrain.drafters.eagle3_layouts import CheckpointError
     from spectrain.drafters.specblock import build_drafter, save_native
     from spectrain.export import DTYPES, target_record
@@ -331,7 +330,7 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
     if config.target_hidden_size != target["hidden_size"]:
         raise CheckpointError(f"{directory} drafts for hidden size {config.target_hidden_size} but target "
                               f"'{cfg.target}' has {target['hidden_size']}; use the target it was trained for")
-    weights = load_file(str(directory / "model.safetensors"))
+    weights = load_safetensors(directory / "model.safetensors", fix="re-download the reference checkpoint")
     tensors = {}
     for name, tensor in weights.items():
         if name in REFERENCE_SKIPPED:
