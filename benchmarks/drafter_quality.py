@@ -60,9 +60,11 @@ def _fit(recipe: str, runs: Path, *extra: str) -> tuple[str, ...]:
     return ("spectrain.fit", f"recipe={recipe}", f"runs_dir={runs}", "resume=auto", *extra)
 
 
-def _steps(n: int) -> tuple[str, ...]:
-    every = max(1, n // 4)
-    return (f"trainer.max_steps={n}", f"trainer.val_check_interval={every}", f"trainer.checkpoint_every_n_steps={every}")
+def _steps(n: int, validations: int = 4) -> tuple[str, ...]:
+    """Step settings: ``validations`` evenly spaced validations (the scaling figure reads τ_sim against trained
+    tokens from them, so the drafters that feed it validate often) and four checkpoints."""
+    return (f"trainer.max_steps={n}", f"trainer.val_check_interval={max(1, n // validations)}",
+            f"trainer.checkpoint_every_n_steps={max(1, n // 4)}")
 
 
 def equal_time_steps(eagle3_steps: int, probe: Path) -> int:
@@ -99,7 +101,8 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               _fit("draftlm_smollm2_gsm", runs, source, precision, *_steps(cfg.draftlm_steps)),
               ckpt("draftlm_smollm2_gsm"), group="train"),
         stage("train-eagle3", 0.25 * cfg.eagle3_steps, "EAGLE-3 on the regenerated answers (online features)",
-              _fit("eagle3_smollm2_gsm", runs, source, precision, *_steps(cfg.eagle3_steps)),
+              _fit("eagle3_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
+                   *_steps(cfg.eagle3_steps, validations=12)),
               ckpt("eagle3_smollm2_gsm"), group="train"),
         stage("probe-step-time", 3.0, "seconds per training step of EAGLE-3 and SpecBlock (equal wall time)",
               ("benchmarks.train_step", "recipe=[eagle3_smollm2_gsm,specblock_smollm2_gsm]", "steps=3", source,
@@ -107,7 +110,8 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
         stage("export-draftlm", 0.2, "export the draft LM", ("spectrain.export", f"ckpt={ckpt('draftlm_smollm2_gsm')}",
               f"out={exports / 'draft_lm'}"), exports / "draft_lm"),
         stage("train-specblock", 0.25 * cfg.eagle3_steps, f"SpecBlock for EAGLE-3's training wall time ({specblock_steps} steps)",
-              _fit("specblock_smollm2_gsm", runs, source, precision, *_steps(specblock_steps)),
+              _fit("specblock_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
+                   *_steps(specblock_steps, validations=8)),
               ckpt("specblock_smollm2_gsm"), group="last"),
         stage("traces", 6.0, "SpS acceptance traces of the draft LM on 32 training prompts (H-RAD labels)",
               ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",

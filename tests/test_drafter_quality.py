@@ -77,3 +77,19 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
     assert rows["greedy output = AR in every run"] == ("yes", "yes")
     assert "train-eagle3 30.0" in dq.goal_table("gsm", out)
+
+
+def test_scaling_reads_every_validation_and_fits_log_linear(tmp_path):
+    import numpy as np
+
+    from benchmarks.scaling import fit_log_linear, validation_points
+
+    first, resumed = tmp_path / "logs" / "version_0", tmp_path / "logs" / "version_1"
+    first.mkdir(parents=True)
+    resumed.mkdir(parents=True)
+    (first / "metrics.csv").write_text("epoch,step,train/loss,val/tau_sim\n0,4,3.0,\n0,9,,1.20\n0,19,,1.35\n")
+    (resumed / "metrics.csv").write_text("epoch,step,train/loss,val/tau_sim\n0,39,,1.50\n0,79,,1.65\n")
+    assert validation_points(tmp_path) == [(10, 1.20), (20, 1.35), (40, 1.50), (80, 1.65)]
+    tokens = np.array([1e3, 1e4, 1e5])
+    a, b = fit_log_linear(tokens, 0.5 + 0.25 * np.log10(tokens))
+    assert abs(a - 0.5) < 1e-9 and abs(b - 0.25) < 1e-9

@@ -1,0 +1,116 @@
+"""``python -m benchmarks.scaling runs=[DIR,...] [out=FILE.png] [extrapolate=[10,100]]``
+
+How acceptance scales with training: for each training run directory (``runs/<run_name>/``, written by
+``spectrain.fit``), the validation ``val/tau_sim`` against the answer tokens trained on so far (step × batch
+size × the mean answer tokens per training sample, counted over the run's own training data). Fits
+τ_sim = a + b · log10(tokens) per run by least squares, prints the points, the fit and its extrapolation to
+``extrapolate`` × the largest budget (marked as an extrapolation), and draws them on a log axis.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from spectrain.overrides import OverrideError, parse_cli
+
+USAGE = "python -m benchmarks.scaling runs=[runs/x/eagle3_smollm2_gsm,runs/x/specblock_smollm2_gsm] out=scaling.png"
+
+
+@dataclass
+class ScalingConfig:
+    runs: list[str] = field(default_factory=list)
+    out: str | None = None
+    extrapolate: list[float] = field(default_factory=lambda: [10.0, 100.0])
+
+
+def validation_points(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, val/tau_sim) from every CSV log of a run (a resumed run has several), by step."""
+    points: dict[int, float] = {}
+    for log in sorted(run_dir.glob("logs/*/metrics.csv")):
+        with open(log) as handle:
+            for row in csv.DictReader(handle):
+                if row.get("val/tau_sim"):
+                    points[int(row["step"]) + 1] = float(row["val/tau_sim"])  # Lightning logs the 0-based step
+    if not points:
+        raise OverrideError(f"{run_dir} has no val/tau_sim in logs/*/metrics.csv; is it a spectrain.fit run dir?")
+    return sorted(points.items())
+
+
+def answer_tokens_per_sample(recipe) -> float:
+    """Mean answer (loss-mask) tokens per training sample of a recipe's online data."""
+    from data_prep.samples import SampleBuilder, load_source
+    from spectrain.assets import load_tokenizer
+
+    data = recipe.data
+    tokenizer = load_tokenizer(recipe.target)
+    build = SampleBuilder(tokenizer, data.max_len, window=data.window)
+    conversations = load_source(data.source, min(data.n_samples, 400), recipe.seed, "train")
+    counts = [sum(s.loss_mask) for i, c in enumerate(conversations) if (s := build(i, c)) is not None]
+    return sum(counts) / max(len(counts), 1)
+
+
+def fit_log_linear(tokens: np.ndarray, tau: np.ndarray) -> tuple[float, float]:
+    """(a, b) of τ = a + b · log10(tokens), least squares."""
+    b, a = np.polyfit(np.log10(tokens), tau, 1)
+    return float(a), float(b)
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_cli(argv, ScalingConfig, USAGE)
+    if not cfg.runs:
+        raise OverrideError(f"runs=[DIR,...] is required; usage: {USAGE}")
+    series = {}
+    for run in cfg.runs:
+        run_dir = Path(run)
+        recipe = OmegaConf.load(run_dir / "recipe.yaml")
+        per_step = recipe.data.batch_size * answer_tokens_per_sample(recipe)
+        points = validation_points(run_dir)
+        steps = [step for step, _ in points]
+        tokens = np.array([step * per_step for step in steps])
+        tau = np.array([t for _, t in points])
+        series[recipe.run_name] = (tokens, tau, fit_log_linear(tokens, tau))
+        print("| run | step | answer tokens trained | val τ_sim |")
+        print("|---|---|---|---|")
+        for step, t, value in zip(steps, tokens, tau):
+            print(f"| {recipe.run_name} | {step} | {t:,.0f} | {value:.3f} |")
+        print()
+    print("| run | fit τ = a + b·log10(tokens) | span measured | EXTRAPOLATED τ at " +
+          " | ".join(f"{x:g}× the largest budget" for x in cfg.extrapolate) + " |")
+    print("|---|---|---|" + "---|" * len(cfg.extrapolate))
+    for name, (tokens, _, (a, b)) in series.items():
+        guesses = [a + b * math.log10(tokens.max() * x) for x in cfg.extrapolate]
+        print(f"| {name} | a = {a:.3f}, b = {b:.3f} | {tokens.min():,.0f}–{tokens.max():,.0f} ({tokens.max() / tokens.min():.0f}×) | "
+              + " | ".join(f"{g:.2f}" for g in guesses) + " |")
+    if cfg.out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for name, (tokens, tau, (a, b)) in series.items():
+            line = ax.plot(tokens, tau, "o", label=f"{name} (measured)")[0]
+            grid = np.logspace(math.log10(tokens.min()), math.log10(tokens.max() * max(cfg.extrapolate)), 50)
+            ax.plot(grid, a + b * np.log10(grid), "--", color=line.get_color(), alpha=0.7,
+                    label=f"{name}: fit, extrapolated past {tokens.max():,.0f}")
+        ax.set_xscale("log")
+        ax.set_xlabel("answer tokens trained on")
+        ax.set_ylabel("val τ_sim (greedy, γ = 4)")
+        ax.set_title("Acceptance against training budget (dashed: fit; beyond the points: extrapolation)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(cfg.out, dpi=120)
+        print(f"wrote {cfg.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
