@@ -7,8 +7,8 @@ Does what spectrain trains draft well? One resumable pipeline per setting, every
   regenerate the target's own greedy answers to ``n_samples`` training prompts -> train the draft LM
   (``draftlm_smollm2_gsm``) and EAGLE-3 (``eagle3_smollm2_gsm``) side by side, one core each -> time a step of
   EAGLE-3 and SpecBlock (so SpecBlock gets EAGLE-3's training wall time) -> train SpecBlock beside the draft LM's
-  SpS traces and H-RAD -> export all -> ONE ``inference.evaluate`` run on held-out GSM prompts (greedy) -> HSD vs
-  tokenwise at T = 1 -> the goal table.
+  SpS traces and the HSD vs tokenwise comparison at T = 1 (neither measures time) -> H-RAD -> export all -> ONE
+  ``inference.evaluate`` run on held-out GSM prompts (greedy), alone on the machine -> the goal table.
 ``general`` (ShareGPT, evaluated on MT-Bench): regenerate ShareGPT answers -> EAGLE-3 (``eagle3_smollm2``
   recipe on the regenerated file) -> export -> evaluate.
 
@@ -94,7 +94,7 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                   "eagle3_tree@tree_depth=5@tree_topk=2@tree_total=10",
                   "specblock_tree", "specblock_tree@specblock_budget=16@specblock_width=4"]
     return [
-        stage("regenerate", 0.12 * cfg.n_samples / 2, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
+        stage("regenerate", 0.04 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
               ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
                "max_len=640", "max_new_tokens=384", "batch_size=24", f"out={data}"), data),
         stage("train-draftlm", 0.06 * cfg.draftlm_steps, "draft LM on the target's tokens (no target forward)",
@@ -117,6 +117,11 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
                "split=train", "n_samples=32", "gamma=4", "max_new_tokens=96", f"draft_vocab={DRAFT_VOCAB}",
                f"out={out / 'traces'}"), out / "traces", group="last"),
+        stage("hsd", 0.008 * cfg.hsd_rounds, f"HSD (capped) vs tokenwise block efficiency at T = 1, {cfg.hsd_rounds} rounds",
+              ("benchmarks.hsd_block_efficiency", "target=smollm2", f"drafter={exports / 'draft_lm'}",
+               "bench=[gsm_symbolic]", f"n_prompts={cfg.n_prompts}", "max_new_tokens=128", "gamma=4",
+               "temperature=1.0", f"min_rounds={cfg.hsd_rounds}", f"draft_vocab={DRAFT_VOCAB}", "threads=1",
+               f"out={out / 'hsd.json'}"), out / "hsd.json", group="last"),
         stage("train-hrad", 0.3, "H-RAD on the traces", ("spectrain.fit", "recipe=demo_hrad", f"runs_dir={runs}",
               "resume=auto", f"data.dataset_dir={out / 'traces'}"), ckpt("demo_hrad")),
         stage("export-hrad", 0.2, "export H-RAD", ("spectrain.export", f"ckpt={ckpt('demo_hrad')}", f"out={exports / 'hrad'}"),
@@ -130,11 +135,6 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[{','.join(algorithms)}]",
                "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
                "temperature=0", "threads=1", f"out={out / 'eval'}"), out / "eval" / "results.json"),
-        stage("hsd", 0.008 * cfg.hsd_rounds, f"HSD (capped) vs tokenwise block efficiency at T = 1, {cfg.hsd_rounds} rounds",
-              ("benchmarks.hsd_block_efficiency", "target=smollm2", f"drafter={exports / 'draft_lm'}",
-               "bench=[gsm_symbolic]", f"n_prompts={cfg.n_prompts}", "max_new_tokens=128", "gamma=4",
-               "temperature=1.0", f"min_rounds={cfg.hsd_rounds}", f"draft_vocab={DRAFT_VOCAB}", "threads=1",
-               f"out={out / 'hsd.json'}"), out / "hsd.json"),
     ]
 
 
