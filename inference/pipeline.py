@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+POLL_S = 1.0  # how often side-by-side stages are checked for their end
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -85,14 +88,19 @@ def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str,
             running.append((stage, head, time.perf_counter(),
                             subprocess.Popen([sys.executable, "-m", *stage.argv], env=env)))
         failed = []
-        for stage, head, start, process in running:
-            if process.wait() != 0 or not stage.output.exists():
-                failed.append(stage.name)
-                continue
-            minutes = (time.perf_counter() - start) / 60
-            stage.mark_done(minutes)
-            ran.append(stage.name)
-            print(f"{head}: finished in {minutes:.1f} min", flush=True)
+        while running:  # as each ends (not in start order), so each stage's minutes are its own
+            for item in [r for r in running if r[3].poll() is not None]:
+                running.remove(item)
+                stage, head, start, process = item
+                if process.returncode != 0 or not stage.output.exists():
+                    failed.append(stage.name)
+                    continue
+                minutes = (time.perf_counter() - start) / 60
+                stage.mark_done(minutes)
+                ran.append(stage.name)
+                print(f"{head}: finished in {minutes:.1f} min", flush=True)
+            if running:
+                time.sleep(POLL_S)
         if failed:
             raise RuntimeError(f"{label} stage {', '.join(failed)} failed (its error is above); fix it and re-run "
                                f"{rerun_hint}: finished stages are kept and this one resumes")

@@ -71,10 +71,12 @@ def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, mon
     _mark_done(first)
     calls = []
     class Failing:  # a stage process that exits 1
+        returncode = 1
+
         def __init__(self, cmd, **kwargs):
             calls.append(cmd)
 
-        def wait(self):
+        def poll(self):
             return 1
 
     monkeypatch.setattr(subprocess, "Popen", Failing)
@@ -94,12 +96,17 @@ def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path
 
     events = []
 
-    class Recording:  # starts "running" at construction, finishes (writing its output) at wait()
+    class Recording:  # starts "running" at construction, finishes (writing its output) when first polled
+        returncode = 0
+
         def __init__(self, cmd, **kwargs):
             self.name = cmd[-1]
             events.append(("start", self.name))
 
-        def wait(self):
+        def poll(self):
+            if self.name == "b" and ("polled", "b") not in events:  # b outlives c: c is recorded first
+                events.append(("polled", "b"))
+                return None
             (tmp_path / self.name).mkdir()
             events.append(("end", self.name))
             return 0
@@ -108,17 +115,18 @@ def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path
         return Stage(name, 1.0, name, ("x", name), tmp_path / name, tmp_path / ".done" / name, group)
 
     monkeypatch.setattr(subprocess, "Popen", Recording)
+    monkeypatch.setattr("inference.pipeline.POLL_S", 0.0)
     stages = [stage("a"), stage("b", "train"), stage("c", "train"), stage("d")]
-    assert run_pipeline(stages, label="t", rerun_hint="it") == ["a", "b", "c", "d"]
-    assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("start", "c"), ("end", "b"), ("end", "c"),
-                      ("start", "d"), ("end", "d")]
+    assert run_pipeline(stages, label="t", rerun_hint="it") == ["a", "c", "b", "d"]  # in the order they ended
+    assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("start", "c"), ("polled", "b"), ("end", "c"),
+                      ("end", "b"), ("start", "d"), ("end", "d")]
     assert all(s.done() and s.measured_minutes() is not None for s in stages)
 
     cfg = config(tmp_path / "demo_run", "stages=[evaluate]")
     evaluate = demo.build_stages(cfg)[-1]
 
     class Evaluating(Recording):
-        def wait(self):
+        def poll(self):
             evaluate.output.mkdir(parents=True)
             (evaluate.output / "report.md").write_text("| algorithm | τ |\n")
             print("| algorithm | τ |")  # what inference.evaluate prints when it finishes

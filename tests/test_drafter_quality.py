@@ -77,6 +77,11 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
     assert rows["greedy output = AR in every run"] == ("yes", "yes")
     assert "train-eagle3 30.0" in dq.goal_table("gsm", out)
+    summary = {"measured": {"ratio": 1.07, "ci95": [0.95, 1.24]}, "same_draft_exact": {"ratio": 1.02, "ci95": [1.01, 1.03]}}
+    (out / "hsd.json").write_text(json.dumps({"summary": summary}))
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1"] == (
+        "1.070 [95 % CI 0.950, 1.240]; same-draft exact 1.020 [1.010, 1.030]", "–")  # the CI straddles 1.03
 
 
 def test_scaling_reads_every_validation_and_fits_log_linear(tmp_path):
