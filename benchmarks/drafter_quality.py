@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.pipeline import Stage, run_pipeline, select
+from spectrain.fit import cpu_has_native_bf16
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"
@@ -51,8 +52,6 @@ class QualityConfig:
 def _precision(name: str) -> str:
     if name != "auto":
         return name
-    from spectrain.fit import cpu_has_native_bf16
-
     return "bf16-mixed" if cpu_has_native_bf16() else "32-true"
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
+from data_prep.samples import SampleBuilder, load_source
+from spectrain.assets import load_tokenizer
 from spectrain.overrides import OverrideError, parse_cli
 
 USAGE = "python -m benchmarks.scaling runs=[runs/x/eagle3_smollm2_gsm,runs/x/specblock_smollm2_gsm] out=scaling.png"
@@ -45,9 +47,6 @@ def validation_points(run_dir: Path) -> list[tuple[int, float]]:
 
 def answer_tokens_per_sample(recipe) -> float:
     """Mean answer (loss-mask) tokens per training sample of a recipe's online data."""
-    from data_prep.samples import SampleBuilder, load_source
-    from spectrain.assets import load_tokenizer
-
     data = recipe.data
     tokenizer = load_tokenizer(recipe.target)
     build = SampleBuilder(tokenizer, data.max_len, window=data.window)
@@ -89,7 +88,7 @@ def main(argv: list[str]) -> None:
         print(f"| {name} | a = {a:.3f}, b = {b:.3f} | {tokens.min():,.0f}–{tokens.max():,.0f} ({tokens.max() / tokens.min():.0f}×) | "
               + " | ".join(f"{g:.2f}" for g in guesses) + " |")
     if cfg.out:
-        import matplotlib
+        import matplotlib  # optional and slow to import: only when a plot is asked for
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

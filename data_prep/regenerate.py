@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from data_prep.prompts import JSONL_HEADER_KEY as HEADER_KEY
 from data_prep.prompts import Conversation, load_prompts, prompt_turns, render_prompt
@@ -224,8 +225,6 @@ def record_of(index: int, conversation: Conversation, answers: list[str]) -> dic
 
 def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     """Run (or resume) a batched regeneration; returns counts and this run's throughput."""
-    from tqdm.auto import tqdm
-
     out = Path(cfg.out)
     header = {"settings": settings(cfg)}
     done = read_done(out, header)  # refuses other settings before any model loads
