@@ -57,7 +57,13 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
+from inference.drafter_index import export_kind
+from inference.drafters import eos_token_ids, load_drafter, load_lm
+from inference.evaluate import load_bench_prompts
+from inference.runner import with_logit_vocab
+from inference.sampling import SamplingParams
 from inference.verify import ChainVerifier, HSDVerifier, TokenwiseVerifier, VerifyResult
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
@@ -169,8 +175,6 @@ def run_paired(target, draft, prompts: Sequence[Sequence[int]], *, gamma: int = 
     """Generate with sps + tokenwise and sps + HSD (capped) on the same (prompt, seed) generations, interleaved,
     until every prompt was used and each verifier has >= ``min_rounds`` rounds. ``target`` / ``draft`` are
     runners."""
-    from inference.algorithms import build_algorithm
-    from inference.sampling import SamplingParams
 
     check_sampled(temperature)
     if not prompts:
@@ -351,10 +355,6 @@ def run(argv: Sequence[str]) -> str:
         raise OverrideError("drafter=PATH is required (a draft-LM export directory)")
     if cfg.min_rounds < 1 or cfg.n_prompts < 1 or cfg.resamples < 100:
         raise OverrideError("min_rounds and n_prompts must be >= 1, resamples >= 100")
-    from inference.drafter_index import export_kind
-    from inference.drafters import eos_token_ids, load_drafter, load_lm
-    from inference.evaluate import load_bench_prompts
-    from inference.runner import with_logit_vocab
 
     kind = export_kind(Path(cfg.drafter))
     if kind not in (None, "draft_lm"):

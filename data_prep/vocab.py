@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spectrain.assets import load_safetensors
 from spectrain.atomic import check_output
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
@@ -134,7 +135,6 @@ def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metad
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, str]]:
     """``(d2t, t2d, metadata)``; refuses (one line) a missing, damaged or inconsistent map."""
-    from spectrain.assets import load_safetensors
 
     fix = "rebuild it with python -m data_prep.vocab"
     tensors, metadata = load_safetensors(path, fix=fix, with_metadata=True)

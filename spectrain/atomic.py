@@ -13,12 +13,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from spectrain.overrides import OverrideError
+
 
 def check_output(path: str | os.PathLike, *, key: str = "out", file: bool = False) -> Path:
     """Refuse, in one line (``OverrideError``) and before any work, an output location that cannot be written:
     an existing file where a directory goes (or, with ``file=True``, a directory where a file goes), a parent
     that is a file, or a nearest existing directory without write permission. Creates nothing."""
-    from spectrain.overrides import OverrideError
 
     out = Path(path).expanduser()
     if not file and out.exists() and not out.is_dir():

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from data_prep.layers import LAYER_CONVENTION, resolve_layers
+from spectrain.assets import load_safetensors, read_json
 
 KIND = "hrad"
 CLASS_NAMES = ("all_reject", "confidence", "all_accept")
@@ -205,7 +206,6 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
 
 def load_native(path: str | Path) -> tuple[HRAD, dict[str, Any]]:
     """(model in eval mode, float32 on CPU; the ``spectrain`` block) from an export dir."""
-    from spectrain.assets import load_safetensors, read_json
 
     path = Path(path)
     config_file = path / "config.json"

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.runner import MLP, RMSNorm
+from spectrain.assets import load_safetensors, read_json
 from spectrain.drafters.eagle3 import (
     NUM_AUX_LAYERS,
     Eagle3Attention,
@@ -487,7 +488,6 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
 
 def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, spectrain block) of a native SpecBlock export; one-line errors for anything else."""
-    from spectrain.assets import load_safetensors, read_json
 
     directory = Path(path)
     fix = "re-export the drafter (python -m spectrain.export)"

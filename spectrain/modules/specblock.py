@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from spectrain.assets import load_safetensors
 from spectrain.drafters.eagle3 import shift_left
 from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from spectrain.metrics import SimulatedAcceptance
@@ -313,7 +314,6 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
     import json
     from pathlib import Path
 
-    from spectrain.assets import load_safetensors
     from spectrain.drafters.eagle3_layouts import CheckpointError
     from spectrain.drafters.specblock import build_drafter, save_native
     from spectrain.export import DTYPES, target_record
