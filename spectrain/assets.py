@@ -11,6 +11,7 @@ never leaves a half-written model behind.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -151,12 +152,19 @@ def converted_model_dir(name: str) -> Path:
     out_dir = cache_dir() / "models" / f"{entry.name}-{entry.sha256[:12]}"
     if (out_dir / "spectrain_source.json").is_file():
         return out_dir
-    gguf_path = embedded_gguf(name)
-    actual = sha256_file(gguf_path)
-    if actual != entry.sha256:
-        raise AssetError(f"{gguf_path} has sha256 {actual[:12]}…, expected {entry.sha256[:12]}…; "
-                         f"reinstall: {entry.install_command} --force-reinstall")
-    _convert_gguf(entry, gguf_path, out_dir)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    # Several processes may start on a fresh machine at once (side-by-side pipeline stages): one converts, the
+    # others wait for it and then find the directory ready.
+    with open(cache_dir() / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out_dir / "spectrain_source.json").is_file():
+            return out_dir
+        gguf_path = embedded_gguf(name)
+        actual = sha256_file(gguf_path)
+        if actual != entry.sha256:
+            raise AssetError(f"{gguf_path} has sha256 {actual[:12]}…, expected {entry.sha256[:12]}…; "
+                             f"reinstall: {entry.install_command} --force-reinstall")
+        _convert_gguf(entry, gguf_path, out_dir)
     return out_dir
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,28 @@ def test_checksum_mismatch_refuses_to_convert(tmp_path, monkeypatch):
     with pytest.raises(assets.AssetError, match="has sha256 .* expected 000000000000"):
         assets.converted_model_dir("smollm2")
     assert not any((tmp_path / "models").glob("*")) if (tmp_path / "models").exists() else True
+
+
+def test_concurrent_first_use_converts_once(tmp_path, monkeypatch):
+    """Side-by-side pipeline stages on a fresh machine all ask for the model at once: one converts, the others
+    wait and find it ready (before, the second rename failed with 'Directory not empty')."""
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path))
+    entry = assets.EMBEDDED_MODELS["smollm2"]
+    monkeypatch.setattr(assets, "embedded_gguf", lambda name: tmp_path / "model.gguf")
+    monkeypatch.setattr(assets, "sha256_file", lambda path: entry.sha256)
+    calls = []
+
+    def slow_convert(entry, gguf_path, out_dir):
+        calls.append(out_dir)
+        time.sleep(0.3)
+        with atomic_directory(out_dir) as tmp:
+            (tmp / "spectrain_source.json").write_text("{}")
+
+    monkeypatch.setattr(assets, "_convert_gguf", slow_convert)
+    with ThreadPoolExecutor(3) as pool:
+        dirs = list(pool.map(lambda _: assets.converted_model_dir("smollm2"), range(3)))
+    assert len(calls) == 1
+    assert len(set(dirs)) == 1 and (dirs[0] / "spectrain_source.json").is_file()
 
 
 def test_atomic_directory_leaves_nothing_when_killed_midway(tmp_path):
