@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.pipeline import Stage, run_pipeline, select
-from spectrain.fit import cpu_has_native_bf16
+from inference.runner import cpu_has_native_bf16
 from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"

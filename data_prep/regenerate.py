@@ -38,7 +38,7 @@ from data_prep.prompts import JSONL_HEADER_KEY as HEADER_KEY
 from data_prep.prompts import Conversation, load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.batched_generation import ContinuousBatcher, Job
-from inference.drafters import eos_token_ids, load_lm
+from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device
 from inference.sampling import SamplingParams
 from spectrain.atomic import atomic_write_text
 from spectrain.overrides import OverrideError, parse_cli, run_cli
@@ -112,6 +112,7 @@ class RegenerateConfig:
     top_p: float = 1.0
     batch_size: int = 16  # rows answered side by side
     device: str = "auto"
+    dtype: str = "auto"  # the target's compute dtype (inference.drafters.model_dtype): the answers depend on it
     out: str | None = None  # FILE.jsonl
 
 
@@ -128,6 +129,10 @@ def parse_args(argv: Sequence[str]) -> Any:
         if cfg[key] < 1:
             raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
     SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    try:
+        model_dtype(cfg.dtype, pick_device(cfg.device))
+    except ValueError as exc:
+        raise OverrideError(str(exc)) from None
     out = Path(cfg.out)
     if out.is_dir():
         raise OverrideError(f"out={out} is a directory; give a file path such as {out}/regenerated.jsonl")
@@ -234,7 +239,8 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
         raise ValueError(f"source '{cfg.source}' (split={cfg.split}) gave no conversations")
     if target is None:
         # Spare rows: new prompts are prefilled apart from the running batch (inference.batched_generation).
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=2 * cfg.batch_size)
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=2 * cfg.batch_size,
+                         dtype=model_dtype(cfg.dtype, pick_device(cfg.device)))
     eos = eos_token_ids(target.tokenizer, target.model.config)
     header["target"] = cfg.target
     todo = [i for i in range(len(conversations)) if i not in done]

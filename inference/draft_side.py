@@ -198,15 +198,16 @@ def draft_side_from_runner(runner: Any, max_batch: int = 1, seed: int = 0) -> Dr
 
 
 def draft_side_from_path(path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch: int = 1,
-                         seed: int = 0, logit_vocab: int | None = None) -> DraftSide:
+                         seed: int = 0, logit_vocab: int | None = None, dtype: torch.dtype | None = None) -> DraftSide:
     """Draft side that loads its draft LM from a directory (what a multiprocess draft process runs)."""
     from inference.drafters import pick_device
     from inference.runner import load_runner, with_logit_vocab
     from spectrain import assets
 
     device = pick_device(device)
-    model = assets.load_model(path, device=device)
-    runner = load_runner(model, backend="native", device=device, max_seq_len=max_seq_len, max_batch_size=max_batch)
+    model = assets.load_model(path, device=device, dtype=dtype)
+    runner = load_runner(model, backend="native", device=device, dtype=dtype, max_seq_len=max_seq_len,
+                         max_batch_size=max_batch)
     return DraftSide(with_logit_vocab(runner, logit_vocab), seed=seed)
 
 
@@ -240,7 +241,8 @@ class OverlappedDraftAlgorithm(Algorithm):
                 device = "cuda" if torch.device(draft.device).type == "cuda" else "cpu"
                 draft_factory = functools.partial(draft_side_from_path, str(draft_path), device=device,
                                                   max_seq_len=draft.max_seq_len, max_batch=max_batch,
-                                                  logit_vocab=getattr(draft, "logit_vocab", None))
+                                                  logit_vocab=getattr(draft, "logit_vocab", None),
+                                                  dtype=draft.dtype)
             else:
                 draft_factory = functools.partial(draft_side_from_runner, draft, max_batch)
         self.executor_name = executor

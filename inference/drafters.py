@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inference.runner import load_runner
+from inference.runner import cpu_has_native_bf16, load_runner
 from spectrain import assets
 
 if TYPE_CHECKING:
@@ -28,6 +28,23 @@ def pick_device(device: str = "auto") -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device} but CUDA is not available; use device=cpu")
     return device
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_dtype(name: str, device: str) -> torch.dtype | None:
+    """The compute dtype ``dtype=NAME`` asks for on ``device``; None for ``auto`` (fp32 on a CPU, bf16 on CUDA).
+    bf16 on a CPU runs batch-invariant (inference.runner.INVARIANT_ROWS), so greedy output still equals AR's
+    token for token; it is refused where the CPU would only emulate it."""
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name} is not supported; use auto, {' or '.join(DTYPES)}")
+    if name == "bf16" and not str(device).startswith("cuda") and not cpu_has_native_bf16():
+        raise ValueError("dtype=bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX), which this one lacks: it "
+                         "would be emulated and slow; use dtype=fp32")
+    return DTYPES[name]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -65,7 +82,7 @@ def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048,
     device = pick_device(device)
     model = assets.load_model(name_or_path, device=device, dtype=dtype)
     tokenizer = assets.load_tokenizer(name_or_path)
-    runner = load_runner(model, backend=backend, device=device, max_seq_len=max_seq_len,
+    runner = load_runner(model, backend=backend, device=device, dtype=dtype, max_seq_len=max_seq_len,
                          max_batch_size=max_batch_size)
     return LoadedModel(str(name_or_path), runner, tokenizer, model)
 
@@ -144,10 +161,11 @@ DRAFTER_KINDS: dict[str, tuple[str, str]] = {
 
 def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "auto", max_seq_len: int = 2048,
                  max_batch_size: int = 1) -> Any:
-    """The object an algorithm of drafter kind ``kind`` takes: a draft-LM runner, or a drafter module."""
+    """The object an algorithm of drafter kind ``kind`` takes: a draft-LM runner, or a drafter module. Every
+    drafter computes in the target runner's dtype."""
     if kind == "draft_lm":
-        return load_draft_lm(path, target, device=device, max_seq_len=max_seq_len,
-                             max_batch_size=max_batch_size).runner
+        return load_draft_lm(path, target, device=device, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                             dtype=target.runner.dtype).runner
     if kind == "features":
         return load_eagle3(path, target)
     if kind == "specblock":

@@ -32,7 +32,7 @@ from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafter_index import export_kind, find_exports
-from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
+from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype, pick_device
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 from spectrain.atomic import check_output
@@ -62,8 +62,8 @@ class EvalConfig(AlgorithmOptions):
 # every algorithm runs the same prompts, and threads/warmup/out describe the process. A variant may not set them.
 # (hrad stays a variant option: specbranch loads it itself, and specbranch@hrad=none is the H-RAD ablation.)
 RUN_LEVEL_KEYS = frozenset({"target", "drafters", "drafter", "feature_drafter", "specblock_drafter", "algorithms",
-                            "bench", "n_prompts", "batch_size", "warmup", "out", "device", "max_seq_len",
-                            "threads"})
+                            "bench", "n_prompts", "batch_size", "warmup", "out", "device", "dtype",
+                            "max_seq_len", "threads"})
 
 
 def parse_args(argv: Sequence[str]) -> Any:
@@ -73,6 +73,10 @@ def parse_args(argv: Sequence[str]) -> Any:
     if cfg.n_prompts < 1 or cfg.batch_size < 1:
         raise OverrideError("n_prompts and batch_size must be >= 1")
     check_output(cfg.out)  # results are written after the whole run: a bad out= must fail now
+    try:
+        model_dtype(cfg.dtype, pick_device(cfg.device))
+    except ValueError as exc:
+        raise OverrideError(str(exc)) from None
     _check_generation(cfg, "")
     for label in cfg.algorithms:
         if label != "all":
@@ -259,7 +263,7 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     for bench in cfg.bench:  # an unreadable or empty bench fails before any model loads (re-read below: cheap)
         load_bench_conversations(bench, cfg.n_prompts)
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                               max_batch_size=cfg.batch_size)
+                               max_batch_size=cfg.batch_size, dtype=model_dtype(cfg.dtype, pick_device(cfg.device)))
     drafters = {kind: preloaded[kind] if preloaded.get(kind) is not None else
                 load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                              max_batch_size=cfg.batch_size) for kind in needed}
@@ -318,6 +322,8 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     results = {
         "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else dict(cfg),
         "device": str(target.runner.device),
+        "dtype": str(target.runner.dtype).removeprefix("torch."),
+        "batch_invariant": bool(getattr(target.runner, "batch_invariant", False)),
         "runs": runs,
         "skipped": skipped,
         "speedup_vs_ar": {n: round(s.tokens_per_s / ar_rate, 4) if ar_rate else None for n, s in totals.items()},

@@ -18,7 +18,7 @@ import torch
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm
+from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype, pick_device
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 from spectrain.overrides import OverrideError, parse_cli, run_cli
@@ -80,7 +80,11 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     cls = algorithm_class(cfg.algorithm)
     if cls.drafter != "none" and not cfg.drafter:
         raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[cls.drafter][1]}: add drafter=PATH")
-    target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    try:
+        dtype = model_dtype(cfg.dtype, pick_device(cfg.device))
+    except ValueError as exc:
+        raise OverrideError(str(exc)) from None
+    target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, dtype=dtype)
     draft = None
     if cls.drafter != "none":
         draft = load_drafter(cls.drafter, cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)

@@ -22,7 +22,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"# Evaluation: target `{cfg.get('target')}`, drafters `{_drafters(cfg)}`",
         "",
         f"temperature {cfg.get('temperature')}, max_new_tokens {cfg.get('max_new_tokens')}, "
-        f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}",
+        f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}"
+        + (f", {results['dtype']}" if results.get("dtype") else "")
+        + (" (batch-invariant)" if results.get("batch_invariant") else ""),
         "",
         "| algorithm | bench | sampling | prompts | new tokens | τ (tokens/target fwd) | tokens/s | speedup vs AR "
         "| rollback rate | drafter fwd / target fwd | greedy = AR | simulated-overlap tokens/s | own figures |",

@@ -55,6 +55,15 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
+# Batch-invariant mode (bf16/fp16 on a CPU, one row): a token's logits are then bitwise the same whether it is
+# decoded alone or verified inside a chain, tree or grid, so greedy speculative output equals AR's exactly. Two
+# facts of oneDNN's CPU kernels make it work (tests/test_runner.py checks both on the real shapes): a reduced-
+# precision GEMM's row results do not depend on how many rows (up to INVARIANT_ROWS) share the call, and SDPA's
+# per-row reductions do not depend on the attended length once it is padded to a multiple of INVARIANT_KV_BLOCK
+# with masked slots. Forwards therefore run in chunks of at most INVARIANT_ROWS tokens over padded lengths.
+INVARIANT_ROWS = 32
+INVARIANT_KV_BLOCK = 64
+
 
 @dataclass
 class RunnerOutput:
@@ -74,6 +83,15 @@ def _logit_rows(only_last: bool, rows: slice | None) -> slice:
     if only_last and rows is not None:
         raise ValueError("pass only_last_logits or logit_rows, not both")
     return slice(-1, None) if only_last else rows if rows is not None else slice(None)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): there bf16 matmuls of a few rows cost what
+    one row costs, and verification of a chain or tree is nearly free, as on a GPU."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _default_dtype(device: torch.device) -> torch.dtype:
@@ -230,10 +248,11 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        write_index: torch.Tensor,
+        write_index: torch.Tensor | int,
         attend_len: int,
         mask: torch.Tensor | None,
         is_causal: bool,
+        invariant: bool = False,
     ) -> torch.Tensor:
         batch, new, _ = x.shape
         q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim)
@@ -244,9 +263,19 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        # Write the new K/V into each row's own slots, then attend over the first attend_len slots.
-        k_cache.scatter_(2, write_index, k)
-        v_cache.scatter_(2, write_index, v)
+        # Write the new K/V into each row's own slots (an int: every row's first slot, rows equally long; a plain
+        # slice copy, much cheaper than scatter for bf16), then attend over the first attend_len slots.
+        if isinstance(write_index, int):
+            k_cache[:, :, write_index:write_index + new] = k
+            v_cache[:, :, write_index:write_index + new] = v
+        else:
+            k_cache.scatter_(2, write_index, k)
+            v_cache.scatter_(2, write_index, v)
+        if invariant and new == 1:
+            # SDPA takes another path for a single query row, whose rounding differs from the multi-row one: a
+            # copy of the row makes a decode step compute exactly what a verification computes for that token.
+            # (a real copy: a stride-0 expand takes yet another path)
+            q, mask = q.repeat(1, 1, 2, 1), mask.repeat(1, 1, 2, 1)
         out = F.scaled_dot_product_attention(
             q,
             k_cache[:, :, :attend_len],
@@ -254,7 +283,7 @@ class Attention(nn.Module):
             attn_mask=mask,
             is_causal=is_causal,
             enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        )[:, :, :new]
         return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1))
 
 
@@ -337,7 +366,10 @@ class ModelRunner(nn.Module):
         dtype: torch.dtype,
         max_batch_size: int,
         max_seq_len: int,
+        batch_invariant: bool | None = None,
     ):
+        """``batch_invariant`` (default: on for a reduced-precision CPU runner of one row) runs forwards in the
+        batch-invariant mode described at ``INVARIANT_ROWS``."""
         super().__init__()
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -359,7 +391,12 @@ class ModelRunner(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         inv_freq, self.rope_scale = _rope_inv_freq(config, self.head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        cache_shape = (self.num_layers, max_batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        if batch_invariant is None:
+            batch_invariant = device.type == "cpu" and dtype != torch.float32 and max_batch_size == 1
+        self.batch_invariant = batch_invariant
+        # Invariant mode pads the attended length up to a block: the cache holds the padding of its last block.
+        slots = -(-max_seq_len // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK if batch_invariant else max_seq_len
+        cache_shape = (self.num_layers, max_batch_size, self.num_kv_heads, slots, self.head_dim)
         self.register_buffer(
             "k_cache", torch.zeros(cache_shape, device=device, dtype=dtype), persistent=False
         )
@@ -383,6 +420,7 @@ class ModelRunner(nn.Module):
         dtype: torch.dtype | None = None,
         max_batch_size: int = 1,
         max_seq_len: int = 2048,
+        batch_invariant: bool | None = None,
     ) -> ModelRunner:
         """Build from a transformers config and its HF-named state dict
         (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight`` or tied to
@@ -391,7 +429,8 @@ class ModelRunner(nn.Module):
         device = torch.device(device)
         dtype = dtype or _default_dtype(device)
         runner = cls(
-            config, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len
+            config, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+            batch_invariant=batch_invariant,
         )
         runner._load_weights(state_dict, device, dtype)
         return runner
@@ -547,20 +586,19 @@ class ModelRunner(nn.Module):
     # -- forward ---------------------------------------------------------------------------------------------
 
     def _attention_mask(
-        self, user_mask: torch.Tensor | None, slots: torch.Tensor, cached: int, new: int
+        self, user_mask: torch.Tensor | None, slots: torch.Tensor, cached: int, new: int, attend_len: int
     ) -> torch.Tensor:
-        """BoolTensor [B, 1, T, P + T] over physical slots, from the user convention (module docstring)."""
+        """BoolTensor [B, 1, T, attend_len] over physical slots, from the user convention (module docstring) in
+        its full form [B, T, P + T]; slots from P + T on (invariant mode's padding) are masked."""
         batch = slots.shape[0]
-        attend_len = cached + new
         slot = torch.arange(attend_len, device=self.device)
         own_slot = slot[None, None, :] == slots[:, :, None]
         if user_mask is None:
             # Row b's new token t sits at slot L_b + t: it sees every slot up to and including its own.
             return (slot[None, None, :] <= slots[:, :, None]).unsqueeze(1)
-        user_mask = _full_user_mask(user_mask.to(self.device), batch, new, cached)
         lens = self.cache_lens[:, None]
         # Physical slot -> user column: cache slots keep their index, new tokens map to P + t.
-        column = torch.where(slot < lens, slot, cached + slot - lens).clamp(max=attend_len - 1)
+        column = torch.where(slot < lens, slot, cached + slot - lens).clamp(max=cached + new - 1)
         in_use = slot < lens + new
         allowed = user_mask.gather(2, column[:, None, :].expand(batch, new, attend_len)) & in_use[:, None, :]
         return (allowed | own_slot).unsqueeze(1)
@@ -590,43 +628,83 @@ class ModelRunner(nn.Module):
         shortest, cached = (int(x) for x in torch.aminmax(self.cache_lens))  # the one host sync per forward
         _overflow_check(cached + new, self.max_seq_len)
         capture = _normalize_layers(capture_layers, self.num_layers)
-
         input_ids = input_ids.to(self.device)
+        if positions is not None:
+            positions = positions.to(self.device).expand(batch, new)
+        user_mask = None if attention_mask is None else _full_user_mask(attention_mask.to(self.device), batch, new,
+                                                                        cached)
+        start = self.cache_lens
+        # Invariant mode on equally long rows: chunks of at most INVARIANT_ROWS tokens, each appended to the cache
+        # before the next reads it (a chunk's mask rows over columns up to its own end are the user's own rows).
+        step = max(1, INVARIANT_ROWS // batch) if self.batch_invariant and shortest == cached else new
+        hidden: dict[int, list[torch.Tensor]] = {i: [] for i in capture}
+        chunks = []
+        for lo in range(0, new, step):
+            hi = min(new, lo + step)
+            chunks.append(self._layers(
+                input_ids[:, lo:hi], None if positions is None else positions[:, lo:hi],
+                None if user_mask is None else user_mask[:, lo:hi, :cached + hi], shortest + lo, cached + lo,
+                capture, hidden))
+        x = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        self._pending = (start, new)
+
+        x = self.model.norm(x)
+        rows = x[:, _logit_rows(only_last_logits, logit_rows)]
+        if self.batch_invariant and rows.shape[0] * rows.shape[1] > INVARIANT_ROWS:
+            per = max(1, INVARIANT_ROWS // rows.shape[0])
+            logits = torch.cat([self._logits(rows[:, lo:lo + per]) for lo in range(0, rows.shape[1], per)], dim=1)
+        else:
+            logits = self._logits(rows)
+        return RunnerOutput(logits=logits, hidden={i: torch.cat(h, dim=1) if len(h) > 1 else h[0]
+                                                   for i, h in hidden.items()},
+                            last_hidden=x if return_last_hidden else None)
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        # As one contiguous 2D matmul: a strided 3D input would take a batched path that copies the weight.
+        flat = rows.reshape(-1, rows.shape[-1]).contiguous()
+        if self.logit_vocab is None:
+            logits = self.lm_head(flat).float()
+        else:
+            logits = limited_logits(self.lm_head(flat, self.logit_vocab).float(), self.config.vocab_size)
+        return logits.view(*rows.shape[:-1], logits.shape[-1])
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor | None, user_mask: torch.Tensor | None,
+                shortest: int, cached: int, capture: Sequence[int], hidden: dict[int, list[torch.Tensor]]
+                ) -> torch.Tensor:
+        """Append ``input_ids`` [B, T] to the cache through every decoder layer; returns the last layer's output
+        (before the final norm) and adds the captured layers' outputs to ``hidden``."""
+        batch, new = input_ids.shape
         # [B, T] physical cache slots of the new tokens
         slots = self.cache_lens[:, None] + torch.arange(new, device=self.device)
-        positions = slots if positions is None else positions.to(self.device).expand(batch, new)
+        positions = slots if positions is None else positions
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
         cos = (emb.cos() * self.rope_scale).to(self._dtype)
         sin = (emb.sin() * self.rope_scale).to(self._dtype)
-        write_index = slots.view(batch, 1, new, 1).expand(batch, self.num_kv_heads, new, self.head_dim)
+        aligned = shortest == cached
+        write_index = cached if aligned else slots.view(batch, 1, new, 1).expand(batch, self.num_kv_heads, new,
+                                                                                 self.head_dim)
 
-        # Fast paths when all rows are equally long and the mask is causal: decode needs no mask, a prefill
-        # into an empty cache is plain causal attention (lets SDPA use flash kernels on CUDA).
+        attend_len = cached + new
         mask, is_causal = None, False
-        if attention_mask is not None or shortest != cached or (new > 1 and cached > 0):
-            mask = self._attention_mask(attention_mask, slots, cached, new)
+        if self.batch_invariant:  # always masked, over a padded length (see INVARIANT_KV_BLOCK)
+            attend_len = -(-attend_len // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK
+            mask = self._attention_mask(user_mask, slots, cached, new, attend_len)
+        elif user_mask is not None or not aligned or (new > 1 and cached > 0):
+            mask = self._attention_mask(user_mask, slots, cached, new, attend_len)
         elif new > 1:
+            # Fast paths when all rows are equally long and the mask is causal: decode needs no mask, a prefill
+            # into an empty cache is plain causal attention (lets SDPA use flash kernels on CUDA).
             is_causal = True
 
         x = self.model.embed_tokens(input_ids)
-        hidden: dict[int, torch.Tensor] = {}
-        attend_len = cached + new
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = self.k_cache[i, :batch], self.v_cache[i, :batch]
-            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal)
+            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal, self.batch_invariant)
             if i in capture:
-                hidden[i] = x
-        self._pending = (self.cache_lens, new)
+                hidden[i].append(x)
         self.cache_lens = self.cache_lens + new
-
-        x = self.model.norm(x)
-        rows = x[:, _logit_rows(only_last_logits, logit_rows)]
-        if self.logit_vocab is None:
-            logits = self.lm_head(rows).float()
-        else:
-            logits = limited_logits(self.lm_head(rows, self.logit_vocab).float(), self.config.vocab_size)
-        return RunnerOutput(logits=logits, hidden=hidden, last_hidden=x if return_last_hidden else None)
+        return x
 
 
 # ----------------------------------------------------------------------------------------------------------

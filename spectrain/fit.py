@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from inference.runner import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
 from spectrain.overrides import OverrideError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
 from spectrain.resume import latest_checkpoint, resume_classes
@@ -188,16 +189,6 @@ def build_logger(cfg: DictConfig, directory: Path):
     # Without an API key wandb errors at once; offline mode keeps the run and syncs later.
     offline = os.environ.get("WANDB_MODE") == "offline" or not os.environ.get("WANDB_API_KEY")
     return WandbLogger(project=cfg.wandb_project, name=cfg.run_name, save_dir=str(directory), offline=offline)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), where bf16 autocast is faster than fp32."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def resolve_precision(precision: str, cuda: bool, cpu_bf16: bool | None = None) -> str:

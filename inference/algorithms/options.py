@@ -94,6 +94,7 @@ class AlgorithmOptions:
     top_p: float = 1.0
     seed: int = 0
     device: str = "auto"
+    dtype: str = "auto"  # auto (fp32 on a CPU, bf16 on CUDA) | fp32 | bf16 (CPU: native bf16 only, batch-invariant)
     max_seq_len: int = 2048
     threads: int = 0  # CPU intra-op threads; 0 = torch's default (on a shared CPU, 1 keeps timings sane)
 

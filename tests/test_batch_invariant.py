@@ -1,0 +1,113 @@
+"""bf16 on a CPU: the runner's batch-invariant mode makes a token's logits bitwise the same however it is batched,
+so greedy speculative output equals AR's token for token (inference.runner.INVARIANT_ROWS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from inference import drafters
+from inference.algorithms import build_algorithm
+from inference.runner import ModelRunner, cpu_has_native_bf16
+from inference.sampling import SamplingParams
+
+native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16/AMX)")
+GREEDY = SamplingParams(temperature=0)
+
+
+def smollm2_shaped(seed: int, layers: int) -> LlamaForCausalLM:
+    """SmolLM2-135M's layer shapes (the kernels chosen depend on them) with few layers and a small vocabulary."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=4096, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper output distributions, so that a noisy copy agrees with it now and then
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+def noisy_copy(model: LlamaForCausalLM, noise: float) -> LlamaForCausalLM:
+    """A draft that agrees with ``model`` often but not always."""
+    copy = smollm2_shaped(0, layers=model.config.num_hidden_layers)
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(noise * torch.randn(param.shape, generator=generator))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def target():
+    return smollm2_shaped(0, layers=2)
+
+
+def bf16_runner(model, **kw) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, dtype=torch.bfloat16, max_seq_len=kw.pop("max_seq_len", 640), **kw)
+
+
+def test_the_mode_is_on_for_one_reduced_precision_cpu_row_only(target):
+    assert bf16_runner(target).batch_invariant
+    assert not bf16_runner(target, max_batch_size=4).batch_invariant  # batched generation keeps its speed
+    assert not ModelRunner.from_hf_model(target, max_seq_len=64).batch_invariant  # fp32
+    assert bf16_runner(target, batch_invariant=False).batch_invariant is False
+
+
+@native_bf16
+@pytest.mark.parametrize("prompt_len", [57, 505])  # 505 + 60 crosses SDPA's 512-slot block
+def test_logits_do_not_depend_on_how_tokens_are_batched(target, prompt_len):
+    runner = bf16_runner(target)
+    generator = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, 4096, (1, prompt_len), generator=generator)
+    tokens = torch.randint(0, 4096, (1, 60), generator=generator)
+    runner.reset(1)
+    runner.forward(prompt)
+    start = runner.length()
+    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(60)])
+    for block in (2, 5, 13, 40, 60):  # 40 and 60: more than INVARIANT_ROWS, run in chunks
+        runner.truncate(start)
+        blocked = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0] for j in range(0, 60, block)])
+        assert torch.equal(blocked, stepwise), f"block {block}"
+    runner.truncate(start)  # the same chain through an explicit mask (the tree / grid path)
+    chain = runner.forward(tokens[:, :48], attention_mask=torch.ones(48, 48, dtype=torch.bool).tril()).logits[0]
+    assert torch.equal(chain, stepwise[:48])
+
+
+@native_bf16
+def test_without_the_mode_bf16_batching_changes_logits(target):
+    """The reason the mode exists: plain bf16 SDPA rounds a lone query row differently."""
+    runner = bf16_runner(target, batch_invariant=False)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 4096, (1, 200), generator=generator)
+    tokens = torch.randint(0, 4096, (1, 16), generator=generator)
+    runner.reset(1)
+    runner.forward(prompt)
+    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(16)])
+    runner.truncate(200)
+    assert not torch.equal(runner.forward(tokens).logits[0], stepwise)
+
+
+@native_bf16
+@pytest.mark.parametrize("name", ["sps", "self_draft"])
+def test_bf16_greedy_speculative_output_equals_ar(target, name):
+    """Random weights give near-tied logits, where any rounding difference would flip the argmax."""
+    draft = bf16_runner(noisy_copy(target, 0.01)) if name == "sps" else None
+    prompt = torch.randint(0, 4096, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = build_algorithm("ar", bf16_runner(target)).generate(prompt, max_new_tokens=80, sampling=GREEDY)
+    result = build_algorithm(name, bf16_runner(target), draft).generate(prompt, max_new_tokens=80, sampling=GREEDY)
+    assert result.tokens == reference.tokens
+    # some drafted tokens were accepted and (sps) some rejected: the equality is not trivial
+    assert result.stats.target_forwards < 80
+    if name == "sps":
+        assert result.stats.tau < 5
+
+
+def test_dtype_names_are_checked(monkeypatch):
+    assert drafters.model_dtype("auto", "cpu") is None
+    assert drafters.model_dtype("fp32", "cpu") is torch.float32
+    with pytest.raises(ValueError, match="dtype=fp8 is not supported; use auto, fp32 or bf16"):
+        drafters.model_dtype("fp8", "cpu")
+    monkeypatch.setattr(drafters, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(ValueError, match="needs a CPU with native bf16.*use dtype=fp32"):
+        drafters.model_dtype("bf16", "cpu")
