@@ -1,4 +1,5 @@
-"""``python -m benchmarks.regenerate_throughput [n_prompts=24] [max_new_tokens=128] [batch_sizes=[8,16,24]] [threads=1]``
+"""``python -m benchmarks.regenerate_throughput [n_prompts=24] [max_new_tokens=128] [batch_sizes=[8,16,24]] [threads=1]
+[dtype=auto|fp32|bf16]``
 
 Batched regeneration (``inference.batched_generation``, what ``data_prep.regenerate`` runs) against one-prompt AR
 (``inference.algorithms.ar``) on the same held-out GSM-symbolic prompts, in one process: generated tokens/s,
@@ -17,7 +18,7 @@ import torch
 from data_prep.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.batched_generation import ContinuousBatcher, Job
-from inference.drafters import eos_token_ids, load_lm
+from inference.drafters import eos_token_ids, load_lm, model_dtype
 from inference.sampling import SamplingParams
 from spectrain.overrides import parse_cli
 
@@ -31,13 +32,15 @@ class ThroughputConfig:
     max_new_tokens: int = 128
     batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 24])
     threads: int = 1
+    dtype: str = "auto"  # the target's compute dtype (auto = fp32 on a CPU; bf16 needs native bf16)
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_cli(argv, ThroughputConfig, USAGE)
     torch.set_num_threads(cfg.threads)
     largest = max(cfg.batch_sizes)
-    target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=2 * largest)
+    target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=2 * largest,
+                     dtype=model_dtype(cfg.dtype, "cpu"))
     eos = eos_token_ids(target.tokenizer, target.model.config)
     prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts("gsm_symbolic", n=cfg.n_prompts)]
     greedy = SamplingParams(0.0)
@@ -60,7 +63,7 @@ def main(argv: list[str]) -> None:
         same = sum(answers[i] == reference[i] for i in range(len(prompts)))
         rows.append((f"batched, {size} rows", batcher.new_tokens, seconds, same))
     print(f"{cfg.n_prompts} held-out GSM-symbolic prompts, greedy, max_new_tokens={cfg.max_new_tokens}, "
-          f"{cfg.threads} thread(s), target {cfg.target}")
+          f"{cfg.threads} thread(s), target {cfg.target}, {str(target.runner.dtype).removeprefix('torch.')}")
     print("| mode | tokens | seconds | tokens/s | × AR | answers equal to AR's |")
     print("|---|---|---|---|---|---|")
     for name, tokens, seconds, same in rows:

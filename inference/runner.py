@@ -248,7 +248,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        write_index: torch.Tensor | int,
+        write_index: tuple[torch.Tensor, torch.Tensor] | int,
         attend_len: int,
         mask: torch.Tensor | None,
         is_causal: bool,
@@ -263,14 +263,16 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        # Write the new K/V into each row's own slots (an int: every row's first slot, rows equally long; a plain
-        # slice copy, much cheaper than scatter for bf16), then attend over the first attend_len slots.
+        # Write the new K/V into each row's own slots (an int: every row's first slot, rows equally long; else
+        # (rows [B, 1], slots [B, T])), then attend over the first attend_len slots. Slice copies and index_put:
+        # scatter_ into a cache view copied the whole cache per call in bf16.
         if isinstance(write_index, int):
             k_cache[:, :, write_index:write_index + new] = k
             v_cache[:, :, write_index:write_index + new] = v
         else:
-            k_cache.scatter_(2, write_index, k)
-            v_cache.scatter_(2, write_index, v)
+            rows, slots = write_index
+            k_cache[rows, :, slots] = k.transpose(1, 2)
+            v_cache[rows, :, slots] = v.transpose(1, 2)
         if invariant and new == 1:
             # SDPA takes another path for a single query row, whose rounding differs from the multi-row one: a
             # copy of the row makes a decode step compute exactly what a verification computes for that token.
@@ -682,8 +684,7 @@ class ModelRunner(nn.Module):
         cos = (emb.cos() * self.rope_scale).to(self._dtype)
         sin = (emb.sin() * self.rope_scale).to(self._dtype)
         aligned = shortest == cached
-        write_index = cached if aligned else slots.view(batch, 1, new, 1).expand(batch, self.num_kv_heads, new,
-                                                                                 self.head_dim)
+        write_index = cached if aligned else (torch.arange(batch, device=self.device)[:, None], slots)
 
         attend_len = cached + new
         mask, is_causal = None, False
