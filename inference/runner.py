@@ -56,12 +56,13 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
 # Batch-invariant mode (bf16/fp16 on a CPU, one row): a token's logits are then bitwise the same whether it is
-# decoded alone or verified inside a chain, tree or grid, so greedy speculative output equals AR's exactly. Two
-# facts of oneDNN's CPU kernels make it work (tests/test_runner.py checks both on the real shapes): a reduced-
-# precision GEMM's row results do not depend on how many rows (up to INVARIANT_ROWS) share the call, and SDPA's
+# decoded alone or verified inside a chain, tree or grid, so greedy speculative output equals AR's exactly. Three
+# facts of the CPU kernels make it work (tests/test_batch_invariant.py checks them on SmolLM2's shapes): the
+# packed oneDNN bf16 linear (``Linear``) gives each row the same result whatever the other rows of the call; SDPA's
 # per-row reductions do not depend on the attended length once it is padded to a multiple of INVARIANT_KV_BLOCK
-# with masked slots. Forwards therefore run in chunks of at most INVARIANT_ROWS tokens over padded lengths.
-INVARIANT_ROWS = 32
+# with masked slots, nor on the number of query rows from 2 up to INVARIANT_ROWS (a lone row takes another path,
+# so it is doubled). Forwards therefore run in chunks of at most INVARIANT_ROWS tokens over padded lengths.
+INVARIANT_ROWS = 64
 INVARIANT_KV_BLOCK = 64
 
 
@@ -173,21 +174,38 @@ def _kept_to_tensor(
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) that runs 2 or 3 rows as 4 on a CPU: MKL's fp32
-    GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of
-    such shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
+    """``nn.Linear`` (same parameters, same state-dict names) tuned for CPU inference.
+
+    bf16 on a CPU runs oneDNN's linear over a weight packed once into its blocked layout: about twice as fast as
+    ``F.linear`` for the few rows of a decode or verification step, and its row results do not depend on how many
+    rows share the call (what batch-invariant mode relies on). fp32 runs 2 or 3 rows as 4 on a CPU: MKL's fp32
+    GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of such
+    shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
         weight, bias = self.weight, self.bias
         if out_features is not None:
             weight, bias = weight[:out_features], None if bias is None else bias[:out_features]
+        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not x.requires_grad:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features), bias, "none", [], "")
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in (2, 3) or x.device.type != "cpu":
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
         padded = torch.cat([flat, flat.new_zeros(4 - rows, flat.shape[-1])])
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+    def _packed(self, weight: torch.Tensor, out_features: int | None) -> torch.Tensor:
+        """oneDNN's packed copy of ``weight``, made on first use and again whenever the weight changes."""
+        packs = self.__dict__.setdefault("_packs", {})  # not a buffer: state_dict and .to() stay as nn.Linear's
+        stamp = (weight.data_ptr(), self.weight._version)
+        if out_features not in packs or packs[out_features][0] != stamp:
+            packs[out_features] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
+        return packs[out_features][1]
+
+
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def check_logit_vocab(vocab: int | None, vocab_size: int) -> int | None:

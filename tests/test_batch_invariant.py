@@ -55,19 +55,19 @@ def test_the_mode_is_on_for_one_reduced_precision_cpu_row_only(target):
 
 
 @native_bf16
-@pytest.mark.parametrize("prompt_len", [57, 505])  # 505 + 60 crosses SDPA's 512-slot block
+@pytest.mark.parametrize("prompt_len", [57, 505])  # 505 + 100 crosses SDPA's 512-slot block
 def test_logits_do_not_depend_on_how_tokens_are_batched(target, prompt_len):
     runner = bf16_runner(target)
     generator = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(0, 4096, (1, prompt_len), generator=generator)
-    tokens = torch.randint(0, 4096, (1, 60), generator=generator)
+    tokens = torch.randint(0, 4096, (1, 100), generator=generator)
     runner.reset(1)
     runner.forward(prompt)
     start = runner.length()
-    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(60)])
-    for block in (2, 5, 13, 40, 60):  # 40 and 60: more than INVARIANT_ROWS, run in chunks
+    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(100)])
+    for block in (2, 5, 13, 48, 100):  # 100: more than INVARIANT_ROWS, run in chunks
         runner.truncate(start)
-        blocked = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0] for j in range(0, 60, block)])
+        blocked = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0] for j in range(0, 100, block)])
         assert torch.equal(blocked, stepwise), f"block {block}"
     runner.truncate(start)  # the same chain through an explicit mask (the tree / grid path)
     chain = runner.forward(tokens[:, :48], attention_mask=torch.ones(48, 48, dtype=torch.bool).tril()).logits[0]
@@ -111,3 +111,17 @@ def test_dtype_names_are_checked(monkeypatch):
     monkeypatch.setattr(drafters, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(ValueError, match="needs a CPU with native bf16.*use dtype=fp32"):
         drafters.model_dtype("bf16", "cpu")
+
+
+def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
+    from inference.runner import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer(x, 40), torch.nn.functional.linear(x, layer.weight[:40], layer.bias[:40]))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place update (the adapter's kind): the packed copy is rebuilt
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert "_packs" not in layer.state_dict() and set(layer.state_dict()) == {"weight", "bias"}
