@@ -46,6 +46,7 @@ class QualityConfig:
     max_new_tokens: int = 192
     hsd_rounds: int = 1000  # verification rounds per verifier for the HSD figure (T = 1)
     precision: str = "auto"  # trainer precision; auto = bf16-mixed on a CPU with native bf16, else 32-true
+    dtype: str = "auto"  # the target's dtype for regeneration and evaluation; auto = bf16 on a CPU with native bf16
     stages: list[str] = field(default_factory=lambda: ["all"])
 
 
@@ -53,6 +54,14 @@ def _precision(name: str) -> str:
     if name != "auto":
         return name
     return "bf16-mixed" if cpu_has_native_bf16() else "32-true"
+
+
+def serving_dtype(name: str) -> str:
+    """bf16 where the CPU computes it natively: the engine then runs batch-invariant (greedy output still equals
+    AR's) and verifying a few tokens costs about one decode step, as on a GPU; fp32 elsewhere."""
+    if name != "auto":
+        return name
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def _fit(recipe: str, runs: Path, *extra: str) -> tuple[str, ...]:
@@ -79,6 +88,7 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     precision = f"trainer.precision={_precision(cfg.precision)}"
     probe = out / "step_seconds.json"
     specblock_steps = equal_time_steps(cfg.eagle3_steps, probe) if probe.is_file() else cfg.eagle3_steps
+    dtype = f"dtype={serving_dtype(cfg.dtype)}"
 
     def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
         return Stage(name, minutes, what, argv, output, out / ".done" / name, group)
@@ -90,12 +100,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     algorithms = [f"sps@draft_vocab={DRAFT_VOCAB}", f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess",
                   f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess", f"ssd@draft_vocab={DRAFT_VOCAB}",
                   "eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
-                  "eagle3_tree@tree_depth=5@tree_topk=2@tree_total=10",
+                  "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16",
                   "specblock_tree", "specblock_tree@specblock_budget=16@specblock_width=4"]
     return [
         stage("regenerate", 0.04 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
               ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
-               "max_len=640", "max_new_tokens=384", "batch_size=24", f"out={data}"), data),
+               "max_len=640", "max_new_tokens=384", "batch_size=24", dtype, f"out={data}"), data),
         stage("train-draftlm", 0.06 * cfg.draftlm_steps, "draft LM on the target's tokens (no target forward)",
               _fit("draftlm_smollm2_gsm", runs, source, precision, *_steps(cfg.draftlm_steps)),
               ckpt("draftlm_smollm2_gsm"), group="train"),
@@ -133,7 +143,7 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               f"every learned drafter on {cfg.n_prompts} held-out GSM prompts against AR, one run, greedy",
               ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[{','.join(algorithms)}]",
                "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-               "temperature=0", "threads=1", f"out={out / 'eval'}"), out / "eval" / "results.json"),
+               "temperature=0", "threads=1", dtype, f"out={out / 'eval'}"), out / "eval" / "results.json"),
     ]
 
 
@@ -145,10 +155,11 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
         return Stage(name, minutes, what, argv, output, out / ".done" / name)
 
     ckpt = runs / "eagle3_smollm2" / "checkpoints" / "last.ckpt"
+    dtype = f"dtype={serving_dtype(cfg.dtype)}"
     return [
         stage("regenerate", 0.05 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} ShareGPT conversations",
               ("data_prep.regenerate", "target=smollm2", "source=sharegpt", "split=train", f"n_samples={cfg.n_samples}",
-               "max_len=512", "max_new_tokens=256", "batch_size=24", f"out={data}"), data),
+               "max_len=512", "max_new_tokens=256", "batch_size=24", dtype, f"out={data}"), data),
         stage("train-eagle3", 0.25 * cfg.eagle3_steps, "EAGLE-3 on the regenerated conversations",
               _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000", "data.max_len=512",
                    "data.bucket_by_length=true", f"trainer.precision={_precision(cfg.precision)}",
@@ -159,7 +170,7 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
               ("inference.evaluate", "target=smollm2", f"drafters={exports}",
                "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]", "bench=mt_bench",
                f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1",
-               f"out={out / 'eval'}"), out / "eval" / "results.json"),
+               dtype, f"out={out / 'eval'}"), out / "eval" / "results.json"),
     ]
 
 

@@ -78,12 +78,13 @@ class LoadedModel:
 
 
 def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch_size: int = 1,
-            backend: str = "auto", dtype: torch.dtype | None = None) -> LoadedModel:
+            backend: str = "auto", dtype: torch.dtype | None = None,
+            batch_invariant: bool | None = None) -> LoadedModel:
     device = pick_device(device)
     model = assets.load_model(name_or_path, device=device, dtype=dtype)
     tokenizer = assets.load_tokenizer(name_or_path)
     runner = load_runner(model, backend=backend, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                         max_batch_size=max_batch_size)
+                         max_batch_size=max_batch_size, batch_invariant=batch_invariant)
     return LoadedModel(str(name_or_path), runner, tokenizer, model)
 
 
@@ -164,8 +165,9 @@ def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "au
     """The object an algorithm of drafter kind ``kind`` takes: a draft-LM runner, or a drafter module. Every
     drafter computes in the target runner's dtype."""
     if kind == "draft_lm":
+        # A draft's tokens are only proposals: it needs no batch invariance, and its forwards are cheaper without.
         return load_draft_lm(path, target, device=device, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                             dtype=target.runner.dtype).runner
+                             dtype=target.runner.dtype, batch_invariant=False).runner
     if kind == "features":
         return load_eagle3(path, target)
     if kind == "specblock":

@@ -970,10 +970,11 @@ def load_runner(
     dtype: torch.dtype | None = None,
     max_batch_size: int = 1,
     max_seq_len: int = 2048,
+    batch_invariant: bool | None = None,
 ) -> ModelRunner | TransformersRunner:
     """A runner for a transformers model instance (or a local HF model directory): :class:`ModelRunner` for
     supported model types (``backend="auto"`` or ``"native"``), :class:`TransformersRunner` otherwise or with
-    ``backend="transformers"``."""
+    ``backend="transformers"``. ``batch_invariant``: see :class:`ModelRunner` (None = its default)."""
     if backend not in ("auto", "native", "transformers"):
         raise ValueError(f"backend must be auto, native or transformers, got {backend!r}")
     model = model_or_path
@@ -986,7 +987,7 @@ def load_runner(
         kw["device"] = device
     native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
     if backend == "native" or (backend == "auto" and native):
-        return ModelRunner.from_hf_model(model, **kw)
+        return ModelRunner.from_hf_model(model, batch_invariant=batch_invariant, **kw)
     return TransformersRunner.from_hf_model(model, **kw)
 
 
@@ -1001,7 +1002,8 @@ def with_logit_vocab(runner: ModelRunner | TransformersRunner, vocab: int | None
         return runner
     if isinstance(runner, ModelRunner):
         view = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
-                                       max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
+                                       max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len,
+                                       batch_invariant=runner.batch_invariant)
     else:
         view = TransformersRunner(runner.model, max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
     view.logit_vocab = vocab
