@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
 from inference.runner import cpu_has_native_bf16
 from spectrain.overrides import OverrideError, parse_cli, run_cli
@@ -54,14 +55,6 @@ def _precision(name: str) -> str:
     if name != "auto":
         return name
     return "bf16-mixed" if cpu_has_native_bf16() else "32-true"
-
-
-def serving_dtype(name: str) -> str:
-    """bf16 where the CPU computes it natively: the engine then runs batch-invariant (greedy output still equals
-    AR's) and verifying a few tokens costs about one decode step, as on a GPU; fp32 elsewhere."""
-    if name != "auto":
-        return name
-    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def _fit(recipe: str, runs: Path, *extra: str) -> tuple[str, ...]:

@@ -1,10 +1,18 @@
-"""The main job on the embedded default (``make demo``): extract → train → export → evaluate, on SmolLM2.
+"""The main job on the embedded default (``make demo``): the target's own answers → train → export → evaluate.
 
+SmolLM2 answers GSM-symbolic training prompts (``data_prep.regenerate``); the draft LM, EAGLE-3 and SpecBlock
+learn to predict those answers (training on what the target says, not on ChatGPT's text, is what makes drafters
+accepted), SpecBranch's H-RAD learns from the draft LM's acceptance traces, and one ``inference.evaluate`` run
+compares every algorithm with AR on held-out GSM-symbolic prompts (seeds disjoint from the training prompts').
 Every stage is one of the project's own commands (``inference.pipeline``), printed before it runs, so any stage
-can be re-run by hand (or scaled up: the ``demo_*`` recipes are the ``*_smollm2`` recipes with fewer steps). A
-stage whose output is complete is skipped, and re-running ``make demo`` after an interruption continues.
+can be re-run by hand or scaled up (the ``demo_*`` recipes are the ``*_smollm2_gsm`` recipes with fewer steps;
+``benchmarks/drafter_quality.py`` runs the full-size pipeline). A stage whose output is complete is skipped,
+and re-running ``make demo`` after an interruption continues.
 
-    python -m inference.demo [out=runs/demo] [n_prompts=3] [max_new_tokens=48] [stages=all|extract,...]
+On a CPU with native bf16 the target runs in bf16, batch-invariant (greedy output still equals AR's token for
+token) and verifying a few drafted tokens costs about one decode step, as on a GPU; elsewhere in fp32.
+
+    python -m inference.demo [out=runs/demo] [n_samples=320] [n_prompts=4] [max_new_tokens=96] [stages=all|...]
 """
 
 from __future__ import annotations
@@ -15,103 +23,120 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.algorithms import ALGORITHMS
+from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
+from inference.runner import cpu_has_native_bf16
 from spectrain.atomic import check_output
 from spectrain.overrides import parse_cli, run_cli
 
-DEMO_RECIPE_STEPS = 40  # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
+# trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
+DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 70, "demo_specblock": 24}
+# Measured seconds per training step on the 2-core CPU (one thread each, bf16 autocast, two trainings side by side)
+STEP_SECONDS = {"demo_draftlm": 1.4, "demo_eagle3": 5.0, "demo_specblock": 11.0}
+DRAFT_VOCAB = 8192  # the draft LM is trained on (and drafts from) the 8,192 lowest ids (draftlm_smollm2_gsm)
 # Self-Draft's small grid, the setting that beat AR in wall-clock on the 2-core CPU (BENCHMARKS.md, "Self-Draft")
 SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidates=2@self_draft_corpus_candidates=1"
                   "@self_draft_grid_vocab=8192")
-USAGE = "python -m inference.demo out=runs/demo n_prompts=3 max_new_tokens=48 stages=all"
+# Beside every algorithm at its defaults: PEARL and SpecBranch drafting in a second process (the second core),
+# Self-Draft's CPU grid, and EAGLE-3 / SpecBlock trees of 16 tokens (one cheap verification on a CPU).
+VARIANTS = ["pearl@executor=multiprocess", "specbranch@executor=multiprocess", SELF_DRAFT_CPU,
+            "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree@specblock_budget=16@specblock_width=4"]
+USAGE = "python -m inference.demo out=runs/demo n_samples=320 n_prompts=4 max_new_tokens=96 stages=all"
 
 
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"
-    n_samples: int = 96  # ShareGPT conversations extracted for training
-    n_val_samples: int = 12
-    max_len: int = 192
+    n_samples: int = 320  # GSM-symbolic training prompts the target answers (the drafters' training data)
     trace_prompts: int = 12  # prompts whose SpS rounds label the H-RAD classifier
     train_steps: int = 0  # optimizer steps of the draft LM, EAGLE-3 and SpecBlock runs; 0 = the demo_* recipes'
-    bench: list[str] = field(default_factory=lambda: ["mt_bench"])
-    n_prompts: int = 3
-    max_new_tokens: int = 48
+    bench: list[str] = field(default_factory=lambda: ["gsm_symbolic"])
+    n_prompts: int = 4
+    max_new_tokens: int = 96
+    dtype: str = "auto"  # the target's dtype when serving; auto = bf16 on a CPU with native bf16, else fp32
     stages: list[str] = field(default_factory=lambda: ["all"])
 
 
 def build_stages(cfg: DemoConfig) -> list[Stage]:
     out = Path(cfg.out)
-    feats, runs, exports = out / "features", out / "runs", out / "exports"
-    extract = ("data_prep.extract", "target=smollm2", "source=sharegpt", "layers=eagle3", "dtype=bf16",
-               f"max_len={cfg.max_len}", "batch_size=4")
+    runs, exports, data = out / "runs", out / "exports", out / "regenerated.jsonl"
+    dtype = serving_dtype(cfg.dtype)
+    precision = "bf16-mixed" if cpu_has_native_bf16() else "32-true"
+    n_runs = (len(ALGORITHMS) + len(VARIANTS)) * len(cfg.bench)  # "all" is every registered algorithm
 
-    # Minutes per stage: measured on the 2-core CPU with one thread and another job running (a quiet machine is
-    # faster); they scale with the settings that drive each stage's work.
-    steps_n = cfg.train_steps or DEMO_RECIPE_STEPS
-    algorithms = ["all", "sps@verifier=hsd", "sps@draft_vocab=8192", "specbranch@hrad=none", SELF_DRAFT_CPU]
-    n_runs = (len(ALGORITHMS) + len(algorithms) - 1) * len(cfg.bench)  # "all" is every registered algorithm
-    steps = () if not cfg.train_steps else (
-        f"trainer.max_steps={cfg.train_steps}", f"trainer.val_check_interval={max(1, cfg.train_steps // 4)}",
-        f"trainer.checkpoint_every_n_steps={max(1, cfg.train_steps // 4)}")
+    def steps(recipe: str) -> int:
+        return cfg.train_steps or DEMO_RECIPE_STEPS[recipe]
 
-    def fit(recipe: str, *extra: str) -> tuple[str, ...]:
-        return ("spectrain.fit", f"recipe={recipe}", f"runs_dir={runs}", "resume=auto",
-                f"data.dataset_dir={feats / 'train'}", f"data.val_dataset_dir={feats / 'eval'}",
-                f"data.max_len={cfg.max_len}", *steps, *extra)
+    def fit(recipe: str) -> tuple[str, ...]:
+        n = cfg.train_steps
+        override = () if not n else (f"trainer.max_steps={n}", f"trainer.val_check_interval={max(1, n // 2)}",
+                                     f"trainer.checkpoint_every_n_steps={max(1, n // 4)}")
+        return ("spectrain.fit", f"recipe={recipe}", f"runs_dir={runs}", "resume=auto", f"data.source=jsonl:{data}",
+                f"trainer.precision={precision}", *override)
+
+    def train_minutes(recipe: str) -> float:  # + loading, the vocabulary count and validations
+        return 1.0 + steps(recipe) * STEP_SECONDS[recipe] / 60
 
     def last_ckpt(run_name: str) -> Path:
         return runs / run_name / "checkpoints" / "last.ckpt"
 
-    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path) -> Stage:
-        return Stage(name, minutes, what, argv, output, out / ".done" / name)
+    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
+        return Stage(name, minutes, what, argv, output, out / ".done" / name, group)
 
-    stages = [
-        stage("extract", 0.3 + 0.008 * cfg.n_samples, f"target hidden states of {cfg.n_samples} ShareGPT conversations (train split)",
-              (*extract, "split=train", f"n_samples={cfg.n_samples}", f"out={feats / 'train'}"), feats / "train"),
-        stage("extract-eval", 0.2 + 0.008 * cfg.n_val_samples, f"the same for {cfg.n_val_samples} held-out conversations (eval split)",
-              (*extract, "split=eval", f"n_samples={cfg.n_val_samples}", f"out={feats / 'eval'}"), feats / "eval"),
+    # Minutes per stage: measured on the 2-core CPU with one thread per stage; they scale with the settings that
+    # drive each stage's work.
+    return [
+        stage("regenerate", 0.5 + 0.011 * cfg.n_samples,
+              f"the target's own ({dtype}) answers to {cfg.n_samples} GSM-symbolic training prompts, 24 side by side",
+              ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
+               "max_len=512", "max_new_tokens=384", "batch_size=24", f"dtype={dtype}", f"out={data}"), data,
+              group="data"),
         stage("ngram-corpus", 1.0, "Self-Draft's corpus n-gram cache from 4,000 ShareGPT conversations (train split)",
               ("data_prep.ngram_corpus", "target=smollm2", "source=sharegpt", "split=train", "n_samples=4000",
-               f"out={out / 'ngram_corpus.pt'}"), out / "ngram_corpus.pt"),
-        stage("train-draftlm", 0.7 + 0.05 * steps_n, "distil a 4-layer draft LM (layer-drop init, KL to the target)",
-              fit("demo_draftlm"), last_ckpt("demo_draftlm")),
-        stage("export-draftlm", 0.1, "export the draft LM as an HF directory the engine loads",
+               f"out={out / 'ngram_corpus.pt'}"), out / "ngram_corpus.pt", group="data"),
+        stage("train-draftlm", train_minutes("demo_draftlm"),
+              "a 4-layer draft LM (layer-drop init) learns the target's next tokens (cross-entropy, no target forward)",
+              fit("demo_draftlm"), last_ckpt("demo_draftlm"), group="train"),
+        stage("train-eagle3", train_minutes("demo_eagle3"),
+              "EAGLE-3 (training-time test, 8,192-token draft vocabulary) on target features computed online",
+              fit("demo_eagle3"), last_ckpt("demo_eagle3"), group="train"),
+        stage("export-draftlm", 0.2, "export the draft LM as an HF directory the engine loads",
               ("spectrain.export", f"ckpt={last_ckpt('demo_draftlm')}", f"out={exports / 'draft_lm'}"),
               exports / "draft_lm"),
-        stage("traces", 0.3 + 0.11 * cfg.trace_prompts, f"SpS acceptance traces of the draft LM on {cfg.trace_prompts} prompts (H-RAD labels)",
-              ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", "source=sharegpt",
-               "split=train", f"n_samples={cfg.trace_prompts}", "gamma=4", "max_new_tokens=48",
-               f"out={out / 'traces'}"), out / "traces"),
+        stage("traces", 0.3 + 0.1 * cfg.trace_prompts,
+              f"SpS acceptance traces of the draft LM on {cfg.trace_prompts} training prompts (H-RAD labels)",
+              ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
+               "split=train", f"n_samples={cfg.trace_prompts}", "gamma=4", "max_new_tokens=64",
+               f"draft_vocab={DRAFT_VOCAB}", f"out={out / 'traces'}"), out / "traces", group="last"),
+        stage("train-specblock", train_minutes("demo_specblock"),
+              "the SpecBlock block drafter (valid-prefix masking, rank head) on EAGLE-3's data",
+              fit("demo_specblock"), last_ckpt("demo_specblock"), group="last"),
         stage("train-hrad", 0.2, "train SpecBranch's H-RAD classifier on the traces (calibrated)",
               ("spectrain.fit", "recipe=demo_hrad", f"runs_dir={runs}", "resume=auto",
                f"data.dataset_dir={out / 'traces'}"), last_ckpt("demo_hrad")),
         stage("export-hrad", 0.1, "export H-RAD with its class boundaries, ε and temperature",
               ("spectrain.export", f"ckpt={last_ckpt('demo_hrad')}", f"out={exports / 'hrad'}"), exports / "hrad"),
-        stage("train-eagle3", 0.7 + 0.035 * steps_n, "train the EAGLE-3 drafter (training-time test, reduced vocabulary)",
-              fit("demo_eagle3"), last_ckpt("demo_eagle3")),
         stage("export-eagle3", 0.1, "export EAGLE-3 (native layout)",
               ("spectrain.export", f"ckpt={last_ckpt('demo_eagle3')}", "format=native", f"out={exports / 'eagle3'}"),
               exports / "eagle3"),
-        stage("train-specblock", 0.7 + 0.11 * steps_n, "train the SpecBlock drafter on the same data and steps as EAGLE-3",
-              fit("demo_specblock"), last_ckpt("demo_specblock")),
         stage("export-specblock", 0.1, "export SpecBlock (native layout)",
               ("spectrain.export", f"ckpt={last_ckpt('demo_specblock')}", "format=native",
                f"out={exports / 'specblock'}"), exports / "specblock"),
-        stage("evaluate", 0.5 + 0.0036 * n_runs * cfg.n_prompts * cfg.max_new_tokens, f"every algorithm on {cfg.n_prompts} prompts of {', '.join(cfg.bench)} "
-              "against AR in one run",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               f"algorithms=[{','.join(algorithms)}]", f"ngram_corpus={out / 'ngram_corpus.pt'}",
-               f"bench=[{','.join(cfg.bench)}]", f"n_prompts={cfg.n_prompts}",
-               f"max_new_tokens={cfg.max_new_tokens}", f"out={out / 'eval'}"), out / "eval"),
+        stage("evaluate", 1.0 + 0.0012 * n_runs * cfg.n_prompts * cfg.max_new_tokens,
+              f"every algorithm on {cfg.n_prompts} held-out prompts of {', '.join(cfg.bench)} against AR in one run "
+              f"({dtype}, one thread; the multiprocess variants draft on the second core)",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[all,{','.join(VARIANTS)}]",
+               f"draft_vocab={DRAFT_VOCAB}", f"ngram_corpus={out / 'ngram_corpus.pt'}", f"bench=[{','.join(cfg.bench)}]",
+               f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}", f"dtype={dtype}", "threads=1",
+               f"out={out / 'eval'}"), out / "eval"),
     ]
-    return stages
 
 
 def run_stages(cfg: DemoConfig) -> None:
     stages = select(build_stages(cfg), cfg.stages)
     print(f"[demo] output: {cfg.out}/", flush=True)
-    ran = run_pipeline(stages, label="demo", rerun_hint="`make demo`")
+    # One thread per stage: side-by-side stages then share the two cores instead of oversubscribing them.
+    ran = run_pipeline(stages, label="demo", rerun_hint="`make demo`", env={"OMP_NUM_THREADS": "1"})
     report = Path(cfg.out) / "eval" / "report.md"
     if report.is_file():
         if "evaluate" not in ran:  # a fresh evaluate stage has just printed the table itself

@@ -47,6 +47,14 @@ def model_dtype(name: str, device: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
+def serving_dtype(name: str) -> str:
+    """``auto`` for pipelines that serve on this machine: bf16 where the CPU computes it natively (batch-invariant,
+    and verifying a few tokens costs about one decode step, as on a GPU), else fp32; any other name as given."""
+    if name != "auto":
+        return name
+    return "bf16" if torch.cuda.is_available() or cpu_has_native_bf16() else "fp32"
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of the vocabulary (token -> id), so two tokenizers that map ids differently are told apart."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)

@@ -11,7 +11,7 @@ from inference import demo
 from spectrain.overrides import parse_cli
 
 PARSERS = {  # module -> how that CLI validates its arguments without doing the work
-    "data_prep.extract": lambda argv: importlib.import_module("data_prep.extract").parse_args(argv),
+    "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),
     "data_prep.traces": lambda argv: importlib.import_module("data_prep.traces").parse_args(argv),
     "spectrain.export": lambda argv: importlib.import_module("spectrain.export").parse_args(argv),
     "inference.evaluate": lambda argv: importlib.import_module("inference.evaluate").parse_args(argv),
@@ -27,7 +27,7 @@ def config(tmp_path, *args: str):
 
 def test_every_stage_is_a_command_its_cli_accepts(tmp_path):
     stages = demo.build_stages(config(tmp_path))
-    assert [s.name for s in stages][:2] == ["extract", "extract-eval"] and stages[-1].name == "evaluate"
+    assert [s.name for s in stages][:2] == ["regenerate", "ngram-corpus"] and stages[-1].name == "evaluate"
     trained = {s.argv[1].split("=")[1] for s in stages if s.argv[0] == "spectrain.fit"}
     assert trained == {"demo_draftlm", "demo_hrad", "demo_eagle3", "demo_specblock"}
     for stage in stages:
@@ -66,7 +66,7 @@ def test_a_stage_killed_midway_is_not_done(tmp_path):
 
 
 def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, monkeypatch, capsys):
-    cfg = config(tmp_path, "stages=[extract,extract-eval]")
+    cfg = config(tmp_path, "stages=[regenerate,ngram-corpus]")
     first, _ = demo.build_stages(cfg)[:2]
     _mark_done(first)
     calls = []
@@ -80,14 +80,14 @@ def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, mon
             return 1
 
     monkeypatch.setattr(subprocess, "Popen", Failing)
-    assert demo.main([f"out={tmp_path / 'demo'}", "stages=[extract,extract-eval]"]) == 2
+    assert demo.main([f"out={tmp_path / 'demo'}", "stages=[regenerate,ngram-corpus]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "demo stage extract-eval failed" in err and "\n" not in err
+    assert "demo stage ngram-corpus failed" in err and "\n" not in err
     assert len(calls) == 1 and first.done()
 
 
 def test_unknown_stage_is_refused(tmp_path, capsys):
-    assert demo.main([f"out={tmp_path}", "stages=[extract,trian]"]) == 2
+    assert demo.main([f"out={tmp_path}", "stages=[regenerate,trian]"]) == 2
     assert "unknown stage(s) ['trian']" in capsys.readouterr().err
 
 
