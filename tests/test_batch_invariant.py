@@ -125,3 +125,30 @@ def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
         layer.weight.mul_(2)  # an in-place update (the adapter's kind): the packed copy is rebuilt
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert "_packs" not in layer.state_dict() and set(layer.state_dict()) == {"weight", "bias"}
+
+
+@native_bf16
+@pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd", "eagle3_tree", "specblock_tree", "self_draft"])
+def test_every_algorithm_serves_a_bf16_target_and_equals_ar(name):
+    """Each algorithm with its drafter kind in the target's bf16 (a real H-RAD for SpecBranch, whose weights stay
+    fp32): it runs, and its greedy tokens are AR's."""
+    from test_eagle3_tree import random_drafter as random_eagle3
+    from test_specblock_tree import random_drafter as random_specblock
+
+    from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+
+    model = smollm2_shaped(0, layers=5)  # the drafters' test helpers read aux layers 0, 1, 2; H-RAD the last 4
+    prompt = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = build_algorithm("ar", bf16_runner(model)).generate(prompt, max_new_tokens=24, sampling=GREEDY)
+    drafter, options = None, {}
+    if name in ("sps", "pearl", "specbranch", "ssd"):
+        drafter = bf16_runner(noisy_copy(model, 0.01), batch_invariant=False)
+    if name == "specbranch":
+        options["hrad"] = HRADPredictor(HRAD(HRADConfig(hidden_size=576, last_k=4, gamma=4, boundaries=[1, 3])),
+                                        {"layers": {"ids": capture_layers(5, 4)}})
+    if name == "eagle3_tree":
+        drafter, options = random_eagle3(model, draft_vocab=512).to(torch.bfloat16), {"tree_total": 16}
+    if name == "specblock_tree":
+        drafter = random_specblock(model, draft_vocab=512).to(torch.bfloat16)
+    algorithm = build_algorithm(name, bf16_runner(model), drafter, **options)
+    assert algorithm.generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens == reference.tokens
