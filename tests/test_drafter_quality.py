@@ -19,6 +19,8 @@ CLIS = {
     "benchmarks.train_step": lambda argv: None,  # its own keys are checked in its main; recipes below
     "benchmarks.hsd_block_efficiency": lambda argv: parse_cli(
         argv, importlib.import_module("benchmarks.hsd_block_efficiency").BenchConfig, "usage"),
+    "benchmarks.draft_agreement": lambda argv: parse_cli(
+        argv, importlib.import_module("benchmarks.draft_agreement").AgreementConfig, "usage"),
 }
 
 
@@ -68,7 +70,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
     assert rows["GSM: EAGLE-3 τ (default tree 6/8/48)"] == ("3.20", "yes")
     assert rows["GSM: best learned drafter tokens/s ÷ AR"] == (f"1.60× (sps@draft_vocab={v})", "yes")
-    assert rows["GSM: draft LM top-1 agreement (first draft token accepted, greedy)"] == ("0.70", "yes")
+    assert rows["GSM: draft LM top-1 agreement (first draft token of a round accepted, greedy)"] == ("0.70", "yes")
     assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"] == (
         "0.94 (training 29.0 vs 30.0 min)", "no")
     assert rows["GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's"] == ("0.40", "yes")
@@ -79,7 +81,10 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     assert "train-eagle3 30.0" in dq.goal_table("gsm", out)
     summary = {"measured": {"ratio": 1.07, "ci95": [0.95, 1.24]}, "same_draft_exact": {"ratio": 1.02, "ci95": [1.01, 1.03]}}
     (out / "hsd.json").write_text(json.dumps({"summary": summary}))
+    (out / "agreement.json").write_text(json.dumps({"top1_agreement": 0.55, "top_k_recall": {"1": 0.55, "4": 0.8}}))
     rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: draft LM top-1 agreement with the target (held-out, teacher-forced on AR's answers)"] == (
+        "0.55 (top-4 recall 0.80; a round's first draft token accepted: 0.70)", "no")
     assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1"] == (
         "1.070 [95 % CI 0.950, 1.240]; same-draft exact 1.020 [1.010, 1.030]", "–")  # the CI straddles 1.03
 
@@ -98,3 +103,18 @@ def test_scaling_reads_every_validation_and_fits_log_linear(tmp_path):
     tokens = np.array([1e3, 1e4, 1e5])
     a, b = fit_log_linear(tokens, 0.5 + 0.25 * np.log10(tokens))
     assert abs(a - 0.5) < 1e-9 and abs(b - 0.25) < 1e-9
+
+
+def test_draft_agreement_is_one_for_the_target_itself_and_less_for_another(tmp_path):
+    from tiny_targets import save_tiny_target
+
+    from benchmarks.draft_agreement import AgreementConfig, agreement
+
+    target = str(save_tiny_target(tmp_path / "target", seed=0, layers=2))
+    other = str(save_tiny_target(tmp_path / "other", seed=0, layers=2, noise=0.05))
+    common = dict(target=target, n_prompts=2, max_new_tokens=12, dtype="fp32")
+    same = agreement(AgreementConfig(drafter=target, out=str(tmp_path / "a.json"), **common))
+    assert same["positions"] == 24 and same["top1_agreement"] == 1.0
+    assert json.loads((tmp_path / "a.json").read_text())["top_k_recall"]["8"] == 1.0
+    noisy = agreement(AgreementConfig(drafter=other, **common))
+    assert noisy["top1_agreement"] < 1.0 and noisy["top_k_recall"]["8"] >= noisy["top1_agreement"]
