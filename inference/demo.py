@@ -12,7 +12,7 @@ and re-running ``make demo`` after an interruption continues.
 On a CPU with native bf16 the target runs in bf16, batch-invariant (greedy output still equals AR's token for
 token) and verifying a few drafted tokens costs about one decode step, as on a GPU; elsewhere in fp32.
 
-    python -m inference.demo [out=runs/demo] [n_samples=320] [n_prompts=4] [max_new_tokens=96] [stages=all|...]
+    python -m inference.demo [out=runs/demo] [n_samples=256] [n_prompts=4] [max_new_tokens=96] [stages=all|...]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from spectrain.atomic import check_output
 from spectrain.overrides import parse_cli, run_cli
 
 # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
-DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 70, "demo_specblock": 24}
+DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 60, "demo_specblock": 16}
 # Measured seconds per training step on the 2-core CPU (one thread each, bf16 autocast, two trainings side by side)
-STEP_SECONDS = {"demo_draftlm": 1.4, "demo_eagle3": 5.0, "demo_specblock": 11.0}
+STEP_SECONDS = {"demo_draftlm": 1.5, "demo_eagle3": 7.0, "demo_specblock": 14.0}
 DRAFT_VOCAB = 8192  # the draft LM is trained on (and drafts from) the 8,192 lowest ids (draftlm_smollm2_gsm)
 # Self-Draft's small grid, the setting that beat AR in wall-clock on the 2-core CPU (BENCHMARKS.md, "Self-Draft")
 SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidates=2@self_draft_corpus_candidates=1"
@@ -41,13 +41,13 @@ SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidate
 # Self-Draft's CPU grid, and EAGLE-3 / SpecBlock trees of 16 tokens (one cheap verification on a CPU).
 VARIANTS = ["pearl@executor=multiprocess", "specbranch@executor=multiprocess", SELF_DRAFT_CPU,
             "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree@specblock_budget=16@specblock_width=4"]
-USAGE = "python -m inference.demo out=runs/demo n_samples=320 n_prompts=4 max_new_tokens=96 stages=all"
+USAGE = "python -m inference.demo out=runs/demo n_samples=256 n_prompts=4 max_new_tokens=96 stages=all"
 
 
 @dataclass
 class DemoConfig:
     out: str = "runs/demo"
-    n_samples: int = 320  # GSM-symbolic training prompts the target answers (the drafters' training data)
+    n_samples: int = 256  # GSM-symbolic training prompts the target answers (the drafters' training data)
     trace_prompts: int = 12  # prompts whose SpS rounds label the H-RAD classifier
     train_steps: int = 0  # optimizer steps of the draft LM, EAGLE-3 and SpecBlock runs; 0 = the demo_* recipes'
     bench: list[str] = field(default_factory=lambda: ["gsm_symbolic"])
