@@ -187,7 +187,9 @@ class Linear(nn.Linear):
         weight, bias = self.weight, self.bias
         if out_features is not None:
             weight, bias = weight[:out_features], None if bias is None else bias[:out_features]
-        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not x.requires_grad:
+        # (not where autograd needs this op: the packed linear has no backward; drafters train through here)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not needs_grad:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features), bias, "none", [], "")
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in (2, 3) or x.device.type != "cpu":

@@ -125,6 +125,9 @@ def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
         layer.weight.mul_(2)  # an in-place update (the adapter's kind): the packed copy is rebuilt
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert "_packs" not in layer.state_dict() and set(layer.state_dict()) == {"weight", "bias"}
+    layer.requires_grad_(True)  # training (the serving-time adapter updates bf16 drafters): F.linear, with a backward
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == layer.weight.shape
 
 
 @native_bf16
