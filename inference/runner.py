@@ -173,6 +173,28 @@ def _kept_to_tensor(
 # Llama-family modules (parameter names match transformers so the state dict loads as-is)
 
 
+@dataclass(frozen=True)
+class GatheredKeys:
+    """Per new token of a one-row forward, the cache slots it attends to, in order ([T, L], padded), and which
+    of those L entries are real ([T, L] bool)."""
+
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+def gathered_keys(allowed: torch.Tensor) -> GatheredKeys | None:
+    """For a one-row mask over slots ([T, S] bool): None when every token's keys are slots 0..n-1 (a chain: the
+    plain attention is already batch-invariant), else where to gather each token's keys from. A tree or grid
+    leaves gaps between a node's ancestors, and a gap changes how the kernel pairs and sums the keys."""
+    counts = allowed.sum(-1)
+    slots = torch.arange(allowed.shape[-1], device=allowed.device)
+    if bool((allowed == (slots < counts[:, None])).all()):
+        return None
+    length = -(-int(counts.max()) // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK
+    index = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)[:, :length]  # allowed slots first, in order
+    return GatheredKeys(index, slots[:length] < counts[:, None])
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) tuned for CPU inference.
 
@@ -272,8 +294,10 @@ class Attention(nn.Module):
         attend_len: int,
         mask: torch.Tensor | None,
         is_causal: bool,
-        invariant: bool = False,
+        invariant: bool | GatheredKeys = False,
     ) -> torch.Tensor:
+        """``invariant``: True in batch-invariant mode; a :class:`GatheredKeys` when, in that mode, some new token's
+        keys are not one contiguous run of slots (a tree or grid mask)."""
         batch, new, _ = x.shape
         q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim)
@@ -293,6 +317,9 @@ class Attention(nn.Module):
             rows, slots = write_index
             k_cache[rows, :, slots] = k.transpose(1, 2)
             v_cache[rows, :, slots] = v.transpose(1, 2)
+        if isinstance(invariant, GatheredKeys):
+            out = self._gathered_attention(q, k_cache, v_cache, invariant)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1))
         if invariant and new == 1:
             # SDPA takes another path for a single query row, whose rounding differs from the multi-row one: a
             # copy of the row makes a decode step compute exactly what a verification computes for that token.
@@ -307,6 +334,18 @@ class Attention(nn.Module):
             enable_gqa=self.num_kv_heads != self.num_heads,
         )[:, :, :new]
         return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1))
+
+    def _gathered_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            keys: GatheredKeys) -> torch.Tensor:
+        """Each new token of one row attends over its own keys moved into contiguous slots, one SDPA batch entry
+        per token: exactly the computation of decoding it after its own path ([1, heads, T, D])."""
+        new = q.shape[2]
+        k = k_cache[0][:, keys.index].transpose(0, 1).contiguous()  # [T, kv_heads, L, D]
+        v = v_cache[0][:, keys.index].transpose(0, 1).contiguous()
+        q = q[0].transpose(0, 1).unsqueeze(2).repeat(1, 1, 2, 1)  # [T, heads, 2, D]: a doubled row, as a decode
+        mask = keys.mask[:, None, None, :].repeat(1, 1, 2, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return out[:, :, 0].transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
 
 
 class MLP(nn.Module):
@@ -708,9 +747,12 @@ class ModelRunner(nn.Module):
 
         attend_len = cached + new
         mask, is_causal = None, False
+        invariant: bool | GatheredKeys = self.batch_invariant
         if self.batch_invariant:  # always masked, over a padded length (see INVARIANT_KV_BLOCK)
             attend_len = -(-attend_len // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK
             mask = self._attention_mask(user_mask, slots, cached, new, attend_len)
+            if user_mask is not None and batch == 1:
+                invariant = gathered_keys(mask[0, 0]) or True
         elif user_mask is not None or not aligned or (new > 1 and cached > 0):
             mask = self._attention_mask(user_mask, slots, cached, new, attend_len)
         elif new > 1:
@@ -721,7 +763,7 @@ class ModelRunner(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = self.k_cache[i, :batch], self.v_cache[i, :batch]
-            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal, self.batch_invariant)
+            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal, invariant)
             if i in capture:
                 hidden[i].append(x)
         self.cache_lens = self.cache_lens + new

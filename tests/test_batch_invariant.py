@@ -155,3 +155,61 @@ def test_every_algorithm_serves_a_bf16_target_and_equals_ar(name):
         drafter = random_specblock(model, draft_vocab=512).to(torch.bfloat16)
     algorithm = build_algorithm(name, bf16_runner(model), drafter, **options)
     assert algorithm.generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens == reference.tokens
+
+
+def tree_mask(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """[T, T] ancestor-or-self mask and each node's depth, for nodes given by their parent (-1: below the cache)."""
+    mask, depth = torch.zeros(len(parents), len(parents), dtype=torch.bool), []
+    for node, parent in enumerate(parents):
+        mask[node, node] = True
+        if parent >= 0:
+            mask[node] |= mask[parent]
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    return mask, depth
+
+
+@native_bf16
+@pytest.mark.parametrize("prompt_len", [70, 500])
+def test_tree_nodes_get_the_logits_of_decoding_their_own_path(target, prompt_len):
+    """A tree's nodes sit in slots with gaps between ancestors; each node's logits must still be bitwise those of
+    decoding its path one token at a time (what AR computes), or a tree's greedy output could leave AR's."""
+    runner = bf16_runner(target)
+    generator = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, 4096, (1, prompt_len), generator=generator)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 2, 10, 11, 4]
+    tokens = torch.randint(0, 4096, (1, len(parents)), generator=generator)
+    mask, depth = tree_mask(parents)
+    runner.reset(1)
+    runner.forward(prompt)
+    tree = runner.forward(tokens, attention_mask=mask, positions=torch.tensor([depth]) + prompt_len).logits[0]
+    for node in range(len(parents)):
+        path = [i for i in range(len(parents)) if mask[node, i]]  # ancestors then the node, in slot order
+        runner.truncate(prompt_len)
+        for i in path:
+            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+        assert torch.equal(tree[node], decoded), f"node {node} (path {path})"
+
+
+@native_bf16
+@pytest.mark.real_model
+def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smollm2):
+    """The same on the real model, with real text in the tree (end to end, a 16-node EAGLE-3 tree whose nodes
+    attended over gapped slots left AR's greedy answer on bf16 logit ties; see BENCHMARKS.md)."""
+    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+
+    model, tokenizer = smollm2
+    runner = ModelRunner.from_hf_model(model, dtype=torch.bfloat16, max_seq_len=512)
+    prompt = render_prompt(tokenizer, prompt_turns(load_prompts("gsm_symbolic", n=3)[2]))
+    answer = build_algorithm("ar", runner).generate(prompt, max_new_tokens=80, sampling=GREEDY).tokens
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 2, 10, 11, 4]
+    mask, depth = tree_mask(parents)
+    context = prompt + answer[:50]
+    tokens = torch.tensor([[answer[50 + d] if i % 3 else answer[40 + i] for i, d in enumerate(depth)]])
+    runner.reset(1)
+    runner.forward(torch.tensor([context]))
+    tree = runner.forward(tokens, attention_mask=mask, positions=torch.tensor([depth]) + len(context)).logits[0]
+    for node in range(len(parents)):
+        runner.truncate(len(context))
+        for i in [i for i in range(len(parents)) if mask[node, i]]:
+            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+        assert torch.equal(tree[node], decoded), f"node {node}"
