@@ -339,7 +339,6 @@ class Attention(nn.Module):
                             keys: GatheredKeys) -> torch.Tensor:
         """Each new token of one row attends over its own keys moved into contiguous slots, one SDPA batch entry
         per token: exactly the computation of decoding it after its own path ([1, heads, T, D])."""
-        new = q.shape[2]
         k = k_cache[0][:, keys.index].transpose(0, 1).contiguous()  # [T, kv_heads, L, D]
         v = v_cache[0][:, keys.index].transpose(0, 1).contiguous()
         q = q[0].transpose(0, 1).unsqueeze(2).repeat(1, 1, 2, 1)  # [T, heads, 2, D]: a doubled row, as a decode
