@@ -65,13 +65,19 @@ def _batches(stages: Sequence[Stage]) -> list[list[Stage]]:
     return batches
 
 
+def minutes_left(stages: Sequence[Stage]) -> float:
+    """Expected minutes of the stages not done yet; side-by-side stages overlap, so a group takes as long as its
+    longest stage still to run."""
+    return sum(max((s.minutes for s in batch if not s.done()), default=0.0) for batch in _batches(stages))
+
+
 def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str,
                  env: dict[str, str] | None = None) -> list[str]:
     """Run every stage not done yet; returns the names of those that ran. A failure raises one line naming the
     stage (finished ones are kept)."""
     todo = [s for s in stages if not s.done()]
-    print(f"[{label}] {len(stages)} stages, {len(stages) - len(todo)} already done; about "
-          f"{sum(s.minutes for s in todo):.0f} min of work left on a 2-core CPU.", flush=True)
+    print(f"[{label}] {len(stages)} stages, {len(stages) - len(todo)} already done; about {minutes_left(stages):.0f} "
+          "min of work left on a 2-core CPU.", flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), **(env or {})}
     index = {id(s): i for i, s in enumerate(stages, 1)}
     ran: list[str] = []

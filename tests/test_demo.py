@@ -136,3 +136,14 @@ def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path
     capsys.readouterr()
     demo.run_stages(cfg)
     assert capsys.readouterr().out.count("| algorithm | τ |") == 1
+
+
+def test_the_time_left_counts_side_by_side_stages_once(tmp_path):
+    from inference.pipeline import Stage, minutes_left
+
+    stages = [Stage(name, minutes, name, ("x",), tmp_path / name, tmp_path / ".done" / name, group)
+              for name, minutes, group in [("a", 2.0, ""), ("b", 5.0, "g"), ("c", 3.0, "g"), ("d", 1.0, "")]]
+    assert minutes_left(stages) == 2.0 + 5.0 + 1.0
+    stages[1].output.mkdir()
+    stages[1].mark_done()
+    assert minutes_left(stages) == 2.0 + 3.0 + 1.0
