@@ -16,10 +16,12 @@ from inference.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0)
 
 
-def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: float = 1.0) -> LlamaForCausalLM:
+def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: float = 1.0, *, hidden: int = 32,
+               intermediate: int = 64, heads: int = 4, kv_heads: int = 2, max_positions: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=max_positions)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper or flatter output distributions, to vary acceptance
         model.lm_head.weight.mul_(temperature_scale)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_algorithms import tiny_llama
+from transformers import LlamaForCausalLM
 
 from inference import drafters
 from inference.algorithms import build_algorithm
@@ -17,14 +18,10 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def smollm2_shaped(seed: int, layers: int) -> LlamaForCausalLM:
-    """SmolLM2-135M's layer shapes (the kernels chosen depend on them) with few layers and a small vocabulary."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=4096, max_position_embeddings=1024)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper output distributions, so that a noisy copy agrees with it now and then
-        model.lm_head.weight.mul_(30.0)
-    return model
+    """SmolLM2-135M's layer shapes (the kernels chosen depend on them) with few layers and a small vocabulary;
+    sharp output distributions, so that a noisy copy agrees with it now and then."""
+    return tiny_llama(seed, vocab=4096, layers=layers, temperature_scale=30.0, hidden=576, intermediate=1536, heads=9,
+                      kv_heads=3, max_positions=1024)
 
 
 def noisy_copy(model: LlamaForCausalLM, noise: float) -> LlamaForCausalLM:
