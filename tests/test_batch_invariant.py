@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 from test_algorithms import tiny_llama
+from test_eagle3_tree import random_drafter as random_eagle3
+from test_specblock_tree import random_drafter as random_specblock
 from transformers import LlamaForCausalLM
 
+from data_prep.prompts import load_prompts, prompt_turns, render_prompt
 from inference import drafters
 from inference.algorithms import build_algorithm
-from inference.runner import ModelRunner, cpu_has_native_bf16
+from inference.runner import Linear, ModelRunner, cpu_has_native_bf16
 from inference.sampling import SamplingParams
+from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 
 native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16/AMX)")
 GREEDY = SamplingParams(temperature=0)
@@ -111,7 +115,6 @@ def test_dtype_names_are_checked(monkeypatch):
 
 
 def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
-    from inference.runner import Linear
 
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
@@ -132,11 +135,6 @@ def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
 def test_every_algorithm_serves_a_bf16_target_and_equals_ar(name):
     """Each algorithm with its drafter kind in the target's bf16 (a real H-RAD for SpecBranch, whose weights stay
     fp32): it runs, and its greedy tokens are AR's."""
-    from test_eagle3_tree import random_drafter as random_eagle3
-    from test_specblock_tree import random_drafter as random_specblock
-
-    from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
-
     model = smollm2_shaped(0, layers=5)  # the drafters' test helpers read aux layers 0, 1, 2; H-RAD the last 4
     prompt = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     reference = build_algorithm("ar", bf16_runner(model)).generate(prompt, max_new_tokens=24, sampling=GREEDY)
@@ -192,7 +190,6 @@ def test_tree_nodes_get_the_logits_of_decoding_their_own_path(target, prompt_len
 def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smollm2):
     """The same on the real model, with real text in the tree (end to end, a 16-node EAGLE-3 tree whose nodes
     attended over gapped slots left AR's greedy answer on bf16 logit ties; see BENCHMARKS.md)."""
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
 
     model, tokenizer = smollm2
     runner = ModelRunner.from_hf_model(model, dtype=torch.bfloat16, max_seq_len=512)

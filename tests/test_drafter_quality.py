@@ -8,8 +8,10 @@ import json
 
 import pytest
 from test_demo import PARSERS
+from tiny_targets import save_tiny_target
 
 from benchmarks import drafter_quality as dq
+from benchmarks.draft_agreement import AgreementConfig, agreement
 from inference.pipeline import Stage
 from spectrain.overrides import parse_cli
 
@@ -106,10 +108,6 @@ def test_scaling_reads_every_validation_and_fits_log_linear(tmp_path):
 
 
 def test_draft_agreement_is_one_for_the_target_itself_and_less_for_another(tmp_path):
-    from tiny_targets import save_tiny_target
-
-    from benchmarks.draft_agreement import AgreementConfig, agreement
-
     target = str(save_tiny_target(tmp_path / "target", seed=0, layers=2))
     other = str(save_tiny_target(tmp_path / "other", seed=0, layers=2, noise=0.05))
     common = dict(target=target, n_prompts=2, max_new_tokens=12, dtype="fp32")
