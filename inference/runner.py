@@ -55,7 +55,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
-# Batch-invariant mode (bf16/fp16 on a CPU, one row): a token's logits are then bitwise the same whether it is
+# Batch-invariant mode (bf16 on a CPU, one row): a token's logits are then bitwise the same whether it is
 # decoded alone or verified inside a chain, tree or grid, so greedy speculative output equals AR's exactly. Three
 # facts of the CPU kernels make it work (tests/test_batch_invariant.py checks them on SmolLM2's shapes): the
 # packed oneDNN bf16 linear (``Linear``) gives each row the same result whatever the other rows of the call; SDPA's
@@ -428,7 +428,7 @@ class ModelRunner(nn.Module):
         max_seq_len: int,
         batch_invariant: bool | None = None,
     ):
-        """``batch_invariant`` (default: on for a reduced-precision CPU runner of one row) runs forwards in the
+        """``batch_invariant`` (default: on for a bf16 CPU runner of one row) runs forwards in the
         batch-invariant mode described at ``INVARIANT_ROWS``."""
         super().__init__()
         model_type = getattr(config, "model_type", None)
@@ -452,7 +452,8 @@ class ModelRunner(nn.Module):
         inv_freq, self.rope_scale = _rope_inv_freq(config, self.head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         if batch_invariant is None:
-            batch_invariant = device.type == "cpu" and dtype != torch.float32 and max_batch_size == 1
+            # bf16 only: the row-invariant packed linear is bf16's (fp16 runs F.linear, whose rows are not invariant)
+            batch_invariant = device.type == "cpu" and dtype == torch.bfloat16 and max_batch_size == 1
         self.batch_invariant = batch_invariant
         # Invariant mode pads the attended length up to a block: the cache holds the padding of its last block.
         slots = -(-max_seq_len // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK if batch_invariant else max_seq_len

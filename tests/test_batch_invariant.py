@@ -52,6 +52,7 @@ def test_the_mode_is_on_for_one_reduced_precision_cpu_row_only(target):
     assert bf16_runner(target).batch_invariant
     assert not bf16_runner(target, max_batch_size=4).batch_invariant  # batched generation keeps its speed
     assert not ModelRunner.from_hf_model(target, max_seq_len=64).batch_invariant  # fp32
+    assert not ModelRunner.from_hf_model(target, max_seq_len=64, dtype=torch.float16).batch_invariant
     assert bf16_runner(target, batch_invariant=False).batch_invariant is False
 
 
