@@ -10,7 +10,8 @@ Does what spectrain trains draft well? One resumable pipeline per setting, every
   SpS traces and the HSD vs tokenwise comparison at T = 1 (neither measures time) -> H-RAD -> export all -> ONE
   ``inference.evaluate`` run on held-out GSM prompts (greedy), alone on the machine -> the goal table.
 ``general`` (ShareGPT, evaluated on MT-Bench): regenerate ShareGPT answers -> EAGLE-3 (``eagle3_smollm2``
-  recipe on the regenerated file) -> export -> evaluate.
+  recipe) on the regenerated file beside the same recipe on the same conversations' original answers, with as
+  many trained answer tokens -> export both -> evaluate each on the same held-out MT-Bench prompts.
 
 The table is printed at the end and written to ``OUT/SETTING/goals.md``; each stage's wall minutes are in its
 marker under ``OUT/SETTING/.done/`` (the stage budget). Drafters are not committed: this script makes them.
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from benchmarks.scaling import answer_tokens_per_sample
 from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
 from inference.runner import cpu_has_native_bf16
@@ -145,30 +149,64 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     ]
 
 
+def answer_tokens(source: str, n_samples: int, max_len: int) -> float:
+    """Mean trained (answer) tokens per sample of an EAGLE-3 recipe's online data from ``source``."""
+    recipe = OmegaConf.create({"target": "smollm2", "seed": 0, "data": {"source": source, "n_samples": n_samples,
+                                                                         "max_len": max_len, "window": "start"}})
+    return answer_tokens_per_sample(recipe)
+
+
+def raw_arm_steps(steps: int, regenerated: Path, n_samples: int, max_len: int) -> int:
+    """Steps of the raw-ShareGPT arm that train on as many answer tokens as ``steps`` on the regenerated file
+    (same batch size and window; the two answer sets differ in length, so equal tokens need unequal steps)."""
+    ratio = answer_tokens(f"jsonl:{regenerated}", n_samples, max_len) / answer_tokens("sharegpt", n_samples, max_len)
+    return max(1, round(steps * ratio))
+
+
 def general_stages(cfg: QualityConfig) -> list[Stage]:
     out = Path(cfg.out) / "general"
-    runs, exports, data = out / "runs", out / "exports", out / "regenerated.jsonl"
+    runs, data = out / "runs", out / "regenerated.jsonl"
+    max_len = 512
+    # The raw arm's steps come from the regenerated file's answer lengths: built again once "regenerate" has run.
+    raw_steps = raw_arm_steps(cfg.eagle3_steps, data, cfg.n_samples, max_len) if (out / ".done" / "regenerate").is_file() \
+        else cfg.eagle3_steps
+    precision = f"trainer.precision={_precision(cfg.precision)}"
 
-    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path) -> Stage:
-        return Stage(name, minutes, what, argv, output, out / ".done" / name)
+    def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
+        return Stage(name, minutes, what, argv, output, out / ".done" / name, group)
 
-    ckpt = runs / "eagle3_smollm2" / "checkpoints" / "last.ckpt"
+    def ckpt(run: str) -> Path:
+        return runs / run / "checkpoints" / "last.ckpt"
+
     dtype = f"dtype={serving_dtype(cfg.dtype)}"
+    common = ("data.n_val_samples=16", f"data.max_len={max_len}", "data.bucket_by_length=true", precision)
+    trees = "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]"
+    evaluate = ("inference.evaluate", "target=smollm2", "bench=mt_bench", f"n_prompts={cfg.n_prompts}",
+                f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype)
     return [
         stage("regenerate", 0.05 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} ShareGPT conversations",
               ("data_prep.regenerate", "target=smollm2", "source=sharegpt", "split=train", f"n_samples={cfg.n_samples}",
-               "max_len=512", "max_new_tokens=256", "batch_size=24", dtype, f"out={data}"), data),
+               f"max_len={max_len}", "max_new_tokens=256", "batch_size=24", dtype, f"out={data}"), data),
         stage("train-eagle3", 0.25 * cfg.eagle3_steps, "EAGLE-3 on the regenerated conversations",
-              _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000", "data.max_len=512",
-                   "data.bucket_by_length=true", f"trainer.precision={_precision(cfg.precision)}",
-                   *_steps(cfg.eagle3_steps)), ckpt),
-        stage("export-eagle3", 0.2, "export EAGLE-3", ("spectrain.export", f"ckpt={ckpt}", "format=native",
-              f"out={exports / 'eagle3'}"), exports / "eagle3"),
+              _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000", *common,
+                   *_steps(cfg.eagle3_steps, validations=8)), ckpt("eagle3_smollm2"), group="train"),
+        stage("train-eagle3-raw", 0.25 * raw_steps,
+              f"EAGLE-3 on the same conversations' original (ShareGPT) answers, as many answer tokens ({raw_steps} steps)",
+              _fit("eagle3_smollm2", runs, "run_name=eagle3_smollm2_raw", "data.source=sharegpt",
+                   f"data.n_samples={cfg.n_samples}", *common, *_steps(raw_steps, validations=8)),
+              ckpt("eagle3_smollm2_raw"), group="train"),
+        stage("export-eagle3", 0.2, "export EAGLE-3", ("spectrain.export", f"ckpt={ckpt('eagle3_smollm2')}",
+              "format=native", f"out={out / 'exports' / 'eagle3'}"), out / "exports" / "eagle3"),
+        stage("export-eagle3-raw", 0.2, "export the raw-ShareGPT EAGLE-3", ("spectrain.export",
+              f"ckpt={ckpt('eagle3_smollm2_raw')}", "format=native", f"out={out / 'exports_raw' / 'eagle3'}"),
+              out / "exports_raw" / "eagle3"),
         stage("evaluate", 0.5 * cfg.n_prompts * cfg.max_new_tokens / 100, f"EAGLE-3 on {cfg.n_prompts} MT-Bench prompts",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]", "bench=mt_bench",
-               f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1",
-               dtype, f"out={out / 'eval'}"), out / "eval" / "results.json"),
+              (*evaluate, f"feature_drafter={out / 'exports' / 'eagle3'}", trees, f"out={out / 'eval'}"),
+              out / "eval" / "results.json"),
+        stage("evaluate-raw", 0.5 * cfg.n_prompts * cfg.max_new_tokens / 100,
+              f"the raw-ShareGPT EAGLE-3 on the same {cfg.n_prompts} MT-Bench prompts (τ only; timings are the other run's)",
+              (*evaluate, f"feature_drafter={out / 'exports_raw' / 'eagle3'}", trees, f"out={out / 'eval_raw'}"),
+              out / "eval_raw" / "results.json"),
     ]
 
 
@@ -196,6 +234,18 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     if setting == "general":
         tau = runs["eagle3_tree"]["tau"]
         add("MT-Bench: EAGLE-3 τ (default tree)", "≥ 2.0", tau, tau >= 2.0)
+        raw_file = out / "eval_raw" / "results.json"
+        if raw_file.is_file():  # the same recipe on the conversations' original answers, as many answer tokens
+            raw_runs = _runs(json.loads(raw_file.read_text()))
+            raw = raw_runs["eagle3_tree"]["tau"]
+            lossless = lossless and all(r.get("greedy_equal_to_ar", True) for r in raw_runs.values())
+            steps = {name: json.loads((out / ".done" / name).read_text())["argv"] for name in
+                     ("train-eagle3", "train-eagle3-raw")}
+            steps = {name: next(a.split("=")[1] for a in argv if a.startswith("trainer.max_steps="))
+                     for name, argv in steps.items()}
+            add("MT-Bench: EAGLE-3 τ trained on regenerated ÷ on raw ShareGPT answers (equal answer tokens)", "> 1",
+                tau / raw, tau > raw, f"{tau / raw:.2f} (τ {tau:.2f} vs {raw:.2f}; {steps['train-eagle3']} vs "
+                f"{steps['train-eagle3-raw']} steps)")
         add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
         return rows
     eagle = runs["eagle3_tree"]
@@ -264,8 +314,10 @@ def run(cfg: QualityConfig) -> str:
     label = f"drafter_quality/{cfg.setting}"
     stages = select(build(cfg), cfg.stages)
     names = [s.name for s in stages]
-    # SpecBlock's step count comes from the step-time probe: build the later stages again once it has run.
-    cut = names.index("probe-step-time") + 1 if "probe-step-time" in names else len(stages)
+    # Later stages' step counts come from an earlier stage's output (gsm: SpecBlock's from the step-time probe;
+    # general: the raw arm's from the regenerated answers): build them again once it has run.
+    pivot = {"gsm": "probe-step-time", "general": "regenerate"}[cfg.setting]
+    cut = names.index(pivot) + 1 if pivot in names else len(stages)
     run_pipeline(stages[:cut], label=label, rerun_hint="the same command", env={"OMP_NUM_THREADS": "1"})
     if cut < len(stages):
         rest = [s for s in select(build(cfg), cfg.stages) if s.name in names[cut:]]

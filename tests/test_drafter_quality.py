@@ -39,7 +39,34 @@ def test_every_stage_is_a_command_its_cli_accepts(tmp_path, setting):
                 PARSERS["spectrain.fit"]([f"recipe={recipe}", *(a for a in stage.argv[2:]
                                                                  if a.startswith(("data.", "trainer.")))])
     groups = [s.group for s in stages if s.group]
-    assert setting == "general" or groups.count("train") == 2  # draft LM and EAGLE-3 side by side
+    assert groups.count("train") == 2  # gsm: draft LM beside EAGLE-3; general: the regenerated beside the raw arm
+
+
+def test_general_raw_arm_trains_on_as_many_answer_tokens(tmp_path, monkeypatch):
+    cfg = parse_cli([f"out={tmp_path}", "setting=general", "eagle3_steps=100"], dq.QualityConfig, dq.USAGE)
+    assert "trainer.max_steps=100" in next(s for s in dq.general_stages(cfg) if s.name == "train-eagle3-raw").argv
+    # once regenerated: regenerated samples hold 150 answer tokens, raw ones 200 -> 75 raw steps
+    monkeypatch.setattr(dq, "answer_tokens", lambda source, n, max_len: 150.0 if source.startswith("jsonl:") else 200.0)
+    Stage("regenerate", 0, "", (), tmp_path, tmp_path / "general" / ".done" / "regenerate").mark_done(1.0)
+    stages = {s.name: s for s in dq.general_stages(cfg)}
+    raw, regenerated = stages["train-eagle3-raw"].argv, stages["train-eagle3"].argv
+    assert "trainer.max_steps=75" in raw and "trainer.max_steps=100" in regenerated
+    assert "run_name=eagle3_smollm2_raw" in raw and "data.source=sharegpt" in raw
+    assert [a for a in raw if a.startswith("data.max_len")] == [a for a in regenerated if a.startswith("data.max_len")]
+
+
+def test_general_goal_table_compares_regenerated_with_raw(tmp_path):
+    out = tmp_path / "general"
+    for name, tau in (("eval", 2.2), ("eval_raw", 1.6)):
+        (out / name).mkdir(parents=True)
+        (out / name / "results.json").write_text(json.dumps({"runs": [_record("ar", 1.0, 1.0), _record("eagle3_tree", tau, 0.5)]}))
+    Stage("train-eagle3", 0, "", ("spectrain.fit", "trainer.max_steps=100"), out, out / ".done" / "train-eagle3").mark_done(9.0)
+    Stage("train-eagle3-raw", 0, "", ("spectrain.fit", "trainer.max_steps=75"), out,
+          out / ".done" / "train-eagle3-raw").mark_done(9.0)
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("general", out)}
+    assert rows["MT-Bench: EAGLE-3 τ (default tree)"] == ("2.20", "yes")
+    assert rows["MT-Bench: EAGLE-3 τ trained on regenerated ÷ on raw ShareGPT answers (equal answer tokens)"] == (
+        "1.38 (τ 2.20 vs 1.60; 100 vs 75 steps)", "yes")
 
 
 def test_specblock_gets_eagle3s_wall_time_from_the_probe(tmp_path):
