@@ -40,6 +40,7 @@ logits``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -99,15 +100,38 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _check_sliding_window(config, max_seq_len: int) -> None:
-    """Both runners use full attention; refuse configs where a sliding window would change the result."""
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """Layer type -> sliding window (None = full attention), as transformers applies it.
+
+    With ``config.layer_types`` (Gemma-2/3, Qwen2/3, Cohere-2, OLMo-3, ...) the window applies to the
+    ``sliding_attention`` layers only; without it (Mistral, Phi-3, Starcoder2) ``sliding_window``, when set, applies
+    to every layer (key ``"all"``). Other layer kinds (chunked, linear or hybrid attention) are refused."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    applies = window is not None and (layer_types is None or "sliding_attention" in layer_types)
-    if applies and window < max_seq_len:
+    if not layer_types:
+        return {"all": window}
+    unknown = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{config.model_type} has {unknown} attention layers, which spectrain's runners do not "
+                         f"serve (they serve {', '.join(ATTENTION_LAYER_TYPES)})")
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
+
+
+def window_matters(config, max_seq_len: int) -> bool:
+    """Whether some layer's sliding window is shorter than the context, so it changes the result."""
+    return any(w is not None and w < max_seq_len for w in attention_windows(config).values())
+
+
+def _check_sliding_window(config, max_seq_len: int) -> None:
+    """ModelRunner uses full attention; refuse configs where a sliding window would change the result."""
+    if window_matters(config, max_seq_len):
+        window = min(w for w in attention_windows(config).values() if w is not None)
         raise ValueError(
-            f"{config.model_type} uses a sliding window of {window} < max_seq_len={max_seq_len}, "
-            f"which this runner does not implement; use max_seq_len<={window}"
+            f"{config.model_type} uses a sliding window of {window} < max_seq_len={max_seq_len}, which ModelRunner "
+            f"does not implement; load it with backend=auto or backend=transformers (TransformersRunner applies it)"
         )
 
 
@@ -779,14 +803,18 @@ class TransformersRunner:
     Slower than :class:`ModelRunner`: transformers' per-call overhead, a float mask over the whole cache, and
     rejected tokens stay in the cache as masked-out slots until a commit/truncate compacts it by copying.
     Needs a model whose attention honours a custom 4D mask (``eager`` or ``sdpa`` attention, standard KV
-    layers). Sliding windows are not applied, so configs where one would matter are refused.
+    layers). Sliding windows are applied in that mask, by position (a query at position p sees keys at positions
+    > p - window, as transformers does), per layer type where layers differ (transformers takes a mask per type);
+    the cache keeps every token, so any context length up to ``max_seq_len`` works.
     """
 
     def __init__(self, model: nn.Module, *, max_batch_size: int = 1, max_seq_len: int = 2048):
         attn_impl = getattr(model.config, "_attn_implementation", None)
         if attn_impl not in ("eager", "sdpa", None):
             raise ValueError(f"TransformersRunner needs eager or sdpa attention, got {attn_impl!r}")
-        _check_sliding_window(model.config, max_seq_len)
+        self.windows = attention_windows(model.config)
+        # transformers >= 5.24 names the cache argument `cache` (`past_key_values` is deprecated there).
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.model = model.eval()
         self.config = model.config
         self.max_batch_size = max_batch_size
@@ -954,9 +982,10 @@ class TransformersRunner:
             cache_part = cache_part & mapped
             new_part = user_mask[:, :, cached:] | torch.eye(new, dtype=torch.bool, device=device)
         allowed = torch.cat([cache_part, new_part], dim=-1)[:, None]
-        # Additive float mask: honoured as-is by both eager and sdpa attention in transformers.
-        float_mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device)
-        float_mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        masks = {kind: self._float_mask(allowed, positions, window) for kind, window in self.windows.items()}
+        # One mask for every layer, or (models with layer types) one per type, which transformers then uses as-is.
+        float_mask = masks["all"] if "all" in masks else masks if len(set(self.windows.values())) > 1 else \
+            next(iter(masks.values()))
 
         hidden: dict[int, torch.Tensor] = {}
         captured_last: list[torch.Tensor] = []
@@ -975,13 +1004,13 @@ class TransformersRunner:
                 input_ids=input_ids.to(device),
                 position_ids=positions,
                 attention_mask=float_mask,
-                past_key_values=self._cache,
+                **{self._cache_argument: self._cache},
                 use_cache=True,
             )
         finally:
             for hook in hooks:
                 hook.remove()
-        self._cache = out.past_key_values
+        self._cache = out.cache if hasattr(out, "cache") else out.past_key_values
         self._slot_valid = torch.cat([self._slot_valid, self._slot_valid.new_ones(batch, new)], dim=1)
         self._pending = physical
         logits = out.logits[:, _logit_rows(only_last_logits, logit_rows)].float()
@@ -994,6 +1023,17 @@ class TransformersRunner:
         )
 
     __call__ = forward
+
+    def _float_mask(self, allowed: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Additive float mask (honoured as-is by eager and sdpa attention in transformers) from ``allowed``
+        [B, 1, T, S + T], narrowed to a sliding ``window`` by position: a cached token's position is its index in
+        its row (the runner's contract), a new token's is ``positions``."""
+        if window is not None:
+            cache_positions = self._slot_valid.long().cumsum(dim=1) - 1  # valid slot -> its index in the row
+            key_positions = torch.cat([cache_positions, positions], dim=1)
+            allowed = allowed & (positions[:, :, None] - key_positions[:, None, :] < window)[:, None]
+        float_mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return float_mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
     @staticmethod
     def _capture_hook(store: dict[int, torch.Tensor], index: int):
@@ -1017,8 +1057,8 @@ def load_runner(
     batch_invariant: bool | None = None,
 ) -> ModelRunner | TransformersRunner:
     """A runner for a transformers model instance (or a local HF model directory): :class:`ModelRunner` for
-    supported model types (``backend="auto"`` or ``"native"``), :class:`TransformersRunner` otherwise or with
-    ``backend="transformers"``. ``batch_invariant``: see :class:`ModelRunner` (None = its default)."""
+    supported model types (``backend="auto"`` or ``"native"``) whose sliding window, if any, is no shorter than
+    ``max_seq_len``; :class:`TransformersRunner` otherwise or with ``backend="transformers"``. ``batch_invariant``: see :class:`ModelRunner` (None = its default)."""
     if backend not in ("auto", "native", "transformers"):
         raise ValueError(f"backend must be auto, native or transformers, got {backend!r}")
     model = model_or_path
@@ -1029,7 +1069,9 @@ def load_runner(
     kw = {"dtype": dtype, "max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
     if device is not None:
         kw["device"] = device
-    native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
+    # ModelRunner has no sliding window: a config whose window is shorter than the context goes to transformers.
+    native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES \
+        and not window_matters(model.config, max_seq_len)
     if backend == "native" or (backend == "auto" and native):
         return ModelRunner.from_hf_model(model, batch_invariant=batch_invariant, **kw)
     return TransformersRunner.from_hf_model(model, **kw)

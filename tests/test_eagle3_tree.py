@@ -21,7 +21,7 @@ def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=Eagle3Drafter
     """A randomly initialised drafter over a random reduced vocabulary, sharing the target's embedding."""
     config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX)
     torch.manual_seed(seed)
-    drafter = cls(config, embed_weight=target.model.embed_tokens.weight.detach(), **kw)
+    drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
     vocab = target.config.vocab_size
     used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
     t2d = torch.zeros(vocab, dtype=torch.bool)

@@ -124,6 +124,15 @@ def check_drafter_config(config: Any, kind: str, extra_positive: tuple[str, ...]
                          f"num_key_value_heads {config.num_key_value_heads}")
 
 
+def norm_eps(target_config) -> float:
+    """The target's norm epsilon, whatever its family calls it (the drafter's own norms are RMSNorms)."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
+        value = getattr(target_config, name, None)
+        if value is not None:
+            return float(value)
+    return 1e-5
+
+
 def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict[str, Any]:
     """Config fields of a drafter whose decoder layers have ``target_config``'s per-layer shapes (EAGLE-3 and
     SpecBlock both do), reading its aux layers and predicting over ``draft_vocab_size`` ids."""
@@ -134,7 +143,7 @@ def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: l
         num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
         head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
         draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
-        aux_layer_ids=list(aux_layer_ids), rms_norm_eps=target_config.rms_norm_eps, rope_theta=theta,
+        aux_layer_ids=list(aux_layer_ids), rms_norm_eps=norm_eps(target_config), rope_theta=theta,
         rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
         hidden_act=getattr(target_config, "hidden_act", "silu"),
     )

@@ -1,0 +1,114 @@
+"""The model-family matrix: tiny random configs of every decoder family a user is likely to bring (built from
+transformers' config classes, nothing downloaded). For each, the runner that serves it, and greedy equality with
+transformers' ``generate`` of ``ar``, ``sps`` (the target as its own draft), ``eagle3_tree`` (a random EAGLE-3
+drafter) and ``self_draft``, with sliding windows short enough to matter where the family has one.
+
+README's "Model families" table lists the same matrix; keep them in step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_algorithms import GREEDY, hf_greedy
+from test_eagle3_tree import random_drafter
+
+from inference.algorithms import build_algorithm
+from inference.runner import ModelRunner, TransformersRunner, load_runner
+
+VOCAB, WINDOW, MAX_SEQ = 128, 8, 96
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
+
+# family -> (model class, config class, config overrides, runner that serves it)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}, ModelRunner),
+    "mistral (sliding window)": ("MistralForCausalLM", "MistralConfig", {"sliding_window": WINDOW}, TransformersRunner),
+    "mistral (full)": ("MistralForCausalLM", "MistralConfig", {"sliding_window": None}, ModelRunner),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}, ModelRunner),
+    "qwen2 (sliding window)": ("Qwen2ForCausalLM", "Qwen2Config",
+                               {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
+                               TransformersRunner),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}, ModelRunner),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", {"head_dim": 8}, TransformersRunner),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               {"head_dim": 8, "sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL}, TransformersRunner),
+    "gemma3 (text)": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+                      {"head_dim": 8, "sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL}, TransformersRunner),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"sliding_window": WINDOW}, TransformersRunner),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, TransformersRunner),
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL},
+              TransformersRunner),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", {}, TransformersRunner),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", {"sliding_window": WINDOW}, TransformersRunner),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig", {}, TransformersRunner),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", {"sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL},
+                TransformersRunner),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}, TransformersRunner),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", {"head_dim": 8}, TransformersRunner),
+}
+PROMPT, N_NEW = [5, 17, 33, 9, 71, 40], 40  # 46 tokens: far past the window of 8
+
+
+def tiny_model(family: str):
+    model_class, config_class, overrides, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**BASE, **overrides})
+    config._attn_implementation = "sdpa" if "gemma" not in family and "cohere" not in family else "eager"
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # sharper logits: greedy choices far from ties, so kernel rounding cannot flip them
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    model = tiny_model(request.param)
+    return request.param, model, hf_greedy(model, PROMPT, N_NEW)
+
+
+def serve(model):
+    return load_runner(model, max_seq_len=MAX_SEQ)
+
+
+def test_the_runner_that_serves_it(family):
+    name, model, _ = family
+    assert type(serve(model)) is FAMILIES[name][3]
+
+
+@pytest.mark.parametrize("algorithm", ["ar", "sps", "eagle3_tree", "self_draft"])
+def test_greedy_equals_transformers_generate(family, algorithm):
+    name, model, reference = family
+    target = serve(model)
+    if algorithm == "sps":
+        built = build_algorithm("sps", target, serve(model), gamma=4)
+    elif algorithm == "eagle3_tree":
+        drafter = random_drafter(model, draft_vocab=64)
+        built = build_algorithm("eagle3_tree", target, drafter, tree_depth=3, tree_topk=2, tree_total=8)
+    elif algorithm == "self_draft":
+        built = build_algorithm("self_draft", target, branch_len=3, branch_num=2)
+    else:
+        built = build_algorithm("ar", target)
+    result = built.generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
+    assert result.tokens == reference, f"{name}: {algorithm} differs from transformers' generate"
+    if algorithm == "sps":  # the target drafting for itself: every draft is accepted
+        assert result.stats.rollback_rate == 0.0
+
+
+def test_a_window_that_matters_is_applied():
+    """Without its window the Mistral config gives other tokens: the equality above is not vacuous."""
+    windowed = tiny_model("mistral (sliding window)")
+    full = tiny_model("mistral (full)")
+    full.load_state_dict(windowed.state_dict())
+    assert hf_greedy(windowed, PROMPT, N_NEW) != hf_greedy(full, PROMPT, N_NEW)
+
+
+def test_unsupported_family_is_refused_in_one_line():
+    config = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     layer_types=["conv", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Lfm2ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"lfm2 has \['conv'\] attention layers"):
+        serve(model)
