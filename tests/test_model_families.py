@@ -14,7 +14,7 @@ from test_algorithms import GREEDY, hf_greedy
 from test_eagle3_tree import random_drafter
 
 from inference.algorithms import build_algorithm
-from inference.runner import ModelRunner, TransformersRunner, load_runner
+from inference.runner import ModelRunner, TransformersRunner, attention_windows, load_runner
 
 VOCAB, WINDOW, MAX_SEQ = 128, 8, 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -112,3 +112,11 @@ def test_unsupported_family_is_refused_in_one_line():
     model = transformers.Lfm2ForCausalLM(config).eval()
     with pytest.raises(ValueError, match=r"lfm2 has \['conv'\] attention layers"):
         serve(model)
+
+
+@pytest.mark.parametrize("config_class, kind", [("Llama4TextConfig", "chunked_attention"),
+                                                ("Qwen3NextConfig", "linear_attention"), ("FalconH1Config", "hybrid")])
+def test_other_attention_kinds_are_refused(config_class, kind):
+    config = getattr(transformers, config_class)()
+    with pytest.raises(ValueError, match=rf"{config.model_type} has \['{kind}'\] attention layers"):
+        attention_windows(config)
