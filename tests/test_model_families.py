@@ -12,6 +12,8 @@ import torch
 import transformers
 from test_algorithms import GREEDY, hf_greedy
 from test_eagle3_tree import random_drafter
+from test_specblock_tree import random_drafter as random_specblock_drafter
+from test_ssd import tiny_draft_runner
 
 from inference.algorithms import build_algorithm
 from inference.runner import ModelRunner, TransformersRunner, attention_windows, load_runner
@@ -94,6 +96,23 @@ def test_greedy_equals_transformers_generate(family, algorithm):
     assert result.tokens == reference, f"{name}: {algorithm} differs from transformers' generate"
     if algorithm == "sps":  # the target drafting for itself: every draft is accepted
         assert result.stats.rollback_rate == 0.0
+
+
+@pytest.mark.parametrize("algorithm", ["sps@hsd", "pearl", "specbranch", "ssd", "specblock_tree"])
+def test_every_other_algorithm_serves_a_local_global_window_target(algorithm):
+    """Gemma-3's local/global pattern with a window of 8, through the algorithms the matrix above leaves out."""
+    model = tiny_model("gemma3 (text)")
+    target = serve(model)
+    draft = tiny_draft_runner(1, vocab=VOCAB)  # a Llama draft: a target's family does not bind its draft's
+    built = {
+        "sps@hsd": lambda: build_algorithm("sps", target, draft, gamma=4, verifier="hsd"),
+        "pearl": lambda: build_algorithm("pearl", target, draft, gamma=3),
+        "specbranch": lambda: build_algorithm("specbranch", target, draft, gamma=3),
+        "ssd": lambda: build_algorithm("ssd", target, draft, gamma=3, budget=3, fallback="fast", fast="random"),
+        "specblock_tree": lambda: build_algorithm("specblock_tree", target, random_specblock_drafter(model, draft_vocab=64),
+                                                  budget=16, width=4),
+    }[algorithm]()
+    assert built.generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY).tokens == hf_greedy(model, PROMPT, N_NEW)
 
 
 def test_a_window_that_matters_is_applied():

@@ -24,7 +24,7 @@ def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=SpecBlockDraf
     config = SpecBlockConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX,
                                         block_size=block_size)
     torch.manual_seed(seed)
-    drafter = cls(config, embed_weight=target.model.embed_tokens.weight.detach(), **kw)
+    drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
     vocab = target.config.vocab_size
     if draft_vocab < vocab:
         used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
