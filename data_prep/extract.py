@@ -58,6 +58,7 @@ class ExtractConfig:
     shard_size: int = 0  # samples per shard (committed atomically); 0 = auto, about SHARD_BYTES per shard
     seed: int = 0
     regenerate: bool = False  # replace assistant turns with the target's own answers
+    chat_template: str = "auto"  # how conversations are rendered: auto (the tokenizer's) | none (text as is) | PATH
     max_new_tokens: int = 1024  # per regenerated answer
     temperature: float = 0.0  # for regenerated answers (0 = greedy)
     device: str = "auto"
@@ -88,8 +89,9 @@ def content_args(cfg: Any) -> dict[str, Any]:
     args = OmegaConf.to_container(cfg, resolve=True)
     for key in RUN_ONLY_KEYS:
         args.pop(key, None)
-    if args["window"] == "start":  # the default, and what datasets made before the option hold
-        args.pop("window")
+    for key, default in (("window", "start"), ("chat_template", "auto")):
+        if args[key] == default:  # the default, and what datasets made before the option hold
+            args.pop(key)
     if not args["regenerate"]:  # generation settings mean nothing without regeneration
         args.pop("max_new_tokens")
         args.pop("temperature")
@@ -187,7 +189,8 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
     out = Path(cfg.out)
     refuse_other_args(out, content_args(cfg))
     if target is None:
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size)
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size,
+                         chat_template=cfg.chat_template)
     runner, tokenizer = target.runner, target.tokenizer
     config = runner.config
     layers = resolve_layers(cfg.layers, config.num_hidden_layers)

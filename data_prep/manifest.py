@@ -44,11 +44,10 @@ class DatasetError(ValueError):
 def tokenizer_identity(tokenizer) -> dict[str, Any]:
     """Vocabulary hash and chat-template hash: a dataset tokenized with another tokenizer or template is wrong."""
     from inference.drafters import tokenizer_fingerprint
+    from spectrain.assets import chat_template_hash
 
-    template = getattr(tokenizer, "chat_template", None)
-    template_text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     return {"vocab_hash": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
-            "chat_template_hash": hashlib.sha256(template_text.encode()).hexdigest()[:16]}
+            "chat_template_hash": chat_template_hash(tokenizer)}
 
 
 def target_identity(name: str, config) -> dict[str, Any]:

@@ -246,15 +246,22 @@ def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N, train: bool = Fa
                            meta={"answer": item.get("answer")})
 
 
-_JSONL_EXPECTED = ("expected a JSON object with 'prompt' (str), 'messages' ([{role, content}], roles "
-                   "system/user/assistant) or 'conversations' ([{from, value}], from human/gpt/system)")
+_JSONL_EXPECTED = ("expected a JSON object with 'prompt' (str, optionally with 'completion'), 'text' (str), "
+                   "'messages' ([{role, content}], roles system/user/assistant) or 'conversations' ([{from, value}], "
+                   "from human/gpt/system)")
 
 
 def _jsonl_turns(rec: Any) -> list[Turn] | None:
     if not isinstance(rec, dict):
         return None
+    # Base-model records (chat_template=none): a completion is the assistant's answer to its prompt; plain text is
+    # all completion, after an empty prompt.
+    if isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
+        return [{"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["completion"]}]
     if isinstance(rec.get("prompt"), str):
         return [{"role": "user", "content": rec["prompt"]}]
+    if isinstance(rec.get("text"), str) and rec["text"]:
+        return [{"role": "user", "content": ""}, {"role": "assistant", "content": rec["text"]}]
     if isinstance(rec.get("messages"), list):
         turns = []
         for msg in rec["messages"]:

@@ -113,12 +113,15 @@ class RegenerateConfig:
     batch_size: int = 16  # rows answered side by side
     device: str = "auto"
     dtype: str = "auto"  # the target's compute dtype (inference.drafters.model_dtype): the answers depend on it
+    chat_template: str = "auto"  # how prompts are rendered: auto (the tokenizer's) | none (text as is) | PATH (Jinja)
     out: str | None = None  # FILE.jsonl
 
 
 # They change speed or how much is written, not what a record holds: item i's prompt does not depend on
 # n_samples (sources are prefix-stable), so a re-run with a larger n_samples extends a file.
 RUN_ONLY_KEYS = ("n_samples", "batch_size", "device", "out")
+# Settings added after files were written, with the value those files were written with.
+LATER_KEYS = {"chat_template": "auto"}
 
 
 def parse_args(argv: Sequence[str]) -> Any:
@@ -163,8 +166,8 @@ def read_done(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]:
         first = None
     if not isinstance(first, dict) or HEADER_KEY not in first:
         raise ValueError(f"{path} exists and is not a data_prep.regenerate output; choose another out= or remove it")
-    diffs = {k: (first[HEADER_KEY].get("settings", {}).get(k), v) for k, v in header["settings"].items()
-             if first[HEADER_KEY].get("settings", {}).get(k) != v}
+    written = {**LATER_KEYS, **first[HEADER_KEY].get("settings", {})}
+    diffs = {k: (written.get(k), v) for k, v in header["settings"].items() if written.get(k) != v}
     if diffs:
         key, (old, new) = next(iter(diffs.items()))
         raise ValueError(f"{path} was written with other settings ({key}={old!r}, now {new!r}; {len(diffs)} differ); "
@@ -240,7 +243,7 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     if target is None:
         # Spare rows: new prompts are prefilled apart from the running batch (inference.batched_generation).
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=2 * cfg.batch_size,
-                         dtype=model_dtype(cfg.dtype, pick_device(cfg.device)))
+                         dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     header["target"] = cfg.target
     todo = [i for i in range(len(conversations)) if i not in done]

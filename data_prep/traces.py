@@ -60,6 +60,7 @@ class TracesConfig:
     seed: int = 0
     device: str = "auto"
     max_seq_len: int = 2048
+    chat_template: str = "auto"  # how prompts are rendered: auto (the tokenizer's) | none (text as is) | PATH (Jinja)
     out: str | None = None
 
 
@@ -118,8 +119,11 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     out = Path(cfg.out)
     args = OmegaConf.to_container(cfg, resolve=True)
     args.pop("out")
+    if args["chat_template"] == "auto":  # the default, and what trace sets made before the option hold
+        args.pop("chat_template")
     refuse_other_args(out, args)
-    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len)
+    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
+                               chat_template=cfg.chat_template)
     draft = draft or load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
     config = target.runner.config
     num_layers = config.num_hidden_layers

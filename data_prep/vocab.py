@@ -43,6 +43,7 @@ class VocabConfig:
     split: str = "all"
     seed: int = 0
     draft_vocab_size: int = 32000
+    chat_template: str = "auto"  # with source=: how conversations are rendered: auto | none (text as is) | PATH
     out: str | None = None
 
 
@@ -104,7 +105,7 @@ def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
     from spectrain.assets import load_tokenizer, model_identity
 
     identity = model_identity(cfg.target)
-    tokenizer = load_tokenizer(cfg.target)
+    tokenizer = load_tokenizer(cfg.target, cfg.get("chat_template", "auto"))
     conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
     require_answers(conversations, False, cfg.source)
     build = SampleBuilder(tokenizer, cfg.max_len)

@@ -87,10 +87,11 @@ class LoadedModel:
 
 def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch_size: int = 1,
             backend: str = "auto", dtype: torch.dtype | None = None,
-            batch_invariant: bool | None = None) -> LoadedModel:
+            batch_invariant: bool | None = None, chat_template: str | None = None) -> LoadedModel:
+    """A model with its runner and tokenizer; ``chat_template`` (auto|none|PATH) as ``assets.load_tokenizer``."""
     device = pick_device(device)
-    model = assets.load_model(name_or_path, device=device, dtype=dtype)
-    tokenizer = assets.load_tokenizer(name_or_path)
+    model = assets.load_model(name_or_path, device=device, dtype=dtype)  # first: it names a path that is no model
+    tokenizer = assets.load_tokenizer(name_or_path, chat_template)
     runner = load_runner(model, backend=backend, device=device, dtype=dtype, max_seq_len=max_seq_len,
                          max_batch_size=max_batch_size, batch_invariant=batch_invariant)
     return LoadedModel(str(name_or_path), runner, tokenizer, model)
@@ -105,6 +106,8 @@ def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
     if draft.runner.config.vocab_size != target.runner.config.vocab_size:
         raise ValueError(f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
                          f"'{target.name}' has {target.runner.config.vocab_size}")
+    block = getattr(draft.model.config, "spectrain", None)  # a spectrain export records how it was trained
+    assets.check_chat_template(f"drafter '{name_or_path}'", (block or {}).get("target"), target.tokenizer)
     return draft
 
 
@@ -125,6 +128,7 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
                          f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
                          "drafter trained for this target")
     check_against_target(ckpt.config, record)
+    assets.check_chat_template(f"drafter '{path}'", ckpt.target, target.tokenizer)
     runner = target.runner
     drafter = ckpt.build(embed_weight=runner.embed_tokens.weight)
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
@@ -155,6 +159,7 @@ def load_specblock(path: str, target: LoadedModel) -> SpecBlockDrafter:
     if max(config.aux_layer_ids) >= record["num_hidden_layers"]:
         raise ValueError(f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
                          f"({record['num_hidden_layers']} layers) does not have")
+    assets.check_chat_template(f"drafter '{path}'", recorded, target.tokenizer)
     runner = target.runner
     drafter = build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight)
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()

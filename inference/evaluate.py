@@ -63,7 +63,7 @@ class EvalConfig(AlgorithmOptions):
 # (hrad stays a variant option: specbranch loads it itself, and specbranch@hrad=none is the H-RAD ablation.)
 RUN_LEVEL_KEYS = frozenset({"target", "drafters", "drafter", "feature_drafter", "specblock_drafter", "algorithms",
                             "bench", "n_prompts", "batch_size", "warmup", "out", "device", "dtype",
-                            "max_seq_len", "threads"})
+                            "max_seq_len", "chat_template", "threads"})
 
 
 def parse_args(argv: Sequence[str]) -> Any:
@@ -263,7 +263,8 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     for bench in cfg.bench:  # an unreadable or empty bench fails before any model loads (re-read below: cheap)
         load_bench_conversations(bench, cfg.n_prompts)
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                               max_batch_size=cfg.batch_size, dtype=model_dtype(cfg.dtype, pick_device(cfg.device)))
+                               max_batch_size=cfg.batch_size, dtype=model_dtype(cfg.dtype, pick_device(cfg.device)),
+                               chat_template=cfg.chat_template)
     drafters = {kind: preloaded[kind] if preloaded.get(kind) is not None else
                 load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                              max_batch_size=cfg.batch_size) for kind in needed}

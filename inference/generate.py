@@ -84,7 +84,8 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
         dtype = model_dtype(cfg.dtype, pick_device(cfg.device))
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
-    target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, dtype=dtype)
+    target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, dtype=dtype,
+                     chat_template=cfg.chat_template)
     draft = None
     if cls.drafter != "none":
         draft = load_drafter(cls.drafter, cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)

@@ -226,10 +226,66 @@ def damaged_weights(model_dir: Path) -> str | None:
     return None
 
 
-def load_tokenizer(name_or_path: str | os.PathLike):
+CHAT_TEMPLATES = "auto|none|PATH"
+# chat_template=none: the text as is (a base model's prompt, then its completion), the model's BOS first if its
+# tokenizer adds one, and EOS after each assistant turn so a completion's end is trained on and stops generation.
+PLAIN_TEMPLATE = ("{%- if add_bos %}{{ bos_token }}{% endif -%}"
+                  "{%- for message in messages %}{{ message['content'] }}"
+                  "{%- if message['role'] == 'assistant' and eos_token %}{{ eos_token }}{% endif %}{%- endfor -%}")
+
+
+def use_chat_template(tokenizer, choice: str, name: str | os.PathLike = "the target"):
+    """Set how ``tokenizer`` renders conversations (in place; returned): ``auto`` keeps its own template and
+    refuses, in one line, a tokenizer without one (a base model); ``none`` renders the text as is
+    (:data:`PLAIN_TEMPLATE`); any other value is the path of a Jinja template file."""
+    if choice == "auto":
+        if not getattr(tokenizer, "chat_template", None):
+            raise AssetError(f"the tokenizer of '{name}' has no chat template (a base model?): pass chat_template=none "
+                             "to use prompt text as is, or chat_template=PATH (a Jinja file)")
+        return tokenizer
+    if choice == "none":
+        adds_bos = tokenizer.bos_token_id is not None and \
+            tokenizer("x", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]
+        tokenizer.chat_template = PLAIN_TEMPLATE.replace("add_bos", "true" if adds_bos else "false")
+        return tokenizer
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise AssetError(f"chat_template={choice}: no such file; pass {CHAT_TEMPLATES} (PATH: a Jinja template file)")
+    try:
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise AssetError(f"chat_template={choice} is not UTF-8 text; it must be a Jinja template file") from None
+    return tokenizer
+
+
+def chat_template_hash(tokenizer) -> str:
+    """A short hash of how ``tokenizer`` renders conversations: data and drafters record it, consumers compare."""
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_chat_template(what: str, recorded: dict | None, tokenizer) -> None:
+    """Refuse (one line) ``what`` (a drafter) trained on conversations rendered with another chat template than
+    ``tokenizer`` now renders; ``recorded`` holds ``chat_template`` and ``chat_template_hash`` (older records
+    without them are accepted)."""
+    if not recorded or "chat_template_hash" not in recorded:
+        return
+    have = chat_template_hash(tokenizer)
+    if recorded["chat_template_hash"] != have:
+        choice = recorded.get("chat_template", "auto")
+        raise AssetError(f"{what} was trained on prompts rendered with chat_template={choice} (hash "
+                         f"{recorded['chat_template_hash']}), but this run renders them with hash {have}: pass "
+                         f"chat_template={choice} (the same template it was trained with)")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, chat_template: str | None = None):
+    """The tokenizer of a target; ``chat_template`` (auto|none|PATH, see :func:`use_chat_template`) sets how it
+    renders conversations (None: as it comes)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+    return tokenizer if chat_template is None else use_chat_template(tokenizer, chat_template, name_or_path)
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cpu"):

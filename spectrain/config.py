@@ -25,6 +25,7 @@ class DataConfig:
     max_len: int = 512
     window: str = "start"  # online: start | answer, where a long conversation's window sits (data_prep.samples)
     bucket_by_length: bool = False  # online: batch samples of similar length (less padding; order stays seeded)
+    chat_template: str = "auto"  # how conversations are rendered: auto (the tokenizer's) | none (text as is) | PATH
     batch_size: int = 8
     num_workers: int = 0
 

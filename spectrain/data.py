@@ -13,6 +13,8 @@ from typing import Any
 
 import lightning as L
 
+from spectrain.assets import chat_template_hash, load_tokenizer, resolve_model_dir
+
 _WEIGHTLESS = False  # set by weightless_targets(): dry runs build targets without reading their weights
 
 
@@ -28,15 +30,16 @@ def weightless_targets() -> Iterator[None]:
         _WEIGHTLESS = previous
 
 
-def loaded_target(name: str, max_len: int, batch_size: int, device: str = "auto"):
-    """The target, loaded once per process and shared by the LightningModule and the online DataModule."""
+def loaded_target(name: str, max_len: int, batch_size: int, device: str = "auto", chat_template: str = "auto"):
+    """The target, loaded once per process and shared by the LightningModule and the online DataModule;
+    ``chat_template`` (auto|none|PATH) sets how its tokenizer renders conversations."""
     if _WEIGHTLESS:
-        return _weightless_target(name)
-    return _loaded_target(name, max_len, batch_size, device)
+        return _weightless_target(name, chat_template)
+    return _loaded_target(name, max_len, batch_size, device, chat_template)
 
 
 @functools.lru_cache(maxsize=2)
-def _loaded_target(name: str, max_len: int, batch_size: int, device: str):
+def _loaded_target(name: str, max_len: int, batch_size: int, device: str, chat_template: str):
     import os
 
     import torch
@@ -46,22 +49,29 @@ def _loaded_target(name: str, max_len: int, batch_size: int, device: str):
     if device == "auto" and torch.cuda.is_available():
         # Multi-GPU launchers start one process per GPU and set LOCAL_RANK: each rank's target on its own GPU.
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return load_lm(name, device=device, max_seq_len=max_len, max_batch_size=batch_size)
+    return load_lm(name, device=device, max_seq_len=max_len, max_batch_size=batch_size, chat_template=chat_template)
 
 
 @functools.lru_cache(maxsize=2)
-def _weightless_target(name: str):
+def _weightless_target(name: str, chat_template: str):
     """A ``LoadedModel`` whose model lives on the meta device and that has no runner (nothing can run)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from inference.drafters import LoadedModel
-    from spectrain.assets import load_tokenizer, resolve_model_dir
 
     config = AutoConfig.from_pretrained(resolve_model_dir(name))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return LoadedModel(str(name), None, load_tokenizer(name), model.eval())
+    return LoadedModel(str(name), None, load_tokenizer(name, chat_template), model.eval())
+
+
+def trained_template(cfg: Any) -> dict[str, str]:
+    """How a run's conversations were rendered, for its checkpoints' target record (``assets.check_chat_template``
+    compares it where the drafter serves)."""
+    tokenizer = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size,
+                              chat_template=cfg.data.chat_template).tokenizer
+    return {"chat_template": cfg.data.chat_template, "chat_template_hash": chat_template_hash(tokenizer)}
 
 
 class TrainValDataModule(L.LightningDataModule):
@@ -95,8 +105,9 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
                              "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)")
         return FeatureDataModule(data.dataset_dir, batch_size=data.batch_size, seed=cfg.seed,
                                  num_workers=data.num_workers, val_directory=data.val_dataset_dir,
-                                 target=cfg.target, layers=data.layers, max_len=data.max_len)
-    target = loaded_target(cfg.target, data.max_len, data.batch_size)
+                                 target=cfg.target, layers=data.layers, max_len=data.max_len,
+                                 tokenizer=load_tokenizer(cfg.target, data.chat_template))
+    target = loaded_target(cfg.target, data.max_len, data.batch_size, chat_template=data.chat_template)
     common = dict(source=data.source, max_len=data.max_len, layers=data.layers, dtype=data.dtype,
                   batch_size=data.batch_size, seed=cfg.seed, window=data.window, features=features)
     train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train",

@@ -126,6 +126,14 @@ def test_draft_lm_fit_lowers_the_loss_exports_and_loads_in_the_engine(draft_reci
     assert block["kind"] == "draft_lm" and block["kept_layers"] == [0, 3]
     # the metrics of the last validation before the checkpoint was written travel with the export
     assert 1.0 <= block["metrics"]["val/tau_sim"] <= 1.0 + cfg.model.gamma and block["metrics"]["global_step"] == 6
+    # it records the chat template it was trained on; serving it under another one is refused in one line
+    from spectrain.assets import AssetError, chat_template_hash
+
+    assert block["target"]["chat_template"] == "auto"
+    assert block["target"]["chat_template_hash"] == chat_template_hash(target_lm.tokenizer)
+    plain = load_lm(str(target), max_seq_len=128, chat_template="none")
+    with pytest.raises(AssetError, match="trained on prompts rendered with chat_template=auto"):
+        load_draft_lm(str(tmp_path / "export"), plain, max_seq_len=128)
     prompt = [1, 2, 3, 4]
     greedy = SamplingParams(0.0)
     reference = build_algorithm("ar", target_lm.runner).generate(prompt, max_new_tokens=12, sampling=greedy)

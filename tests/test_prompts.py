@@ -128,7 +128,7 @@ def test_jsonl_formats(tmp_path):
     assert len(P.load_prompts(f"jsonl:{path}", n=2)) == 2
 
 
-@pytest.mark.parametrize("bad", ['{"text": "x"}', "not json", '{"messages": [{"role": "bot", "content": "x"}]}'])
+@pytest.mark.parametrize("bad", ['{"completion": "x"}', '{"text": 3}', "not json", '{"messages": [{"role": "bot", "content": "x"}]}'])
 def test_jsonl_bad_line(tmp_path, bad):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n' + bad + "\n")

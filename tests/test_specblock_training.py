@@ -361,6 +361,12 @@ def test_fit_exports_a_native_dir_that_load_native_reads(tiny_setup):
     assert block["vocab"]["draft_vocab_size"] == 512 and block["widths"] == [2, 4, 6, 4]
     assert block["layers"]["ids"] == [1, 3, 4] and block["training"]["train_blocks"] == 3
     assert "val/tau_sim" in json.loads((out / "metrics.json").read_text())
+    from inference.drafters import load_lm, load_specblock
+    from spectrain.assets import AssetError, chat_template_hash, load_tokenizer
+
+    assert block["target"]["chat_template_hash"] == chat_template_hash(load_tokenizer(target))
+    with pytest.raises(AssetError, match="chat_template=auto"):  # served under another template: refused
+        load_specblock(str(out), load_lm(str(target), max_seq_len=64, chat_template="none"))
     assert export_cli.main([f"ckpt={ckpt}", "format=sglang", f"out={root / 'sglang'}"]) == 2
 
     embed = AutoModelForCausalLM.from_pretrained(target).get_input_embeddings().weight.detach()

@@ -96,6 +96,7 @@ class AlgorithmOptions:
     device: str = "auto"
     dtype: str = "auto"  # auto (fp32 on a CPU, bf16 on CUDA) | fp32 | bf16 (CPU: native bf16 only, batch-invariant)
     max_seq_len: int = 2048
+    chat_template: str = "auto"  # how prompts are rendered: auto (the tokenizer's) | none (text as is) | PATH (Jinja)
     threads: int = 0  # CPU intra-op threads; 0 = torch's default (on a shared CPU, 1 keeps timings sane)
 
 

@@ -38,7 +38,8 @@ class DrafterModule(L.LightningModule):
         """The target (loaded once per process; NOT a submodule, so it is neither trained nor checkpointed)."""
         from spectrain.data import loaded_target
 
-        return loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size).model
+        return loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
+                             chat_template=self.cfg.data.chat_template).model
 
     def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits recomputed from its final (normed) hidden state."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from spectrain.drafters.draft_lm import add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings, layer_drop_init
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.data import build_feature_datamodule
+from spectrain.data import build_feature_datamodule, trained_template
 from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 
@@ -131,8 +131,10 @@ class DraftLMModule(DrafterModule):
         from spectrain import assets
         from spectrain.data import loaded_target
 
-        tokenizer = loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size).tokenizer
-        block = {"kind": "draft_lm", "target": assets.model_identity(self.cfg.target), "kept_layers": self.kept_layers,
+        tokenizer = loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
+                                  chat_template=self.cfg.data.chat_template).tokenizer
+        block = {"kind": "draft_lm", "target": {**assets.model_identity(self.cfg.target), **trained_template(self.cfg)},
+                 "kept_layers": self.kept_layers,
                  "metrics": metrics or {}}
         export_draft_lm(self.drafter, tokenizer, out_dir, spectrain_block=block)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spectrain.data import trained_template
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
@@ -52,7 +53,8 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     if not model.draft_vocab_size or model.draft_vocab_size >= vocab_size:
         return None
     counting = OmegaConf.create({"target": cfg.target, "source": cfg.data.source, "n_samples": cfg.data.n_samples,
-                                 "max_len": cfg.data.max_len, "split": "train", "seed": cfg.seed})
+                                 "max_len": cfg.data.max_len, "split": "train", "seed": cfg.seed,
+                                 "chat_template": cfg.data.chat_template})
     counts, _ = counts_from_source(counting)
     return build_vocab_map(counts, model.draft_vocab_size)
 
@@ -147,7 +149,8 @@ class Eagle3Module(DrafterModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         from spectrain.export import checkpoint_metadata, target_record
 
-        checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target_record(self.cfg.target),
+        target = {**target_record(self.cfg.target), **trained_template(self.cfg)}
+        checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target,
                                                       recipe=dict(self.hparams["recipe"]),
                                                       metrics={f"val/{k}": v for k, v in self.last_val_metrics.items()})
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from spectrain.assets import load_safetensors
+from spectrain.data import trained_template
 from spectrain.drafters.eagle3 import shift_left
 from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from spectrain.metrics import SimulatedAcceptance
@@ -189,7 +190,7 @@ class SpecBlockModule(DrafterModule):
         from spectrain.export import target_record
 
         if getattr(self, "_target_record", None) is None:  # hashes the target's weights: once per run
-            self._target_record = target_record(self.cfg.target)
+            self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
         checkpoint["spectrain"] = {"kind": "specblock", "config": self.drafter.config.to_dict(),
                                    "target": self._target_record, "recipe": dict(self.hparams["recipe"]),
                                    "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
