@@ -179,6 +179,12 @@ CASES = [
     ("spectrain.fit", (*FIT, "vocab_map={B}/vocab_trunc.st"), None, "vocab_trunc.st is damaged", None),
     ("spectrain.fit", (*FIT, "source=jsonl:{B}/empty.jsonl"), None, "holds no conversations", None),
     ("spectrain.fit", ("recipe=eagle3_smolm2",), None, "unknown recipe 'eagle3_smolm2'", None),
+    # a chat template that is not there or not text
+    ("inference.evaluate", (*EVAL, "algorithms=ar", "chat_template={B}/nope.jinja"), None,
+     "chat_template={B}/nope.jinja: no such file", None),
+    ("data_prep.extract", (*EXTRACT, "chat_template={B}/binary.jsonl", "out={B}/x"), None,
+     "is not UTF-8 text; it must be a Jinja template file", None),
+    ("spectrain.fit", (*FIT, "data.chat_template={B}/nope.jinja"), None, "nope.jinja: no such file", None),
 ]
 
 
