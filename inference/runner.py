@@ -200,10 +200,21 @@ def _kept_to_tensor(
 @dataclass(frozen=True)
 class GatheredKeys:
     """Per new token of a one-row forward, the cache slots it attends to, in order ([T, L], padded), and which
-    of those L entries are real ([T, L] bool)."""
+    of those L entries are real ([T, L] bool). The first ``shared`` slots are the same for every token (the
+    cached text and any common ancestors): they are copied once per token straight from the cache, and only the
+    rest goes through an index gather."""
 
     index: torch.Tensor
     mask: torch.Tensor
+    shared: int
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """Each token's keys (or values) from one row's cache [kv_heads, S, D], contiguous: [T, kv_heads, L, D]."""
+        tokens, length = self.index.shape
+        out = cache.new_empty(tokens, cache.shape[0], length, cache.shape[-1])
+        out[:, :, :self.shared] = cache[:, :self.shared]  # broadcast over the tokens
+        out[:, :, self.shared:] = cache[:, self.index[:, self.shared:]].transpose(0, 1)
+        return out
 
 
 def gathered_keys(allowed: torch.Tensor) -> GatheredKeys | None:
@@ -216,7 +227,8 @@ def gathered_keys(allowed: torch.Tensor) -> GatheredKeys | None:
         return None
     length = -(-int(counts.max()) // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK
     index = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)[:, :length]  # allowed slots first, in order
-    return GatheredKeys(index, slots[:length] < counts[:, None])
+    shared = int(allowed.all(0).to(torch.uint8).cumprod(0).sum())  # leading slots every token attends to
+    return GatheredKeys(index, slots[:length] < counts[:, None], min(shared, length))
 
 
 class Linear(nn.Linear):
@@ -363,8 +375,7 @@ class Attention(nn.Module):
                             keys: GatheredKeys) -> torch.Tensor:
         """Each new token of one row attends over its own keys moved into contiguous slots, one SDPA batch entry
         per token: exactly the computation of decoding it after its own path ([1, heads, T, D])."""
-        k = k_cache[0][:, keys.index].transpose(0, 1).contiguous()  # [T, kv_heads, L, D]
-        v = v_cache[0][:, keys.index].transpose(0, 1).contiguous()
+        k, v = keys.gather(k_cache[0]), keys.gather(v_cache[0])  # [T, kv_heads, L, D]
         q = q[0].transpose(0, 1).unsqueeze(2).repeat(1, 1, 2, 1)  # [T, heads, 2, D]: a doubled row, as a decode
         mask = keys.mask[:, None, None, :].repeat(1, 1, 2, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)

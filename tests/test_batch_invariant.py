@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 from data_prep.prompts import load_prompts, prompt_turns, render_prompt
 from inference import drafters
 from inference.algorithms import build_algorithm
-from inference.runner import Linear, ModelRunner, cpu_has_native_bf16
+from inference.runner import Linear, ModelRunner, cpu_has_native_bf16, gathered_keys
 from inference.sampling import SamplingParams
 from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 
@@ -209,3 +209,22 @@ def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smoll
         for i in [i for i in range(len(parents)) if mask[node, i]]:
             decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
         assert torch.equal(tree[node], decoded), f"node {node}"
+
+
+def test_gathered_keys_copy_the_shared_prefix_once_and_equal_an_index_gather():
+    """A tree over 70 cached slots (a mask over 128, the padded attention length, as the runner builds it): every
+    node shares slots 0..70 (the root is one of them), then its own ancestors."""
+    cached, parents = 70, [-1, 0, 0, 1, 1, 2, 5]
+    allowed = torch.zeros(len(parents), 128, dtype=torch.bool)
+    allowed[:, :cached] = True
+    for node, parent in enumerate(parents):
+        allowed[node, cached + node] = True
+        if parent >= 0:
+            allowed[node] |= allowed[parent]
+    keys = gathered_keys(allowed)
+    assert keys.shared == cached + 1 and keys.index.shape == (len(parents), 128)  # padded to a 64-slot block
+    cache = torch.randn(3, 128, 8)
+    assert torch.equal(keys.gather(cache), cache[:, keys.index].transpose(0, 1))
+    assert keys.mask.sum(-1).tolist() == allowed.sum(-1).tolist()
+    chain = torch.ones(4, 128, dtype=torch.bool).tril(cached)
+    assert gathered_keys(chain) is None  # a chain needs no gather
