@@ -165,7 +165,7 @@ def raw_arm_steps(steps: int, regenerated: Path, n_samples: int, max_len: int) -
 
 def general_stages(cfg: QualityConfig) -> list[Stage]:
     out = Path(cfg.out) / "general"
-    runs, data = out / "runs", out / "regenerated.jsonl"
+    runs, data, val_data = out / "runs", out / "regenerated.jsonl", out / "regenerated_val.jsonl"
     max_len = 512
     # The raw arm's steps come from the regenerated file's answer lengths: built again once "regenerate" has run.
     raw_steps = raw_arm_steps(cfg.eagle3_steps, data, cfg.n_samples, max_len) if (out / ".done" / "regenerate").is_file() \
@@ -187,8 +187,13 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
         stage("regenerate", 0.05 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} ShareGPT conversations",
               ("data_prep.regenerate", "target=smollm2", "source=sharegpt", "split=train", f"n_samples={cfg.n_samples}",
                f"max_len={max_len}", "max_new_tokens=256", "batch_size=24", dtype, f"out={data}"), data),
+        stage("regenerate-val", 0.05 * 16, "the target's greedy answers to 16 held-out ShareGPT conversations "
+              "(EAGLE-3's validation: the training file holds only the train split)",
+              ("data_prep.regenerate", "target=smollm2", "source=sharegpt", "split=eval", "n_samples=16",
+               f"max_len={max_len}", "max_new_tokens=256", "batch_size=16", dtype, f"out={val_data}"), val_data),
         stage("train-eagle3", 0.25 * cfg.eagle3_steps, "EAGLE-3 on the regenerated conversations",
-              _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000", *common,
+              _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000",
+                   f"data.val_source=jsonl:{val_data}", *common,
                    *_steps(cfg.eagle3_steps, validations=8)), ckpt("eagle3_smollm2"), group="train"),
         stage("train-eagle3-raw", 0.25 * raw_steps,
               f"EAGLE-3 on the same conversations' original (ShareGPT) answers, as many answer tokens ({raw_steps} steps)",

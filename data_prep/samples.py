@@ -38,7 +38,9 @@ def load_source(source: str, n_samples: int, seed: int = 0, split: str = "all") 
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     conversations = load_prompts(source, n=n_samples, seed=seed, split=split)
     if not conversations:
-        raise ValueError(f"source '{source}' (split={split}) gave no conversations")
+        hint = ("; a file written from one split (data_prep.regenerate split=train) holds none of the other: give "
+                "validation its own source (data.val_source=...)" if split == "eval" and source.startswith("jsonl:") else "")
+        raise ValueError(f"source '{source}' (split={split}) gave no conversations{hint}")
     return conversations
 
 

@@ -17,6 +17,8 @@ from omegaconf import MISSING
 class DataConfig:
     source: str = "sharegpt"  # a data_prep.prompts source, or where the features were extracted from
     dataset_dir: str | None = None  # an extracted feature dataset (data_prep.extract); None = online
+    val_source: str | None = None  # online: validation conversations from here (all of them, up to n_val_samples);
+    #                                None = the eval split of source
     val_dataset_dir: str | None = None  # extracted validation features; online: the source's eval split
     layers: Any = "eagle3"  # target layers captured as features: eagle3 | lastK | [i, j, k]
     dtype: str = "bf16"  # feature dtype (online capture uses the same rounding as stored datasets)

@@ -1,7 +1,7 @@
 """DataModules for drafter training: offline (an extracted feature dataset) or online (target in-process).
 
 Both yield ``data_prep.features.collate_features`` batches. Validation comes from ``data.val_dataset_dir``
-offline, and from the prompt source's held-out eval split online, so validation prompts never appear in training.
+offline, and online from ``data.val_source`` if given, else the prompt source's held-out eval split, so validation prompts never appear in training.
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
 
     data = cfg.data
     if data.dataset_dir:
-        if data.bucket_by_length:
-            raise ValueError("data.bucket_by_length applies to online features only; drop it with data.dataset_dir")
+        if data.bucket_by_length or data.val_source:
+            key = "bucket_by_length" if data.bucket_by_length else "val_source"
+            raise ValueError(f"data.{key} applies to online features only; drop it with data.dataset_dir "
+                             "(validation features: data.val_dataset_dir)")
         if data.window != "start":
             raise ValueError(f"data.window={data.window} applies to online features only: an extracted dataset's "
                              "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)")
@@ -112,5 +114,8 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
                   batch_size=data.batch_size, seed=cfg.seed, window=data.window, features=features)
     train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train",
                                     bucket_by_length=data.bucket_by_length, **common)
-    val = OnlineFeatureDataModule(target, n_samples=data.n_val_samples, split="eval", shuffle=False, **common)
+    if data.val_source:  # its own held-out conversations, e.g. the target's answers to the eval split
+        common["source"] = data.val_source
+    val = OnlineFeatureDataModule(target, n_samples=data.n_val_samples, split="all" if data.val_source else "eval",
+                                  shuffle=False, **common)
     return TrainValDataModule(train, val)

@@ -193,3 +193,29 @@ def test_online_window_option_is_refused_for_an_extracted_dataset(setup):
     cfg.data.dataset_dir, cfg.data.window = str(setup["feats"]), "answer"
     with pytest.raises(ValueError, match="data.window=answer applies to online features only"):
         build_feature_datamodule(cfg)
+
+
+def test_online_validation_reads_val_source_whole(setup, tmp_path):
+    """A regenerated file written from the train split holds no eval conversations: data.val_source gives
+    validation its own file (all of it), and without it the empty split is a one-line error naming the key."""
+    from omegaconf import OmegaConf
+
+    from data_prep.samples import load_source
+    from spectrain.config import FitConfig
+    from spectrain.data import build_feature_datamodule
+
+    train_only = tmp_path / "train_only.jsonl"
+    convs = load_source(f"jsonl:{setup['chats']}", 14, split="train")
+    train_only.write_text("".join(json.dumps({"id": c.id, "messages": c.turns}) + "\n" for c in convs))
+    val = write_jsonl(tmp_path / "val.jsonl", 3)
+    cfg = OmegaConf.structured(FitConfig)
+    cfg.target, cfg.data.max_len, cfg.data.batch_size, cfg.data.dtype = str(setup["target_dir"]), 96, 4, "fp32"
+    cfg.data.source, cfg.data.n_samples, cfg.data.n_val_samples = f"jsonl:{train_only}", 14, 8
+    with pytest.raises(ValueError, match=r"split=eval\) gave no conversations.*data.val_source"):
+        build_feature_datamodule(cfg).val_dataloader()
+    cfg.data.val_source = f"jsonl:{val}"
+    batches = list(build_feature_datamodule(cfg).val_dataloader())
+    assert sum(b["input_ids"].shape[0] for b in batches) == 3  # every conversation of the file, none of source's
+    cfg.data.dataset_dir = str(setup["feats"])
+    with pytest.raises(ValueError, match="data.val_source applies to online features only"):
+        build_feature_datamodule(cfg)
