@@ -670,12 +670,14 @@ class ModelRunner(nn.Module):
         if num_kept:
             # All layers at once: gather the kept slots, then write them contiguously (gather copies first,
             # so overlapping source/destination ranges are safe).
-            src = (start[:, None] + kept).view(1, batch, 1, num_kept, 1)
-            dst = (start[:, None] + torch.arange(num_kept, device=self.device)).view(1, batch, 1, num_kept, 1)
-            shape = (self.num_layers, batch, self.num_kv_heads, num_kept, self.head_dim)
+            # Advanced indexing over (row, slot) of a [layers, B, slots, heads, D] view: the right side is gathered
+            # before the write (index_put; scatter_ into this view copied the whole cache per call in bf16).
+            src = start[:, None] + kept
+            dst = start[:, None] + torch.arange(num_kept, device=self.device)
+            rows = torch.arange(batch, device=self.device)[:, None].expand(batch, num_kept)
             for cache in (self.k_cache, self.v_cache):
-                rows = cache[:, :batch]
-                rows.scatter_(3, dst.expand(shape), rows.gather(3, src.expand(shape)))
+                slots_first = cache.transpose(2, 3)
+                slots_first[:, rows, dst] = slots_first[:, rows, src]
         self.cache_lens = start + counts
         self._pending = None
 
