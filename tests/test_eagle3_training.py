@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from spectrain import fit as fit_cli
+from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from spectrain.losses import soft_cross_entropy
+from spectrain.modules.eagle3 import Eagle3Module, scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 from spectrain.metrics import SimulatedAcceptance
 from tiny_targets import save_tiny_target, write_jsonl
 
@@ -83,3 +86,60 @@ def test_eagle3_recipe_refuses_gamma_beyond_ttt_steps(eagle3_recipe):
     cfg = fit_cli.compose_recipe([*args, "gamma=5"], directory=recipes)
     with pytest.raises(ValueError, match="model.gamma=5 exceeds model.ttt_steps=3"):
         fit_cli.fit(cfg)
+
+
+def test_head_starts_as_the_targets_head_over_the_draft_vocabulary(eagle3_recipe):
+    recipes, args, target = eagle3_recipe
+    module = Eagle3Module(fit_cli.compose_recipe(args, directory=recipes))
+    model = LlamaForCausalLM.from_pretrained(target)
+    drafter = module.drafter
+    assert int(drafter.t2d.sum()) == 512 and not torch.equal(drafter.d2t, torch.zeros_like(drafter.d2t))
+    # A drafter whose next hidden state equals the target's final pre-norm state drafts exactly the teacher.
+    hidden = torch.randn(2, 5, model.config.hidden_size)
+    with torch.no_grad():
+        target_logits = model.lm_head(model.model.norm(hidden))
+        drafted = drafter.lm_head(drafter.norm(hidden))
+    restricted, _ = teacher_in_draft_vocab(target_logits, drafter.t2d)
+    order = drafter.to_target_ids(torch.arange(512)).argsort()  # draft ids in target-id order, as t2d selects
+    torch.testing.assert_close(drafted[..., order], restricted, rtol=1e-5, atol=1e-5)
+
+    fresh = Eagle3Module(fit_cli.compose_recipe([*args, "model.head_init=random"], directory=recipes)).drafter
+    assert not torch.allclose(fresh.lm_head.weight, drafter.lm_head.weight)
+    assert torch.equal(fresh.norm.weight, torch.ones_like(fresh.norm.weight))
+    with pytest.raises(ValueError, match="model.head_init=zeros is not one of target, random"):
+        Eagle3Module(fit_cli.compose_recipe([*args, "model.head_init=zeros"], directory=recipes))
+
+
+def test_scored_rows_loss_equals_the_masked_loss_over_every_row():
+    """Training scores only the rows a loss reads; per step the loss must equal ttt_targets' masked loss."""
+    torch.manual_seed(0)
+    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=96, num_hidden_layers=4)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=48, aux_layer_ids=[0, 1, 2]),
+                            embed_weight=torch.randn(96, 32))
+    t2d = torch.zeros(96, dtype=torch.bool)
+    t2d[torch.randperm(96)[:48]] = True
+    draft_ids = t2d.nonzero()[:, 0]
+    drafter.set_vocab_map(draft_ids - torch.arange(48), t2d)
+    batch, length, steps = 3, 12, 4
+    ids = torch.randint(0, 96, (batch, length))
+    aux, last = torch.randn(batch, length, 96), torch.randn(batch, length, 32)
+    attention = torch.ones(batch, length, dtype=torch.bool)
+    attention[1, 9:] = False  # a padded row
+    supervised = attention.clone()
+    supervised[:, :4] = False  # the prompt
+    weight = torch.randn(96, 32) * 3
+    project = lambda h: h @ weight.T  # noqa: E731
+
+    full = drafter(ids, aux, steps=steps, attention_mask=attention)
+    restricted, in_vocab = teacher_in_draft_vocab(project(last), drafter.t2d)
+    expected = [soft_cross_entropy(s, t, m) for s, (t, m) in
+                zip(full.logits, ttt_targets(restricted, in_vocab, supervised, steps))]
+    hidden = drafter(ids, aux, steps=steps, attention_mask=attention, heads=False).hidden
+    assert len(drafter(ids, aux, steps=1, heads=False).logits) == 0
+    index, probs = teacher_rows(project, last, supervised, drafter.t2d)
+    for j in range(steps):
+        b, i, n = scored_rows(index, j)
+        got = soft_cross_entropy(drafter.head(hidden[j][b, i]), probs[n], torch.ones(len(b), dtype=torch.bool))
+        torch.testing.assert_close(got, expected[j])
+        assert len(b) > 0

@@ -311,9 +311,10 @@ class Eagle3Drafter(TargetTiedDrafter):
 
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              mask: torch.Tensor, heads: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]:
         """Rows (token [B, T], hidden [B, T, H]) at ``positions`` [B, T] against past K/V under ``mask``
-        [B, T, P + T] -> (logits [B, T, Vd], next hidden [B, T, H], K, V of these rows)."""
+        [B, T, P + T] -> (logits [B, T, Vd] or None without ``heads``, next hidden [B, T, H], K, V of these rows)."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions[..., None].float() * self._inv_freq
@@ -322,19 +323,25 @@ class Eagle3Drafter(TargetTiedDrafter):
         cos, sin = (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
         embeds = self.embed_tokens(tokens).to(dtype)
         out, k, v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
-        return self.lm_head(self.norm(out)), out, k, v
+        return (self.head(out) if heads else None), out, k, v
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next hidden states (pre-norm) [..., H] -> logits over the draft vocabulary [..., Vd]."""
+        return self.lm_head(self.norm(hidden))
 
     # -- training --------------------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, steps: int = 1,
-                attention_mask: torch.Tensor | None = None) -> Eagle3Output:
+                attention_mask: torch.Tensor | None = None, heads: bool = True) -> Eagle3Output:
         """Training forward over whole sequences, ``steps`` training-time-test steps.
 
         ``input_ids`` [B, T] and ``aux_hidden`` [B, T, 3·H_t] are UNshifted (row t = token t and the target's
         features at t, as ``data_prep.features`` stores them); ``attention_mask`` [B, T] marks real tokens.
         Step ``j``, row ``i`` reads token ``i + 1 + j`` and predicts token ``i + 2 + j`` (the target's
         distribution at position ``i + 1 + j``); rows past the sequence end read token 0 and must be masked
-        out of the loss by the caller (``shift_left`` its targets and masks by ``j + 1``).
+        out of the loss by the caller (``shift_left`` its targets and masks by ``j + 1``). ``heads=False`` leaves
+        ``logits`` empty: a trainer that scores only some rows applies :meth:`head` to those (on a CPU the
+        draft-vocabulary head and its softmax over every padded or prompt row are a large share of a step).
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1 (training-time-test steps), got {steps}")
@@ -355,10 +362,11 @@ class Eagle3Drafter(TargetTiedDrafter):
             # step-0 keys causally, then the same row's keys of steps 1..j (diagonal blocks)
             mask = torch.cat([causal] + [diagonal] * j, dim=-1)
             logits, hidden, k, v = self._rows(shift_left(input_ids, j + 1), hidden, positions + j, past_k, past_v,
-                                              mask)
+                                              mask, heads)
             past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
             past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-            logits_steps.append(logits)
+            if heads:
+                logits_steps.append(logits)
             hidden_steps.append(hidden)
         return Eagle3Output(logits_steps, hidden_steps)
 

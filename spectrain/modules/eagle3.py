@@ -18,7 +18,7 @@ from spectrain.data import trained_template
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.modules.base import DrafterModule, build_datamodule
+from spectrain.modules.base import DrafterModule, build_datamodule, check_head_init, target_output_head
 from spectrain.registry import DrafterKind, register_kind
 
 
@@ -30,6 +30,7 @@ class Eagle3Schema:
     step_weight: float = 0.8  # loss weight of step j is step_weight ** j
     norm_before_residual: bool = False
     gamma: int = 4  # draft length the simulated acceptance assumes (<= ttt_steps)
+    head_init: str = "target"  # target: lm_head rows and final norm start as the target's; random: fresh
 
 
 def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,6 +82,31 @@ def ttt_targets(teacher_logits: torch.Tensor, in_vocab: torch.Tensor, supervised
     return targets
 
 
+def teacher_rows(project: Any, last_hidden: torch.Tensor, supervised: torch.Tensor,
+                 t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher at the positions a training-time-test loss reads, computed once for every step.
+
+    Step j's row i is scored against the target's distribution at p = i+1+j when token p+1 is supervised and the
+    target's argmax at p is drafted, so the positions needed are the same for every j. Returns ``index`` [B, T]
+    (teacher row of position p, -1 where p is never scored) and ``probs`` [N, Vd] (draft-vocabulary softmax).
+    ``project`` maps final hidden states [N, H] to the target's logits [N, V]."""
+    need = shift_left(supervised, 1, fill=False)
+    b, p = need.nonzero(as_tuple=True)
+    restricted, in_vocab = teacher_in_draft_vocab(project(last_hidden[b, p]), t2d)
+    keep = in_vocab.nonzero(as_tuple=True)[0]
+    index = torch.full(supervised.shape, -1, dtype=torch.long, device=supervised.device)
+    index[b[keep], p[keep]] = torch.arange(len(keep), device=supervised.device)
+    return index, restricted[keep].softmax(-1)
+
+
+def scored_rows(index: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (batch b, row i) that step ``step`` scores, and their teacher rows n (``teacher_rows``' index): the
+    same rows as ``ttt_targets``' mask, as index lists."""
+    shifted = shift_left(index, step + 1, fill=-1)
+    b, i = (shifted >= 0).nonzero(as_tuple=True)
+    return b, i, shifted[b, i]
+
+
 def ttt_loss(students: Sequence[torch.Tensor], teachers: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
              *, step_weight: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Σ_j step_weight^j · soft-CE(student_j, teacher_j, mask_j), and the unweighted per-step losses."""
@@ -95,6 +121,7 @@ class Eagle3Module(DrafterModule):
 
         target = self.target_model()
         model_cfg = cfg.model
+        check_head_init(model_cfg.head_init)
         if model_cfg.gamma > model_cfg.ttt_steps:
             raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}")
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
@@ -105,21 +132,25 @@ class Eagle3Module(DrafterModule):
         self.drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach())
         if vocab_map is not None:
             self.drafter.set_vocab_map(*vocab_map)
+        if model_cfg.head_init == "target" and not cfg.dry_run:
+            self.drafter.init_head_from_target(*target_output_head(target))
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
 
     def _steps(self, batch: dict[str, torch.Tensor]):
-        """Per TTT step: (student logits, teacher probs, mask) aligned row by row."""
-        model_cfg = self.cfg.model
+        """Per TTT step: (student logits [N_j, Vd], teacher probs [N_j, Vd], their rows (batch, row)), over the
+        rows that carry a loss only (``scored_rows``): the same rows and values as ``ttt_targets``' masks."""
         out = self.drafter(batch["input_ids"], batch["aux_hidden"].to(self.drafter.fc.weight.dtype),
-                           steps=model_cfg.ttt_steps, attention_mask=batch["attention_mask"])
-        teacher_logits, in_vocab = teacher_in_draft_vocab(self.teacher_logits(batch["last_hidden"]), self.drafter.t2d)
+                           steps=self.cfg.model.ttt_steps, attention_mask=batch["attention_mask"], heads=False)
         supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        targets = ttt_targets(teacher_logits, in_vocab, supervised, len(out.logits))
-        for student, (teacher, mask) in zip(out.logits, targets):
-            yield student, teacher, mask
+        index, probs = teacher_rows(self.teacher_logits, batch["last_hidden"], supervised, self.drafter.t2d)
+        for j, hidden in enumerate(out.hidden):
+            b, i, n = scored_rows(index, j)
+            yield self.drafter.head(hidden[b, i]), probs[n], (b, i)
 
     def training_step(self, batch, batch_idx):
-        loss, losses = ttt_loss(*zip(*self._steps(batch)), step_weight=self.cfg.model.step_weight)
+        students, teachers, _ = zip(*self._steps(batch))
+        masks = [torch.ones(len(s), dtype=torch.bool, device=s.device) for s in students]
+        loss, losses = ttt_loss(students, teachers, masks, step_weight=self.cfg.model.step_weight)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/loss_step0", losses[0])
         return loss
@@ -127,12 +158,17 @@ class Eagle3Module(DrafterModule):
     def validation_step(self, batch, batch_idx):
         # A chain from row t drafts with step k at position k+1 (its own hidden states, as when serving).
         alphas, masks = [], []
-        for k, (student, teacher, mask) in enumerate(self._steps(batch)):
+        shape = batch["input_ids"].shape
+        for k, (student, teacher, (b, i)) in enumerate(self._steps(batch)):
             if k == 0:
-                self.log("val/loss_step0", soft_cross_entropy(student, teacher, mask),
-                         batch_size=len(batch["input_ids"]))
+                every = torch.ones(len(student), dtype=torch.bool, device=student.device)
+                self.log("val/loss_step0", soft_cross_entropy(student, teacher, every), batch_size=shape[0])
             if k < self.cfg.model.gamma:
-                alphas.append(token_acceptance(student, teacher, greedy=True))
+                alpha = torch.zeros(shape, device=student.device)
+                alpha[b, i] = token_acceptance(student, teacher, greedy=True)
+                mask = torch.zeros(shape, dtype=torch.bool, device=student.device)
+                mask[b, i] = True
+                alphas.append(alpha)
                 masks.append(mask)
         self.val_greedy.update(alphas, masks)
 
