@@ -92,6 +92,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
             _record(f"pearl@draft_vocab={v}@executor=multiprocess", 2.0, 1.2),
             _record(f"specbranch@draft_vocab={v}@executor=multiprocess", 2.1, 1.3, rollback_rate_speculated=0.25),
             _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4),
+            _record(f"ssd@draft_vocab={v}@ssd_budget=15", 2.5, 0.7, cache_hit_rate=0.65),
             _record("eagle3_tree", 3.2, 1.1), _record("specblock_tree", 3.0, 0.8, draft_forwards=4)]
     (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
     Stage("train-eagle3", 0, "", (), out, out / ".done" / "train-eagle3").mark_done(30.0)
@@ -104,6 +105,8 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
         "0.94 (training 29.0 vs 30.0 min)", "no")
     assert rows["GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's"] == ("0.40", "yes")
     assert rows["GSM: SSD cache hit rate (T = 0)"] == ("0.40", "no")
+    assert rows["GSM: SSD cache hit rate (T = 0), the reference's budget B = 15"] == ("0.65 (0.70× AR in one process)",
+                                                                                      "yes")
     assert rows["GSM: SpecBranch rollback (speculated) ÷ SpS's"] == ("0.50", "yes")
     assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
     assert rows["greedy output = AR in every run"] == ("yes", "yes")

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from spectrain import fit as fit_cli
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from spectrain.losses import soft_cross_entropy
-from spectrain.modules.eagle3 import Eagle3Module, scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
+from spectrain.modules.eagle3 import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 from spectrain.metrics import SimulatedAcceptance
 from tiny_targets import save_tiny_target, write_jsonl
 
@@ -86,28 +86,6 @@ def test_eagle3_recipe_refuses_gamma_beyond_ttt_steps(eagle3_recipe):
     cfg = fit_cli.compose_recipe([*args, "gamma=5"], directory=recipes)
     with pytest.raises(ValueError, match="model.gamma=5 exceeds model.ttt_steps=3"):
         fit_cli.fit(cfg)
-
-
-def test_head_starts_as_the_targets_head_over_the_draft_vocabulary(eagle3_recipe):
-    recipes, args, target = eagle3_recipe
-    module = Eagle3Module(fit_cli.compose_recipe(args, directory=recipes))
-    model = LlamaForCausalLM.from_pretrained(target)
-    drafter = module.drafter
-    assert int(drafter.t2d.sum()) == 512 and not torch.equal(drafter.d2t, torch.zeros_like(drafter.d2t))
-    # A drafter whose next hidden state equals the target's final pre-norm state drafts exactly the teacher.
-    hidden = torch.randn(2, 5, model.config.hidden_size)
-    with torch.no_grad():
-        target_logits = model.lm_head(model.model.norm(hidden))
-        drafted = drafter.lm_head(drafter.norm(hidden))
-    restricted, _ = teacher_in_draft_vocab(target_logits, drafter.t2d)
-    order = drafter.to_target_ids(torch.arange(512)).argsort()  # draft ids in target-id order, as t2d selects
-    torch.testing.assert_close(drafted[..., order], restricted, rtol=1e-5, atol=1e-5)
-
-    fresh = Eagle3Module(fit_cli.compose_recipe([*args, "model.head_init=random"], directory=recipes)).drafter
-    assert not torch.allclose(fresh.lm_head.weight, drafter.lm_head.weight)
-    assert torch.equal(fresh.norm.weight, torch.ones_like(fresh.norm.weight))
-    with pytest.raises(ValueError, match="model.head_init=zeros is not one of target, random"):
-        Eagle3Module(fit_cli.compose_recipe([*args, "model.head_init=zeros"], directory=recipes))
 
 
 def test_scored_rows_loss_equals_the_masked_loss_over_every_row():

@@ -424,21 +424,3 @@ def test_import_of_a_reference_release_checkpoint(tiny_setup, capsys):
     assert export_cli.main([f"import={release}", f"target={target}", f"out={root / 'three'}"]) == 2
     assert "rank_buckets must be 4" in capsys.readouterr().err
     assert export_cli.main([f"import={release}", f"out={root / 'no_target'}"]) == 2
-
-
-def test_head_starts_as_the_targets_head_without_a_warm_start(tiny_setup):
-    from transformers import LlamaForCausalLM
-
-    from spectrain import fit as fit_cli
-    from spectrain.modules.specblock import SpecBlockModule
-
-    root, target, chats = tiny_setup
-    args = ["recipe=specblock_smollm2", f"target={target}", f"source=jsonl:{chats}", f"dataset_dir={root / 'feats'}",
-            "n_samples=24", "max_len=64", "batch_size=4", "draft_vocab_size=512", f"runs_dir={root / 'head'}"]
-    drafter = SpecBlockModule(fit_cli.compose_recipe(args)).drafter
-    model = LlamaForCausalLM.from_pretrained(target)
-    rows = drafter.to_target_ids(torch.arange(512))
-    assert torch.equal(drafter.lm_head.weight, model.lm_head.weight[rows])
-    assert torch.equal(drafter.norm.weight, model.model.norm.weight)
-    fresh = SpecBlockModule(fit_cli.compose_recipe([*args, "model.head_init=random"])).drafter
-    assert not torch.equal(fresh.lm_head.weight, drafter.lm_head.weight)

@@ -61,17 +61,3 @@ class TargetTiedDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-    @torch.no_grad()
-    def init_head_from_target(self, lm_head_weight: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
-        """Start the output head where the target's is: ``lm_head`` gets the target's rows of the draft vocabulary
-        (call after ``set_vocab_map``) and the final ``norm`` the target's final norm weight (None: left at 1).
-        The drafter then only has to learn the target's next final hidden state, not an unembedding too: from
-        scratch, an 8k-row head alone takes most of a CPU training budget to become useful."""
-        rows = self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
-        if lm_head_weight.shape[1] != self.lm_head.weight.shape[1]:
-            raise ValueError(f"target lm_head is {tuple(lm_head_weight.shape)} but this drafter's hidden size is "
-                             f"{self.lm_head.weight.shape[1]}: it cannot start from the target's head")
-        self.lm_head.weight.copy_(lm_head_weight[rows.to(lm_head_weight.device)])
-        if norm_weight is not None:
-            self.norm.weight.copy_(norm_weight)

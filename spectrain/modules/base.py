@@ -9,10 +9,6 @@ from typing import Any
 import lightning as L
 import torch
 
-from inference.runner import SUPPORTED_MODEL_TYPES
-
-HEAD_INITS = ("target", "random")  # model.head_init of the feature drafters (EAGLE-3, SpecBlock)
-
 
 def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
     """LR multiplier: linear warm-up, then cosine decay to 10 % of the peak (or constant)."""
@@ -57,22 +53,6 @@ class DrafterModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def check_head_init(value: str) -> None:
-    if value not in HEAD_INITS:
-        raise ValueError(f"model.head_init={value} is not one of {', '.join(HEAD_INITS)} (target: start lm_head and "
-                         "the final norm from the target's; random: a fresh nn.Linear)")
-
-
-def target_output_head(target: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's unembedding [V, H] and final norm weight [H]; the norm is None for families whose final norm
-    is not ``weight * rms_normalise(x)`` (a drafter's RMSNorm), where copying it would not mean the same."""
-    lm_head = target.get_output_embeddings().weight.detach()
-    norm = getattr(getattr(target, "model", None), "norm", None)
-    family = getattr(target.config, "model_type", None)
-    usable = family in SUPPORTED_MODEL_TYPES and norm is not None and getattr(norm, "bias", None) is None
-    return lm_head, norm.weight.detach() if usable else None
 
 
 def build_datamodule(cfg: Any):

@@ -18,7 +18,7 @@ from spectrain.data import trained_template
 from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.modules.base import DrafterModule, build_datamodule, check_head_init, target_output_head
+from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.registry import DrafterKind, register_kind
 
 
@@ -30,7 +30,6 @@ class Eagle3Schema:
     step_weight: float = 0.8  # loss weight of step j is step_weight ** j
     norm_before_residual: bool = False
     gamma: int = 4  # draft length the simulated acceptance assumes (<= ttt_steps)
-    head_init: str = "target"  # target: lm_head rows and final norm start as the target's; random: fresh
 
 
 def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,7 +120,6 @@ class Eagle3Module(DrafterModule):
 
         target = self.target_model()
         model_cfg = cfg.model
-        check_head_init(model_cfg.head_init)
         if model_cfg.gamma > model_cfg.ttt_steps:
             raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}")
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
@@ -132,8 +130,6 @@ class Eagle3Module(DrafterModule):
         self.drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach())
         if vocab_map is not None:
             self.drafter.set_vocab_map(*vocab_map)
-        if model_cfg.head_init == "target" and not cfg.dry_run:
-            self.drafter.init_head_from_target(*target_output_head(target))
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
 
     def _steps(self, batch: dict[str, torch.Tensor]):

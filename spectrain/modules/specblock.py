@@ -21,7 +21,7 @@ from spectrain.data import trained_template
 from spectrain.drafters.eagle3 import shift_left
 from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from spectrain.metrics import SimulatedAcceptance
-from spectrain.modules.base import DrafterModule, build_datamodule, check_head_init, target_output_head
+from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.modules.eagle3 import teacher_in_draft_vocab, vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.specblock_losses import RANK_MASKS, total_loss, unroll_blocks
@@ -42,13 +42,11 @@ class SpecBlockSchema:
     widths: list[int] | None = None  # serving TOPK[bucket] table recorded in the export; None = [2, 4, 6, 4]
     train_block2_sees_other_anchors: bool = False  # release quirk (§1.4 item 3); off = inference-consistent
     warm_start: str | None = None  # an EAGLE-3 export dir (any layout): copies what maps (warm_start_from_eagle3)
-    head_init: str = "target"  # without warm_start: target = lm_head rows and final norm start as the target's
 
 
 def _check_schema(model: Any) -> None:
     from spectrain.fit import RecipeError
 
-    check_head_init(model.head_init)
     if model.rank_mask not in RANK_MASKS:
         raise RecipeError(f"model.rank_mask={model.rank_mask} is not one of {', '.join(RANK_MASKS)}")
     if model.block_size < 1 or model.num_layers < 1 or model.train_blocks < 1:
@@ -87,8 +85,6 @@ class SpecBlockModule(DrafterModule):
             self.drafter.set_vocab_map(*vocab_map)
         if eagle is not None and not cfg.dry_run:
             warm_start_from_eagle3(self.drafter, eagle)
-        elif model_cfg.head_init == "target" and not cfg.dry_run:
-            self.drafter.init_head_from_target(*target_output_head(target))
         K = config.block_size
         self.val_block1 = SimulatedAcceptance(K)
         self.val_two_blocks = SimulatedAcceptance(2 * K)
