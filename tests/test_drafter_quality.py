@@ -146,3 +146,12 @@ def test_draft_agreement_is_one_for_the_target_itself_and_less_for_another(tmp_p
     assert json.loads((tmp_path / "a.json").read_text())["top_k_recall"]["8"] == 1.0
     noisy = agreement(AgreementConfig(drafter=other, **common))
     assert noisy["top1_agreement"] < 1.0 and noisy["top_k_recall"]["8"] >= noisy["top1_agreement"]
+
+
+def test_a_partial_run_before_the_evaluation_ends_without_an_error(tmp_path):
+    cfg = parse_cli([f"out={tmp_path}", "stages=[regenerate]"], dq.QualityConfig, dq.USAGE)
+    regenerate = dq.gsm_stages(cfg)[0]
+    regenerate.output.parent.mkdir(parents=True)
+    regenerate.output.write_text("{}\n")
+    regenerate.mark_done(1.0)  # done: the pipeline skips it
+    assert "the goal table comes with the evaluate stage" in dq.run(cfg)
