@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.runner import MLP, RMSNorm, _rotate_half
+from inference.runner import MLP, Linear, RMSNorm, _rotate_half
 from spectrain.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
@@ -201,10 +201,10 @@ class Eagle3Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.resolved_head_dim
         width = input_width or 2 * config.hidden_size
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
                 past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -297,10 +297,10 @@ class Eagle3Drafter(TargetTiedDrafter):
         super().__init__()
         self._init_target_tied(config, embed_weight)
         hidden = config.hidden_size
-        self.fc = nn.Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)
+        self.fc = Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> Eagle3Cache:
         ref = self.fc.weight

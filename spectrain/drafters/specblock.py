@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.runner import MLP, RMSNorm
+from inference.runner import MLP, Linear, RMSNorm
 from spectrain.assets import load_safetensors, read_json
 from spectrain.drafters.eagle3 import (
     NUM_AUX_LAYERS,
@@ -267,19 +267,19 @@ class SpecBlockDrafter(TargetTiedDrafter):
         super().__init__()
         self._init_target_tied(config, embed_weight)
         hidden, k = config.hidden_size, config.block_size
-        self.fc = nn.Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)  # W_c
+        self.fc = Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)  # W_c
         self.cond_norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_c
         self.embed_norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_e
         self.query_norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_q
         self.position_queries = nn.Parameter(torch.empty(k, hidden))  # P
         nn.init.normal_(self.position_queries, std=0.02)
-        self.fuse = nn.Linear(3 * hidden, hidden, bias=False)  # W_f over [c ; e ; q]
+        self.fuse = Linear(3 * hidden, hidden, bias=False)  # W_f over [c ; e ; q]
         self.layers = nn.ModuleList(SpecBlockLayer(config) for _ in range(config.num_layers))
-        self.shift = nn.ModuleList(nn.Linear(2 * hidden, hidden, bias=False) for _ in range(config.num_layers - 1))
+        self.shift = nn.ModuleList(Linear(2 * hidden, hidden, bias=False) for _ in range(config.num_layers - 1))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_out
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        self.rank_head = nn.Sequential(nn.Linear(hidden + NUM_RANK_FEATURES, config.rank_hidden_size, bias=False),
-                                       nn.SiLU(), nn.Linear(config.rank_hidden_size, config.rank_buckets, bias=False))
+        self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rank_head = nn.Sequential(Linear(hidden + NUM_RANK_FEATURES, config.rank_hidden_size, bias=False),
+                                       nn.SiLU(), Linear(config.rank_hidden_size, config.rank_buckets, bias=False))
 
     def head_parameters(self) -> list[nn.Parameter]:
         """The output pathway (lm_head + rank head) that the serving-time bandit's head-only update trains."""
