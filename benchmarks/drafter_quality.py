@@ -96,10 +96,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
         return runs / run / "checkpoints" / "last.ckpt"
 
     # HSD equals tokenwise at T = 0; its figure is the T = 1 stage ("hsd") below.
-    # SSD twice: the engine's default budget (8) and the reference code's (F = 3 per acceptance length, B = 15).
+    # SSD at the engine's default budget (8) and at the reference code's (F = 3 per acceptance length, B = 15),
+    # in one process and with the drafter in a second process (the overlap SSD is built for).
+    ssd_reference = f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}"
     algorithms = [f"sps@draft_vocab={DRAFT_VOCAB}", f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess",
                   f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess", f"ssd@draft_vocab={DRAFT_VOCAB}",
-                  f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}",
+                  ssd_reference, f"{ssd_reference}@executor=multiprocess",
                   "eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
                   "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16",
                   "specblock_tree", "specblock_tree@specblock_budget=16@specblock_width=4"]
@@ -291,6 +293,11 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
         hit = reference.get("cache_hit_rate")
         add(f"GSM: SSD cache hit rate (T = 0), the reference's budget B = {SSD_REFERENCE_BUDGET}", "≥ 0.6", hit,
             hit is not None and hit >= 0.6, f"{_fmt(hit)} ({reference['speedup_vs_ar']:.2f}× AR in one process)")
+    overlapped = runs.get(f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}@executor=multiprocess")
+    if overlapped is not None:  # informational: the SSD goal on speed is a GPU one (≥ 1.3× SpS)
+        ratio = overlapped["tokens_per_s"] / sps["tokens_per_s"]
+        add("GSM: SSD (B = 15, drafter in a second process) tokens/s ÷ SpS's", "–", ratio, None,
+            f"{ratio:.2f} (hit rate {_fmt(overlapped.get('cache_hit_rate'))})")
     branch = runs[f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
     pearl = runs[f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
     rb = branch.get("rollback_rate_speculated", branch["rollback_rate"]) / max(sps["rollback_rate"], 1e-9)

@@ -93,6 +93,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
             _record(f"specbranch@draft_vocab={v}@executor=multiprocess", 2.1, 1.3, rollback_rate_speculated=0.25),
             _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4),
             _record(f"ssd@draft_vocab={v}@ssd_budget=15", 2.5, 0.7, cache_hit_rate=0.65),
+            _record(f"ssd@draft_vocab={v}@ssd_budget=15@executor=multiprocess", 2.5, 1.2, cache_hit_rate=0.64),
             _record("eagle3_tree", 3.2, 1.1), _record("specblock_tree", 3.0, 0.8, draft_forwards=4)]
     (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
     Stage("train-eagle3", 0, "", (), out, out / ".done" / "train-eagle3").mark_done(30.0)
@@ -107,6 +108,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     assert rows["GSM: SSD cache hit rate (T = 0)"] == ("0.40", "no")
     assert rows["GSM: SSD cache hit rate (T = 0), the reference's budget B = 15"] == ("0.65 (0.70× AR in one process)",
                                                                                       "yes")
+    assert rows["GSM: SSD (B = 15, drafter in a second process) tokens/s ÷ SpS's"] == ("0.75 (hit rate 0.64)", "–")
     assert rows["GSM: SpecBranch rollback (speculated) ÷ SpS's"] == ("0.50", "yes")
     assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
     assert rows["greedy output = AR in every run"] == ("yes", "yes")
