@@ -9,7 +9,7 @@ Layout::
 
 Resume protocol. Work is a stream of *source items* (a sample, a prompt) numbered from 0; each item gives zero
 or more rows. Rows stream into a hidden temporary shard directory; a shard is committed by renaming that
-directory into place (``spectrain.atomic.atomic_directory``) and THEN rewriting the manifest atomically with
+directory into place (``core.atomic.atomic_directory``) and THEN rewriting the manifest atomically with
 the shard's entry and ``next_source_index``. A process killed at any moment leaves either a committed shard that
 the manifest lists, or leftovers the manifest does not list (a temporary directory, or a renamed shard whose
 manifest update never happened); a resumed run deletes the leftovers and restarts at ``next_source_index``.
@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.assets import sha256_file
+from core.atomic import atomic_directory
 from data_prep.manifest import (
     MANIFEST_NAME,
     DatasetError,
@@ -38,8 +40,6 @@ from data_prep.manifest import (
     settings_mismatch,
     write_manifest,
 )
-from spectrain.assets import sha256_file
-from spectrain.atomic import atomic_directory
 
 SHARDS_DIR = "shards"
 SHARD_FILE = "data.arrow"

@@ -13,7 +13,9 @@ from typing import Any
 
 import lightning as L
 
-from spectrain.assets import chat_template_hash, load_tokenizer, resolve_model_dir
+from core.assets import chat_template_hash, load_tokenizer, resolve_model_dir
+from data_prep.datamodules import FeatureDataModule, OnlineFeatureDataModule
+from inference.drafters import LoadedModel, load_lm
 
 _WEIGHTLESS = False  # set by weightless_targets(): dry runs build targets without reading their weights
 
@@ -44,7 +46,6 @@ def _loaded_target(name: str, max_len: int, batch_size: int, device: str, chat_t
 
     import torch
 
-    from inference.drafters import load_lm
 
     if device == "auto" and torch.cuda.is_available():
         # Multi-GPU launchers start one process per GPU and set LOCAL_RANK: each rank's target on its own GPU.
@@ -58,7 +59,6 @@ def _weightless_target(name: str, chat_template: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from inference.drafters import LoadedModel
 
     config = AutoConfig.from_pretrained(resolve_model_dir(name))
     with torch.device("meta"):
@@ -94,8 +94,6 @@ class TrainValDataModule(L.LightningDataModule):
 
 def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningDataModule:
     """``features=False``: online token batches only, no target forward (``OnlineFeatureDataModule``)."""
-    from data_prep.datamodules import FeatureDataModule, OnlineFeatureDataModule
-
     data = cfg.data
     if data.dataset_dir:
         if data.bucket_by_length or data.val_source:

@@ -26,16 +26,23 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_model_dir
+from core.overrides import (
+    RecipeError,
+    bad_value,
+    leaf_keys,
+    resolve_key,
+    run_cli,
+    split_key_values,
+)
+from data_prep.manifest import DatasetError, read_manifest
 from inference.runner import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
-from spectrain.overrides import OverrideError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
+from spectrain.data import weightless_targets
+from spectrain.registry import get_kind
 from spectrain.resume import latest_checkpoint, resume_classes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class RecipeError(OverrideError):
-    """A recipe problem; the message is one line naming the fix."""
 
 
 def recipes_dir() -> Path:
@@ -95,8 +102,6 @@ def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictCo
 
 def _model_fields(kind_name: Any) -> list[str]:
     """The model fields kind ``kind_name`` accepts (none when the kind is unknown: validation says so later)."""
-    from spectrain.registry import get_kind
-
     try:
         schema = get_kind(str(kind_name)).model_schema
     except ValueError:
@@ -105,8 +110,6 @@ def _model_fields(kind_name: Any) -> list[str]:
 
 
 def _validate(cfg: DictConfig, recipe: str) -> None:
-    from spectrain.registry import get_kind
-
     missing = [k for k in ("kind", "run_name") if OmegaConf.is_missing(cfg, k)]
     if missing:
         raise RecipeError(f"recipe '{recipe}' does not set {', '.join(missing)}")
@@ -277,8 +280,6 @@ def build_strategy(name: str):
 
 def check_target(cfg: DictConfig) -> None:
     """Fail with one line, before any work, when ``target`` is neither a registry name nor a model directory."""
-    from spectrain.assets import EMBEDDED_MODELS, AssetError, resolve_model_dir
-
     if cfg.target in EMBEDDED_MODELS:
         return
     try:
@@ -290,9 +291,6 @@ def check_target(cfg: DictConfig) -> None:
 def check_datasets(cfg: DictConfig) -> None:
     """Before any model loads: ``data.dataset_dir`` / ``data.val_dataset_dir`` must be spectrain datasets made
     for this target (the kind's DataModule checks the rest when it opens them)."""
-    from data_prep.manifest import DatasetError, read_manifest
-    from spectrain.assets import model_identity
-
     for key in ("dataset_dir", "val_dataset_dir"):
         directory = cfg.data.get(key)
         if not directory:
@@ -336,9 +334,6 @@ def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
     """The kind's LightningModule and DataModule. A dry run builds them over a weightless (meta-device) target,
     so validating an 8B recipe reads no weights; a kind that copies target weights into its drafter cannot be
     built that way, and gets the real target instead (said in one line)."""
-    from spectrain.data import weightless_targets
-    from spectrain.registry import get_kind
-
     kind = get_kind(cfg.kind)
     if cfg.dry_run:
         try:
@@ -390,7 +385,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Like every CLI (``spectrain.overrides.run_cli``): a bad recipe, override, dataset or file is ONE line on
+    """Like every CLI (``core.overrides.run_cli``): a bad recipe, override, dataset or file is ONE line on
     stderr and exit code 2, wherever it is found (also inside the trainer, e.g. a DataModule's setup)."""
     def run(args: list[str]) -> dict[str, Any]:
         import_kind_modules()

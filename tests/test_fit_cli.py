@@ -16,12 +16,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tiny_targets import save_tiny_target, write_jsonl
 
+from core.overrides import OverrideError, resolve_key
 from data_prep.datamodules import resumable_loader
 from spectrain import fit as fit_cli
-from spectrain.overrides import OverrideError, resolve_key
 from spectrain.registry import DrafterKind, register_kind
-from tiny_targets import save_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,14 @@ from test_algorithms import assert_follows_law, exact_target_law, runner, sample
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm
-from inference.algorithms.self_draft import (BranchGrid, Column, GridVocab, SelfDraft, attention_inputs,
-                                             layout_step)
+from inference.algorithms.self_draft import (
+    BranchGrid,
+    Column,
+    GridVocab,
+    SelfDraft,
+    attention_inputs,
+    layout_step,
+)
 from inference.ngram_cache import ContextCache, CorpusCache
 from inference.sampling import SamplingParams
 
@@ -426,7 +432,7 @@ def test_sampling_follows_the_target_law():
 
 @pytest.mark.real_model
 def test_real_smollm2_greedy_equals_ar(smollm2):
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
     from inference.runner import ModelRunner
 
     hf_model, tokenizer = smollm2

@@ -18,8 +18,15 @@ from inference.runner import ModelRunner, RunnerOutput
 from inference.saguaro import NEURAL, POINT, UNIFORM, proposal_probs, saguaro_probs, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache, fanout_weights, geometric_fanout, largest_remainder_round
-from inference.ssd_draft import (HIT, JIT, ServeRequest, SpeculateRequest, Speculation, SSDDraftSide,
-                                 tree_step_mask)
+from inference.ssd_draft import (
+    HIT,
+    JIT,
+    ServeRequest,
+    SpeculateRequest,
+    Speculation,
+    SSDDraftSide,
+    tree_step_mask,
+)
 from inference.verify import tokenwise_plan
 
 GREEDY = SamplingParams(temperature=0)
@@ -346,7 +353,7 @@ def test_real_smollm2_ssd_batch_equals_transformers_greedy(smollm2):
     from test_algorithms import hf_greedy
     from transformers import AutoModelForCausalLM
 
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
 
     model, tokenizer = smollm2
     config = model.config.to_dict() | {"num_hidden_layers": 6}

@@ -13,6 +13,8 @@ from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
 from inference.sampling import SamplingParams, sample
 from inference.verify import tree_walk
+from spectrain.adapt.adapter import AdaptSettings
+from spectrain.adapt.engine import build_adapter, private_copy
 
 
 @dataclass
@@ -45,7 +47,6 @@ def adapt_options(cfg) -> dict:
     """The ``adapt=`` keywords of an evaluate/generate config (none when adaptation is off)."""
     if getattr(cfg, "adapt", "none") == "none":
         return {}
-    from spectrain.adapt.adapter import AdaptSettings
 
     return {"adapt": cfg.adapt, "adapt_settings": AdaptSettings.from_options(cfg)}
 
@@ -60,9 +61,6 @@ class FeatureDrafting:
         the loaded one (variants in one evaluate run) never see its updates."""
         self.adapter = None
         if adapt == "bandit":
-            from spectrain.adapt.adapter import AdaptSettings
-            from spectrain.adapt.engine import build_adapter, private_copy
-
             self.drafter = private_copy(self.drafter)
             self.adapter = build_adapter(self.target, self.drafter, settings or AdaptSettings(),
                                          verify_tokens=verify_tokens, max_accept=max_accept)

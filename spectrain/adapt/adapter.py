@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from spectrain.adapt.background import BackgroundRunner, Publisher
 from spectrain.adapt.bandit import CostAwareUCB, Decision
 from spectrain.adapt.cost import CostModel, saving
 from spectrain.adapt.drafters import AdaptableDrafter
@@ -188,8 +189,6 @@ class BanditAdapter:
         self._started = 0.0
         self.background = None
         if settings.background and serving is not None:
-            from spectrain.adapt.background import BackgroundRunner, Publisher
-
             if serving is adaptable.module:
                 raise ValueError("adapt_background needs a training copy of the drafter, not the serving one")
             publisher = Publisher(adaptable.module, serving, self.updater.parameters("full"))

@@ -9,6 +9,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from spectrain.data import build_feature_datamodule, loaded_target
+
 
 def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
     """LR multiplier: linear warm-up, then cosine decay to 10 % of the peak (or constant)."""
@@ -36,8 +38,6 @@ class DrafterModule(L.LightningModule):
 
     def target_model(self):
         """The target (loaded once per process; NOT a submodule, so it is neither trained nor checkpointed)."""
-        from spectrain.data import loaded_target
-
         return loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
                              chat_template=self.cfg.data.chat_template).model
 
@@ -56,6 +56,4 @@ class DrafterModule(L.LightningModule):
 
 
 def build_datamodule(cfg: Any):
-    from spectrain.data import build_feature_datamodule
-
     return build_feature_datamodule(cfg)

@@ -18,10 +18,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spectrain.drafters.draft_lm import add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings, layer_drop_init
+from core import assets
+from core.drafters.draft_lm import (
+    add_lora,
+    evenly_spaced_layers,
+    export_draft_lm,
+    freeze_embeddings,
+    layer_drop_init,
+)
+from spectrain.data import build_feature_datamodule, loaded_target, trained_template
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.data import build_feature_datamodule, trained_template
 from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 
@@ -128,9 +135,6 @@ class DraftLMModule(DrafterModule):
 
     def export(self, out_dir, metrics: dict | None = None) -> None:
         """A loadable draft-LM directory: HF weights + tokenizer + the ``spectrain`` block."""
-        from spectrain import assets
-        from spectrain.data import loaded_target
-
         tokenizer = loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
                                   chat_template=self.cfg.data.chat_template).tokenizer
         block = {"kind": "draft_lm", "target": {**assets.model_identity(self.cfg.target), **trained_template(self.cfg)},

@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
+from core.assets import target_record
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
+from core.layer_ids import resolve_layers
+from core.vocab import build_vocab_map, load_vocab_map
+from data_prep.vocab import counts_from_source
+from spectrain.checkpoint_contract import checkpoint_metadata
 from spectrain.data import trained_template
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
@@ -36,7 +41,6 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     """(d2t, t2d) from ``model.vocab_map``, or counted over the recipe's training source; None = full vocab."""
     from omegaconf import OmegaConf
 
-    from data_prep.vocab import build_vocab_map, counts_from_source, load_vocab_map
 
     model = cfg.model
     if model.vocab_map:
@@ -116,7 +120,6 @@ def ttt_loss(students: Sequence[torch.Tensor], teachers: Sequence[torch.Tensor],
 class Eagle3Module(DrafterModule):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        from data_prep.layers import resolve_layers
 
         target = self.target_model()
         model_cfg = cfg.model
@@ -179,8 +182,6 @@ class Eagle3Module(DrafterModule):
         self.val_greedy.reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        from spectrain.export import checkpoint_metadata, target_record
-
         target = {**target_record(self.cfg.target), **trained_template(self.cfg)}
         checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target,
                                                       recipe=dict(self.hparams["recipe"]),

@@ -1,5 +1,5 @@
 """``kind=hrad``: train SpecBranch's H-RAD classifier on acceptance traces (recipes ``hrad_smollm2``,
-``hrad_llama8b``); the model and its export: :mod:`spectrain.drafters.hrad`.
+``hrad_llama8b``); the model and its export: :mod:`core.drafters.hrad`.
 
 Data: a ``data_prep.traces`` directory (``data.dataset_dir``). A row is a verification round; H-RAD's input is
 [the round's ``hidden_lastk`` ; the target's input embedding of its ``branch_token``], its label comes from
@@ -32,8 +32,26 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
-from spectrain.drafters.hrad import (CLASS_NAMES, DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
-                                     check_boundaries, default_boundaries, embedding_probe, hrad_labels, save_native)
+from core.assets import AssetError, model_identity, resolve_model_dir
+from core.drafters.eagle3_layouts import CheckpointError
+from core.drafters.hrad import (
+    CLASS_NAMES,
+    DEFAULT_EPSILON,
+    HRAD,
+    NUM_CLASSES,
+    HRADConfig,
+    HRADError,
+    check_boundaries,
+    default_boundaries,
+    embedding_probe,
+    hrad_labels,
+    save_native,
+)
+from core.layer_ids import LAYER_CONVENTION
+from core.overrides import OverrideError, RecipeError
+from data_prep.manifest import DatasetError, read_manifest
+from data_prep.shards import ShardReader, to_tensor
+from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 
 BALANCE = ("weights", "sampler", "none")
@@ -55,8 +73,6 @@ class HRADSchema:
 
 
 def _recipe_error(message: str) -> Exception:
-    from spectrain.fit import RecipeError
-
     return RecipeError(message)
 
 
@@ -72,9 +88,6 @@ def last_k_of(layers: Any) -> int:
 def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dict[str, Any]:
     """The manifest of a complete traces directory made for ``target`` with ``last{K}``, or a one-line
     ``DatasetError``."""
-    from data_prep.layers import LAYER_CONVENTION
-    from data_prep.manifest import DatasetError, read_manifest
-
     if not directory:
         raise DatasetError("data.dataset_dir is not set: give a traces directory (python -m data_prep.traces "
                            "target=... drafter=... gamma=7 out=DIR)")
@@ -92,8 +105,6 @@ def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dic
         raise DatasetError(f"{directory} holds {layers['spec']} hidden states, the recipe reads last{last_k}: "
                            f"re-record with last_k={last_k} or set data.layers={layers['spec']}")
     if target is not None:
-        from spectrain.assets import model_identity
-
         have, want = manifest["target"], model_identity(str(target))
         if (have["config_hash"], have["weights_hash"]) != (want["config_hash"], want["weights_hash"]):
             raise DatasetError(f"{directory} was recorded with target '{have['name']}' (weights "
@@ -106,7 +117,6 @@ def read_input_embeddings(target: str) -> torch.Tensor:
     """The target's input embedding matrix [V, d], read alone from its safetensors (no model is built)."""
     from safetensors import safe_open
 
-    from spectrain.assets import resolve_model_dir
 
     directory = resolve_model_dir(target)
     for file in sorted(directory.glob("*.safetensors")):
@@ -146,8 +156,6 @@ def _numpy_column(reader, name: str):
 
 def load_trace_rows(directory: Any, manifest: dict[str, Any], boundaries: list[int], last_k: int) -> TraceRows:
     """Read the columns H-RAD uses into memory (hidden states stay in their stored dtype)."""
-    from data_prep.shards import ShardReader, to_tensor
-
     reader = ShardReader(directory, manifest)
     gamma, hidden_size = int(manifest["args"]["gamma"]), int(manifest["target"]["hidden_size"])
     accepted = torch.from_numpy(_numpy_column(reader, "num_accepted")).long()
@@ -307,8 +315,11 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperatu
                            ece_bins: int = 10) -> dict[str, Any]:
     """Recall per class, confusion matrix (rows: true, columns: predicted), NLL and ECE raw and at
     ``temperature`` (argmax decisions do not depend on it)."""
-    from torchmetrics.classification import (MulticlassCalibrationError, MulticlassConfusionMatrix,
-                                             MulticlassRecall)
+    from torchmetrics.classification import (
+        MulticlassCalibrationError,
+        MulticlassConfusionMatrix,
+        MulticlassRecall,
+    )
 
     logits, labels = logits.detach().float().cpu(), labels.long().cpu()
     recall = MulticlassRecall(num_classes=NUM_CLASSES, average=None)(logits, labels)
@@ -368,8 +379,6 @@ class HRADModule(L.LightningModule):
         super().__init__()
         from omegaconf import OmegaConf
 
-        from data_prep.manifest import DatasetError
-        from spectrain.assets import AssetError, resolve_model_dir
 
         self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg
@@ -408,8 +417,6 @@ class HRADModule(L.LightningModule):
         self.data_summary = datamodule.summary
 
     def configure_optimizers(self):
-        from spectrain.modules.base import DrafterModule
-
         return DrafterModule.configure_optimizers(self)  # AdamW + warm-up/cosine over self.drafter (shared)
 
     def _logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,9 +510,6 @@ class HRADModule(L.LightningModule):
 
 def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
     """``python -m spectrain.export ckpt=PATH out=DIR`` for a kind=hrad Lightning checkpoint (native only)."""
-    from spectrain.drafters.eagle3_layouts import CheckpointError
-    from spectrain.overrides import OverrideError
-
     if cfg.format != "native":
         raise OverrideError(f"an H-RAD exports only as format=native; '{cfg.format}' is an EAGLE-3 layout")
     raw = torch.load(path, map_location="cpu", weights_only=False)  # the user's own training checkpoint
@@ -513,8 +517,6 @@ def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
     if not meta.get("target"):
         raise CheckpointError(f"{path} has no target record: export a checkpoint saved by kind=hrad training")
     if cfg.target:
-        from spectrain.assets import model_identity
-
         want = model_identity(str(cfg.target))
         if (meta["target"]["config_hash"], meta["target"]["weights_hash"]) != (want["config_hash"],
                                                                              want["weights_hash"]):

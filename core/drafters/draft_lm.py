@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from core.atomic import atomic_directory
+
 
 def evenly_spaced_layers(num_layers: int, keep: int) -> list[int]:
     """``keep`` layer ids spread over ``num_layers``, always including the first and the last."""
@@ -75,8 +77,6 @@ def merged(draft):
 @torch.no_grad()
 def export_draft_lm(draft, tokenizer, out_dir, *, spectrain_block: dict) -> None:
     """Write a loadable HF directory (+ tokenizer) with a ``spectrain`` block in config.json, atomically."""
-    from spectrain.atomic import atomic_directory
-
     model = merged(draft)
     model.config.spectrain = spectrain_block
     with atomic_directory(out_dir) as tmp:

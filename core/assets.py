@@ -19,8 +19,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from spectrain.atomic import atomic_directory
+from core.atomic import atomic_directory
 
 # A mistyped path otherwise makes transformers retry the network for ~30 s before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -328,3 +329,17 @@ def model_identity(name_or_path: str) -> dict:
     weights_hash = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()[:16]
     return {"name": str(name_or_path), "config_hash": config_hash, "weights_hash": weights_hash,
             "model_type": config.get("model_type"), "vocab_size": config.get("vocab_size")}
+
+
+def target_record(name_or_path: str) -> dict[str, Any]:
+    """Identity (config + weights hash, :func:`model_identity`) plus the facts a drafter depends on."""
+    config = json.loads((resolve_model_dir(name_or_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return {**model_identity(str(name_or_path)), "num_hidden_layers": text["num_hidden_layers"],
+            "hidden_size": text["hidden_size"], "architectures": config.get("architectures") or []}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the vocabulary (token -> id), so two tokenizers that map ids differently are told apart."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
