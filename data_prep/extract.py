@@ -31,13 +31,8 @@ from core.atomic import check_output
 from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
 from core.overrides import OverrideError, parse_cli, run_cli
 from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
-from data_prep.manifest import (
-    DatasetError,
-    new_header,
-    refuse_other_args,
-    target_identity,
-    tokenizer_identity,
-)
+from data_prep.manifest import (DatasetError, new_header, refuse_other_args, target_identity,
+                                tokenizer_identity)
 from data_prep.regenerate import Regenerator
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import STORAGE_DTYPE, ShardWriter, column
@@ -120,7 +115,6 @@ def feature_columns(layers: list[int], hidden: int, dtype: str) -> dict[str, dic
 def bytes_per_token(columns: dict[str, dict[str, Any]]) -> int:
     import numpy as np
 
-
     total = OFFSET_BYTES_PER_TOKEN
     for spec in columns.values():
         width = spec["shape"][1] if len(spec["shape"]) == 2 else 1
@@ -189,7 +183,6 @@ def _batches(conversations, start: int, build: SampleBuilder, batch_size: int):
 def extract(cfg: Any, target=None) -> dict[str, Any]:
     """Run (or resume) an extraction; returns the final manifest. ``target``: a preloaded LoadedModel."""
     from tqdm.auto import tqdm
-
 
     out = Path(cfg.out)
     refuse_other_args(out, content_args(cfg))

@@ -90,7 +90,6 @@ def corpus_documents(source: str, n_samples: int, split: str = "train") -> list[
 def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
     from tqdm.auto import tqdm
 
-
     tokenizer = assets.load_tokenizer(cfg.target)
     texts = corpus_documents(cfg.source, cfg.n_samples, cfg.split)
     if not texts:

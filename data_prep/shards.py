@@ -32,14 +32,8 @@ import torch
 
 from core.assets import sha256_file
 from core.atomic import atomic_directory
-from data_prep.manifest import (
-    MANIFEST_NAME,
-    DatasetError,
-    header_differences,
-    read_manifest,
-    settings_mismatch,
-    write_manifest,
-)
+from data_prep.manifest import (MANIFEST_NAME, DatasetError, header_differences, read_manifest,
+                                settings_mismatch, write_manifest)
 
 SHARDS_DIR = "shards"
 SHARD_FILE = "data.arrow"

@@ -115,7 +115,6 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     """Run (or resume) trace collection; returns the final manifest. ``target``/``draft``: preloaded models."""
     from tqdm.auto import tqdm
 
-
     out = Path(cfg.out)
     args = OmegaConf.to_container(cfg, resolve=True)
     args.pop("out")

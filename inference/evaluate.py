@@ -35,15 +35,8 @@ from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafter_index import export_kind, find_exports
-from inference.drafters import (
-    DRAFTER_KINDS,
-    LoadedModel,
-    eos_token_ids,
-    load_drafter,
-    load_lm,
-    model_dtype,
-    pick_device,
-)
+from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
+                                pick_device)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams

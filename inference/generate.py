@@ -20,15 +20,8 @@ from core.prompts import render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafters import (
-    DRAFTER_KINDS,
-    LoadedModel,
-    eos_token_ids,
-    load_drafter,
-    load_lm,
-    model_dtype,
-    pick_device,
-)
+from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
+                                pick_device)
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 

@@ -46,7 +46,6 @@ def _loaded_target(name: str, max_len: int, batch_size: int, device: str, chat_t
 
     import torch
 
-
     if device == "auto" and torch.cuda.is_available():
         # Multi-GPU launchers start one process per GPU and set LOCAL_RANK: each rank's target on its own GPU.
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -58,7 +57,6 @@ def _weightless_target(name: str, chat_template: str):
     """A ``LoadedModel`` whose model lives on the meta device and that has no runner (nothing can run)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
 
     config = AutoConfig.from_pretrained(resolve_model_dir(name))
     with torch.device("meta"):

@@ -31,16 +31,8 @@ import torch
 from core.assets import target_record
 from core.atomic import atomic_directory, check_output
 from core.drafters.eagle3 import Eagle3Config
-from core.drafters.eagle3_layouts import (
-    LAYOUTS,
-    CheckpointError,
-    Eagle3Checkpoint,
-    check_against_target,
-    drafter_tensors,
-    read_checkpoint,
-    same_target,
-    write_layout,
-)
+from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
+                                          drafter_tensors, read_checkpoint, same_target, write_layout)
 from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.modules.draft_lm import DraftLMModule
@@ -202,7 +194,6 @@ def checkpoint_kind(path: str) -> str | None:
 def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
     """A draft LM is a plain causal LM: exported as a loadable HF directory (weights, tokenizer, spectrain block)."""
     from omegaconf import OmegaConf
-
 
     if cfg.format != "native":
         raise OverrideError(f"a draft_lm exports only as format=native (a Hugging Face directory); "

@@ -13,16 +13,8 @@ import torch.nn.functional as F
 from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.drafters.hrad import (
-    HRAD,
-    HRADConfig,
-    HRADError,
-    capture_layers,
-    check_boundaries,
-    hrad_labels,
-    load_hrad,
-    stack_lastk,
-)
+from core.drafters.hrad import (HRAD, HRADConfig, HRADError, capture_layers, check_boundaries, hrad_labels,
+                                load_hrad, stack_lastk)
 from data_prep.traces import hrad_class
 from spectrain.modules.hrad import class_weights, classification_metrics, confusion_png, fit_temperature
 

@@ -13,14 +13,8 @@ from test_algorithms import assert_follows_law, exact_target_law, runner, sample
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm
-from inference.algorithms.self_draft import (
-    BranchGrid,
-    Column,
-    GridVocab,
-    SelfDraft,
-    attention_inputs,
-    layout_step,
-)
+from inference.algorithms.self_draft import (BranchGrid, Column, GridVocab, SelfDraft, attention_inputs,
+                                             layout_step)
 from inference.ngram_cache import ContextCache, CorpusCache
 from inference.sampling import SamplingParams
 

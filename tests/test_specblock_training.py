@@ -9,15 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spectrain.specblock_losses import (
-    block_losses,
-    frequency_weights,
-    rank_labels,
-    rank_of,
-    smoothing_table,
-    total_loss,
-    unroll_blocks,
-)
+from spectrain.specblock_losses import (block_losses, frequency_weights, rank_labels, rank_of,
+                                        smoothing_table, total_loss, unroll_blocks)
 
 
 def one_hot_rows(ids: list[int], vocab: int) -> torch.Tensor:

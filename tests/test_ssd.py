@@ -18,15 +18,8 @@ from inference.runner import ModelRunner, RunnerOutput
 from inference.saguaro import NEURAL, POINT, UNIFORM, proposal_probs, saguaro_probs, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache, fanout_weights, geometric_fanout, largest_remainder_round
-from inference.ssd_draft import (
-    HIT,
-    JIT,
-    ServeRequest,
-    SpeculateRequest,
-    Speculation,
-    SSDDraftSide,
-    tree_step_mask,
-)
+from inference.ssd_draft import (HIT, JIT, ServeRequest, SpeculateRequest, Speculation, SSDDraftSide,
+                                 tree_step_mask)
 from inference.verify import tokenwise_plan
 
 GREEDY = SamplingParams(temperature=0)

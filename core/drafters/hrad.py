@@ -174,7 +174,6 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
     hashes, model_type, vocab_size, num_layers, hidden_size, embed_probe)."""
     from safetensors.torch import save_file
 
-
     out = Path(out)
     if out.exists():
         raise HRADError(f"out={out} already exists; choose a new directory (exports are never overwritten)")

@@ -44,14 +44,8 @@ from core.atomic import atomic_directory
 from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
-from core.drafters.eagle3 import (
-    NUM_AUX_LAYERS,
-    Eagle3Attention,
-    TargetShapedConfig,
-    check_drafter_config,
-    layer_llama_config,
-    target_layer_shape,
-)
+from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedConfig, check_drafter_config,
+                                  layer_llama_config, target_layer_shape)
 from core.drafters.target_tied import TargetTiedDrafter
 from core.layer_ids import LAYER_CONVENTION
 from core.vocab import check_vocab_mapping
@@ -461,7 +455,6 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
     (without the frozen target embedding), ``metrics.json`` and ``recipe.yaml`` when given. Refuses an existing
     non-empty ``out_dir`` (exports are never overwritten)."""
     from safetensors.torch import save_file
-
 
     out = Path(out_dir)
     if any(out.iterdir()) if out.is_dir() else out.exists():

@@ -19,13 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from core import assets
-from core.drafters.draft_lm import (
-    add_lora,
-    evenly_spaced_layers,
-    export_draft_lm,
-    freeze_embeddings,
-    layer_drop_init,
-)
+from core.drafters.draft_lm import (add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings,
+                                    layer_drop_init)
 from spectrain.data import build_feature_datamodule, loaded_target, trained_template
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance

@@ -41,7 +41,6 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     """(d2t, t2d) from ``model.vocab_map``, or counted over the recipe's training source; None = full vocab."""
     from omegaconf import OmegaConf
 
-
     model = cfg.model
     if model.vocab_map:
         d2t, t2d, _ = load_vocab_map(model.vocab_map)

@@ -34,19 +34,9 @@ from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 from core.assets import AssetError, model_identity, resolve_model_dir
 from core.drafters.eagle3_layouts import CheckpointError
-from core.drafters.hrad import (
-    CLASS_NAMES,
-    DEFAULT_EPSILON,
-    HRAD,
-    NUM_CLASSES,
-    HRADConfig,
-    HRADError,
-    check_boundaries,
-    default_boundaries,
-    embedding_probe,
-    hrad_labels,
-    save_native,
-)
+from core.drafters.hrad import (CLASS_NAMES, DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
+                                check_boundaries, default_boundaries, embedding_probe, hrad_labels,
+                                save_native)
 from core.layer_ids import LAYER_CONVENTION
 from core.overrides import OverrideError, RecipeError
 from data_prep.manifest import DatasetError, read_manifest
@@ -116,7 +106,6 @@ def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dic
 def read_input_embeddings(target: str) -> torch.Tensor:
     """The target's input embedding matrix [V, d], read alone from its safetensors (no model is built)."""
     from safetensors import safe_open
-
 
     directory = resolve_model_dir(target)
     for file in sorted(directory.glob("*.safetensors")):
@@ -315,11 +304,8 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperatu
                            ece_bins: int = 10) -> dict[str, Any]:
     """Recall per class, confusion matrix (rows: true, columns: predicted), NLL and ECE raw and at
     ``temperature`` (argmax decisions do not depend on it)."""
-    from torchmetrics.classification import (
-        MulticlassCalibrationError,
-        MulticlassConfusionMatrix,
-        MulticlassRecall,
-    )
+    from torchmetrics.classification import (MulticlassCalibrationError, MulticlassConfusionMatrix,
+                                             MulticlassRecall)
 
     logits, labels = logits.detach().float().cpu(), labels.long().cpu()
     recall = MulticlassRecall(num_classes=NUM_CLASSES, average=None)(logits, labels)
@@ -378,7 +364,6 @@ class HRADModule(L.LightningModule):
     def __init__(self, cfg: Any):
         super().__init__()
         from omegaconf import OmegaConf
-
 
         self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg

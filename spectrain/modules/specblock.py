@@ -306,7 +306,6 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
     import json
     from pathlib import Path
 
-
     directory = Path(path)
     if not cfg.target:
         raise CheckpointError(f"{directory} is a reference SpecBlock checkpoint without a target record: give "
