@@ -46,7 +46,7 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Te
     return d2t, t2d
 def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metadata: dict[str, str]) -> None:
     """Write ``{d2t, t2d}`` as safetensors, atomically (temporary file + rename)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     check_vocab_mapping(d2t, t2d)
     path = Path(path)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import OmegaConf
 
 from core.atomic import check_output
@@ -113,8 +114,6 @@ def feature_columns(layers: list[int], hidden: int, dtype: str) -> dict[str, dic
 
 
 def bytes_per_token(columns: dict[str, dict[str, Any]]) -> int:
-    import numpy as np
-
     total = OFFSET_BYTES_PER_TOKEN
     for spec in columns.values():
         width = spec["shape"][1] if len(spec["shape"]) == 2 else 1
@@ -182,7 +181,7 @@ def _batches(conversations, start: int, build: SampleBuilder, batch_size: int):
 
 def extract(cfg: Any, target=None) -> dict[str, Any]:
     """Run (or resume) an extraction; returns the final manifest. ``target``: a preloaded LoadedModel."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     out = Path(cfg.out)
     refuse_other_args(out, content_args(cfg))

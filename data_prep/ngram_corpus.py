@@ -88,7 +88,7 @@ def corpus_documents(source: str, n_samples: int, split: str = "train") -> list[
 
 
 def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     tokenizer = assets.load_tokenizer(cfg.target)
     texts = corpus_documents(cfg.source, cfg.n_samples, cfg.split)

@@ -55,7 +55,7 @@ def column(dtype: str, shape: list, meaning: str) -> dict[str, Any]:
 
 def arrow_features(columns: dict[str, dict[str, Any]]):
     """``datasets.Features`` for column specs (see the module docstring)."""
-    from datasets import Array2D, Features, List, Value
+    from datasets import Array2D, Features, List, Value  # datasets: a heavy import, deferred to first use
 
     features = {}
     for name, spec in columns.items():
@@ -230,7 +230,7 @@ class ShardWriter:
         self.close()
 
     def _start_shard(self) -> None:
-        from datasets.arrow_writer import ArrowWriter
+        from datasets.arrow_writer import ArrowWriter  # datasets: a heavy import, deferred to first use
 
         name = shard_name(len(self.manifest["shards"]))
         self._stack = contextlib.ExitStack()
@@ -286,7 +286,7 @@ class ShardReader:
     """
 
     def __init__(self, directory: str | Path, manifest: dict[str, Any] | None = None, checksums: bool = False):
-        from datasets import Dataset
+        from datasets import Dataset  # datasets: a heavy import, deferred to first use
 
         self.directory = Path(directory)
         self.manifest = manifest if manifest is not None else read_manifest(directory)

@@ -113,7 +113,7 @@ def parse_args(argv: Sequence[str]) -> Any:
 
 def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     """Run (or resume) trace collection; returns the final manifest. ``target``/``draft``: preloaded models."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     out = Path(cfg.out)
     args = OmegaConf.to_container(cfg, resolve=True)

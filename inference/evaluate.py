@@ -249,7 +249,7 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
              features=None, specblock=None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
     ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` replace loading them from ``cfg``."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     paths = drafter_paths(cfg)
     preloaded = {"draft_lm": draft.runner if isinstance(draft, LoadedModel) else draft, "features": features,

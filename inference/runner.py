@@ -804,7 +804,7 @@ class TransformersRunner:
 
     def reset(self, batch_size: int | None = None) -> None:
         """Empty the cache; optionally change the active batch size (at most ``max_batch_size``)."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # transformers: a heavy import, deferred to first use
 
         if batch_size is None:
             batch_size = self.batch_size if hasattr(self, "_slot_valid") else self.max_batch_size
@@ -982,7 +982,7 @@ def load_runner(
         raise ValueError(f"backend must be auto, native or transformers, got {backend!r}")
     model = model_or_path
     if isinstance(model_or_path, (str, os.PathLike)):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # transformers: a heavy import, deferred to first use
 
         model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype, local_files_only=True)
     kw = {"dtype": dtype, "max_batch_size": max_batch_size, "max_seq_len": max_seq_len}

@@ -17,6 +17,7 @@ Per round, for a batch of ``b`` sequences with lookahead ``K`` and budget ``B`` 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -354,6 +355,5 @@ class SSDDraftSide:
 
 def draft_side_factory(source: Any, **kwargs: Any) -> Callable[[], SSDDraftSide]:
     """A (picklable when ``source`` is) factory for the executors: ``make_executor(name, factory)``."""
-    import functools
 
     return functools.partial(SSDDraftSide, source, **kwargs)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from core.assets import target_record
 from core.atomic import atomic_directory, check_output
@@ -35,9 +36,7 @@ from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkp
                                           drafter_tensors, read_checkpoint, same_target, write_layout)
 from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
-from spectrain.modules.draft_lm import DraftLMModule
-from spectrain.modules.hrad import export_hrad_checkpoint
-from spectrain.modules.specblock import export_specblock_checkpoint, import_specblock_reference
+from spectrain.registry import get_kind
 
 USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR  |  "
          "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
@@ -108,8 +107,6 @@ def load_source(path: str, target: dict[str, Any] | None) -> Loaded:
         if (source / "metrics.json").is_file():
             loaded.metrics = json.loads((source / "metrics.json").read_text())
         if (source / "recipe.yaml").is_file():
-            from omegaconf import OmegaConf
-
             loaded.recipe = OmegaConf.to_container(OmegaConf.load(source / "recipe.yaml"))
         return loaded
     if not source.is_file():
@@ -145,8 +142,6 @@ def write_export(ckpt: Eagle3Checkpoint, out: str | Path, *, layout: str = "nati
         write_layout(ckpt, layout, tmp, dtype=dtype, speculative_tokens=speculative_tokens)
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
         if recipe is not None:
-            from omegaconf import OmegaConf
-
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
     return out
 
@@ -165,15 +160,12 @@ def export(cfg: Any) -> Path:
     if out.is_dir() and any(out.iterdir()):
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     source = cfg.ckpt or cfg.import_path
-    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "draft_lm":
-        return export_draft_lm_checkpoint(Path(cfg.ckpt), cfg)
-    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "hrad":
-        return export_hrad_checkpoint(Path(cfg.ckpt), cfg)
-    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "specblock":
-        return export_specblock_checkpoint(Path(cfg.ckpt), cfg)
+    kind = checkpoint_kind(cfg.ckpt) if cfg.ckpt else None
+    if kind in ("draft_lm", "hrad", "specblock"):  # each kind's module exports its own checkpoints
+        return get_kind(kind).export_checkpoint(Path(cfg.ckpt), cfg)
     reference = Path(cfg.import_path or "") / "config.json"  # the SpecBlock reference release's config
     if cfg.import_path and reference.is_file() and "diffspec_draft_token_num" in json.loads(reference.read_text()):
-        return import_specblock_reference(Path(cfg.import_path), cfg)
+        return get_kind("specblock").import_reference(Path(cfg.import_path), cfg)
     loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
     metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
     return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,
@@ -189,26 +181,6 @@ def checkpoint_kind(path: str) -> str | None:
     meta = raw.get("spectrain") or {}
     recipe = (raw.get("hyper_parameters") or {}).get("recipe") or {}
     return meta.get("kind") or recipe.get("kind")
-
-
-def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
-    """A draft LM is a plain causal LM: exported as a loadable HF directory (weights, tokenizer, spectrain block)."""
-    from omegaconf import OmegaConf
-
-    if cfg.format != "native":
-        raise OverrideError(f"a draft_lm exports only as format=native (a Hugging Face directory); "
-                            f"'{cfg.format}' is an EAGLE-3 layout")
-    out = Path(cfg.out)
-    if out.exists():
-        raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
-    raw = read_lightning_checkpoint(path)
-    recipe = OmegaConf.create(raw["hyper_parameters"]["recipe"])
-    if cfg.target and cfg.target != recipe.target:
-        raise CheckpointError(f"{path} was trained for target '{recipe.target}', not '{cfg.target}'")
-    module = DraftLMModule.load_from_checkpoint(path, cfg=recipe, map_location="cpu", weights_only=False)
-    metrics = (raw.get("spectrain") or {}).get("metrics") or {}
-    module.export(out, metrics={**metrics, "global_step": raw.get("global_step"), "source": str(path)})
-    return out
 
 
 def parse_args(argv: Sequence[str]) -> Any:

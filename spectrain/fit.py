@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_model_dir
@@ -31,9 +32,9 @@ from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_c
 from data_prep.manifest import DatasetError, read_manifest
 from inference.runner import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
-from spectrain.data import weightless_targets
 from spectrain.registry import get_kind
 from spectrain.resume import latest_checkpoint, resume_classes
+from spectrain.targets import weightless_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def _split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, s
 
 def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictConfig:
     """Compose and validate the recipe named in ``argv`` with its overrides; no side effects."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir  # Hydra: a heavy import, deferred to first use
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
@@ -173,14 +174,15 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
 
 def build_logger(cfg: DictConfig, directory: Path):
     if cfg.logger == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+        from lightning.pytorch.loggers import CSVLogger  # Lightning: a heavy import, deferred to first use
 
         return CSVLogger(save_dir=str(directory), name="logs")  # version_N per launch: a resume keeps old logs
     if cfg.logger == "tensorboard":
+        # Lightning: a heavy import, deferred to first use
         from lightning.pytorch.loggers import TensorBoardLogger
 
         return TensorBoardLogger(save_dir=str(directory), name="tb")
-    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.loggers import WandbLogger  # Lightning: a heavy import, deferred to first use
 
     # Without an API key wandb errors at once; offline mode keeps the run and syncs later.
     offline = os.environ.get("WANDB_MODE") == "offline" or not os.environ.get("WANDB_API_KEY")
@@ -211,7 +213,7 @@ def _uses_cuda(cfg: DictConfig) -> bool:
 
 
 def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[Any] = ()):
-    import lightning.pytorch as pl
+    import lightning.pytorch as pl  # Lightning: a heavy import, deferred to first use
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     trainer_cfg = cfg.trainer
@@ -257,13 +259,12 @@ GPU_ONLY_STRATEGIES = ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def build_strategy(name: str):
     """The Lightning strategy object a recipe names (DeepSpeed needs the ``deepspeed`` extra)."""
+    # Lightning: a heavy import, deferred to first use
     from lightning.pytorch.strategies import StrategyRegistry
 
     if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
@@ -341,7 +342,7 @@ def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
     """Train (or, with ``dry_run=true``, only build) the drafter a composed recipe describes."""
-    import lightning.pytorch as pl
+    import lightning.pytorch as pl  # Lightning: a heavy import, deferred to first use
 
     gpu_only = cfg.trainer.strategy in GPU_ONLY_STRATEGIES and not _cuda_available()
     if gpu_only and not cfg.dry_run:

@@ -14,9 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from spectrain import fit as fit_cli
+from spectrain.eagle3_losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance
-from spectrain.modules.eagle3 import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -265,12 +265,12 @@ def llama8b_args(tmp_path: Path) -> list[str]:
 @needs_deepspeed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_eagle3_llama8b_recipe_dry_runs_on_cpu_without_the_weights(llama8b_args, monkeypatch):
-    from spectrain import data
+    from spectrain import targets
 
     cfg = fit_cli.compose_recipe([*llama8b_args, "dry_run=true"])
     assert (cfg.kind, cfg.trainer.strategy, cfg.trainer.precision, cfg.trainer.devices, cfg.logger) == (
         "eagle3", "deepspeed_stage_2", "bf16-mixed", 8, "wandb")
-    monkeypatch.setattr(data, "_loaded_target", None)  # reading the target's weights would fail the dry run
+    monkeypatch.setattr(targets, "_loaded_target", None)  # reading the target's weights would fail the dry run
     result = fit_cli.fit(cfg)
     assert result["strategy"] == "DeepSpeedStrategy" and result["precision"] == "bf16-mixed"
     assert not result["trained"] and result["trainable_params"] > 0

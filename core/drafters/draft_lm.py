@@ -26,7 +26,7 @@ def evenly_spaced_layers(num_layers: int, keep: int) -> list[int]:
 
 def layer_drop_init(target, keep_layers: Sequence[int]):
     """A new causal LM with the target's config but only ``keep_layers`` (copied), sharing nothing mutable."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: a heavy import, deferred to first use
 
     keep_layers = list(keep_layers)
     config = type(target.config)(**(target.config.to_dict() | {"num_hidden_layers": len(keep_layers)}))
@@ -60,7 +60,7 @@ def freeze_embeddings(draft) -> None:
 
 def add_lora(draft, rank: int, alpha: int | None = None):
     """Wrap the copied decoder layers with LoRA adapters (peft); embeddings and lm_head stay frozen."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # peft: a heavy import, deferred to first use
 
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

@@ -154,7 +154,7 @@ def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: l
 
 def layer_llama_config(config: Any, *, num_layers: int):
     """The transformers ``LlamaConfig`` of a drafter's decoder layers (RoPE, MLP and norms read it)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # transformers: a heavy import, deferred to first use
 
     return LlamaConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, num_hidden_layers=num_layers,

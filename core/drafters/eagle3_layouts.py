@@ -205,7 +205,7 @@ def layout_tensors(tensors: dict[str, torch.Tensor], layout: str,
 def write_layout(ckpt: Eagle3Checkpoint, layout: str, directory: Path, *, dtype: torch.dtype | None = None,
                  speculative_tokens: int = 3) -> None:
     """Write ``config.json`` and ``model.safetensors`` of ``layout`` into an existing ``directory``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     dtype = dtype or ckpt.tensors["fc.weight"].dtype
     config = layout_config(ckpt, layout, dtype=dtype, speculative_tokens=speculative_tokens)

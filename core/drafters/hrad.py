@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from core.assets import load_safetensors, read_json
@@ -172,7 +173,7 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
                 metrics: Mapping[str, Any] | None = None, confusion_png: bytes | None = None) -> Path:
     """Write an export dir atomically (it must not exist). ``target``: the target record (name, config/weights
     hashes, model_type, vocab_size, num_layers, hidden_size, embed_probe)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     out = Path(out)
     if out.exists():
@@ -195,8 +196,6 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "metrics.json").write_text(json.dumps(dict(metrics or {}), indent=2, default=str) + "\n")
         if recipe is not None:
-            from omegaconf import OmegaConf
-
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(dict(recipe))))
         if confusion_png is not None:
             (tmp / "confusion_matrix.png").write_bytes(confusion_png)

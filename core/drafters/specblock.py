@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 from core.assets import load_safetensors, read_json
@@ -454,7 +455,7 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
     """Write the native export dir atomically: ``config.json`` (``spectrain`` block), ``model.safetensors``
     (without the frozen target embedding), ``metrics.json`` and ``recipe.yaml`` when given. Refuses an existing
     non-empty ``out_dir`` (exports are never overwritten)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     out = Path(out_dir)
     if any(out.iterdir()) if out.is_dir() else out.exists():
@@ -468,8 +469,6 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
         if recipe is not None:
-            from omegaconf import OmegaConf
-
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
     return out
 

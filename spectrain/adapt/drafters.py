@@ -17,8 +17,8 @@ from torch import nn
 from core.drafters.eagle3 import Eagle3Drafter, shift_left
 from spectrain.adapt.record import QueryRecord
 from spectrain.adapt.signal import draft_prob_of
+from spectrain.eagle3_losses import teacher_in_draft_vocab, ttt_loss, ttt_targets
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.modules.eagle3 import teacher_in_draft_vocab, ttt_loss, ttt_targets
 from spectrain.specblock_losses import block_losses, rows_ahead, total_loss, unroll_blocks
 
 
@@ -90,7 +90,7 @@ class FeatureDrafterAdaptable:
         """Put peft LoRA adapters (rank ``rank``, zero-initialised B: the drafter's output is unchanged) on the
         decoder's linear layers, for the ``lora`` arm. Trainable flags stay as they were (peft would freeze the
         rest; the updater chooses per arm)."""
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import LoraConfig, inject_adapter_in_model  # peft: a heavy import, deferred to first use
 
         if rank < 1:
             raise ValueError(f"adapt_lora_rank must be >= 1, got {rank}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict
 from typing import Any
 
@@ -55,7 +56,6 @@ def adaptable_with_settings(drafter, settings: AdaptSettings) -> AdaptableDrafte
 def private_copy(drafter):
     """A copy of ``drafter`` that adaptation may change without touching the loaded one (other algorithms of the
     same evaluate run serve from it); the target's embedding stays shared, not copied."""
-    import copy
 
     shared = drafter.embed_tokens.weight
     return copy.deepcopy(drafter, memo={id(shared): shared})

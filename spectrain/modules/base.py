@@ -8,8 +8,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from omegaconf import OmegaConf
 
-from spectrain.data import build_feature_datamodule, loaded_target
+from spectrain.data import build_feature_datamodule
+from spectrain.targets import loaded_target
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
@@ -27,7 +29,6 @@ class DrafterModule(L.LightningModule):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        from omegaconf import OmegaConf
 
         self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg

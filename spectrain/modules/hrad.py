@@ -20,6 +20,7 @@ of training ``confusion_matrix.png`` and ``hrad_metrics.json`` are written next 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -28,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 from core.assets import AssetError, model_identity, resolve_model_dir
@@ -105,7 +108,7 @@ def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dic
 
 def read_input_embeddings(target: str) -> torch.Tensor:
     """The target's input embedding matrix [V, d], read alone from its safetensors (no model is built)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors: a heavy import, deferred to first use
 
     directory = resolve_model_dir(target)
     for file in sorted(directory.glob("*.safetensors")):
@@ -130,8 +133,6 @@ class TraceRows:
 
 
 def _numpy_column(reader, name: str):
-    import numpy as np
-
     spec = reader.columns[name]
     parts = []
     for table in reader.tables:
@@ -304,6 +305,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperatu
                            ece_bins: int = 10) -> dict[str, Any]:
     """Recall per class, confusion matrix (rows: true, columns: predicted), NLL and ECE raw and at
     ``temperature`` (argmax decisions do not depend on it)."""
+    # torchmetrics: a heavy import, deferred to first use
     from torchmetrics.classification import (MulticlassCalibrationError, MulticlassConfusionMatrix,
                                              MulticlassRecall)
 
@@ -330,12 +332,11 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperatu
 
 def confusion_png(confusion: list[list[int]], title: str = "H-RAD confusion (validation)") -> bytes:
     """The confusion matrix as a PNG (rows: true class, columns: predicted; counts and row-normalised %)."""
-    import io
 
-    import matplotlib
+    import matplotlib  # matplotlib: a heavy import, deferred to first use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: a heavy import, deferred to first use
 
     matrix = torch.tensor(confusion, dtype=torch.float64)
     rates = matrix / matrix.sum(1, keepdim=True).clamp(min=1)
@@ -363,7 +364,6 @@ def confusion_png(confusion: list[list[int]], title: str = "H-RAD confusion (val
 class HRADModule(L.LightningModule):
     def __init__(self, cfg: Any):
         super().__init__()
-        from omegaconf import OmegaConf
 
         self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg
@@ -516,4 +516,4 @@ def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
 
 
 register_kind(DrafterKind(name="hrad", build_module=HRADModule, build_datamodule=HRADDataModule,
-                          model_schema=HRADSchema))
+                          model_schema=HRADSchema, export_checkpoint=export_hrad_checkpoint))

@@ -11,7 +11,9 @@ valid-prefix rule and ``tau_sim`` (γ = K), the 2-block chain (cut at K), rank-h
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,12 +25,13 @@ from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, build_dra
 from core.layer_ids import eagle3_layers, resolve_layers
 from core.overrides import RecipeError
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
-from spectrain.data import trained_template
+from spectrain.eagle3_losses import teacher_in_draft_vocab
 from spectrain.metrics import SimulatedAcceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
-from spectrain.modules.eagle3 import teacher_in_draft_vocab, vocab_map_for
+from spectrain.modules.eagle3 import vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.specblock_losses import RANK_MASKS, total_loss, unroll_blocks
+from spectrain.targets import trained_template
 
 
 @dataclass
@@ -87,6 +90,7 @@ class SpecBlockModule(DrafterModule):
         K = config.block_size
         self.val_block1 = SimulatedAcceptance(K)
         self.val_two_blocks = SimulatedAcceptance(2 * K)
+        # torchmetrics: a heavy import, deferred to first use
         from torchmetrics.classification import MulticlassConfusionMatrix
 
         self.val_rank_confusion = MulticlassConfusionMatrix(num_classes=config.rank_buckets)
@@ -231,10 +235,6 @@ def warm_start_from_eagle3(drafter: SpecBlockDrafter, eagle: Any) -> list[str]:
     return sorted(mapping)
 
 
-register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,
-                          model_schema=SpecBlockSchema))
-
-
 def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
     """``python -m spectrain.export ckpt=<specblock .ckpt> out=DIR``: the native export dir (K, layers, rank
     buckets, widths and vocab map in ``config.json``; ``core.drafters.specblock.load_native`` reads it)."""
@@ -303,8 +303,6 @@ def reference_config(raw: dict[str, Any], target: dict[str, Any]) -> SpecBlockCo
 def import_specblock_reference(path: Any, cfg: Any) -> Any:
     """``python -m spectrain.export import=<release dir> target=NAME_OR_DIR out=DIR``: a checkpoint of the
     reference release (config.json + model.safetensors) -> our native export dir."""
-    import json
-    from pathlib import Path
 
     directory = Path(path)
     if not cfg.target:
@@ -332,3 +330,8 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
     return save_native(drafter, cfg.out, target=target, metrics={"source": str(directory),
                                                                   "source_layout": "specblock_reference"},
                        extra={"imported_from": "specblock_reference"})
+
+
+register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,
+                          model_schema=SpecBlockSchema, export_checkpoint=export_specblock_checkpoint,
+                          import_reference=import_specblock_reference))
