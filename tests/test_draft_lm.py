@@ -12,6 +12,7 @@ from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.drafters.draft_lm import evenly_spaced_layers, layer_drop_init
+from core.overrides import OverrideError
 from spectrain import fit as fit_cli
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
@@ -143,7 +144,7 @@ def test_draft_lm_fit_lowers_the_loss_exports_and_loads_in_the_engine(draft_reci
 
 def test_unknown_model_key_for_draft_lm_is_refused(draft_recipe):
     recipes, args, _ = draft_recipe
-    with pytest.raises(fit_cli.OverrideError, match="unknown key 'model.depth'"):
+    with pytest.raises(OverrideError, match="unknown key 'model.depth'"):
         fit_cli.compose_recipe([*args, "+model.depth=3"], directory=recipes)
 
 
