@@ -48,7 +48,7 @@ class QualityConfig:
     out: str = "runs/drafter_quality"
     n_samples: int = 800  # training prompts answered by the target
     draftlm_steps: int = 500
-    eagle3_steps: int = 480  # about 20 min on one core of the reference CPU (2.3 s a step, bf16 autocast)
+    eagle3_steps: int = 480  # ~24 min on one core of the reference CPU (3.0 s a step, bf16 autocast)
     n_prompts: int = 6  # held-out evaluation prompts
     max_new_tokens: int = 192
     hsd_rounds: int = 1000  # verification rounds per verifier for the HSD figure (T = 1)
@@ -96,10 +96,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
         return runs / run / "checkpoints" / "last.ckpt"
 
     # HSD equals tokenwise at T = 0; its figure is the T = 1 stage ("hsd") below.
-    # SSD twice: the engine's default budget (8) and the reference code's (F = 3 per acceptance length, B = 15).
+    # SSD at the engine's default budget (8) and at the reference code's (F = 3 per acceptance length, B = 15),
+    # in one process and with the drafter in a second process (the overlap SSD is built for).
+    ssd_reference = f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}"
     algorithms = [f"sps@draft_vocab={DRAFT_VOCAB}", f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess",
                   f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess", f"ssd@draft_vocab={DRAFT_VOCAB}",
-                  f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}",
+                  ssd_reference, f"{ssd_reference}@executor=multiprocess",
                   "eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
                   "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16",
                   "specblock_tree", "specblock_tree@specblock_budget=16@specblock_width=4"]
@@ -234,6 +236,11 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     """(figure, goal, measured, met?) from the evaluate run (and HSD run) of one setting."""
     results = json.loads((out / "eval" / "results.json").read_text())
     runs = _runs(results)
+    # A later evaluate run of the same held-out prompts (e.g. eval_specblock/ for a drafter that finished training
+    # after the main run) adds the algorithms the main run lacks; τ and forward counts do not depend on load.
+    for extra in sorted(out.glob("eval_*/results.json")):
+        for name, record in _runs(json.loads(extra.read_text())).items():
+            runs.setdefault(name, record)
     rows: list[tuple[str, str, str, str]] = []
 
     def add(figure: str, goal: str, value: float | None, ok: bool | None, text: str | None = None) -> None:
@@ -275,14 +282,17 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     else:
         add("GSM: draft LM top-1 agreement (first draft token of a round accepted, greedy)", "≥ 0.6", served,
             served is not None and served >= 0.6)
-    block = runs["specblock_tree"]
-    ratio = block["tau"] / eagle["tau"]
-    fwd = (block["draft_forwards"] / block["target_forwards"]) / (eagle["draft_forwards"] / eagle["target_forwards"])
-    minutes = {name: Stage(name, 0, "", (), out, out / ".done" / name).measured_minutes()
-               for name in ("train-eagle3", "train-specblock")}
-    add("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time", "≥ 1.10", ratio, ratio >= 1.10,
-        f"{ratio:.2f} (training {_fmt(minutes['train-specblock'], 1)} vs {_fmt(minutes['train-eagle3'], 1)} min)")
-    add("GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's", "≤ 0.5", fwd, fwd <= 0.5)
+    block = runs.get("specblock_tree")
+    if block is None:
+        add("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time", "≥ 1.10", None, None, "not in this run")
+    else:
+        ratio = block["tau"] / eagle["tau"]
+        fwd = (block["draft_forwards"] / block["target_forwards"]) / (eagle["draft_forwards"] / eagle["target_forwards"])
+        minutes = {name: Stage(name, 0, "", (), out, out / ".done" / name).measured_minutes()
+                   for name in ("train-eagle3", "train-specblock")}
+        add("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time", "≥ 1.10", ratio, ratio >= 1.10,
+            f"{ratio:.2f} (training {_fmt(minutes['train-specblock'], 1)} vs {_fmt(minutes['train-eagle3'], 1)} min)")
+        add("GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's", "≤ 0.5", fwd, fwd <= 0.5)
     ssd = runs[f"ssd@draft_vocab={DRAFT_VOCAB}"]
     hit = ssd.get("cache_hit_rate")
     add("GSM: SSD cache hit rate (T = 0)", "≥ 0.6", hit, hit is not None and hit >= 0.6)
@@ -291,6 +301,11 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
         hit = reference.get("cache_hit_rate")
         add(f"GSM: SSD cache hit rate (T = 0), the reference's budget B = {SSD_REFERENCE_BUDGET}", "≥ 0.6", hit,
             hit is not None and hit >= 0.6, f"{_fmt(hit)} ({reference['speedup_vs_ar']:.2f}× AR in one process)")
+    overlapped = runs.get(f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}@executor=multiprocess")
+    if overlapped is not None:  # informational: the SSD goal on speed is a GPU one (≥ 1.3× SpS)
+        ratio = overlapped["tokens_per_s"] / sps["tokens_per_s"]
+        add("GSM: SSD (B = 15, drafter in a second process) tokens/s ÷ SpS's", "–", ratio, None,
+            f"{ratio:.2f} (hit rate {_fmt(overlapped.get('cache_hit_rate'))})")
     branch = runs[f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
     pearl = runs[f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
     rb = branch.get("rollback_rate_speculated", branch["rollback_rate"]) / max(sps["rollback_rate"], 1e-9)

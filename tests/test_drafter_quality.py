@@ -93,6 +93,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
             _record(f"specbranch@draft_vocab={v}@executor=multiprocess", 2.1, 1.3, rollback_rate_speculated=0.25),
             _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4),
             _record(f"ssd@draft_vocab={v}@ssd_budget=15", 2.5, 0.7, cache_hit_rate=0.65),
+            _record(f"ssd@draft_vocab={v}@ssd_budget=15@executor=multiprocess", 2.5, 1.2, cache_hit_rate=0.64),
             _record("eagle3_tree", 3.2, 1.1), _record("specblock_tree", 3.0, 0.8, draft_forwards=4)]
     (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
     Stage("train-eagle3", 0, "", (), out, out / ".done" / "train-eagle3").mark_done(30.0)
@@ -107,6 +108,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     assert rows["GSM: SSD cache hit rate (T = 0)"] == ("0.40", "no")
     assert rows["GSM: SSD cache hit rate (T = 0), the reference's budget B = 15"] == ("0.65 (0.70× AR in one process)",
                                                                                       "yes")
+    assert rows["GSM: SSD (B = 15, drafter in a second process) tokens/s ÷ SpS's"] == ("0.75 (hit rate 0.64)", "–")
     assert rows["GSM: SpecBranch rollback (speculated) ÷ SpS's"] == ("0.50", "yes")
     assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
     assert rows["greedy output = AR in every run"] == ("yes", "yes")
@@ -155,3 +157,21 @@ def test_a_partial_run_before_the_evaluation_ends_without_an_error(tmp_path):
     regenerate.output.write_text("{}\n")
     regenerate.mark_done(1.0)  # done: the pipeline skips it
     assert "the goal table comes with the evaluate stage" in dq.run(cfg)
+
+
+def test_a_later_evaluate_run_adds_the_drafters_the_main_run_lacks(tmp_path):
+    out = tmp_path / "gsm"
+    v = dq.DRAFT_VOCAB
+    main = [_record("ar", 1.0, 1.0), _record(f"sps@draft_vocab={v}", 2.5, 1.6),
+            _record(f"pearl@draft_vocab={v}@executor=multiprocess", 2.0, 1.2),
+            _record(f"specbranch@draft_vocab={v}@executor=multiprocess", 2.1, 1.3),
+            _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4), _record("eagle3_tree", 2.0, 0.8)]
+    for name, runs in (("eval", main), ("eval_specblock", [_record("ar", 1.0, 1.0),
+                                                           _record("specblock_tree", 2.2, 0.5, draft_forwards=2)])):
+        (out / name).mkdir(parents=True)
+        (out / name / "results.json").write_text(json.dumps({"runs": runs}))
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"][0].startswith("1.10 (training")
+    (out / "eval_specblock" / "results.json").unlink()
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"] == ("not in this run", "–")
