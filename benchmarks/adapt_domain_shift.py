@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_eagle3, load_lm
 from inference.sampling import SamplingParams
@@ -143,7 +143,7 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
 
 
 def main(argv: list[str]) -> int:
-    from spectrain.overrides import OverrideError, split_key_values
+    from core.overrides import OverrideError, split_key_values
 
     known = set(ShiftConfig.__dataclass_fields__)
     adapt_fields = set(AdaptSettings.__dataclass_fields__)

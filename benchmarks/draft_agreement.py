@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
+from core.atomic import atomic_write_text
+from core.overrides import OverrideError, parse_cli, run_cli
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_drafter, load_lm, model_dtype, serving_dtype
 from inference.evaluate import load_bench_prompts
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
-from spectrain.atomic import atomic_write_text
-from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m benchmarks.draft_agreement drafter=DIR bench=gsm_symbolic n_prompts=6 max_new_tokens=192 "
          "draft_vocab=8192 dtype=auto out=FILE.json")

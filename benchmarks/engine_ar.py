@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from core.overrides import parse_cli
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_lm
 from inference.sampling import SamplingParams
-from spectrain.overrides import parse_cli
 
 
 @dataclass
@@ -37,7 +37,7 @@ def _sync(device) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
 
     cfg = parse_cli(argv, BenchConfig, __doc__.strip().splitlines()[2].strip())
     if cfg.threads:

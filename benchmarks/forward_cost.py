@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.overrides import parse_cli, run_cli
 from inference.drafters import load_lm, model_dtype
-from spectrain.overrides import parse_cli, run_cli
 
 USAGE = ("python -m benchmarks.forward_cost tokens=[1,2,5,8,16,32,48,64] trees=[16,48] context=300 dtypes=[fp32,bf16] "
          "threads=1")

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from core.overrides import OverrideError, parse_cli, run_cli
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.drafter_index import export_kind
@@ -65,7 +66,6 @@ from inference.evaluate import load_bench_prompts
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
 from inference.verify import ChainVerifier, HSDVerifier, TokenwiseVerifier, VerifyResult
-from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python benchmarks/hsd_block_efficiency.py target=smollm2 drafter=PATH bench=[gsm_symbolic] n_prompts=8 "
          "max_new_tokens=128 gamma=4 temperature=1.0 seed=0 min_rounds=1000 draft_vocab=0 threads=1")

@@ -1,6 +1,6 @@
 """``python benchmarks/linear_rows.py [rows=[1,2,3,4,6,8]] [threads=1] [repeats=7]``
 
-Why the engine's ``inference.runner.Linear`` pads 2-3 rows to 4 on a CPU: milliseconds for one pass over
+Why the engine's ``core.blocks.linear.Linear`` pads 2-3 rows to 4 on a CPU: milliseconds for one pass over
 SmolLM2-135M's decoder matmul shapes (30 layers x q/k/v/o + gate/up/down, fp32, weights streamed from memory
 as in a real forward) and over its 49,152-row lm_head, for a few row counts, with plain ``F.linear`` and with
 the runner's ``Linear``. Prints a table; compare the columns of one run only.
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from inference.runner import Linear
-from spectrain.overrides import OverrideError, parse_cli
+from core.blocks.linear import Linear
+from core.overrides import OverrideError, parse_cli
 
 USAGE = "python benchmarks/linear_rows.py rows=[1,2,3,4,6,8] threads=1 repeats=7"
 HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152  # SmolLM2-135M

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+from core.overrides import parse_cli
+from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.batched_generation import ContinuousBatcher, Job
 from inference.drafters import eos_token_ids, load_lm, model_dtype
 from inference.sampling import SamplingParams
-from spectrain.overrides import parse_cli
 
 USAGE = "python -m benchmarks.regenerate_throughput n_prompts=24 max_new_tokens=128 batch_sizes=[8,16,24] threads=1"
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
+from core.assets import load_tokenizer
+from core.overrides import OverrideError, parse_cli
 from data_prep.samples import SampleBuilder, load_source
-from spectrain.assets import load_tokenizer
-from spectrain.overrides import OverrideError, parse_cli
 
 USAGE = "python -m benchmarks.scaling runs=[runs/x/eagle3_smollm2_gsm,runs/x/specblock_smollm2_gsm] out=scaling.png"
 

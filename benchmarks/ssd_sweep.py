@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_draft_lm, load_lm
 from inference.runner import with_logit_vocab
@@ -48,7 +48,7 @@ class SweepConfig:
 
 
 def parse(argv: list[str]) -> SweepConfig:
-    from spectrain.overrides import OverrideError, split_key_values
+    from core.overrides import OverrideError, split_key_values
 
     defaults, values = SweepConfig(), {}
     for key, value in split_key_values(argv, __doc__.splitlines()[2]):

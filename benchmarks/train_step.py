@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from core.overrides import parse_cli
 from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
-from spectrain.overrides import parse_cli
 
 USAGE = "python -m benchmarks.train_step recipe=NAME steps=6 threads=1 profile=false out=FILE [recipe overrides]"
 OWN_KEYS = ("steps", "threads", "profile", "out")

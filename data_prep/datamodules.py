@@ -19,10 +19,11 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
+from core.layer_ids import resolve_layers
 from data_prep.capture import HiddenCapture
 from data_prep.features import FeatureDataset, collate_features
-from data_prep.layers import resolve_layers
 from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
+from inference.drafters import LoadedModel, load_lm
 
 
 def _shuffle_generator(seed: int) -> torch.Generator:
@@ -124,7 +125,6 @@ class OnlineFeatureDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.samples is not None:
             return
-        from inference.drafters import LoadedModel, load_lm
 
         target = self.target_arg
         if not isinstance(target, LoadedModel):

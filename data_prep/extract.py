@@ -5,7 +5,7 @@ Writes a hidden-state feature dataset: Arrow shards plus ``manifest.json`` (DESI
 ``last_hidden`` (after the final norm; the teacher distribution is recomputed as ``lm_head(last_hidden)`` at
 training time instead of storing logits).
 
-Keys: ``layers`` = eagle3 | lastK | [i,j,...] (output-of-layer ids, 0-based; ``data_prep.layers``),
+Keys: ``layers`` = eagle3 | lastK | [i,j,...] (output-of-layer ids, 0-based; ``core.layer_ids``),
 ``dtype`` = bf16 | fp16 | fp32 (storage), ``regenerate=true`` answers the prompts with the target itself
 (engine ``ar``; ``max_new_tokens``, ``temperature``), ``split`` = all | train | eval, ``batch_size``,
 ``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``.
@@ -25,15 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import OmegaConf
 
+from core.atomic import check_output
+from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
+from core.overrides import OverrideError, parse_cli, run_cli
 from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
-from data_prep.layers import LAYER_CONVENTION, resolve_layers, spec_name
-from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.manifest import (DatasetError, new_header, refuse_other_args, target_identity,
+                                tokenizer_identity)
+from data_prep.regenerate import Regenerator
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
-from data_prep.shards import ShardWriter, column
-from spectrain.atomic import check_output
-from spectrain.overrides import OverrideError, parse_cli, run_cli
+from data_prep.shards import STORAGE_DTYPE, ShardWriter, column
+from inference.drafters import eos_token_ids, load_lm
 
 USAGE = ("python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 "
          "dtype=bf16 out=DIR")
@@ -48,7 +52,7 @@ OFFSET_BYTES_PER_TOKEN = 8
 class ExtractConfig:
     target: str = "smollm2"
     source: str = "sharegpt"
-    split: str = "all"  # all | train | eval (stable hash split, data_prep.prompts)
+    split: str = "all"  # all | train | eval (stable hash split, core.prompts)
     n_samples: int = 1000  # source conversations to read; ones without assistant tokens are skipped
     max_len: int = 2048
     window: str = "start"  # start | answer: where a long conversation's max_len window sits (data_prep.samples)
@@ -110,10 +114,6 @@ def feature_columns(layers: list[int], hidden: int, dtype: str) -> dict[str, dic
 
 
 def bytes_per_token(columns: dict[str, dict[str, Any]]) -> int:
-    import numpy as np
-
-    from data_prep.shards import STORAGE_DTYPE
-
     total = OFFSET_BYTES_PER_TOKEN
     for spec in columns.values():
         width = spec["shape"][1] if len(spec["shape"]) == 2 else 1
@@ -181,10 +181,7 @@ def _batches(conversations, start: int, build: SampleBuilder, batch_size: int):
 
 def extract(cfg: Any, target=None) -> dict[str, Any]:
     """Run (or resume) an extraction; returns the final manifest. ``target``: a preloaded LoadedModel."""
-    from tqdm.auto import tqdm
-
-    from data_prep.regenerate import Regenerator
-    from inference.drafters import eos_token_ids, load_lm
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     out = Path(cfg.out)
     refuse_other_args(out, content_args(cfg))

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from data_prep.layers import LAYER_CONVENTION, resolve_layers
+from core.assets import model_identity
+from core.layer_ids import LAYER_CONVENTION, resolve_layers
 from data_prep.manifest import DatasetError, read_manifest, tokenizer_identity
 from data_prep.shards import ShardReader, to_tensor
 
@@ -65,8 +66,6 @@ def check_features(dataset: str | Path | dict[str, Any], *, target: str | None =
                            "command to finish it")
     have = manifest["target"]
     if target is not None:
-        from spectrain.assets import model_identity
-
         want = model_identity(str(target))
         if (have["config_hash"], have["weights_hash"]) != (want["config_hash"], want["weights_hash"]):
             raise DatasetError(f"{where} was extracted from target '{have['name']}' (config {have['config_hash']}, "

@@ -10,11 +10,11 @@ Schema (``kind`` = features; traces differ in ``columns`` and add ``drafter``)::
     format, format_version      "spectrain.features", 1
     kind, spectrain_version     "features", "0.1.0"
     args                        every CLI argument that decides the content (all but out=)
-    target                      name, config_hash, weights_hash (spectrain.assets.model_identity),
+    target                      name, config_hash, weights_hash (core.assets.model_identity),
                                 model_type, vocab_size, num_layers, hidden_size
     tokenizer                   vocab_hash, vocab_size, chat_template_hash
     columns                     {name: {dtype, shape, meaning}} (data_prep.shards)
-    layers                      spec ("eagle3"), ids ([1, 14, 26]), convention (data_prep.layers)
+    layers                      spec ("eagle3"), ids ([1, 14, 26]), convention (core.layer_ids)
     compute                     device type and dtype the target ran in
     shards                      [{name, num_rows, num_tokens, first_source_index, end_source_index,
                                   skipped, bytes, sha256}]
@@ -23,13 +23,13 @@ Schema (``kind`` = features; traces differ in ``columns`` and add ``drafter``)::
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-from spectrain import __version__
-from spectrain.atomic import atomic_write_text
+from core import __version__
+from core.assets import chat_template_hash, model_identity, tokenizer_fingerprint
+from core.atomic import atomic_write_text
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -43,17 +43,12 @@ class DatasetError(ValueError):
 
 def tokenizer_identity(tokenizer) -> dict[str, Any]:
     """Vocabulary hash and chat-template hash: a dataset tokenized with another tokenizer or template is wrong."""
-    from inference.drafters import tokenizer_fingerprint
-    from spectrain.assets import chat_template_hash
-
     return {"vocab_hash": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
             "chat_template_hash": chat_template_hash(tokenizer)}
 
 
 def target_identity(name: str, config) -> dict[str, Any]:
-    """``spectrain.assets.model_identity`` plus the shape facts a consumer checks (layers, hidden size)."""
-    from spectrain.assets import model_identity
-
+    """``core.assets.model_identity`` plus the shape facts a consumer checks (layers, hidden size)."""
     return {**model_identity(str(name)), "num_layers": int(config.num_hidden_layers),
             "hidden_size": int(config.hidden_size)}
 

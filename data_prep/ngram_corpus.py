@@ -18,9 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from core import assets
+from core.assets import tokenizer_fingerprint
+from core.atomic import check_output
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.prompts import load_prompts
 from inference.ngram_cache import CorpusCache, Gram
-from spectrain.atomic import check_output
-from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = "python -m data_prep.ngram_corpus target=smollm2 source=sharegpt out=FILE n_samples=2000"
 KEY_LENS = (1, 2, 3, 4)
@@ -30,10 +33,10 @@ GRAM_LEN = 4
 @dataclass
 class NgramCorpusConfig:
     target: str = "smollm2"  # model name or directory whose tokenizer defines the token ids
-    source: str = "sharegpt"  # any data_prep.prompts source: sharegpt, mt_bench, humaneval, gsm_symbolic, jsonl:PATH
+    source: str = "sharegpt"  # any core.prompts source: sharegpt, mt_bench, humaneval, gsm_symbolic, jsonl:PATH
     out: str = ""
     n_samples: int = 2000  # conversations read from the source
-    split: str = "train"  # all | train | eval (hash split of data_prep.prompts)
+    split: str = "train"  # all | train | eval (hash split of core.prompts)
     max_per_key: int = 20
     min_count: int = 6  # keep grams seen at least this often (the original: count > 5)
 
@@ -80,17 +83,12 @@ def _top_per_key(rows: np.ndarray, counts: np.ndarray, key_len: int,
 
 def corpus_documents(source: str, n_samples: int, split: str = "train") -> list[str]:
     """The text of every turn of the first ``n_samples`` conversations of a prompt source."""
-    from data_prep.prompts import load_prompts
-
     return [turn["content"] for conv in load_prompts(source, n=n_samples, split=split) for turn in conv.turns
             if turn["content"].strip()]
 
 
 def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
-    from tqdm.auto import tqdm
-
-    from inference.drafters import tokenizer_fingerprint
-    from spectrain import assets
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     tokenizer = assets.load_tokenizer(cfg.target)
     texts = corpus_documents(cfg.source, cfg.n_samples, cfg.split)

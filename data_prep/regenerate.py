@@ -34,14 +34,14 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from data_prep.prompts import JSONL_HEADER_KEY as HEADER_KEY
-from data_prep.prompts import Conversation, load_prompts, prompt_turns, render_prompt
+from core.atomic import atomic_write_text
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.prompts import JSONL_HEADER_KEY as HEADER_KEY
+from core.prompts import Conversation, load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.batched_generation import ContinuousBatcher, Job
 from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device
 from inference.sampling import SamplingParams
-from spectrain.atomic import atomic_write_text
-from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m data_prep.regenerate target=smollm2 source=gsm_symbolic_train n_samples=N max_len=L "
          "batch_size=16 out=FILE.jsonl")
@@ -102,7 +102,7 @@ class Regenerator:
 class RegenerateConfig:
     target: str = "smollm2"
     source: str = "sharegpt"  # any prompt source: sharegpt, gsm_symbolic_train, jsonl:PATH, ...
-    split: str = "all"  # all | train | eval (stable hash split, data_prep.prompts)
+    split: str = "all"  # all | train | eval (stable hash split, core.prompts)
     n_samples: int = 1000  # source conversations to answer
     seed: int = 0  # selects procedural items (gsm_symbolic*) and the sampling streams
     max_len: int = 1024  # tokens per conversation, prompt and answers (nothing past it is trained on)

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from data_prep.prompts import Conversation, load_prompts, tokenize_conversation
+from core.prompts import Conversation, load_prompts, tokenize_conversation
 from data_prep.regenerate import Regenerator
-
 
 WINDOWS = ("start", "answer")
 
@@ -33,7 +32,7 @@ class TokenSample:
 
 
 def load_source(source: str, n_samples: int, seed: int = 0, split: str = "all") -> list[Conversation]:
-    """The first ``n_samples`` conversations of a prompt source (``data_prep.prompts.load_prompts``)."""
+    """The first ``n_samples`` conversations of a prompt source (``core.prompts.load_prompts``)."""
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     conversations = load_prompts(source, n=n_samples, seed=seed, split=split)

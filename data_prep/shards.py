@@ -9,7 +9,7 @@ Layout::
 
 Resume protocol. Work is a stream of *source items* (a sample, a prompt) numbered from 0; each item gives zero
 or more rows. Rows stream into a hidden temporary shard directory; a shard is committed by renaming that
-directory into place (``spectrain.atomic.atomic_directory``) and THEN rewriting the manifest atomically with
+directory into place (``core.atomic.atomic_directory``) and THEN rewriting the manifest atomically with
 the shard's entry and ``next_source_index``. A process killed at any moment leaves either a committed shard that
 the manifest lists, or leftovers the manifest does not list (a temporary directory, or a renamed shard whose
 manifest update never happened); a resumed run deletes the leftovers and restarts at ``next_source_index``.
@@ -30,16 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_prep.manifest import (
-    MANIFEST_NAME,
-    DatasetError,
-    header_differences,
-    read_manifest,
-    settings_mismatch,
-    write_manifest,
-)
-from spectrain.assets import sha256_file
-from spectrain.atomic import atomic_directory
+from core.assets import sha256_file
+from core.atomic import atomic_directory
+from data_prep.manifest import (MANIFEST_NAME, DatasetError, header_differences, read_manifest,
+                                settings_mismatch, write_manifest)
 
 SHARDS_DIR = "shards"
 SHARD_FILE = "data.arrow"
@@ -61,7 +55,7 @@ def column(dtype: str, shape: list, meaning: str) -> dict[str, Any]:
 
 def arrow_features(columns: dict[str, dict[str, Any]]):
     """``datasets.Features`` for column specs (see the module docstring)."""
-    from datasets import Array2D, Features, List, Value
+    from datasets import Array2D, Features, List, Value  # datasets: a heavy import, deferred to first use
 
     features = {}
     for name, spec in columns.items():
@@ -236,7 +230,7 @@ class ShardWriter:
         self.close()
 
     def _start_shard(self) -> None:
-        from datasets.arrow_writer import ArrowWriter
+        from datasets.arrow_writer import ArrowWriter  # datasets: a heavy import, deferred to first use
 
         name = shard_name(len(self.manifest["shards"]))
         self._stack = contextlib.ExitStack()
@@ -292,7 +286,7 @@ class ShardReader:
     """
 
     def __init__(self, directory: str | Path, manifest: dict[str, Any] | None = None, checksums: bool = False):
-        from datasets import Dataset
+        from datasets import Dataset  # datasets: a heavy import, deferred to first use
 
         self.directory = Path(directory)
         self.manifest = manifest if manifest is not None else read_manifest(directory)

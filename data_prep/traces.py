@@ -9,7 +9,7 @@ round, written with the same shard writer, manifest and resume rules as ``data_p
 - ``branch_token``: the first drafted token (``draft_tokens[0]``)
 - ``hidden_lastk`` [K*H]: the target's last K HF ``hidden_states`` entries at ``position - 1`` (the position
   whose output predicts the branch token), concatenated: raw outputs of decoder layers L-K .. L-2, then the
-  final-normed state (SpecBranch's H-RAD convention; ``data_prep.layers``)
+  final-normed state (SpecBranch's H-RAD convention; ``core.layer_ids``)
 - ``draft_tokens`` [γ], ``draft_probs`` [γ] (temperature-1 draft probability of each drafted token),
   ``draft_max_probs`` [γ] (max of that distribution: SpecBranch's confidence)
 - ``num_accepted``: leading drafted tokens the target kept (the branch token is the first); ``draft_len``: γ
@@ -31,12 +31,19 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from core.assets import model_identity
+from core.atomic import check_output
+from core.layer_ids import LAYER_CONVENTION, resolve_layers
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.prompts import prompt_turns, render_prompt
 from data_prep.capture import DTYPE_NAMES, storage_dtype
-from data_prep.layers import LAYER_CONVENTION, resolve_layers
 from data_prep.manifest import new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.samples import load_source
 from data_prep.shards import ShardWriter, column
-from spectrain.atomic import check_output
-from spectrain.overrides import OverrideError, parse_cli, run_cli
+from inference.algorithms.sps import RoundInfo, SpeculativeSampling
+from inference.drafters import eos_token_ids, load_draft_lm, load_lm
+from inference.runner import with_logit_vocab
+from inference.sampling import SamplingParams
 
 USAGE = ("python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "
          "temperature=0 out=DIR")
@@ -106,15 +113,7 @@ def parse_args(argv: Sequence[str]) -> Any:
 
 def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     """Run (or resume) trace collection; returns the final manifest. ``target``/``draft``: preloaded models."""
-    from tqdm.auto import tqdm
-
-    from data_prep.prompts import prompt_turns, render_prompt
-    from data_prep.samples import load_source
-    from inference.algorithms.sps import RoundInfo, SpeculativeSampling
-    from inference.drafters import eos_token_ids, load_draft_lm, load_lm
-    from inference.runner import with_logit_vocab
-    from inference.sampling import SamplingParams
-    from spectrain.assets import model_identity
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     out = Path(cfg.out)
     args = OmegaConf.to_container(cfg, resolve=True)

@@ -3,31 +3,29 @@
 Counts assistant tokens (``loss_mask == 1``) in a feature dataset, or in a prompt source tokenized with the
 target's tokenizer (``target=smollm2 source=sharegpt n_samples=N max_len=L`` instead of ``dataset=``), keeps the
 K most frequent ids (ties: lower id first; if fewer than K ids occur, the lowest unused ids fill up), sorts them
-ascending into ``used[0..K-1]`` and writes (``specblock_ssd_eagle3.md`` §0.3, ``eagle3_export_contract.md``):
-
-- ``d2t`` int64 [K]: offsets, ``target_id = draft_id + d2t[draft_id]`` (i.e. ``d2t[i] = used[i] - i``);
-- ``t2d`` bool [V]: ``t2d[v] = v in used`` over the target vocabulary;
-
-as safetensors with metadata (sizes, assistant-token coverage, what was counted). Both the writer and the loader
-check ``d2t + arange(K) == nonzero(t2d)``.
+ascending into ``used[0..K-1]`` and writes the ``d2t`` / ``t2d`` map of :mod:`core.vocab`
+(``specblock_ssd_eagle3.md`` §0.3, ``eagle3_export_contract.md``) as safetensors with metadata (sizes,
+assistant-token coverage, what was counted).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from spectrain.assets import load_safetensors
-from spectrain.atomic import check_output
-from spectrain.overrides import OverrideError, parse_cli, run_cli
+from core.assets import load_tokenizer, model_identity
+from core.atomic import check_output
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.vocab import build_vocab_map, save_vocab_map
+from data_prep.features import check_features
+from data_prep.manifest import tokenizer_identity
+from data_prep.samples import SampleBuilder, load_source, require_answers
+from data_prep.shards import ShardReader
 
 USAGE = ("python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE  |  python -m data_prep.vocab "
          "target=smollm2 source=sharegpt n_samples=N max_len=L draft_vocab_size=K out=FILE")
@@ -47,33 +45,8 @@ class VocabConfig:
     out: str | None = None
 
 
-def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Raise ValueError (one line) unless ``d2t + arange == nonzero(t2d)`` (SpecForge's consistency check)."""
-    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
-        raise ValueError(f"vocab map must be d2t [K] and bool t2d [V], got {tuple(d2t.shape)} and "
-                         f"{tuple(t2d.shape)} {t2d.dtype}")
-    used = torch.nonzero(t2d).flatten()
-    if used.numel() != d2t.numel():
-        raise ValueError(f"vocab map is inconsistent: t2d marks {used.numel()} tokens but d2t has {d2t.numel()}")
-    if not torch.equal(d2t.long() + torch.arange(d2t.numel()), used):
-        raise ValueError("vocab map is inconsistent: d2t + arange != nonzero(t2d); rebuild it with "
-                         "python -m data_prep.vocab")
 
 
-def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d2t, t2d)`` keeping the ``draft_vocab_size`` most frequent ids of ``counts`` [V]."""
-    vocab = len(counts)
-    if not 1 <= draft_vocab_size <= vocab:
-        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), got {draft_vocab_size}")
-    # Stable sort on -count: equal counts keep id order, so ties go to the lower id (and zero-count fill-ins
-    # are the lowest unused ids).
-    order = np.argsort(-counts.astype(np.int64), kind="stable")
-    used = np.sort(order[:draft_vocab_size])
-    d2t = torch.from_numpy(used - np.arange(draft_vocab_size)).long()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[torch.from_numpy(used)] = True
-    check_vocab_mapping(d2t, t2d)
-    return d2t, t2d
 
 
 def count_tokens(sequences: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
@@ -88,9 +61,6 @@ def count_tokens(sequences: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size:
 
 
 def counts_from_dataset(directory: str | Path) -> tuple[np.ndarray, dict[str, str]]:
-    from data_prep.features import check_features
-    from data_prep.shards import ShardReader
-
     manifest = check_features(directory)
     reader = ShardReader(directory, manifest)
     vocab = int(manifest["target"]["vocab_size"])
@@ -100,10 +70,6 @@ def counts_from_dataset(directory: str | Path) -> tuple[np.ndarray, dict[str, st
 
 
 def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
-    from data_prep.manifest import tokenizer_identity
-    from data_prep.samples import SampleBuilder, load_source, require_answers
-    from spectrain.assets import load_tokenizer, model_identity
-
     identity = model_identity(cfg.target)
     tokenizer = load_tokenizer(cfg.target, cfg.get("chat_template", "auto"))
     conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
@@ -116,34 +82,8 @@ def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
                     "tokenizer_vocab_hash": tokenizer_identity(tokenizer)["vocab_hash"]}
 
 
-def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metadata: dict[str, str]) -> None:
-    """Write ``{d2t, t2d}`` as safetensors, atomically (temporary file + rename)."""
-    from safetensors.torch import save_file
-
-    check_vocab_mapping(d2t, t2d)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp,
-                  metadata={"format": "spectrain.vocab_map", **{k: str(v) for k, v in metadata.items()}})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
-def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, str]]:
-    """``(d2t, t2d, metadata)``; refuses (one line) a missing, damaged or inconsistent map."""
-
-    fix = "rebuild it with python -m data_prep.vocab"
-    tensors, metadata = load_safetensors(path, fix=fix, with_metadata=True)
-    if "d2t" not in tensors or "t2d" not in tensors:
-        raise ValueError(f"{path} is not a vocabulary map (no d2t/t2d tensors); {fix}")
-    d2t, t2d = tensors["d2t"], tensors["t2d"]
-    check_vocab_mapping(d2t, t2d)
-    return d2t, t2d, metadata
 
 
 def make_vocab(cfg: Any) -> dict[str, Any]:

@@ -22,12 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.atomic import check_output
+from core.overrides import parse_cli, run_cli
 from inference.algorithms import ALGORITHMS
 from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
 from inference.runner import cpu_has_native_bf16
-from spectrain.atomic import check_output
-from spectrain.overrides import parse_cli, run_cli
 
 # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
 DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 60, "demo_specblock": 16}

@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 
+from core import assets
 from inference.algorithms.base import Algorithm, as_batch
+from inference.algorithms.sps import check_same_vocab
+from inference.drafters import pick_device
 from inference.executors import EXECUTORS, DraftFactory, Executor, OverlapStats, make_executor
-from inference.runner import ModelRunner
+from inference.runner import ModelRunner, load_runner, with_logit_vocab
 from inference.sampling import SamplingParams, sample
 
 
@@ -200,10 +203,6 @@ def draft_side_from_runner(runner: Any, max_batch: int = 1, seed: int = 0) -> Dr
 def draft_side_from_path(path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch: int = 1,
                          seed: int = 0, logit_vocab: int | None = None, dtype: torch.dtype | None = None) -> DraftSide:
     """Draft side that loads its draft LM from a directory (what a multiprocess draft process runs)."""
-    from inference.drafters import pick_device
-    from inference.runner import load_runner, with_logit_vocab
-    from spectrain import assets
-
     device = pick_device(device)
     model = assets.load_model(path, device=device, dtype=dtype)
     runner = load_runner(model, backend="native", device=device, dtype=dtype, max_seq_len=max_seq_len,
@@ -225,8 +224,6 @@ class OverlappedDraftAlgorithm(Algorithm):
                  executor_kwargs: dict | None = None):
         """``draft_factory`` builds the draft side (default: over ``draft`` in this process, or from
         ``draft_path`` in a child process for ``executor=multiprocess``)."""
-        from inference.algorithms.sps import check_same_vocab
-
         super().__init__(target, max_seq_len=max_seq_len)
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor '{executor}'; choose one of {', '.join(EXECUTORS)}")

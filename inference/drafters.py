@@ -7,19 +7,20 @@ is an export directory of ``python -m spectrain.export``; it must record the ver
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from core import assets
+from core.assets import target_record, tokenizer_fingerprint
+from core.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
+from core.drafters.specblock import build_drafter, read_native
 from inference.runner import cpu_has_native_bf16, load_runner
-from spectrain import assets
 
 if TYPE_CHECKING:
-    from spectrain.drafters.eagle3 import Eagle3Drafter
-    from spectrain.drafters.specblock import SpecBlockDrafter
+    from core.drafters.eagle3 import Eagle3Drafter
+    from core.drafters.specblock import SpecBlockDrafter
 
 
 def pick_device(device: str = "auto") -> str:
@@ -53,12 +54,6 @@ def serving_dtype(name: str) -> str:
     if name != "auto":
         return name
     return "bf16" if torch.cuda.is_available() or cpu_has_native_bf16() else "fp32"
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the vocabulary (token -> id), so two tokenizers that map ids differently are told apart."""
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
 
 
 def eos_token_ids(tokenizer, model_config=None) -> list[int]:
@@ -114,9 +109,6 @@ def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
 def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
     """Load an EAGLE-3 export (any layout with a spectrain block) onto ``target``'s device and dtype, sharing its
     token embedding. Refuses (one line) a drafter trained for another target, hidden size or vocabulary."""
-    from spectrain.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
-    from spectrain.export import target_record
-
     ckpt = read_checkpoint(path)
     if ckpt.target is None:
         raise ValueError(f"drafter '{path}' does not record its target; import it first: python -m spectrain.export "
@@ -137,10 +129,6 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
 def load_specblock(path: str, target: LoadedModel) -> SpecBlockDrafter:
     """Load a SpecBlock native export onto ``target``'s device and dtype, sharing its token embedding. Refuses
     (one line) a drafter trained for another target, hidden size, vocabulary or layer count."""
-    from spectrain.drafters.eagle3_layouts import same_target
-    from spectrain.drafters.specblock import build_drafter, read_native
-    from spectrain.export import target_record
-
     config, tensors, block = read_native(path)
     recorded = block.get("target")
     if recorded is None:

@@ -28,15 +28,18 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from core.atomic import check_output
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafter_index import export_kind, find_exports
-from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype, pick_device
+from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
+                                pick_device)
+from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
-from spectrain.atomic import check_output
-from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
          "bench=mt_bench n_prompts=N max_new_tokens=M temperature=T out=DIR")
@@ -190,8 +193,6 @@ class BenchPrompts:
 
 def load_bench_conversations(bench: str, n: int) -> list:
     """The first ``n`` conversations of ``bench``; refuses (one line) a bench that gives none."""
-    from data_prep.prompts import load_prompts
-
     conversations = load_prompts(bench, n=n)
     if not conversations:
         raise ValueError(f"bench={bench} gives no prompts; give a bench with at least one conversation")
@@ -199,8 +200,6 @@ def load_bench_conversations(bench: str, n: int) -> list:
 
 
 def load_bench_prompts(bench: str, tokenizer, n: int) -> BenchPrompts:
-    from data_prep.prompts import prompt_turns, render_prompt
-
     conversations = load_bench_conversations(bench, n)
     return BenchPrompts(bench, [render_prompt(tokenizer, prompt_turns(c)) for c in conversations])
 
@@ -250,7 +249,7 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
              features=None, specblock=None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
     ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` replace loading them from ``cfg``."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     paths = drafter_paths(cfg)
     preloaded = {"draft_lm": draft.runner if isinstance(draft, LoadedModel) else draft, "features": features,
@@ -334,8 +333,6 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
-    from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "report.md").write_text(markdown_table(results))

@@ -18,6 +18,7 @@ tokens, and at T > 0 too as long as each side draws from its own seeded generato
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import socket
@@ -165,9 +166,8 @@ class MultiprocessExecutor(Executor):
     def __init__(self, draft_factory: DraftFactory, *, backend: str | None = None, threads: int | None = None,
                  timeout_s: float = 600.0):
         super().__init__()
-        import datetime
 
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch: a heavy import, deferred to first use
         import torch.multiprocessing as mp
 
         if dist.is_initialized():
@@ -232,9 +232,8 @@ class MultiprocessExecutor(Executor):
 def _draft_worker(draft_factory: DraftFactory, init_method: str, backend: str, threads: int,
                   timeout_s: float) -> None:
     """Child process: build the draft side, then serve method calls until told to close."""
-    import datetime
 
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch: a heavy import, deferred to first use
 
     torch.set_num_threads(threads)
     dist.init_process_group(backend, init_method=init_method, rank=1, world_size=2,

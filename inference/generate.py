@@ -9,19 +9,21 @@ Statistics (tokens/s,
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Sequence
 
 import torch
 
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.prompts import render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype, pick_device
+from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
+                                pick_device)
 from inference.runner import with_logit_vocab
 from inference.sampling import SamplingParams
-from spectrain.overrides import OverrideError, parse_cli, run_cli
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
 
@@ -58,8 +60,6 @@ def generate_text(cfg: Any, target: LoadedModel, draft: LoadedModel | None = Non
                   on_tokens=None) -> GenerationResult:
     """Answer ``cfg.prompt`` with ``cfg.algorithm`` on an already loaded target (and draft: a LoadedModel draft
     LM, or an EAGLE-3 drafter module for feature algorithms)."""
-    from data_prep.prompts import render_prompt
-
     cls = algorithm_class(cfg.algorithm)
     drafter = draft.runner if isinstance(draft, LoadedModel) else draft
     if cls.drafter == "draft_lm" and drafter is not None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from spectrain.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 
 Gram = tuple[int, ...]
 

@@ -103,17 +103,17 @@ def _finish(plt, fig, ax, path: Path, title: str, plotted: int) -> None:
 
 
 def _axes(figsize=(6, 4)):
-    import matplotlib
+    import matplotlib  # matplotlib: a heavy import, deferred to first use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: a heavy import, deferred to first use
 
     return plt, *plt.subplots(figsize=figsize)
 
 
 def speedup_plot(results: dict[str, Any], path: Path) -> None:
     """Speedup over AR (same run) per algorithm, one bar group per bench."""
-    import numpy as np
+    import numpy as np  # numpy: a heavy import, deferred to first use
 
     plt, fig, ax = _axes((7, 4))
     runs = [r for r in results["runs"] if r["algorithm"] != "ar"]

@@ -50,10 +50,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Rope types whose inv_freq does not depend on the sequence length (dynamic / longrope rescale on the fly).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from core.blocks.linear import Linear
+from core.blocks.mlp import MLP
+from core.blocks.norm import RMSNorm
+from core.blocks.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
 # Batch-invariant mode (bf16 on a CPU, one row): a token's logits are then bitwise the same whether it is
@@ -231,43 +233,6 @@ def gathered_keys(allowed: torch.Tensor) -> GatheredKeys | None:
     return GatheredKeys(index, slots[:length] < counts[:, None], min(shared, length))
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) tuned for CPU inference.
-
-    bf16 on a CPU runs oneDNN's linear over a weight packed once into its blocked layout: about twice as fast as
-    ``F.linear`` for the few rows of a decode or verification step, and its row results do not depend on how many
-    rows share the call (what batch-invariant mode relies on). fp32 runs 2 or 3 rows as 4 on a CPU: MKL's fp32
-    GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of such
-    shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
-
-    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
-        """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
-        weight, bias = self.weight, self.bias
-        if out_features is not None:
-            weight, bias = weight[:out_features], None if bias is None else bias[:out_features]
-        # (not where autograd needs this op: the packed linear has no backward; drafters train through here)
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not needs_grad:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features), bias, "none", [], "")
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows not in (2, 3) or x.device.type != "cpu":
-            return F.linear(x, weight, bias)
-        flat = x.reshape(rows, x.shape[-1])
-        padded = torch.cat([flat, flat.new_zeros(4 - rows, flat.shape[-1])])
-        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
-
-    def _packed(self, weight: torch.Tensor, out_features: int | None) -> torch.Tensor:
-        """oneDNN's packed copy of ``weight``, made on first use and again whenever the weight changes."""
-        packs = self.__dict__.setdefault("_packs", {})  # not a buffer: state_dict and .to() stay as nn.Linear's
-        stamp = (weight.data_ptr(), self.weight._version)
-        if out_features not in packs or packs[out_features][0] != stamp:
-            packs[out_features] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
-        return packs[out_features][1]
-
-
-_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def check_logit_vocab(vocab: int | None, vocab_size: int) -> int | None:
     """``None`` / 0 = the whole vocabulary; otherwise 1..vocab_size."""
     if not vocab:
@@ -283,25 +248,6 @@ def limited_logits(scored: torch.Tensor, vocab_size: int) -> torch.Tensor:
     full = scored.new_full((*scored.shape[:-1], vocab_size), float("-inf"), dtype=torch.float32)
     full[..., : scored.shape[-1]] = scored
     return full
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, exactly as transformers does.
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -341,8 +287,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write the new K/V into each row's own slots (an int: every row's first slot, rows equally long; else
         # (rows [B, 1], slots [B, T])), then attend over the first attend_len slots. Slice copies and index_put:
         # scatter_ into a cache view copied the whole cache per call in bf16.
@@ -382,21 +327,6 @@ class Attention(nn.Module):
         return out[:, :, 0].transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
 
 
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        from transformers.activations import ACT2FN
-
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool):
         super().__init__()
@@ -420,27 +350,6 @@ class Decoder(nn.Module):
             DecoderLayer(config, qkv_bias, out_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim / 2] and the cos/sin scale, computed as transformers does for this config."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported by ModelRunner (supported: {STATIC_ROPE_TYPES})"
-        )
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scale = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported by ModelRunner (head_dim={head_dim})")
-    return inv_freq.float(), float(scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -484,7 +393,7 @@ class ModelRunner(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        inv_freq, self.rope_scale = _rope_inv_freq(config, self.head_dim)
+        inv_freq, self.rope_scale = rope_inv_freq(config, self.head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         if batch_invariant is None:
             # bf16 only: the row-invariant packed linear is bf16's (fp16 runs F.linear, whose rows are not invariant)
@@ -775,10 +684,7 @@ class ModelRunner(nn.Module):
         # [B, T] physical cache slots of the new tokens
         slots = self.cache_lens[:, None] + torch.arange(new, device=self.device)
         positions = slots if positions is None else positions
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
-        cos = (emb.cos() * self.rope_scale).to(self._dtype)
-        sin = (emb.sin() * self.rope_scale).to(self._dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale, self._dtype)  # [B, 1, T, D]
         aligned = shortest == cached
         write_index = cached if aligned else (torch.arange(batch, device=self.device)[:, None], slots)
 
@@ -898,7 +804,7 @@ class TransformersRunner:
 
     def reset(self, batch_size: int | None = None) -> None:
         """Empty the cache; optionally change the active batch size (at most ``max_batch_size``)."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # transformers: a heavy import, deferred to first use
 
         if batch_size is None:
             batch_size = self.batch_size if hasattr(self, "_slot_valid") else self.max_batch_size
@@ -1076,7 +982,7 @@ def load_runner(
         raise ValueError(f"backend must be auto, native or transformers, got {backend!r}")
     model = model_or_path
     if isinstance(model_or_path, (str, os.PathLike)):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # transformers: a heavy import, deferred to first use
 
         model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype, local_files_only=True)
     kw = {"dtype": dtype, "max_batch_size": max_batch_size, "max_seq_len": max_seq_len}

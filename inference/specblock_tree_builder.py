@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.drafters.specblock import BlockKV, BlockOutput, SpecBlockCache, SpecBlockDrafter
 from inference.tree import DraftTree, subtree
-from spectrain.drafters.specblock import BlockKV, BlockOutput, SpecBlockCache, SpecBlockDrafter
 
 SLOT0_CAPS = ((0.9, 3), (0.8, 5), (0.6, 8))  # block-1 slot 0: p_0 threshold -> width cap
 SLOT_CAPS = ((0.95, 2), (0.85, 3))  # every other slot

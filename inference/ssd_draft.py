@@ -17,6 +17,7 @@ Per round, for a batch of ``b`` sequences with lookahead ``K`` and budget ``B`` 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from core import assets
 from inference.ngram_cache import ContextCache
+from inference.runner import load_runner, with_logit_vocab
 from inference.saguaro import NEURAL, POINT, UNIFORM, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache
@@ -159,11 +162,7 @@ def build_draft_runner(source: Any, *, device: str | torch.device, max_batch_siz
                        logit_vocab: int | None = None) -> Any:
     """A drafter runner from a runner, a callable returning a runner / HF model, or a draft LM directory path
     (``logit_vocab``: see ``inference.runner.with_logit_vocab``; a runner given already carries its own)."""
-    from inference.runner import load_runner, with_logit_vocab
-
     if isinstance(source, str):
-        from spectrain import assets
-
         model = assets.load_model(source, device=str(device))
         runner = load_runner(model, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         return with_logit_vocab(runner, logit_vocab)
@@ -356,6 +355,5 @@ class SSDDraftSide:
 
 def draft_side_factory(source: Any, **kwargs: Any) -> Callable[[], SSDDraftSide]:
     """A (picklable when ``source`` is) factory for the executors: ``make_executor(name, factory)``."""
-    import functools
 
     return functools.partial(SSDDraftSide, source, **kwargs)

@@ -1,2 +1,4 @@
 """spectrain."""
-__version__ = "0.1.0"
+from core import __version__
+
+__all__ = ["__version__"]

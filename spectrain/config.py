@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 @dataclass
 class DataConfig:
-    source: str = "sharegpt"  # a data_prep.prompts source, or where the features were extracted from
+    source: str = "sharegpt"  # a core.prompts source, or where the features were extracted from
     dataset_dir: str | None = None  # an extracted feature dataset (data_prep.extract); None = online
     val_source: str | None = None  # online: validation conversations from here (all of them, up to n_val_samples);
     #                                None = the eval split of source

@@ -7,14 +7,14 @@ What ``ckpt=`` accepts (the training contract):
 
 * a Lightning ``.ckpt`` whose ``state_dict`` holds the drafter under the prefix ``drafter.`` (the
   LightningModule keeps the ``nn.Module`` as ``self.drafter``) and whose top-level ``"spectrain"`` entry is
-  :func:`checkpoint_metadata` (the LightningModule adds it in ``on_save_checkpoint``): drafter kind and config,
+  :func:`spectrain.checkpoint_contract.checkpoint_metadata` (the LightningModule adds it in ``on_save_checkpoint``): drafter kind and config,
   target record, optionally the resolved recipe and metrics;
 * an export directory in any layout (re-export to another layout).
 
 The output directory (written atomically; it must not exist yet) holds ``config.json`` (with the ``spectrain``
 block: kind, target identity, architecture, layer ids + convention, vocab map sizes), ``model.safetensors``,
 ``recipe.yaml`` when the checkpoint has a recipe, and ``metrics.json`` (training metrics and provenance).
-Layouts and their engine conventions: :mod:`spectrain.drafters.eagle3_layouts`.
+Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts`.
 """
 
 from __future__ import annotations
@@ -27,17 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
-from spectrain.atomic import atomic_directory, check_output
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from spectrain.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
-                                               drafter_tensors, read_checkpoint, same_target, write_layout)
-from spectrain.overrides import OverrideError, parse_cli, run_cli
+from core.assets import target_record
+from core.atomic import atomic_directory, check_output
+from core.drafters.eagle3 import Eagle3Config
+from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
+                                          drafter_tensors, read_checkpoint, same_target, write_layout)
+from core.overrides import OverrideError, parse_cli, run_cli
+from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
+from spectrain.registry import get_kind
 
 USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR  |  "
          "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
-DRAFTER_PREFIX = "drafter."
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -49,23 +51,6 @@ class ExportConfig:
     target: str | None = None  # target name or HF dir: identity for foreign checkpoints, checked otherwise
     dtype: str = "auto"  # auto (as stored) | float32 | bfloat16 | float16
     speculative_tokens: int = 3  # speculators layout: vLLM's default num_speculative_tokens
-
-
-def target_record(name_or_path: str) -> dict[str, Any]:
-    """Identity (config + weights hash, ``assets.model_identity``) plus the facts a drafter depends on."""
-    from spectrain import assets
-
-    config = json.loads((assets.resolve_model_dir(name_or_path) / "config.json").read_text())
-    text = config.get("text_config") or config
-    return {**assets.model_identity(str(name_or_path)), "num_hidden_layers": text["num_hidden_layers"],
-            "hidden_size": text["hidden_size"], "architectures": config.get("architectures") or []}
-
-
-def checkpoint_metadata(drafter: Eagle3Drafter, target: dict[str, Any], *, recipe: dict[str, Any] | None = None,
-                        metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a LightningModule stores as ``checkpoint["spectrain"]`` so ``ckpt=`` can be exported."""
-    return {"kind": "eagle3", "config": drafter.config.to_dict(), "target": target, "recipe": recipe,
-            "metrics": metrics or {}}
 
 
 @dataclass
@@ -97,7 +82,7 @@ def load_lightning_checkpoint(path: Path) -> Loaded:
     meta = raw.get("spectrain")
     if not meta:
         raise CheckpointError(f"{path} has no 'spectrain' metadata: the LightningModule must add "
-                              "spectrain.export.checkpoint_metadata(...) in on_save_checkpoint")
+                              "spectrain.checkpoint_contract.checkpoint_metadata(...) in on_save_checkpoint")
     if meta.get("kind") != "eagle3":
         raise CheckpointError(f"{path} holds a '{meta.get('kind')}' drafter; this exporter handles eagle3")
     state = raw.get("state_dict") or {}
@@ -122,8 +107,6 @@ def load_source(path: str, target: dict[str, Any] | None) -> Loaded:
         if (source / "metrics.json").is_file():
             loaded.metrics = json.loads((source / "metrics.json").read_text())
         if (source / "recipe.yaml").is_file():
-            from omegaconf import OmegaConf
-
             loaded.recipe = OmegaConf.to_container(OmegaConf.load(source / "recipe.yaml"))
         return loaded
     if not source.is_file():
@@ -159,8 +142,6 @@ def write_export(ckpt: Eagle3Checkpoint, out: str | Path, *, layout: str = "nati
         write_layout(ckpt, layout, tmp, dtype=dtype, speculative_tokens=speculative_tokens)
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
         if recipe is not None:
-            from omegaconf import OmegaConf
-
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
     return out
 
@@ -179,21 +160,12 @@ def export(cfg: Any) -> Path:
     if out.is_dir() and any(out.iterdir()):
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     source = cfg.ckpt or cfg.import_path
-    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "draft_lm":
-        return export_draft_lm_checkpoint(Path(cfg.ckpt), cfg)
-    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "hrad":
-        from spectrain.modules.hrad import export_hrad_checkpoint
-
-        return export_hrad_checkpoint(Path(cfg.ckpt), cfg)
-    if cfg.ckpt and checkpoint_kind(cfg.ckpt) == "specblock":
-        from spectrain.modules.specblock import export_specblock_checkpoint
-
-        return export_specblock_checkpoint(Path(cfg.ckpt), cfg)
+    kind = checkpoint_kind(cfg.ckpt) if cfg.ckpt else None
+    if kind in ("draft_lm", "hrad", "specblock"):  # each kind's module exports its own checkpoints
+        return get_kind(kind).export_checkpoint(Path(cfg.ckpt), cfg)
     reference = Path(cfg.import_path or "") / "config.json"  # the SpecBlock reference release's config
     if cfg.import_path and reference.is_file() and "diffspec_draft_token_num" in json.loads(reference.read_text()):
-        from spectrain.modules.specblock import import_specblock_reference
-
-        return import_specblock_reference(Path(cfg.import_path), cfg)
+        return get_kind("specblock").import_reference(Path(cfg.import_path), cfg)
     loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
     metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
     return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,
@@ -209,28 +181,6 @@ def checkpoint_kind(path: str) -> str | None:
     meta = raw.get("spectrain") or {}
     recipe = (raw.get("hyper_parameters") or {}).get("recipe") or {}
     return meta.get("kind") or recipe.get("kind")
-
-
-def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
-    """A draft LM is a plain causal LM: exported as a loadable HF directory (weights, tokenizer, spectrain block)."""
-    from omegaconf import OmegaConf
-
-    from spectrain.modules.draft_lm import DraftLMModule
-
-    if cfg.format != "native":
-        raise OverrideError(f"a draft_lm exports only as format=native (a Hugging Face directory); "
-                            f"'{cfg.format}' is an EAGLE-3 layout")
-    out = Path(cfg.out)
-    if out.exists():
-        raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
-    raw = read_lightning_checkpoint(path)
-    recipe = OmegaConf.create(raw["hyper_parameters"]["recipe"])
-    if cfg.target and cfg.target != recipe.target:
-        raise CheckpointError(f"{path} was trained for target '{recipe.target}', not '{cfg.target}'")
-    module = DraftLMModule.load_from_checkpoint(path, cfg=recipe, map_location="cpu", weights_only=False)
-    metrics = (raw.get("spectrain") or {}).get("metrics") or {}
-    module.export(out, metrics={**metrics, "global_step": raw.get("global_step"), "source": str(path)})
-    return out
 
 
 def parse_args(argv: Sequence[str]) -> Any:

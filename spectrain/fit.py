@@ -24,18 +24,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_model_dir
+from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
+from data_prep.manifest import DatasetError, read_manifest
 from inference.runner import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
-from spectrain.overrides import OverrideError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
+from spectrain.registry import get_kind
 from spectrain.resume import latest_checkpoint, resume_classes
+from spectrain.targets import weightless_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class RecipeError(OverrideError):
-    """A recipe problem; the message is one line naming the fix."""
 
 
 def recipes_dir() -> Path:
@@ -55,7 +56,7 @@ def _split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, s
 
 def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictConfig:
     """Compose and validate the recipe named in ``argv`` with its overrides; no side effects."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir  # Hydra: a heavy import, deferred to first use
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
@@ -95,8 +96,6 @@ def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictCo
 
 def _model_fields(kind_name: Any) -> list[str]:
     """The model fields kind ``kind_name`` accepts (none when the kind is unknown: validation says so later)."""
-    from spectrain.registry import get_kind
-
     try:
         schema = get_kind(str(kind_name)).model_schema
     except ValueError:
@@ -105,8 +104,6 @@ def _model_fields(kind_name: Any) -> list[str]:
 
 
 def _validate(cfg: DictConfig, recipe: str) -> None:
-    from spectrain.registry import get_kind
-
     missing = [k for k in ("kind", "run_name") if OmegaConf.is_missing(cfg, k)]
     if missing:
         raise RecipeError(f"recipe '{recipe}' does not set {', '.join(missing)}")
@@ -177,14 +174,15 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
 
 def build_logger(cfg: DictConfig, directory: Path):
     if cfg.logger == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+        from lightning.pytorch.loggers import CSVLogger  # Lightning: a heavy import, deferred to first use
 
         return CSVLogger(save_dir=str(directory), name="logs")  # version_N per launch: a resume keeps old logs
     if cfg.logger == "tensorboard":
+        # Lightning: a heavy import, deferred to first use
         from lightning.pytorch.loggers import TensorBoardLogger
 
         return TensorBoardLogger(save_dir=str(directory), name="tb")
-    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.loggers import WandbLogger  # Lightning: a heavy import, deferred to first use
 
     # Without an API key wandb errors at once; offline mode keeps the run and syncs later.
     offline = os.environ.get("WANDB_MODE") == "offline" or not os.environ.get("WANDB_API_KEY")
@@ -215,7 +213,7 @@ def _uses_cuda(cfg: DictConfig) -> bool:
 
 
 def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[Any] = ()):
-    import lightning.pytorch as pl
+    import lightning.pytorch as pl  # Lightning: a heavy import, deferred to first use
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     trainer_cfg = cfg.trainer
@@ -261,13 +259,12 @@ GPU_ONLY_STRATEGIES = ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def build_strategy(name: str):
     """The Lightning strategy object a recipe names (DeepSpeed needs the ``deepspeed`` extra)."""
+    # Lightning: a heavy import, deferred to first use
     from lightning.pytorch.strategies import StrategyRegistry
 
     if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
@@ -277,8 +274,6 @@ def build_strategy(name: str):
 
 def check_target(cfg: DictConfig) -> None:
     """Fail with one line, before any work, when ``target`` is neither a registry name nor a model directory."""
-    from spectrain.assets import EMBEDDED_MODELS, AssetError, resolve_model_dir
-
     if cfg.target in EMBEDDED_MODELS:
         return
     try:
@@ -290,9 +285,6 @@ def check_target(cfg: DictConfig) -> None:
 def check_datasets(cfg: DictConfig) -> None:
     """Before any model loads: ``data.dataset_dir`` / ``data.val_dataset_dir`` must be spectrain datasets made
     for this target (the kind's DataModule checks the rest when it opens them)."""
-    from data_prep.manifest import DatasetError, read_manifest
-    from spectrain.assets import model_identity
-
     for key in ("dataset_dir", "val_dataset_dir"):
         directory = cfg.data.get(key)
         if not directory:
@@ -336,9 +328,6 @@ def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
     """The kind's LightningModule and DataModule. A dry run builds them over a weightless (meta-device) target,
     so validating an 8B recipe reads no weights; a kind that copies target weights into its drafter cannot be
     built that way, and gets the real target instead (said in one line)."""
-    from spectrain.data import weightless_targets
-    from spectrain.registry import get_kind
-
     kind = get_kind(cfg.kind)
     if cfg.dry_run:
         try:
@@ -353,7 +342,7 @@ def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
     """Train (or, with ``dry_run=true``, only build) the drafter a composed recipe describes."""
-    import lightning.pytorch as pl
+    import lightning.pytorch as pl  # Lightning: a heavy import, deferred to first use
 
     gpu_only = cfg.trainer.strategy in GPU_ONLY_STRATEGIES and not _cuda_available()
     if gpu_only and not cfg.dry_run:
@@ -390,7 +379,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Like every CLI (``spectrain.overrides.run_cli``): a bad recipe, override, dataset or file is ONE line on
+    """Like every CLI (``core.overrides.run_cli``): a bad recipe, override, dataset or file is ONE line on
     stderr and exit code 2, wherever it is found (also inside the trainer, e.g. a DataModule's setup)."""
     def run(args: list[str]) -> dict[str, Any]:
         import_kind_modules()

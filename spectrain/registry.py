@@ -1,4 +1,5 @@
-"""Drafter kinds: the ``kind`` field of a recipe names one, and fit dispatches to its LightningModule.
+"""Drafter kinds: the ``kind`` field of a recipe names one; fit dispatches to its LightningModule and export
+to its checkpoint exporter (kinds other than EAGLE-3).
 
 Each drafter issue registers its kind in its own module and adds that module to ``KIND_MODULES``, which is
 imported lazily so ``python -m spectrain.fit --help`` does not pay for every drafter's imports.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import time
@@ -25,6 +27,8 @@ class DrafterKind:
     build_module: Callable[[Any], Any]  # cfg -> LightningModule
     build_datamodule: Callable[[Any], Any]  # cfg -> LightningDataModule
     model_schema: type | None = None  # dataclass validating cfg.model
+    export_checkpoint: Callable[[Path, Any], Path] | None = None  # (.ckpt, export cfg) -> export dir; None: EAGLE-3's
+    import_reference: Callable[[Path, Any], Path] | None = None  # (reference release, export cfg) -> export dir
 
 
 _KINDS: dict[str, DrafterKind] = {}

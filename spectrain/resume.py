@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
 def collect_rng_states() -> dict[str, Any]:
     """The torch, CUDA, numpy and python RNG states as tensors and plain Python values, which a
     ``torch.load(weights_only=True)`` accepts (Lightning's own helper keeps numpy's array and is refused)."""
-    import random
 
-    import numpy as np
+    import numpy as np  # numpy, torch: a heavy import, deferred to first use
     import torch
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -42,9 +42,8 @@ def collect_rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restore what :func:`collect_rng_states` returned."""
-    import random
 
-    import numpy as np
+    import numpy as np  # numpy, torch: a heavy import, deferred to first use
     import torch
 
     torch.set_rng_state(states["torch"])
@@ -59,7 +58,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def resume_classes() -> tuple[type, type, type]:
     """``(RngStateCallback, FinalStepCheckpoint, AtomicCheckpointIO)``, defined on first use: they subclass
     Lightning classes, and importing Lightning costs seconds that ``--help`` and recipe errors should not pay."""
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback  # Lightning: a heavy import, deferred to first use
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     class RngStateCallback(Callback):
@@ -110,7 +109,7 @@ def resume_classes() -> tuple[type, type, type]:
         through a temporary file in /tmp and ``shutil.move``, a copy when /tmp is another filesystem.)"""
 
         def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-            import torch
+            import torch  # torch: a heavy import, deferred to first use
 
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)

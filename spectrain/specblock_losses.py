@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spectrain.drafters.eagle3 import shift_left
-from spectrain.drafters.specblock import rank_bucket
+from core.drafters.eagle3 import shift_left
+from core.drafters.specblock import rank_bucket
 
 NUM_RANK_BUCKETS = 4
 RANK_SEARCH = 10  # the label's rank is searched in the top-10 draft logits; outside => rank 11 ("> 10")

@@ -36,6 +36,6 @@ def _seed_and_threads(request):
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded real target (SmolLM2-135M-Instruct) and its tokenizer, loaded once per session."""
-    from spectrain import assets
+    from core import assets
 
     return assets.load_model("smollm2"), assets.load_tokenizer("smollm2")

@@ -379,9 +379,9 @@ def test_replay_is_deterministic(tiny, tmp_path):
 
 def test_specblock_plugs_in_with_its_own_losses(tiny):
     """A SpecBlock drafter gets its adapter class from adaptable_for; updates use spectrain.specblock_losses."""
+    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
     from spectrain.adapt.drafters import SpecBlockAdaptable, adaptable_for
     from spectrain.adapt.updater import ArmUpdate, Updater
-    from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
     target, _ = tiny
     config = SpecBlockConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size,
@@ -416,11 +416,12 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
     """python -m spectrain.adapt.replay traces=DIR drafter=PATH on traces recorded by the engine hook."""
     from tiny_targets import save_tiny_target
 
+    from core.assets import target_record
+    from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from core.drafters.eagle3_layouts import Eagle3Checkpoint
     from inference.drafters import load_eagle3, load_lm
     from spectrain.adapt import replay as replay_cli
-    from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from spectrain.drafters.eagle3_layouts import Eagle3Checkpoint
-    from spectrain.export import target_record, write_export
+    from spectrain.export import write_export
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4)
     target = load_lm(str(target_dir), device="cpu", max_seq_len=128)
@@ -455,7 +456,7 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
 
 def test_specblock_tree_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
     """adapt=bandit on specblock_tree: the drafter changes between queries, the output never does."""
-    from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
     target, _ = tiny
     config = SpecBlockConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size,

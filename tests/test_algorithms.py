@@ -172,7 +172,7 @@ def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
     (most drafts are rejected), which exercises the rejection path on real logits."""
     from transformers import AutoModelForCausalLM
 
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
 
     model, tokenizer = smollm2
     config = model.config.to_dict() | {"num_hidden_layers": 6}

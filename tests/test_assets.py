@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain import assets
-from spectrain.atomic import atomic_directory, atomic_write_text
+from core import assets
+from core.atomic import atomic_directory, atomic_write_text
 
 
 def test_unknown_model_name_is_one_line():

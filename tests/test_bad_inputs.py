@@ -27,10 +27,12 @@ def B(tmp_path_factory) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
+    from core.assets import target_record
+    from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from core.vocab import build_vocab_map, save_vocab_map
     from data_prep import extract
-    from data_prep.vocab import build_vocab_map, save_vocab_map
     from spectrain import export
-    from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from spectrain.checkpoint_contract import checkpoint_metadata
 
     root = tmp_path_factory.mktemp("bad_inputs")
     target, other = save_tiny_target(root / "target"), save_tiny_target(root / "other", seed=1)
@@ -49,7 +51,7 @@ def B(tmp_path_factory) -> Path:
     drafter.set_vocab_map(torch.zeros(64, dtype=torch.long), t2d)
     state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
     torch.save({"state_dict": state, "global_step": 1,
-                "spectrain": export.checkpoint_metadata(drafter, export.target_record(str(target)))}, root / "e3.ckpt")
+                "spectrain": checkpoint_metadata(drafter, target_record(str(target)))}, root / "e3.ckpt")
     assert export.main([f"ckpt={root / 'e3.ckpt'}", f"out={root / 'e3'}"]) == 0
     weights = (root / "e3" / "model.safetensors").read_bytes()
     for name, data in (("e3trunc", weights[: len(weights) // 2]), ("e3rand", np.random.default_rng(0).bytes(len(weights)))):
@@ -204,7 +206,7 @@ def test_bad_input_is_one_line_with_exit_code_2(cli, argv, setup, fragment, afte
 
 
 def test_check_output_accepts_what_can_be_written(tmp_path):
-    from spectrain.atomic import check_output
+    from core.atomic import check_output
 
     assert check_output(tmp_path / "new" / "deeper") == tmp_path / "new" / "deeper"  # created later, not now
     assert not (tmp_path / "new").exists()

@@ -10,12 +10,13 @@ from test_eagle3_tree import random_drafter as random_eagle3
 from test_specblock_tree import random_drafter as random_specblock
 from transformers import LlamaForCausalLM
 
-from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+from core.blocks.linear import Linear
+from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference import drafters
 from inference.algorithms import build_algorithm
-from inference.runner import Linear, ModelRunner, cpu_has_native_bf16, gathered_keys
+from inference.runner import ModelRunner, cpu_has_native_bf16, gathered_keys
 from inference.sampling import SamplingParams
-from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 
 native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16/AMX)")
 GREEDY = SamplingParams(temperature=0)

@@ -9,11 +9,11 @@ import pytest
 from test_extract import run_extract
 from tiny_targets import save_tiny_target
 
+from core.assets import AssetError, chat_template_hash, load_tokenizer
+from core.prompts import load_prompts, render_prompt, tokenize_conversation
 from data_prep.features import check_features
 from data_prep.manifest import DatasetError
-from data_prep.prompts import load_prompts, render_prompt, tokenize_conversation
 from inference import generate
-from spectrain.assets import AssetError, chat_template_hash, load_tokenizer
 
 JINJA = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
          "{% if add_generation_prompt %}[assistant] {% endif %}")

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
+from core.overrides import parse_cli
 from inference import demo
-from spectrain.overrides import parse_cli
 
 PARSERS = {  # module -> how that CLI validates its arguments without doing the work
     "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),

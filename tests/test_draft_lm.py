@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.drafters.draft_lm import evenly_spaced_layers, layer_drop_init
+from core.overrides import OverrideError
 from spectrain import fit as fit_cli
-from spectrain.drafters.draft_lm import evenly_spaced_layers, layer_drop_init
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from tiny_targets import save_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +128,7 @@ def test_draft_lm_fit_lowers_the_loss_exports_and_loads_in_the_engine(draft_reci
     # the metrics of the last validation before the checkpoint was written travel with the export
     assert 1.0 <= block["metrics"]["val/tau_sim"] <= 1.0 + cfg.model.gamma and block["metrics"]["global_step"] == 6
     # it records the chat template it was trained on; serving it under another one is refused in one line
-    from spectrain.assets import AssetError, chat_template_hash
+    from core.assets import AssetError, chat_template_hash
 
     assert block["target"]["chat_template"] == "auto"
     assert block["target"]["chat_template_hash"] == chat_template_hash(target_lm.tokenizer)
@@ -143,7 +144,7 @@ def test_draft_lm_fit_lowers_the_loss_exports_and_loads_in_the_engine(draft_reci
 
 def test_unknown_model_key_for_draft_lm_is_refused(draft_recipe):
     recipes, args, _ = draft_recipe
-    with pytest.raises(fit_cli.OverrideError, match="unknown key 'model.depth'"):
+    with pytest.raises(OverrideError, match="unknown key 'model.depth'"):
         fit_cli.compose_recipe([*args, "+model.depth=3"], directory=recipes)
 
 

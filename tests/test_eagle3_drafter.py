@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 
 
 def drafter(norm_before_residual: bool = False) -> Eagle3Drafter:

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from core.assets import target_record
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from core.drafters.eagle3_layouts import Eagle3Checkpoint, layout_config, layout_tensors, read_checkpoint
 from inference.drafters import LoadedModel, load_eagle3
 from inference.runner import ModelRunner
 from spectrain import export as export_cli
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from spectrain.drafters.eagle3_layouts import Eagle3Checkpoint, layout_config, layout_tensors, read_checkpoint
-from spectrain.export import checkpoint_metadata, target_record
+from spectrain.checkpoint_contract import checkpoint_metadata
 
 VOCAB, DRAFT_VOCAB, LAYERS, AUX = 97, 40, 8, [1, 3, 4]  # AUX = the EAGLE-3 triple [1, L//2-1, L-4] for L=8
 

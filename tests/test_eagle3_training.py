@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from spectrain import fit as fit_cli
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from spectrain.eagle3_losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 from spectrain.losses import soft_cross_entropy
-from spectrain.modules.eagle3 import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 from spectrain.metrics import SimulatedAcceptance
-from tiny_targets import save_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.tree import DraftTree, keep_best, subtree
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 PROMPT, N_NEW = [7, 1, 8, 2, 8], 37
 AUX = [0, 1, 2]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from core.overrides import OverrideError
 from inference import evaluate as evaluate_cli
 from inference import generate as generate_cli
 from inference.drafters import LoadedModel, load_draft_lm
-from spectrain.overrides import OverrideError
 from inference.runner import ModelRunner
 
 

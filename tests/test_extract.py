@@ -14,11 +14,11 @@ import pytest
 import torch
 from tiny_targets import save_tiny_target, write_jsonl
 
+from core.layer_ids import LAYER_CONVENTION, eagle3_layers, resolve_layers
+from core.prompts import load_prompts, tokenize_conversation
 from data_prep.extract import extract, main, parse_args
 from data_prep.features import FeatureDataset
-from data_prep.layers import LAYER_CONVENTION, eagle3_layers, resolve_layers
 from data_prep.manifest import read_manifest
-from data_prep.prompts import load_prompts, tokenize_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_extract_stores_the_runner_convention(tiny, chats, tmp_path):
     """fp32 storage: aux_hidden blocks are HF hidden_states[i + 1], last_hidden is the final-normed state."""
     from transformers import AutoModelForCausalLM
 
-    from spectrain.assets import load_tokenizer
+    from core.assets import load_tokenizer
 
     out = tmp_path / "feats"
     manifest = run_extract([f"target={tiny}", f"source=jsonl:{chats}", "n_samples=12", "max_len=64",
@@ -205,7 +205,7 @@ def test_answer_window_keeps_long_prompts_and_is_recorded(tiny, chats, tmp_path)
 
 
 def test_regenerate_answers_with_the_target(tiny, tmp_path):
-    from data_prep.prompts import Conversation, render_prompt
+    from core.prompts import Conversation, render_prompt
     from data_prep.regenerate import Regenerator
     from inference.drafters import eos_token_ids, load_lm
 

@@ -16,12 +16,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tiny_targets import save_tiny_target, write_jsonl
 
+from core.overrides import OverrideError, resolve_key
 from data_prep.datamodules import resumable_loader
 from spectrain import fit as fit_cli
-from spectrain.overrides import OverrideError, resolve_key
 from spectrain.registry import DrafterKind, register_kind
-from tiny_targets import save_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -265,12 +265,12 @@ def llama8b_args(tmp_path: Path) -> list[str]:
 @needs_deepspeed
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_eagle3_llama8b_recipe_dry_runs_on_cpu_without_the_weights(llama8b_args, monkeypatch):
-    from spectrain import data
+    from spectrain import targets
 
     cfg = fit_cli.compose_recipe([*llama8b_args, "dry_run=true"])
     assert (cfg.kind, cfg.trainer.strategy, cfg.trainer.precision, cfg.trainer.devices, cfg.logger) == (
         "eagle3", "deepspeed_stage_2", "bf16-mixed", 8, "wandb")
-    monkeypatch.setattr(data, "_loaded_target", None)  # reading the target's weights would fail the dry run
+    monkeypatch.setattr(targets, "_loaded_target", None)  # reading the target's weights would fail the dry run
     result = fit_cli.fit(cfg)
     assert result["strategy"] == "DeepSpeedStrategy" and result["precision"] == "bf16-mixed"
     assert not result["trained"] and result["trainable_params"] > 0

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.drafters.hrad import (HRAD, HRADConfig, HRADError, capture_layers, check_boundaries, hrad_labels,
+                                load_hrad, stack_lastk)
 from data_prep.traces import hrad_class
-from spectrain.drafters.hrad import (HRAD, HRADConfig, HRADError, capture_layers, check_boundaries, hrad_labels,
-                                     load_hrad, stack_lastk)
 from spectrain.modules.hrad import class_weights, classification_metrics, confusion_png, fit_temperature
 
 REPO = Path(__file__).resolve().parents[1]

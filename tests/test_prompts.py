@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from data_prep import prompts as P
+from core import prompts as P
 
 SHAREGPT_LIMIT = 400
 
@@ -18,7 +18,7 @@ def sharegpt_head() -> list[P.Conversation]:
 
 @pytest.fixture(scope="module")
 def tok():
-    from spectrain import assets
+    from core import assets
 
     return assets.load_tokenizer("smollm2")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tiny_targets import save_tiny_target
 
-from data_prep.prompts import GSM_TRAIN_SEED, load_prompts, render_prompt
+from core.prompts import GSM_TRAIN_SEED, load_prompts, render_prompt
 from data_prep.regenerate import main, parse_args, regenerate
 from inference.algorithms import build_algorithm
 from inference.batched_generation import ContinuousBatcher, Job

@@ -328,7 +328,7 @@ def test_logit_vocab_scores_only_the_lowest_ids_over_shared_weights(kind):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_linear_pads_two_or_three_rows_without_changing_them(rows):
-    from inference.runner import Linear
+    from core.blocks.linear import Linear
 
     torch.manual_seed(rows)
     layer = Linear(24, 40)

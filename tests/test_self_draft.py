@@ -426,7 +426,7 @@ def test_sampling_follows_the_target_law():
 
 @pytest.mark.real_model
 def test_real_smollm2_greedy_equals_ar(smollm2):
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
     from inference.runner import ModelRunner
 
     hf_model, tokenizer = smollm2

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.assets import target_record
+from core.drafters.specblock import (BlockKV, SpecBlockConfig, SpecBlockDrafter, first_block_mask,
+                                     later_block_mask, load_native, rank_bucket, rank_features, save_native,
+                                     shift_slots)
 from inference.drafters import LoadedModel, load_specblock
 from inference.runner import ModelRunner
-from spectrain.drafters.specblock import (BlockKV, SpecBlockConfig, SpecBlockDrafter, first_block_mask,
-                                          later_block_mask, load_native, rank_bucket, rank_features, save_native,
-                                          shift_slots)
-from spectrain.export import target_record
 
 VOCAB, AUX, K = 97, [0, 1, 2], 4
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spectrain.specblock_losses import (block_losses, frequency_weights, rank_labels, rank_of, smoothing_table,
-                                        total_loss, unroll_blocks)
+from spectrain.specblock_losses import (block_losses, frequency_weights, rank_labels, rank_of,
+                                        smoothing_table, total_loss, unroll_blocks)
 
 
 def one_hot_rows(ids: list[int], vocab: int) -> torch.Tensor:
@@ -221,7 +221,7 @@ def test_total_loss_weights_slots_by_point_eight_to_the_k():
 def tiny_drafter(vocab: int = 96, draft_vocab: int = 64, hidden: int = 32):
     from transformers import LlamaConfig
 
-    from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
     target = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -245,8 +245,8 @@ def test_rank_loss_alone_leaves_the_trunk_without_gradient():
 
 
 def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
-    from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from spectrain.drafters.eagle3_layouts import Eagle3Checkpoint
+    from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from core.drafters.eagle3_layouts import Eagle3Checkpoint
     from spectrain.modules.specblock import warm_start_from_eagle3
 
     drafter, target = tiny_drafter()
@@ -279,11 +279,12 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     from omegaconf import OmegaConf
+    from tiny_targets import save_tiny_target, write_jsonl
     from transformers import LlamaForCausalLM
 
+    from core.vocab import build_vocab_map
     from data_prep.extract import extract, parse_args
-    from data_prep.vocab import build_vocab_map, counts_from_source
-    from tiny_targets import save_tiny_target, write_jsonl
+    from data_prep.vocab import counts_from_source
 
     root = tmp_path_factory.mktemp("specblock")
     target = save_tiny_target(root / "target", layers=8, hidden=32)
@@ -332,12 +333,12 @@ def test_fit_exports_a_native_dir_that_load_native_reads(tiny_setup):
 
     from transformers import AutoModelForCausalLM
 
+    from core.drafters.specblock import load_native
     from inference.algorithms import build_algorithm
     from inference.drafters import load_lm, load_specblock
     from inference.sampling import SamplingParams
     from spectrain import export as export_cli
     from spectrain import fit as fit_cli
-    from spectrain.drafters.specblock import load_native
 
     root, target, chats = tiny_setup
     runs = root / "runs"
@@ -361,8 +362,7 @@ def test_fit_exports_a_native_dir_that_load_native_reads(tiny_setup):
     assert block["vocab"]["draft_vocab_size"] == 512 and block["widths"] == [2, 4, 6, 4]
     assert block["layers"]["ids"] == [1, 3, 4] and block["training"]["train_blocks"] == 3
     assert "val/tau_sim" in json.loads((out / "metrics.json").read_text())
-    from inference.drafters import load_lm, load_specblock
-    from spectrain.assets import AssetError, chat_template_hash, load_tokenizer
+    from core.assets import AssetError, chat_template_hash, load_tokenizer
 
     assert block["target"]["chat_template_hash"] == chat_template_hash(load_tokenizer(target))
     with pytest.raises(AssetError, match="chat_template=auto"):  # served under another template: refused
@@ -391,8 +391,8 @@ def test_import_of_a_reference_release_checkpoint(tiny_setup, capsys):
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, load_native
     from spectrain import export as export_cli
-    from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, load_native
     from spectrain.modules.specblock import REFERENCE_NAMES
 
     root, target, _ = tiny_setup

@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 
+from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from inference.algorithms import build_algorithm
 from inference.sampling import SamplingParams
 from inference.specblock_tree_builder import Nodes, TreeShape, gives_up, prune, slot_widths
 from inference.verify import tree_walk, tree_walk_law
-from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
 PROMPTS, N_NEW, AUX = ([7, 1, 8, 2, 8], [3, 14, 15, 92, 65, 35]), 64, [0, 1, 2]
 
@@ -358,10 +358,10 @@ def test_evaluate_names_the_missing_specblock_export(capsys, tmp_path):
 def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
     """On real MT-Bench prompts, in ONE evaluate run with an EAGLE-3 and a SpecBlock drafter (both untrained):
     specblock_tree keeps the output token-for-token equal to AR."""
+    from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from inference import evaluate as evaluate_cli
     from inference.drafters import LoadedModel
     from inference.runner import ModelRunner
-    from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
     model, tokenizer = smollm2
     target = LoadedModel("smollm2", ModelRunner.from_hf_model(model, max_seq_len=512), tokenizer, model)
@@ -386,9 +386,9 @@ def test_evaluate_loads_specblock_drafter_from_its_export(tmp_path):
     from tiny_targets import save_tiny_target
     from transformers import AutoConfig
 
+    from core.assets import target_record
+    from core.drafters.specblock import save_native
     from inference import evaluate as evaluate_cli
-    from spectrain.drafters.specblock import save_native
-    from spectrain.export import target_record
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
     model_config = SpecBlockConfig.for_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=500,

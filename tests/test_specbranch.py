@@ -3,7 +3,6 @@ T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from test_algorithms import GREEDY, runner, tiny_llama
@@ -127,7 +126,7 @@ def test_continuation_cut_per_class():
 def test_hrad_features_follow_the_last_k_convention():
     """The predictor sees [1, K, d] = HF hidden_states[-K:] at the position before the survivor token, and the
     target's input embedding of that token [1, d] (a real HRADPredictor checks the shapes too)."""
-    from spectrain.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+    from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 
     target = tiny_llama(0, layers=4, temperature_scale=8.0)
     draft = tiny_llama(0, layers=4, temperature_scale=8.0)

@@ -346,7 +346,7 @@ def test_real_smollm2_ssd_batch_equals_transformers_greedy(smollm2):
     from test_algorithms import hf_greedy
     from transformers import AutoModelForCausalLM
 
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
 
     model, tokenizer = smollm2
     config = model.config.to_dict() | {"num_hidden_layers": 6}

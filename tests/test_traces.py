@@ -125,7 +125,7 @@ def read_rows(directory) -> list[dict]:
 def test_traces_cli_records_rounds_and_resumes(models, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from data_prep.prompts import load_prompts, prompt_turns, render_prompt
+    from core.prompts import load_prompts, prompt_turns, render_prompt
 
     def run(out):
         return record_traces(parse_args(traces_args(models, out)), target=models["target"], draft=models["draft"])

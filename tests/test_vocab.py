@@ -7,9 +7,10 @@ import pytest
 import torch
 from tiny_targets import save_tiny_target, write_jsonl
 
+from core.vocab import build_vocab_map, check_vocab_mapping, load_vocab_map
 from data_prep.extract import extract, parse_args
 from data_prep.features import FeatureDataset
-from data_prep.vocab import build_vocab_map, check_vocab_mapping, load_vocab_map, main
+from data_prep.vocab import main
 
 
 def test_top_k_ids_sorted_ascending_with_offsets():

@@ -17,7 +17,7 @@ def save_tiny_target(directory: Path, *, seed: int = 0, layers: int = 8, hidden:
 
     ``noise`` > 0 perturbs every weight (after seeding the same init): a draft that partly agrees with the
     unperturbed model of the same seed."""
-    from spectrain.assets import load_tokenizer
+    from core.assets import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
     torch.manual_seed(seed)

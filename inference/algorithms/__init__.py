@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from inference.drafters import DRAFTER_KINDS
+
 # name -> "module:Class"; imported lazily so one algorithm's imports never burden another's users.
 ALGORITHMS: dict[str, str] = {
     "ar": "inference.algorithms.ar:Autoregressive",
@@ -27,8 +29,6 @@ def algorithm_class(name: str):
 def build_algorithm(name: str, target, draft=None, **options):
     """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3 or a SpecBlock drafter) refuses
     to start without one."""
-    from inference.drafters import DRAFTER_KINDS
-
     cls = algorithm_class(name)
     if cls.drafter == "none":
         return cls(target, **options)

@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options, check_adapt,
+from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options,
                                                    check_drafter_fits)
+from inference.round_observers import check_observer
 from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
 
@@ -42,7 +43,7 @@ class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
     def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,
                  max_seq_len: int | None = None, adapt: str = "none", adapt_settings=None):
         super().__init__(target, max_seq_len=max_seq_len)
-        check_adapt(adapt)
+        check_observer(adapt)
         if tree_depth < 1 or tree_topk < 1 or tree_total < 2:
             raise ValueError(f"need tree_depth >= 1, tree_topk >= 1 and tree_total >= 2 (root + one node), got "
                              f"{tree_depth}, {tree_topk}, {tree_total}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
+from inference.round_observers import OBSERVER_KINDS, observer_kind
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
 from inference.sampling import SamplingParams, sample
 from inference.verify import tree_walk
@@ -36,18 +37,12 @@ def check_drafter_fits(target, config, what: str) -> None:
                          f"{target.num_layers}-layer target")
 
 
-def check_adapt(adapt: str) -> None:
-    if adapt not in ("none", "bandit"):
-        raise ValueError(f"adapt={adapt} is unknown; use adapt=none or adapt=bandit")
-
-
 def adapt_options(cfg) -> dict:
     """The ``adapt=`` keywords of an evaluate/generate config (none when adaptation is off)."""
     if getattr(cfg, "adapt", "none") == "none":
         return {}
-    from spectrain.adapt.adapter import AdaptSettings
-
-    return {"adapt": cfg.adapt, "adapt_settings": AdaptSettings.from_options(cfg)}
+    known = cfg.adapt in OBSERVER_KINDS  # an unknown name is refused when the algorithm is built
+    return {"adapt": cfg.adapt, "adapt_settings": observer_kind(cfg.adapt).settings(cfg) if known else None}
 
 
 class FeatureDrafting:
@@ -55,17 +50,15 @@ class FeatureDrafting:
     ``self.adapter``); they implement ``_draft_tree`` and call ``_generate_trees``."""
 
     def _build_adapter(self, adapt: str, settings, *, verify_tokens: int, max_accept: int) -> None:
-        """``self.adapter``: None, or for ``adapt=bandit`` the serving-time adapter (measures its costs now, at
-        start-up, on this target and drafter). It adapts a private copy of the drafter, so algorithms sharing
-        the loaded one (variants in one evaluate run) never see its updates."""
+        """``self.adapter``: None, or the round observer ``adapt=`` names (:mod:`inference.round_observers`; for
+        ``adapt=bandit`` the serving-time adapter, which measures its costs now, at start-up, on this target and
+        drafter). It adapts a private copy of the drafter, so algorithms sharing the loaded one (variants in one
+        evaluate run) never see its updates."""
         self.adapter = None
-        if adapt == "bandit":
-            from spectrain.adapt.adapter import AdaptSettings
-            from spectrain.adapt.engine import build_adapter, private_copy
-
-            self.drafter = private_copy(self.drafter)
-            self.adapter = build_adapter(self.target, self.drafter, settings or AdaptSettings(),
-                                         verify_tokens=verify_tokens, max_accept=max_accept)
+        if adapt != "none":
+            self.drafter, self.adapter = observer_kind(adapt).attach(self.target, self.drafter, settings,
+                                                                     verify_tokens=verify_tokens,
+                                                                     max_accept=max_accept)
 
     def _draft_tree(self, features: torch.Tensor, next_tokens: list[int], committed: int, cache, out: OutputBuffer,
                     stats: GenerationStats, child_logits: dict[int, torch.Tensor] | None):

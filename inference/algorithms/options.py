@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class AlgorithmOptions:
@@ -102,6 +104,4 @@ class AlgorithmOptions:
 
 def apply_threads(cfg) -> None:
     if cfg.threads:
-        import torch
-
         torch.set_num_threads(cfg.threads)

@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core import assets
+from core.assets import tokenizer_fingerprint
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
 from inference.ngram_cache import ContextCache, CorpusCache
 from inference.row_logits import RowLogits, lazy_rows_on
@@ -319,9 +321,6 @@ class SelfDraft(Algorithm):
         }
         corpus_path = getattr(cfg, "ngram_corpus", None)
         if corpus_path:
-            from inference.drafters import tokenizer_fingerprint
-            from spectrain import assets
-
             fingerprint = tokenizer_fingerprint(assets.load_tokenizer(cfg.target))
             options["corpus"] = CorpusCache.load(corpus_path, tokenizer_fingerprint=fingerprint)
         return options

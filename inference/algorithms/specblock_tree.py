@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
-from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options, check_adapt,
+from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options,
                                                    check_drafter_fits)
+from inference.round_observers import check_observer
 from inference.sampling import SamplingParams
 from inference.specblock_tree_builder import SpecBlockTreeBuilder, TreeShape
 
@@ -42,7 +43,7 @@ class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
                  blocks: int = 2, prob_caps: bool = True, max_seq_len: int | None = None, adapt: str = "none",
                  adapt_settings=None):
         super().__init__(target, max_seq_len=max_seq_len)
-        check_adapt(adapt)
+        check_observer(adapt)
         if not hasattr(drafter, "forward_leaves"):
             raise ValueError(f"specblock_tree needs a SpecBlock drafter, got {type(drafter).__name__}: pass "
                              "specblock_drafter=PATH (a SpecBlock export for this target)")

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from core.drafters.hrad import load_hrad, stack_lastk
 from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
 from inference.draft_side import OverlappedDraftAlgorithm, common_prefix
 from inference.match import match_round
@@ -37,7 +38,7 @@ DEFAULT_EPSILON = 0.3  # §2.3, when the H-RAD export does not store one
 
 
 class ClassPredictor(Protocol):
-    """What SpecBranch needs from H-RAD (``spectrain.drafters.hrad.HRADPredictor``)."""
+    """What SpecBranch needs from H-RAD (``core.drafters.hrad.HRADPredictor``)."""
 
     capture_layers: list[int]
 
@@ -81,8 +82,6 @@ def load_predictor(hrad: str | ClassPredictor | None, target) -> ClassPredictor 
     if hrad is None or (isinstance(hrad, str) and hrad.lower() in ("", "none", "auto")):
         return None  # "auto" reaches here only when no H-RAD export was found (evaluate resolves it)
     if isinstance(hrad, str):
-        from spectrain.drafters.hrad import load_hrad
-
         return load_hrad(hrad, target)
     return hrad
 
@@ -117,7 +116,6 @@ class SpecBranch(OverlappedDraftAlgorithm):
         """H-RAD's class for the survivor token, from the target's features at ``position`` (the one before it)."""
         if self.predictor is None:
             return 1
-        from spectrain.drafters.hrad import stack_lastk
 
         hidden = {layer: h[0, position] for layer, h in output.hidden.items()}
         lastk = stack_lastk(hidden, output.last_hidden[0, position], self.capture)[None]

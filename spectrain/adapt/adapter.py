@@ -50,7 +50,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from spectrain.adapt.background import BackgroundRunner, Publisher
 from spectrain.adapt.bandit import CostAwareUCB, Decision
 from spectrain.adapt.cost import CostModel, saving
 from spectrain.adapt.drafters import AdaptableDrafter
@@ -109,9 +112,6 @@ class AdaptSettings:
     def with_overrides(cls, base: AdaptSettings | dict[str, Any], overrides: dict[str, str]) -> AdaptSettings:
         """``base`` (settings, or a dict of field values: unknown keys ignored) with ``overrides`` (field name ->
         command-line string) parsed and type-checked by OmegaConf (``validate=false`` is False, ``log=null`` None)."""
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-
         if isinstance(base, dict):
             base = cls(**{f.name: base[f.name] for f in fields(cls) if f.name in base})
         try:
@@ -188,8 +188,6 @@ class BanditAdapter:
         self._started = 0.0
         self.background = None
         if settings.background and serving is not None:
-            from spectrain.adapt.background import BackgroundRunner, Publisher
-
             if serving is adaptable.module:
                 raise ValueError("adapt_background needs a training copy of the drafter, not the serving one")
             publisher = Publisher(adaptable.module, serving, self.updater.parameters("full"))

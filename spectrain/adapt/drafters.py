@@ -14,8 +14,12 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from core.drafters.eagle3 import Eagle3Drafter, shift_left
 from spectrain.adapt.record import QueryRecord
 from spectrain.adapt.signal import draft_prob_of
+from spectrain.eagle3_losses import teacher_in_draft_vocab, ttt_loss, ttt_targets
+from spectrain.metrics import SimulatedAcceptance, token_acceptance
+from spectrain.specblock_losses import block_losses, rows_ahead, total_loss, unroll_blocks
 
 
 @runtime_checkable
@@ -86,7 +90,7 @@ class FeatureDrafterAdaptable:
         """Put peft LoRA adapters (rank ``rank``, zero-initialised B: the drafter's output is unchanged) on the
         decoder's linear layers, for the ``lora`` arm. Trainable flags stay as they were (peft would freeze the
         rest; the updater chooses per arm)."""
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import LoraConfig, inject_adapter_in_model  # peft: a heavy import, deferred to first use
 
         if rank < 1:
             raise ValueError(f"adapt_lora_rank must be >= 1, got {rank}")
@@ -108,8 +112,6 @@ class FeatureDrafterAdaptable:
         return lora
 
     def teacher_rows(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from spectrain.modules.eagle3 import teacher_in_draft_vocab
-
         return teacher_in_draft_vocab(target_logits.float(), self.module.t2d)
 
     def draft_prob(self, draft_logits: torch.Tensor, target_token: int) -> float:
@@ -164,8 +166,6 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
         return [self.module.norm.weight, self.module.lm_head.weight]
 
     def loss_closure(self, record: QueryRecord, arm: str) -> Callable[[], torch.Tensor]:
-        from spectrain.modules.eagle3 import ttt_loss, ttt_targets
-
         drafter, batch = self.module, self.batch(record)
         targets = ttt_targets(batch["teacher"], batch["in_vocab"], batch["supervised"], self.ttt_steps)
         teachers, masks = [t for t, _ in targets], [m for _, m in targets]
@@ -194,10 +194,6 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
     def simulate(self, record: QueryRecord, gamma: int) -> tuple[float, list[float], int]:
         """Replay's environment: greedy chains of ``gamma`` drafts from every generated row, teacher-forced on the
         recorded sequence. Returns (τ_sim, q_r at each chain's first rejection, number of chains)."""
-        from spectrain.drafters.eagle3 import shift_left
-        from spectrain.metrics import SimulatedAcceptance, token_acceptance
-        from spectrain.modules.eagle3 import ttt_targets
-
         batch = self.batch(record)
         students = self.module(batch["input_ids"], batch["aux_hidden"], steps=gamma).logits
         targets = ttt_targets(batch["teacher"], batch["in_vocab"], batch["supervised"], gamma)
@@ -239,16 +235,12 @@ class SpecBlockAdaptable(FeatureDrafterAdaptable):
 
     def _row_frame(self, record: QueryRecord):
         """The module's row frame (``SpecBlockModule._rows``): features, tokens x_{i+1}, teacher, position mask."""
-        from spectrain.drafters.eagle3 import shift_left
-
         batch = self.batch(record)
         teacher = shift_left(batch["teacher"], 1).softmax(-1)
         pm = shift_left(batch["supervised"], 2, fill=False) & shift_left(batch["in_vocab"], 1, fill=False)
         return batch["aux_hidden"], shift_left(batch["input_ids"], 1), teacher, pm
 
     def loss_closure(self, record: QueryRecord, arm: str) -> Callable[[], torch.Tensor]:
-        from spectrain.specblock_losses import total_loss, unroll_blocks
-
         if arm not in ("head", "full", "lora"):
             raise ValueError(f"unknown update arm '{arm}'; use head, full or lora")
         aux, tokens, teacher, pm = self._row_frame(record)
@@ -263,8 +255,6 @@ class SpecBlockAdaptable(FeatureDrafterAdaptable):
     @torch.no_grad()
     def simulate(self, record: QueryRecord, gamma: int) -> tuple[float, list[float], int]:
         """First-block chains (at most ``min(gamma, K)`` slots) from every anchor with a fully valid block."""
-        from spectrain.specblock_losses import block_losses, rows_ahead
-
         aux, tokens, teacher, pm = self._row_frame(record)
         out = self.module.forward_block(aux, tokens, from_target=True)
         slots = min(gamma, self.module.config.block_size)
@@ -285,8 +275,6 @@ class SpecBlockAdaptable(FeatureDrafterAdaptable):
 
 def adaptable_for(drafter, **settings) -> AdaptableDrafter:
     """The adapter class of a drafter module."""
-    from spectrain.drafters.eagle3 import Eagle3Drafter
-
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Adaptable(drafter, **settings)
     if hasattr(drafter, "forward_block") and hasattr(drafter, "head_parameters"):  # SpecBlockDrafter

@@ -1,7 +1,9 @@
-"""Engine-side set-up of ``adapt=bandit``: the drafter's adapter class, the measured cost model, the adapter."""
+"""Engine-side set-up of ``adapt=bandit``: the drafter's adapter class, the measured cost model, the adapter, and
+:data:`BANDIT`, what the engine's round-observer hook (:mod:`inference.round_observers`) attaches."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict
 from typing import Any
 
@@ -54,7 +56,6 @@ def adaptable_with_settings(drafter, settings: AdaptSettings) -> AdaptableDrafte
 def private_copy(drafter):
     """A copy of ``drafter`` that adaptation may change without touching the loaded one (other algorithms of the
     same evaluate run serve from it); the target's embedding stays shared, not copied."""
-    import copy
 
     shared = drafter.embed_tokens.weight
     return copy.deepcopy(drafter, memo={id(shared): shared})
@@ -90,3 +91,19 @@ def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: in
     return BanditAdapter(adaptable, costs, settings, serving=drafter if settings.background else None,
                          manifest={"max_accept": max_accept, "verify_tokens": verify_tokens,
                                    "drafter": type(drafter).__name__})
+
+
+class BanditObservers:
+    """``adapt=bandit`` for :mod:`inference.round_observers`: a :class:`BanditAdapter` over a private copy."""
+
+    def settings(self, cfg: Any) -> AdaptSettings:
+        return AdaptSettings.from_options(cfg)
+
+    def attach(self, target, drafter, settings: AdaptSettings | None, *, verify_tokens: int,
+               max_accept: int) -> tuple[Any, BanditAdapter]:
+        served = private_copy(drafter)
+        return served, build_adapter(target, served, settings or AdaptSettings(), verify_tokens=verify_tokens,
+                                     max_accept=max_accept)
+
+
+BANDIT = BanditObservers()

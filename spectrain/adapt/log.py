@@ -26,7 +26,7 @@ class DecisionLog:
                 csv.DictWriter(f, FIELDS).writeheader()
         self.run = None
         if wandb_project:
-            import wandb
+            import wandb  # wandb: a heavy import, deferred to first use
 
             self.run = wandb.init(project=wandb_project, job_type="adapt", reinit="finish_previous")
 
@@ -56,10 +56,10 @@ ARM_STYLE = {"skip": ("o", "tab:gray"), "head": ("^", "tab:blue"), "full": ("s",
 
 def plot_tau(rows: list[dict[str, Any]], path: str | Path, title: str = "τ over queries") -> Path:
     """PNG of τ per query with the chosen arm as marker (rolled-back updates crossed out)."""
-    import matplotlib
+    import matplotlib  # matplotlib: a heavy import, deferred to first use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: a heavy import, deferred to first use
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     queries = [int(r["query"]) for r in rows]
@@ -85,7 +85,7 @@ def plot_tau(rows: list[dict[str, Any]], path: str | Path, title: str = "τ over
     if reset:
         ax.scatter([int(r["query"]) for r in reset], [float(r["tau"]) for r in reset], marker="*", color="tab:orange",
                    s=90, label="back to the original (origin check)", zorder=4)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # matplotlib: a heavy import, deferred to first use
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("query")

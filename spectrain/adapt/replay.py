@@ -24,14 +24,17 @@ from typing import Any
 
 import torch
 
+from core.atomic import check_output
+from core.drafters.eagle3_layouts import read_checkpoint
+from core.overrides import OverrideError, run_cli, split_key_values
+from inference.drafters import load_eagle3, load_lm
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
+from spectrain.adapt.background import Publisher, changed_weights
 from spectrain.adapt.cost import CostModel
-from spectrain.adapt.engine import adaptable_with_settings
+from spectrain.adapt.engine import adaptable_with_settings, training_copy
 from spectrain.adapt.log import plot_tau
 from spectrain.adapt.record import read_trace
 from spectrain.adapt.signal import query_signal
-from spectrain.atomic import check_output
-from spectrain.overrides import OverrideError, run_cli, split_key_values
 
 USAGE = "python -m spectrain.adapt.replay traces=DIR drafter=PATH [out=DIR] [gamma=N] [horizon=H ...]"
 
@@ -75,9 +78,6 @@ def replay(records, adaptable, settings: AdaptSettings, costs: CostModel, *, gam
     """Run the policy over ``records`` (in order) with ``adaptable``'s drafter; returns the decision rows. With
     ``background``, τ is measured on a serving copy that receives the policy's weight changes one query late, at
     the points the engine publishes them (:mod:`spectrain.adapt.background`)."""
-    from spectrain.adapt.background import Publisher, changed_weights
-    from spectrain.adapt.engine import training_copy
-
     settings.log, settings.cost_cache = (str(out) if out else None), None
     costs = CostModel(costs.target_forward_s, dict(costs.update_s_per_row), refine=0.0)  # recorded, frozen
     adapter = BanditAdapter(adaptable, costs, settings, write_traces=False)
@@ -104,9 +104,6 @@ def replay(records, adaptable, settings: AdaptSettings, costs: CostModel, *, gam
 
 
 def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
-    from inference.drafters import load_eagle3, load_lm
-    from spectrain.drafters.eagle3_layouts import read_checkpoint
-
     torch.set_num_threads(cfg.threads)
     check_output(cfg.out or Path(cfg.traces) / "replay")
     manifest, records = read_trace(cfg.traces)

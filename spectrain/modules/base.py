@@ -8,6 +8,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from omegaconf import OmegaConf
+
+from spectrain.data import build_feature_datamodule
+from spectrain.targets import loaded_target
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
@@ -25,7 +29,6 @@ class DrafterModule(L.LightningModule):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        from omegaconf import OmegaConf
 
         self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg
@@ -36,8 +39,6 @@ class DrafterModule(L.LightningModule):
 
     def target_model(self):
         """The target (loaded once per process; NOT a submodule, so it is neither trained nor checkpointed)."""
-        from spectrain.data import loaded_target
-
         return loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
                              chat_template=self.cfg.data.chat_template).model
 
@@ -56,6 +57,4 @@ class DrafterModule(L.LightningModule):
 
 
 def build_datamodule(cfg: Any):
-    from spectrain.data import build_feature_datamodule
-
     return build_feature_datamodule(cfg)

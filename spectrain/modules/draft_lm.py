@@ -13,17 +13,25 @@ so this is distillation of exactly what greedy verification accepts, at the cost
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
-from spectrain.drafters.draft_lm import add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings, layer_drop_init
+from core import assets
+from core.drafters.draft_lm import (add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings,
+                                    layer_drop_init)
+from core.drafters.eagle3_layouts import CheckpointError
+from core.overrides import OverrideError
+from spectrain.data import build_feature_datamodule
+from spectrain.export import read_lightning_checkpoint
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.data import build_feature_datamodule, trained_template
 from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
+from spectrain.targets import loaded_target, trained_template
 
 
 @dataclass
@@ -128,9 +136,6 @@ class DraftLMModule(DrafterModule):
 
     def export(self, out_dir, metrics: dict | None = None) -> None:
         """A loadable draft-LM directory: HF weights + tokenizer + the ``spectrain`` block."""
-        from spectrain import assets
-        from spectrain.data import loaded_target
-
         tokenizer = loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
                                   chat_template=self.cfg.data.chat_template).tokenizer
         block = {"kind": "draft_lm", "target": {**assets.model_identity(self.cfg.target), **trained_template(self.cfg)},
@@ -144,5 +149,23 @@ def build_draft_lm_datamodule(cfg: Any):
     return build_feature_datamodule(cfg, features=cfg.model.get("teacher", "target") != "tokens")
 
 
+def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
+    """A draft LM is a plain causal LM: exported as a loadable HF directory (weights, tokenizer, spectrain block)."""
+    if cfg.format != "native":
+        raise OverrideError(f"a draft_lm exports only as format=native (a Hugging Face directory); "
+                            f"'{cfg.format}' is an EAGLE-3 layout")
+    out = Path(cfg.out)
+    if out.exists():
+        raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
+    raw = read_lightning_checkpoint(path)
+    recipe = OmegaConf.create(raw["hyper_parameters"]["recipe"])
+    if cfg.target and cfg.target != recipe.target:
+        raise CheckpointError(f"{path} was trained for target '{recipe.target}', not '{cfg.target}'")
+    module = DraftLMModule.load_from_checkpoint(path, cfg=recipe, map_location="cpu", weights_only=False)
+    metrics = (raw.get("spectrain") or {}).get("metrics") or {}
+    module.export(out, metrics={**metrics, "global_step": raw.get("global_step"), "source": str(path)})
+    return out
+
+
 register_kind(DrafterKind(name="draft_lm", build_module=DraftLMModule, build_datamodule=build_draft_lm_datamodule,
-                          model_schema=DraftLMSchema))
+                          model_schema=DraftLMSchema, export_checkpoint=export_draft_lm_checkpoint))

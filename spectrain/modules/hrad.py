@@ -1,5 +1,5 @@
 """``kind=hrad``: train SpecBranch's H-RAD classifier on acceptance traces (recipes ``hrad_smollm2``,
-``hrad_llama8b``); the model and its export: :mod:`spectrain.drafters.hrad`.
+``hrad_llama8b``); the model and its export: :mod:`core.drafters.hrad`.
 
 Data: a ``data_prep.traces`` directory (``data.dataset_dir``). A row is a verification round; H-RAD's input is
 [the round's ``hidden_lastk`` ; the target's input embedding of its ``branch_token``], its label comes from
@@ -20,6 +20,7 @@ of training ``confusion_matrix.png`` and ``hrad_metrics.json`` are written next 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -28,12 +29,22 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
-from spectrain.drafters.hrad import (CLASS_NAMES, DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
-                                     check_boundaries, default_boundaries, embedding_probe, hrad_labels, save_native)
+from core.assets import AssetError, model_identity, resolve_model_dir
+from core.drafters.eagle3_layouts import CheckpointError
+from core.drafters.hrad import (CLASS_NAMES, DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
+                                check_boundaries, default_boundaries, embedding_probe, hrad_labels,
+                                save_native)
+from core.layer_ids import LAYER_CONVENTION
+from core.overrides import OverrideError, RecipeError
+from data_prep.manifest import DatasetError, read_manifest
+from data_prep.shards import ShardReader, to_tensor
+from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 
 BALANCE = ("weights", "sampler", "none")
@@ -55,8 +66,6 @@ class HRADSchema:
 
 
 def _recipe_error(message: str) -> Exception:
-    from spectrain.fit import RecipeError
-
     return RecipeError(message)
 
 
@@ -72,9 +81,6 @@ def last_k_of(layers: Any) -> int:
 def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dict[str, Any]:
     """The manifest of a complete traces directory made for ``target`` with ``last{K}``, or a one-line
     ``DatasetError``."""
-    from data_prep.layers import LAYER_CONVENTION
-    from data_prep.manifest import DatasetError, read_manifest
-
     if not directory:
         raise DatasetError("data.dataset_dir is not set: give a traces directory (python -m data_prep.traces "
                            "target=... drafter=... gamma=7 out=DIR)")
@@ -92,8 +98,6 @@ def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dic
         raise DatasetError(f"{directory} holds {layers['spec']} hidden states, the recipe reads last{last_k}: "
                            f"re-record with last_k={last_k} or set data.layers={layers['spec']}")
     if target is not None:
-        from spectrain.assets import model_identity
-
         have, want = manifest["target"], model_identity(str(target))
         if (have["config_hash"], have["weights_hash"]) != (want["config_hash"], want["weights_hash"]):
             raise DatasetError(f"{directory} was recorded with target '{have['name']}' (weights "
@@ -104,9 +108,7 @@ def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dic
 
 def read_input_embeddings(target: str) -> torch.Tensor:
     """The target's input embedding matrix [V, d], read alone from its safetensors (no model is built)."""
-    from safetensors import safe_open
-
-    from spectrain.assets import resolve_model_dir
+    from safetensors import safe_open  # safetensors: a heavy import, deferred to first use
 
     directory = resolve_model_dir(target)
     for file in sorted(directory.glob("*.safetensors")):
@@ -131,8 +133,6 @@ class TraceRows:
 
 
 def _numpy_column(reader, name: str):
-    import numpy as np
-
     spec = reader.columns[name]
     parts = []
     for table in reader.tables:
@@ -146,8 +146,6 @@ def _numpy_column(reader, name: str):
 
 def load_trace_rows(directory: Any, manifest: dict[str, Any], boundaries: list[int], last_k: int) -> TraceRows:
     """Read the columns H-RAD uses into memory (hidden states stay in their stored dtype)."""
-    from data_prep.shards import ShardReader, to_tensor
-
     reader = ShardReader(directory, manifest)
     gamma, hidden_size = int(manifest["args"]["gamma"]), int(manifest["target"]["hidden_size"])
     accepted = torch.from_numpy(_numpy_column(reader, "num_accepted")).long()
@@ -307,6 +305,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperatu
                            ece_bins: int = 10) -> dict[str, Any]:
     """Recall per class, confusion matrix (rows: true, columns: predicted), NLL and ECE raw and at
     ``temperature`` (argmax decisions do not depend on it)."""
+    # torchmetrics: a heavy import, deferred to first use
     from torchmetrics.classification import (MulticlassCalibrationError, MulticlassConfusionMatrix,
                                              MulticlassRecall)
 
@@ -333,12 +332,11 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperatu
 
 def confusion_png(confusion: list[list[int]], title: str = "H-RAD confusion (validation)") -> bytes:
     """The confusion matrix as a PNG (rows: true class, columns: predicted; counts and row-normalised %)."""
-    import io
 
-    import matplotlib
+    import matplotlib  # matplotlib: a heavy import, deferred to first use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: a heavy import, deferred to first use
 
     matrix = torch.tensor(confusion, dtype=torch.float64)
     rates = matrix / matrix.sum(1, keepdim=True).clamp(min=1)
@@ -366,10 +364,6 @@ def confusion_png(confusion: list[list[int]], title: str = "H-RAD confusion (val
 class HRADModule(L.LightningModule):
     def __init__(self, cfg: Any):
         super().__init__()
-        from omegaconf import OmegaConf
-
-        from data_prep.manifest import DatasetError
-        from spectrain.assets import AssetError, resolve_model_dir
 
         self.save_hyperparameters({"recipe": OmegaConf.to_container(cfg, resolve=True)})
         self.cfg = cfg
@@ -408,8 +402,6 @@ class HRADModule(L.LightningModule):
         self.data_summary = datamodule.summary
 
     def configure_optimizers(self):
-        from spectrain.modules.base import DrafterModule
-
         return DrafterModule.configure_optimizers(self)  # AdamW + warm-up/cosine over self.drafter (shared)
 
     def _logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,9 +495,6 @@ class HRADModule(L.LightningModule):
 
 def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
     """``python -m spectrain.export ckpt=PATH out=DIR`` for a kind=hrad Lightning checkpoint (native only)."""
-    from spectrain.drafters.eagle3_layouts import CheckpointError
-    from spectrain.overrides import OverrideError
-
     if cfg.format != "native":
         raise OverrideError(f"an H-RAD exports only as format=native; '{cfg.format}' is an EAGLE-3 layout")
     raw = torch.load(path, map_location="cpu", weights_only=False)  # the user's own training checkpoint
@@ -513,8 +502,6 @@ def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
     if not meta.get("target"):
         raise CheckpointError(f"{path} has no target record: export a checkpoint saved by kind=hrad training")
     if cfg.target:
-        from spectrain.assets import model_identity
-
         want = model_identity(str(cfg.target))
         if (meta["target"]["config_hash"], meta["target"]["weights_hash"]) != (want["config_hash"],
                                                                              want["weights_hash"]):
@@ -529,4 +516,4 @@ def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
 
 
 register_kind(DrafterKind(name="hrad", build_module=HRADModule, build_datamodule=HRADDataModule,
-                          model_schema=HRADSchema))
+                          model_schema=HRADSchema, export_checkpoint=export_hrad_checkpoint))

@@ -11,20 +11,27 @@ valid-prefix rule and ``tau_sim`` (γ = K), the 2-block chain (cut at K), rank-h
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from spectrain.assets import load_safetensors
-from spectrain.data import trained_template
-from spectrain.drafters.eagle3 import shift_left
-from spectrain.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.assets import load_safetensors, target_record
+from core.drafters.eagle3 import shift_left
+from core.drafters.eagle3_layouts import CheckpointError, read_checkpoint, same_target
+from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, build_drafter, save_native
+from core.layer_ids import eagle3_layers, resolve_layers
+from core.overrides import RecipeError
+from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
+from spectrain.eagle3_losses import teacher_in_draft_vocab
 from spectrain.metrics import SimulatedAcceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
-from spectrain.modules.eagle3 import teacher_in_draft_vocab, vocab_map_for
+from spectrain.modules.eagle3 import vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.specblock_losses import RANK_MASKS, total_loss, unroll_blocks
+from spectrain.targets import trained_template
 
 
 @dataclass
@@ -45,8 +52,6 @@ class SpecBlockSchema:
 
 
 def _check_schema(model: Any) -> None:
-    from spectrain.fit import RecipeError
-
     if model.rank_mask not in RANK_MASKS:
         raise RecipeError(f"model.rank_mask={model.rank_mask} is not one of {', '.join(RANK_MASKS)}")
     if model.block_size < 1 or model.num_layers < 1 or model.train_blocks < 1:
@@ -58,15 +63,12 @@ class SpecBlockModule(DrafterModule):
     def __init__(self, cfg: Any):
         _check_schema(cfg.model)
         super().__init__(cfg)
-        from data_prep.layers import resolve_layers
 
         target = self.target_model()
         model_cfg = cfg.model
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
         eagle = None
         if model_cfg.warm_start:
-            from spectrain.drafters.eagle3_layouts import read_checkpoint
-
             eagle = read_checkpoint(model_cfg.warm_start)
         vocab_map = self._vocab_map(eagle, target.config.vocab_size)
         draft_vocab = (model_cfg.draft_vocab_size or target.config.vocab_size) if vocab_map is None \
@@ -88,6 +90,7 @@ class SpecBlockModule(DrafterModule):
         K = config.block_size
         self.val_block1 = SimulatedAcceptance(K)
         self.val_two_blocks = SimulatedAcceptance(2 * K)
+        # torchmetrics: a heavy import, deferred to first use
         from torchmetrics.classification import MulticlassConfusionMatrix
 
         self.val_rank_confusion = MulticlassConfusionMatrix(num_classes=config.rank_buckets)
@@ -187,8 +190,6 @@ class SpecBlockModule(DrafterModule):
         self.val_rank_confusion.reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        from spectrain.export import target_record
-
         if getattr(self, "_target_record", None) is None:  # hashes the target's weights: once per run
             self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
         checkpoint["spectrain"] = {"kind": "specblock", "config": self.drafter.config.to_dict(),
@@ -234,17 +235,9 @@ def warm_start_from_eagle3(drafter: SpecBlockDrafter, eagle: Any) -> list[str]:
     return sorted(mapping)
 
 
-register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,
-                          model_schema=SpecBlockSchema))
-
-
 def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
     """``python -m spectrain.export ckpt=<specblock .ckpt> out=DIR``: the native export dir (K, layers, rank
-    buckets, widths and vocab map in ``config.json``; ``spectrain.drafters.specblock.load_native`` reads it)."""
-    from spectrain.drafters.eagle3_layouts import CheckpointError, same_target
-    from spectrain.drafters.specblock import build_drafter, save_native
-    from spectrain.export import DRAFTER_PREFIX, DTYPES, target_record
-
+    buckets, widths and vocab map in ``config.json``; ``core.drafters.specblock.load_native`` reads it)."""
     if cfg.format != "native":
         raise CheckpointError(f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 "
                               "engine layout")
@@ -289,8 +282,6 @@ def reference_config(raw: dict[str, Any], target: dict[str, Any]) -> SpecBlockCo
     """Our config from the release's config.json fields that map (K = ``diffspec_draft_token_num``, buckets =
     ``rank_classes``, layers = ``num_hidden_layers``); aux layers = the EAGLE-3 triple of the target (what the
     release captures); RoPE base 10 000 unless the file sets one (§1.3)."""
-    from data_prep.layers import eagle3_layers
-
     hidden = raw["hidden_size"]
     try:
         return SpecBlockConfig(
@@ -312,12 +303,6 @@ def reference_config(raw: dict[str, Any], target: dict[str, Any]) -> SpecBlockCo
 def import_specblock_reference(path: Any, cfg: Any) -> Any:
     """``python -m spectrain.export import=<release dir> target=NAME_OR_DIR out=DIR``: a checkpoint of the
     reference release (config.json + model.safetensors) -> our native export dir."""
-    import json
-    from pathlib import Path
-
-    from spectrain.drafters.eagle3_layouts import CheckpointError
-    from spectrain.drafters.specblock import build_drafter, save_native
-    from spectrain.export import DTYPES, target_record
 
     directory = Path(path)
     if not cfg.target:
@@ -345,3 +330,8 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
     return save_native(drafter, cfg.out, target=target, metrics={"source": str(directory),
                                                                   "source_layout": "specblock_reference"},
                        extra={"imported_from": "specblock_reference"})
+
+
+register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,
+                          model_schema=SpecBlockSchema, export_checkpoint=export_specblock_checkpoint,
+                          import_reference=import_specblock_reference))

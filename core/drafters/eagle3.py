@@ -33,8 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.runner import MLP, Linear, RMSNorm, _rotate_half
-from spectrain.drafters.target_tied import TargetTiedDrafter
+from core.blocks.linear import Linear
+from core.blocks.mlp import MLP
+from core.blocks.norm import RMSNorm
+from core.blocks.rope import apply_rope
+from core.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
 
@@ -43,7 +46,7 @@ NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's
 class TargetShapedConfig:
     """The fields and (de)serialisation every target-shaped drafter config shares (EAGLE-3, SpecBlock): decoder
     layers with a target's per-layer shapes, its embedding rows, a draft vocabulary and three aux layers.
-    ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based (``data_prep.layers`` convention; the runner's
+    ``aux_layer_ids`` are OUTPUT-of-decoder-layer ids, 0-based (``core.layer_ids`` convention; the runner's
     capture convention)."""
 
     KIND = "drafter"  # names the drafter in errors
@@ -151,7 +154,7 @@ def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: l
 
 def layer_llama_config(config: Any, *, num_layers: int):
     """The transformers ``LlamaConfig`` of a drafter's decoder layers (RoPE, MLP and norms read it)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # transformers: a heavy import, deferred to first use
 
     return LlamaConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, num_hidden_layers=num_layers,
@@ -214,8 +217,7 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
@@ -315,12 +317,8 @@ class Eagle3Drafter(TargetTiedDrafter):
                                                                 torch.Tensor]:
         """Rows (token [B, T], hidden [B, T, H]) at ``positions`` [B, T] against past K/V under ``mask``
         [B, T, P + T] -> (logits [B, T, Vd] or None without ``heads``, next hidden [B, T, H], K, V of these rows)."""
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self._inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
         dtype = hidden.dtype
-        cos, sin = (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        cos, sin = self._rope(positions, dtype)
         embeds = self.embed_tokens(tokens).to(dtype)
         out, k, v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
         return (self.head(out) if heads else None), out, k, v

@@ -37,19 +37,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
-from inference.runner import MLP, Linear, RMSNorm
-from spectrain.assets import load_safetensors, read_json
-from spectrain.drafters.eagle3 import (
-    NUM_AUX_LAYERS,
-    Eagle3Attention,
-    TargetShapedConfig,
-    check_drafter_config,
-    layer_llama_config,
-    target_layer_shape,
-)
-from spectrain.drafters.target_tied import TargetTiedDrafter
+from core.assets import load_safetensors, read_json
+from core.atomic import atomic_directory
+from core.blocks.linear import Linear
+from core.blocks.mlp import MLP
+from core.blocks.norm import RMSNorm
+from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedConfig, check_drafter_config,
+                                  layer_llama_config, target_layer_shape)
+from core.drafters.target_tied import TargetTiedDrafter
+from core.layer_ids import LAYER_CONVENTION
+from core.vocab import check_vocab_mapping
 
 NUM_RANK_FEATURES = 15
 RANK_BUCKET_UPPER = (1, 4, 10)  # bucket c holds ranks in (UPPER[c-1], UPPER[c]]; > 10 is the "give up" bucket
@@ -296,13 +296,6 @@ class SpecBlockDrafter(TargetTiedDrafter):
 
     # -- the one code path -----------------------------------------------------------------------------------
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self._inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
-
     def _trunk(self, cond: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, past: BlockKV | None,
                mask: torch.Tensor) -> tuple[torch.Tensor, BlockKV]:
         """Block forward of A anchors: ``cond`` [B, A, H] (RMSNorm_c input), ``tokens`` [B, A] target ids,
@@ -444,8 +437,6 @@ class SpecBlockDrafter(TargetTiedDrafter):
 
 def spectrain_block(config: SpecBlockConfig, target: dict[str, Any] | None,
                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from data_prep.layers import LAYER_CONVENTION
-
     return {
         "format_version": FORMAT_VERSION, "kind": KIND, "layout": "native", "target": target,
         "architecture": config.to_dict(), "block_size": config.block_size, "num_layers": config.num_layers,
@@ -464,9 +455,7 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
     """Write the native export dir atomically: ``config.json`` (``spectrain`` block), ``model.safetensors``
     (without the frozen target embedding), ``metrics.json`` and ``recipe.yaml`` when given. Refuses an existing
     non-empty ``out_dir`` (exports are never overwritten)."""
-    from safetensors.torch import save_file
-
-    from spectrain.atomic import atomic_directory
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     out = Path(out_dir)
     if any(out.iterdir()) if out.is_dir() else out.exists():
@@ -480,8 +469,6 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
         if recipe is not None:
-            from omegaconf import OmegaConf
-
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
     return out
 
@@ -506,8 +493,6 @@ def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tens
 def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],
                   embed_weight: torch.Tensor | None = None) -> SpecBlockDrafter:
     """The module holding ``tensors`` (strict: no missing or unknown tensor, shapes checked)."""
-    from data_prep.vocab import check_vocab_mapping
-
     with torch.device("meta"):
         drafter = SpecBlockDrafter(config)
     expected = {name: t.shape for name, t in drafter.state_dict().items() if name != EMBED}

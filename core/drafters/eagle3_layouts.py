@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from data_prep.layers import LAYER_CONVENTION, eagle3_layers
-from spectrain.assets import AssetError, load_safetensors, read_json
-from spectrain.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
+from core.assets import AssetError, load_safetensors, read_json
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
+from core.layer_ids import LAYER_CONVENTION, eagle3_layers
+from core.vocab import check_vocab_mapping
 
 LAYOUTS = ("native", "sglang", "speculators")
 FORMAT_VERSION = 1
@@ -204,7 +205,7 @@ def layout_tensors(tensors: dict[str, torch.Tensor], layout: str,
 def write_layout(ckpt: Eagle3Checkpoint, layout: str, directory: Path, *, dtype: torch.dtype | None = None,
                  speculative_tokens: int = 3) -> None:
     """Write ``config.json`` and ``model.safetensors`` of ``layout`` into an existing ``directory``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     dtype = dtype or ckpt.tensors["fc.weight"].dtype
     config = layout_config(ckpt, layout, dtype=dtype, speculative_tokens=speculative_tokens)
@@ -366,8 +367,6 @@ def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _check_vocab(tensors: dict[str, torch.Tensor], config: Eagle3Config, where: Path) -> None:
-    from data_prep.vocab import check_vocab_mapping
-
     rows = tensors["lm_head.weight"].shape[0]
     if rows != config.draft_vocab_size or tensors["d2t"].numel() != rows:
         raise CheckpointError(f"{where}: draft_vocab_size {config.draft_vocab_size}, lm_head rows {rows} and d2t "

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference.runner import _rope_inv_freq
+from core.blocks.rope import rope_cos_sin, rope_inv_freq
+from core.vocab import check_vocab_mapping
 
 
 class TargetTiedDrafter(nn.Module):
@@ -35,7 +36,13 @@ class TargetTiedDrafter(nn.Module):
         # A plain fp32 attribute, not a buffer: module.to(bfloat16) must not round the RoPE frequencies
         # (and on CPU even when the module is built on the meta device).
         with torch.device("cpu"):
-            self._inv_freq, self.rope_scale = _rope_inv_freq(config.llama_config(), config.resolved_head_dim)
+            self._inv_freq, self.rope_scale = rope_inv_freq(config.llama_config(), config.resolved_head_dim)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] at ``positions`` [B, T]; the fp32 frequencies follow ``positions`` to its device."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        return rope_cos_sin(positions, self._inv_freq, self.rope_scale, dtype)
 
     def _check_embedding(self, weight: torch.Tensor) -> None:
         expected = (self.config.vocab_size, self.config.hidden_size)
@@ -50,8 +57,6 @@ class TargetTiedDrafter(nn.Module):
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a reduced vocabulary (``data_prep.vocab`` output); refuses an inconsistent map."""
-        from data_prep.vocab import check_vocab_mapping
-
         if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
             raise ValueError(f"vocab map has {d2t.numel()} draft / {t2d.numel()} target ids but the drafter has "
                              f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")

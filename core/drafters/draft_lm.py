@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from core.atomic import atomic_directory
+
 
 def evenly_spaced_layers(num_layers: int, keep: int) -> list[int]:
     """``keep`` layer ids spread over ``num_layers``, always including the first and the last."""
@@ -24,7 +26,7 @@ def evenly_spaced_layers(num_layers: int, keep: int) -> list[int]:
 
 def layer_drop_init(target, keep_layers: Sequence[int]):
     """A new causal LM with the target's config but only ``keep_layers`` (copied), sharing nothing mutable."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: a heavy import, deferred to first use
 
     keep_layers = list(keep_layers)
     config = type(target.config)(**(target.config.to_dict() | {"num_hidden_layers": len(keep_layers)}))
@@ -58,7 +60,7 @@ def freeze_embeddings(draft) -> None:
 
 def add_lora(draft, rank: int, alpha: int | None = None):
     """Wrap the copied decoder layers with LoRA adapters (peft); embeddings and lm_head stay frozen."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # peft: a heavy import, deferred to first use
 
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -75,8 +77,6 @@ def merged(draft):
 @torch.no_grad()
 def export_draft_lm(draft, tokenizer, out_dir, *, spectrain_block: dict) -> None:
     """Write a loadable HF directory (+ tokenizer) with a ``spectrain`` block in config.json, atomically."""
-    from spectrain.atomic import atomic_directory
-
     model = merged(draft)
     model.config.spectrain = spectrain_block
     with atomic_directory(out_dir) as tmp:

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from spectrain.overrides import OverrideError
+from core.overrides import OverrideError
 
 
 def check_output(path: str | os.PathLike, *, key: str = "out", file: bool = False) -> Path:

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core import assets
+
 Turn = dict[str, str]
 ROLES = ("system", "user", "assistant")
 SOURCES = "mt_bench, humaneval, sharegpt, gsm_symbolic, gsm_symbolic_train, jsonl:PATH"
@@ -121,8 +123,6 @@ def split_of(conversation: Conversation, eval_fraction: float = DEFAULT_EVAL_FRA
 
 
 def _data_file(name: str) -> Path:
-    from spectrain import assets
-
     return assets.data_file(name)
 
 

@@ -6,7 +6,7 @@ inference-facing predictor a SpecBranch implementation codes against.
 - ``hidden_lastk`` [n, K, d]: the target's last K entries of the HF ``hidden_states`` tuple at position t-1 (the
   position whose output predicted x_t), in tuple order: raw outputs of decoder layers L-K .. L-2, then the
   final-normed state. With the engine's runner: ``capture_layers=predictor.capture_layers`` +
-  ``return_last_hidden=True``, then :func:`stack_lastk` (``data_prep.layers``: ``lastK``).
+  ``return_last_hidden=True``, then :func:`stack_lastk` (``core.layer_ids``: ``lastK``).
 - ``token_emb`` [n, d]: the target's input embedding of x_t (``runner.embed_tokens(x_t)``).
 
 **Output** of :meth:`HRADPredictor.predict`: calibrated class probabilities [n, 3] (float32, rows sum to 1):
@@ -39,10 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
-from data_prep.layers import LAYER_CONVENTION, resolve_layers
-from spectrain.assets import load_safetensors, read_json
+from core.assets import load_safetensors, read_json
+from core.atomic import atomic_directory
+from core.layer_ids import LAYER_CONVENTION, resolve_layers
 
 KIND = "hrad"
 CLASS_NAMES = ("all_reject", "confidence", "all_accept")
@@ -171,9 +173,7 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
                 metrics: Mapping[str, Any] | None = None, confusion_png: bytes | None = None) -> Path:
     """Write an export dir atomically (it must not exist). ``target``: the target record (name, config/weights
     hashes, model_type, vocab_size, num_layers, hidden_size, embed_probe)."""
-    from safetensors.torch import save_file
-
-    from spectrain.atomic import atomic_directory
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     out = Path(out)
     if out.exists():
@@ -196,8 +196,6 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "metrics.json").write_text(json.dumps(dict(metrics or {}), indent=2, default=str) + "\n")
         if recipe is not None:
-            from omegaconf import OmegaConf
-
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(dict(recipe))))
         if confusion_png is not None:
             (tmp / "confusion_matrix.png").write_bytes(confusion_png)

@@ -21,6 +21,10 @@ class OverrideError(ValueError):
     """A bad command-line override; the message is one line naming the fix."""
 
 
+class RecipeError(OverrideError):
+    """A recipe problem; the message is one line naming the fix."""
+
+
 def split_key_values(argv: Sequence[str], usage: str) -> list[tuple[str, str]]:
     pairs = []
     for arg in argv:

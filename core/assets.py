@@ -19,8 +19,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from spectrain.atomic import atomic_directory
+from core.atomic import atomic_directory
 
 # A mistyped path otherwise makes transformers retry the network for ~30 s before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,6 +123,7 @@ def embedded_gguf(name: str) -> Path:
 
 def _convert_gguf(entry: EmbeddedModel, gguf_path: Path, out_dir: Path) -> None:
     """Dequantise a GGUF into a plain safetensors HF directory, atomically."""
+    # transformers: a heavy import, deferred to first use
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     print(f"[spectrain] converting {gguf_path.name} once into {out_dir} ...", flush=True)
@@ -185,7 +187,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool = False):
     """Every tensor of a safetensors file (and its metadata with ``with_metadata``). A missing, truncated or
     corrupt file, or one holding NaN/inf, is refused in ONE line naming the file and ``fix`` (what to do)."""
-    import torch
+    import torch  # torch, safetensors: a heavy import, deferred to first use
     from safetensors import safe_open
 
     path = Path(path)
@@ -215,7 +217,7 @@ def read_json(path: str | os.PathLike, *, fix: str):
 
 def damaged_weights(model_dir: Path) -> str | None:
     """``FILE: reason`` for the first ``*.safetensors`` of a model directory whose header does not read."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors: a heavy import, deferred to first use
 
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         try:
@@ -282,7 +284,7 @@ def check_chat_template(what: str, recorded: dict | None, tokenizer) -> None:
 def load_tokenizer(name_or_path: str | os.PathLike, chat_template: str | None = None):
     """The tokenizer of a target; ``chat_template`` (auto|none|PATH, see :func:`use_chat_template`) sets how it
     renders conversations (None: as it comes)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: a heavy import, deferred to first use
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
     return tokenizer if chat_template is None else use_chat_template(tokenizer, chat_template, name_or_path)
@@ -290,11 +292,12 @@ def load_tokenizer(name_or_path: str | os.PathLike, chat_template: str | None = 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cpu"):
     """Load a causal LM offline in eval mode (fp32 on CPU, bf16 on CUDA unless ``dtype`` is given)."""
-    import torch
+    import torch  # torch, transformers: a heavy import, deferred to first use
     from transformers import AutoModelForCausalLM
 
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    # transformers: a heavy import, deferred to first use
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load "Loading weights" bar is noise in CLI output and logs
@@ -328,3 +331,17 @@ def model_identity(name_or_path: str) -> dict:
     weights_hash = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()[:16]
     return {"name": str(name_or_path), "config_hash": config_hash, "weights_hash": weights_hash,
             "model_type": config.get("model_type"), "vocab_size": config.get("vocab_size")}
+
+
+def target_record(name_or_path: str) -> dict[str, Any]:
+    """Identity (config + weights hash, :func:`model_identity`) plus the facts a drafter depends on."""
+    config = json.loads((resolve_model_dir(name_or_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return {**model_identity(str(name_or_path)), "num_hidden_layers": text["num_hidden_layers"],
+            "hidden_size": text["hidden_size"], "architectures": config.get("architectures") or []}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the vocabulary (token -> id), so two tokenizers that map ids differently are told apart."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]

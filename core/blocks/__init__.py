@@ -1,0 +1,1 @@
+"""Model building blocks shared by the engine's runner and the drafters (transformers parameter names)."""

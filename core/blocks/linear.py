@@ -1,0 +1,44 @@
+"""The CPU-tuned ``Linear``: ``nn.Linear``'s parameters, faster for the few rows of a speculative step."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict names) tuned for CPU inference.
+
+    bf16 on a CPU runs oneDNN's linear over a weight packed once into its blocked layout: about twice as fast as
+    ``F.linear`` for the few rows of a decode or verification step, and its row results do not depend on how many
+    rows share the call (what batch-invariant mode relies on). fp32 runs 2 or 3 rows as 4 on a CPU: MKL's fp32
+    GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of such
+    shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
+
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
+        weight, bias = self.weight, self.bias
+        if out_features is not None:
+            weight, bias = weight[:out_features], None if bias is None else bias[:out_features]
+        # (not where autograd needs this op: the packed linear has no backward; drafters train through here)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not needs_grad:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features), bias, "none", [], "")
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows not in (2, 3) or x.device.type != "cpu":
+            return F.linear(x, weight, bias)
+        flat = x.reshape(rows, x.shape[-1])
+        padded = torch.cat([flat, flat.new_zeros(4 - rows, flat.shape[-1])])
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+    def _packed(self, weight: torch.Tensor, out_features: int | None) -> torch.Tensor:
+        """oneDNN's packed copy of ``weight``, made on first use and again whenever the weight changes."""
+        packs = self.__dict__.setdefault("_packs", {})  # not a buffer: state_dict and .to() stay as nn.Linear's
+        stamp = (weight.data_ptr(), self.weight._version)
+        if out_features not in packs or packs[out_features][0] != stamp:
+            packs[out_features] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
+        return packs[out_features][1]
+
+
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -1,0 +1,60 @@
+"""The engine's hook for serving-time adaptation: an observer of every query and verified round of a drafter.
+
+Tree algorithms over a feature-conditioned drafter (``eagle3_tree``, ``specblock_tree``) take ``adapt=NAME``. For a
+name other than ``none`` they ask the registered :class:`ObserverKind` to ``attach`` to the drafter: it returns the
+drafter to serve from (a private copy whose weights the observer may change between rounds) and the
+:class:`RoundObserver` that is then told about each query (``begin_query``), each verified round
+(``observe_round``) and the end of each query (``end_query``). The engine never imports an implementation:
+``OBSERVER_KINDS`` names it as ``"module:object"``, imported on first use like ``inference.algorithms.ALGORITHMS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+# name -> "module:object" (an ObserverKind); imported lazily, only when adapt=NAME asks for it.
+OBSERVER_KINDS: dict[str, str] = {
+    "bandit": "spectrain.adapt.engine:BANDIT",
+}
+
+
+class RoundObserver(Protocol):
+    def begin_query(self, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
+                    max_accept: int) -> None:
+        """After prefill: the prompt's features [P, F] and the target's logits at its last position [V]."""
+
+    def observe_round(self, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor, accepted: int,
+                      rejected: tuple[torch.Tensor, int] | None) -> None:
+        """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F], target
+        logits [n, V], and (draft logits, the target's token) at the rejected position, if the drafter drafted
+        there."""
+
+    def end_query(self, last_token: int) -> Any:
+        """After the last verification of a query."""
+
+
+class ObserverKind(Protocol):
+    def settings(self, cfg: Any) -> Any:
+        """The observer's settings from an options object (``adapt_<field>`` attributes)."""
+
+    def attach(self, target: Any, drafter: nn.Module, settings: Any, *, verify_tokens: int,
+               max_accept: int) -> tuple[nn.Module, RoundObserver]:
+        """``(drafter to serve from, observer)`` for ``drafter`` served with ``target``; ``settings`` None means
+        the defaults."""
+
+
+def check_observer(name: str) -> None:
+    """Refuse (one line) an ``adapt=`` name that is neither ``none`` nor registered."""
+    if name != "none" and name not in OBSERVER_KINDS:
+        choices = " or ".join(f"adapt={n}" for n in ("none", *OBSERVER_KINDS))
+        raise ValueError(f"adapt={name} is unknown; use {choices}")
+
+
+def observer_kind(name: str) -> ObserverKind:
+    check_observer(name)
+    module, attribute = OBSERVER_KINDS[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
