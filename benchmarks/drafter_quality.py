@@ -236,11 +236,6 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     """(figure, goal, measured, met?) from the evaluate run (and HSD run) of one setting."""
     results = json.loads((out / "eval" / "results.json").read_text())
     runs = _runs(results)
-    # A later evaluate run of the same held-out prompts (e.g. eval_specblock/ for a drafter that finished training
-    # after the main run) adds the algorithms the main run lacks; τ and forward counts do not depend on load.
-    for extra in sorted(out.glob("eval_*/results.json")):
-        for name, record in _runs(json.loads(extra.read_text())).items():
-            runs.setdefault(name, record)
     rows: list[tuple[str, str, str, str]] = []
 
     def add(figure: str, goal: str, value: float | None, ok: bool | None, text: str | None = None) -> None:
