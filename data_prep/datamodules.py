@@ -17,11 +17,12 @@ from typing import Any
 import lightning as L
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import RandomSampler
 
+from core.distributed import process_rank
 from core.layer_ids import resolve_layers
 from data_prep.capture import HiddenCapture
 from data_prep.features import FeatureDataset, collate_features
+from data_prep.rank_sampler import RankSlicedSampler
 from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
 from inference.drafters import LoadedModel, load_lm
 
@@ -38,14 +39,21 @@ def _shuffle_generator(seed: int) -> torch.Generator:
 
 
 def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, seed: int = 0, num_workers: int = 0,
-                     collate_fn: Any = None) -> StatefulDataLoader:
+                     collate_fn: Any = None, per_rank: bool = False) -> StatefulDataLoader:
     """A DataLoader whose position inside an epoch (shuffle order + batches yielded) is in its ``state_dict``.
 
     Lightning stores the train loader's ``state_dict`` in every checkpoint and loads it on resume, so a run resumed
     mid-epoch continues with the very next batch. The own seeded generator keeps the order independent of the
     global RNG (which the model's dropout consumes).
+
+    ``per_rank`` (training loaders): under an initialised process group each process takes its ``batch_size`` rows
+    of every global batch (``data_prep.rank_sampler``); one process sees the same batches either way.
     """
-    sampler = RandomSampler(dataset, generator=_shuffle_generator(seed)) if shuffle else None
+    rank, world = process_rank() if per_rank else (0, 1)
+    sampler = None
+    if shuffle or world > 1:
+        sampler = RankSlicedSampler(len(dataset), batch_size, shuffle=shuffle, rank=rank, world=world,
+                                    generator=_shuffle_generator(seed) if shuffle else None)
     return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                               generator=torch.Generator().manual_seed(seed + 1), collate_fn=collate_fn)
 
@@ -85,7 +93,7 @@ class FeatureDataModule(L.LightningDataModule):
     def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return resumable_loader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                num_workers=self.num_workers, collate_fn=collate_features)
+                                num_workers=self.num_workers, collate_fn=collate_features, per_rank=True)
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         self.setup()
@@ -149,12 +157,13 @@ class OnlineFeatureDataModule(L.LightningDataModule):
                                      for s in samples])
         return collate_features(self.capture(samples))
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self, per_rank: bool = True) -> StatefulDataLoader:
+        """``per_rank=False``: every process gets all batches (what validation wants)."""
         self.setup()
         if self.bucket_by_length:  # the loader shuffles whole batches of similar-length samples
             batches = length_buckets([len(s) for s in self.samples], self.batch_size, self.seed)
             grouped = [[self.samples[i] for i in batch] for batch in batches]
             return resumable_loader(grouped, batch_size=1, shuffle=self.shuffle, seed=self.seed,
-                                    collate_fn=lambda items: self._collate(items[0]))
+                                    collate_fn=lambda items: self._collate(items[0]), per_rank=per_rank)
         return resumable_loader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                collate_fn=self._collate)
+                                collate_fn=self._collate, per_rank=per_rank)

@@ -30,7 +30,8 @@ class TrainValDataModule(L.LightningDataModule):
         return self.train.train_dataloader()
 
     def val_dataloader(self):
-        return self.val.train_dataloader()
+        # Every process validates on all of it: the metrics then agree across processes without a reduction.
+        return self.val.train_dataloader(per_rank=False)
 
 
 def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningDataModule:

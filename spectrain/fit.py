@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_model_dir
+from core.distributed import reduce_across_processes
 from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
 from data_prep.manifest import DatasetError, read_manifest
 from inference.runner import cpu_has_native_bf16
@@ -252,6 +253,9 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
                    rng_callback(), *extra_callbacks],
         plugins=plugins,
         enable_progress_bar=True,
+        # The loaders split each global batch across processes themselves (data_prep.rank_sampler), so that
+        # N processes with batch b train on exactly the batches one process with batch N*b trains on.
+        use_distributed_sampler=False,
     )
 
 
@@ -373,7 +377,11 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
                 "precision": trainer.precision, "trainable_params": trainable_params(module)}
     if ckpt_path:
         print(f"[spectrain] resuming from {ckpt_path}")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    reduce_across_processes(True)  # loss denominators over the global batch when several processes train
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:
+        reduce_across_processes(False)
     return {"run_dir": str(directory), "trained": True, "global_step": trainer.global_step,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from core.distributed import process_mean, process_sum
 from core.drafters.eagle3 import shift_left
 from core.drafters.specblock import rank_bucket
 
@@ -63,7 +64,8 @@ def frequency_weights(labels: torch.Tensor, valid: torch.Tensor, budget: float =
     the local batch); classes with no samples get 1. ``budget <= 0`` disables (all ones)."""
     if budget <= 0:
         return torch.ones(n, device=labels.device)
-    counts = torch.bincount(labels[valid.bool()].flatten(), minlength=n).float()
+    # Counted over the global batch in data-parallel training, as one process with all of it counts.
+    counts = process_sum(torch.bincount(labels[valid.bool()].flatten(), minlength=n).float())
     return torch.where(counts > 0, (budget / counts.clamp(min=1.0)).clamp(max=1.0), torch.ones_like(counts))
 
 
@@ -110,7 +112,7 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         w = chain * valid
         log_q = F.log_softmax(student.float(), dim=-1)
         ce = -(target.float() * log_q).sum(-1)
-        draft.append((w * ce).sum() / w.sum().clamp(min=1.0))
+        draft.append(process_mean((w * ce).sum(), w.sum()))
         target_ids = target.argmax(-1)
         hit = (student.detach().argmax(-1) == target_ids)
         chain = chain * hit.float()
@@ -132,7 +134,7 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         labels.append(label)
         preds.append(pred)
         valid_slots.append((anchor * valid).bool())
-    return BlockLosses(torch.stack(draft), rank_num / rank_den.clamp(min=1.0), torch.stack(correct, -1),
+    return BlockLosses(torch.stack(draft), process_mean(rank_num, rank_den), torch.stack(correct, -1),
                        torch.stack(weights, -1), torch.stack(labels, -1), torch.stack(preds, -1),
                        torch.stack(valid_slots, -1))
 

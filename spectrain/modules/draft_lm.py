@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from core import assets
+from core.distributed import process_mean
 from core.drafters.draft_lm import (add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings,
                                     layer_drop_init)
 from core.drafters.eagle3_layouts import CheckpointError
@@ -85,7 +86,7 @@ class DraftLMModule(DrafterModule):
             log_q_label = log_q.gather(-1, labels.clamp(max=log_q.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
             log_q_label = log_q_label.masked_fill(~in_vocab, 0.0)
             weights = (predicts_answer & in_vocab).float()
-            loss = -(log_q_label * weights).sum() / weights.sum().clamp(min=1.0)
+            loss = process_mean(-(log_q_label * weights).sum(), weights.sum())
             with torch.no_grad():  # a one-hot teacher: α = 1[argmax q = label] greedy, q(label) at T=1
                 sampled = log_q_label.exp() * in_vocab
                 return loss, (student.argmax(-1) == labels).float(), sampled, predicts_answer

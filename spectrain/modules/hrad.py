@@ -40,8 +40,10 @@ from core.drafters.eagle3_layouts import CheckpointError
 from core.drafters.hrad import (CLASS_NAMES, DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
                                 check_boundaries, default_boundaries, embedding_probe, hrad_labels,
                                 save_native)
+from core.distributed import process_mean, process_rank
 from core.layer_ids import LAYER_CONVENTION
 from core.overrides import OverrideError, RecipeError
+from data_prep.datamodules import resumable_loader
 from data_prep.manifest import DatasetError, read_manifest
 from data_prep.shards import ShardReader, to_tensor
 from spectrain.modules.base import DrafterModule
@@ -261,15 +263,20 @@ class HRADDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        generator = torch.Generator().manual_seed(self.cfg.seed)
         if self.cfg.model.balance == "sampler":  # each class drawn equally often (with replacement)
+            if process_rank()[1] > 1:  # the weighted draws are not split across processes
+                raise _recipe_error("model.balance=sampler trains on one process; use model.balance=weights "
+                                    "(or none) with trainer.devices > 1")
+            generator = torch.Generator().manual_seed(self.cfg.seed)
             labels = self.train_set.labels
             weights = (1.0 / torch.bincount(labels, minlength=NUM_CLASSES).float().clamp(min=1.0))[labels]
             sampler = WeightedRandomSampler(weights.double(), len(labels), replacement=True, generator=generator)
             return DataLoader(self.train_set, batch_size=self.cfg.data.batch_size, sampler=sampler,
                               num_workers=self.cfg.data.num_workers)
-        return DataLoader(self.train_set, batch_size=self.cfg.data.batch_size, shuffle=True, generator=generator,
-                          num_workers=self.cfg.data.num_workers)
+        # Stateful (exact mid-epoch resume) and split across processes; same first-epoch order as a plain
+        # DataLoader(shuffle=True, generator=manual_seed(seed)).
+        return resumable_loader(self.train_set, batch_size=self.cfg.data.batch_size, shuffle=True, seed=self.cfg.seed,
+                                num_workers=self.cfg.data.num_workers, per_rank=True)
 
     def val_dataloader(self) -> DataLoader:
         self.setup()
@@ -410,8 +417,10 @@ class HRADModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         logits, labels = self._logits(batch)
-        weight = self.class_weights if self.cfg.model.balance == "weights" else None
-        loss = F.cross_entropy(logits, labels, weight=weight)
+        # Class-weighted mean over the global batch (F.cross_entropy's weighted mean, over every process's rows).
+        weight = self.class_weights[labels] if self.cfg.model.balance == "weights" else torch.ones_like(labels,
+                                                                                                     dtype=torch.float)
+        loss = process_mean((F.cross_entropy(logits, labels, reduction="none") * weight).sum(), weight.sum())
         self.log("train/loss", loss, prog_bar=True, batch_size=len(labels))
         self._train_outputs.append((logits.detach().float().cpu(), labels.cpu()))
         return loss
