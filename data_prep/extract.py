@@ -32,8 +32,10 @@ from core.atomic import check_output
 from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
 from core.overrides import OverrideError, parse_cli, run_cli
 from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
-from data_prep.manifest import (DatasetError, new_header, refuse_other_args, target_identity,
-                                tokenizer_identity)
+from data_prep.manifest import (MANIFEST_NAME, DatasetError, new_header, read_manifest, refuse_other_args,
+                                target_identity, tokenizer_identity)
+from data_prep.ranks import (check_dataset_parts, launch_rank, merge_dataset_parts, my_items, part_log,
+                             part_name, parts_complete, wait_for)
 from data_prep.regenerate import Regenerator
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import STORAGE_DTYPE, ShardWriter, column
@@ -149,42 +151,52 @@ def check_disk(out: Path, remaining_tokens: int, per_token: int, basis: str) -> 
     return estimate
 
 
-def _estimate_tokens(conversations, start: int, cfg: Any, build: SampleBuilder) -> tuple[int, str]:
-    remaining = len(conversations) - start
+def _estimate_tokens(conversations, items: list[int], start: int, cfg: Any,
+                     build: SampleBuilder) -> tuple[int, str]:
+    remaining = len(items) - start
     if remaining <= 0:
         return 0, "nothing left"
     if cfg.regenerate:
         return remaining * cfg.max_len, "upper bound: regenerated answers may fill max_len"
-    probe = conversations[start:start + ESTIMATE_SAMPLES]
-    lengths = [len(s) for i, c in enumerate(probe) if (s := build(start + i, c)) is not None]
+    probe = items[start:start + ESTIMATE_SAMPLES]
+    lengths = [len(s) for i in probe if (s := build(i, conversations[i])) is not None]
     mean = sum(lengths) / max(len(probe), 1)
     basis = "measured" if len(probe) == remaining else f"mean of the next {len(probe)} samples"
     return int(mean * remaining), basis
 
 
-def _batches(conversations, start: int, build: SampleBuilder, batch_size: int):
-    """Yield (samples, source_end, skipped) with up to ``batch_size`` samples, in source order."""
+def _batches(conversations, items: list[int], start: int, build: SampleBuilder, batch_size: int):
+    """Yield (samples, end, skipped) with up to ``batch_size`` samples of the source items ``items[start:]``, in
+    order; ``end`` is the position in ``items`` after the batch (what the shard writer logs)."""
     batch: list[TokenSample] = []
     skipped = 0
-    for index in range(start, len(conversations)):
+    for position in range(start, len(items)):
+        index = items[position]
         sample = build(index, conversations[index])
         if sample is None:
             skipped += 1
         else:
             batch.append(sample)
         if len(batch) == batch_size:
-            yield batch, index + 1, skipped
+            yield batch, position + 1, skipped
             batch, skipped = [], 0
     if batch or skipped:
-        yield batch, len(conversations), skipped
+        yield batch, len(items), skipped
 
 
 def extract(cfg: Any, target=None) -> dict[str, Any]:
-    """Run (or resume) an extraction; returns the final manifest. ``target``: a preloaded LoadedModel."""
-    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
+    """Run (or resume) an extraction; returns the final manifest. ``target``: a preloaded LoadedModel.
 
+    Under torchrun each process extracts its slice of the source items (``data_prep.ranks``)."""
     out = Path(cfg.out)
     refuse_other_args(out, content_args(cfg))
+    rank, world = launch_rank()
+    if world > 1:
+        refuse_other_args(out, content_args(cfg), part_log(rank, world))
+    check_dataset_parts(out, world, "data_prep.extract ...")
+    if world > 1 and (out / MANIFEST_NAME).is_file():  # finished (else refused above): nothing to load
+        print(f"[extract] {out} is already complete", file=sys.stderr)
+        return read_manifest(out)
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size,
                          chat_template=cfg.chat_template)
@@ -199,43 +211,62 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
     )
     per_token = bytes_per_token(columns)
     shard_size = cfg.shard_size or auto_shard_size(per_token, cfg.max_len, cfg.batch_size)
-    with ShardWriter(out, header, shard_size) as writer:
-        if writer.complete:
+    part = part_name(rank, world) if world > 1 else None
+    done_tokens, t0 = 0, time.perf_counter()
+    with ShardWriter(out, header, shard_size, part=part) as writer:
+        if writer.complete and not part:
             print(f"[extract] {out} is already complete ({writer.manifest['num_rows']} samples)", file=sys.stderr)
             return writer.manifest
-        conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
-        require_answers(conversations, cfg.regenerate, cfg.source)
-        regenerator = None
-        if cfg.regenerate:
-            regenerator = Regenerator(runner, tokenizer, eos_token_ids(tokenizer, target.model.config),
-                                      max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
-                                      temperature=cfg.temperature, seed=cfg.seed)
-        build = SampleBuilder(tokenizer, cfg.max_len, regenerator, window=cfg.window)
-        start = writer.next_source_index
-        if start:
-            print(f"[extract] resuming {out} at source item {start} ({writer.manifest['num_rows']} samples in "
-                  f"{len(writer.manifest['shards'])} shards)", file=sys.stderr)
-        tokens, basis = _estimate_tokens(conversations, start, cfg, build)
-        check_disk(out, tokens, per_token, basis)
-
-        capture = HiddenCapture(runner, layers, cfg.dtype)
-        done_tokens, t0 = 0, time.perf_counter()
-        with tqdm(total=len(conversations), initial=start, desc="extract", unit="sample", file=sys.stderr,
-                  dynamic_ncols=True) as progress:
-            for samples, source_end, skipped in _batches(conversations, start, build, cfg.batch_size):
-                rows = capture(samples) if samples else []
-                n_tokens = sum(len(s) for s in samples)
-                writer.add(rows, source_end=source_end, skipped=skipped, num_tokens=n_tokens)
-                done_tokens += n_tokens
-                progress.update(len(samples) + skipped)
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                progress.set_postfix(tok_s=f"{done_tokens / elapsed:,.0f}", shards=len(writer.manifest["shards"]))
-        manifest = writer.finish()
+        manifest = writer.manifest
+        if not writer.complete:  # a finished part still waits for the merge below
+            done_tokens = _write_items(cfg, target, layers, writer, rank, world, per_token)
+            manifest = writer.finish()
+    if part and rank == 0:  # the one manifest, once every process's part is complete
+        wait_for(lambda: parts_complete(out, world), f"the other {world - 1} process(es) to finish {out}")
+        manifest = merge_dataset_parts(out, world)
     elapsed = time.perf_counter() - t0
     print(f"[extract] wrote {manifest['num_rows']} samples ({manifest['num_tokens']:,} tokens, {manifest['skipped']} "
           f"skipped) in {len(manifest['shards'])} shards to {out}; this run: {done_tokens:,} tokens in "
           f"{elapsed:.1f} s", file=sys.stderr)
     return manifest
+
+
+def _write_items(cfg: Any, target, layers: list[int], writer: ShardWriter, rank: int, world: int,
+                 per_token: int) -> int:
+    """Capture and write this process's source items from where its log stops; returns the tokens written."""
+    from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
+
+    runner, tokenizer, out = target.runner, target.tokenizer, writer.directory
+    conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
+    require_answers(conversations, cfg.regenerate, cfg.source)
+    regenerator = None
+    if cfg.regenerate:
+        regenerator = Regenerator(runner, tokenizer, eos_token_ids(tokenizer, target.model.config),
+                                  max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, seed=cfg.seed)
+    build = SampleBuilder(tokenizer, cfg.max_len, regenerator, window=cfg.window)
+    items = my_items(len(conversations), rank, world)
+    start = writer.next_source_index
+    who = f" (process {rank} of {world}: every {world}th source item from {rank})" if writer.part else ""
+    if start:
+        print(f"[extract] resuming {out}{who} at item {start} of {len(items)} ({writer.manifest['num_rows']} "
+              f"samples in {len(writer.manifest['shards'])} shards)", file=sys.stderr)
+    tokens, basis = _estimate_tokens(conversations, items, start, cfg, build)
+    check_disk(out, tokens, per_token, basis)
+
+    capture = HiddenCapture(runner, layers, cfg.dtype)
+    done_tokens, t0 = 0, time.perf_counter()
+    with tqdm(total=len(items), initial=start, desc=f"extract{f' {rank}/{world}' if writer.part else ''}",
+              unit="sample", file=sys.stderr, dynamic_ncols=True, position=rank) as progress:
+        for samples, source_end, skipped in _batches(conversations, items, start, build, cfg.batch_size):
+            rows = capture(samples) if samples else []
+            n_tokens = sum(len(s) for s in samples)
+            writer.add(rows, source_end=source_end, skipped=skipped, num_tokens=n_tokens)
+            done_tokens += n_tokens
+            progress.update(len(samples) + skipped)
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            progress.set_postfix(tok_s=f"{done_tokens / elapsed:,.0f}", shards=len(writer.manifest["shards"]))
+    return done_tokens
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ Schema (``kind`` = features; traces differ in ``columns`` and add ``drafter``)::
     shards                      [{name, num_rows, num_tokens, first_source_index, end_source_index,
                                   skipped, bytes, sha256}]
     next_source_index, num_rows, num_tokens, skipped, complete
+    processes                   (written by N > 1 processes) N; shard entries then name their process
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from core.atomic import atomic_write_text
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 # Written by the shard writer; never part of the comparison.
-LOG_KEYS = ("shards", "next_source_index", "num_rows", "num_tokens", "skipped", "complete")
+LOG_KEYS = ("shards", "next_source_index", "num_rows", "num_tokens", "skipped", "complete", "processes")
 
 
 class DatasetError(ValueError):
@@ -87,19 +88,20 @@ def settings_mismatch(directory: str | Path, diffs: list[str]) -> DatasetError:
                         "re-run with the original arguments to resume, or choose a new out=DIR")
 
 
-def refuse_other_args(directory: str | Path, args: dict[str, Any]) -> None:
+def refuse_other_args(directory: str | Path, args: dict[str, Any], name: str = MANIFEST_NAME) -> None:
     """Early, before any model is loaded: refuse to resume a directory written with other arguments. (The
-    writer later compares the whole header, identities included.)"""
-    if (Path(directory) / MANIFEST_NAME).is_file():
-        diffs = header_differences({"args": read_manifest(directory).get("args")}, {"args": args})
+    writer later compares the whole header, identities included.) ``name``: a process's own log instead."""
+    if (Path(directory) / name).is_file():
+        diffs = header_differences({"args": read_manifest(directory, name).get("args")}, {"args": args})
         if diffs:
             raise settings_mismatch(directory, diffs)
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST_NAME
+def read_manifest(directory: str | Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
+    """``directory/manifest.json`` (or a process's own commit log, ``name`` = ``ranks/rank-R-of-N.json``)."""
+    path = Path(directory) / name
     if not path.is_file():
-        raise DatasetError(f"{directory} has no {MANIFEST_NAME}: not a spectrain dataset (create one with "
+        raise DatasetError(f"{directory} has no {name}: not a spectrain dataset (create one with "
                            "python -m data_prep.extract or data_prep.traces)")
     try:
         manifest = json.loads(path.read_text())
@@ -114,7 +116,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> None:
+def write_manifest(directory: str | Path, manifest: dict[str, Any], name: str = MANIFEST_NAME) -> None:
     """Atomic: a reader (or a resumed run) sees the old manifest or the new one, never half of one."""
-    path = Path(directory) / MANIFEST_NAME
+    path = Path(directory) / name
     atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")

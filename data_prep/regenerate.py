@@ -38,6 +38,7 @@ from core.atomic import atomic_write_text
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import JSONL_HEADER_KEY as HEADER_KEY
 from core.prompts import Conversation, load_prompts, prompt_turns, render_prompt
+from data_prep.ranks import launch_rank, my_items, part_name, part_worlds, refuse_other_world, wait_for
 from inference.algorithms import build_algorithm
 from inference.batched_generation import ContinuousBatcher, Job
 from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device
@@ -235,28 +236,38 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     """Run (or resume) a batched regeneration; returns counts and this run's throughput."""
     out = Path(cfg.out)
     header = {"settings": settings(cfg)}
+    rank, world = launch_rank()
+    refuse_other_world(part_worlds(p.name for p in out.parent.glob(f"{out.name}.rank-*")) or {world}, world, out,
+                       "data_prep.regenerate ...")
+    path = out if world == 1 else part_file(out, rank, world)  # where this process writes
     done = read_done(out, header)  # refuses other settings before any model loads
     out.parent.mkdir(parents=True, exist_ok=True)
     conversations = load_prompts(cfg.source, n=cfg.n_samples, seed=cfg.seed, split=cfg.split)
     if not conversations:
         raise ValueError(f"source '{cfg.source}' (split={cfg.split}) gave no conversations")
+    items = my_items(len(conversations), rank, world)
+    if world > 1:  # this process's items: finished in out (an earlier run) or in its own part
+        mine = set(items)
+        done = {i: r for i, r in {**done, **read_done(path, header)}.items() if i in mine}
     if target is None:
         # Spare rows: new prompts are prefilled apart from the running batch (inference.batched_generation).
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=2 * cfg.batch_size,
                          dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     header["target"] = cfg.target
-    todo = [i for i in range(len(conversations)) if i not in done]
+    todo = [i for i in items if i not in done]
     if done:
-        print(f"[regenerate] resuming {out}: {len(done)} of {len(conversations)} conversations done", file=sys.stderr)
+        print(f"[regenerate] resuming {path}: {len(done)} of {len(items)} conversations done", file=sys.stderr)
     queue = _ConversationQueue(conversations, todo, target.tokenizer, cfg)
     batcher = ContinuousBatcher(target.runner, batch_size=cfg.batch_size, eos_ids=eos,
                                 sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))
-    mode = "a" if out.exists() and out.stat().st_size else "w"
+    if world > 1:  # the part holds exactly what done says (records found in out included)
+        write_records(path, header, done)
+    mode = "a" if path.exists() and path.stat().st_size else "w"
     start = time.perf_counter()
-    with open(out, mode, encoding="utf-8") as handle, \
-            tqdm(total=len(conversations), initial=len(done), desc="regenerate", unit="conv", file=sys.stderr,
-                 dynamic_ncols=True) as progress:
+    with open(path, mode, encoding="utf-8") as handle, \
+            tqdm(total=len(items), initial=len(done), desc="regenerate", unit="conv", file=sys.stderr,
+                 dynamic_ncols=True, position=rank) as progress:
         if mode == "w":
             handle.write(json.dumps({HEADER_KEY: header}) + "\n")
 
@@ -286,16 +297,47 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
         batcher.run(next_job, on_done)
     elapsed = time.perf_counter() - start
     # Source order, so the finished file does not depend on batching or on where a run was killed.
-    lines = [json.dumps({HEADER_KEY: header})] + [json.dumps(done[i], ensure_ascii=False) for i in sorted(done)]
-    atomic_write_text(out, "\n".join(lines) + "\n")
+    write_records(path, header, done)
+    if world > 1:
+        atomic_write_text(done_marker(path), f"{len(done)}\n")
+        if rank == 0:
+            merge_parts(out, header, world)
     answered = sum(1 for i in done if i < len(conversations))
-    summary = {"conversations": answered, "skipped": len(conversations) - answered, "new_tokens": batcher.new_tokens,
+    summary = {"conversations": answered, "skipped": len(items) - answered, "new_tokens": batcher.new_tokens,
                "wall_s": round(elapsed, 2), "tokens_per_s": round(batcher.new_tokens / max(elapsed, 1e-9), 2),
                "forwards": batcher.forwards}
     print(f"[regenerate] {out}: {summary['conversations']} conversations ({summary['skipped']} without room for an "
           f"answer); this run {summary['new_tokens']:,} tokens in {elapsed:.1f} s = {summary['tokens_per_s']} tokens/s",
           file=sys.stderr)
     return summary
+
+
+def write_records(path: Path, header: dict[str, Any], done: dict[int, dict[str, Any]]) -> None:
+    """The header line and the records in source order, atomically."""
+    lines = [json.dumps({HEADER_KEY: header})] + [json.dumps(done[i], ensure_ascii=False) for i in sorted(done)]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def part_file(out: Path, rank: int, world: int) -> Path:
+    """Process ``rank``'s own output beside ``out`` (``data_prep.ranks``): same format, its items only."""
+    return out.with_name(f"{out.name}.{part_name(rank, world)}")
+
+
+def done_marker(part: Path) -> Path:
+    return part.with_name(part.name + ".done")
+
+
+def merge_parts(out: Path, header: dict[str, Any], world: int) -> None:
+    """Rank 0, once every part is done: one file in source order, written atomically; then the parts go."""
+    parts = [part_file(out, rank, world) for rank in range(world)]
+    wait_for(lambda: all(done_marker(p).is_file() for p in parts), f"the other {world - 1} process(es) to finish {out}")
+    done = read_done(out, header)
+    for part in parts:
+        done.update(read_done(part, header))
+    write_records(out, header, done)
+    for part in parts:  # markers last: a kill in between leaves parts a re-run merges again
+        part.unlink(missing_ok=True)
+        done_marker(part).unlink(missing_ok=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

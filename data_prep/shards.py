@@ -36,6 +36,7 @@ from data_prep.manifest import (MANIFEST_NAME, DatasetError, header_differences,
                                 settings_mismatch, write_manifest)
 
 SHARDS_DIR = "shards"
+RANKS_DIR = "ranks"  # the commit logs of the processes of a multi-process run (data_prep.ranks)
 SHARD_FILE = "data.arrow"
 STORAGE_DTYPE = {"bfloat16": "int16", "float16": "float16", "float32": "float32", "int64": "int64",
                  "int32": "int32", "int16": "int16", "int8": "int8", "bool": "bool"}
@@ -96,8 +97,8 @@ def to_tensor(array: np.ndarray | int | float, spec: dict[str, Any]) -> torch.Te
 # ------------------------------------------------------------------------------------------------ writer
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}"
+def shard_name(index: int, prefix: str = "shard") -> str:
+    return f"{prefix}-{index:05d}"
 
 
 class ShardWriter:
@@ -109,10 +110,15 @@ class ShardWriter:
     holds ``shard_size`` rows, at the item boundary. ``finish()`` commits the tail and marks it complete.
     """
 
-    def __init__(self, directory: str | Path, header: dict[str, Any], shard_size: int):
+    def __init__(self, directory: str | Path, header: dict[str, Any], shard_size: int, *,
+                 part: str | None = None):
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.directory = Path(directory)
+        # One of several processes writing into one directory (data_prep.ranks): its own commit log and shard names.
+        self.part = part
+        self.log_name = f"{RANKS_DIR}/{part}.json" if part else MANIFEST_NAME
+        self.prefix = part or "shard"
         self.shard_size = shard_size
         self.columns: dict[str, dict[str, Any]] = header["columns"]
         self.features = arrow_features(self.columns)
@@ -128,8 +134,8 @@ class ShardWriter:
     def _open(self, header: dict[str, Any]) -> dict[str, Any]:
         """Validate (and clean up) an existing directory; a new one is only created by the first write, so a
         run refused before writing (e.g. for disk space) leaves nothing behind."""
-        if (self.directory / MANIFEST_NAME).is_file():
-            manifest = read_manifest(self.directory)
+        if (self.directory / self.log_name).is_file():
+            manifest = read_manifest(self.directory, self.log_name)
             diffs = header_differences(manifest, header)
             if diffs:
                 raise settings_mismatch(self.directory, diffs)
@@ -137,7 +143,8 @@ class ShardWriter:
             verify_shards(self.directory, manifest)
             self._created = True
             return manifest
-        if self.directory.exists() and any(self.directory.iterdir()):
+        others = (SHARDS_DIR, RANKS_DIR) if self.part else ()  # the other processes' parts
+        if self.directory.exists() and any(p.name not in others for p in self.directory.iterdir()):
             raise DatasetError(f"{self.directory} exists, is not empty and has no manifest.json: choose a new or "
                                "empty out=DIR")
         self._created = False
@@ -147,7 +154,7 @@ class ShardWriter:
     def _create(self) -> None:
         if not self._created:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_manifest(self.directory, self.manifest)
+            write_manifest(self.directory, self.manifest, self.log_name)
             self._created = True
 
     def _drop_leftovers(self, manifest: dict[str, Any]) -> None:
@@ -156,9 +163,11 @@ class ShardWriter:
         shards_dir = self.directory / SHARDS_DIR
         if shards_dir.is_dir():
             for path in shards_dir.iterdir():
-                if path.name not in listed:
+                mine = path.name.lstrip(".").startswith(self.prefix + "-")  # never another process's shard
+                if path.name not in listed and (mine or not self.part):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
-        for path in self.directory.glob(".manifest.json.tmp-*"):
+        log = self.directory / self.log_name
+        for path in log.parent.glob(f".{log.name}.tmp-*"):
             path.unlink()
 
     # -- state -------------------------------------------------------------------------------------------
@@ -210,7 +219,7 @@ class ShardWriter:
             self.manifest["skipped"] += self._skipped
             self.manifest["next_source_index"] = self._end
         self.manifest["complete"] = True
-        write_manifest(self.directory, self.manifest)
+        write_manifest(self.directory, self.manifest, self.log_name)
         return self.manifest
 
     def close(self) -> None:
@@ -232,7 +241,7 @@ class ShardWriter:
     def _start_shard(self) -> None:
         from datasets.arrow_writer import ArrowWriter  # datasets: a heavy import, deferred to first use
 
-        name = shard_name(len(self.manifest["shards"]))
+        name = shard_name(len(self.manifest["shards"]), self.prefix)
         self._stack = contextlib.ExitStack()
         tmp = self._stack.enter_context(atomic_directory(self.directory / SHARDS_DIR / name))
         self._arrow = ArrowWriter(features=self.features, path=str(tmp / SHARD_FILE))
@@ -242,7 +251,7 @@ class ShardWriter:
         num_rows, _ = self._arrow.finalize()
         self._arrow.close()
         self._arrow = None
-        entry = {"name": shard_name(len(self.manifest["shards"])), "num_rows": num_rows, "num_tokens": self._tokens,
+        entry = {"name": shard_name(len(self.manifest["shards"]), self.prefix), "num_rows": num_rows, "num_tokens": self._tokens,
                  "first_source_index": self._first, "end_source_index": self._end, "skipped": self._skipped,
                  "bytes": (self._tmp / SHARD_FILE).stat().st_size, "sha256": sha256_file(self._tmp / SHARD_FILE)}
         self._stack.close()  # the atomic rename into shards/<name>
@@ -253,7 +262,7 @@ class ShardWriter:
         self.manifest["num_rows"] += num_rows
         self.manifest["num_tokens"] += self._tokens
         self.manifest["skipped"] += self._skipped
-        write_manifest(self.directory, self.manifest)
+        write_manifest(self.directory, self.manifest, self.log_name)
         self._rows = self._tokens = self._skipped = 0
         self._first = self._end
 

@@ -37,7 +37,10 @@ from core.layer_ids import LAYER_CONVENTION, resolve_layers
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import prompt_turns, render_prompt
 from data_prep.capture import DTYPE_NAMES, storage_dtype
-from data_prep.manifest import new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.manifest import (MANIFEST_NAME, new_header, read_manifest, refuse_other_args, target_identity,
+                                tokenizer_identity)
+from data_prep.ranks import (check_dataset_parts, launch_rank, merge_dataset_parts, my_items, part_log, part_name,
+                             parts_complete, wait_for)
 from data_prep.samples import load_source
 from data_prep.shards import ShardWriter, column
 from inference.algorithms.sps import RoundInfo, SpeculativeSampling
@@ -121,6 +124,14 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     if args["chat_template"] == "auto":  # the default, and what trace sets made before the option hold
         args.pop("chat_template")
     refuse_other_args(out, args)
+    rank, world = launch_rank()  # under torchrun: every world-th prompt from rank (data_prep.ranks)
+    part = part_name(rank, world) if world > 1 else None
+    if part:
+        refuse_other_args(out, args, part_log(rank, world))
+    check_dataset_parts(out, world, "data_prep.traces ...")
+    if part and (out / MANIFEST_NAME).is_file():  # finished (else refused above): nothing to load
+        print(f"[traces] {out} is already complete", file=sys.stderr)
+        return read_manifest(out)
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                                chat_template=cfg.chat_template)
     draft = draft or load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
@@ -150,19 +161,21 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     sampling = SamplingParams(cfg.temperature)
     eos = eos_token_ids(target.tokenizer, target.model.config)
 
-    with ShardWriter(out, header, cfg.shard_size) as writer:
-        if writer.complete:
+    with ShardWriter(out, header, cfg.shard_size, part=part) as writer:
+        if writer.complete and not part:
             print(f"[traces] {out} is already complete ({writer.manifest['num_rows']} rounds)", file=sys.stderr)
             return writer.manifest
         conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
+        items = my_items(len(conversations), rank, world)
         start = writer.next_source_index
-        if start:
-            print(f"[traces] resuming {out} at prompt {start} ({writer.manifest['num_rows']} rounds so far)",
-                  file=sys.stderr)
+        if start and not writer.complete:
+            print(f"[traces] resuming {out} at prompt {start} of {len(items)} ({writer.manifest['num_rows']} rounds "
+                  "so far)", file=sys.stderr)
         new_tokens, rounds, t0 = 0, 0, time.perf_counter()
-        with tqdm(total=len(conversations), initial=start, desc="traces", unit="prompt", file=sys.stderr,
-                  dynamic_ncols=True) as progress:
-            for index in range(start, len(conversations)):
+        with tqdm(total=len(items), initial=start, desc="traces", unit="prompt", file=sys.stderr,
+                  dynamic_ncols=True, position=rank) as progress:
+            for position in range(start, len(items)):
+                index = items[position]
                 ids = render_prompt(target.tokenizer, prompt_turns(conversations[index]))
                 rows.clear()
                 if len(ids) + cfg.max_new_tokens + sps.lookahead() <= sps.max_seq_len:
@@ -172,12 +185,15 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
                     new_tokens += result.stats.new_tokens
                 for row in rows:
                     row["sample_index"] = index
-                writer.add(list(rows), source_end=index + 1, skipped=0 if rows else 1)
+                writer.add(list(rows), source_end=position + 1, skipped=0 if rows else 1)
                 rounds += len(rows)
                 progress.update(1)
                 progress.set_postfix(rounds=rounds,
                                      tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.1f}")
         manifest = writer.finish()
+    if part and rank == 0:  # the one manifest, once every process's part is complete
+        wait_for(lambda: parts_complete(out, world), f"the other {world - 1} process(es) to finish {out}")
+        manifest = merge_dataset_parts(out, world)
     print(f"[traces] wrote {manifest['num_rows']} rounds from {manifest['next_source_index'] - manifest['skipped']} "
           f"prompts ({manifest['skipped']} skipped) to {out}", file=sys.stderr)
     return manifest
