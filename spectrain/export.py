@@ -60,10 +60,21 @@ class Loaded:
     metrics: dict[str, Any]
 
 
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A checkpoint directory that ``trainer.strategy=fsdp`` wrote (torch.distributed.checkpoint + meta.pt)."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file() and (Path(path) / "meta.pt").is_file()
+
+
 def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     """A Lightning checkpoint's content; a file that is not one (damaged, truncated, another format) is refused
     in one line. It also pickles training state (loops, hyper-parameters): it is the user's own artifact, so
-    full unpickling is acceptable here (weights_only would refuse omegaconf objects)."""
+    full unpickling is acceptable here (weights_only would refuse omegaconf objects). A sharded (FSDP) checkpoint
+    directory is gathered into one full state dict in this process."""
+    if is_sharded_checkpoint(path):
+        # Lightning's own reader of the format its ModelParallelStrategy writes (CPU, no process group).
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint  # Lightning: heavy, deferred
+
+        return _load_distributed_checkpoint(Path(path))
     try:
         raw = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # a torn zip, a foreign pickle or another format raises any of several types
@@ -102,14 +113,14 @@ def load_source(path: str, target: dict[str, Any] | None) -> Loaded:
     """A Lightning checkpoint or an export dir; ``target`` (a target record) fills in a missing target record
     and must match a recorded one."""
     source = Path(path)
-    if source.is_dir():
+    if source.is_dir() and not is_sharded_checkpoint(source):
         loaded = Loaded(read_checkpoint(source, target), None, {})
         if (source / "metrics.json").is_file():
             loaded.metrics = json.loads((source / "metrics.json").read_text())
         if (source / "recipe.yaml").is_file():
             loaded.recipe = OmegaConf.to_container(OmegaConf.load(source / "recipe.yaml"))
         return loaded
-    if not source.is_file():
+    if not source.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist")
     loaded = load_lightning_checkpoint(source)
     if target is not None:
@@ -175,7 +186,7 @@ def export(cfg: Any) -> Path:
 def checkpoint_kind(path: str) -> str | None:
     """The drafter kind a Lightning checkpoint was trained as (None for export dirs)."""
     source = Path(path)
-    if not source.is_file():
+    if not source.is_file() and not is_sharded_checkpoint(source):
         return None
     raw = read_lightning_checkpoint(source)
     meta = raw.get("spectrain") or {}

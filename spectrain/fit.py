@@ -33,8 +33,10 @@ from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_c
 from data_prep.manifest import DatasetError, read_manifest
 from inference.runner import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
+from spectrain.memory import MemoryEstimate, estimate, parameter_counts
 from spectrain.registry import get_kind
 from spectrain.resume import latest_checkpoint, resume_classes
+from spectrain.strategies import build_strategy
 from spectrain.targets import weightless_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -219,9 +221,10 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
 
     trainer_cfg = cfg.trainer
     precision = resolve_precision(trainer_cfg.precision, _uses_cuda(cfg))
-    # DeepSpeed writes its own sharded checkpoint directories; every other strategy goes through CheckpointIO.
+    # DeepSpeed and FSDP write sharded checkpoint directories themselves (spectrain.strategies makes FSDP's
+    # atomic); every other strategy goes through CheckpointIO.
     rng_callback, final_checkpoint, atomic_io = resume_classes()
-    plugins = [] if trainer_cfg.strategy.startswith("deepspeed") else [atomic_io()]
+    plugins = [] if trainer_cfg.strategy.startswith("deepspeed") or trainer_cfg.strategy == "fsdp" else [atomic_io()]
     checkpoints = [
         # No version counter: a resumed run overwrites last.ckpt instead of writing last-v1.ckpt beside it.
         ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="step{step}", auto_insert_metric_name=False,
@@ -242,7 +245,7 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
         accelerator=trainer_cfg.accelerator,
         devices=trainer_cfg.devices,
         num_nodes=trainer_cfg.num_nodes,
-        strategy=trainer_cfg.strategy,
+        strategy=build_strategy(trainer_cfg.strategy, _uses_cuda(cfg)),
         precision=precision,
         accumulate_grad_batches=trainer_cfg.accumulate_grad_batches,
         gradient_clip_val=trainer_cfg.gradient_clip_val or None,
@@ -259,21 +262,8 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
     )
 
 
-GPU_ONLY_STRATEGIES = ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
-
-
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
-
-
-def build_strategy(name: str):
-    """The Lightning strategy object a recipe names (DeepSpeed needs the ``deepspeed`` extra)."""
-    # Lightning: a heavy import, deferred to first use
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        raise RecipeError(f"trainer.strategy={name} needs DeepSpeed: pip install -e '.[deepspeed]'")
-    return StrategyRegistry.get(name)
 
 
 def check_target(cfg: DictConfig) -> None:
@@ -344,14 +334,28 @@ def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
     return kind.build_module(cfg), kind.build_datamodule(cfg)
 
 
+def memory_estimate(cfg: DictConfig, module: Any, precision: str) -> MemoryEstimate:
+    """``spectrain.memory.estimate`` for this recipe: devices x nodes, and the target only with online features."""
+    devices = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > 0 else 1
+    online = not cfg.data.get("dataset_dir")
+    target_params = 0
+    if online and hasattr(module, "target_model"):
+        with weightless_targets():  # its parameter count only: a meta-device copy, no weights read
+            target_params = sum(p.numel() for p in module.target_model().parameters())
+    trainable, frozen = parameter_counts(getattr(module, "drafter", module))
+    return estimate(trainable, frozen, target_params, strategy=cfg.trainer.strategy,
+                    devices=devices * cfg.trainer.num_nodes, precision=precision)
+
+
 def fit(cfg: DictConfig) -> dict[str, Any]:
     """Train (or, with ``dry_run=true``, only build) the drafter a composed recipe describes."""
     import lightning.pytorch as pl  # Lightning: a heavy import, deferred to first use
 
-    gpu_only = cfg.trainer.strategy in GPU_ONLY_STRATEGIES and not _cuda_available()
+    gpu_only = cfg.trainer.accelerator in ("gpu", "cuda") and not _cuda_available()
     if gpu_only and not cfg.dry_run:
-        raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} needs CUDA GPUs and none is visible; use "
-                          "strategy=auto or ddp here, or dry_run=true to validate the recipe without GPUs")
+        raise RecipeError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA GPUs and none is visible; use "
+                          "trainer.accelerator=cpu (ddp, fsdp and deepspeed_stage_2/3 run on CPU over gloo), or "
+                          "dry_run=true to validate the recipe without GPUs")
     check_target(cfg)
     if not cfg.dry_run:  # a dry run reads no data
         check_datasets(cfg)
@@ -362,19 +366,24 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = resume_checkpoint(cfg)
     save_run_info(cfg, directory)
     module, datamodule = build_module_and_data(cfg)
-    if gpu_only:  # dry run without GPUs: Lightning refuses a CPU Trainer for these; build the strategy alone
-        strategy = build_strategy(cfg.trainer.strategy)
+    if cfg.dry_run:
+        memory = memory_estimate(cfg, module, precision)
+        print(f"[spectrain] dry run: {memory.line(cfg.trainer.strategy)}")
+    if gpu_only:  # dry run without GPUs: Lightning refuses a CPU Trainer for a GPU recipe; build the strategy alone
+        strategy = build_strategy(cfg.trainer.strategy, cuda=True)
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and "
-              f"{type(strategy).__name__} (no GPU here, so no Trainer; precision {precision} on the GPUs); "
-              f"nothing trained. Run dir: {directory}")
-        return {"run_dir": str(directory), "trained": False, "strategy": type(strategy).__name__,
-                "precision": precision, "trainable_params": trainable_params(module)}
+              f"{type(strategy).__name__ if not isinstance(strategy, str) else strategy} (no GPU here, so no "
+              f"Trainer; precision {precision} on the GPUs); nothing trained. Run dir: {directory}")
+        return {"run_dir": str(directory), "trained": False, "precision": precision,
+                "strategy": strategy if isinstance(strategy, str) else type(strategy).__name__,
+                "trainable_params": trainable_params(module), "memory_gib": memory.total_gib}
     trainer = build_trainer(cfg, directory)
     if cfg.dry_run:
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
               f"nothing trained. Run dir: {directory}")
         return {"run_dir": str(directory), "trained": False, "strategy": type(trainer.strategy).__name__,
-                "precision": trainer.precision, "trainable_params": trainable_params(module)}
+                "precision": trainer.precision, "trainable_params": trainable_params(module),
+                "memory_gib": memory.total_gib}
     if ckpt_path:
         print(f"[spectrain] resuming from {ckpt_path}")
     reduce_across_processes(True)  # loss denominators over the global batch when several processes train

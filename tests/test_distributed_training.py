@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaForCausalLM
 
@@ -74,13 +75,13 @@ def kind_args(root: Path, kind: str) -> list[str]:
     }[kind] + common
 
 
-def launch(args: list[str], runs: Path, recipes: Path) -> subprocess.Popen:
+def launch(args: list[str], runs: Path, recipes: Path, strategy: str = "ddp") -> subprocess.Popen:
     """``python -m spectrain.fit ... trainer.devices=2 trainer.strategy=ddp``: Lightning starts the second
     process itself (it re-runs this command with LOCAL_RANK=1)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECTRAIN_RECIPES=str(recipes),
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECTRAIN_RECIPES=str(recipes), DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "spectrain.fit", *args, f"batch_size={B}", "trainer.devices=2",
-           "trainer.strategy=ddp", f"runs_dir={runs}"]
+           f"trainer.strategy={strategy}", f"runs_dir={runs}"]
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)  # its own group: a leftover rank can be reaped by the test
 
@@ -95,6 +96,29 @@ def last_weights(runs: Path) -> dict[str, torch.Tensor]:
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
 
 
+def single_process_run(root: Path, kind: str) -> Path:
+    """The 1-process run of ``kind`` with batch 2B (the reference of every multi-process run)."""
+    runs = root / f"single_{kind}"
+    if not runs.exists():
+        cfg = fit_cli.compose_recipe([*kind_args(root, kind), f"batch_size={2 * B}", "trainer.devices=1",
+                                      f"runs_dir={runs}"], directory=root / "recipes")
+        assert fit_cli.fit(cfg)["global_step"] == 6
+    return runs
+
+
+def kill_after(proc: subprocess.Popen, marker: Path) -> None:
+    """SIGKILL the launcher (rank 0) once ``marker`` (a checkpoint) exists; rank 1 then loses its peer."""
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"no {marker.name} after 240 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stderr.close()
+    reap_group(proc.pid)
+
+
 @functools.cache
 def two_process_run(root: Path, kind: str) -> Path:
     """The uninterrupted 2-process run of ``kind`` (shared by the equality and the resume test)."""
@@ -106,11 +130,7 @@ def two_process_run(root: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "specblock", "hrad"])
 def test_two_ddp_processes_with_batch_b_train_like_one_process_with_batch_2b(setup, kind):
     ddp = last_weights(two_process_run(setup, kind))
-    single_runs = setup / f"single_{kind}"
-    cfg = fit_cli.compose_recipe([*kind_args(setup, kind), f"batch_size={2 * B}", "trainer.devices=1",
-                                  f"runs_dir={single_runs}"], directory=setup / "recipes")
-    assert fit_cli.fit(cfg)["global_step"] == 6
-    single = last_weights(single_runs)
+    single = last_weights(single_process_run(setup, kind))
     assert ddp.keys() == single.keys() and ddp
     changed = 0
     for name, value in single.items():
@@ -142,17 +162,7 @@ def reap_group(group: int, grace: float = 10.0) -> None:
 def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup):
     kind, runs = "eagle3", setup / "ddp_killed"
     args = kind_args(setup, kind)
-    proc = launch(args, runs, setup / "recipes")
-    marker = runs / "eagle3_smollm2" / "checkpoints" / "step2.ckpt"
-    deadline = time.monotonic() + 240
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "no step2.ckpt after 240 s"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)  # the launcher (rank 0); rank 1 loses its peer and stops
-    proc.wait(timeout=30)
-    proc.stderr.close()
-    reap_group(proc.pid)
+    kill_after(launch(args, runs, setup / "recipes"), runs / "eagle3_smollm2" / "checkpoints" / "step2.ckpt")
     stopped = torch.load(fit_cli.latest_checkpoint(runs / "eagle3_smollm2"), weights_only=False)["global_step"]
     assert 2 <= stopped < 6
     finish(launch([*args, "resume=auto"], runs, setup / "recipes"))
@@ -160,3 +170,47 @@ def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup):
     assert resumed.keys() == uninterrupted.keys()
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_fsdp_on_two_processes_saves_sharded_resumes_and_exports_the_single_process_tensors(setup, tmp_path):
+    """trainer.strategy=fsdp (FSDP2 over gloo): the launcher is killed after the first sharded checkpoint, the run
+    resumes from it (resume=auto), and its export equals the export of 1 process with batch 2B."""
+    from spectrain import export as export_cli
+
+    kind, runs = "specblock", setup / "fsdp"
+    args = kind_args(setup, kind)
+    checkpoints = runs / "specblock_smollm2" / "checkpoints"
+    kill_after(launch(args, runs, setup / "recipes", strategy="fsdp"), checkpoints / "step2.ckpt")
+    assert export_cli.is_sharded_checkpoint(checkpoints / "step2.ckpt")  # one directory, a shard per process
+    finish(launch([*args, "resume=auto"], runs, setup / "recipes", strategy="fsdp"))
+    assert export_cli.is_sharded_checkpoint(checkpoints / "last.ckpt")
+
+    def exported(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+        assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={out}"]) == 0
+        return load_file(out / "model.safetensors")
+
+    sharded = exported(checkpoints / "last.ckpt", tmp_path / "fsdp_export")
+    single = exported(single_process_run(setup, kind) / "specblock_smollm2" / "checkpoints" / "last.ckpt",
+                      tmp_path / "single_export")
+    assert sharded.keys() == single.keys() and sharded
+    for name, value in single.items():
+        torch.testing.assert_close(sharded[name], value, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("stage", [3])
+def test_deepspeed_zero_on_two_cpu_processes_trains_like_one_process(setup, stage, tmp_path):
+    """DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) communicates over gloo: ZeRO-3 (parameters, gradients and
+    optimizer state partitioned) trains on 2 processes, and its consolidated weights equal 1 process with batch 2B."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    kind, runs = "eagle3", setup / f"zero{stage}"
+    finish(launch(kind_args(setup, kind), runs, setup / "recipes", strategy=f"deepspeed_stage_{stage}"))
+    checkpoint = runs / "eagle3_smollm2" / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir()  # DeepSpeed's own partitioned layout
+    convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint), str(tmp_path / "full.ckpt"))
+    zero = torch.load(tmp_path / "full.ckpt", weights_only=False)
+    assert zero["global_step"] == 6
+    single = last_weights(single_process_run(setup, kind))
+    for name, value in single.items():
+        torch.testing.assert_close(zero["state_dict"][name], value, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")

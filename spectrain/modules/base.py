@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spectrain.data import build_feature_datamodule
+from spectrain.strategies import shard_drafter
 from spectrain.targets import loaded_target
 
 
@@ -45,6 +46,23 @@ class DrafterModule(L.LightningModule):
     def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits recomputed from its final (normed) hidden state."""
         return last_hidden.float() @ self.teacher_lm_head.T
+
+    FSDP_FORWARD_METHODS: tuple[str, ...] = ()  # drafter methods besides forward that training_step calls
+
+    def configure_model(self) -> None:
+        """Under ``trainer.strategy=fsdp`` (Lightning's ModelParallelStrategy gives the mesh): shard the drafter."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not getattr(self, "_sharded", False):
+            shard_drafter(self.drafter, mesh["data_parallel"], self.FSDP_FORWARD_METHODS)
+            self._sharded = True
+
+    def on_validation_start(self) -> None:
+        if getattr(self, "_sharded", False):  # validation calls drafter methods FSDP does not hook: gather first
+            self.drafter.unshard()
+
+    def on_validation_end(self) -> None:
+        if getattr(self, "_sharded", False):
+            self.drafter.reshard()
 
     def configure_optimizers(self):
         optim = self.cfg.optim

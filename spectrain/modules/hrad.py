@@ -46,6 +46,7 @@ from core.overrides import OverrideError, RecipeError
 from data_prep.datamodules import resumable_loader
 from data_prep.manifest import DatasetError, read_manifest
 from data_prep.shards import ShardReader, to_tensor
+from spectrain.export import read_lightning_checkpoint
 from spectrain.modules.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 
@@ -409,7 +410,18 @@ class HRADModule(L.LightningModule):
         self.data_summary = datamodule.summary
 
     def configure_optimizers(self):
-        return DrafterModule.configure_optimizers(self)  # AdamW + warm-up/cosine over self.drafter (shared)
+        return DrafterModule.configure_optimizers(self)
+
+    FSDP_FORWARD_METHODS: tuple[str, ...] = ()
+
+    def configure_model(self) -> None:
+        DrafterModule.configure_model(self)
+
+    def on_validation_start(self) -> None:
+        DrafterModule.on_validation_start(self)
+
+    def on_validation_end(self) -> None:
+        DrafterModule.on_validation_end(self)  # AdamW + warm-up/cosine over self.drafter (shared)
 
     def _logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, emb, labels = batch
@@ -506,7 +518,7 @@ def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
     """``python -m spectrain.export ckpt=PATH out=DIR`` for a kind=hrad Lightning checkpoint (native only)."""
     if cfg.format != "native":
         raise OverrideError(f"an H-RAD exports only as format=native; '{cfg.format}' is an EAGLE-3 layout")
-    raw = torch.load(path, map_location="cpu", weights_only=False)  # the user's own training checkpoint
+    raw = read_lightning_checkpoint(path)  # a .ckpt file or an FSDP checkpoint directory
     meta = raw.get("spectrain") or {}
     if not meta.get("target"):
         raise CheckpointError(f"{path} has no target record: export a checkpoint saved by kind=hrad training")

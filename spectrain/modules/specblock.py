@@ -26,6 +26,7 @@ from core.layer_ids import eagle3_layers, resolve_layers
 from core.overrides import RecipeError
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.eagle3_losses import teacher_in_draft_vocab
+from spectrain.export import read_lightning_checkpoint
 from spectrain.metrics import SimulatedAcceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.modules.eagle3 import vocab_map_for
@@ -60,6 +61,8 @@ def _check_schema(model: Any) -> None:
 
 
 class SpecBlockModule(DrafterModule):
+    FSDP_FORWARD_METHODS = ("forward_block",)  # unroll_blocks calls it, not forward
+
     def __init__(self, cfg: Any):
         _check_schema(cfg.model)
         super().__init__(cfg)
@@ -241,7 +244,7 @@ def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
     if cfg.format != "native":
         raise CheckpointError(f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 "
                               "engine layout")
-    raw = torch.load(path, map_location="cpu", weights_only=False)  # the user's own Lightning checkpoint
+    raw = read_lightning_checkpoint(path)  # a .ckpt file or an FSDP checkpoint directory
     meta = raw["spectrain"]
     recorded = meta.get("target")
     if cfg.target:

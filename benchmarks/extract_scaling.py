@@ -1,0 +1,67 @@
+"""``python -m benchmarks.extract_scaling [n_samples=32] [max_len=256] [source=sharegpt] [processes=[1,2]]``
+
+Feature extraction (``data_prep.extract``, SmolLM2-135M-Instruct, EAGLE-3 layers, bf16 storage) by 1 process and
+by 2 processes under torchrun, one intra-op thread each, on the same source items, one run after the other in this
+script: wall time from launch to the final manifest (model loading included), tokens written, tokens/s and the
+ratio to one process. Each run writes a fresh directory under a temporary folder, deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.overrides import parse_cli
+
+USAGE = "python -m benchmarks.extract_scaling n_samples=32 max_len=256 processes=[1,2]"
+
+
+@dataclass
+class ScalingConfig:
+    target: str = "smollm2"
+    source: str = "sharegpt"
+    n_samples: int = 32
+    max_len: int = 256
+    batch_size: int = 4
+    processes: list[int] = field(default_factory=lambda: [1, 2])
+
+
+def run(cfg: ScalingConfig, processes: int, out: Path) -> tuple[float, int]:
+    """(wall seconds, tokens written) of one extraction by ``processes`` processes."""
+    args = [f"target={cfg.target}", f"source={cfg.source}", f"n_samples={cfg.n_samples}", f"max_len={cfg.max_len}",
+            "layers=eagle3", "dtype=bf16", f"batch_size={cfg.batch_size}", "device=cpu", f"out={out}"]
+    launcher = [sys.executable, "-m", "data_prep.extract"] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+         "-m", "data_prep.extract"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    subprocess.run([*launcher, *args], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    return wall, int(json.loads((out / "manifest.json").read_text())["num_tokens"])
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_cli(argv, ScalingConfig, USAGE)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in cfg.processes:
+            wall, tokens = run(cfg, n, Path(tmp) / f"p{n}")
+            rows.append((n, tokens, wall))
+            print(f"[extract_scaling] {n} process(es): {tokens} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
+    base = rows[0][1] / rows[0][2]
+    print("| processes (1 thread each) | tokens | wall s | tokens/s | × 1 process |")
+    print("|---|---|---|---|---|")
+    for n, tokens, wall in rows:
+        print(f"| {n} | {tokens:,} | {wall:.1f} | {tokens / wall:.0f} | {tokens / wall / base:.2f} |")
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
