@@ -2,8 +2,9 @@
 
 Feature extraction (``data_prep.extract``, SmolLM2-135M-Instruct, EAGLE-3 layers, bf16 storage) by 1 process and
 by 2 processes under torchrun, one intra-op thread each, on the same source items, one run after the other in this
-script: wall time from launch to the final manifest (model loading included), tokens written, tokens/s and the
-ratio to one process. Each run writes a fresh directory under a temporary folder, deleted afterwards.
+script (repeat a count, e.g. ``processes=[1,2,1,2]``, to interleave): wall time from launch to the final manifest
+(model loading included), tokens written, tokens/s and the ratio to the first run. Each run writes a fresh directory
+under a temporary folder, deleted afterwards.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ def main(argv: list[str]) -> None:
     cfg = parse_cli(argv, ScalingConfig, USAGE)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in cfg.processes:
-            wall, tokens = run(cfg, n, Path(tmp) / f"p{n}")
+        for i, n in enumerate(cfg.processes):  # a fresh directory per run: a finished one is only reported
+            wall, tokens = run(cfg, n, Path(tmp) / f"run{i}")
             rows.append((n, tokens, wall))
             print(f"[extract_scaling] {n} process(es): {tokens} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
     base = rows[0][1] / rows[0][2]
-    print("| processes (1 thread each) | tokens | wall s | tokens/s | × 1 process |")
+    print("| processes (1 thread each) | tokens | wall s | tokens/s | × first run |")
     print("|---|---|---|---|---|")
     for n, tokens, wall in rows:
         print(f"| {n} | {tokens:,} | {wall:.1f} | {tokens / wall:.0f} | {tokens / wall / base:.2f} |")
