@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from core.distributed import process_rank  # noqa: F401  (re-exported for the loaders)
-
 
 class RankSlicedSampler(Sampler[int]):
     """Sample indices of process ``rank``'s rows of each global batch (see the module docstring)."""

@@ -1,6 +1,8 @@
-"""Training on several processes (DDP over gloo on CPU, Lightning's own launcher): 2 processes with a per-process
-batch of b end with the weights of 1 process with batch 2b, for every kind; a 2-process run whose launcher is
-killed with SIGKILL mid-epoch resumes (``resume=auto``) to the uninterrupted run's weights bit for bit.
+"""Training on several processes, on CPU over gloo, started by Lightning's own launcher (``python -m spectrain.fit
+... trainer.devices=2``): 2 processes with a per-process batch of b end with the weights of 1 process with batch 2b,
+for every kind under DDP, for SpecBlock under FSDP (sharded checkpoints, killed, resumed, exported) and for EAGLE-3
+under DeepSpeed ZeRO-3; a DDP run whose launcher is killed with SIGKILL mid-epoch resumes (``resume=auto``) to the
+uninterrupted run's weights bit for bit.
 
 Tolerance: the per-process losses are means over the global batch (``core.distributed.process_mean``) and DDP
 averages the gradients, so the two trainings differ only in float summation order. AdamW divides each gradient by
