@@ -100,6 +100,9 @@ def refuse_other_args(directory: str | Path, args: dict[str, Any], name: str = M
 def read_manifest(directory: str | Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
     """``directory/manifest.json`` (or a process's own commit log, ``name`` = ``ranks/rank-R-of-N.json``)."""
     path = Path(directory) / name
+    if not path.is_file() and name == MANIFEST_NAME and (Path(directory) / "ranks").is_dir():
+        raise DatasetError(f"{directory} is unfinished: its processes' parts are in {Path(directory) / 'ranks'} and "
+                           "the manifest is written when all are complete; re-run the same torchrun command")
     if not path.is_file():
         raise DatasetError(f"{directory} has no {name}: not a spectrain dataset (create one with "
                            "python -m data_prep.extract or data_prep.traces)")

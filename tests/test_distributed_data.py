@@ -20,7 +20,7 @@ from tiny_targets import save_tiny_target, write_jsonl
 
 from data_prep import extract, regenerate, traces
 from data_prep.features import FeatureDataset
-from data_prep.manifest import read_manifest
+from data_prep.manifest import DatasetError, read_manifest
 from data_prep.shards import ShardReader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +105,8 @@ def test_torchrun_extract_resumes_a_killed_process_and_equals_one_process(tiny, 
     kill_rank_when(proc, 1, lambda: committed_shards(out / "ranks" / "rank-1-of-2.json") >= 2)
     killed = read_manifest(out, "ranks/rank-1-of-2.json")
     assert not killed["complete"] and not (out / "manifest.json").exists()
+    with pytest.raises(DatasetError, match="is unfinished: its processes' parts are in .*re-run the same torchrun"):
+        FeatureDataset(out)  # no consumer reads a half-written multi-process dataset
     one_line_refusal(extract.main, [*args, f"out={out}"], capsys,
                      "holds the unfinished parts of a 2-process run, this is a 1-process run; resume it with "
                      "torchrun --nproc_per_node=2")
