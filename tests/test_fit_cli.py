@@ -203,6 +203,18 @@ def test_fsdp_and_deepspeed_build_their_cpu_strategies_by_a_dry_run(recipes, tmp
     assert built == {"fsdp": "ShardedDataParallel", "ddp": "DDPStrategy"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_a_gpu_accelerator_without_cuda_is_refused_in_one_line_unless_dry_run(recipes, tmp_path):
+    with pytest.raises(fit_cli.RecipeError) as info:
+        fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "accelerator=gpu"))
+    assert str(info.value) == ("trainer.accelerator=gpu needs CUDA GPUs and none is visible; use "
+                               "trainer.accelerator=cpu (ddp, fsdp and deepspeed_stage_2/3 run on CPU over gloo), "
+                               "or dry_run=true to validate the recipe without GPUs")
+    result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "accelerator=gpu", "dry_run=true",
+                                 "strategy=fsdp"))
+    assert result["strategy"] == "ShardedDataParallel" and result["precision"] == "bf16-mixed"
+
+
 @pytest.mark.parametrize("precision, cuda, expected", [
     ("auto", True, "bf16-mixed"), ("auto", False, "32-true"), ("bf16-mixed", True, "bf16-mixed"),
     ("32-true", False, "32-true"), ("32-true", True, "32-true"), ("16-mixed", True, "16-mixed"),
