@@ -109,16 +109,18 @@ def single_process_run(root: Path, kind: str) -> Path:
 
 
 def kill_after(proc: subprocess.Popen, marker: Path) -> None:
-    """SIGKILL the launcher (rank 0) once ``marker`` (a checkpoint) exists; rank 1 then loses its peer."""
+    """SIGKILL the launcher (rank 0) and its worker at once, as a node failure does, once ``marker`` (a checkpoint)
+    exists."""
     deadline = time.monotonic() + 240
     while not marker.exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, f"no {marker.name} after 240 s"
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     proc.stderr.close()
-    reap_group(proc.pid)
+    assert proc.returncode == -signal.SIGKILL
+    reap_group(proc.pid, grace=5.0)
 
 
 @functools.cache
@@ -150,7 +152,7 @@ def last_weights_at_start(root: Path, kind: str, name: str, value: torch.Tensor)
 
 
 def reap_group(group: int, grace: float = 10.0) -> None:
-    """Wait for the rest of a killed launch (rank 1 stops once gloo reports its lost peer); SIGKILL what is left."""
+    """Wait until every process of a killed launch is gone; SIGKILL what is left after ``grace`` seconds."""
     deadline = time.monotonic() + grace
     try:
         while time.monotonic() < deadline:
