@@ -5,9 +5,13 @@ over every process: it runs on CUDA (NCCL) and on CPU (gloo), whereas Lightning'
 a CPU accelerator. The drafter is one FSDP unit (a drafter is small next to its target; sharding it whole keeps
 every method that reads a weight directly working); a method other than ``forward`` that training calls (SpecBlock's
 ``forward_block``) is registered as a forward method, and validation runs on gathered weights. Frozen parameters
-(the target's embeddings a drafter is tied to) stay replicated: they get no gradient to reduce. Checkpoints are sharded (torch.distributed.checkpoint, one
-directory per checkpoint), written to a temporary directory and renamed into place, so a kill mid-write leaves the
-previous checkpoint intact.
+(the target's embeddings a drafter is tied to) stay replicated: they get no gradient to reduce. Checkpoints are
+sharded (torch.distributed.checkpoint, one directory per checkpoint), written to a temporary directory and renamed
+into place, so a kill mid-write leaves the previous checkpoint intact.
+
+``deepspeed_stage_2|3`` without CUDA runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), whose
+communication backend is gloo when oneCCL is not installed; Lightning's DeepSpeedStrategy only needs its CUDA checks
+lifted for that (``cpu_deepspeed_class``).
 """
 
 from __future__ import annotations
