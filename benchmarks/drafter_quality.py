@@ -33,7 +33,7 @@ from benchmarks.scaling import answer_tokens_per_sample
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
-from inference.runner import cpu_has_native_bf16
+from inference.device import cpu_has_native_bf16
 
 USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"
 SETTINGS = ("gsm", "general")
