@@ -27,7 +27,7 @@ from core.overrides import parse_cli, run_cli
 from inference.algorithms import ALGORITHMS
 from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
-from inference.runner import cpu_has_native_bf16
+from inference.device import cpu_has_native_bf16
 
 # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
 DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 60, "demo_specblock": 16}
