@@ -28,12 +28,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
-from speculators.losses import resolve_loss_config
-from speculators.models import Eagle3DraftModel, Eagle3SpeculatorConfig
-from speculators.models.eagle3.data import shift_batch
+from speculators.models import Eagle3DraftModel
 from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, lightning_ckpt, make_drafter, tiny_target
 from transformers import AutoConfig
 
+from benchmarks.speculators_peer import (features, full_accuracy, load_theirs, our_loss, our_steps, their_forward,
+                                         their_loss_mask)
 from core.assets import portable_model_reference, target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
@@ -42,7 +42,6 @@ from inference.drafters import LoadedModel, load_eagle3
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli
-from spectrain.eagle3_losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_loss
 
 
 STEPS, DECAY = 3, 0.8
@@ -62,13 +61,6 @@ def export_speculators(tmp_path: Path, target: LoadedModel, drafter: Eagle3Draft
     out = tmp_path / "speculators"
     assert export_cli.main([f"ckpt={ckpt}", "format=speculators", f"out={out}", *extra]) == 0
     return out
-
-
-def load_theirs(directory: Path) -> Eagle3DraftModel:
-    """The library's loader; eager attention because its default flex attention fails on short CPU inputs."""
-    config = Eagle3SpeculatorConfig.from_pretrained(directory)
-    config.transformer_layer_config._attn_implementation = "eager"
-    return Eagle3DraftModel.from_pretrained(str(directory), config=config).eval()
 
 
 def assert_loaded_exactly(theirs: Eagle3DraftModel, directory: Path, target: torch.nn.Module) -> None:
@@ -92,72 +84,21 @@ def assert_loaded_exactly(theirs: Eagle3DraftModel, directory: Path, target: tor
 # One batch through both training forwards
 
 
-def features(target: LoadedModel, ids: torch.Tensor, aux: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's captured features [1, T, 3H] and the last decoder layer's output (pre-norm) [1, T, H]."""
-    last = target.runner.num_layers - 1
-    target.runner.reset(1)
-    out = target.runner.forward(ids, capture_layers=[*aux, last])
-    return torch.cat([out.hidden[i] for i in aux], -1), out.hidden[last]
-
-
-def both_forwards(target: LoadedModel, drafter: Eagle3Drafter, theirs: Eagle3DraftModel, ids: torch.Tensor,
-                  supervised: torch.Tensor):
-    """Our loss pieces (per step: student logits, teacher probs, rows) and speculators' (loss, metrics, drafts)
-    on one sequence, with speculators' loss mask chosen to score our rows (module docstring)."""
-    aux, pre_norm = features(target, ids, drafter.config.aux_layer_ids)
-    normed = target.model.model.norm(pre_norm)
-    project = target.model.lm_head
-    with torch.no_grad():
-        _, in_vocab = teacher_in_draft_vocab(project(normed), drafter.t2d)
-    index, probs = teacher_rows(lambda h: project(h).float(), normed, supervised, drafter.t2d)
-    out = drafter(ids, aux, steps=STEPS, heads=False)
-    steps = []
-    for j, hidden in enumerate(out.hidden):
-        b, i, n = scored_rows(index, j)
-        steps.append((drafter.head(hidden[b, i]), probs[n], i))
-    their_mask = torch.zeros_like(supervised)
-    their_mask[:, :-1] = supervised[:, 1:] & in_vocab[:, :-1]
-    sample = {"input_ids": ids[0], "hidden_states": aux[0], "verifier_last_hidden_states": pre_norm[0],
-              "loss_mask": their_mask[0], "lengths": torch.tensor([ids.shape[1]]),
-              "position_ids": torch.arange(ids.shape[1])}
-    batch = {k: v[None] if k != "lengths" else v for k, v in shift_batch(sample).items()}
-    drafts, loss, metrics = theirs(batch["hidden_states"], batch["input_ids"], torch.zeros_like(batch["input_ids"]),
-                                   loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
-                                   verifier_last_hidden_states=batch["verifier_last_hidden_states"],
-                                   ttt_steps=STEPS, ttt_step_loss_decay=DECAY,
-                                   loss_config=resolve_loss_config("kl_div", "eager"))
-    return steps, (drafts, loss, metrics)
-
-
-def full_accuracy(steps, length: int) -> list[float]:
-    """speculators' ``full_acc_j`` from OUR per-row results: rows right at every step 0..j, over step j's rows."""
-    right = torch.zeros(length, dtype=torch.bool)
-    scored0 = torch.zeros(length, dtype=torch.bool)
-    scored0[steps[0][2]] = True
-    right[steps[0][2]] = steps[0][0].argmax(-1) == steps[0][1].argmax(-1)
-    out = []
-    for j, (student, teacher, rows) in enumerate(steps):
-        now = torch.zeros(length, dtype=torch.bool)
-        now[rows] = student.argmax(-1) == teacher.argmax(-1)
-        right = right & now if j else right
-        out.append(float((right[rows] & scored0[rows]).sum()) / len(rows))
-    return out
-
-
 def check_training_forward_agrees(target: LoadedModel, drafter: Eagle3Drafter, theirs: Eagle3DraftModel,
                                   ids: torch.Tensor, supervised: torch.Tensor, tol: float) -> None:
-    steps, (drafts, their_loss, metrics) = both_forwards(target, drafter, theirs, ids, supervised)
-    students, teachers, rows = zip(*steps)
-    ours, per_step = ttt_loss(students, teachers, [torch.ones(len(s), dtype=torch.bool) for s in students],
-                              step_weight=DECAY)
-    for j, (student, teacher, row) in enumerate(steps):
+    """One sequence through both training forwards, speculators' loss mask chosen to score our rows."""
+    aux, pre_norm = features(target, ids, drafter.config.aux_layer_ids)
+    steps = our_steps(drafter, target, ids, aux, pre_norm, supervised, STEPS)
+    ours, per_step, entropies = our_loss(steps, DECAY)
+    mask = their_loss_mask(target, pre_norm, supervised, drafter.t2d)
+    drafts, their_loss, metrics = their_forward(theirs, ids, aux, pre_norm, mask, STEPS, DECAY)
+    for j, (student, teacher, rows) in enumerate(steps):
         entropy = -(teacher * teacher.clamp_min(1e-30).log()).sum(-1).mean()
         kl = metrics[f"loss_{j}_sum"] / DECAY**j
         torch.testing.assert_close(kl, per_step[j] - entropy, rtol=tol, atol=tol)  # soft-CE = KL + H(teacher)
-        assert torch.equal(drafts[j][0, row], student.argmax(-1)), f"step {j}: drafted tokens differ"
+        assert torch.equal(drafts[j][0, rows], student.argmax(-1)), f"step {j}: drafted tokens differ"
     for j, acc in enumerate(full_accuracy(steps, ids.shape[1])):
         assert metrics[f"full_acc_{j}_sum"].item() / metrics[f"full_acc_{j}_total"].item() == pytest.approx(acc)
-    entropies = sum(DECAY**j * -(t * t.clamp_min(1e-30).log()).sum(-1).mean() for j, t in enumerate(teachers))
     torch.testing.assert_close(their_loss, ours - entropies, rtol=tol, atol=tol)
     # equal gradients on every parameter both train (speculators freezes lm_head; we train it)
     assert not theirs.lm_head.weight.requires_grad and drafter.lm_head.weight.requires_grad
@@ -310,17 +251,8 @@ def smollm2_trained(smollm2, tmp_path_factory):
         drafter.lm_head.weight.copy_(model.lm_head.weight[used])
     supervised = torch.ones_like(ids, dtype=torch.bool)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
-    normed = model.model.norm(pre_norm).detach()
     for _ in range(6):
-        index, probs = teacher_rows(lambda h: model.lm_head(h).float(), normed, supervised, drafter.t2d)
-        out = drafter(ids, aux, steps=STEPS, heads=False)
-        students, teachers = [], []
-        for j, hidden in enumerate(out.hidden):
-            b, i, n = scored_rows(index, j)
-            students.append(drafter.head(hidden[b, i]))
-            teachers.append(probs[n])
-        loss, _ = ttt_loss(students, teachers, [torch.ones(len(s), dtype=torch.bool) for s in students],
-                           step_weight=DECAY)
+        loss, _, _ = our_loss(our_steps(drafter, target, ids, aux, pre_norm, supervised, STEPS), DECAY)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -335,7 +267,7 @@ def test_smollm2_export_loads_and_agrees_in_speculators(smollm2_trained):
     assert verifier["name_or_path"] == portable_model_reference("smollm2") != "smollm2"  # never our alias
     assert "lm_head.weight" not in load_file(str(Path(verifier["name_or_path"]) / "model.safetensors"))  # tied
     assert_loaded_exactly(Eagle3DraftModel.from_pretrained(str(directory)), directory, target.model)
-    theirs = load_theirs(directory)
+    theirs = load_theirs(directory).eval()
     drafter.zero_grad()
     supervised = torch.zeros_like(ids, dtype=torch.bool)
     supervised[0, 8:] = True
