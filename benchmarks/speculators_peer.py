@@ -199,7 +199,7 @@ def run(cfg: PeerConfig) -> None:
             value.backward()
             optimizer.step()
         if step % 5 == 0 or step == cfg.steps - 1:
-            kl = float(loss - entropy)
+            kl = float((loss - entropy).detach())
             print(f"| {step + 1} | {float(loss):.4f} | {kl:.4f} | {float(their_loss):.4f} | "
                   f"{abs(kl - float(their_loss)):.1e} |")
     report_validation(cfg, target, ours, theirs, val)
