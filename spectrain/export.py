@@ -14,7 +14,8 @@ What ``ckpt=`` accepts (the training contract):
 The output directory (written atomically; it must not exist yet) holds ``config.json`` (with the ``spectrain``
 block: kind, target identity, architecture, layer ids + convention, vocab map sizes), ``model.safetensors``,
 ``recipe.yaml`` when the checkpoint has a recipe, and ``metrics.json`` (training metrics and provenance).
-Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts`.
+Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts`. ``verifier=PATH_OR_ID`` (speculators
+layout only) names the target as vLLM/speculators should load it; by default the target's local directory.
 """
 
 from __future__ import annotations

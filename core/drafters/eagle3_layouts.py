@@ -15,6 +15,9 @@ layout writes both (each in its own convention) so vLLM serves it too; speculato
 ``norm_before_residual``: SGLang always takes the residual before ``hidden_norm`` (False), so a drafter trained
 with True is refused for the sglang layout; speculators always writes the flag (vLLM defaults it to True).
 Every layout also carries our ``spectrain`` block (target identity, layer convention) in ``config.json``.
+The speculators layout names its verifier so that speculators/vLLM can load it (the target's local directory or a
+hub id, never our alias) and ships the target's ``embed_tokens.weight`` (``target_embedding``); reading drops that
+copy again when the ``spectrain`` block says the embedding is the target's.
 Reading is strict: an unknown or missing tensor, or an EAGLE-3.1 feature we do not run, is a one-line error.
 """
 
