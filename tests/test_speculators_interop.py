@@ -56,8 +56,14 @@ def tiny(tmp_path_factory):
     return LoadedModel(str(directory), ModelRunner.from_hf_model(model, max_seq_len=64), None, model)
 
 
-def export_speculators(tmp_path: Path, target: LoadedModel, drafter: Eagle3Drafter, *extra: str) -> Path:
+def export_speculators(tmp_path: Path, target: LoadedModel, drafter: Eagle3Drafter, *extra: str,
+                       via_native: bool = False) -> Path:
+    """Our Lightning checkpoint -> format=speculators; ``via_native``: first format=native, then that directory
+    re-exported, as ``make demo`` does."""
     ckpt = lightning_ckpt(tmp_path / "last.ckpt", drafter, target_record(target.name))
+    if via_native:
+        assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={tmp_path / 'native'}"]) == 0
+        ckpt = tmp_path / "native"
     out = tmp_path / "speculators"
     assert export_cli.main([f"ckpt={ckpt}", "format=speculators", f"out={out}", *extra]) == 0
     return out
@@ -230,7 +236,7 @@ def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, t
 @pytest.fixture(scope="module")
 def smollm2_trained(smollm2, tmp_path_factory):
     """An EAGLE-3 drafter for SmolLM2 trained for a few steps with our TTT loss on the target's own features,
-    exported in the speculators layout (verifier named by the default: the target's local directory)."""
+    exported as ``make demo`` does (native, then that directory as speculators; the verifier by default)."""
     model, tokenizer = smollm2
     target = LoadedModel("smollm2", ModelRunner.from_hf_model(model, max_seq_len=96), tokenizer, model)
     vocab = model.config.vocab_size
@@ -257,7 +263,7 @@ def smollm2_trained(smollm2, tmp_path_factory):
         loss.backward()
         optimizer.step()
     directory = tmp_path_factory.mktemp("smollm2_export")
-    return target, drafter, export_speculators(directory, target, drafter), ids
+    return target, drafter, export_speculators(directory, target, drafter, via_native=True), ids
 
 
 @pytest.mark.real_model
