@@ -20,6 +20,7 @@ from inference.runner_contract import (
     SUPPORTED_MODEL_TYPES,
     KeptIndices,
     RunnerOutput,
+    check_batch,
     check_cache_room,
     check_sliding_window,
     default_dtype,
@@ -304,10 +305,7 @@ class ModelRunner(nn.Module):
         vocabulary is a sizeable share of a step (≈ 12 of ≈ 70 ms for SmolLM2) and grows with the rows, so
         callers that need few rows ask for just those."""
         batch, new = input_ids.shape
-        if batch != self.batch_size:
-            raise ValueError(
-                f"input has batch {batch} but the runner's batch is {self.batch_size}; use reset()"
-            )
+        check_batch(batch, self.batch_size)
         shortest, cached = (int(x) for x in torch.aminmax(self.cache_lens))  # the one host sync per forward
         check_cache_room(cached + new, self.max_seq_len)
         capture = normalize_layers(capture_layers, self.num_layers)

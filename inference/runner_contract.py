@@ -106,6 +106,11 @@ def normalize_layers(capture_layers: Sequence[int], num_layers: int) -> list[int
     return layers
 
 
+def check_batch(batch: int, runner_batch: int) -> None:
+    if batch != runner_batch:
+        raise ValueError(f"input has batch {batch} but the runner's batch is {runner_batch}; use reset()")
+
+
 def check_cache_room(needed: int, max_seq_len: int) -> None:
     if needed > max_seq_len:
         raise ValueError(

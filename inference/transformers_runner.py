@@ -14,6 +14,7 @@ from inference.runner_contract import (
     KeptIndices,
     RunnerOutput,
     attention_windows,
+    check_batch,
     check_cache_room,
     full_user_mask,
     kept_to_tensor,
@@ -183,10 +184,7 @@ class TransformersRunner:
     ) -> RunnerOutput:
         """As :meth:`ModelRunner.forward`."""
         batch, new = input_ids.shape
-        if batch != self.batch_size:
-            raise ValueError(
-                f"input has batch {batch} but the runner's batch is {self.batch_size}; use reset()"
-            )
+        check_batch(batch, self.batch_size)
         lens = self.cache_lens
         cached = int(lens.max())
         check_cache_room(cached + new, self.max_seq_len)
