@@ -31,7 +31,7 @@ from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_mod
 from core.distributed import reduce_across_processes
 from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
 from data_prep.manifest import DatasetError, read_manifest
-from inference.runner import cpu_has_native_bf16
+from inference.device import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
 from spectrain.memory import MemoryEstimate, estimate, parameter_counts
 from spectrain.registry import get_kind

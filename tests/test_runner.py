@@ -20,7 +20,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from inference.runner import ModelRunner, RunnerOutput, TransformersRunner, load_runner
+from inference.runner import ModelRunner
+
+from inference.runner_contract import RunnerOutput
+
+from inference.runner_loading import load_runner
+
+from inference.transformers_runner import TransformersRunner
 
 ATOL = 1e-4
 VOCAB = 128
@@ -304,7 +310,7 @@ def test_logit_rows_returns_just_those_rows(kind):
 
 @pytest.mark.parametrize("kind", ["native", "transformers"])
 def test_logit_vocab_scores_only_the_lowest_ids_over_shared_weights(kind):
-    from inference.runner import with_logit_vocab
+    from inference.runner_loading import with_logit_vocab
 
     seq = tokens(6, seed=23)
     base = make_runner("llama", kind)
