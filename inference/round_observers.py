@@ -58,3 +58,27 @@ def observer_kind(name: str) -> ObserverKind:
     check_observer(name)
     module, attribute = OBSERVER_KINDS[name].split(":")
     return getattr(importlib.import_module(module), attribute)
+
+
+class ObserverTap:
+    """A :class:`RoundObserver` that forwards every call to ``inner`` and hands what ``end_query`` returns (for
+    ``adapt=bandit``, the query's decision row) to ``listener``: how a server counts the adapter's decisions
+    without importing it. Other attributes (``log``, ``close``) read through to ``inner``."""
+
+    def __init__(self, inner: RoundObserver, listener):
+        self.inner, self.listener = inner, listener
+
+    def begin_query(self, *args, **kwargs) -> None:
+        self.inner.begin_query(*args, **kwargs)
+
+    def observe_round(self, *args, **kwargs) -> None:
+        self.inner.observe_round(*args, **kwargs)
+
+    def end_query(self, last_token: int) -> Any:
+        outcome = self.inner.end_query(last_token)
+        if outcome:
+            self.listener(outcome)
+        return outcome
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
