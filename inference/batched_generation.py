@@ -156,12 +156,19 @@ class ContinuousBatcher:
         return int(sample(sampling.warp(logits), row.generator))
 
     def _step(self, rows: list[_Row | None], pending: torch.Tensor) -> torch.Tensor:
-        """One decode step for every row; idle rows carry a pad token and are emptied again."""
+        """One decode step for every row up to the last active one (new jobs take the lowest free rows, so under a
+        light load only the first few rows step: stepping all 8 rows for one request made SmolLM2 answers 2.3x slower,
+        ``benchmarks/serve_load.py``); idle rows among them carry a pad token and are emptied again. Returns the
+        logits of those rows (index = row)."""
         runner = self.runner
         idle = torch.tensor([row is None for row in rows], device=runner.device)
         if bool(idle.any()):
             runner.truncate(torch.where(idle, 0, runner.cache_lens))
-        return runner.forward(pending.view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
+        width = 1 + max(i for i, row in enumerate(rows) if row is not None)
+        if width == len(rows) or not hasattr(runner, "first_rows"):
+            return runner.forward(pending.view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
+        with runner.first_rows(width):
+            return runner.forward(pending[:width].view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
 
     def _refill(self, rows: list[_Row | None], fresh: dict[int, Job], pending: torch.Tensor) -> torch.Tensor:
         """One padded forward: active rows append their next token, fresh rows their whole prompt."""
