@@ -1,9 +1,9 @@
 """``python -m benchmarks.serve_load target=smollm2 algorithm=ar clients=[1,4] requests=8 max_tokens=64 threads=1``
 
 Load test of ``inference.serve`` against the engine called directly in one process, on the same loaded model and
-the same held-out GSM-symbolic prompts (chat-rendered, greedy): first every request through
-``algorithm.generate`` one after another, then through the HTTP server on 127.0.0.1 with each number of
-concurrent clients (real HTTP, the ``openai`` client's JSON, non-streaming). Prints tokens/s, latency
+the same held-out GSM-symbolic prompts (chat-rendered, greedy): each request through ``algorithm.generate`` and
+then through the HTTP server on 127.0.0.1 by one client, in turn (so both meet the same machine load), then the
+server with each larger number of concurrent clients (real HTTP, OpenAI's JSON, non-streaming). Prints tokens/s, latency
 percentiles, the server's overhead against the direct engine, and how many answers equal the direct ones token
 for token. Bounded: ``requests`` per run, and no new request starts after ``time_limit`` seconds. Any key of
 ``inference.serve`` (``algorithm``, ``drafter``, ``batch_size``, ...) applies.
@@ -58,21 +58,39 @@ class Run:
                 f"{max(self.latencies):.2f} | {overhead} | {equal}/{len(self.answers)} |")
 
 
-def direct_run(server, prompts: list[list[int]], cfg) -> Run:
-    model = server.model
-    latencies, answers, start = [], {}, time.perf_counter()
-    for i, ids in enumerate(prompts):
-        if time.perf_counter() - start > cfg.time_limit:
-            break
-        t0 = time.perf_counter()
-        answers[i] = model.algorithm.generate(ids, max_new_tokens=cfg.max_tokens, sampling=SamplingParams(0.0),
-                                              generator=torch.Generator().manual_seed(0), eos_ids=model.eos_ids).tokens
-        latencies.append(time.perf_counter() - t0)
-    return Run("engine, direct", latencies, sum(map(len, answers.values())), time.perf_counter() - start, answers)
+def direct(model, ids: list[int], cfg) -> list[int]:
+    return model.algorithm.generate(ids, max_new_tokens=cfg.max_tokens, sampling=SamplingParams(0.0),
+                                    generator=torch.Generator().manual_seed(0), eos_ids=model.eos_ids).tokens
+
+
+def ask(http: httpx.Client, running: RunningServer, turns, cfg) -> list[int]:
+    body = http.post(f"{running.url}/v1/chat/completions",
+                     json={"model": running.server.model.name, "messages": turns, "max_tokens": cfg.max_tokens,
+                           "temperature": 0, "return_token_ids": True}).json()
+    return body["choices"][0]["token_ids"]
+
+
+def paired_runs(running: RunningServer, conversations: list, prompts: list[list[int]], cfg) -> tuple[Run, Run]:
+    """The direct engine and one HTTP client, request by request in turn: on a shared machine whose load drifts,
+    each pair meets the same load, so their ratio is the server's overhead rather than the drift."""
+    runs = {"direct": ([], {}, [0.0]), "server": ([], {}, [0.0])}
+    start = time.perf_counter()
+    with httpx.Client(timeout=None) as http:
+        for i, (turns, ids) in enumerate(zip(conversations, prompts)):
+            if time.perf_counter() - start > cfg.time_limit:
+                break
+            for key, call in (("direct", lambda ids=ids: direct(running.server.model, ids, cfg)),
+                              ("server", lambda turns=turns: ask(http, running, turns, cfg))):
+                latencies, answers, wall = runs[key]
+                t0 = time.perf_counter()
+                answers[i] = call()
+                latencies.append(time.perf_counter() - t0)
+                wall[0] += latencies[-1]
+    return tuple(Run(label, lat, sum(map(len, ans.values())), wall[0], ans)
+                 for label, (lat, ans, wall) in zip(("engine, direct", "server, 1 client"), runs.values()))
 
 
 def server_run(running: RunningServer, conversations: list, clients: int, cfg) -> Run:
-    url, name = f"{running.url}/v1/chat/completions", running.server.model.name
     pending, lock = list(enumerate(conversations)), threading.Lock()
     latencies, answers, start = [], {}, time.perf_counter()
 
@@ -84,11 +102,10 @@ def server_run(running: RunningServer, conversations: list, clients: int, cfg) -
                         return
                     i, turns = pending.pop(0)
                 t0 = time.perf_counter()
-                body = http.post(url, json={"model": name, "messages": turns, "max_tokens": cfg.max_tokens,
-                                            "temperature": 0, "return_token_ids": True}).json()
+                tokens = ask(http, running, turns, cfg)
                 with lock:
                     latencies.append(time.perf_counter() - t0)
-                    answers[i] = body["choices"][0]["token_ids"]
+                    answers[i] = tokens
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -109,17 +126,17 @@ def _run(argv: list[str]) -> None:
     tokenizer = server.model.tokenizer
     conversations = [prompt_turns(c) for c in load_prompts(load.bench, n=load.requests, split="eval")]
     prompts = [render_prompt(tokenizer, turns) for turns in conversations]
-    direct = direct_run(server, prompts, load)
-    runs = [direct]
     with RunningServer(server) as running:
         server_run(running, conversations[:1], 1, load)  # the HTTP path's first call pays for imports and sockets
-        runs += [server_run(running, conversations, n, load) for n in load.clients]
+        direct_engine, one_client = paired_runs(running, conversations, prompts, load)
+        runs = [direct_engine, one_client] + [server_run(running, conversations, n, load) for n in load.clients
+                                              if n > 1]
     print(f"\n{cfg.algorithm} on {cfg.target}, {len(prompts)} requests of up to {load.max_tokens} tokens, greedy, "
           f"batch_size={server.model.batch_size}, threads={torch.get_num_threads()}\n")
     print("| run | requests | tokens | tokens/s | p50 s | p90 s | max s | overhead vs direct | equal to direct |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:
-        print(run.row(None if run is direct else direct))
+        print(run.row(None if run is direct_engine else direct_engine))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from inference.drafters import load_lm
 from inference.runner import load_runner
 from inference.sampling import SamplingParams
 from inference.serve.config import parse_args
+from inference.serve.engine import serving_batch
 from inference.serve.server import RunningServer, build_server, main
 
 MAX_SEQ, ROWS = 256, 8
@@ -295,3 +296,8 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 4 and all(line.startswith("error: ") for line in errors)
     assert "unknown algorithm 'nope'" in errors[0] and "one algorithm" in errors[1] and "port=70000" in errors[2]
+
+
+def test_only_ar_batches_and_auto_batches_in_fp32_only():
+    assert serving_batch(0, "ar", torch.float32) == 8 and serving_batch(0, "ar", torch.bfloat16) == 1
+    assert serving_batch(4, "ar", torch.bfloat16) == 4 and serving_batch(4, "eagle3_tree", torch.float32) == 1

@@ -85,6 +85,10 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
         return answer(request, 400, error_body(message, "invalid_request_error", param))
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+        return answer(request, 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
@@ -149,14 +153,16 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
     except QueueFull:
         raise APIError(429, f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
                        type="rate_limit_error", code="queue_full") from None
-    metrics.requests.labels(endpoint=request.url.path, status="200").inc()
     shape = ResponseShape(chat, model.name, body.return_token_ids)
     usage = _usage_builder(model, len(prompt_ids))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage),
-                                 media_type="text/event-stream")
-    return await _collect(scheduler, gen, events, shape, usage, request)
+        response = StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage),
+                                     media_type="text/event-stream")
+    else:
+        response = await _collect(scheduler, gen, events, shape, usage, request)
+    metrics.requests.labels(endpoint=request.url.path, status=str(response.status_code)).inc()
+    return response
 
 
 def _usage_builder(model: ServedModel, prompt_tokens: int):

@@ -29,7 +29,9 @@ class ServeConfig(AlgorithmOptions):
     port: int = 8000  # 0 = any free port (printed at start)
     model_name: str | None = None  # the "model" clients send; default: the target's name (its folder's name)
     max_new_tokens: int = 256  # max_tokens of a request that sets none (capped by what the context leaves)
-    batch_size: int = 8  # ar: rows decoded side by side (continuous batching); other algorithms serve one at a time
+    # ar: rows decoded side by side (continuous batching); 0 = auto: 8 in fp32, 1 in bf16, where the batched path is
+    # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
+    batch_size: int = 0
     max_queue: int = 64  # requests waiting for the engine; one more is answered 429
     warmup: bool = True  # one short generation before serving: the first request should not pay for allocation
     log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug
@@ -43,8 +45,8 @@ def parse_args(argv: Sequence[str]) -> Any:
             raise OverrideError(f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per "
                                 "algorithm")
     cfg = parse_cli(argv, ServeConfig, USAGE)
-    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.max_queue < 1:
-        raise OverrideError("batch_size, max_new_tokens and max_queue must be >= 1")
+    if cfg.batch_size < 0 or cfg.max_new_tokens < 1 or cfg.max_queue < 1:
+        raise OverrideError("max_new_tokens and max_queue must be >= 1, batch_size >= 0 (0 = auto)")
     if not 0 <= cfg.port <= 65535:
         raise OverrideError(f"port={cfg.port} is not a TCP port; use 1-65535 (or 0 for any free port)")
     name, overrides = parse_variant(cfg.algorithm)

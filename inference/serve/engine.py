@@ -45,6 +45,20 @@ def served_name(cfg: Any) -> str:
     return cfg.model_name or Path(str(cfg.target)).name
 
 
+AUTO_BATCH = 8  # rows of batched AR when batch_size=0 in fp32
+
+
+def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype) -> int:
+    """Rows decoded side by side: only ``ar`` batches. ``batch_size=0`` (auto) batches in fp32 only: a bf16 batch
+    is not batch-invariant (14 of 24 SmolLM2 answers differed from one-prompt AR's, BENCHMARKS.md, "Batched
+    regeneration throughput"), and a server's greedy answers must be AR's."""
+    if algorithm != "ar":
+        return 1
+    if batch_size:
+        return batch_size
+    return AUTO_BATCH if dtype == torch.float32 else 1
+
+
 def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[str, Any] | None = None,
                       on_decision: Callable[[dict], None] | None = None) -> ServedModel:
     """Load (or take) the target and the algorithm's drafter, and build ``cfg.algorithm`` over them. AR with
@@ -55,11 +69,13 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     paths = drafter_paths(cfg)
     preloaded = {k: v for k, v in (drafters or {}).items() if v is not None}
     check_drafters([cfg.algorithm], set(preloaded) | set(paths))
-    batch = cfg.batch_size if name == "ar" else 1
+    device = pick_device(cfg.device)
+    dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
+    batch = serving_batch(cfg.batch_size, name, dtype or (torch.bfloat16 if device.startswith("cuda") else
+                                                          torch.float32))
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                         max_batch_size=2 * batch if batch > 1 else 1,
-                         dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
+                         max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
     if batch > 1 and target.runner.max_batch_size < batch:
         raise ValueError(f"batch_size={batch} but the target runner holds {target.runner.max_batch_size} rows; "
                          f"load it with max_batch_size={2 * batch}")
