@@ -147,7 +147,7 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
 
     seed = body.seed if body.seed is not None else random.getrandbits(63)
     gen = Generation(prompt_ids, max_tokens, sampling, seed, TextAssembler(model.tokenizer, body.stop_list()), send,
-                     model.eos_ids)
+                     model.eos_ids, stream=body.stream)
     try:
         scheduler.submit(gen)
     except QueueFull:

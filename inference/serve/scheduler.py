@@ -57,9 +57,13 @@ class Generation:
     (thread-safe)."""
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, seed: int,
-                 text: TextAssembler, send: Callable[[object], None], eos_ids: list[int]):
+                 text: TextAssembler, send: Callable[[object], None], eos_ids: list[int], *, stream: bool = True):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
         self.text, self.send, self.eos_ids = text, send, set(eos_ids)
+        # A non-streaming client needs its text only at the end: one event instead of one per token spares the
+        # event loop a wake-up (and the engine's thread a GIL hand-over) per token.
+        self.stream = stream
+        self._held: list[Chunk] = []
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.first_token_s: float | None = None
@@ -72,13 +76,21 @@ class Generation:
             self.first_token_s = time.perf_counter() - self.submitted
         delta, kept = self.text.feed(new)
         if delta or kept:
-            self.send(Chunk(delta, list(new[:kept])))
+            self._deliver(Chunk(delta, list(new[:kept])))
         return not self.text.stopped
+
+    def _deliver(self, chunk: Chunk) -> None:
+        if self.stream:
+            self.send(chunk)
+        else:
+            self._held.append(chunk)
 
     def finish(self, stats: GenerationStats) -> Finished:
         tail = self.text.flush()
         if tail:
-            self.send(Chunk(tail, []))
+            self._deliver(Chunk(tail, []))
+        if self._held:
+            self.send(Chunk("".join(c.text for c in self._held), [t for c in self._held for t in c.token_ids]))
         tokens = self.text.tokens
         ended = self.text.stopped or bool(tokens and tokens[-1] in self.eos_ids)
         done = Finished("stop" if ended else "length", stats, len(tokens))
