@@ -240,6 +240,12 @@ def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
         wait_for(lambda: metric(ar_server, "spectrain_cancelled_total") >= 1
                  and metric(ar_server, "spectrain_running") == 0)
         assert paced.calls < 100  # the row stopped long before its 200 tokens
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
+            httpx.post(f"{ar_server.url}/v1/completions", timeout=0.3,
+                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0})
+        wait_for(lambda: metric(ar_server, "spectrain_cancelled_total") >= 2
+                 and metric(ar_server, "spectrain_running") == 0)
+        assert paced.calls < 200
     answer = httpx.post(f"{ar_server.url}/v1/completions",
                         json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0})
     assert answer.json()["usage"]["completion_tokens"] == 5

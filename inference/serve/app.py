@@ -3,7 +3,7 @@ server-sent events in OpenAI's chunk format), ``/health`` and ``/metrics``.
 
 A request is checked completely (model name, types, context length) before it is queued, so a bad one costs no
 engine work. Every error answers OpenAI's error JSON. A streaming client that goes away is noticed when the
-stream is cancelled, a waiting non-streaming one by polling; either way its request leaves the engine at once.
+stream is cancelled, a waiting non-streaming one when the ASGI channel reports it; either way its request leaves the engine at once.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from inference.serve.scheduler import Chunk, Failed, Finished, Generation, Queue
 from inference.serve.schemas import (APIError, ChatRequest, CompletionRequest, GenerationRequest, ResponseShape,
                                      error_body, usage_body)
 from inference.serve.text import TextAssembler
-
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
-
 
 def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics) -> FastAPI:
     app = FastAPI(title="spectrain", docs_url=None, redoc_url=None, openapi_url=None)
@@ -195,19 +192,27 @@ async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, 
             scheduler.cancel(gen)
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. It waits on the ASGI channel rather than polling: a waiting request
+    that wakes the event loop on a timer takes the GIL from the engine's thread (with 16 waiting clients, polling
+    every 0.25 s cost a one-at-a-time algorithm ~50 % of its tokens/s on the tiny target)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
                    request: Request) -> Response:
-    text, token_ids, getter = [], [], None
+    text, token_ids = [], []
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
-            getter = getter or asyncio.ensure_future(events.get())
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-            if not done:
-                if await request.is_disconnected():
-                    scheduler.cancel(gen)
-                    return Response(status_code=499)  # nobody reads it
-                continue
-            event, getter = getter.result(), None
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                scheduler.cancel(gen)
+                return Response(status_code=499)  # nobody reads it
+            event = getter.result()
             if isinstance(event, Chunk):
                 text.append(event.text)
                 token_ids.extend(event.token_ids)
@@ -217,5 +222,4 @@ async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue,
                 assert isinstance(event, Finished)
                 return JSONResponse(shape.full("".join(text), token_ids, event.finish_reason, usage(event)))
     finally:
-        if getter is not None:
-            getter.cancel()
+        gone.cancel()
