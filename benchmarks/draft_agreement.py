@@ -25,7 +25,7 @@ from core.overrides import OverrideError, parse_cli, run_cli
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_drafter, load_lm, model_dtype, serving_dtype
 from inference.evaluate import load_bench_prompts
-from inference.runner import with_logit_vocab
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 USAGE = ("python -m benchmarks.draft_agreement drafter=DIR bench=gsm_symbolic n_prompts=6 max_new_tokens=192 "

@@ -10,7 +10,7 @@ attends over its own contiguous copy of its keys, so a tree costs more than a ch
 
 It also checks batch invariance: the logits of 64 continuation tokens decoded one at a time against the same
 tokens run in blocks of 5, 16 and 48 (bitwise). bf16 on a CPU with native bf16 runs the runner's batch-invariant
-mode (``inference.runner.INVARIANT_ROWS``), where they must be equal; fp32 is not batch-invariant (MKL's GEMM
+mode (``inference.llama.INVARIANT_ROWS``), where they must be equal; fp32 is not batch-invariant (MKL's GEMM
 sums in another order for other row counts), so its rows differ in the last bits.
 """
 

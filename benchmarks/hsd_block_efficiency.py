@@ -63,7 +63,7 @@ from inference.algorithms.base import GenerationStats
 from inference.drafter_index import export_kind
 from inference.drafters import eos_token_ids, load_drafter, load_lm
 from inference.evaluate import load_bench_prompts
-from inference.runner import with_logit_vocab
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 from inference.verify import ChainVerifier, HSDVerifier, TokenwiseVerifier, VerifyResult
 

@@ -25,7 +25,7 @@ import torch
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_draft_lm, load_lm
-from inference.runner import with_logit_vocab
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 

@@ -184,6 +184,33 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
                      "directory (nothing is downloaded from a hub)")
 
 
+def portable_model_reference(name_or_path: str | os.PathLike) -> str:
+    """How a consumer outside spectrain (vLLM, speculators) can load a target: an embedded name (``smollm2``) is
+    only our alias, so it becomes its local HF directory; a local directory becomes its absolute path; anything
+    else is taken as a hub id, as given."""
+    key = str(name_or_path)
+    if key in EMBEDDED_MODELS:
+        return str(converted_model_dir(key))
+    path = Path(key).expanduser()
+    return str(path.resolve()) if path.is_dir() else key
+
+
+def check_model_reference(reference: str) -> str:
+    """A user-given target reference (``verifier=``): a local HF directory (made absolute) or a hub id; a path
+    that does not hold a model, or our alias, is refused in one line."""
+    if reference in EMBEDDED_MODELS:
+        return portable_model_reference(reference)
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise AssetError(f"verifier={reference} has no config.json: give the target's HF model directory")
+        return str(path.resolve())
+    if path.exists() or reference.startswith((".", "/", "~")) or reference.count("/") > 1:
+        raise AssetError(f"verifier={reference} is not a directory: give the target's local HF model directory "
+                         "or its hub id (org/name)")
+    return reference
+
+
 def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool = False):
     """Every tensor of a safetensors file (and its metadata with ``with_metadata``). A missing, truncated or
     corrupt file, or one holding NaN/inf, is refused in ONE line naming the file and ``fix`` (what to do)."""
@@ -204,6 +231,28 @@ def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool =
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise AssetError(f"{path} holds NaN/inf values (tensor '{name}'): the weights are unusable; {fix}")
     return (tensors, metadata) if with_metadata else tensors
+
+
+def model_tensor(name_or_path: str | os.PathLike, suffix: str):
+    """One tensor of a model directory, read alone from its (possibly sharded) safetensors: the shortest name
+    that is ``suffix`` or ends in ``.suffix`` (``embed_tokens.weight`` -> ``model.embed_tokens.weight``)."""
+    from safetensors import safe_open  # safetensors: a heavy import, deferred to first use
+
+    model_dir = resolve_model_dir(name_or_path)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, fix="re-copy the model directory")["weight_map"]
+    else:
+        weight_map = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                weight_map.update(dict.fromkeys(handle.keys(), file.name))
+    names = sorted((k for k in weight_map if k == suffix or k.endswith("." + suffix)), key=len)
+    if not names:
+        raise AssetError(f"{model_dir} has no tensor '{suffix}' in its safetensors files; give the target's HF "
+                         "model directory")
+    with safe_open(str(model_dir / weight_map[names[0]]), framework="pt") as handle:
+        return handle.get_tensor(names[0])
 
 
 def read_json(path: str | os.PathLike, *, fix: str):

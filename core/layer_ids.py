@@ -3,7 +3,7 @@
 Every layer id in spectrain is an OUTPUT-of-decoder-layer index, 0-based: id ``i`` is the residual stream after
 decoder layer ``i``, i.e. transformers' ``output_hidden_states[i + 1]`` (index 0 there is the embeddings).
 ``last_hidden`` is the state after the final norm, so ``lm_head(last_hidden) == logits``. This is the
-inference runner's capture convention (``inference.runner``), so features captured in training and at serving
+inference runner's capture convention (``inference.runner_contract``), so features captured in training and at serving
 time are the same tensors.
 
 Layer specs (``layers=`` on the CLIs):

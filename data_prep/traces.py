@@ -42,7 +42,7 @@ from data_prep.samples import load_source
 from data_prep.shards import ShardWriter, column
 from inference.algorithms.sps import RoundInfo, SpeculativeSampling
 from inference.drafters import eos_token_ids, load_draft_lm, load_lm
-from inference.runner import with_logit_vocab
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 USAGE = ("python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "

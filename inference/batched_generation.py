@@ -158,8 +158,9 @@ class ContinuousBatcher:
     def _step(self, rows: list[_Row | None], pending: torch.Tensor) -> torch.Tensor:
         """One decode step for every row up to the last active one (new jobs take the lowest free rows, so under a
         light load only the first few rows step: stepping all 8 rows for one request made SmolLM2 answers 2.3x slower,
-        ``benchmarks/serve_load.py``); idle rows among them carry a pad token and are emptied again. Returns the
-        logits of those rows (index = row)."""
+        ``benchmarks/serve_load.py``; a runner without ``first_rows``, such as ``TransformersRunner``, steps every
+        row); idle rows among them carry a pad token and are emptied again. Returns the logits of those rows
+        (index = row)."""
         runner = self.runner
         idle = torch.tensor([row is None for row in rows], device=runner.device)
         if bool(idle.any()):

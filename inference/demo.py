@@ -27,7 +27,7 @@ from core.overrides import parse_cli, run_cli
 from inference.algorithms import ALGORITHMS
 from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
-from inference.runner import cpu_has_native_bf16
+from inference.device import cpu_has_native_bf16
 
 # trainer.max_steps of the demo_draftlm / demo_eagle3 / demo_specblock recipes
 DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 60, "demo_specblock": 16}
@@ -119,6 +119,10 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
         stage("export-eagle3", 0.1, "export EAGLE-3 (native layout)",
               ("spectrain.export", f"ckpt={last_ckpt('demo_eagle3')}", "format=native", f"out={exports / 'eagle3'}"),
               exports / "eagle3"),
+        stage("export-eagle3-vllm", 0.1, "export EAGLE-3 for vLLM (speculators layout; speculators.models."
+              "Eagle3DraftModel.from_pretrained loads it as is)",
+              ("spectrain.export", f"ckpt={exports / 'eagle3'}", "format=speculators",
+               f"out={out / 'interop' / 'eagle3_speculators'}"), out / "interop" / "eagle3_speculators"),
         stage("export-specblock", 0.1, "export SpecBlock (native layout)",
               ("spectrain.export", f"ckpt={last_ckpt('demo_specblock')}", "format=native",
                f"out={exports / 'specblock'}"), exports / "specblock"),

@@ -31,7 +31,8 @@ from inference.algorithms.base import Algorithm, as_batch
 from inference.algorithms.sps import check_same_vocab
 from inference.drafters import pick_device
 from inference.executors import EXECUTORS, DraftFactory, Executor, OverlapStats, make_executor
-from inference.runner import ModelRunner, load_runner, with_logit_vocab
+from inference.runner import ModelRunner
+from inference.runner_loading import load_runner, with_logit_vocab
 from inference.sampling import SamplingParams, sample
 
 

@@ -16,7 +16,8 @@ from core import assets
 from core.assets import target_record, tokenizer_fingerprint
 from core.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
 from core.drafters.specblock import build_drafter, read_native
-from inference.runner import cpu_has_native_bf16, load_runner
+from inference.device import cpu_has_native_bf16
+from inference.runner_loading import load_runner
 
 if TYPE_CHECKING:
     from core.drafters.eagle3 import Eagle3Drafter
@@ -36,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def model_dtype(name: str, device: str) -> torch.dtype | None:
     """The compute dtype ``dtype=NAME`` asks for on ``device``; None for ``auto`` (fp32 on a CPU, bf16 on CUDA).
-    bf16 on a CPU runs batch-invariant (inference.runner.INVARIANT_ROWS), so greedy output still equals AR's
+    bf16 on a CPU runs batch-invariant (inference.llama.INVARIANT_ROWS), so greedy output still equals AR's
     token for token; it is refused where the CPU would only emulate it."""
     if name == "auto":
         return None

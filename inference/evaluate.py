@@ -38,7 +38,7 @@ from inference.drafter_index import export_kind, find_exports
 from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
                                 pick_device)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
-from inference.runner import with_logit_vocab
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "

@@ -22,7 +22,7 @@ from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import AlgorithmOptions, apply_threads
 from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
                                 pick_device)
-from inference.runner import with_logit_vocab
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'

@@ -4,22 +4,21 @@ Tree algorithms over a feature-conditioned drafter (``eagle3_tree``, ``specblock
 name other than ``none`` they ask the registered :class:`ObserverKind` to ``attach`` to the drafter: it returns the
 drafter to serve from (a private copy whose weights the observer may change between rounds) and the
 :class:`RoundObserver` that is then told about each query (``begin_query``), each verified round
-(``observe_round``) and the end of each query (``end_query``). The engine never imports an implementation:
-``OBSERVER_KINDS`` names it as ``"module:object"``, imported on first use like ``inference.algorithms.ALGORITHMS``.
+(``observe_round``) and the end of each query (``end_query``). The engine never names an implementation: a package
+registers its kinds as entry points of the group ``spectrain.round_observers`` (spectrain's own ``bandit`` in
+pyproject.toml), found when ``adapt=`` asks and imported only then; ``register_observer`` adds one in-process.
 """
 
 from __future__ import annotations
 
-import importlib
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-# name -> "module:object" (an ObserverKind); imported lazily, only when adapt=NAME asks for it.
-OBSERVER_KINDS: dict[str, str] = {
-    "bandit": "spectrain.adapt.engine:BANDIT",
-}
+ENTRY_POINT_GROUP = "spectrain.round_observers"
+_REGISTERED: dict[str, Any] = {}  # name -> ObserverKind added by register_observer
 
 
 class RoundObserver(Protocol):
@@ -47,23 +46,37 @@ class ObserverKind(Protocol):
         the defaults."""
 
 
+def register_observer(name: str, kind: ObserverKind) -> None:
+    """Make ``adapt=name`` attach ``kind`` in this process (packages use the entry-point group instead)."""
+    _REGISTERED[name] = kind
+
+
+def observer_names() -> list[str]:
+    """Every ``adapt=`` name but ``none``: the installed entry points and those registered in-process."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | set(_REGISTERED))
+
+
 def check_observer(name: str) -> None:
     """Refuse (one line) an ``adapt=`` name that is neither ``none`` nor registered."""
-    if name != "none" and name not in OBSERVER_KINDS:
-        choices = " or ".join(f"adapt={n}" for n in ("none", *OBSERVER_KINDS))
-        raise ValueError(f"adapt={name} is unknown; use {choices}")
+    if name != "none" and name not in observer_names():
+        choices = " or ".join(f"adapt={n}" for n in ("none", *observer_names()))
+        raise ValueError(f"adapt={name} is unknown; use {choices} (kinds come from the '{ENTRY_POINT_GROUP}' entry "
+                         "points of installed packages: `pip install -e .` registers spectrain's bandit)")
 
 
 def observer_kind(name: str) -> ObserverKind:
     check_observer(name)
-    module, attribute = OBSERVER_KINDS[name].split(":")
-    return getattr(importlib.import_module(module), attribute)
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    (point,) = entry_points(group=ENTRY_POINT_GROUP, name=name)
+    return point.load()
 
 
 class ObserverTap:
     """A :class:`RoundObserver` that forwards every call to ``inner`` and hands what ``end_query`` returns (for
-    ``adapt=bandit``, the query's decision row) to ``listener``: how a server counts the adapter's decisions
-    without importing it. Other attributes (``log``, ``close``) read through to ``inner``."""
+    spectrain's ``bandit`` entry point, the query's decision row) to ``listener``: how a server counts the
+    decisions of whichever registered kind ``adapt=`` attached, without importing it. Other attributes (``log``,
+    ``close``) read through to ``inner``."""
 
     def __init__(self, inner: RoundObserver, listener):
         self.inner, self.listener = inner, listener
@@ -81,4 +94,6 @@ class ObserverTap:
         return outcome
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, pickle): no endless lookup through __getattr__
+            raise AttributeError(name)
         return getattr(self.inner, name)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from core import assets
 from inference.ngram_cache import ContextCache
-from inference.runner import load_runner, with_logit_vocab
+from inference.runner_loading import load_runner, with_logit_vocab
 from inference.saguaro import NEURAL, POINT, UNIFORM, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache
@@ -161,7 +161,7 @@ def given_runner(runner: Any) -> Any:
 def build_draft_runner(source: Any, *, device: str | torch.device, max_batch_size: int, max_seq_len: int,
                        logit_vocab: int | None = None) -> Any:
     """A drafter runner from a runner, a callable returning a runner / HF model, or a draft LM directory path
-    (``logit_vocab``: see ``inference.runner.with_logit_vocab``; a runner given already carries its own)."""
+    (``logit_vocab``: see ``inference.runner_loading.with_logit_vocab``; a runner given already carries its own)."""
     if isinstance(source, str):
         model = assets.load_model(source, device=str(device))
         runner = load_runner(model, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len)

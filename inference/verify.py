@@ -292,7 +292,7 @@ _VERIFIERS: dict[str, type[ChainVerifier]] = {
 
 
 def get_verifier(name: str, **kwargs: object) -> ChainVerifier:
-    """Build a chain verifier by name, e.g. get_verifier("hsd", final_ratio="uncapped")."""
+    """Build a chain verifier by name, e.g. get_verifier("hsd") (the lossless capped rule by default)."""
     if name not in _VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; valid names: {', '.join(_VERIFIERS)}")
     return _VERIFIERS[name](**kwargs)

@@ -14,7 +14,8 @@ What ``ckpt=`` accepts (the training contract):
 The output directory (written atomically; it must not exist yet) holds ``config.json`` (with the ``spectrain``
 block: kind, target identity, architecture, layer ids + convention, vocab map sizes), ``model.safetensors``,
 ``recipe.yaml`` when the checkpoint has a recipe, and ``metrics.json`` (training metrics and provenance).
-Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts`.
+Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts`. ``verifier=PATH_OR_ID`` (speculators
+layout only) names the target as vLLM/speculators should load it; by default the target's local directory.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from core.assets import target_record
+from core.assets import check_model_reference, target_record
 from core.atomic import atomic_directory, check_output
 from core.drafters.eagle3 import Eagle3Config
 from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
@@ -38,7 +39,7 @@ from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.registry import get_kind
 
-USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR  |  "
+USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators [verifier=PATH_OR_ID] out=DIR  |  "
          "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
 
 
@@ -51,6 +52,8 @@ class ExportConfig:
     target: str | None = None  # target name or HF dir: identity for foreign checkpoints, checked otherwise
     dtype: str = "auto"  # auto (as stored) | float32 | bfloat16 | float16
     speculative_tokens: int = 3  # speculators layout: vLLM's default num_speculative_tokens
+    verifier: str | None = None  # speculators layout: the target as vLLM/speculators load it (local dir or hub
+    #                              id); default: the target's local directory, never our alias (smollm2)
 
 
 @dataclass
@@ -124,7 +127,7 @@ def load_source(path: str, target: dict[str, Any] | None) -> Loaded:
 
 def write_export(ckpt: Eagle3Checkpoint, out: str | Path, *, layout: str = "native",
                  recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
-                 dtype: torch.dtype | None = None, speculative_tokens: int = 3) -> Path:
+                 dtype: torch.dtype | None = None, speculative_tokens: int = 3, verifier: str | None = None) -> Path:
     """Write ``ckpt`` as an export directory, atomically (also what a LightningModule's ``export`` calls).
     Refuses a drafter without a target record: an export must say which target it runs with."""
     out = Path(out)
@@ -139,7 +142,7 @@ def write_export(ckpt: Eagle3Checkpoint, out: str | Path, *, layout: str = "nati
             raise CheckpointError(f"the drafter's tensor '{name}' holds NaN/inf (training diverged?): export an "
                                   "earlier checkpoint (runs/<run>/checkpoints/stepN.ckpt) or retrain")
     with atomic_directory(out) as tmp:
-        write_layout(ckpt, layout, tmp, dtype=dtype, speculative_tokens=speculative_tokens)
+        write_layout(ckpt, layout, tmp, dtype=dtype, speculative_tokens=speculative_tokens, verifier=verifier)
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
         if recipe is not None:
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
@@ -156,6 +159,10 @@ def export(cfg: Any) -> Path:
         raise OverrideError(f"dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
+    if cfg.verifier and cfg.format != "speculators":
+        raise OverrideError(f"verifier= names the target in the speculators layout only; drop it or add "
+                            f"format=speculators (got format={cfg.format})")
+    verifier = check_model_reference(cfg.verifier) if cfg.verifier else None
     out = check_output(cfg.out)  # before reading anything
     if out.is_dir() and any(out.iterdir()):
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
@@ -169,7 +176,7 @@ def export(cfg: Any) -> Path:
     loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
     metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
     return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,
-                        dtype=DTYPES[cfg.dtype], speculative_tokens=cfg.speculative_tokens)
+                        dtype=DTYPES[cfg.dtype], speculative_tokens=cfg.speculative_tokens, verifier=verifier)
 
 
 def checkpoint_kind(path: str) -> str | None:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_model_dir
 from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
 from data_prep.manifest import DatasetError, read_manifest
-from inference.runner import cpu_has_native_bf16
+from inference.device import cpu_has_native_bf16
 from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
 from spectrain.registry import get_kind
 from spectrain.resume import latest_checkpoint, resume_classes

@@ -153,6 +153,20 @@ def test_bad_adapt_options_are_one_line_errors(tiny):
         Eagle3Adaptable(drafter).lora_parameters()
 
 
+def test_the_engine_finds_the_bandit_through_its_entry_point_and_takes_in_process_kinds(tiny, monkeypatch):
+    from inference import round_observers
+    from spectrain.adapt.engine import BANDIT
+
+    assert round_observers.observer_kind("bandit") is BANDIT  # pyproject's entry point, not a name in the engine
+    target, drafter = tiny
+    with pytest.raises(ValueError, match="adapt=mine is unknown; use adapt=none or adapt=bandit"):
+        build_algorithm("eagle3_tree", runner(target), drafter, adapt="mine")
+    monkeypatch.setattr(round_observers, "_REGISTERED", {})
+    round_observers.register_observer("mine", BANDIT)
+    assert round_observers.observer_names() == ["bandit", "mine"]
+    assert round_observers.observer_kind("mine") is BANDIT
+
+
 def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
     from dataclasses import fields
 

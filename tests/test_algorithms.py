@@ -195,7 +195,7 @@ def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
 @pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd"])
 def test_a_vocabulary_limited_draft_stays_greedy_equal(pair, name):
     """draft_vocab: the draft proposes only ids < 40 of 97; every draft-LM algorithm still emits the target's tokens."""
-    from inference.runner import with_logit_vocab
+    from inference.runner_loading import with_logit_vocab
 
     target, draft = pair
     prompt = [7, 1, 8, 2, 8]
@@ -208,7 +208,7 @@ def test_a_vocabulary_limited_draft_stays_greedy_equal(pair, name):
 
 def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
     """Monte Carlo: a draft that can only propose ids {0, 1} of 4 still yields exactly the target's law."""
-    from inference.runner import with_logit_vocab
+    from inference.runner_loading import with_logit_vocab
 
     vocab, n, runs = 4, 2, 4000
     target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)

@@ -1,5 +1,5 @@
 """bf16 on a CPU: the runner's batch-invariant mode makes a token's logits bitwise the same however it is batched,
-so greedy speculative output equals AR's token for token (inference.runner.INVARIANT_ROWS)."""
+so greedy speculative output equals AR's token for token (inference.llama.INVARIANT_ROWS)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference import drafters
 from inference.algorithms import build_algorithm
-from inference.runner import ModelRunner, cpu_has_native_bf16, gathered_keys
+from inference.device import cpu_has_native_bf16
+from inference.llama import gathered_keys
+from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 
 native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16/AMX)")

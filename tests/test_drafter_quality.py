@@ -55,6 +55,14 @@ def test_general_raw_arm_trains_on_as_many_answer_tokens(tmp_path, monkeypatch):
     assert [a for a in raw if a.startswith("data.max_len")] == [a for a in regenerated if a.startswith("data.max_len")]
 
 
+@pytest.mark.parametrize(("setting", "steps"), [("gsm", 480), ("general", 200)])
+def test_each_setting_has_its_own_eagle3_budget_unless_given(tmp_path, setting, steps):
+    stages = {"gsm": dq.gsm_stages, "general": dq.general_stages}[setting]
+    for argv, expected in (([], steps), (["eagle3_steps=7"], 7)):
+        cfg = parse_cli([f"out={tmp_path}", f"setting={setting}", *argv], dq.QualityConfig, dq.USAGE)
+        assert f"trainer.max_steps={expected}" in next(s for s in stages(cfg) if s.name == "train-eagle3").argv
+
+
 def test_general_goal_table_compares_regenerated_with_raw(tmp_path):
     out = tmp_path / "general"
     for name, tau in (("eval", 2.2), ("eval_raw", 1.6)):
@@ -94,8 +102,12 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
             _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4),
             _record(f"ssd@draft_vocab={v}@ssd_budget=15", 2.5, 0.7, cache_hit_rate=0.65),
             _record(f"ssd@draft_vocab={v}@ssd_budget=15@executor=multiprocess", 2.5, 1.2, cache_hit_rate=0.64),
-            _record("eagle3_tree", 3.2, 1.1), _record("specblock_tree", 3.0, 0.8, draft_forwards=4)]
+            _record("eagle3_tree", 3.2, 1.1)]
     (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
+    (out / "eval_specblock").mkdir()  # SpecBlock beside EAGLE-3 in a run of their own (its τ differs from above's)
+    blocks = [_record("ar", 1.0, 1.0), _record("eagle3_tree", 3.0, 0.4), _record("specblock_tree", 2.82, 0.2,
+                                                                                 draft_forwards=4)]
+    (out / "eval_specblock" / "results.json").write_text(json.dumps({"runs": blocks}))
     Stage("train-eagle3", 0, "", (), out, out / ".done" / "train-eagle3").mark_done(30.0)
     Stage("train-specblock", 0, "", (), out, out / ".done" / "train-specblock").mark_done(29.0)
     rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
@@ -103,7 +115,7 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
     assert rows["GSM: best learned drafter tokens/s ÷ AR"] == (f"1.60× (sps@draft_vocab={v})", "yes")
     assert rows["GSM: draft LM top-1 agreement (first draft token of a round accepted, greedy)"] == ("0.70", "yes")
     assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"] == (
-        "0.94 (training 29.0 vs 30.0 min)", "no")
+        "0.94 (τ 2.82 vs 3.00; training 29.0 vs 30.0 min)", "no")
     assert rows["GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's"] == ("0.40", "yes")
     assert rows["GSM: SSD cache hit rate (T = 0)"] == ("0.40", "no")
     assert rows["GSM: SSD cache hit rate (T = 0), the reference's budget B = 15"] == ("0.65 (0.70× AR in one process)",
@@ -159,7 +171,7 @@ def test_a_partial_run_before_the_evaluation_ends_without_an_error(tmp_path):
     assert "the goal table comes with the evaluate stage" in dq.run(cfg)
 
 
-def test_the_goal_table_says_when_the_run_has_no_specblock(tmp_path):
+def test_the_goal_table_says_when_specblock_was_not_measured_yet(tmp_path):
     out = tmp_path / "gsm"
     v = dq.DRAFT_VOCAB
     runs = [_record("ar", 1.0, 1.0), _record(f"sps@draft_vocab={v}", 2.5, 1.6),
@@ -169,5 +181,6 @@ def test_the_goal_table_says_when_the_run_has_no_specblock(tmp_path):
     (out / "eval").mkdir(parents=True)
     (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
     rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
-    assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"] == ("not in this run", "–")
+    assert rows["GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time"] == (
+        "not measured yet (stage evaluate-specblock)", "–")
     assert "GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's" not in rows

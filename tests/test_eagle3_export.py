@@ -1,10 +1,14 @@
 """EAGLE-3 export contracts: each engine's loader, re-implemented from its source, must place every tensor we write.
 
 A round trip alone proves nothing (SGLang silently skips unknown keys; a layout can round-trip and still load
-wrong), so the loaders below follow ``eagle3_export_contract.md``: SGLang ``LlamaForCausalLMEagle3.load_weights``
-(``midlayer.*``, stacked qkv / gate_up, d2t -> ``hot_token_id = d2t + arange``, t2d skipped, unknown keys dropped)
-and vLLM's ``Eagle3LlamaForCausalLM.load_weights`` + speculators config conversion (``midlayer.`` -> ``layers.0.``,
-d2t -> ``draft_id_to_target_id``, top-level INPUT-of-layer ids, ``norm_before_residual`` default True).
+wrong), so the loaders below follow the engines' code. SGLang needs CUDA, so its loader stays re-implemented here,
+mirroring SGLang 0.5.23 (the PyPI wheel), ``sglang/srt/models/llama_eagle3.py``:
+``LlamaForCausalLMEagle3.load_weights`` (legacy ``midlayer`` -> ``layers.0``, stacked qkv / gate_up, d2t ->
+``hot_token_id = d2t + arange``, t2d skipped, unknown keys dropped without a word) and
+``sglang/srt/models/llama.py:set_eagle3_layers_to_capture`` (``eagle_config`` ids + 1). vLLM's side
+(``Eagle3LlamaForCausalLM.load_weights`` + the speculators config conversion: d2t -> ``draft_id_to_target_id``,
+top-level INPUT-of-layer ids, ``norm_before_residual`` default True) is re-implemented too; the speculators layout is
+also checked against the speculators library itself in ``tests/test_speculators_interop.py``.
 """
 
 from __future__ import annotations
@@ -131,12 +135,13 @@ def load_shard(params: dict, name: str, weight: torch.Tensor, shard, layer_cfg: 
 
 
 def sglang_load(directory: Path) -> SimpleNamespace:
-    """SGLang: registry by architecture, LlamaForCausalLMEagle3.load_weights, eagle_config aux ids (+1 inside)."""
+    """SGLang 0.5.23: registry by architecture, LlamaForCausalLMEagle3.load_weights, eagle_config aux ids (+1)."""
     raw = json.loads((directory / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["num_hidden_layers"] == 1
-    params = engine_params(raw, raw, "model.midlayer.")
+    params = engine_params(raw, raw, "model.layers.0.")
     hot_token_id, skipped, loaded = None, [], set()
     for name, weight in load_file(str(directory / "model.safetensors")).items():
+        name = name.replace("midlayer", "layers.0")  # its legacy_name_map
         if "d2t" in name:
             hot_token_id = weight + torch.arange(weight.shape[0])
             continue
@@ -165,7 +170,7 @@ def sglang_load(directory: Path) -> SimpleNamespace:
     return SimpleNamespace(params=params, skipped=skipped, loaded=loaded, hot_token_id=hot_token_id,
                            capture_inputs=[i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]],
                            use_aux=eagle.get("use_aux_hidden_state", True), norm_before_residual=False,
-                           layer_cfg=raw, prefix="model.midlayer.")
+                           layer_cfg=raw, prefix="model.layers.0.")
 
 
 def vllm_config(raw: dict) -> dict:

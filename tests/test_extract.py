@@ -238,7 +238,7 @@ def test_regenerate_answers_with_the_target(tiny, tmp_path):
 def test_real_smollm2_eagle3_features(smollm2, tmp_path):
     """SmolLM2 (30 layers): layers=eagle3 stores the outputs of layers 1, 14, 26 = HF hidden_states[2, 15, 27]."""
     from inference.drafters import LoadedModel
-    from inference.runner import load_runner
+    from inference.runner_loading import load_runner
 
     model, tokenizer = smollm2
     target = LoadedModel("smollm2", load_runner(model, max_seq_len=65, max_batch_size=2), tokenizer, model)

@@ -16,7 +16,10 @@ from test_specblock_tree import random_drafter as random_specblock_drafter
 from test_ssd import tiny_draft_runner
 
 from inference.algorithms import build_algorithm
-from inference.runner import ModelRunner, TransformersRunner, attention_windows, load_runner
+from inference.runner import ModelRunner
+from inference.runner_contract import attention_windows
+from inference.runner_loading import load_runner
+from inference.transformers_runner import TransformersRunner
 
 VOCAB, WINDOW, MAX_SEQ = 128, 8, 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -20,7 +20,7 @@ from tiny_targets import save_tiny_target
 from core.prompts import render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import load_lm
-from inference.runner import load_runner
+from inference.runner_loading import load_runner
 from inference.sampling import SamplingParams
 from inference.serve.config import parse_args
 from inference.serve.engine import serving_batch

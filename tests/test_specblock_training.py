@@ -247,7 +247,7 @@ def test_rank_loss_alone_leaves_the_trunk_without_gradient():
 def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
     from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from core.drafters.eagle3_layouts import Eagle3Checkpoint
-    from spectrain.modules.specblock import warm_start_from_eagle3
+    from core.drafters.specblock_layouts import warm_start_from_eagle3
 
     drafter, target = tiny_drafter()
     eagle = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4]),
@@ -393,7 +393,7 @@ def test_import_of_a_reference_release_checkpoint(tiny_setup, capsys):
 
     from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, load_native
     from spectrain import export as export_cli
-    from spectrain.modules.specblock import REFERENCE_NAMES
+    from core.drafters.specblock_layouts import REFERENCE_NAMES
 
     root, target, _ = tiny_setup
     drafter = SpecBlockDrafter(SpecBlockConfig.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=64,

@@ -14,7 +14,8 @@ import torch
 from test_algorithms import assert_follows_law, runner, tiny_llama
 
 from inference.algorithms import build_algorithm
-from inference.runner import ModelRunner, RunnerOutput
+from inference.runner import ModelRunner
+from inference.runner_contract import RunnerOutput
 from inference.saguaro import NEURAL, POINT, UNIFORM, proposal_probs, saguaro_probs, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache, fanout_weights, geometric_fanout, largest_remainder_round

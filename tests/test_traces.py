@@ -202,7 +202,7 @@ def test_traces_cli_errors(models, tmp_path, capsys):
 @pytest.mark.real_model
 def test_real_smollm2_traces_with_itself_as_drafter(smollm2, tmp_path):
     from inference.drafters import LoadedModel
-    from inference.runner import load_runner
+    from inference.runner_loading import load_runner
 
     model, tokenizer = smollm2
     target = LoadedModel("smollm2", load_runner(model, max_seq_len=160), tokenizer, model)

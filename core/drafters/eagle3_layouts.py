@@ -15,6 +15,9 @@ layout writes both (each in its own convention) so vLLM serves it too; speculato
 ``norm_before_residual``: SGLang always takes the residual before ``hidden_norm`` (False), so a drafter trained
 with True is refused for the sglang layout; speculators always writes the flag (vLLM defaults it to True).
 Every layout also carries our ``spectrain`` block (target identity, layer convention) in ``config.json``.
+The speculators layout names its verifier so that speculators/vLLM can load it (the target's local directory or a
+hub id, never our alias) and ships the target's ``embed_tokens.weight`` (``target_embedding``); reading drops that
+copy again when the ``spectrain`` block says the embedding is the target's.
 Reading is strict: an unknown or missing tensor, or an EAGLE-3.1 feature we do not run, is a one-line error.
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from core.assets import AssetError, load_safetensors, read_json
+from core.assets import AssetError, load_safetensors, model_tensor, portable_model_reference, read_json
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers
 from core.vocab import check_vocab_mapping
@@ -138,9 +141,12 @@ def _llama_fields(config: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype,
-                  speculative_tokens: int = 3) -> dict[str, Any]:
-    """``config.json`` of ``layout``; refuses combinations an engine would load silently wrong."""
+def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, speculative_tokens: int = 3,
+                  verifier: str | None = None) -> dict[str, Any]:
+    """``config.json`` of ``layout``; refuses combinations an engine would load silently wrong. ``verifier``:
+    what the speculators layout names as its verifier (a local HF directory or a hub id); default: the target's
+    local directory (``portable_model_reference``), since speculators loads the verifier's embedding, final norm
+    and head from it and takes any other string for a hub id."""
     config, block = ckpt.config, spectrain_block(ckpt, layout)
     if layout == "native":
         return {"spectrain": block}
@@ -178,13 +184,24 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype,
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": ckpt.target.get("name"),
+                "verifier": {"name_or_path": verifier or verifier_reference(ckpt.target),
                              "architectures": list(ckpt.target.get("architectures") or [])},
             },
             "torch_dtype": str(dtype).removeprefix("torch."),
             "spectrain": block,
         }
     raise CheckpointError(f"unknown layout '{layout}'; use one of {', '.join(LAYOUTS)}")
+
+
+def verifier_reference(target: dict[str, Any]) -> str:
+    """The target of a record as speculators/vLLM can resolve it; a record without a name is refused."""
+    if not target.get("name"):
+        raise CheckpointError("the target record has no name: give verifier=PATH_OR_ID (the target's local HF "
+                              "directory or hub id) for the speculators layout")
+    try:
+        return portable_model_reference(target["name"])
+    except AssetError as exc:
+        raise CheckpointError(f"{exc}; give verifier=PATH_OR_ID") from None
 
 
 def layout_tensors(tensors: dict[str, torch.Tensor], layout: str,
@@ -203,15 +220,30 @@ def layout_tensors(tensors: dict[str, torch.Tensor], layout: str,
 
 
 def write_layout(ckpt: Eagle3Checkpoint, layout: str, directory: Path, *, dtype: torch.dtype | None = None,
-                 speculative_tokens: int = 3) -> None:
+                 speculative_tokens: int = 3, verifier: str | None = None) -> None:
     """Write ``config.json`` and ``model.safetensors`` of ``layout`` into an existing ``directory``."""
     from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     dtype = dtype or ckpt.tensors["fc.weight"].dtype
-    config = layout_config(ckpt, layout, dtype=dtype, speculative_tokens=speculative_tokens)
-    save_file(layout_tensors(ckpt.tensors, layout, dtype), str(directory / "model.safetensors"),
+    config = layout_config(ckpt, layout, dtype=dtype, speculative_tokens=speculative_tokens, verifier=verifier)
+    tensors = ckpt.tensors
+    if layout == "speculators" and EMBED not in tensors:
+        tensors = {**tensors, EMBED: target_embedding(ckpt, verifier)}
+    save_file(layout_tensors(tensors, layout, dtype), str(directory / "model.safetensors"),
               metadata={"format": "pt", "spectrain_layout": layout})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def target_embedding(ckpt: Eagle3Checkpoint, verifier: str | None) -> torch.Tensor:
+    """The target's token embedding, for the speculators layout: ``Eagle3DraftModel.from_pretrained`` (speculators
+    0.9.0) leaves a missing ``embed_tokens.weight`` as uninitialised memory (its NaN check for "not loaded" then
+    fails) instead of reading it from the verifier (``tests/test_speculators_interop.py``)."""
+    source = verifier if verifier and Path(verifier).is_dir() else (ckpt.target or {}).get("name")
+    try:
+        return model_tensor(source, EMBED)
+    except AssetError as exc:
+        raise CheckpointError(f"the speculators layout ships the target's embedding, which could not be read "
+                              f"({exc}); give verifier=DIR, the target's local HF directory") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,6 +301,8 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
     layout = detect_layout(raw)
     block = raw.get("spectrain")
     weights = read_weights(directory)
+    if layout == "speculators" and block is not None and block.get("embed_tokens") == "target":
+        weights.pop(EMBED, None)  # the target's own, shipped for speculators' loader (``target_embedding``)
     if layout == "native":
         config = Eagle3Config.from_dict(block["architecture"])
     else:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
-from inference.round_observers import OBSERVER_KINDS, observer_kind
+from inference.round_observers import observer_kind, observer_names
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
 from inference.sampling import SamplingParams, sample
 from inference.verify import tree_walk
@@ -41,7 +41,7 @@ def adapt_options(cfg) -> dict:
     """The ``adapt=`` keywords of an evaluate/generate config (none when adaptation is off)."""
     if getattr(cfg, "adapt", "none") == "none":
         return {}
-    known = cfg.adapt in OBSERVER_KINDS  # an unknown name is refused when the algorithm is built
+    known = cfg.adapt in observer_names()  # an unknown name is refused when the algorithm is built
     return {"adapt": cfg.adapt, "adapt_settings": observer_kind(cfg.adapt).settings(cfg) if known else None}
 
 

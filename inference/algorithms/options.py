@@ -18,7 +18,7 @@ class AlgorithmOptions:
     hsd_final_ratio: str = "capped"  # capped (lossless) | uncapped (the HSD authors' lossy rule)
     gamma: int = 4
     # draft-LM algorithms (sps, pearl, specbranch, ssd): the draft proposes only from the K lowest token ids, so its
-    # lm_head costs K/V of the full one (lossless; inference.runner.with_logit_vocab); 0 = every id
+    # lm_head costs K/V of the full one (lossless; inference.runner_loading.with_logit_vocab); 0 = every id
     draft_vocab: int = 0
     # eagle3_tree
     tree_depth: int = 6  # longest drafted path

@@ -11,25 +11,24 @@ valid-prefix rule and ``tau_sim`` (γ = K), the 2-block chain (cut at K), rank-h
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.assets import load_safetensors, target_record
+from core.assets import target_record
 from core.drafters.eagle3 import shift_left
-from core.drafters.eagle3_layouts import CheckpointError, read_checkpoint, same_target
-from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, build_drafter, save_native
-from core.layer_ids import eagle3_layers, resolve_layers
+from core.drafters.eagle3_layouts import read_checkpoint
+from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.drafters.specblock_layouts import warm_start_from_eagle3
+from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
-from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.eagle3_losses import teacher_in_draft_vocab
 from spectrain.metrics import SimulatedAcceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.modules.eagle3 import vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
+from spectrain.specblock_export import export_specblock_checkpoint, import_specblock_reference
 from spectrain.specblock_losses import RANK_MASKS, total_loss, unroll_blocks
 from spectrain.targets import trained_template
 
@@ -195,141 +194,6 @@ class SpecBlockModule(DrafterModule):
         checkpoint["spectrain"] = {"kind": "specblock", "config": self.drafter.config.to_dict(),
                                    "target": self._target_record, "recipe": dict(self.hparams["recipe"]),
                                    "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
-
-
-def warm_start_from_eagle3(drafter: SpecBlockDrafter, eagle: Any) -> list[str]:
-    """Copy what maps from an EAGLE-3 checkpoint (``eagle3_layouts.Eagle3Checkpoint``); returns the names set.
-
-    Maps exactly: ``fc`` (W_c), ``lm_head``, the final ``norm`` (RMSNorm_out) and the vocab map (done by the
-    caller); EAGLE-3's ``hidden_norm`` (the norm of g) -> RMSNorm_c and its ``input_layernorm`` (the norm of the
-    embedding) -> RMSNorm_e. Decoder layer 0 takes EAGLE-3's single layer: MLP, ``o_proj`` and
-    ``post_attention_layernorm`` as they are; q/k/v read a 2H input ``[norm(e) ; norm(g)]`` in EAGLE-3, so only
-    their hidden half (columns H..2H) is copied, and W_f's condition block is set to the identity so layer 0
-    starts from z ≈ RMSNorm_c(W_c f) plus the (random) embedding/query terms, the input EAGLE-3's hidden half
-    saw. Left at init: layers >= 1, the shift projections W_s, the position queries, W_f's embedding and query
-    blocks, layer 0's input_layernorm and the rank head."""
-    src, cfg = eagle.tensors, drafter.config
-    e_cfg = eagle.config
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "target_hidden_size", "draft_vocab_size", "aux_layer_ids"):
-        if getattr(e_cfg, name) != getattr(cfg, name):
-            raise ValueError(f"warm start: the EAGLE-3 checkpoint has {name}={getattr(e_cfg, name)} but this "
-                             f"SpecBlock drafter has {getattr(cfg, name)}; warm-start from a drafter of this target")
-    hidden = cfg.hidden_size
-    mapping = {"fc.weight": src["fc.weight"], "lm_head.weight": src["lm_head.weight"], "norm.weight": src["norm.weight"],
-               "cond_norm.weight": src["midlayer.hidden_norm.weight"],
-               "embed_norm.weight": src["midlayer.input_layernorm.weight"]}
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        mapping[f"layers.0.self_attn.{proj}.weight"] = src[f"midlayer.self_attn.{proj}.weight"][:, hidden:]
-    mapping["layers.0.self_attn.o_proj.weight"] = src["midlayer.self_attn.o_proj.weight"]
-    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "post_attention_layernorm.weight"):
-        mapping[f"layers.0.{name}"] = src[f"midlayer.{name}"]
-    fuse = drafter.fuse.weight.detach().clone()
-    fuse[:, :hidden] = torch.eye(hidden, dtype=fuse.dtype)
-    mapping["fuse.weight"] = fuse
-    params = dict(drafter.named_parameters())
-    with torch.no_grad():
-        for name, tensor in mapping.items():
-            params[name].copy_(tensor.to(params[name].dtype))
-    return sorted(mapping)
-
-
-def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
-    """``python -m spectrain.export ckpt=<specblock .ckpt> out=DIR``: the native export dir (K, layers, rank
-    buckets, widths and vocab map in ``config.json``; ``core.drafters.specblock.load_native`` reads it)."""
-    if cfg.format != "native":
-        raise CheckpointError(f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 "
-                              "engine layout")
-    raw = torch.load(path, map_location="cpu", weights_only=False)  # the user's own Lightning checkpoint
-    meta = raw["spectrain"]
-    recorded = meta.get("target")
-    if cfg.target:
-        wanted = target_record(cfg.target)
-        if recorded is not None and not same_target(recorded, wanted):
-            raise CheckpointError(f"{path} was trained for target '{recorded.get('name')}', not '{cfg.target}'; "
-                                  "use the target it was trained for")
-        recorded = recorded or wanted
-    config = SpecBlockConfig.from_dict(meta["config"])
-    tensors = {name.removeprefix(DRAFTER_PREFIX): t for name, t in (raw.get("state_dict") or {}).items()
-               if name.startswith(DRAFTER_PREFIX) and name != DRAFTER_PREFIX + "embed_tokens.weight"}
-    if not tensors:
-        raise CheckpointError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule keeps the "
-                              "drafter as self.drafter)")
-    drafter = build_drafter(config, tensors)
-    if DTYPES[cfg.dtype] is not None:
-        drafter = drafter.to(DTYPES[cfg.dtype])
-    recipe = meta.get("recipe") or (raw.get("hyper_parameters") or {}).get("recipe")
-    metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "epoch": raw.get("epoch"),
-               "source": str(path)}
-    training = {key: (recipe or {}).get("model", {}).get(key) for key in
-                ("train_blocks", "slot_weight", "rank_mask", "rank_freq_budget", "warm_start")}
-    return save_native(drafter, cfg.out, target=recorded, recipe=recipe, metrics=metrics,
-                       extra={"training": training})
-
-
-# The reference release (SpecForge-based SpecBlock): its tensor names -> ours. Its config.json is a LlamaConfig with
-# num_hidden_layers = drafter layers, draft_vocab_size, diffspec_draft_token_num (K) and rank_classes.
-REFERENCE_NAMES = {
-    "input_layer.condition_proj.weight": "fc.weight", "input_layer.condition_norm.weight": "cond_norm.weight",
-    "input_layer.token_norm.weight": "embed_norm.weight", "input_layer.position_queries.weight": "position_queries",
-    "input_layer.query_norm.weight": "query_norm.weight", "input_layer.fuse.weight": "fuse.weight",
-}
-REFERENCE_SKIPPED = ("input_layer.embed_tokens.weight",)  # the target's embedding (frozen, shared): not stored
-
-
-def reference_config(raw: dict[str, Any], target: dict[str, Any]) -> SpecBlockConfig:
-    """Our config from the release's config.json fields that map (K = ``diffspec_draft_token_num``, buckets =
-    ``rank_classes``, layers = ``num_hidden_layers``); aux layers = the EAGLE-3 triple of the target (what the
-    release captures); RoPE base 10 000 unless the file sets one (§1.3)."""
-    hidden = raw["hidden_size"]
-    try:
-        return SpecBlockConfig(
-            block_size=int(raw["diffspec_draft_token_num"]), num_layers=int(raw.get("num_hidden_layers", 1)),
-            hidden_size=hidden, intermediate_size=raw["intermediate_size"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-            head_dim=hidden // raw["num_attention_heads"], vocab_size=raw["vocab_size"],
-            draft_vocab_size=raw.get("draft_vocab_size", 32000),
-            target_hidden_size=raw.get("target_hidden_size", hidden),
-            aux_layer_ids=eagle3_layers(int(target["num_hidden_layers"])),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=float(raw.get("rope_theta") or 10000.0),
-            rope_scaling=raw.get("rope_scaling"), max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            hidden_act=raw.get("hidden_act", "silu"), rank_buckets=int(raw.get("rank_classes", 4)))
-    except KeyError as exc:
-        raise ValueError(f"reference SpecBlock config.json lacks {exc}; it is not a complete release config") from None
-
-
-def import_specblock_reference(path: Any, cfg: Any) -> Any:
-    """``python -m spectrain.export import=<release dir> target=NAME_OR_DIR out=DIR``: a checkpoint of the
-    reference release (config.json + model.safetensors) -> our native export dir."""
-
-    directory = Path(path)
-    if not cfg.target:
-        raise CheckpointError(f"{directory} is a reference SpecBlock checkpoint without a target record: give "
-                              "target=NAME_OR_DIR (the model it drafts for)")
-    if cfg.format != "native":
-        raise CheckpointError(f"a specblock drafter exports only as format=native, not '{cfg.format}'")
-    target = target_record(cfg.target)
-    raw = json.loads((directory / "config.json").read_text())
-    config = reference_config(raw, target)
-    if config.target_hidden_size != target["hidden_size"]:
-        raise CheckpointError(f"{directory} drafts for hidden size {config.target_hidden_size} but target "
-                              f"'{cfg.target}' has {target['hidden_size']}; use the target it was trained for")
-    weights = load_safetensors(directory / "model.safetensors", fix="re-download the reference checkpoint")
-    tensors = {}
-    for name, tensor in weights.items():
-        if name in REFERENCE_SKIPPED:
-            continue
-        ours = REFERENCE_NAMES.get(name) or (name.replace("shift_proj.", "shift.", 1)
-                                             if name.startswith("shift_proj.") else name)
-        tensors[ours] = tensor
-    drafter = build_drafter(config, tensors)  # strict: unknown or missing tensors fail in one line
-    if DTYPES[cfg.dtype] is not None:
-        drafter = drafter.to(DTYPES[cfg.dtype])
-    return save_native(drafter, cfg.out, target=target, metrics={"source": str(directory),
-                                                                  "source_layout": "specblock_reference"},
-                       extra={"imported_from": "specblock_reference"})
 
 
 register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,

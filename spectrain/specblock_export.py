@@ -1,0 +1,75 @@
+"""SpecBlock checkpoints out of training and in from the reference release: ``python -m spectrain.export`` for
+``kind=specblock`` (the native export dir that ``core.drafters.specblock.load_native`` reads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.assets import load_safetensors, target_record
+from core.drafters.eagle3_layouts import CheckpointError, same_target
+from core.drafters.specblock import SpecBlockConfig, build_drafter, save_native
+from core.drafters.specblock_layouts import reference_config, reference_tensors
+from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
+
+
+def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
+    """``python -m spectrain.export ckpt=<specblock .ckpt> out=DIR``: the native export dir (K, layers, rank
+    buckets, widths and vocab map in ``config.json``; ``core.drafters.specblock.load_native`` reads it)."""
+    if cfg.format != "native":
+        raise CheckpointError(f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 "
+                              "engine layout")
+    raw = torch.load(path, map_location="cpu", weights_only=False)  # the user's own Lightning checkpoint
+    meta = raw["spectrain"]
+    recorded = meta.get("target")
+    if cfg.target:
+        wanted = target_record(cfg.target)
+        if recorded is not None and not same_target(recorded, wanted):
+            raise CheckpointError(f"{path} was trained for target '{recorded.get('name')}', not '{cfg.target}'; "
+                                  "use the target it was trained for")
+        recorded = recorded or wanted
+    config = SpecBlockConfig.from_dict(meta["config"])
+    tensors = {name.removeprefix(DRAFTER_PREFIX): t for name, t in (raw.get("state_dict") or {}).items()
+               if name.startswith(DRAFTER_PREFIX) and name != DRAFTER_PREFIX + "embed_tokens.weight"}
+    if not tensors:
+        raise CheckpointError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule keeps the "
+                              "drafter as self.drafter)")
+    drafter = build_drafter(config, tensors)
+    if DTYPES[cfg.dtype] is not None:
+        drafter = drafter.to(DTYPES[cfg.dtype])
+    recipe = meta.get("recipe") or (raw.get("hyper_parameters") or {}).get("recipe")
+    metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "epoch": raw.get("epoch"),
+               "source": str(path)}
+    training = {key: (recipe or {}).get("model", {}).get(key) for key in
+                ("train_blocks", "slot_weight", "rank_mask", "rank_freq_budget", "warm_start")}
+    return save_native(drafter, cfg.out, target=recorded, recipe=recipe, metrics=metrics,
+                       extra={"training": training})
+
+
+def import_specblock_reference(path: Any, cfg: Any) -> Any:
+    """``python -m spectrain.export import=<release dir> target=NAME_OR_DIR out=DIR``: a checkpoint of the
+    reference release (config.json + model.safetensors) -> our native export dir."""
+
+    directory = Path(path)
+    if not cfg.target:
+        raise CheckpointError(f"{directory} is a reference SpecBlock checkpoint without a target record: give "
+                              "target=NAME_OR_DIR (the model it drafts for)")
+    if cfg.format != "native":
+        raise CheckpointError(f"a specblock drafter exports only as format=native, not '{cfg.format}'")
+    target = target_record(cfg.target)
+    raw = json.loads((directory / "config.json").read_text())
+    config = reference_config(raw, target)
+    if config.target_hidden_size != target["hidden_size"]:
+        raise CheckpointError(f"{directory} drafts for hidden size {config.target_hidden_size} but target "
+                              f"'{cfg.target}' has {target['hidden_size']}; use the target it was trained for")
+    weights = load_safetensors(directory / "model.safetensors", fix="re-download the reference checkpoint")
+    tensors = reference_tensors(weights)
+    drafter = build_drafter(config, tensors)  # strict: unknown or missing tensors fail in one line
+    if DTYPES[cfg.dtype] is not None:
+        drafter = drafter.to(DTYPES[cfg.dtype])
+    return save_native(drafter, cfg.out, target=target, metrics={"source": str(directory),
+                                                                  "source_layout": "specblock_reference"},
+                       extra={"imported_from": "specblock_reference"})
