@@ -31,12 +31,14 @@ PAD_ID = 0  # any valid id: padded positions are truncated away before anything 
 @dataclass
 class Job:
     """One answer to generate: ``ids`` is the rendered prompt, ``max_new_tokens`` its budget; ``key`` names it
-    to the caller, and ``seed`` fixes its sampling stream (so a job samples the same tokens in any batch)."""
+    to the caller, and ``seed`` fixes its sampling stream (so a job samples the same tokens in any batch);
+    ``sampling`` replaces the batcher's settings for this job (a server's requests each bring their own)."""
 
     key: Hashable
     ids: Sequence[int]
     max_new_tokens: int
     seed: int = 0
+    sampling: SamplingParams | None = None
 
 
 @dataclass
@@ -49,7 +51,8 @@ class _Row:
 class ContinuousBatcher:
     """Answers jobs ``batch_size`` at a time. ``next_job()`` returns the next ready job or None (none ready now;
     a multi-turn caller makes a turn ready when the previous one finishes); ``on_done(job, tokens)`` gets each
-    answer (EOS included if it ended there). ``refill_at``: refill once this many rows are free (a refill is a
+    answer (EOS included if it ended there); the optional ``on_token(job, token)`` sees each token as it is
+    sampled and ends that job there by returning False (its row is free for the next job at once). ``refill_at``: refill once this many rows are free (a refill is a
     wide forward, so batching the refills saves work; default a quarter of the batch). A refill writes the widest
     new prompt's width into every row, so it waits while the longest active row lacks that much room: a runner
     with spare rows prefills new prompts apart from the batch and never waits."""
@@ -68,7 +71,8 @@ class ContinuousBatcher:
         self.new_tokens = 0
 
     @torch.no_grad()
-    def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, list[int]], None]) -> None:
+    def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, list[int]], None],
+            on_token: Callable[[Job, int], bool | None] | None = None) -> None:
         runner, size = self.runner, self.batch_size
         rows: list[_Row | None] = [None] * size
         runner.reset(size)
@@ -104,7 +108,8 @@ class ContinuousBatcher:
                 row.tokens.append(token)
                 self.new_tokens += 1
                 pending[i] = token
-                if token in self.eos_ids or len(row.tokens) >= row.job.max_new_tokens:
+                stopped = on_token is not None and on_token(row.job, token) is False
+                if stopped or token in self.eos_ids or len(row.tokens) >= row.job.max_new_tokens:
                     rows[i] = None
                     on_done(row.job, row.tokens)
 
@@ -143,19 +148,28 @@ class ContinuousBatcher:
         return int(self.runner.cache_lens.max()) + width <= self.runner.max_seq_len
 
     def _sample(self, logits: torch.Tensor, row: _Row) -> int:
-        if self.sampling.greedy:
+        sampling = row.job.sampling or self.sampling
+        if sampling.greedy:
             return int(logits.argmax())
         if row.generator is None:
             row.generator = torch.Generator().manual_seed(row.job.seed)
-        return int(sample(self.sampling.warp(logits), row.generator))
+        return int(sample(sampling.warp(logits), row.generator))
 
     def _step(self, rows: list[_Row | None], pending: torch.Tensor) -> torch.Tensor:
-        """One decode step for every row; idle rows carry a pad token and are emptied again."""
+        """One decode step for every row up to the last active one (new jobs take the lowest free rows, so under a
+        light load only the first few rows step: stepping all 8 rows for one request made SmolLM2 answers 2.3x slower,
+        ``benchmarks/serve_load.py``; a runner without ``first_rows``, such as ``TransformersRunner``, steps every
+        row); idle rows among them carry a pad token and are emptied again. Returns the logits of those rows
+        (index = row)."""
         runner = self.runner
         idle = torch.tensor([row is None for row in rows], device=runner.device)
         if bool(idle.any()):
             runner.truncate(torch.where(idle, 0, runner.cache_lens))
-        return runner.forward(pending.view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
+        width = 1 + max(i for i, row in enumerate(rows) if row is not None)
+        if width == len(rows) or not hasattr(runner, "first_rows"):
+            return runner.forward(pending.view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
+        with runner.first_rows(width):
+            return runner.forward(pending[:width].view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
 
     def _refill(self, rows: list[_Row | None], fresh: dict[int, Job], pending: torch.Tensor) -> torch.Tensor:
         """One padded forward: active rows append their next token, fresh rows their whole prompt."""

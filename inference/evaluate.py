@@ -175,6 +175,12 @@ def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[st
         else:
             labels.append(label)
     labels = list(dict.fromkeys(labels))
+    check_drafters(labels, available)
+    return labels, skipped
+
+
+def check_drafters(labels: Sequence[str], available: set[str]) -> None:
+    """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it."""
     missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
     missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
     if missing:
@@ -182,7 +188,6 @@ def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[st
         option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter"}[kind]
         raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
                             f"add {option}=PATH or drafters=DIR (a directory of exports)")
-    return labels, skipped
 
 
 @dataclass
@@ -245,6 +250,39 @@ def greedy_equal(outputs: list, cfg: Any, ar_outputs: list, ar_cfg: Any) -> bool
     return [out[:n] for out in outputs] == [out[:n] for out in ar_outputs]
 
 
+def load_drafters(cfg: Any, paths: dict[str, str], needed: set[str], target: LoadedModel,
+                  preloaded: dict[str, Any], max_batch_size: int = 1) -> dict[str, Any]:
+    """The drafter of each ``needed`` kind: the preloaded one if given, else loaded from its path."""
+    return {kind: preloaded[kind] if preloaded.get(kind) is not None else
+            load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
+                         max_batch_size=max_batch_size) for kind in needed}
+
+
+def resolved_config(cfg: Any, paths: dict[str, str]) -> Any:
+    """``cfg`` with the draft LM's path and H-RAD resolved: algorithms that rebuild a drafter elsewhere (a draft
+    process) read its path from cfg, and ``hrad=auto`` means the drafters' H-RAD export, if any."""
+    return OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
+                           {"drafter": paths.get("draft_lm"),
+                            "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
+
+
+def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict[str, Any],
+                  limited: dict[int, Any]) -> tuple[Any, Any]:
+    """``(algorithm, its config)`` for ``NAME[@key=value...]`` over the loaded target and drafters; ``limited``
+    caches one vocabulary-limited draft runner (shared weights) per ``draft_vocab``."""
+    name, overrides = parse_variant(label)
+    variant_cfg = with_overrides(resolved, overrides, label)
+    if variant_cfg.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
+        variant_cfg.hrad = resolved.hrad
+    kind = algorithm_class(name).drafter
+    drafter = drafters.get(kind)
+    if kind == "draft_lm" and variant_cfg.draft_vocab:
+        vocab = variant_cfg.draft_vocab
+        drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
+    return build_algorithm(name, target.runner, drafter, **algorithm_class(name).options_from_config(variant_cfg)), \
+        variant_cfg
+
+
 def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
              features=None, specblock=None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
@@ -264,27 +302,12 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                                max_batch_size=cfg.batch_size, dtype=model_dtype(cfg.dtype, pick_device(cfg.device)),
                                chat_template=cfg.chat_template)
-    drafters = {kind: preloaded[kind] if preloaded.get(kind) is not None else
-                load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                             max_batch_size=cfg.batch_size) for kind in needed}
+    drafters = load_drafters(cfg, paths, needed, target, preloaded, cfg.batch_size)
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    # Algorithms that rebuild a drafter elsewhere (a draft process) read its path from cfg.
-    resolved = OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
-                               {"drafter": paths.get("draft_lm"),
-                                "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
+    resolved = resolved_config(cfg, paths)
     algorithms, limited = {}, {}
     for label in labels:
-        name, overrides = parse_variant(label)
-        variant_cfg = with_overrides(resolved, overrides, label)
-        if variant_cfg.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
-            variant_cfg.hrad = resolved.hrad
-        kind = algorithm_class(name).drafter
-        drafter = drafters.get(kind)
-        if kind == "draft_lm" and variant_cfg.draft_vocab:  # one runner (shared weights) per vocabulary limit
-            vocab = variant_cfg.draft_vocab
-            drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
-        algorithms[label] = (build_algorithm(name, target.runner, drafter,
-                                             **algorithm_class(name).options_from_config(variant_cfg)), variant_cfg)
+        algorithms[label] = build_variant(label, resolved, target, drafters, limited)
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 
     runs, totals, ar_runs = [], {}, {}

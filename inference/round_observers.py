@@ -70,3 +70,30 @@ def observer_kind(name: str) -> ObserverKind:
         return _REGISTERED[name]
     (point,) = entry_points(group=ENTRY_POINT_GROUP, name=name)
     return point.load()
+
+
+class ObserverTap:
+    """A :class:`RoundObserver` that forwards every call to ``inner`` and hands what ``end_query`` returns (for
+    spectrain's ``bandit`` entry point, the query's decision row) to ``listener``: how a server counts the
+    decisions of whichever registered kind ``adapt=`` attached, without importing it. Other attributes (``log``,
+    ``close``) read through to ``inner``."""
+
+    def __init__(self, inner: RoundObserver, listener):
+        self.inner, self.listener = inner, listener
+
+    def begin_query(self, *args, **kwargs) -> None:
+        self.inner.begin_query(*args, **kwargs)
+
+    def observe_round(self, *args, **kwargs) -> None:
+        self.inner.observe_round(*args, **kwargs)
+
+    def end_query(self, last_token: int) -> Any:
+        outcome = self.inner.end_query(last_token)
+        if outcome:
+            self.listener(outcome)
+        return outcome
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, pickle): no endless lookup through __getattr__
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -219,6 +219,19 @@ class ModelRunner(nn.Module):
         finally:
             self.k_cache, self.v_cache, self.cache_lens, self._pending = saved
 
+    @contextlib.contextmanager
+    def first_rows(self, n: int) -> Iterator[None]:
+        """Inside, forwards see only the batch's rows ``0..n-1``, with their cached tokens; the rows after them sit
+        out untouched. A continuous batch whose active rows are the first few pays for those rows only."""
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"first_rows({n}) outside 1..batch_size={self.batch_size}")
+        rest = self.cache_lens[n:]
+        self.cache_lens, self._pending = self.cache_lens[:n].clone(), None
+        try:
+            yield
+        finally:
+            self.cache_lens, self._pending = torch.cat([self.cache_lens, rest]), None
+
     @torch.no_grad()
     def copy_rows(self, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> None:
         """Row ``dst[i]`` of the batch becomes a copy of cache row ``src[i]``'s first ``lengths[i]`` tokens (``src``

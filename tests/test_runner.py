@@ -405,3 +405,24 @@ def test_select_rows_forks_and_keeps_rows_like_fresh_prefills():
         assert_close(out[row:row + 1, -1], expected)
     with pytest.raises(ValueError, match="keeps 9 tokens but the chosen rows hold only 7"):
         runner.select_rows([0], 9)
+
+
+def test_first_rows_steps_only_those_rows_and_leaves_the_rest():
+    """Inside first_rows(2) a forward of 2 rows continues rows 0 and 1 as a whole-batch forward would; row 2 keeps
+    its cache, and continues afterwards as if nothing had run (the serving batcher's light-load step)."""
+    runner, whole = make_runner("llama", "native", batch=3), make_runner("llama", "native", batch=3)
+    ids, nxt = tokens(3, 7), tokens(3, 1, seed=5)
+    for r in (runner, whole):
+        r.reset(3)
+        r.forward(ids)
+    with runner.first_rows(2):
+        assert runner.batch_size == 2
+        part = runner.forward(nxt[:2]).logits
+    assert runner.lengths == [8, 8, 7]
+    assert_close(part, whole.forward(nxt).logits[:2])
+    runner.truncate(7)
+    whole.truncate(7)
+    assert_close(runner.forward(nxt).logits, whole.forward(nxt).logits)
+    with pytest.raises(ValueError, match="outside 1..batch_size=3"):
+        with runner.first_rows(4):
+            pass

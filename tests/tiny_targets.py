@@ -12,11 +12,12 @@ SMOLLM2_VOCAB = 49152
 
 
 def save_tiny_target(directory: Path, *, seed: int = 0, layers: int = 8, hidden: int = 32,
-                     noise: float = 0.0) -> Path:
+                     noise: float = 0.0, logit_scale: float = 1.0) -> Path:
     """A random LlamaForCausalLM (vocab 49152, untied lm_head: a tied one just repeats its input) plus SmolLM2's tokenizer in ``directory``.
 
     ``noise`` > 0 perturbs every weight (after seeding the same init): a draft that partly agrees with the
-    unperturbed model of the same seed."""
+    unperturbed model of the same seed. ``logit_scale`` multiplies the lm_head: sharper logits keep greedy choices
+    far from ties, so kernel rounding (e.g. a batched forward's) cannot flip them."""
     from core.assets import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
@@ -31,6 +32,9 @@ def save_tiny_target(directory: Path, *, seed: int = 0, layers: int = 8, hidden:
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(noise * torch.randn(param.shape, generator=generator))
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

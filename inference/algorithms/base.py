@@ -16,7 +16,9 @@ import torch
 
 from inference.sampling import SamplingParams
 
-TokenCallback = Callable[[list[int]], None]
+# Called with each batch of emitted tokens; returning False ends the generation there, through the algorithm's
+# normal end of query (a server's client went away, or a stop string was met), so no state is left half-done.
+TokenCallback = Callable[[list[int]], "bool | None"]
 
 
 @dataclass
@@ -97,7 +99,8 @@ class GenerationResult:
 
 
 class OutputBuffer:
-    """Collects emitted tokens, stops at EOS or the token budget, and streams to an optional callback."""
+    """Collects emitted tokens, stops at EOS or the token budget, and streams to an optional callback (which may
+    end the generation early by returning False)."""
 
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_tokens: TokenCallback | None = None):
         self.max_new_tokens = max_new_tokens
@@ -120,8 +123,8 @@ class OutputBuffer:
             if int(token) in self.eos_ids or len(self.tokens) + len(kept) >= self.max_new_tokens:
                 self.done = True
         self.tokens.extend(kept)
-        if kept and self.on_tokens is not None:
-            self.on_tokens(kept)
+        if kept and self.on_tokens is not None and self.on_tokens(kept) is False:
+            self.done = True
         return kept
 
 

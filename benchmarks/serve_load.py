@@ -1,0 +1,147 @@
+"""``python -m benchmarks.serve_load target=smollm2 algorithm=ar clients=[1,4] requests=8 max_tokens=64 threads=1``
+
+Load test of ``inference.serve`` against the engine called directly in one process, on the same loaded model and
+the same held-out GSM-symbolic prompts (chat-rendered, greedy): each request through ``algorithm.generate`` and
+then through the HTTP server on 127.0.0.1 by one client, in turn (so both meet the same machine load), then the
+server with each larger number of concurrent clients (real HTTP, OpenAI's JSON, non-streaming). Prints tokens/s, latency
+percentiles, the server's overhead against the direct engine, and how many answers equal the direct ones token
+for token. Bounded: ``requests`` per run, and no new request starts after ``time_limit`` seconds. Any key of
+``inference.serve`` (``algorithm``, ``drafter``, ``batch_size``, ...) applies.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from core.overrides import OverrideError, parse_cli, run_cli
+from core.prompts import load_prompts, prompt_turns, render_prompt
+from inference.algorithms.options import apply_threads
+from inference.sampling import SamplingParams
+from inference.serve.config import ServeConfig, parse_args
+from inference.serve.server import RunningServer, build_server
+
+USAGE = "python -m benchmarks.serve_load target=smollm2 algorithm=ar clients=[1,4] requests=8 max_tokens=64"
+LOAD_KEYS = ("clients", "requests", "max_tokens", "bench", "time_limit")
+
+
+@dataclass
+class LoadConfig(ServeConfig):
+    clients: list[int] = field(default_factory=lambda: [1, 4])  # concurrent clients, one run each
+    requests: int = 8  # requests per run
+    max_tokens: int = 64  # per request (greedy, so every run generates the same tokens)
+    bench: str = "gsm_symbolic"  # where the prompts come from (their first user turn)
+    time_limit: float = 600.0  # seconds per run after which no new request starts
+
+
+@dataclass
+class Run:
+    label: str
+    latencies: list[float]
+    tokens: int
+    wall_s: float
+    answers: dict[int, list[int]]
+
+    def row(self, direct: Run | None) -> str:
+        rate = self.tokens / self.wall_s
+        q = statistics.quantiles(self.latencies, n=100, method="inclusive") if len(self.latencies) > 1 else \
+            self.latencies * 99
+        overhead = f"{100 * (direct.tokens / direct.wall_s / rate - 1):+.1f} %" if direct else "–"
+        equal = sum(direct.answers.get(i) == a for i, a in self.answers.items()) if direct else len(self.answers)
+        return (f"| {self.label} | {len(self.answers)} | {self.tokens} | {rate:.1f} | {q[49]:.2f} | {q[89]:.2f} | "
+                f"{max(self.latencies):.2f} | {overhead} | {equal}/{len(self.answers)} |")
+
+
+def direct(model, ids: list[int], cfg) -> list[int]:
+    return model.algorithm.generate(ids, max_new_tokens=cfg.max_tokens, sampling=SamplingParams(0.0),
+                                    generator=torch.Generator().manual_seed(0), eos_ids=model.eos_ids).tokens
+
+
+def ask(http: httpx.Client, running: RunningServer, turns, cfg) -> list[int]:
+    body = http.post(f"{running.url}/v1/chat/completions",
+                     json={"model": running.server.model.name, "messages": turns, "max_tokens": cfg.max_tokens,
+                           "temperature": 0, "return_token_ids": True}).json()
+    return body["choices"][0]["token_ids"]
+
+
+def paired_runs(running: RunningServer, conversations: list, prompts: list[list[int]], cfg) -> tuple[Run, Run]:
+    """The direct engine and one HTTP client, request by request in turn: on a shared machine whose load drifts,
+    each pair meets the same load, so their ratio is the server's overhead rather than the drift."""
+    runs = {"direct": ([], {}, [0.0]), "server": ([], {}, [0.0])}
+    start = time.perf_counter()
+    with httpx.Client(timeout=None) as http:
+        for i, (turns, ids) in enumerate(zip(conversations, prompts)):
+            if time.perf_counter() - start > cfg.time_limit:
+                break
+            for key, call in (("direct", lambda ids=ids: direct(running.server.model, ids, cfg)),
+                              ("server", lambda turns=turns: ask(http, running, turns, cfg))):
+                latencies, answers, wall = runs[key]
+                t0 = time.perf_counter()
+                answers[i] = call()
+                latencies.append(time.perf_counter() - t0)
+                wall[0] += latencies[-1]
+    return tuple(Run(label, lat, sum(map(len, ans.values())), wall[0], ans)
+                 for label, (lat, ans, wall) in zip(("engine, direct", "server, 1 client"), runs.values()))
+
+
+def server_run(running: RunningServer, conversations: list, clients: int, cfg) -> Run:
+    pending, lock = list(enumerate(conversations)), threading.Lock()
+    latencies, answers, start = [], {}, time.perf_counter()
+
+    def client() -> None:
+        with httpx.Client(timeout=None) as http:
+            while True:
+                with lock:
+                    if not pending or time.perf_counter() - start > cfg.time_limit:
+                        return
+                    i, turns = pending.pop(0)
+                t0 = time.perf_counter()
+                tokens = ask(http, running, turns, cfg)
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+                    answers[i] = tokens
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    label = f"server, {clients} client{'s' if clients > 1 else ''}"
+    return Run(label, latencies, sum(map(len, answers.values())), time.perf_counter() - start, answers)
+
+
+def _run(argv: list[str]) -> None:
+    load = parse_cli(argv, LoadConfig, USAGE)
+    if load.requests < 1 or load.max_tokens < 1 or min(load.clients, default=0) < 1:
+        raise OverrideError("requests, max_tokens and every clients entry must be >= 1")
+    cfg = parse_args([a for a in argv if a.partition("=")[0] not in LOAD_KEYS])
+    apply_threads(cfg)
+    server = build_server(cfg)
+    tokenizer = server.model.tokenizer
+    conversations = [prompt_turns(c) for c in load_prompts(load.bench, n=load.requests, split="eval")]
+    prompts = [render_prompt(tokenizer, turns) for turns in conversations]
+    with RunningServer(server) as running:
+        server_run(running, conversations[:1], 1, load)  # the HTTP path's first call pays for imports and sockets
+        direct_engine, one_client = paired_runs(running, conversations, prompts, load)
+        runs = [direct_engine, one_client] + [server_run(running, conversations, n, load) for n in load.clients
+                                              if n > 1]
+    print(f"\n{cfg.algorithm} on {cfg.target}, {len(prompts)} requests of up to {load.max_tokens} tokens, greedy, "
+          f"batch_size={server.model.batch_size}, threads={torch.get_num_threads()}\n")
+    print("| run | requests | tokens | tokens/s | p50 s | p90 s | max s | overhead vs direct | equal to direct |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        print(run.row(None if run is direct_engine else direct_engine))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, _run, doc=__doc__, schema=LoadConfig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

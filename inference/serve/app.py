@@ -1,0 +1,224 @@
+"""The FastAPI routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream=true`` as
+server-sent events in OpenAI's chunk format), ``/health`` and ``/metrics``.
+
+A request is checked completely (model name, types, context length) before it is queued, so a bad one costs no
+engine work. Every error answers OpenAI's error JSON. A streaming client that goes away is noticed when the
+stream is cancelled, a waiting non-streaming one when the ASGI channel reports it; either way its request leaves the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from core.prompts import render_prompt
+from inference.sampling import SamplingParams
+from inference.serve.engine import ServedModel
+from inference.serve.metrics import ServeMetrics
+from inference.serve.scheduler import Chunk, Failed, Finished, Generation, QueueFull, Scheduler
+from inference.serve.schemas import (APIError, ChatRequest, CompletionRequest, GenerationRequest, ResponseShape,
+                                     error_body, usage_body)
+from inference.serve.text import TextAssembler
+
+def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics) -> FastAPI:
+    app = FastAPI(title="spectrain", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = scheduler.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
+                                            "owned_by": "spectrain", "algorithm": model.label,
+                                            "max_model_len": model.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(model, body)
+        return await _answer(model, scheduler, metrics, request, body, _completion_prompt(model, body), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        _check_model(model, body)
+        try:
+            prompt_ids = render_prompt(model.tokenizer, [m.turn() for m in body.messages])
+        except ValueError as exc:  # a template that refuses the conversation (e.g. roles out of order)
+            raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+        return await _answer(model, scheduler, metrics, request, body, prompt_ids, chat=True)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
+    def answer(request: Request, status: int, body: dict) -> JSONResponse:
+        metrics.requests.labels(endpoint=request.url.path, status=str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc.status, exc.body())
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        return answer(request, 400, error_body(message, "invalid_request_error", param))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+        return answer(request, 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return answer(request, exc.status_code, error_body(message, "invalid_request_error"))
+
+
+def _check_model(model: ServedModel, body: GenerationRequest) -> None:
+    if body.model != model.name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{model.name}'",
+                       param="model", code="model_not_found")
+
+
+def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]:
+    if isinstance(body.prompt, str):
+        return list(model.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
+    vocab = model.algorithm.target.config.vocab_size
+    bad = [t for t in body.prompt if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+    return list(body.prompt)
+
+
+def _max_tokens(model: ServedModel, body: GenerationRequest, prompt_len: int) -> int:
+    """The request's token budget; a prompt (plus max_tokens) the context cannot hold is refused now."""
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    room = model.room(prompt_len)
+    if room >= 1 and asked is None:
+        return min(model.default_max_tokens, room)
+    if room < 1 or asked > room:
+        wanted = f" + max_tokens={asked}" if asked is not None else ""
+        raise APIError(400, f"this model's context is {model.max_seq_len} tokens, but the prompt has {prompt_len} "
+                            f"tokens{wanted} (+{model.algorithm.lookahead()} the algorithm reserves); shorten the "
+                            "prompt or lower max_tokens", param="messages" if hasattr(body, "messages") else "prompt",
+                       code="context_length_exceeded")
+    return asked
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, request: Request,
+                  body: GenerationRequest, prompt_ids: list[int], *, chat: bool) -> Response:
+    max_tokens = _max_tokens(model, body, len(prompt_ids))
+    try:
+        sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def send(event: object) -> None:  # called on the engine's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone: the server is shutting down
+            pass
+
+    seed = body.seed if body.seed is not None else random.getrandbits(63)
+    gen = Generation(prompt_ids, max_tokens, sampling, seed, TextAssembler(model.tokenizer, body.stop_list()), send,
+                     model.eos_ids, stream=body.stream)
+    try:
+        scheduler.submit(gen)
+    except QueueFull:
+        raise APIError(429, f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
+                       type="rate_limit_error", code="queue_full") from None
+    shape = ResponseShape(chat, model.name, body.return_token_ids)
+    usage = _usage_builder(model, len(prompt_ids))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        response = StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage),
+                                     media_type="text/event-stream")
+    else:
+        response = await _collect(scheduler, gen, events, shape, usage, request)
+    metrics.requests.labels(endpoint=request.url.path, status=str(response.status_code)).inc()
+    return response
+
+
+def _usage_builder(model: ServedModel, prompt_tokens: int):
+    return lambda done: usage_body(prompt_tokens, done.completion_tokens, done.stats, model.label)
+
+
+async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
+                  include_usage: bool) -> AsyncIterator[str]:
+    ended = False
+    try:
+        if shape.chat:
+            yield _sse(shape.role_chunk())
+        while True:
+            event = await events.get()
+            if isinstance(event, Chunk):
+                if event.text or (shape.return_token_ids and event.token_ids):
+                    yield _sse(shape.chunk(event.text, event.token_ids))
+                continue
+            ended = True
+            if isinstance(event, Failed):
+                yield _sse(error_body(event.message, "server_error"))
+            else:
+                yield _sse(shape.chunk(None if shape.chat else "", [], event.finish_reason))
+                if include_usage:
+                    yield _sse(shape.usage_chunk(usage(event)))
+            yield "data: [DONE]\n\n"
+            return
+    finally:  # also when the client went away and the stream was cancelled
+        if not ended:
+            scheduler.cancel(gen)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. It waits on the ASGI channel rather than polling: every timer wake-up of
+    a waiting request takes the GIL from the engine's thread, which on a small model is busy in Python."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
+                   request: Request) -> Response:
+    text, token_ids = [], []
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                scheduler.cancel(gen)
+                return Response(status_code=499)  # nobody reads it
+            event = getter.result()
+            if isinstance(event, Chunk):
+                text.append(event.text)
+                token_ids.extend(event.token_ids)
+            elif isinstance(event, Failed):
+                return JSONResponse(error_body(event.message, "server_error"), status_code=500)
+            else:
+                assert isinstance(event, Finished)
+                return JSONResponse(shape.full("".join(text), token_ids, event.finish_reason, usage(event)))
+    finally:
+        gone.cancel()

@@ -1,0 +1,60 @@
+"""The server's command line: the keys of ``inference.evaluate`` for one algorithm, plus where and how to serve."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from core.overrides import OverrideError, parse_cli
+from inference.algorithms import algorithm_class
+from inference.algorithms.options import AlgorithmOptions
+from inference.drafters import model_dtype, pick_device
+from inference.evaluate import parse_variant, with_overrides
+from inference.round_observers import check_observer
+
+USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
+         "[any option of inference.evaluate, e.g. adapt=bandit or algorithm=sps@gamma=3]")
+
+
+@dataclass
+class ServeConfig(AlgorithmOptions):
+    target: str = "smollm2"
+    drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
+    drafter: str | None = None  # a draft LM, or any export (by its kind)
+    feature_drafter: str | None = None  # the EAGLE-3 export
+    specblock_drafter: str | None = None  # the SpecBlock export
+    algorithm: str = "ar"  # NAME or NAME@key=value[@key=value], as a variant of inference.evaluate
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port (printed at start)
+    model_name: str | None = None  # the "model" clients send; default: the target's name (its folder's name)
+    max_new_tokens: int = 256  # max_tokens of a request that sets none (capped by what the context leaves)
+    # ar: rows decoded side by side (continuous batching); 0 = auto: 8 in fp32, 1 in bf16, where the batched path is
+    # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
+    batch_size: int = 0
+    max_queue: int = 64  # requests waiting for the engine; one more is answered 429
+    warmup: bool = True  # one short generation before serving: the first request should not pay for allocation
+    log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug
+
+
+def parse_args(argv: Sequence[str]) -> Any:
+    """A checked ServeConfig; every bad key or value fails here, before any model loads."""
+    for arg in argv:  # before parsing: a list would fail there with a vaguer message
+        key, _, value = arg.partition("=")
+        if key == "algorithms" or (key == "algorithm" and ("," in value or value.startswith("["))):
+            raise OverrideError(f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per "
+                                "algorithm")
+    cfg = parse_cli(argv, ServeConfig, USAGE)
+    if cfg.batch_size < 0 or cfg.max_new_tokens < 1 or cfg.max_queue < 1:
+        raise OverrideError("max_new_tokens and max_queue must be >= 1, batch_size >= 0 (0 = auto)")
+    if not 0 <= cfg.port <= 65535:
+        raise OverrideError(f"port={cfg.port} is not a TCP port; use 1-65535 (or 0 for any free port)")
+    name, overrides = parse_variant(cfg.algorithm)
+    try:
+        algorithm_class(name)
+        check_observer(cfg.adapt)
+        model_dtype(cfg.dtype, pick_device(cfg.device))
+    except ValueError as exc:
+        raise OverrideError(str(exc)) from None
+    with_overrides(cfg, overrides, cfg.algorithm)  # a bad variant key fails now
+    return cfg

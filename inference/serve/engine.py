@@ -1,0 +1,97 @@
+"""What a server serves: one algorithm over a loaded target (and drafter), built the way ``inference.evaluate``
+builds a variant, with the tokenizer, the EOS ids and the context it answers within."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference.algorithms import algorithm_class
+from inference.algorithms.base import Algorithm
+from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
+from inference.evaluate import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
+                                resolved_config)
+from inference.round_observers import ObserverTap
+from inference.sampling import SamplingParams
+
+
+@dataclass
+class ServedModel:
+    name: str  # the "model" clients send
+    label: str  # the algorithm as configured (NAME[@key=value...])
+    algorithm: Algorithm
+    tokenizer: Any
+    eos_ids: list[int]
+    max_seq_len: int
+    batch_size: int  # > 1: AR rows decoded side by side (inference.batched_generation); else one request at a time
+    default_max_tokens: int
+    adapter: ObserverTap | None  # the serving-time adapter (adapt=NAME), tapped for its decisions
+
+    @property
+    def batched(self) -> bool:
+        return self.batch_size > 1
+
+    def room(self, prompt_len: int) -> int:
+        """New tokens the context leaves after a prompt of ``prompt_len`` tokens (the algorithm's lookahead
+        slots reserved, as ``Algorithm.check_fits`` counts them)."""
+        return self.max_seq_len - prompt_len - self.algorithm.lookahead()
+
+
+def served_name(cfg: Any) -> str:
+    return cfg.model_name or Path(str(cfg.target)).name
+
+
+AUTO_BATCH = 8  # rows of batched AR when batch_size=0 in fp32
+
+
+def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype) -> int:
+    """Rows decoded side by side: only ``ar`` batches. ``batch_size=0`` (auto) batches in fp32 only: a bf16 batch
+    is not batch-invariant (14 of 24 SmolLM2 answers differed from one-prompt AR's, BENCHMARKS.md, "Batched
+    regeneration throughput"), and a server's greedy answers must be AR's."""
+    if algorithm != "ar":
+        return 1
+    if batch_size:
+        return batch_size
+    return AUTO_BATCH if dtype == torch.float32 else 1
+
+
+def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[str, Any] | None = None,
+                      on_decision: Callable[[dict], None] | None = None) -> ServedModel:
+    """Load (or take) the target and the algorithm's drafter, and build ``cfg.algorithm`` over them. AR with
+    ``batch_size`` > 1 needs a target runner of ``2 * batch_size`` rows (new prompts prefill in spare rows).
+    ``on_decision`` receives each adapter decision (``adapt=``)."""
+    name, _ = parse_variant(cfg.algorithm)
+    kind = algorithm_class(name).drafter
+    paths = drafter_paths(cfg)
+    preloaded = {k: v for k, v in (drafters or {}).items() if v is not None}
+    check_drafters([cfg.algorithm], set(preloaded) | set(paths))
+    device = pick_device(cfg.device)
+    dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
+    batch = serving_batch(cfg.batch_size, name, dtype or (torch.bfloat16 if device.startswith("cuda") else
+                                                          torch.float32))
+    if target is None:
+        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
+                         max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
+    if batch > 1 and target.runner.max_batch_size < batch:
+        raise ValueError(f"batch_size={batch} but the target runner holds {target.runner.max_batch_size} rows; "
+                         f"load it with max_batch_size={2 * batch}")
+    loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded)
+    algorithm, variant_cfg = build_variant(cfg.algorithm, resolved_config(cfg, paths), target, loaded, {})
+    adapter = getattr(algorithm, "adapter", None)
+    if adapter is not None:  # the tap reports each query's decision; the algorithm calls it like the adapter
+        adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))
+    return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
+                       eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
+                       variant_cfg.max_new_tokens, adapter)
+
+
+def warm_up(model: ServedModel) -> None:
+    """One short greedy generation: allocation and kernel selection happen now, not in the first request."""
+    prompt = model.tokenizer("Hello", add_special_tokens=False)["input_ids"] or [0]
+    model.algorithm.generate(prompt, max_new_tokens=min(4, max(1, model.room(len(prompt)))),
+                             sampling=SamplingParams(0.0), generator=torch.Generator().manual_seed(0),
+                             eos_ids=model.eos_ids)

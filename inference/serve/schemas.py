@@ -1,0 +1,163 @@
+"""Request bodies (checked by pydantic), response bodies and the error JSON, in OpenAI's shapes.
+
+Types are strict (a string where a number belongs is refused, as OpenAI does); fields OpenAI defines that the
+engine cannot honour are refused by name (``n`` > 1, ``logprobs``), and unknown fields are ignored, as clients
+send many. Extra fields: ``top_k`` (0 or -1 = off), ``return_token_ids`` (each choice and chunk carries its
+token ids), and ``usage.speculative`` (target forwards, drafted and accepted tokens, τ).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from inference.algorithms.base import GenerationStats
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """The sampling and length fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool | int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, stop):
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n):
+        if n != 1:
+            raise ValueError("only n=1 is served; send one request per choice")
+        return n
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs):
+        if logprobs:
+            raise ValueError("logprobs are not served; leave logprobs unset")
+        return logprobs
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] = Field(min_length=1)  # text, or token ids
+    echo: Literal[False] = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def turn(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, stats: GenerationStats, algorithm: str) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "speculative": {"algorithm": algorithm, "target_forwards": stats.target_forwards,
+                            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_draft_tokens,
+                            "tau": round(stats.tau, 4)}}
+
+
+class ResponseShape:
+    """Builds the bodies of one answer, for ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions``."""
+
+    def __init__(self, chat: bool, model: str, return_token_ids: bool):
+        self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, object_: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": self.id, "object": object_, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def _choice(self, text: str | None, token_ids: list[int] | None, finish_reason: str | None,
+                delta: bool) -> dict[str, Any]:
+        if self.chat:
+            content = {"role": "assistant", "content": text} if not delta else ({} if text is None else
+                                                                                  {"content": text})
+            choice = {"index": 0, "delta" if delta else "message": content, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def full(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict[str, Any]:
+        return self._envelope("chat.completion" if self.chat else "text_completion",
+                              [self._choice(text, token_ids, finish_reason, delta=False)], usage)
+
+    def chunk(self, text: str | None, token_ids: list[int] | None = None,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion",
+                              [self._choice(text, token_ids, finish_reason, delta=True)])
+
+    def role_chunk(self) -> dict[str, Any]:
+        """A chat stream's first chunk: the assistant role, no content yet."""
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+
+    def usage_chunk(self, usage: dict) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

@@ -1,0 +1,309 @@
+"""``inference.serve`` driven by the real ``openai`` client over HTTP, on a tiny random target with SmolLM2's
+tokenizer: every algorithm's greedy answer equals AR's token for token (streamed or not), concurrent clients get
+the sequential answers, bad requests get OpenAI's error JSON, a full queue answers 429, a client that goes away
+frees its slot, and ``adapt=bandit`` learns while serving without changing a token."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from test_eagle3_tree import random_drafter
+from test_specblock_tree import random_drafter as random_specblock_drafter
+from tiny_targets import save_tiny_target
+
+from core.prompts import render_prompt
+from inference.algorithms import build_algorithm
+from inference.drafters import load_lm
+from inference.runner_loading import load_runner
+from inference.sampling import SamplingParams
+from inference.serve.config import parse_args
+from inference.serve.engine import serving_batch
+from inference.serve.server import RunningServer, build_server, main
+
+MAX_SEQ, ROWS = 256, 8
+PROMPT = "Name a prime."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The target (loaded once, 2 x ROWS rows for batched AR), a draft LM directory, and the two random tree
+    drafters; ``ar`` is the reference, on a runner of its own."""
+    root = tmp_path_factory.mktemp("serve")
+    target_dir = save_tiny_target(root / "target", layers=4, logit_scale=8.0)
+    draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
+    target = load_lm(str(target_dir), max_seq_len=MAX_SEQ, max_batch_size=2 * ROWS)
+    ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
+    return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
+            "features": random_drafter(target.model, draft_vocab=2048),
+            "specblock": random_specblock_drafter(target.model, draft_vocab=2048)}
+
+
+def start(tiny, *keys: str) -> RunningServer:
+    cfg = parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
+                      f"max_seq_len={MAX_SEQ}", f"batch_size={ROWS}", *keys])
+    drafters = {"features": tiny["features"], "specblock": tiny["specblock"]}
+    return RunningServer(build_server(cfg, target=tiny["target"], drafters=drafters))
+
+
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def reference(tiny, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """AR's answer in this process, with the server's sampling stream for ``seed``."""
+    eos = tiny["target"].tokenizer.eos_token_id
+    return tiny["ar"].generate(prompt_ids, max_new_tokens=n, sampling=SamplingParams(temperature),
+                               generator=torch.Generator().manual_seed(seed), eos_ids=[eos]).tokens
+
+
+def chat_ids(tiny, content: str) -> list[int]:
+    return render_prompt(tiny["target"].tokenizer, [{"role": "user", "content": content}])
+
+
+def metric(server: RunningServer, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)]
+    return sum(values)
+
+
+ALGORITHMS = {
+    "ar": [],
+    "ar@one_at_a_time": ["batch_size=1"],
+    "sps": ["algorithm=sps", "gamma=3"],
+    "pearl": ["algorithm=pearl", "gamma=3"],
+    "specbranch": ["algorithm=specbranch", "gamma=3"],
+    "eagle3_tree": ["algorithm=eagle3_tree", "tree_depth=3", "tree_topk=2", "tree_total=8"],
+    "specblock_tree": ["algorithm=specblock_tree", "specblock_budget=16", "specblock_width=4"],
+    "self_draft": ["algorithm=self_draft", "self_draft_L=3", "self_draft_N=2"],
+    "ssd": ["algorithm=ssd@gamma=3@ssd_budget=3@ssd_fallback=fast@ssd_fast=random"],
+}
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_algorithm_answers_as_ar_streamed_or_not(tiny, name):
+    n = 12
+    expected = reference(tiny, chat_ids(tiny, PROMPT), n)
+    with start(tiny, *ALGORITHMS[name]) as server:
+        api = client(server)
+        messages = [{"role": "user", "content": PROMPT}]
+        full = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"return_token_ids": True}))
+    assert full.choices[0].token_ids == expected, name
+    assert full.choices[0].message.content == tiny["target"].tokenizer.decode(expected, skip_special_tokens=True)
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert [t for c in streamed for t in (getattr(c, "token_ids", None) or [])] == expected
+    assert "".join(c.delta.content or "" for c in streamed) == full.choices[0].message.content
+    assert streamed[-1].finish_reason == full.choices[0].finish_reason == "length"
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(chat_ids(tiny, PROMPT)), n)
+    assert full.usage.speculative["target_forwards"] >= 1 and full.usage.speculative["tau"] >= 1.0
+
+
+@pytest.fixture(scope="module")
+def ar_server(tiny):
+    with start(tiny, "max_queue=64") as server:
+        yield server
+
+
+def test_completions_stream_and_stop_strings(tiny, ar_server):
+    api = client(ar_server)
+    ids = tiny["target"].tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
+    expected = reference(tiny, ids, 16)
+    full = api.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
+    text = tiny["target"].tokenizer.decode(expected, skip_special_tokens=True)
+    assert full.choices[0].text == text and full.usage.completion_tokens == 16
+    streamed = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[:text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < 16
+    chunks = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == stopped.choices[0].text
+
+
+def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
+    """24 clients at once (batched AR over 8 rows, half streaming, some sampling with a seed): every request is
+    answered with the tokens of a sequential AR run, nothing lost."""
+    api = client(ar_server)
+    jobs = [(f"Count to {i}." + " Go on." * (i % 4), 6 + i % 7, 0.0 if i % 3 else 0.8, i) for i in range(24)]
+    results: dict[int, list[int]] = {}
+
+    def ask(i, content, n, temperature, seed):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n,
+                  temperature=temperature, seed=seed, extra_body={"return_token_ids": True})
+        if i % 2:
+            chunks = api.chat.completions.create(stream=True, **kw)
+            results[i] = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
+        else:
+            results[i] = api.chat.completions.create(**kw).choices[0].token_ids
+
+    threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == list(range(24))
+    for i, (content, n, temperature, seed) in enumerate(jobs):
+        assert results[i] == reference(tiny, chat_ids(tiny, content), n, temperature, seed), i
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert "\n" not in body["error"]["message"]
+    return body["error"]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_server):
+    url = f"{ar_server.url}/v1/chat/completions"
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    long = {**ok, "messages": [{"role": "user", "content": "word " * 400}]}
+    cases = [
+        ({**ok, "model": "gpt-4"}, 404, "model", "model_not_found"),
+        (long, 400, "messages", "context_length_exceeded"),
+        ({**ok, "max_tokens": MAX_SEQ}, 400, "messages", "context_length_exceeded"),
+        ({**ok, "temperature": "hot"}, 400, "temperature", None),
+        ({**ok, "max_tokens": "ten"}, 400, "max_tokens", None),
+        ({**ok, "top_p": 0}, 400, "top_p", None),
+        ({**ok, "n": 2}, 400, "n", None),
+        ({k: v for k, v in ok.items() if k != "messages"}, 400, "messages", None),
+    ]
+    for body, status, param, code in cases:
+        response = httpx.post(url, json=body)
+        assert response.status_code == status, body
+        error = error_of(response)
+        assert (error["param"], error["code"]) == (param, code), error
+    assert error_of(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}))
+    assert httpx.get(f"{ar_server.url}/v1/nothing").status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client(ar_server).chat.completions.create(model="gpt-4", messages=ok["messages"])
+    assert httpx.post(url, json=ok).json()["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(f"{ar_server.url}/health").json() == {"status": "ok"}
+    models = client(ar_server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_metrics_report_requests_tokens_tau_and_queue(ar_server):
+    httpx.post(f"{ar_server.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
+    text = httpx.get(f"{ar_server.url}/metrics").text
+    for name in ("spectrain_requests_total", "spectrain_completion_tokens_total", "spectrain_tau_bucket",
+                 "spectrain_acceptance_length_bucket", "spectrain_queue_depth", "spectrain_adapter_decisions"):
+        assert name in text, name
+    assert metric(ar_server, "spectrain_completion_tokens_total") >= 4
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class Paced:
+    """The served target's forwards, counted and slowed to 5 ms each, so that a request of 200 tokens still runs
+    when the test acts (a tiny model otherwise finishes before an HTTP round trip); ``gate`` holds the first one."""
+
+    def __init__(self, runner, gate: threading.Event | None = None):
+        self.runner, self.gate, self.calls, self.forward = runner, gate, 0, runner.forward
+
+    def __call__(self, *args, **kwargs):
+        if self.gate is not None:
+            self.gate.wait(60)
+        self.calls += 1
+        time.sleep(0.005)
+        return self.forward(*args, **kwargs)
+
+    def __enter__(self):
+        self.runner.forward = self
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.forward  # the class's method again
+
+
+def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
+    with Paced(tiny["target"].runner) as paced:
+        with httpx.stream("POST", f"{ar_server.url}/v1/completions",
+                          json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0,
+                                "stream": True}) as response:
+            assert next(line for line in response.iter_lines() if line.startswith("data:"))
+        wait_for(lambda: metric(ar_server, "spectrain_cancelled_total") >= 1
+                 and metric(ar_server, "spectrain_running") == 0)
+        assert paced.calls < 100  # the row stopped long before its 200 tokens
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
+            httpx.post(f"{ar_server.url}/v1/completions", timeout=0.3,
+                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0})
+        wait_for(lambda: metric(ar_server, "spectrain_cancelled_total") >= 2
+                 and metric(ar_server, "spectrain_running") == 0)
+        assert paced.calls < 200
+    answer = httpx.post(f"{ar_server.url}/v1/completions",
+                        json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0})
+    assert answer.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny):
+    """One request at a time and one waiting place: a stream holds the engine, a second request waits, a third is
+    refused with 429; closing the stream ends its generation and the waiting one is answered."""
+    gate = threading.Event()
+    with start(tiny, "batch_size=1", "max_queue=1") as server, Paced(tiny["target"].runner, gate) as paced:
+        url = f"{server.url}/v1/completions"
+        body = {"model": "tiny", "prompt": [5, 6, 7], "temperature": 0}
+        waiting: dict = {}
+        with httpx.stream("POST", url, json={**body, "max_tokens": 200, "stream": True}):
+            wait_for(lambda: metric(server, "spectrain_running") == 1)  # held at its first forward
+            thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(url, json={**body, "max_tokens": 4},
+                                                                                  timeout=60)))
+            thread.start()
+            wait_for(lambda: metric(server, "spectrain_queue_depth") == 1)
+            refused = httpx.post(url, json={**body, "max_tokens": 4})
+            assert refused.status_code == 429 and error_of(refused)["code"] == "queue_full"
+        wait_for(lambda: metric(server, "spectrain_cancelled_total") == 1)
+        gate.set()
+        thread.join(60)
+        assert waiting["r"].status_code == 200 and waiting["r"].json()["usage"]["completion_tokens"] == 4
+        assert metric(server, "spectrain_completion_tokens_total") == 4  # the dropped stream counts nothing
+        assert paced.calls <= 2 + 4  # the dropped stream's prefill (+ at most one step), then the 4-token answer
+
+
+def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
+    forcing = ["adapt_prior=5", "adapt_min_gap=1", "adapt_cost_cache=null", "adapt_cost_rows=24",
+               "adapt_head_lr=1e-2", "adapt_full_lr=1e-2", "adapt_validate=false"]
+    before = {k: v.clone() for k, v in tiny["features"].state_dict().items()}
+    with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
+        api = client(server)
+        for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
+            answer = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+            assert answer.choices[0].token_ids == reference(tiny, chat_ids(tiny, content), 12)
+        text = httpx.get(f"{server.url}/metrics").text
+        updates = sum(float(v) for arm, v in re.findall(r'spectrain_adapter_decisions_total\{arm="(\w+)"\} (\S+)',
+                                                        text) if arm != "skip")
+        served = server.server.model.algorithm.drafter.state_dict()
+    assert updates >= 1
+    assert any(not torch.equal(before[k], served[k]) for k in before)  # the served copy learned
+    assert all(torch.equal(before[k], v) for k, v in tiny["features"].state_dict().items())  # not the loaded one
+
+
+def test_cli_refuses_bad_keys_in_one_line(capsys):
+    assert main(["algorithm=nope"]) == 2
+    assert main(["algorithm=[ar,sps]"]) == 2
+    assert main(["port=70000"]) == 2
+    assert main(["algorithm=sps@bogus=1"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 4 and all(line.startswith("error: ") for line in errors)
+    assert "unknown algorithm 'nope'" in errors[0] and "one algorithm" in errors[1] and "port=70000" in errors[2]
+
+
+def test_only_ar_batches_and_auto_batches_in_fp32_only():
+    assert serving_batch(0, "ar", torch.float32) == 8 and serving_batch(0, "ar", torch.bfloat16) == 1
+    assert serving_batch(4, "ar", torch.bfloat16) == 4 and serving_batch(4, "eagle3_tree", torch.float32) == 1
