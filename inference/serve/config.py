@@ -8,9 +8,8 @@ from typing import Any
 
 from core.overrides import OverrideError, parse_cli
 from inference.algorithms import algorithm_class
-from inference.algorithms.options import AlgorithmOptions
 from inference.drafters import model_dtype, pick_device
-from inference.evaluate import parse_variant, with_overrides
+from inference.evaluate import ModelOptions, parse_variant, with_overrides
 from inference.round_observers import check_observer
 
 USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
@@ -18,12 +17,7 @@ USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3
 
 
 @dataclass
-class ServeConfig(AlgorithmOptions):
-    target: str = "smollm2"
-    drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
-    drafter: str | None = None  # a draft LM, or any export (by its kind)
-    feature_drafter: str | None = None  # the EAGLE-3 export
-    specblock_drafter: str | None = None  # the SpecBlock export
+class ServeConfig(ModelOptions):
     algorithm: str = "ar"  # NAME or NAME@key=value[@key=value], as a variant of inference.evaluate
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port (printed at start)
