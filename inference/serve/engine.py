@@ -16,6 +16,7 @@ from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype,
 from inference.evaluate import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
                                 resolved_config)
 from inference.round_observers import ObserverTap
+from inference.runner_contract import default_dtype
 from inference.sampling import SamplingParams
 
 
@@ -71,8 +72,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     check_drafters([cfg.algorithm], set(preloaded) | set(paths))
     device = pick_device(cfg.device)
     dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
-    batch = serving_batch(cfg.batch_size, name, dtype or (torch.bfloat16 if device.startswith("cuda") else
-                                                          torch.float32))
+    batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)))
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                          max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
