@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from core.overrides import OverrideError
-from data_prep.manifest import (MANIFEST_NAME, DatasetError, header_differences, header_of, read_manifest,
-                                refuse_other_args, write_manifest)
-from data_prep.shards import RANKS_DIR
+from data_prep.manifest import (MANIFEST_NAME, RANKS_DIR, DatasetError, commit_log, header_differences,
+                                header_of, read_manifest, refuse_other_args, write_manifest)
 
 POLL_SECONDS = 0.5
 PART = re.compile(r"rank-(\d+)-of-(\d+)")
@@ -81,7 +80,7 @@ def wait_for(done: Callable[[], bool], what: str) -> None:
 
 def part_log(rank: int, world: int) -> str:
     """A process's commit log inside the dataset directory (``data_prep.shards.ShardWriter(part=...)``)."""
-    return f"{RANKS_DIR}/{part_name(rank, world)}.json"
+    return commit_log(part_name(rank, world))
 
 
 def check_dataset_parts(out: Path, world: int, command: str) -> None:
