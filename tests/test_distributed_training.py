@@ -24,7 +24,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_targets import save_tiny_target, write_jsonl
-from transformers import LlamaForCausalLM
 
 from spectrain import fit as fit_cli
 
@@ -43,11 +42,8 @@ def setup(tmp_path_factory):
     from data_prep.traces import record_traces
 
     root = tmp_path_factory.mktemp("ddp")
-    target = save_tiny_target(root / "target", layers=4, hidden=32)
-    model = LlamaForCausalLM.from_pretrained(target)
-    with torch.no_grad():  # a random tiny target is nearly uniform; sharpen it so there is something to learn
-        model.lm_head.weight.mul_(30.0)
-    model.save_pretrained(target)
+    # A random tiny target is nearly uniform; its head sharpened 30x, there is something to learn.
+    target = save_tiny_target(root / "target", layers=4, hidden=32, logit_scale=30.0)
     draft = save_tiny_target(root / "draft", layers=4, noise=0.002)
     chats = write_jsonl(root / "chats.jsonl", 48)
     extract(parse_args([f"target={target}", f"source=jsonl:{chats}", "n_samples=24", "max_len=48", "layers=[0,1,2]",
