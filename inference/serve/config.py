@@ -50,5 +50,7 @@ def parse_args(argv: Sequence[str]) -> Any:
         model_dtype(cfg.dtype, pick_device(cfg.device))
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
-    with_overrides(cfg, overrides, cfg.algorithm)  # a bad variant key fails now
+    variant = with_overrides(cfg, overrides, cfg.algorithm)  # a bad variant key fails now
+    if variant.max_new_tokens < 1:  # the default budget of every request
+        raise OverrideError(f"algorithm variant '{cfg.algorithm}': max_new_tokens must be >= 1")
     return cfg
