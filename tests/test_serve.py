@@ -161,6 +161,24 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
         assert results[i] == reference(tiny, chat_ids(tiny, content), n, temperature, seed), i
 
 
+def test_a_request_that_sets_no_sampling_uses_the_servers(tiny, ar_server):
+    """No temperature in the request: the server's (OpenAI's 1.0 by default, ``temperature=0`` greedy); a
+    request's own temperature wins over the server's."""
+    ids, n = chat_ids(tiny, PROMPT), 12
+    messages = [{"role": "user", "content": PROMPT}]
+    unset = client(ar_server).chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
+                                                       extra_body={"return_token_ids": True})
+    assert unset.choices[0].token_ids == reference(tiny, ids, n, temperature=1.0, seed=7)
+    with start(tiny, "temperature=0") as greedy_server:
+        api = client(greedy_server)
+        greedy = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
+                                             extra_body={"return_token_ids": True})
+        sampled = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
+                                              temperature=1.0, extra_body={"return_token_ids": True})
+    assert greedy.choices[0].token_ids == reference(tiny, ids, n)
+    assert sampled.choices[0].token_ids == unset.choices[0].token_ids != greedy.choices[0].token_ids
+
+
 def error_of(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}

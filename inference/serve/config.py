@@ -23,6 +23,9 @@ class ServeConfig(ModelOptions):
     port: int = 8000  # 0 = any free port (printed at start)
     model_name: str | None = None  # the "model" clients send; default: the target's name (its folder's name)
     max_new_tokens: int = 256  # max_tokens of a request that sets none (capped by what the context leaves)
+    # temperature, top_k and top_p (and the algorithm variant's @temperature=...) are what a request that sets none
+    # samples with; OpenAI's default temperature is 1.0, so the server's is too
+    temperature: float = 1.0
     # ar: rows decoded side by side (continuous batching); 0 = auto: 8 in fp32, 1 in bf16, where the batched path is
     # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
     batch_size: int = 0

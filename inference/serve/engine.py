@@ -14,7 +14,7 @@ from inference.algorithms import algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
 from inference.evaluate import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
-                                resolved_config)
+                                resolved_config, sampling_params)
 from inference.round_observers import ObserverTap
 from inference.runner_contract import default_dtype
 from inference.sampling import SamplingParams
@@ -30,6 +30,7 @@ class ServedModel:
     max_seq_len: int
     batch_size: int  # > 1: AR rows decoded side by side (inference.batched_generation); else one request at a time
     default_max_tokens: int
+    default_sampling: SamplingParams  # what a request that sets no temperature / top_k / top_p samples with
     adapter: ObserverTap | None  # the serving-time adapter (adapt=NAME), tapped for its decisions
 
     @property
@@ -86,7 +87,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
         adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))
     return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
-                       variant_cfg.max_new_tokens, adapter)
+                       variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter)
 
 
 def warm_up(model: ServedModel) -> None:
