@@ -43,6 +43,4 @@ def process_sum(tensor: torch.Tensor) -> torch.Tensor:
 def process_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``total / count`` with ``count`` the global batch's (see the module docstring); ``count`` 0 divides by 1."""
     world = process_rank()[1] if _REDUCE else 1
-    if world == 1:
-        return total / count.clamp(min=1.0)
-    return total * world / process_sum(count).clamp(min=1.0)
+    return total * world / process_sum(count).clamp(min=1.0)  # one process: process_sum(count) is count

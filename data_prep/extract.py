@@ -32,10 +32,8 @@ from core.atomic import check_output
 from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
 from core.overrides import OverrideError, parse_cli, run_cli
 from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
-from data_prep.manifest import (MANIFEST_NAME, DatasetError, new_header, read_manifest, refuse_other_args,
-                                target_identity, tokenizer_identity)
-from data_prep.ranks import (check_dataset_parts, launch_rank, merge_dataset_parts, my_items, part_log,
-                             part_name, parts_complete, wait_for)
+from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.ranks import dataset_part, my_items
 from data_prep.regenerate import Regenerator
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import STORAGE_DTYPE, ShardWriter, column
@@ -190,13 +188,10 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
     Under torchrun each process extracts its slice of the source items (``data_prep.ranks``)."""
     out = Path(cfg.out)
     refuse_other_args(out, content_args(cfg))
-    rank, world = launch_rank()
-    if world > 1:
-        refuse_other_args(out, content_args(cfg), part_log(rank, world))
-    check_dataset_parts(out, world, "data_prep.extract ...")
-    if world > 1 and (out / MANIFEST_NAME).is_file():  # finished (else refused above): nothing to load
+    process = dataset_part(out, content_args(cfg), "data_prep.extract ...")
+    if (finished := process.finished()) is not None:
         print(f"[extract] {out} is already complete", file=sys.stderr)
-        return read_manifest(out)
+        return finished
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size,
                          chat_template=cfg.chat_template)
@@ -211,7 +206,7 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
     )
     per_token = bytes_per_token(columns)
     shard_size = cfg.shard_size or auto_shard_size(per_token, cfg.max_len, cfg.batch_size)
-    part = part_name(rank, world) if world > 1 else None
+    part = process.name
     done_tokens, t0 = 0, time.perf_counter()
     with ShardWriter(out, header, shard_size, part=part) as writer:
         if writer.complete and not part:
@@ -219,11 +214,9 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
             return writer.manifest
         manifest = writer.manifest
         if not writer.complete:  # a finished part still waits for the merge below
-            done_tokens = _write_items(cfg, target, layers, writer, rank, world, per_token)
+            done_tokens = _write_items(cfg, target, layers, writer, process.rank, process.world, per_token)
             manifest = writer.finish()
-    if part and rank == 0:  # the one manifest, once every process's part is complete
-        wait_for(lambda: parts_complete(out, world), f"the other {world - 1} process(es) to finish {out}")
-        manifest = merge_dataset_parts(out, world)
+    manifest = process.merged(manifest)
     elapsed = time.perf_counter() - t0
     print(f"[extract] wrote {manifest['num_rows']} samples ({manifest['num_tokens']:,} tokens, {manifest['skipped']} "
           f"skipped) in {len(manifest['shards'])} shards to {out}; this run: {done_tokens:,} tokens in "

@@ -33,9 +33,16 @@ from core.assets import chat_template_hash, model_identity, tokenizer_fingerprin
 from core.atomic import atomic_write_text
 
 MANIFEST_NAME = "manifest.json"
+RANKS_DIR = "ranks"  # the commit logs of the processes of a multi-process run (data_prep.ranks)
 FORMAT_VERSION = 1
 # Written by the shard writer; never part of the comparison.
 LOG_KEYS = ("shards", "next_source_index", "num_rows", "num_tokens", "skipped", "complete", "processes")
+
+
+def commit_log(part: str | None = None) -> str:
+    """Where a dataset's writer commits, relative to its directory: ``manifest.json``, or the own log of one of
+    several processes (``part``, e.g. ``rank-0-of-2``: ``data_prep.ranks``)."""
+    return f"{RANKS_DIR}/{part}.json" if part else MANIFEST_NAME
 
 
 class DatasetError(ValueError):
@@ -100,8 +107,8 @@ def refuse_other_args(directory: str | Path, args: dict[str, Any], name: str = M
 def read_manifest(directory: str | Path, name: str = MANIFEST_NAME) -> dict[str, Any]:
     """``directory/manifest.json`` (or a process's own commit log, ``name`` = ``ranks/rank-R-of-N.json``)."""
     path = Path(directory) / name
-    if not path.is_file() and name == MANIFEST_NAME and (Path(directory) / "ranks").is_dir():
-        raise DatasetError(f"{directory} is unfinished: its processes' parts are in {Path(directory) / 'ranks'} and "
+    if not path.is_file() and name == MANIFEST_NAME and (Path(directory) / RANKS_DIR).is_dir():
+        raise DatasetError(f"{directory} is unfinished: its processes' parts are in {Path(directory) / RANKS_DIR} and "
                            "the manifest is written when all are complete; re-run the same torchrun command")
     if not path.is_file():
         raise DatasetError(f"{directory} has no {name}: not a spectrain dataset (create one with "

@@ -36,10 +36,7 @@ class RankSlicedSampler(Sampler[int]):
         return self.n // span if self.world > 1 else -(-self.n // span)
 
     def __len__(self) -> int:
-        span = self.batch_size * self.world
-        full = (self.n // span) * self.batch_size
-        tail = self.n % span if self.world == 1 else 0
-        return full + tail
+        return self.n if self.world == 1 else self.global_batches() * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
         return _RankSliceIterator(self)

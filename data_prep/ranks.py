@@ -16,13 +16,13 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.overrides import OverrideError
-from data_prep.manifest import (MANIFEST_NAME, DatasetError, header_differences, header_of, read_manifest,
-                                write_manifest)
-from data_prep.shards import RANKS_DIR
+from data_prep.manifest import (MANIFEST_NAME, RANKS_DIR, DatasetError, commit_log, header_differences,
+                                header_of, read_manifest, refuse_other_args, write_manifest)
 
 POLL_SECONDS = 0.5
 PART = re.compile(r"rank-(\d+)-of-(\d+)")
@@ -80,7 +80,7 @@ def wait_for(done: Callable[[], bool], what: str) -> None:
 
 def part_log(rank: int, world: int) -> str:
     """A process's commit log inside the dataset directory (``data_prep.shards.ShardWriter(part=...)``)."""
-    return f"{RANKS_DIR}/{part_name(rank, world)}.json"
+    return commit_log(part_name(rank, world))
 
 
 def check_dataset_parts(out: Path, world: int, command: str) -> None:
@@ -117,3 +117,41 @@ def merge_dataset_parts(out: Path, world: int) -> dict[str, Any]:
         merged[key] = sum(int(log[key]) for log in logs)
     write_manifest(out, merged)
     return merged
+
+
+@dataclass
+class DatasetPart:
+    """This process's share of a dataset directory ``out`` that ``world`` processes write (``dataset_part``)."""
+
+    out: Path
+    rank: int
+    world: int
+
+    @property
+    def name(self) -> str | None:
+        """The part's name (``ShardWriter(part=...)``); None for a single process, which writes ``out`` itself."""
+        return part_name(self.rank, self.world) if self.world > 1 else None
+
+    def finished(self) -> dict[str, Any] | None:
+        """With several processes, the manifest of an ``out`` that is already complete (``dataset_part`` refused an
+        unfinished one): nothing to load. Else None (one process lets its ShardWriter report a complete ``out``)."""
+        return read_manifest(self.out) if self.world > 1 and (self.out / MANIFEST_NAME).is_file() else None
+
+    def merged(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 of several: the one manifest, once every process's part is complete; else ``manifest`` (this
+        process's own)."""
+        if self.world == 1 or self.rank != 0:
+            return manifest
+        wait_for(lambda: parts_complete(self.out, self.world),
+                 f"the other {self.world - 1} process(es) to finish {self.out}")
+        return merge_dataset_parts(self.out, self.world)
+
+
+def dataset_part(out: Path, args: dict[str, Any], command: str) -> DatasetPart:
+    """This launch's process (``launch_rank``), after refusing (one line) its own part written with other
+    ``args`` and the unfinished parts of another process count (``check_dataset_parts``)."""
+    rank, world = launch_rank()
+    if world > 1:
+        refuse_other_args(out, args, part_log(rank, world))
+    check_dataset_parts(out, world, command)
+    return DatasetPart(out, rank, world)

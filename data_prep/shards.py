@@ -32,11 +32,10 @@ import torch
 
 from core.assets import sha256_file
 from core.atomic import atomic_directory
-from data_prep.manifest import (MANIFEST_NAME, DatasetError, header_differences, read_manifest,
+from data_prep.manifest import (RANKS_DIR, DatasetError, commit_log, header_differences, read_manifest,
                                 settings_mismatch, write_manifest)
 
 SHARDS_DIR = "shards"
-RANKS_DIR = "ranks"  # the commit logs of the processes of a multi-process run (data_prep.ranks)
 SHARD_FILE = "data.arrow"
 STORAGE_DTYPE = {"bfloat16": "int16", "float16": "float16", "float32": "float32", "int64": "int64",
                  "int32": "int32", "int16": "int16", "int8": "int8", "bool": "bool"}
@@ -117,7 +116,7 @@ class ShardWriter:
         self.directory = Path(directory)
         # One of several processes writing into one directory (data_prep.ranks): its own commit log and shard names.
         self.part = part
-        self.log_name = f"{RANKS_DIR}/{part}.json" if part else MANIFEST_NAME
+        self.log_name = commit_log(part)
         self.prefix = part or "shard"
         self.shard_size = shard_size
         self.columns: dict[str, dict[str, Any]] = header["columns"]

@@ -37,10 +37,8 @@ from core.layer_ids import LAYER_CONVENTION, resolve_layers
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import prompt_turns, render_prompt
 from data_prep.capture import DTYPE_NAMES, storage_dtype
-from data_prep.manifest import (MANIFEST_NAME, new_header, read_manifest, refuse_other_args, target_identity,
-                                tokenizer_identity)
-from data_prep.ranks import (check_dataset_parts, launch_rank, merge_dataset_parts, my_items, part_log, part_name,
-                             parts_complete, wait_for)
+from data_prep.manifest import new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.ranks import dataset_part, my_items
 from data_prep.samples import load_source
 from data_prep.shards import ShardWriter, column
 from inference.algorithms.sps import RoundInfo, SpeculativeSampling
@@ -124,14 +122,11 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     if args["chat_template"] == "auto":  # the default, and what trace sets made before the option hold
         args.pop("chat_template")
     refuse_other_args(out, args)
-    rank, world = launch_rank()  # under torchrun: every world-th prompt from rank (data_prep.ranks)
-    part = part_name(rank, world) if world > 1 else None
-    if part:
-        refuse_other_args(out, args, part_log(rank, world))
-    check_dataset_parts(out, world, "data_prep.traces ...")
-    if part and (out / MANIFEST_NAME).is_file():  # finished (else refused above): nothing to load
+    process = dataset_part(out, args, "data_prep.traces ...")  # under torchrun: every world-th prompt from rank
+    rank, world, part = process.rank, process.world, process.name
+    if (finished := process.finished()) is not None:
         print(f"[traces] {out} is already complete", file=sys.stderr)
-        return read_manifest(out)
+        return finished
     target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                                chat_template=cfg.chat_template)
     draft = draft or load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
@@ -191,9 +186,7 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
                 progress.set_postfix(rounds=rounds,
                                      tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.1f}")
         manifest = writer.finish()
-    if part and rank == 0:  # the one manifest, once every process's part is complete
-        wait_for(lambda: parts_complete(out, world), f"the other {world - 1} process(es) to finish {out}")
-        manifest = merge_dataset_parts(out, world)
+    manifest = process.merged(manifest)
     print(f"[traces] wrote {manifest['num_rows']} rounds from {manifest['next_source_index'] - manifest['skipped']} "
           f"prompts ({manifest['skipped']} skipped) to {out}", file=sys.stderr)
     return manifest

@@ -162,10 +162,10 @@ class ContinuousBatcher:
         row); idle rows among them carry a pad token and are emptied again. Returns the logits of those rows
         (index = row)."""
         runner = self.runner
-        idle = torch.tensor([row is None for row in rows], device=runner.device)
-        if bool(idle.any()):
-            runner.truncate(torch.where(idle, 0, runner.cache_lens))
-        width = 1 + max(i for i, row in enumerate(rows) if row is not None)
+        idle = [row is None for row in rows]
+        if any(idle):  # a full batch (the busy case) builds no mask and waits on no device
+            runner.truncate(torch.where(torch.tensor(idle, device=runner.device), 0, runner.cache_lens))
+        width = 1 + max(i for i, free in enumerate(idle) if not free)
         if width == len(rows) or not hasattr(runner, "first_rows"):
             return runner.forward(pending.view(-1, 1).to(runner.device)).logits[:, -1].float().cpu()
         with runner.first_rows(width):

@@ -46,12 +46,18 @@ USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[a
 
 
 @dataclass
-class EvalConfig(AlgorithmOptions):
+class ModelOptions(AlgorithmOptions):
+    """The target and where its drafters come from (``drafter_paths``): shared by ``inference.serve``."""
+
     target: str = "smollm2"
     drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
     drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
     feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
     specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
+
+
+@dataclass
+class EvalConfig(ModelOptions):
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10

@@ -15,7 +15,6 @@ spectrain register themselves.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -314,10 +313,6 @@ def save_run_info(cfg: DictConfig, directory: Path) -> None:
     (directory / "run_info.json").write_text(json.dumps(info, indent=2))
 
 
-def trainable_params(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-
 def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
     """The kind's LightningModule and DataModule. A dry run builds them over a weightless (meta-device) target,
     so validating an 8B recipe reads no weights; a kind that copies target weights into its drafter cannot be
@@ -376,13 +371,13 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
               f"Trainer; precision {precision} on the GPUs); nothing trained. Run dir: {directory}")
         return {"run_dir": str(directory), "trained": False, "precision": precision,
                 "strategy": strategy if isinstance(strategy, str) else type(strategy).__name__,
-                "trainable_params": trainable_params(module), "memory_gib": memory.total_gib}
+                "trainable_params": parameter_counts(module)[0], "memory_gib": memory.total_gib}
     trainer = build_trainer(cfg, directory)
     if cfg.dry_run:
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
               f"nothing trained. Run dir: {directory}")
         return {"run_dir": str(directory), "trained": False, "strategy": type(trainer.strategy).__name__,
-                "precision": trainer.precision, "trainable_params": trainable_params(module),
+                "precision": trainer.precision, "trainable_params": parameter_counts(module)[0],
                 "memory_gib": memory.total_gib}
     if ckpt_path:
         print(f"[spectrain] resuming from {ckpt_path}")

@@ -66,10 +66,14 @@ def chat_ids(tiny, content: str) -> list[int]:
     return render_prompt(tiny["target"].tokenizer, [{"role": "user", "content": content}])
 
 
-def metric(server: RunningServer, name: str) -> float:
+def metric(server: RunningServer, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
     text = httpx.get(f"{server.url}/metrics").text
-    values = [float(m) for m in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)]
-    return sum(values)
+    total = 0.0
+    for found, value in re.findall(rf"^{re.escape(name)}(?:{{(.*)}})? ([0-9.e+-]+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', found))
+        total += float(value) if all(have.get(k) == v for k, v in labels.items()) else 0.0
+    return total
 
 
 ALGORITHMS = {
@@ -157,6 +161,24 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
         assert results[i] == reference(tiny, chat_ids(tiny, content), n, temperature, seed), i
 
 
+def test_a_request_that_sets_no_sampling_uses_the_servers(tiny, ar_server):
+    """No temperature in the request: the server's (OpenAI's 1.0 by default, ``temperature=0`` greedy); a
+    request's own temperature wins over the server's."""
+    ids, n = chat_ids(tiny, PROMPT), 12
+    messages = [{"role": "user", "content": PROMPT}]
+    unset = client(ar_server).chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
+                                                       extra_body={"return_token_ids": True})
+    assert unset.choices[0].token_ids == reference(tiny, ids, n, temperature=1.0, seed=7)
+    with start(tiny, "temperature=0") as greedy_server:
+        api = client(greedy_server)
+        greedy = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
+                                             extra_body={"return_token_ids": True})
+        sampled = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
+                                              temperature=1.0, extra_body={"return_token_ids": True})
+    assert greedy.choices[0].token_ids == reference(tiny, ids, n)
+    assert sampled.choices[0].token_ids == unset.choices[0].token_ids != greedy.choices[0].token_ids
+
+
 def error_of(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
@@ -183,8 +205,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
         assert response.status_code == status, body
         error = error_of(response)
         assert (error["param"], error["code"]) == (param, code), error
-    assert error_of(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}))
-    assert httpx.get(f"{ar_server.url}/v1/nothing").status_code == 404
+    not_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert not_json.status_code == 400 and error_of(not_json)["type"] == "invalid_request_error"
+    nothing = httpx.get(f"{ar_server.url}/v1/nothing")
+    assert nothing.status_code == 404 and error_of(nothing)["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client(ar_server).chat.completions.create(model="gpt-4", messages=ok["messages"])
     assert httpx.post(url, json=ok).json()["choices"][0]["finish_reason"] == "length"
@@ -193,13 +217,21 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
     assert [m.id for m in models.data] == ["tiny"]
 
 
-def test_metrics_report_requests_tokens_tau_and_queue(ar_server):
-    httpx.post(f"{ar_server.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
-    text = httpx.get(f"{ar_server.url}/metrics").text
-    for name in ("spectrain_requests_total", "spectrain_completion_tokens_total", "spectrain_tau_bucket",
-                 "spectrain_acceptance_length_bucket", "spectrain_queue_depth", "spectrain_adapter_decisions"):
-        assert name in text, name
-    assert metric(ar_server, "spectrain_completion_tokens_total") >= 4
+def test_metrics_count_one_request_its_tokens_forwards_and_tau(ar_server):
+    """What one finished 4-token request adds (the module's server has answered others before: deltas)."""
+    counted = {"spectrain_prompt_tokens_total": 3, "spectrain_completion_tokens_total": 4,
+               "spectrain_target_forwards_total": 4, "spectrain_tau_count": 1, "spectrain_tau_sum": 1.0,
+               "spectrain_request_seconds_count": 1, "spectrain_time_to_first_token_seconds_count": 1}
+    ok = {"endpoint": "/v1/completions", "status": "200"}
+    before = {name: metric(ar_server, name) for name in counted}
+    answered = metric(ar_server, "spectrain_requests_total", **ok)
+    response = httpx.post(f"{ar_server.url}/v1/completions",
+                          json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert {name: metric(ar_server, name) - before[name] for name in counted} == counted
+    assert metric(ar_server, "spectrain_requests_total", **ok) == answered + 1
+    assert metric(ar_server, "spectrain_queue_depth") == metric(ar_server, "spectrain_running") == 0
+    assert metric(ar_server, "spectrain_info", algorithm="ar") == 1
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:
@@ -299,9 +331,11 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
     assert main(["algorithm=[ar,sps]"]) == 2
     assert main(["port=70000"]) == 2
     assert main(["algorithm=sps@bogus=1"]) == 2
+    assert main(["algorithm=ar@max_new_tokens=0"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 4 and all(line.startswith("error: ") for line in errors)
+    assert len(errors) == 5 and all(line.startswith("error: ") for line in errors)
     assert "unknown algorithm 'nope'" in errors[0] and "one algorithm" in errors[1] and "port=70000" in errors[2]
+    assert "'ar@max_new_tokens=0': max_new_tokens must be >= 1" in errors[4]
 
 
 def test_only_ar_batches_and_auto_batches_in_fp32_only():

@@ -131,7 +131,10 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
                   body: GenerationRequest, prompt_ids: list[int], *, chat: bool) -> Response:
     max_tokens = _max_tokens(model, body, len(prompt_ids))
     try:
-        sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p)
+        default = model.default_sampling
+        sampling = SamplingParams(default.temperature if body.temperature is None else body.temperature,
+                                  default.top_k if body.top_k is None else max(body.top_k, 0),
+                                  default.top_p if body.top_p is None else body.top_p)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     loop, events = asyncio.get_running_loop(), asyncio.Queue()

@@ -8,9 +8,8 @@ from typing import Any
 
 from core.overrides import OverrideError, parse_cli
 from inference.algorithms import algorithm_class
-from inference.algorithms.options import AlgorithmOptions
 from inference.drafters import model_dtype, pick_device
-from inference.evaluate import parse_variant, with_overrides
+from inference.evaluate import ModelOptions, parse_variant, with_overrides
 from inference.round_observers import check_observer
 
 USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
@@ -18,17 +17,15 @@ USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3
 
 
 @dataclass
-class ServeConfig(AlgorithmOptions):
-    target: str = "smollm2"
-    drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
-    drafter: str | None = None  # a draft LM, or any export (by its kind)
-    feature_drafter: str | None = None  # the EAGLE-3 export
-    specblock_drafter: str | None = None  # the SpecBlock export
+class ServeConfig(ModelOptions):
     algorithm: str = "ar"  # NAME or NAME@key=value[@key=value], as a variant of inference.evaluate
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port (printed at start)
     model_name: str | None = None  # the "model" clients send; default: the target's name (its folder's name)
     max_new_tokens: int = 256  # max_tokens of a request that sets none (capped by what the context leaves)
+    # temperature, top_k and top_p (and the algorithm variant's @temperature=...) are what a request that sets none
+    # samples with; OpenAI's default temperature is 1.0, so the server's is too
+    temperature: float = 1.0
     # ar: rows decoded side by side (continuous batching); 0 = auto: 8 in fp32, 1 in bf16, where the batched path is
     # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
     batch_size: int = 0
@@ -56,5 +53,7 @@ def parse_args(argv: Sequence[str]) -> Any:
         model_dtype(cfg.dtype, pick_device(cfg.device))
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
-    with_overrides(cfg, overrides, cfg.algorithm)  # a bad variant key fails now
+    variant = with_overrides(cfg, overrides, cfg.algorithm)  # a bad variant key fails now
+    if variant.max_new_tokens < 1:  # the default budget of every request
+        raise OverrideError(f"algorithm variant '{cfg.algorithm}': max_new_tokens must be >= 1")
     return cfg

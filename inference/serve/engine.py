@@ -14,8 +14,9 @@ from inference.algorithms import algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
 from inference.evaluate import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
-                                resolved_config)
+                                resolved_config, sampling_params)
 from inference.round_observers import ObserverTap
+from inference.runner_contract import default_dtype
 from inference.sampling import SamplingParams
 
 
@@ -29,6 +30,7 @@ class ServedModel:
     max_seq_len: int
     batch_size: int  # > 1: AR rows decoded side by side (inference.batched_generation); else one request at a time
     default_max_tokens: int
+    default_sampling: SamplingParams  # what a request that sets no temperature / top_k / top_p samples with
     adapter: ObserverTap | None  # the serving-time adapter (adapt=NAME), tapped for its decisions
 
     @property
@@ -71,8 +73,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     check_drafters([cfg.algorithm], set(preloaded) | set(paths))
     device = pick_device(cfg.device)
     dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
-    batch = serving_batch(cfg.batch_size, name, dtype or (torch.bfloat16 if device.startswith("cuda") else
-                                                          torch.float32))
+    batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)))
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                          max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
@@ -86,7 +87,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
         adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))
     return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
-                       variant_cfg.max_new_tokens, adapter)
+                       variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter)
 
 
 def warm_up(model: ServedModel) -> None:

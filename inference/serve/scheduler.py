@@ -86,6 +86,7 @@ class Generation:
             self._held.append(chunk)
 
     def finish(self, stats: GenerationStats) -> Finished:
+        """Deliver the rest of the text; returns the end event, which the caller sends once it is counted."""
         tail = self.text.flush()
         if tail:
             self._deliver(Chunk(tail, []))
@@ -93,9 +94,7 @@ class Generation:
             self.send(Chunk("".join(c.text for c in self._held), [t for c in self._held for t in c.token_ids]))
         tokens = self.text.tokens
         ended = self.text.stopped or bool(tokens and tokens[-1] in self.eos_ids)
-        done = Finished("stop" if ended else "length", stats, len(tokens))
-        self.send(done)
-        return done
+        return Finished("stop" if ended else "length", stats, len(tokens))
 
 
 def batched_stats(tokens: list[int], wall_s: float) -> GenerationStats:
@@ -166,7 +165,9 @@ class Scheduler:
 
     def _done(self, gen: Generation, stats: GenerationStats) -> None:
         done = gen.finish(stats)
+        # Counted before the client hears of the end: a /metrics read after a response includes that response.
         self.metrics.finished(len(gen.prompt_ids), done.completion_tokens, stats, gen.submitted, gen.first_token_s)
+        gen.send(done)
 
     def _fail(self, gen: Generation, exc: BaseException) -> None:
         log.exception("generation failed", exc_info=exc)

@@ -44,9 +44,10 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    # None: the server's setting (its temperature=, top_k=, top_p=; temperature 1.0 unless set)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1

@@ -409,19 +409,12 @@ class HRADModule(L.LightningModule):
         self.target_record = datamodule.target_record
         self.data_summary = datamodule.summary
 
-    def configure_optimizers(self):
-        return DrafterModule.configure_optimizers(self)
-
+    # DrafterModule's optimizer (AdamW + warm-up/cosine over self.drafter) and FSDP hooks, shared as they are.
     FSDP_FORWARD_METHODS: tuple[str, ...] = ()
-
-    def configure_model(self) -> None:
-        DrafterModule.configure_model(self)
-
-    def on_validation_start(self) -> None:
-        DrafterModule.on_validation_start(self)
-
-    def on_validation_end(self) -> None:
-        DrafterModule.on_validation_end(self)  # AdamW + warm-up/cosine over self.drafter (shared)
+    configure_optimizers = DrafterModule.configure_optimizers
+    configure_model = DrafterModule.configure_model
+    on_validation_start = DrafterModule.on_validation_start
+    on_validation_end = DrafterModule.on_validation_end
 
     def _logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, emb, labels = batch
