@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from core.overrides import OverrideError, split_key_values
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_eagle3, load_lm
@@ -143,8 +144,6 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
 
 
 def main(argv: list[str]) -> int:
-    from core.overrides import OverrideError, split_key_values
-
     known = set(ShiftConfig.__dataclass_fields__)
     adapt_fields = set(AdaptSettings.__dataclass_fields__)
     cfg_values, adapt_values = {}, {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from core.overrides import parse_cli
+from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_lm
 from inference.sampling import SamplingParams
@@ -37,8 +38,6 @@ def _sync(device) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from core.prompts import load_prompts, prompt_turns, render_prompt
-
     cfg = parse_cli(argv, BenchConfig, __doc__.strip().splitlines()[2].strip())
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

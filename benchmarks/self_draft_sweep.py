@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.assets import tokenizer_fingerprint
 from core.overrides import OverrideError, parse_cli
+from inference.algorithms import build_algorithm
+from inference.drafters import eos_token_ids, load_lm
+from inference.evaluate import load_bench_prompts
+from inference.ngram_cache import CorpusCache
+from inference.sampling import SamplingParams
 
 USAGE = ("python benchmarks/self_draft_sweep.py target=smollm2 bench=humaneval n_prompts=3 max_new_tokens=96 "
          "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 grid_vocab=0 threads=0")
@@ -70,13 +76,6 @@ def forward_costs(runner, sizes: Sequence[int], cached: int = 300, repeats: int 
 
 
 def sweep(cfg) -> tuple[list[dict], dict[int, float]]:
-    from core.assets import tokenizer_fingerprint
-    from inference.algorithms import build_algorithm
-    from inference.drafters import eos_token_ids, load_lm
-    from inference.evaluate import load_bench_prompts
-    from inference.ngram_cache import CorpusCache
-    from inference.sampling import SamplingParams
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_seq_len)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from core.overrides import OverrideError, split_key_values
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_draft_lm, load_lm
@@ -48,7 +49,6 @@ class SweepConfig:
 
 
 def parse(argv: list[str]) -> SweepConfig:
-    from core.overrides import OverrideError, split_key_values
 
     defaults, values = SweepConfig(), {}
     for key, value in split_key_values(argv, __doc__.splitlines()[2]):

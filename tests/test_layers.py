@@ -1,4 +1,5 @@
-"""The packages import one way (README, "Layout"): ``core`` <- ``inference`` <- ``data_prep`` <- ``spectrain``.
+"""The packages import one way (README, "Layout"): ``core`` <- ``inference`` <- ``data_prep`` <- ``spectrain``, and
+the ``benchmarks`` scripts on top.
 
 Parses every module with ``ast`` (nothing is imported): a module may import its own layer and the ones below,
 imports of our packages sit at file level (a function-local one would hide a dependency), and the file-level
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"core": 0, "inference": 1, "data_prep": 2, "spectrain": 3}
+LAYERS = {"core": 0, "inference": 1, "data_prep": 2, "spectrain": 3, "benchmarks": 4}
 
 
 def module_name(path: Path) -> str:
