@@ -49,7 +49,6 @@ class SweepConfig:
 
 
 def parse(argv: list[str]) -> SweepConfig:
-
     defaults, values = SweepConfig(), {}
     for key, value in split_key_values(argv, __doc__.splitlines()[2]):
         if key not in SweepConfig.__dataclass_fields__:
