@@ -1,0 +1,360 @@
+/* Row-exact CPU kernels for the engine's exact mode (core/kernels/exact_cpu.py loads this file).
+ *
+ * Every result here is fixed by C's semantics alone: the file is compiled with -ffp-contract=off and without
+ * -ffast-math, so the compiler may vectorise but may not reorder, fuse or approximate a floating-point operation;
+ * every fused multiply-add is an explicit fmaf (one rounding, whether the CPU has FMA or libm emulates it); exp is
+ * our own polynomial, not libm's. A row's output therefore depends only on that row's inputs, in the order given,
+ * never on how many rows share the call, where they sit in memory or which vector width the CPU has. This is what
+ * makes a token's logits the same whether it is decoded alone or verified inside a chain or a tree.
+ *
+ * Lane sums: a sum over n terms is accumulated in 16 lanes by the term's index mod 16 (term i goes to lane i % 16,
+ * terms in increasing i), then the lanes are added pairwise in a fixed tree. Zero terms pad n up to a multiple of 16.
+ */
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float lane_total(float *acc) {
+    for (int w = LANES / 2; w >= 1; w >>= 1)
+        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
+
+/* exp(x) for x in [-87, 88] (clamped outside; callers pass x <= 0 or clamp themselves): Cephes' expf, written with
+ * explicit fmaf so that every host computes the same bits. Accurate to about 1 ulp. */
+static inline float exact_expf(float x) {
+    x = x < -87.0f ? -87.0f : x; /* comparisons, not fminf/fmaxf: they vectorise without -ffinite-math-only */
+    x = x > 88.0f ? 88.0f : x;
+    float n = floorf(fmaf(x, 1.44269504088896341f, 0.5f));
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* x [rows, dim] (bf16 or fp32) -> out [rows, dim] fp32: x * (1 / sqrt(mean(x^2) + eps)), as RMSNorm before its
+ * cast and weight. */
+void exact_rms_scale(const void *x, int is_bf16, long rows, int dim, float eps, float *out) {
+    float *row = malloc(sizeof(float) * (size_t)(dim + LANES));
+    for (long r = 0; r < rows; r++) {
+        for (int i = 0; i < dim; i++)
+            row[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * dim + i]) : ((const float *)x)[r * dim + i];
+        for (int i = dim; i < dim + LANES; i++) row[i] = 0.0f;
+        float acc[LANES];
+        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
+        for (int i = 0; i < dim; i += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = fmaf(row[i + l], row[i + l], acc[l]);
+        float inv = 1.0f / sqrtf(lane_total(acc) / (float)dim + eps);
+        for (int i = 0; i < dim; i++) out[r * dim + i] = row[i] * inv;
+    }
+    free(row);
+}
+
+/* x [n] (bf16 or fp32) -> out [n] fp32: x / (1 + exp(-x)), SiLU. */
+void exact_silu(const void *x, int is_bf16, long n, float *out) {
+    for (long i = 0; i < n; i++) {
+        float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        out[i] = v / (1.0f + exact_expf(-v));
+    }
+}
+
+/* ---- attention ------------------------------------------------------------------------------------------------
+ * GCC vector extensions: element-wise IEEE operations on 16 lanes, lowered to whatever vector width the CPU has;
+ * the result of each lane is the same on all of them. Products and sums stay separate (no fused multiply-add). */
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef float vf_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
+
+static inline vf splat(float c) { return (vf){0} + c; }
+
+/* a * b + c with one rounding in every lane: the same bits from the AVX-512 instruction, two AVX2 ones or libm's
+ * fmaf (IEEE 754 fixes the fused result). */
+static inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    vf r;
+    for (int l = 0; l < LANES; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+static inline float vtotal(vf v) { /* lanes added pairwise: l + l+8, then l + l+4, l + l+2, l + l+1 */
+    v = v + __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v + __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v + __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v + __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* exp on 16 lanes, Cephes' polynomial; inputs clamped to [-87, 88]. */
+static inline vf vexp(vf x) {
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x > splat(88.0f), splat(88.0f), x);
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+    vf r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    vf y = (p * (r * r) + r) + splat(1.0f);
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return y * (vf)bits;
+}
+
+/* Attention for the new tokens of one cache row, over an fp32 cache.
+ * q      [T, H, D], contiguous (after RoPE)
+ * kt     the row's keys, transposed: (kv head h, d, slot s) at [h * kt_head + d * kt_dim + s]
+ * v      the row's values: (kv head h, slot s, d) at [h * v_head + s * D + d]
+ * keys   token t attends to slots 0 .. prefix[t]-1, then extra[offsets[t] .. offsets[t+1]-1], in that order: its
+ *        path, oldest first. Decoding the path token by token hands each token the same list.
+ * out    [T, H, D]
+ * Query head g of kv head h is h * (H / KV) + g (grouped-query attention).
+ *
+ * Per query, with key i of its list at slot s_i (every a * b + c below is one fused multiply-add):
+ *   score_i = ((A0 + A1) + (A2 + A3)) * scale, A_r = q[d] * k[d] + A_r over d = r mod 4 in increasing order
+ *   m = max score;  p_i = exp(score_i - m);  out[d] = (p_i * v_i[d] + ..., i increasing) / (sum of p in lanes i % 16)
+ * Scores are computed 16 keys at a time, one key per lane. Work is split in units of (kv head, group of tokens); the
+ * tokens of a unit share each loaded key tile, which changes no result. */
+#define GROUP 8
+#define HEADS 4 /* query heads scored together (a kv head's group is done in blocks of this many) */
+
+typedef struct {
+    const float *q, *kt, *v;
+    long kt_head, kt_dim, v_head;
+    int T, H, KV, D;
+    const int32_t *prefix, *offsets, *extra;
+    float scale;
+    float *out;
+    int first_unit, last_unit;
+} attention_job;
+
+/* Scores of up to HEADS queries (q[j], D each; unused ones are zero) against the 16 keys whose transposed columns
+ * start at kt (column d at kt + d * stride). */
+static inline __attribute__((always_inline)) void scores16_n(const float *const q[HEADS], const float *kt,
+                                                             long stride, int D, float scale, vf out[HEADS],
+                                                             const int NQ) {
+    vf a0[HEADS], a1[HEADS], a2[HEADS], a3[HEADS];
+    for (int j = 0; j < NQ; j++) a0[j] = a1[j] = a2[j] = a3[j] = splat(0.0f);
+    int d = 0;
+    for (; d + 4 <= D; d += 4) {
+        const vf k0 = *(const vf_unaligned *)(kt + d * stride), k1 = *(const vf_unaligned *)(kt + (d + 1) * stride);
+        const vf k2 = *(const vf_unaligned *)(kt + (d + 2) * stride), k3 = *(const vf_unaligned *)(kt + (d + 3) * stride);
+        for (int j = 0; j < NQ; j++) {
+            a0[j] = vfma(splat(q[j][d]), k0, a0[j]);
+            a1[j] = vfma(splat(q[j][d + 1]), k1, a1[j]);
+            a2[j] = vfma(splat(q[j][d + 2]), k2, a2[j]);
+            a3[j] = vfma(splat(q[j][d + 3]), k3, a3[j]);
+        }
+    }
+    for (int j = 0; j < NQ; j++) { /* D not a multiple of 4: the tail goes to A0, A1, A2 in turn */
+        if (d < D) a0[j] = vfma(splat(q[j][d]), *(const vf_unaligned *)(kt + d * stride), a0[j]);
+        if (d + 1 < D) a1[j] = vfma(splat(q[j][d + 1]), *(const vf_unaligned *)(kt + (d + 1) * stride), a1[j]);
+        if (d + 2 < D) a2[j] = vfma(splat(q[j][d + 2]), *(const vf_unaligned *)(kt + (d + 2) * stride), a2[j]);
+    }
+    for (int j = 0; j < NQ; j++) out[j] = ((a0[j] + a1[j]) + (a2[j] + a3[j])) * scale;
+}
+
+/* The same for nq (1..HEADS) queries: each count compiled on its own, so no lane of work is wasted. */
+static void scores16(const float *const q[HEADS], const float *kt, long stride, int D, float scale, vf out[HEADS],
+                     int nq) {
+    switch (nq) {
+    case 1: scores16_n(q, kt, stride, D, scale, out, 1); break;
+    case 2: scores16_n(q, kt, stride, D, scale, out, 2); break;
+    case 3: scores16_n(q, kt, stride, D, scale, out, 3); break;
+    default: scores16_n(q, kt, stride, D, scale, out, HEADS); break;
+    }
+}
+
+/* out[c] = p[i] * row_i[c] + out[c] for rows i in [lo, hi) in order, rows at v + slot * D: the partial sums live in
+ * `out` between calls, so a query's sum over its keys can be taken in blocks (still in key order). */
+static inline void accumulate_values(const float *p, const float *v, long D, int lo, int hi, const int32_t *slots,
+                                     float *out) {
+    int c0 = 0;
+    for (; c0 + 4 * LANES <= D; c0 += 4 * LANES) {
+        vf a0 = *(vf_unaligned *)(out + c0), a1 = *(vf_unaligned *)(out + c0 + LANES);
+        vf a2 = *(vf_unaligned *)(out + c0 + 2 * LANES), a3 = *(vf_unaligned *)(out + c0 + 3 * LANES);
+        for (int i = lo; i < hi; i++) {
+            const float *row = v + (slots ? slots[i] : i) * D + c0;
+            const vf w = splat(p[i]);
+            a0 = vfma(w, *(const vf_unaligned *)row, a0);
+            a1 = vfma(w, *(const vf_unaligned *)(row + LANES), a1);
+            a2 = vfma(w, *(const vf_unaligned *)(row + 2 * LANES), a2);
+            a3 = vfma(w, *(const vf_unaligned *)(row + 3 * LANES), a3);
+        }
+        *(vf_unaligned *)(out + c0) = a0;
+        *(vf_unaligned *)(out + c0 + LANES) = a1;
+        *(vf_unaligned *)(out + c0 + 2 * LANES) = a2;
+        *(vf_unaligned *)(out + c0 + 3 * LANES) = a3;
+    }
+    for (; c0 + LANES <= D; c0 += LANES) {
+        vf a0 = *(vf_unaligned *)(out + c0);
+        for (int i = lo; i < hi; i++)
+            a0 = vfma(splat(p[i]), *(const vf_unaligned *)(v + (slots ? slots[i] : i) * D + c0), a0);
+        *(vf_unaligned *)(out + c0) = a0;
+    }
+    for (; c0 < D; c0++) {
+        float a = out[c0];
+        for (int i = lo; i < hi; i++) a = fmaf(p[i], v[(slots ? slots[i] : i) * D + c0], a);
+        out[c0] = a;
+    }
+}
+
+typedef struct {
+    float *scores; /* [GROUP * G][Np] */
+    float *tile;   /* [D][LANES]: gathered key columns */
+    float *totals; /* [GROUP * G] */
+    int Np;
+} scratch;
+
+#define KEY_BLOCK 64 /* keys whose values stay in L1 while every query of a unit takes them */
+
+static void attention_unit(const attention_job *job, int unit, scratch *sc) {
+    const int D = job->D, G = job->H / job->KV, Np = sc->Np;
+    const int groups = (job->T + GROUP - 1) / GROUP;
+    const int h = unit / groups, t0 = unit % groups * GROUP;
+    const int t1 = t0 + GROUP < job->T ? t0 + GROUP : job->T;
+    const float *kt = job->kt + (long)h * job->kt_head, *v = job->v + (long)h * job->v_head;
+    int shared = 0; /* the longest prefix in the unit */
+    for (int t = t0; t < t1; t++) shared = job->prefix[t] > shared ? job->prefix[t] : shared;
+    /* scores over the prefixes, tile by tile, each tile taken by every query of the unit while it is in L1 (slots
+     * past a token's prefix are computed and overwritten below) */
+    for (int i = 0; i < shared; i += LANES)
+        for (int t = t0; t < t1; t++) {
+            if (i >= job->prefix[t]) continue;
+            for (int g0 = 0; g0 < G; g0 += HEADS) {
+                const float *q[HEADS];
+                const int nq = G - g0 < HEADS ? G - g0 : HEADS;
+                for (int j = 0; j < nq; j++) q[j] = job->q + ((long)t * job->H + h * G + g0 + j) * D;
+                vf out[HEADS];
+                scores16(q, kt + i, job->kt_dim, D, job->scale, out, nq);
+                for (int j = 0; j < nq; j++)
+                    *(vf_unaligned *)(sc->scores + (long)((t - t0) * G + g0 + j) * Np + i) = out[j];
+            }
+        }
+    for (int t = t0; t < t1; t++) {
+        const int prefix = job->prefix[t], n_extra = job->offsets[t + 1] - job->offsets[t];
+        const int n = prefix + n_extra, nv = (n + LANES - 1) / LANES;
+        const int32_t *extra = job->extra + job->offsets[t];
+        /* the other keys: their columns gathered into a tile, 16 at a time, scored the same way */
+        for (int e0 = 0; e0 < n_extra; e0 += LANES) {
+            const int count = n_extra - e0 < LANES ? n_extra - e0 : LANES;
+            for (int d = 0; d < D; d++)
+                for (int l = 0; l < LANES; l++)
+                    sc->tile[d * LANES + l] = l < count ? kt[(long)d * job->kt_dim + extra[e0 + l]] : 0.0f;
+            for (int g0 = 0; g0 < G; g0 += HEADS) {
+                const float *q[HEADS];
+                const int nq = G - g0 < HEADS ? G - g0 : HEADS;
+                for (int j = 0; j < nq; j++) q[j] = job->q + ((long)t * job->H + h * G + g0 + j) * D;
+                vf out[HEADS];
+                scores16(q, sc->tile, LANES, D, job->scale, out, nq);
+                for (int j = 0; j < nq; j++)
+                    for (int l = 0; l < count; l++)
+                        sc->scores[(long)((t - t0) * G + g0 + j) * Np + prefix + e0 + l] = out[j][l];
+            }
+        }
+        /* softmax weights, unnormalised, and their total */
+        for (int g = 0; g < G; g++) {
+            float *s = sc->scores + (long)((t - t0) * G + g) * Np;
+            for (int i = n; i < nv * LANES; i++) s[i] = -INFINITY;
+            vf *sv = (vf *)s;
+            vf m = sv[0];
+            for (int c = 1; c < nv; c++) m = vselect(sv[c] > m, sv[c], m);
+            float mx = m[0];
+            for (int l = 1; l < LANES; l++) mx = m[l] > mx ? m[l] : mx;
+            vf total = {0};
+            for (int c = 0; c < nv; c++) {
+                sv[c] = vselect(sv[c] == splat(-INFINITY), splat(0.0f), vexp(sv[c] - mx));
+                total = total + sv[c];
+            }
+            sc->totals[(t - t0) * G + g] = vtotal(total);
+            float *o = job->out + ((long)t * job->H + h * G + g) * D;
+            for (int d = 0; d < D; d++) o[d] = 0.0f;
+        }
+    }
+    /* weighted values: the prefixes block by block (each block's values shared by the unit's queries), then each
+     * token's other keys, then the division */
+    for (int lo = 0; lo < shared; lo += KEY_BLOCK)
+        for (int t = t0; t < t1; t++) {
+            const int hi = lo + KEY_BLOCK < job->prefix[t] ? lo + KEY_BLOCK : job->prefix[t];
+            for (int g = 0; g < G && lo < hi; g++)
+                accumulate_values(sc->scores + (long)((t - t0) * G + g) * Np, v, D, lo, hi, NULL,
+                                  job->out + ((long)t * job->H + h * G + g) * D);
+        }
+    for (int t = t0; t < t1; t++) {
+        const int prefix = job->prefix[t], n_extra = job->offsets[t + 1] - job->offsets[t];
+        for (int g = 0; g < G; g++) {
+            float *o = job->out + ((long)t * job->H + h * G + g) * D;
+            const float *s = sc->scores + (long)((t - t0) * G + g) * Np;
+            accumulate_values(s + prefix, v, D, 0, n_extra, job->extra + job->offsets[t], o);
+            const float total = sc->totals[(t - t0) * G + g];
+            for (int d = 0; d < D; d++) o[d] = o[d] / total;
+        }
+    }
+}
+
+static void *attention_units(void *arg) {
+    const attention_job *job = arg;
+    const int G = job->H / job->KV;
+    int longest = 0;
+    for (int t = 0; t < job->T; t++) {
+        const int n = job->prefix[t] + job->offsets[t + 1] - job->offsets[t];
+        longest = n > longest ? n : longest;
+    }
+    scratch sc;
+    sc.Np = (longest + 2 * LANES) / LANES * LANES; /* room for a full 16-wide store at any prefix tile */
+    sc.scores = aligned_alloc(64, sizeof(float) * (size_t)GROUP * G * sc.Np);
+    sc.tile = aligned_alloc(64, sizeof(float) * (size_t)(job->D + 1) * LANES);
+    sc.totals = aligned_alloc(64, sizeof(float) * (size_t)(GROUP * G + LANES));
+    for (int unit = job->first_unit; unit < job->last_unit; unit++) attention_unit(job, unit, &sc);
+    free(sc.scores);
+    free(sc.tile);
+    free(sc.totals);
+    return NULL;
+}
+
+/* Splits the units over up to `threads` threads; a unit is computed whole by one thread, so the split never
+ * changes a result. */
+void exact_attention(const float *q, const float *kt, const float *v, long kt_head, long kt_dim, long v_head, int T,
+                     int H, int KV, int D, const int32_t *prefix, const int32_t *offsets, const int32_t *extra,
+                     float scale, float *out, int threads) {
+    const int units = KV * ((T + GROUP - 1) / GROUP);
+    if (threads > units) threads = units;
+    if (threads < 1) threads = 1;
+    attention_job jobs[threads];
+    pthread_t ids[threads];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (attention_job){q, kt, v, kt_head, kt_dim, v_head, T, H, KV, D, prefix, offsets, extra, scale, out,
+                                  (int)((long)units * i / threads), (int)((long)units * (i + 1) / threads)};
+    for (int i = 1; i < threads; i++) pthread_create(&ids[i], NULL, attention_units, &jobs[i]);
+    attention_units(&jobs[0]);
+    for (int i = 1; i < threads; i++) pthread_join(ids[i], NULL);
+}

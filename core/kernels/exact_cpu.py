@@ -1,0 +1,175 @@
+"""The row-exact CPU kernels (``exact_cpu.c``): attention over each token's own keys, RMSNorm's scale and SiLU,
+computed so that a row's result depends on nothing but its own inputs (the C file says how). Compiled once per
+machine with the system C compiler into ``$SPECTRAIN_CACHE/kernels`` and loaded with ctypes: no torch headers, so
+the build takes about a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("exact_cpu.c")
+# -ffp-contract=off and no -ffast-math: the compiler may vectorise but not reorder or fuse (see the C file).
+# -fno-math-errno lets sqrtf vectorise; it changes no result.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+# Below this many multiply-adds an attention call stays on one thread: starting one costs about 20 µs.
+THREAD_WORK = 4_000_000
+
+
+class KernelUnavailable(RuntimeError):
+    """The exact kernels could not be built or loaded on this machine."""
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("SPECTRAIN_CACHE", Path.home() / ".cache" / "spectrain")).expanduser()
+    return root / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return os.uname().machine
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler found for the exact CPU kernels; install gcc (apt-get install gcc)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    # -march=native: the library is built for this CPU, so its flags are part of the key.
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode())
+    target = _cache_dir() / f"exact_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"building the exact CPU kernels failed: {result.stderr.strip()[:300]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same source is harmless
+    return target
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels, built on first use (raises :class:`KernelUnavailable` with the reason)."""
+    global _library
+    with _lock:
+        if _library is None:
+            lib = ctypes.CDLL(str(_build()))
+            ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+            lib.exact_rms_scale.argtypes = [ptr, i32, i64, i32, f32, ptr]
+            lib.exact_silu.argtypes = [ptr, i32, i64, ptr]
+            lib.exact_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, f32,
+                                            ptr, i32]
+            for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention):
+                fn.restype = None
+            _library = lib
+        return _library
+
+
+def available() -> bool:
+    try:
+        library()
+    except (KernelUnavailable, OSError):
+        return False
+    return True
+
+
+def _check(x: torch.Tensor) -> int:
+    """1 for bf16, 0 for fp32; anything else is refused."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the exact CPU kernels take bf16 or fp32 CPU tensors, got {x.dtype} on {x.device}")
+    return int(x.dtype == torch.bfloat16)
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x.float() * rsqrt(mean(x²) + eps)`` over the last dimension, as fp32 (RMSNorm before its cast and weight)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    library().exact_rms_scale(x.data_ptr(), _check(x), x.numel() // x.shape[-1], x.shape[-1], eps, out.data_ptr())
+    return out
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``x`` as fp32."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    library().exact_silu(x.data_ptr(), _check(x), x.numel(), out.data_ptr())
+    return out
+
+
+@dataclass(frozen=True)
+class KeyLists:
+    """Which cache slots each new token of a one-row forward attends to, oldest first: slots ``0..prefix[t]-1``,
+    then ``extra[offsets[t]:offsets[t+1]]`` (int32 CPU tensors). Built once per forward, used by every layer."""
+
+    prefix: torch.Tensor
+    offsets: torch.Tensor
+    extra: torch.Tensor
+    longest: int  # the most keys any token has
+
+    @property
+    def tokens(self) -> int:
+        return self.prefix.shape[0]
+
+    @classmethod
+    def chain(cls, cached: int, new: int) -> KeyLists:
+        """Causal: new token t sees the cache and new tokens 0..t."""
+        prefix = torch.arange(cached + 1, cached + new + 1, dtype=torch.int32)
+        return cls(prefix, torch.zeros(new + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), cached + new)
+
+    @classmethod
+    def from_mask(cls, allowed: torch.Tensor) -> KeyLists:
+        """From a [T, S] bool mask over slots: each row's leading run of allowed slots, then the rest in order."""
+        allowed = allowed.cpu()
+        prefix = allowed.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
+        rest = allowed & (torch.arange(allowed.shape[-1]) >= prefix[:, None])
+        counts = rest.sum(-1, dtype=torch.int32)
+        offsets = torch.zeros(allowed.shape[0] + 1, dtype=torch.int32)
+        offsets[1:] = counts.cumsum(0)
+        longest = int((prefix + counts).max()) if allowed.shape[0] else 0
+        return cls(prefix, offsets, rest.nonzero()[:, 1].to(torch.int32).contiguous(), longest)
+
+
+def attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists,
+              threads: int | None = None) -> torch.Tensor:
+    """Softmax attention of ``q`` [T, H, D] over one cache row, token t over the slots ``keys`` lists for it; fp32
+    [T, H, D]. ``keys_t`` [KV, D, S] holds the row's keys transposed (slots contiguous, S a multiple of 16: scores
+    are computed 16 slots at a time), ``values`` [KV, S', D] its values (features contiguous), both fp32."""
+    tokens, heads, dim = q.shape
+    kv_heads = keys_t.shape[0]
+    if keys.tokens != tokens or heads % kv_heads or keys_t.shape[1] != dim or values.shape[-1] != dim:
+        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, keys {tuple(keys_t.shape)}, values "
+                         f"{tuple(values.shape)}, {keys.tokens} key lists")
+    if keys_t.dtype != torch.float32 or keys_t.stride(-1) != 1 or keys_t.stride(1) % 16 or keys_t.shape[-1] % 16:
+        raise ValueError("keys_t must be fp32 [KV, D, S] with contiguous slots and S a multiple of 16")
+    if values.dtype != torch.float32 or values.stride(-1) != 1 or values.stride(-2) != dim:
+        raise ValueError("values must be fp32 [KV, S, D] with contiguous slot and feature dimensions")
+    if keys.longest > min(keys_t.shape[-1], values.shape[1]):
+        raise ValueError("a key list reaches past the cache")
+    q = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    if threads is None:
+        threads = torch.get_num_threads() if tokens * heads * dim * keys.longest >= THREAD_WORK else 1
+    library().exact_attention(q.data_ptr(), keys_t.data_ptr(), values.data_ptr(), keys_t.stride(0),
+                              keys_t.stride(1), values.stride(0), tokens, heads, kv_heads, dim,
+                              keys.prefix.data_ptr(), keys.offsets.data_ptr(), keys.extra.data_ptr(), dim ** -0.5,
+                              out.data_ptr(), threads)
+    return out
