@@ -191,7 +191,7 @@ def _native_copy(runner: Any, max_batch: int) -> ModelRunner:
     if max_batch <= runner.max_batch_size:
         return runner
     copy = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
-                                   max_batch_size=max_batch, max_seq_len=runner.max_seq_len, batch_invariant=False)
+                                   max_batch_size=max_batch, max_seq_len=runner.max_seq_len, exact=False)
     copy.logit_vocab = runner.logit_vocab
     return copy
 
@@ -207,7 +207,7 @@ def draft_side_from_path(path: str, *, device: str = "auto", max_seq_len: int = 
     device = pick_device(device)
     model = assets.load_model(path, device=device, dtype=dtype)
     runner = load_runner(model, backend="native", device=device, dtype=dtype, max_seq_len=max_seq_len,
-                         max_batch_size=max_batch, batch_invariant=False)
+                         max_batch_size=max_batch, exact=False)
     return DraftSide(with_logit_vocab(runner, logit_vocab), seed=seed)
 
 

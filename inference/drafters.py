@@ -37,8 +37,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def model_dtype(name: str, device: str) -> torch.dtype | None:
     """The compute dtype ``dtype=NAME`` asks for on ``device``; None for ``auto`` (fp32 on a CPU, bf16 on CUDA).
-    bf16 on a CPU runs batch-invariant (inference.llama.INVARIANT_ROWS), so greedy output still equals AR's
-    token for token; it is refused where the CPU would only emulate it."""
+    bf16 on a CPU runs in exact mode (inference.llama.EXACT_ROWS), so greedy output still equals AR's token for
+    token; it is refused where the CPU would only emulate it."""
     if name == "auto":
         return None
     if name not in DTYPES:
@@ -50,8 +50,7 @@ def model_dtype(name: str, device: str) -> torch.dtype | None:
 
 
 def serving_dtype(name: str) -> str:
-    """``auto`` for pipelines that serve on this machine: bf16 where the CPU computes it natively (batch-invariant,
-    and verifying a few tokens costs about one decode step, as on a GPU), else fp32; any other name as given."""
+    """``auto`` for pipelines that serve on this machine: bf16 where the CPU computes it natively (exact mode, and verifying a few tokens costs about one decode step, as on a GPU), else fp32; any other name as given."""
     if name != "auto":
         return name
     return "bf16" if torch.cuda.is_available() or cpu_has_native_bf16() else "fp32"
@@ -83,13 +82,13 @@ class LoadedModel:
 
 def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch_size: int = 1,
             backend: str = "auto", dtype: torch.dtype | None = None,
-            batch_invariant: bool | None = None, chat_template: str | None = None) -> LoadedModel:
+            exact: bool | None = None, chat_template: str | None = None) -> LoadedModel:
     """A model with its runner and tokenizer; ``chat_template`` (auto|none|PATH) as ``assets.load_tokenizer``."""
     device = pick_device(device)
     model = assets.load_model(name_or_path, device=device, dtype=dtype)  # first: it names a path that is no model
     tokenizer = assets.load_tokenizer(name_or_path, chat_template)
     runner = load_runner(model, backend=backend, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                         max_batch_size=max_batch_size, batch_invariant=batch_invariant)
+                         max_batch_size=max_batch_size, exact=exact)
     return LoadedModel(str(name_or_path), runner, tokenizer, model)
 
 
@@ -169,7 +168,7 @@ def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "au
     if kind == "draft_lm":
         # A draft's tokens are only proposals: it needs no batch invariance, and its forwards are cheaper without.
         return load_draft_lm(path, target, device=device, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                             dtype=target.runner.dtype, batch_invariant=False).runner
+                             dtype=target.runner.dtype, exact=False).runner
     if kind == "features":
         return load_eagle3(path, target)
     if kind == "specblock":

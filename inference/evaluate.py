@@ -352,7 +352,7 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
         "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else dict(cfg),
         "device": str(target.runner.device),
         "dtype": str(target.runner.dtype).removeprefix("torch."),
-        "batch_invariant": bool(getattr(target.runner, "batch_invariant", False)),
+        "exactness": target.runner.exactness.as_dict(),
         "runs": runs,
         "skipped": skipped,
         "speedup_vs_ar": {n: round(s.tokens_per_s / ar_rate, 4) if ar_rate else None for n, s in totals.items()},

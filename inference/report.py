@@ -16,6 +16,19 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _exactness(results: dict[str, Any]) -> str:
+    """The target runner's path and probe, and a warning naming every greedy row whose output left AR's: such a
+    row is not lossless, whatever its speed."""
+    info = results.get("exactness") or {}
+    line = (f"{info.get('path', 'unknown')} path, probe {info.get('probe', 'not run')}; greedy output is "
+            + ("bitwise AR's by construction" if info.get("bitwise") else "AR's only up to rounding"))
+    differing = [f"{r['algorithm']} ({r['bench']})" for r in results.get("runs", [])
+                 if r.get("greedy_equal_to_ar") is False]
+    if differing:
+        line += f". **Not lossless: greedy output differs from AR's in {', '.join(differing)}**"
+    return line
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     cfg = results.get("config", {})
     lines = [
@@ -23,8 +36,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         "",
         f"temperature {cfg.get('temperature')}, max_new_tokens {cfg.get('max_new_tokens')}, "
         f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}"
-        + (f", {results['dtype']}" if results.get("dtype") else "")
-        + (" (batch-invariant)" if results.get("batch_invariant") else ""),
+        + (f", {results['dtype']}" if results.get("dtype") else ""),
+        "",
+        f"exactness: {_exactness(results)}",
         "",
         "| algorithm | bench | sampling | prompts | new tokens | τ (tokens/target fwd) | tokens/s | speedup vs AR "
         "| rollback rate | drafter fwd / target fwd | greedy = AR | simulated-overlap tokens/s | own figures |",

@@ -1,6 +1,7 @@
 """The native target runner: a Llama-family decoder (``inference.llama``) with a preallocated static KV cache,
-modelled on gpt-fast (plain modules, no per-token Python loops, static cache tensors). CPU fp32 for tests, CUDA bf16
-with ``scaled_dot_product_attention``; bf16 on a CPU of one row runs batch-invariant (``inference.llama.INVARIANT_ROWS``).
+modelled on gpt-fast (plain modules, no per-token Python loops, static cache tensors). CUDA bf16 and batched CPU rows
+with ``scaled_dot_product_attention``; one row on a CPU (fp32 or bf16) runs in exact mode (``inference.llama.EXACT_ROWS``,
+``inference.exactness``).
 It implements the forward contract of ``inference.runner_contract``; ``inference.transformers_runner`` implements it
 over any transformers model, and ``inference.runner_loading`` picks one.
 """
@@ -8,6 +9,8 @@ over any transformers model, and ``inference.runner_loading`` picks one.
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -15,7 +18,11 @@ from torch import nn
 
 from core.blocks.linear import Linear
 from core.blocks.rope import rope_cos_sin, rope_inv_freq
-from inference.llama import INVARIANT_KV_BLOCK, INVARIANT_ROWS, Decoder, GatheredKeys, gathered_keys
+from core.kernels import exact_cpu
+from core.kernels.exact_cpu import KeyLists
+from inference import exactness
+from inference.exactness import Exactness
+from inference.llama import EXACT_ROWS, Decoder
 from inference.runner_contract import (
     SUPPORTED_MODEL_TYPES,
     KeptIndices,
@@ -47,10 +54,10 @@ class ModelRunner(nn.Module):
         dtype: torch.dtype,
         max_batch_size: int,
         max_seq_len: int,
-        batch_invariant: bool | None = None,
+        exact: bool | None = None,
     ):
-        """``batch_invariant`` (default: on for a bf16 CPU runner of one row) runs forwards in the
-        batch-invariant mode described at ``INVARIANT_ROWS``."""
+        """``exact`` (default: on for one CPU row in fp32 or bf16) runs forwards in exact mode
+        (``inference.llama.EXACT_ROWS``); :attr:`exactness` says which path runs and on what grounds."""
         super().__init__()
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -72,23 +79,52 @@ class ModelRunner(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         inv_freq, self.rope_scale = rope_inv_freq(config, self.head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        if batch_invariant is None:
-            # bf16 only: the row-invariant packed linear is bf16's (fp16 runs F.linear, whose rows are not invariant)
-            batch_invariant = device.type == "cpu" and dtype == torch.bfloat16 and max_batch_size == 1
-        self.batch_invariant = batch_invariant
-        # Invariant mode pads the attended length up to a block: the cache holds the padding of its last block.
-        slots = -(-max_seq_len // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK if batch_invariant else max_seq_len
-        cache_shape = (self.num_layers, max_batch_size, self.num_kv_heads, slots, self.head_dim)
-        self.register_buffer(
-            "k_cache", torch.zeros(cache_shape, device=device, dtype=dtype), persistent=False
-        )
-        self.register_buffer(
-            "v_cache", torch.zeros(cache_shape, device=device, dtype=dtype), persistent=False
-        )
+        self.exactness = self._choose_exactness(exact, device, dtype, max_batch_size)
+        self.exact = self.exactness.path != exactness.APPROXIMATE
+        if self.exact:
+            # fp32 caches (bf16 values convert exactly), keys transposed with slots padded to a multiple of 16: the
+            # exact kernel scores 16 slots at a time from contiguous memory.
+            slots = -(-max_seq_len // 16) * 16
+            k_shape = (self.num_layers, max_batch_size, self.num_kv_heads, self.head_dim, slots)
+            v_shape = (self.num_layers, max_batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+            cache_dtype = torch.float32
+        else:
+            k_shape = v_shape = (self.num_layers, max_batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+            cache_dtype = dtype
+        self.register_buffer("k_cache", torch.zeros(k_shape, device=device, dtype=cache_dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(v_shape, device=device, dtype=cache_dtype), persistent=False)
         self.cache_lens = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self._pending: tuple[torch.Tensor, int] | None = None  # (lengths before the last forward, its T)
         self._dtype = dtype
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.logit_vocab: int | None = None  # see with_logit_vocab
+
+    def _choose_exactness(self, exact: bool | None, device: torch.device, dtype: torch.dtype,
+                          max_batch_size: int) -> Exactness:
+        """The path before the probe: APPROXIMATE with the reason, or EXACT pending the probe (run once the
+        weights are loaded)."""
+        wanted = exact if exact is not None else device.type == "cpu" and max_batch_size == 1
+        if not wanted:
+            return exactness.approximate("exact mode is off" if exact is False else
+                                         "batched rows" if device.type == "cpu" else f"{device.type} attention")
+        problems = [
+            f"it runs on a CPU, not {device.type}" if device.type != "cpu" else "",
+            "it serves one row (max_batch_size=1)" if max_batch_size != 1 else "",
+            f"it computes in fp32 or bf16, not {dtype}" if dtype not in (torch.float32, torch.bfloat16) else "",
+            f"it needs SiLU, not {self.config.hidden_act}" if getattr(self.config, "hidden_act", "silu") != "silu"
+            else "",
+        ]
+        problems = [p for p in problems if p]
+        if problems:
+            if exact:
+                raise ValueError(f"exact=true is not possible here: {'; '.join(problems)}; use exact=false")
+            return exactness.approximate("; ".join(problems))
+        try:
+            exact_cpu.library()
+        except (exact_cpu.KernelUnavailable, OSError) as error:
+            warnings.warn(f"exact mode is off: {error}", exactness.ExactnessWarning, stacklevel=3)
+            return exactness.approximate(str(error))
+        return Exactness(exactness.EXACT, "not run", False, "probe pending")
 
     # -- construction ----------------------------------------------------------------------------------------
 
@@ -102,19 +138,46 @@ class ModelRunner(nn.Module):
         dtype: torch.dtype | None = None,
         max_batch_size: int = 1,
         max_seq_len: int = 2048,
-        batch_invariant: bool | None = None,
+        exact: bool | None = None,
+        probe: bool = True,
     ) -> ModelRunner:
         """Build from a transformers config and its HF-named state dict
         (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight`` or tied to
         ``model.embed_tokens.weight``). Default dtype: fp32 on CPU, bf16 on CUDA. Weights already on
-        ``device`` in ``dtype`` are shared with the state dict, not copied."""
+        ``device`` in ``dtype`` are shared with the state dict, not copied. In exact mode the probe
+        (``inference.exactness``) runs here, unless ``probe=False``."""
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
         runner = cls(
-            config, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-            batch_invariant=batch_invariant,
+            config, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len, exact=exact,
         )
         runner._load_weights(state_dict, device, dtype)
+        if runner.exact and probe:
+            runner.exactness = exactness.probe(runner._kernel_key(), runner._probe_runner)
+            runner.exact = runner.exactness.path != exactness.APPROXIMATE
+        return runner
+
+    def _kernel_key(self) -> tuple:
+        """What decides which kernels the host runs for this model: its shapes and dtype."""
+        c = self.config
+        attn = self.model.layers[0].self_attn
+        return (c.model_type, self._dtype, c.hidden_size, c.intermediate_size, attn.num_heads, self.num_kv_heads,
+                self.head_dim, c.vocab_size, attn.q_proj.bias is not None, attn.o_proj.bias is not None)
+
+    def _probe_runner(self, path: str) -> ModelRunner:
+        """A two-layer copy running ``path``, sharing this runner's first and last layers, embedding and head."""
+        config = copy.deepcopy(self.config)
+        config.num_hidden_layers = 2
+        layers = {0: self.model.layers[0], 1: self.model.layers[-1]}
+        weights = {f"model.layers.{i}.{name}": t for i, layer in layers.items()
+                   for name, t in layer.state_dict().items()}
+        weights.update({f"model.{name}": t for name, t in self.model.state_dict().items()
+                        if not name.startswith("layers.")})
+        if not getattr(config, "tie_word_embeddings", False):
+            weights["lm_head.weight"] = self.lm_head.weight
+        runner = ModelRunner.from_config(config, weights, device=self.device, dtype=self._dtype,
+                                         max_seq_len=exactness.PROBE_SEQ_LEN, exact=True, probe=False)
+        runner.exactness = Exactness(path, "not run", False, "the probe's own runner")
         return runner
 
     @classmethod
@@ -147,6 +210,10 @@ class ModelRunner(nn.Module):
             module.to(device=device, dtype=dtype)
         self.requires_grad_(False)
         self.eval()
+        if self.exact and dtype == torch.float32:  # see Linear.row_multiple
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.row_multiple = 4
 
     # -- modules drafters reuse ------------------------------------------------------------------------------
 
@@ -198,8 +265,8 @@ class ModelRunner(nn.Module):
         if not 0 <= length <= shortest:
             raise ValueError(f"select_rows keeps {length} tokens but the chosen rows hold only {shortest}")
         index = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
-        for cache in (self.k_cache, self.v_cache):
-            cache[:, : len(rows), :, :length] = cache[:, index, :, :length]  # the gather copies before writing
+        for cache in self._slots_first():
+            cache[:, : len(rows), :length] = cache[:, index, :length]  # the gather copies before writing
         self.cache_lens = torch.full((len(rows),), length, dtype=torch.long, device=self.device)
         self._pending = None
 
@@ -239,13 +306,19 @@ class ModelRunner(nn.Module):
         for s, d, n in zip(src, dst, lengths):
             if not 0 <= d < self.batch_size or not 0 <= s < self.max_batch_size or not 0 <= n <= self.max_seq_len:
                 raise ValueError(f"copy_rows {s} -> {d} ({n} tokens) outside the cache")
-            for cache in (self.k_cache, self.v_cache):
-                cache[:, d, :, :n] = cache[:, s, :, :n]
+            for cache in self._slots_first():
+                cache[:, d, :n] = cache[:, s, :n]
         lens = self.cache_lens.clone()
         lens[torch.as_tensor(list(dst), dtype=torch.long, device=self.device)] = torch.as_tensor(
             list(lengths), dtype=torch.long, device=self.device)
         self.cache_lens = lens
         self._pending = None
+
+    def _slots_first(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the K and V caches as [layers, B, slots, kv_heads, D], whatever their layout (exact mode keeps
+        keys transposed)."""
+        k = self.k_cache.permute(0, 1, 4, 2, 3) if self.exact else self.k_cache.transpose(2, 3)
+        return k, self.v_cache.transpose(2, 3)
 
     def truncate(self, n: int | torch.Tensor) -> None:
         """Roll every row (or row b to ``n[b]``) back to length ``n``; the dropped K/V become dead slots."""
@@ -274,8 +347,7 @@ class ModelRunner(nn.Module):
             src = start[:, None] + kept
             dst = start[:, None] + torch.arange(num_kept, device=self.device)
             rows = torch.arange(batch, device=self.device)[:, None].expand(batch, num_kept)
-            for cache in (self.k_cache, self.v_cache):
-                slots_first = cache.transpose(2, 3)
+            for slots_first in self._slots_first():
                 slots_first[:, rows, dst] = slots_first[:, rows, src]
         self.cache_lens = start + counts
         self._pending = None
@@ -328,9 +400,11 @@ class ModelRunner(nn.Module):
         user_mask = None if attention_mask is None else full_user_mask(attention_mask.to(self.device), batch, new,
                                                                         cached)
         start = self.cache_lens
-        # Invariant mode on equally long rows: chunks of at most INVARIANT_ROWS tokens, each appended to the cache
-        # before the next reads it (a chunk's mask rows over columns up to its own end are the user's own rows).
-        step = max(1, INVARIANT_ROWS // batch) if self.batch_invariant and shortest == cached else new
+        # Exact mode: chunks of at most EXACT_ROWS tokens (one token per chunk on the per-token path), each appended
+        # to the cache before the next reads it (a chunk's mask rows over columns up to its own end are the user's).
+        step = new
+        if self.exact:
+            step = 1 if self.exactness.path == exactness.PER_TOKEN else EXACT_ROWS
         hidden: dict[int, list[torch.Tensor]] = {i: [] for i in capture}
         chunks = []
         for lo in range(0, new, step):
@@ -342,11 +416,10 @@ class ModelRunner(nn.Module):
         x = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         self._pending = (start, new)
 
-        x = self.model.norm(x)
+        x = self.model.norm(x, exact=self.exact)
         rows = x[:, logit_rows_slice(only_last_logits, logit_rows)]
-        if self.batch_invariant and rows.shape[0] * rows.shape[1] > INVARIANT_ROWS:
-            per = max(1, INVARIANT_ROWS // rows.shape[0])
-            logits = torch.cat([self._logits(rows[:, lo:lo + per]) for lo in range(0, rows.shape[1], per)], dim=1)
+        if self.exact and rows.shape[1] > step:
+            logits = torch.cat([self._logits(rows[:, lo:lo + step]) for lo in range(0, rows.shape[1], step)], dim=1)
         else:
             logits = self._logits(rows)
         return RunnerOutput(logits=logits, hidden={i: torch.cat(h, dim=1) if len(h) > 1 else h[0]
@@ -356,6 +429,8 @@ class ModelRunner(nn.Module):
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         # As one contiguous 2D matmul: a strided 3D input would take a batched path that copies the weight.
         flat = rows.reshape(-1, rows.shape[-1]).contiguous()
+        if self.exact and flat.shape[0] == 1:  # exact mode: a linear always sees at least two rows
+            return self._logits(flat.expand(2, -1))[:1].view(*rows.shape[:-1], -1)
         if self.logit_vocab is None:
             logits = self.lm_head(flat).float()
         else:
@@ -371,30 +446,60 @@ class ModelRunner(nn.Module):
         # [B, T] physical cache slots of the new tokens
         slots = self.cache_lens[:, None] + torch.arange(new, device=self.device)
         positions = slots if positions is None else positions
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale, self._dtype)  # [B, 1, T, D]
         aligned = shortest == cached
         write_index = cached if aligned else (torch.arange(batch, device=self.device)[:, None], slots)
 
+        if self.exact:
+            return self._exact_layers(input_ids, positions, user_mask, slots, cached, capture, hidden)
         attend_len = cached + new
         mask, is_causal = None, False
-        invariant: bool | GatheredKeys = self.batch_invariant
-        if self.batch_invariant:  # always masked, over a padded length (see INVARIANT_KV_BLOCK)
-            attend_len = -(-attend_len // INVARIANT_KV_BLOCK) * INVARIANT_KV_BLOCK
-            mask = self._attention_mask(user_mask, slots, cached, new, attend_len)
-            if user_mask is not None and batch == 1:
-                invariant = gathered_keys(mask[0, 0]) or True
-        elif user_mask is not None or not aligned or (new > 1 and cached > 0):
+        if user_mask is not None or not aligned or (new > 1 and cached > 0):
             mask = self._attention_mask(user_mask, slots, cached, new, attend_len)
         elif new > 1:
             # Fast paths when all rows are equally long and the mask is causal: decode needs no mask, a prefill
             # into an empty cache is plain causal attention (lets SDPA use flash kernels on CUDA).
             is_causal = True
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale, self._dtype)  # [B, 1, T, D]
 
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = self.k_cache[i, :batch], self.v_cache[i, :batch]
-            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal, invariant)
+            x = layer(x, cos, sin, k_cache, v_cache, write_index, attend_len, mask, is_causal)
             if i in capture:
                 hidden[i].append(x)
         self.cache_lens = self.cache_lens + new
         return x
+
+    def _exact_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, user_mask: torch.Tensor | None,
+                      slots: torch.Tensor, cached: int, capture: Sequence[int],
+                      hidden: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """:meth:`_layers` in exact mode (one row): each token's keys are planned once for every layer, a lone
+        token runs as a doubled row (so every linear sees at least two), RoPE's angles come from one table."""
+        new = input_ids.shape[1]
+        if user_mask is None:
+            keys = KeyLists.chain(cached, new)
+        else:
+            keys = KeyLists.from_mask(self._attention_mask(user_mask, slots, cached, new, cached + new)[0, 0])
+        cos, sin = self._rope_at(positions)
+        x = self.model.embed_tokens(input_ids)
+        if new == 1:
+            x = x.repeat(1, 2, 1)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], cached, None, None, False, exact=keys)
+            if i in capture:
+                hidden[i].append(x[:, :new])
+        self.cache_lens = self.cache_lens + new
+        return x[:, :new]
+
+    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [1, 1, T, D] from a table computed once for every position: an element of a vectorised cos
+        can depend on where it sits in the tensor, so each position's angles are computed exactly once."""
+        if self._rope_table is None:
+            every = torch.arange(self.max_seq_len, device=self.device)[None]
+            cos, sin = rope_cos_sin(every, self.inv_freq, self.rope_scale, self._dtype)
+            self._rope_table = (cos[0, 0], sin[0, 0])
+        if int(positions.max()) >= self.max_seq_len or int(positions.min()) < 0:
+            raise ValueError(f"positions must lie in 0..{self.max_seq_len - 1} (max_seq_len), got "
+                             f"{positions.min().item()}..{positions.max().item()}")
+        cos, sin = self._rope_table
+        return cos[positions[0]][None, None], sin[positions[0]][None, None]

@@ -19,11 +19,12 @@ def load_runner(
     dtype: torch.dtype | None = None,
     max_batch_size: int = 1,
     max_seq_len: int = 2048,
-    batch_invariant: bool | None = None,
+    exact: bool | None = None,
 ) -> ModelRunner | TransformersRunner:
     """A runner for a transformers model instance (or a local HF model directory): :class:`ModelRunner` for
     supported model types (``backend="auto"`` or ``"native"``) whose sliding window, if any, is no shorter than
-    ``max_seq_len``; :class:`TransformersRunner` otherwise or with ``backend="transformers"``. ``batch_invariant``: see :class:`ModelRunner` (None = its default)."""
+    ``max_seq_len``; :class:`TransformersRunner` otherwise or with ``backend="transformers"``. ``exact``: see
+    :class:`ModelRunner` (None = its default)."""
     if backend not in ("auto", "native", "transformers"):
         raise ValueError(f"backend must be auto, native or transformers, got {backend!r}")
     model = model_or_path
@@ -38,7 +39,7 @@ def load_runner(
     native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES \
         and not window_matters(model.config, max_seq_len)
     if backend == "native" or (backend == "auto" and native):
-        return ModelRunner.from_hf_model(model, batch_invariant=batch_invariant, **kw)
+        return ModelRunner.from_hf_model(model, exact=exact, **kw)
     return TransformersRunner.from_hf_model(model, **kw)
 
 
@@ -54,7 +55,7 @@ def with_logit_vocab(runner: ModelRunner | TransformersRunner, vocab: int | None
     if isinstance(runner, ModelRunner):
         view = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
                                        max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len,
-                                       batch_invariant=runner.batch_invariant)
+                                       exact=runner.exact)
     else:
         view = TransformersRunner(runner.model, max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
     view.logit_vocab = vocab

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from inference import exactness
 from inference.runner_contract import (
     KeptIndices,
     RunnerOutput,
@@ -48,6 +49,9 @@ class TransformersRunner:
         self.max_seq_len = max_seq_len
         self.num_layers = self.config.num_hidden_layers
         self.logit_vocab: int | None = None  # see with_logit_vocab
+        # transformers' own attention and GEMMs over batched rows: greedy equality with AR holds up to rounding
+        self.exact = False
+        self.exactness = exactness.approximate("transformers backend")
         self._decoder_layers = next(
             (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == self.num_layers), None
         )

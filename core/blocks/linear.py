@@ -14,7 +14,12 @@ class Linear(nn.Linear):
     ``F.linear`` for the few rows of a decode or verification step, and its row results do not depend on how many
     rows share the call (what batch-invariant mode relies on). fp32 runs 2 or 3 rows as 4 on a CPU: MKL's fp32
     GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of such
-    shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added."""
+    shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added.
+
+    ``row_multiple`` (fp32 on a CPU) pads every call's rows with zero rows up to a multiple of it: the engine's
+    exact mode sets 4, since MKL computes a row in a partial 4-row tile with other rounding than in a full one."""
+
+    row_multiple: int = 1
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
@@ -26,10 +31,11 @@ class Linear(nn.Linear):
         if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not needs_grad:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features), bias, "none", [], "")
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows not in (2, 3) or x.device.type != "cpu":
+        pad = -rows % (4 if rows in (2, 3) else self.row_multiple)
+        if not pad or x.device.type != "cpu":
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
-        padded = torch.cat([flat, flat.new_zeros(4 - rows, flat.shape[-1])])
+        padded = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
 
     def _packed(self, weight: torch.Tensor, out_features: int | None) -> torch.Tensor:

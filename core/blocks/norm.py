@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.kernels import exact_cpu
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -12,9 +14,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """``exact``: the fp32 scale from ``core.kernels.exact_cpu`` (a row's result fixed whatever the call's
+        shape; the engine's exact mode), else torch's ops."""
         # Normalise in fp32 and cast back before the weight, exactly as transformers does.
         input_dtype = x.dtype
+        if exact:
+            return self.weight * exact_cpu.rms_scale(x, self.eps).to(input_dtype)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(input_dtype)

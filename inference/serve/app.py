@@ -36,7 +36,8 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics) 
     @app.get("/health")
     async def health() -> Response:
         ok = scheduler.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "engine stopped", "exactness": model.exactness},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -32,6 +32,7 @@ class ServedModel:
     default_max_tokens: int
     default_sampling: SamplingParams  # what a request that sets no temperature / top_k / top_p samples with
     adapter: ObserverTap | None  # the serving-time adapter (adapt=NAME), tapped for its decisions
+    exactness: dict[str, Any]  # the target runner's path and probe (inference.exactness), for /health
 
     @property
     def batched(self) -> bool:
@@ -87,7 +88,8 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
         adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))
     return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
-                       variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter)
+                       variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
+                       target.runner.exactness.as_dict())
 
 
 def warm_up(model: ServedModel) -> None:
