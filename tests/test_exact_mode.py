@@ -1,0 +1,407 @@
+"""Exact mode (one row on a CPU, fp32 or bf16): a token's logits are bitwise those of decoding it alone, however it is
+batched, so greedy speculative output equals AR's token for token (inference.llama.EXACT_ROWS, inference.exactness).
+Every equality below compares the engine's own decode with its own chains and trees; none rests on two kernel calls
+of different shapes agreeing, except where the probe checks exactly that."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_algorithms import tiny_llama
+from test_eagle3_tree import random_drafter as random_eagle3
+from test_specblock_tree import random_drafter as random_specblock
+from transformers import LlamaForCausalLM
+
+from core.blocks.linear import Linear
+from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+from core.kernels import exact_cpu
+from core.kernels.exact_cpu import KeyLists
+from core.prompts import load_prompts, prompt_turns, render_prompt
+from inference import drafters, exactness
+from inference.algorithms import build_algorithm
+from inference.device import cpu_has_native_bf16
+from inference.exactness import tree_mask
+from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
+
+native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16/AMX)")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=native_bf16)]
+GREEDY = SamplingParams(temperature=0)
+
+
+def smollm2_shaped(seed: int, layers: int) -> LlamaForCausalLM:
+    """SmolLM2-135M's layer shapes (the kernels chosen depend on them) with few layers and a small vocabulary;
+    sharp output distributions, so that a noisy copy agrees with it now and then."""
+    return tiny_llama(seed, vocab=4096, layers=layers, temperature_scale=30.0, hidden=576, intermediate=1536, heads=9,
+                      kv_heads=3, max_positions=1024)
+
+
+def noisy_copy(model: LlamaForCausalLM, noise: float) -> LlamaForCausalLM:
+    """A draft that agrees with ``model`` often but not always: each weight moved by ``noise`` of its spread."""
+    copy = smollm2_shaped(0, layers=model.config.num_hidden_layers)
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(noise * float(param.std()) * torch.randn(param.shape, generator=generator))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def target():
+    return smollm2_shaped(0, layers=2)
+
+
+def exact_runner(model, dtype=torch.bfloat16, **kw) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, dtype=dtype, max_seq_len=kw.pop("max_seq_len", 640), **kw)
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """The probe's per-process results, emptied for this test and restored after it."""
+    monkeypatch.setattr(exactness, "_results", {})
+
+
+def test_the_mode_is_on_for_one_cpu_row_in_fp32_and_bf16_only(target):
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = exact_runner(target, dtype)
+        assert runner.exact and runner.exactness.path == exactness.EXACT and runner.exactness.bitwise
+    batched = exact_runner(target, max_batch_size=4)  # batched generation keeps SDPA's speed
+    assert not batched.exact and batched.exactness.path == exactness.APPROXIMATE
+    assert batched.exactness.reason == "batched rows" and not batched.exactness.bitwise
+    assert not exact_runner(target, torch.float16, max_seq_len=64).exact
+    assert exact_runner(target, exact=False).exactness.reason == "exact mode is off"
+    with pytest.raises(ValueError, match="exact=true is not possible here: it serves one row"):
+        exact_runner(target, exact=True, max_batch_size=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_probe_passes_on_this_host(target, dtype, smollm2):
+    """A host whose kernels break the fast path's assumption fails here loudly (the runner would still be exact,
+    token by token, but this suite's speed figures and CI assume the fast path)."""
+    model, _ = smollm2
+    for runner in (exact_runner(target, dtype), exact_runner(model, dtype, max_seq_len=256)):
+        assert runner.exactness.path == exactness.EXACT, runner.exactness.summary()
+        assert runner.exactness.probe == "passed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prompt_len", [57, 505])  # 505 + 100 crosses 512 cached tokens
+def test_logits_do_not_depend_on_how_tokens_are_batched(target, dtype, prompt_len):
+    runner = exact_runner(target, dtype)
+    generator = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, 4096, (1, prompt_len), generator=generator)
+    tokens = torch.randint(0, 4096, (1, 100), generator=generator)
+    runner.reset(1)
+    runner.forward(prompt)
+    start = runner.length()
+    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(100)])
+    for block in (2, 3, 4, 5, 13, 33, 48, 64, 65, 100):  # 65, 100: more than EXACT_ROWS, run in chunks
+        runner.truncate(start)
+        blocked = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0] for j in range(0, 100, block)])
+        assert torch.equal(blocked, stepwise), f"block {block}"
+    runner.truncate(start)  # the same chain through an explicit mask (the tree / grid path)
+    chain = runner.forward(tokens[:, :48], attention_mask=torch.ones(48, 48, dtype=torch.bool).tril()).logits[0]
+    assert torch.equal(chain, stepwise[:48])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_chunk_edges_do_not_change_the_cache(target, dtype):
+    """A prompt prefilled at once (chunks of 64, 64, 2) or in other pieces leaves the same cache: the next tokens
+    decode to the same logits."""
+    runner = exact_runner(target, dtype)
+    generator = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 4096, (1, 130), generator=generator)
+    tokens = torch.randint(0, 4096, (1, 6), generator=generator)
+    outcomes = []
+    for pieces in ((130,), (63, 67), (1, 64, 65), (100, 30)):
+        runner.reset(1)
+        at = 0
+        for size in pieces:
+            runner.forward(prompt[:, at:at + size])
+            at += size
+        outcomes.append(torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(6)]))
+    assert all(torch.equal(o, outcomes[0]) for o in outcomes[1:])
+
+
+def random_parents(generator: torch.Generator, nodes: int) -> list[int]:
+    """A random tree in topological order (each node's parent comes before it; -1: a root below the cache)."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, nodes)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cached", [70, 122, 250])  # 122 and 250: 58 past a multiple of 64, trees straddle it
+def test_random_tree_nodes_get_the_logits_of_decoding_their_own_path(target, dtype, cached):
+    """Tree nodes sit in slots with gaps between ancestors; each node's logits must be bitwise those of decoding
+    its path token by token (what AR computes), or a tree's greedy output could leave AR's."""
+    runner = exact_runner(target, dtype)
+    generator = torch.Generator().manual_seed(cached)
+    prompt = torch.randint(0, 4096, (1, cached), generator=generator)
+    parents = random_parents(generator, 20)
+    tokens = torch.randint(0, 4096, (1, len(parents)), generator=generator)
+    mask, depth = tree_mask(parents)
+    runner.reset(1)
+    runner.forward(prompt)
+    tree = runner.forward(tokens, attention_mask=mask, positions=torch.tensor([depth]) + cached).logits[0]
+    for node in range(len(parents)):
+        runner.truncate(cached)
+        for i in mask[node].nonzero()[:, 0].tolist():
+            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+        assert torch.equal(tree[node], decoded), f"node {node} of {parents}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_committing_a_tree_path_leaves_the_cache_decoding_would(target, dtype):
+    runner = exact_runner(target, dtype)
+    generator = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, 4096, (1, 90), generator=generator)
+    parents = [-1, 0, 0, 1, 2, 3, 3, 6]
+    tokens = torch.randint(0, 4096, (1, len(parents)), generator=generator)
+    nxt = torch.randint(0, 4096, (1, 1), generator=generator)
+    mask, depth = tree_mask(parents)
+    path = mask[7].nonzero()[:, 0].tolist()  # 0, 1, 3, 6, 7
+    runner.reset(1)
+    runner.forward(prompt)
+    runner.forward(tokens, attention_mask=mask, positions=torch.tensor([depth]) + 90)
+    runner.commit([path])
+    after_tree = runner.forward(nxt).logits[0, -1]
+    runner.truncate(90)
+    for i in path:
+        runner.forward(tokens[:, i:i + 1])
+    assert torch.equal(after_tree, runner.forward(nxt).logits[0, -1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["sps", "self_draft"])
+def test_greedy_speculative_output_equals_ar_with_a_draft_that_agrees_often(target, dtype, name):
+    """Random weights give near-tied logits, where any rounding difference would flip the argmax."""
+    draft = exact_runner(noisy_copy(target, 0.05), dtype, exact=False) if name == "sps" else None
+    prompt = torch.randint(0, 4096, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = build_algorithm("ar", exact_runner(target, dtype)).generate(prompt, max_new_tokens=80,
+                                                                            sampling=GREEDY)
+    result = build_algorithm(name, exact_runner(target, dtype), draft).generate(prompt, max_new_tokens=80,
+                                                                                sampling=GREEDY)
+    assert result.tokens == reference.tokens
+    # drafted tokens were accepted and (sps) some rejected: the equality is not trivial
+    assert result.stats.target_forwards < 80
+    if name == "sps":
+        assert 1.5 < result.stats.tau < 5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd", "eagle3_tree", "specblock_tree", "self_draft"])
+def test_every_algorithm_equals_ar_in_exact_mode(name, dtype):
+    """Each algorithm with its drafter kind in the target's dtype (a real H-RAD for SpecBranch, whose weights stay
+    fp32): its greedy tokens are AR's."""
+    model = smollm2_shaped(0, layers=5)  # the drafters' test helpers read aux layers 0, 1, 2; H-RAD the last 4
+    prompt = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = build_algorithm("ar", exact_runner(model, dtype)).generate(prompt, max_new_tokens=24,
+                                                                           sampling=GREEDY)
+    drafter, options = None, {}
+    if name in ("sps", "pearl", "specbranch", "ssd"):
+        drafter = exact_runner(noisy_copy(model, 0.05), dtype, exact=False)
+    if name == "specbranch":
+        options["hrad"] = HRADPredictor(HRAD(HRADConfig(hidden_size=576, last_k=4, gamma=4, boundaries=[1, 3])),
+                                        {"layers": {"ids": capture_layers(5, 4)}})
+    if name == "eagle3_tree":
+        drafter, options = random_eagle3(model, draft_vocab=512).to(dtype), {"tree_total": 16}
+    if name == "specblock_tree":
+        drafter = random_specblock(model, draft_vocab=512).to(dtype)
+    algorithm = build_algorithm(name, exact_runner(model, dtype), drafter, **options)
+    assert algorithm.generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens == reference.tokens
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smollm2, dtype):
+    """The same on the real model, with real text in the tree."""
+    model, tokenizer = smollm2
+    runner = exact_runner(model, dtype, max_seq_len=512)
+    prompt = render_prompt(tokenizer, prompt_turns(load_prompts("gsm_symbolic", n=3)[2]))
+    answer = build_algorithm("ar", runner).generate(prompt, max_new_tokens=60, sampling=GREEDY).tokens
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 2, 10, 11, 4]
+    mask, depth = tree_mask(parents)
+    context = prompt + answer[:50]
+    tokens = torch.tensor([[answer[50 + d] if i % 3 else answer[40 + i] for i, d in enumerate(depth)]])
+    runner.reset(1)
+    runner.forward(torch.tensor([context]))
+    tree = runner.forward(tokens, attention_mask=mask, positions=torch.tensor([depth]) + len(context)).logits[0]
+    for node in range(len(parents)):
+        runner.truncate(len(context))
+        for i in mask[node].nonzero()[:, 0].tolist():
+            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+        assert torch.equal(tree[node], decoded), f"node {node}"
+
+
+# -- a host whose kernels differ, emulated ---------------------------------------------------------------------
+
+
+def rounds_differently_past(rows_limit: int):
+    """Linear.forward as on a host whose GEMM rounds a call of more than ``rows_limit`` rows differently: the
+    last bit of each output of such a call is flipped."""
+    original = Linear.forward
+
+    def forward(self, x, out_features=None):
+        out = original(self, x, out_features)
+        if x.numel() // x.shape[-1] > rows_limit:
+            bits = out.view(torch.int16) if out.dtype == torch.bfloat16 else out.view(torch.int32)
+            out = (bits ^ 1).view(out.dtype)
+        return out
+    return forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_probe_catches_gemm_rows_that_depend_on_the_row_count_and_falls_back(target, dtype, monkeypatch,
+                                                                                   fresh_probe):
+    monkeypatch.setattr(Linear, "forward", rounds_differently_past(4))
+    with pytest.warns(exactness.ExactnessWarning, match="exact mode: a block of 5 tokens gave token 0 other logits "
+                                                        "than decoding it alone on this CPU; .*token by token"):
+        runner = exact_runner(target, dtype)
+    assert runner.exactness.path == exactness.PER_TOKEN and runner.exactness.bitwise
+    assert runner.exactness.probe.startswith("failed: a block of 5 tokens")
+    prompt = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=30, sampling=GREEDY)
+    draft = exact_runner(noisy_copy(target, 0.05), dtype, exact=False)
+    result = build_algorithm("sps", exact_runner(target, dtype), draft).generate(prompt, max_new_tokens=30,
+                                                                                 sampling=GREEDY)
+    assert result.tokens == reference.tokens and result.stats.tau > 1.5
+    # Without the probe the fast path's claim would be false on this host: a verified block differs from decoding.
+    unprobed = exact_runner(target, dtype, probe=False)
+    unprobed.reset(1)
+    unprobed.forward(torch.tensor([prompt]))
+    tokens = torch.tensor([reference.tokens[:8]])
+    blocked = unprobed.forward(tokens).logits[0]
+    unprobed.truncate(len(prompt))
+    assert not torch.equal(blocked, torch.cat([unprobed.forward(tokens[:, j:j + 1]).logits[0] for j in range(8)]))
+
+
+def test_the_probe_catches_attention_rows_that_depend_on_the_call(target, monkeypatch, fresh_probe):
+    """The same for attention: a host (emulated) where a token verified among others gets other bits."""
+    original = exact_cpu.attention
+
+    def attention(q, keys_t, values, keys, threads=None):
+        out = original(q, keys_t, values, keys, threads)
+        return out if q.shape[0] == 1 else (out.view(torch.int32) ^ 1).view(torch.float32)
+    monkeypatch.setattr(exact_cpu, "attention", attention)
+    with pytest.warns(exactness.ExactnessWarning, match="a block of 2 tokens"):
+        runner = exact_runner(target, torch.float32)
+    assert runner.exactness.path == exactness.PER_TOKEN
+    prompt = torch.randint(0, 4096, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=12, sampling=GREEDY)
+    assert build_algorithm("self_draft", runner).generate(prompt, max_new_tokens=12,
+                                                          sampling=GREEDY).tokens == reference.tokens
+
+
+def test_a_host_that_is_not_even_deterministic_is_reported_as_approximate(target, monkeypatch, fresh_probe):
+    calls = iter(range(10**9))
+    original = Linear.forward
+
+    def noisy(self, x, out_features=None):  # every call rounds its own way
+        out = original(self, x, out_features)
+        return out if next(calls) % 2 else (out.view(torch.int32) ^ 1).view(torch.float32)
+    monkeypatch.setattr(Linear, "forward", noisy)
+    with pytest.warns(exactness.ExactnessWarning, match="greedy equality only up to rounding"):
+        runner = exact_runner(target, torch.float32)
+    assert runner.exactness.path == exactness.APPROXIMATE and not runner.exactness.bitwise
+    assert not runner.exact  # it runs the plain path and claims nothing
+    assert "up to rounding" in runner.exactness.summary()
+
+
+def test_without_the_kernels_the_mode_is_off_and_says_why(target, monkeypatch):
+    def unavailable():
+        raise exact_cpu.KernelUnavailable("no C compiler found for the exact CPU kernels; install gcc")
+    monkeypatch.setattr(exact_cpu, "library", unavailable)
+    with pytest.warns(exactness.ExactnessWarning, match="exact mode is off: no C compiler found"):
+        runner = exact_runner(target, torch.float32)
+    assert not runner.exact and runner.exactness.path == exactness.APPROXIMATE
+    prompt = torch.randint(0, 4096, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert len(build_algorithm("ar", runner).generate(prompt, max_new_tokens=4, sampling=GREEDY).tokens) == 4
+
+
+# -- the kernels --------------------------------------------------------------------------------------------------
+
+
+def test_the_attention_kernel_matches_fp64_and_each_row_is_its_own(target):
+    torch.manual_seed(0)
+    kv_heads, group, dim, slots, cached, new = 3, 3, 64, 1104, 1000, 21
+    keys_t, values = torch.randn(kv_heads, dim, slots), torch.randn(kv_heads, slots, dim)
+    q = torch.randn(new, kv_heads * group, dim)
+    out = exact_cpu.attention(q, keys_t, values, KeyLists.chain(cached, new))
+    k, v = keys_t.double().transpose(1, 2).repeat_interleave(group, 0), values.double().repeat_interleave(group, 0)
+    for t in (0, 9, 20):
+        n = cached + t + 1
+        scores = (q[t].double()[:, None] @ k[:, :n].transpose(1, 2))[:, 0] * dim ** -0.5
+        reference = (scores.softmax(-1)[:, None] @ v[:, :n])[:, 0]
+        assert (out[t].double() - reference).abs().max() < 2e-6
+        alone = exact_cpu.attention(q[t:t + 1], keys_t, values, KeyLists.chain(cached + t, 1), threads=1)
+        assert torch.equal(alone[0], out[t])  # one thread or two, alone or among 21: the same bits
+
+
+def test_key_lists_follow_the_mask_in_path_order():
+    allowed = torch.zeros(4, 12, dtype=torch.bool)
+    allowed[:, :8] = True
+    for node, parent in enumerate([-1, 0, 0, 2]):
+        allowed[node, 8 + node] = True
+        if parent >= 0:
+            allowed[node] |= allowed[parent]
+    keys = KeyLists.from_mask(allowed)
+    assert keys.prefix.tolist() == [9, 10, 9, 9] and keys.offsets.tolist() == [0, 0, 0, 1, 3]
+    assert keys.extra.tolist() == [10, 10, 11] and keys.longest == 11
+    chain = KeyLists.chain(5, 3)
+    assert chain.prefix.tolist() == [6, 7, 8] and chain.longest == 8
+
+
+def test_the_kernels_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match="bf16 or fp32 CPU tensors, got torch.float16"):
+        exact_cpu.silu(torch.ones(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="a key list reaches past the cache"):
+        exact_cpu.attention(torch.ones(1, 2, 16), torch.ones(1, 16, 16), torch.ones(1, 16, 16), KeyLists.chain(16, 1))
+    with pytest.raises(ValueError, match="keys_t must be fp32"):
+        exact_cpu.attention(torch.ones(1, 2, 16), torch.ones(1, 16, 20), torch.ones(1, 20, 16), KeyLists.chain(1, 1))
+
+
+def test_dtype_names_are_checked(monkeypatch):
+    assert drafters.model_dtype("auto", "cpu") is None
+    assert drafters.model_dtype("fp32", "cpu") is torch.float32
+    with pytest.raises(ValueError, match="dtype=fp8 is not supported; use auto, fp32 or bf16"):
+        drafters.model_dtype("fp8", "cpu")
+    monkeypatch.setattr(drafters, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(ValueError, match="needs a CPU with native bf16.*use dtype=fp32"):
+        drafters.model_dtype("bf16", "cpu")
+
+
+def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer(x, 40), torch.nn.functional.linear(x, layer.weight[:40], layer.bias[:40]))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place update (the adapter's kind): the packed copy is rebuilt
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert "_packs" not in layer.state_dict() and set(layer.state_dict()) == {"weight", "bias"}
+    layer.requires_grad_(True)  # training (the serving-time adapter updates bf16 drafters): F.linear, with a backward
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == layer.weight.shape
+
+
+def test_fp32_rows_are_padded_to_a_multiple_of_four_in_exact_mode():
+    torch.manual_seed(0)
+    layer = Linear(32, 8).requires_grad_(False)
+    layer.row_multiple = 4
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        padded = torch.nn.functional.linear(torch.cat([x, x.new_zeros(1, 32)]), layer.weight, layer.bias)[:7]
+        assert torch.equal(layer(x), padded)
+
+
+def test_warnings_name_one_line(target, monkeypatch, fresh_probe):
+    """Each warning the mode gives is a single line (no traceback-like spill)."""
+    monkeypatch.setattr(Linear, "forward", rounds_differently_past(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exact_runner(target, torch.float32)
+    messages = [str(w.message) for w in caught if issubclass(w.category, exactness.ExactnessWarning)]
+    assert len(messages) == 1 and "\n" not in messages[0]
