@@ -147,7 +147,7 @@ class Plan:
 # -- models ------------------------------------------------------------------------------------------------------
 
 
-def random_llama(seed: int, shape: dict, *, logit_scale: float, device: torch.device, dtype: torch.dtype = torch.float32,
+def random_llama(seed: int, shape: dict, *, logit_scale: float, device: torch.device,
                  embed_scale: float = 1.0, residual_scale: float = 1.0) -> LlamaForCausalLM:
     """A random Llama (untied lm_head, no EOS: generations always run to their budget) with its lm_head scaled by
     ``logit_scale`` (sharper output distributions: fewer near-ties), its embedding by ``embed_scale`` and what each
@@ -162,7 +162,7 @@ def random_llama(seed: int, shape: dict, *, logit_scale: float, device: torch.de
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(residual_scale)
             layer.mlp.down_proj.weight.mul_(residual_scale)
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def first_layers(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
@@ -215,10 +215,10 @@ def runner_for(model: LlamaForCausalLM, max_seq_len: int, **kw) -> ModelRunner:
 class Models:
     """The run's models, built on first use and kept: the 1B target (and its 2-layer draft) per dtype, tiny ones.
 
-    The 1B's residual stream is dominated by its embedding (x50) over what its layers write (x0.3): its first 2
-    layers then agree with it on about 3 tokens in 4 (measured on a 512-wide, 16-layer proxy; with the default init
-    they agree on none, and every draft would be rejected), while the layers still decide about 1 token in 4, so a
-    cache, mask or position bug still changes the output."""
+    The 1B's residual stream is dominated by its embedding (x50) over what its layers write (x0.05): its first 2
+    layers then agree with it on 77 % of the next tokens of random text, and its embedding alone on 72 % (measured
+    on a CPU; at x0.3 they agree on 9 %, with transformers' init on none, so every draft would be rejected), while
+    its layers still decide more than 1 token in 4, so a cache, mask or position bug still changes the output."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -233,7 +233,7 @@ class Models:
             elif name.endswith("_draft"):
                 model = first_layers(self.get(name.removesuffix("_draft")), 2)
             else:
-                model = (random_llama(0, self.plan.big, logit_scale=10.0, embed_scale=50.0, residual_scale=0.3,
+                model = (random_llama(0, self.plan.big, logit_scale=10.0, embed_scale=50.0, residual_scale=0.05,
                                       device=self.plan.device) if name == "big"
                          else random_llama(0, TINY, logit_scale=8.0, device=self.plan.device))
             self._cache[key] = model
@@ -409,13 +409,27 @@ def sampled_law_check(plan: Plan, name: str, target: LlamaForCausalLM, drafter, 
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
         accepted += result.stats.accepted_draft_tokens
         runs += 1
-    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if p > 0)
+    chi2, dof = chi_square(counts, law, runs)
     tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
     direct_tv = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * runs)) for p in law.values())  # E|N(0, p(1-p)/N)|
     return {"algorithm": name, "tokens": n, "runs": runs, "seconds": round(time.perf_counter() - start, 1),
             "accepted_draft_tokens_per_run": round(accepted / runs, 3), "tv": round(tv, 4),
-            "direct_sampling_tv": round(direct_tv, 4), "chi2": round(chi2, 1), "dof": len(law) - 1,
-            "p_value": round(chi2_p_value(chi2, len(law) - 1), 4)}
+            "direct_sampling_tv": round(direct_tv, 4), "chi2": round(chi2, 1), "dof": dof,
+            "p_value": round(chi2_p_value(chi2, dof), 4)}
+
+
+def chi_square(counts: dict, law: dict, runs: int, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom, outcomes expected fewer than ``min_expected`` times pooled
+    into one cell (where the chi-square law would not hold for them alone)."""
+    cells, rare_count, rare_p = [], 0, 0.0
+    for outcome, p in law.items():
+        if runs * p < min_expected:
+            rare_count, rare_p = rare_count + counts.get(outcome, 0), rare_p + p
+        else:
+            cells.append((counts.get(outcome, 0), p))
+    if rare_p > 0:
+        cells.append((rare_count, rare_p))
+    return sum((c - runs * p) ** 2 / (runs * p) for c, p in cells), len(cells) - 1
 
 
 def exact_law(plan: Plan) -> list[dict]:
@@ -818,12 +832,20 @@ def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"environment": environment(plan, cfg, argv), "sections": {}}
     models = Models(plan)
-    for name in [s for s in SECTIONS if s in cfg.sections]:
-        # inference sections under no_grad; training needs autograd
-        with section_record(results, name, out) as record, nullcontext() if name == "training" else torch.no_grad():
-            record.update(SECTION_FUNCTIONS[name](plan, cfg, models))
-        free_memory(plan.device)
-        print(f"[gpu_check] {name}: {'ok' if record['ok'] else record['error']} ({record['seconds']} s)", flush=True)
+    threads = torch.get_num_threads()
+    if plan.dry:  # the toy models' matmuls are too small for threads, which only spin against other work here
+        torch.set_num_threads(1)
+    try:
+        for name in [s for s in SECTIONS if s in cfg.sections]:
+            # inference sections under no_grad; training needs autograd
+            with section_record(results, name, out) as record, \
+                    nullcontext() if name == "training" else torch.no_grad():
+                record.update(SECTION_FUNCTIONS[name](plan, cfg, models))
+            free_memory(plan.device)
+            print(f"[gpu_check] {name}: {'ok' if record['ok'] else record['error']} ({record['seconds']} s)",
+                  flush=True)
+    finally:
+        torch.set_num_threads(threads)
     return f"wrote {out / 'results.json'} and {out / 'report.md'}"
 
 
