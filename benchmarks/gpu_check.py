@@ -15,7 +15,8 @@ exact-law sampling):
 - ``lossless``: every algorithm's greedy tokens vs AR's, fp32 and bf16, tiny and 1B: equal, the first index
   where they differ, and there the target's top-2 logit gap (a near-tie flip when it is under ``tie_fp32`` /
   ``tie_bf16``); the T=1 law of the first 3 tokens of SpS and eagle3_tree vs the exact target law (TV distance,
-  chi-square p-value); ``executor=cuda_streams`` vs ``sequential`` for PEARL and SpecBranch.
+  chi-square p-value); ``executor=cuda_streams`` vs ``sequential`` for PEARL and SpecBranch; whether T=1
+  generation takes a CPU generator (as ``inference.evaluate`` passes) and one on the GPU.
 - ``ar_speed``: the engine's AR tokens/s on the 1B in bf16 at batch 1 vs transformers ``generate`` (dynamic
   cache; static cache eager; static cache auto-compiled, which is transformers' CUDA default) and vs the HBM
   roofline (bytes one decode step reads / the measured device-to-device copy bandwidth).
@@ -366,21 +367,18 @@ def greedy_equality(plan: Plan, cfg: GpuCheckConfig, models: Models, model: str,
     reference = build_for("ar", models, model, dtype, max_seq_len).generate(
         prompt, max_new_tokens=new_tokens, sampling=GREEDY).tokens
     tie = cfg.tie_bf16 if dtype == "bf16" else cfg.tie_fp32
-    rows = []
-    for name in [n for n in ALGORITHMS if n != "ar"]:
-        row: dict[str, Any] = {"model": model, "dtype": dtype, "algorithm": name}
-        try:
-            result = build_for(name, models, model, dtype, max_seq_len).generate(
-                prompt, max_new_tokens=new_tokens, sampling=GREEDY)
-            diverged = first_divergence(result.tokens, reference)
-            row.update(equal=diverged is None, first_divergence=diverged, tau=round(result.stats.tau, 3))
-            if diverged is not None:
-                row.update(divergence(runner_for(models.get(model, dtype), max_seq_len), prompt, reference,
-                                      result.tokens, diverged, tie))
-        except Exception as exc:  # noqa: BLE001 - one algorithm's failure is a result, the others still run
-            row.update(equal=False, error=short_error(exc))
-        rows.append(row)
-    return rows
+    def compare(name: str) -> dict:
+        result = build_for(name, models, model, dtype, max_seq_len).generate(
+            prompt, max_new_tokens=new_tokens, sampling=GREEDY, generator=torch.Generator())
+        diverged = first_divergence(result.tokens, reference)
+        row = {"equal": diverged is None, "first_divergence": diverged, "tau": round(result.stats.tau, 3)}
+        if diverged is not None:
+            row.update(divergence(runner_for(models.get(model, dtype), max_seq_len), prompt, reference,
+                                  result.tokens, diverged, tie))
+        return row
+
+    return [attempt({"model": model, "dtype": dtype, "algorithm": name}, compare, name)
+            for name in ALGORITHMS if name != "ar"]
 
 
 @torch.no_grad()
@@ -395,7 +393,7 @@ def exact_target_law(model: LlamaForCausalLM, prompt: list[int], n: int) -> dict
 
 
 def sampled_law_check(plan: Plan, name: str, target: LlamaForCausalLM, drafter, prompt: list[int], n: int,
-                      **options) -> dict:
+                      options: dict) -> dict:
     """T=1 generations of ``name`` until ``mc_runs`` or ``mc_seconds``: the first ``n`` tokens' empirical law vs the
     exact one (TV distance, chi-square p-value; TV of direct sampling with as many draws, for scale)."""
     law = exact_target_law(target, prompt, n)
@@ -412,7 +410,7 @@ def sampled_law_check(plan: Plan, name: str, target: LlamaForCausalLM, drafter, 
     chi2, dof = chi_square(counts, law, runs)
     tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
     direct_tv = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * runs)) for p in law.values())  # E|N(0, p(1-p)/N)|
-    return {"algorithm": name, "tokens": n, "runs": runs, "seconds": round(time.perf_counter() - start, 1),
+    return {"tokens": n, "runs": runs, "seconds": round(time.perf_counter() - start, 1),
             "accepted_draft_tokens_per_run": round(accepted / runs, 3), "tv": round(tv, 4),
             "direct_sampling_tv": round(direct_tv, 4), "chi2": round(chi2, 1), "dof": dof,
             "p_value": round(chi2_p_value(chi2, dof), 4)}
@@ -442,30 +440,53 @@ def exact_law(plan: Plan) -> list[dict]:
     eagle = Eagle3Drafter(config, embed_weight=target.model.embed_tokens.weight.detach())
     eagle.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
-    return [sampled_law_check(plan, "sps", target, runner_for(draft, 16), prompt, 3, gamma=2),
-            sampled_law_check(plan, "eagle3_tree", target, eagle.eval().to(plan.device), prompt, 3, tree_depth=2,
-                              tree_topk=2, tree_total=4)]
+    cases = [("sps", runner_for(draft, 16), {"gamma": 2}),
+             ("eagle3_tree", eagle.eval().to(plan.device), {"tree_depth": 2, "tree_topk": 2, "tree_total": 4})]
+    return [attempt({"algorithm": name}, sampled_law_check, plan, name, target, drafter, prompt, 3, options)
+            for name, drafter, options in cases]
 
 
 def executor_equality(plan: Plan, models: Models) -> list[dict]:
     """``executor=cuda_streams`` vs ``sequential`` for the draft-side algorithms: greedy on both targets, and T=1
-    with seeded generators on the tiny one (each side draws from its own generator, so these match too)."""
-    rows = []
+    with seeded generators on the tiny one (each side draws from its own generator, so these match too). Greedy
+    runs get a CPU generator, as ``inference.evaluate`` gives them; T=1 runs one on the target's device, where the
+    engine samples."""
     cases = [("tiny", "fp32", GREEDY), ("tiny", "fp32", SamplingParams(1.0)), ("big", plan.dtypes[-1], GREEDY)]
-    for name in ("pearl", "specbranch"):
-        for model, dtype, sampling in cases:
-            prompt = random_ids(24, models.get(model).config.vocab_size, 7)
-            outputs = {}
-            for executor in ("sequential", "cuda_streams"):
-                algorithm = build_for(name, models, model, dtype, 24 + plan.new_tokens + 32, executor=executor)
-                generator = torch.Generator(device=plan.device).manual_seed(99)
+
+    def compare(name: str, model: str, dtype: str, sampling: SamplingParams) -> dict:
+        prompt = random_ids(24, models.get(model).config.vocab_size, 7)
+        outputs = {}
+        for executor in ("sequential", "cuda_streams"):
+            algorithm = build_for(name, models, model, dtype, 24 + plan.new_tokens + 32, executor=executor)
+            generator = torch.Generator(device="cpu" if sampling.greedy else plan.device).manual_seed(99)
+            try:
                 outputs[executor] = algorithm.generate(prompt, max_new_tokens=plan.new_tokens, sampling=sampling,
                                                        generator=generator).tokens
+            finally:
                 algorithm.close()
-            rows.append({"algorithm": name, "model": model, "dtype": dtype, "temperature": sampling.temperature,
-                         "equal": outputs["sequential"] == outputs["cuda_streams"],
-                         "first_divergence": first_divergence(outputs["sequential"], outputs["cuda_streams"])})
-    return rows
+        return {"equal": outputs["sequential"] == outputs["cuda_streams"],
+                "first_divergence": first_divergence(outputs["sequential"], outputs["cuda_streams"])}
+
+    return [attempt({"algorithm": name, "model": model, "dtype": dtype, "temperature": sampling.temperature},
+                    compare, name, model, dtype, sampling)
+            for name in ("pearl", "specbranch") for model, dtype, sampling in cases]
+
+
+def generator_devices(plan: Plan, models: Models) -> list[dict]:
+    """Which generator device T=1 generation accepts on this device: ``inference.evaluate`` passes a CPU one, the
+    engine samples on the target's device, and a draft side seeds itself from the generator on the CPU
+    (``inference.draft_side``). On CUDA one of the two may fail; on the CPU both must work."""
+    def generate(name: str, device: str) -> dict:
+        algorithm = build_for(name, models, "tiny", "fp32", 96)
+        try:
+            tokens = algorithm.generate([1, 2, 3], max_new_tokens=8, sampling=SamplingParams(1.0),
+                                        generator=torch.Generator(device=device).manual_seed(0)).tokens
+        finally:
+            getattr(algorithm, "close", lambda: None)()
+        return {"ok": len(tokens) == 8}
+
+    return [attempt({"algorithm": name, "generator": device}, generate, name, device)
+            for name in ("ar", "pearl") for device in dict.fromkeys(("cpu", plan.device.type))]
 
 
 def lossless(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
@@ -478,7 +499,8 @@ def lossless(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
     return {"greedy": rows, "summary": {"comparisons": len(rows), "equal": sum(bool(r.get("equal")) for r in rows),
                                         "near_tie_flips": sum(bool(r.get("near_tie_flip")) for r in rows),
                                         "other_differences": len(flips)},
-            "exact_law": exact_law(plan), "executors": executor_equality(plan, models)}
+            "exact_law": exact_law(plan), "executors": executor_equality(plan, models),
+            "generator_devices": generator_devices(plan, models)}
 
 
 # -- section 2: AR speed -----------------------------------------------------------------------------------------
@@ -537,22 +559,19 @@ def ar_speed(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
         "dtype": plan.dtypes[-1], "new_tokens": plan.speed_tokens, "prompt_tokens": len(prompt),
         "engine_tokens_per_s": round(engine_tps, 1), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "decode_weight_gb": round(step_bytes / 1e9, 3), "roofline_tokens_per_s": round(roofline, 1),
-        "engine_pct_of_roofline": round(100 * engine_tps / roofline, 1), "generate": []}
+        "engine_pct_of_roofline": round(100 * engine_tps / roofline, 1)}
     variants = {"dynamic cache": {}, "static cache, eager": {"cache_implementation": "static", "disable_compile": True},
                 "static cache, auto-compiled": {"cache_implementation": "static"}}
     if plan.dry:  # transformers compiles only on accelerators; on the CPU it would be the eager run again
         variants.pop("static cache, auto-compiled")
-    for name, options in variants.items():
-        row: dict[str, Any] = {"variant": name}
-        try:
-            out = hf_generate(model, prompt, plan.speed_tokens, **options)
-            row.update(first_call_s=out["first_call_s"], tokens_per_s=out["tokens_per_s"],
-                       engine_ratio=round(engine_tps / out["tokens_per_s"], 2),
-                       same_tokens_as_engine=out["tokens"] == engine_tokens,
-                       first_divergence=first_divergence(out["tokens"], engine_tokens))
-        except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
-            row["error"] = short_error(exc)
-        result["generate"].append(row)
+    def compare(options: dict) -> dict:
+        out = hf_generate(model, prompt, plan.speed_tokens, **options)
+        return {"first_call_s": out["first_call_s"], "tokens_per_s": out["tokens_per_s"],
+                "engine_ratio": round(engine_tps / out["tokens_per_s"], 2),
+                "same_tokens_as_engine": out["tokens"] == engine_tokens,
+                "first_divergence": first_divergence(out["tokens"], engine_tokens)}
+
+    result["generate"] = [attempt({"variant": name}, compare, options) for name, options in variants.items()]
     return result
 
 
@@ -680,7 +699,7 @@ def train_step(plan: Plan, recipe: str, target: LlamaForCausalLM, module_class: 
         added = torch.cuda.max_memory_allocated(plan.device) - before
         peak = (added + target_params * target.dtype.itemsize) / 2**30
     est = estimate(trainable, frozen, target_params, strategy="auto", devices=1, precision=cfg.trainer.precision)
-    return {"recipe": recipe, "precision": cfg.trainer.precision, "batch_size": cfg.data.batch_size,
+    return {"precision": cfg.trainer.precision, "batch_size": cfg.data.batch_size,
             "max_len": cfg.data.max_len, "drafter_params_m": round(trainable / 1e6, 1),
             "step_s": round(statistics.median(seconds), 3), "losses": losses,
             "peak_gib": None if peak is None else round(peak, 2),
@@ -721,16 +740,22 @@ def training(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
     rows = []
     for recipe, module_class, schema in (("eagle3_llama8b", Eagle3Module, Eagle3Schema),
                                          ("specblock_llama8b", SpecBlockModule, SpecBlockSchema)):
-        try:
-            rows.append(train_step(plan, recipe, target, module_class, schema))
-        except Exception as exc:  # noqa: BLE001 - one recipe's failure is a result
-            rows.append({"recipe": recipe, "error": short_error(exc), "traceback": traceback_tail(exc)})
-        if plan.device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {"steps": rows, "background_adapter": background_adapter(plan, models)}
+        rows.append(attempt({"recipe": recipe}, train_step, plan, recipe, target, module_class, schema))
+        free_memory(plan.device)
+    return {"steps": rows, "background_adapter": attempt({}, background_adapter, plan, models)}
 
 
 # -- running and reporting ---------------------------------------------------------------------------------------
+
+
+def attempt(row: dict, fn: Callable[..., dict], *args: Any) -> dict:
+    """``row`` updated with ``fn(*args)``'s fields, or with its error: a failing case is a result, the rest still
+    run."""
+    try:
+        row.update(fn(*args))
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised
+        row.update(error=short_error(exc), traceback=traceback_tail(exc, 3))
+    return row
 
 
 def short_error(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ def test_lossless_fp32_outputs_equal_ar_and_the_checks_ran(dry_run):
         assert law["runs"] > 0 and 0 <= law["tv"] <= 1 and 0 <= law["p_value"] <= 1
     assert {e["algorithm"] for e in lossless["executors"]} == {"pearl", "specbranch"}
     assert all(e["equal"] for e in lossless["executors"])
+    assert [g["ok"] for g in lossless["generator_devices"]] == [True, True]  # ar and pearl, a CPU generator
 
 
 def test_timings_and_training_are_measured(dry_run):
