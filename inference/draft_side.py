@@ -269,7 +269,8 @@ class OverlappedDraftAlgorithm(Algorithm):
     def start_draft(self, generator: torch.Generator | None) -> None:
         """Reset the draft side for a new generation; its seed comes from the algorithm's generator, so one
         injected generator fixes both sides' random streams on every executor."""
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else 0
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) \
+            if generator is not None else 0
         self.executor.call("start", seed)
 
     def note_generation(self, wall_s: float, tokens: int) -> None:

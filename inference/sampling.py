@@ -83,6 +83,12 @@ def is_point_mass(probs: Tensor) -> bool:
     return bool(((probs != 0).sum(dim=-1) == 1).all())
 
 
+def random_device(generator: torch.Generator | None, device: torch.device) -> torch.device:
+    """Where a random draw runs: on the injected generator's device (a CPU generator gives the same stream whatever
+    device the model is on; a CUDA tensor cannot take it), else on ``device``."""
+    return generator.device if generator is not None else device
+
+
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
     """Draw one token id per row of probs [..., V] -> ids [...].
 
@@ -92,5 +98,5 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> torch.Lon
     if is_point_mass(probs):
         return probs.argmax(dim=-1)
     rows = probs.reshape(-1, probs.shape[-1])
-    ids = torch.multinomial(rows, 1, generator=generator)
+    ids = torch.multinomial(rows.to(random_device(generator, rows.device)), 1, generator=generator).to(rows.device)
     return ids.reshape(probs.shape[:-1])

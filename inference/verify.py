@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inference.sampling import sample
+from inference.sampling import random_device, sample
 
 FinalRatio = Literal["capped", "uncapped"]
 _TINY = 1e-300  # stands in for q(x) = 0 so ratios stay finite (such a draft has zero probability anyway)
@@ -89,9 +89,8 @@ class VerifyPlan:
             )
         stops = self.stop_probs.flip(0) if self.backward else self.stop_probs
         if bool(((stops > 0) & (stops < 1)).any()):
-            u = torch.rand(
-                (num_samples, stops.numel()), generator=generator, dtype=stops.dtype, device=stops.device
-            )
+            u = torch.rand((num_samples, stops.numel()), generator=generator, dtype=stops.dtype,
+                           device=random_device(generator, stops.device)).to(stops.device)
             stopped = u < stops  # P(u < s) = s for u ~ U[0, 1)
         else:  # every decision is certain (e.g. greedy): no randomness needed
             stopped = (stops == 1).expand(num_samples, -1)

@@ -27,7 +27,7 @@ from inference.algorithms.base import Algorithm, GenerationResult, GenerationSta
 from inference.algorithms.sps import check_same_vocab
 from inference.executors import EXECUTORS, Executor, make_executor
 from inference.saguaro import check_c, proposal_probs
-from inference.sampling import SamplingParams, sample
+from inference.sampling import SamplingParams, random_device, sample
 from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, parse_fanout
 from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, HIT, IDLE, JIT, ServeRequest, SpeculateRequest,
                                  Speculation, given_runner, draft_side_factory)
@@ -378,7 +378,8 @@ def _draw_rows(plan: VerifyPlan, generator: torch.Generator | None) -> tuple[tor
     The same scan as ``VerifyPlan.draw``, vectorised over rows."""
     stops = plan.stop_probs  # [n, K+1], last level always 1
     if bool(((stops > 0) & (stops < 1)).any()):
-        stopped = torch.rand(stops.shape, generator=generator, dtype=stops.dtype, device=stops.device) < stops
+        stopped = torch.rand(stops.shape, generator=generator, dtype=stops.dtype,
+                             device=random_device(generator, stops.device)).to(stops.device) < stops
     else:
         stopped = stops == 1
     tau = stopped.to(torch.uint8).argmax(dim=-1)
