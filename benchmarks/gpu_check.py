@@ -83,7 +83,9 @@ from data_prep.samples import TokenSample
 from inference.algorithms import ALGORITHMS, build_algorithm
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
+from inference.round_observers import observer_names, register_observer
 from spectrain.adapt.adapter import AdaptSettings
+from spectrain.adapt.engine import BANDIT
 from spectrain.config import FitConfig
 from spectrain.memory import estimate, parameter_counts
 from spectrain.modules.eagle3 import Eagle3Module, Eagle3Schema
@@ -713,6 +715,8 @@ def train_step(plan: Plan, recipe: str, target: LlamaForCausalLM, module_class: 
 def background_adapter(plan: Plan, models: Models) -> dict:
     """The serving-time adapter with ``background=True`` on the tiny target: its updates run on a worker thread
     (on a side CUDA stream) while the next query is served; every served answer must stay AR's."""
+    if "bandit" not in observer_names():  # the device's tree is not pip-installed: no entry point there
+        register_observer("bandit", BANDIT)
     target = models.get("tiny")
     settings = AdaptSettings(prior=5.0, min_gap=1, cost_cache=None, cost_rows=24, head_lr=1e-2, full_lr=1e-2,
                              validate=False, log=None, background=True)  # every allowed query updates
