@@ -1,17 +1,20 @@
-"""``python -m benchmarks.forward_cost [tokens=[1,2,5,8,16,32,48,64]] [trees=[16,48]] [context=300] [dtypes=[fp32,bf16]]``
+"""``python -m benchmarks.forward_cost [tokens=[1,2,5,16,48,64]] [trees=[16,48]] [contexts=[300,1000,2000]]
+[dtypes=[fp32,bf16]] [paths=[exact,plain]]``
 
 What a speculative step costs on this machine: milliseconds of one SmolLM2 target forward of T new tokens over
-``context`` cached tokens (median of ``repeats``), relative to a one-token decode step, per compute dtype. A
-drafter pays for itself when the tokens it gets accepted outweigh that ratio plus its own forwards.
+``context`` cached tokens (median of ``repeats``), relative to a one-token decode step, per compute dtype and
+attention path. A drafter pays for itself when the tokens it gets accepted outweigh that ratio plus its own
+forwards.
 
 ``trees``: the same for a tree of T nodes (chains of ``tree_depth`` nodes from the cached text, each node seeing
-only its own ancestors, as a draft tree's verification does). In bf16's batch-invariant mode each tree node
-attends over its own contiguous copy of its keys, so a tree costs more than a chain of as many tokens.
+only its own ancestors, as a draft tree's verification does); the table gives the 48-node tree over the 48-token
+chain. ``paths``: ``exact`` is the runner's exact mode (one row on a CPU: each token attends over its own keys in
+path order, ``inference.llama.EXACT_ROWS``); ``plain`` is ``exact=false`` (SDPA over a slot mask, no bitwise
+claim), the baseline the exact decode step is compared with.
 
-It also checks batch invariance: the logits of 64 continuation tokens decoded one at a time against the same
-tokens run in blocks of 5, 16 and 48 (bitwise). bf16 on a CPU with native bf16 runs the runner's batch-invariant
-mode (``inference.llama.INVARIANT_ROWS``), where they must be equal; fp32 is not batch-invariant (MKL's GEMM
-sums in another order for other row counts), so its rows differ in the last bits.
+It also checks exactness: the logits of 64 continuation tokens decoded one at a time against the same tokens run
+in blocks of 5, 16 and 48 (bitwise). The exact path must give 64 of 64 in every block; the plain path differs in
+the last bits wherever the GEMM or SDPA reduces in another order for another row count.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ import torch
 from core.overrides import parse_cli, run_cli
 from inference.drafters import load_lm, model_dtype
 
-USAGE = ("python -m benchmarks.forward_cost tokens=[1,2,5,8,16,32,48,64] trees=[16,48] context=300 dtypes=[fp32,bf16] "
-         "threads=1")
+USAGE = ("python -m benchmarks.forward_cost tokens=[1,2,5,16,48,64] trees=[16,48] contexts=[300,1000,2000] "
+         "dtypes=[fp32,bf16] paths=[exact,plain] threads=1")
 
 
 @dataclass
 class ForwardCostConfig:
     target: str = "smollm2"
-    tokens: list[int] = field(default_factory=lambda: [1, 2, 5, 8, 16, 32, 48, 64])
-    context: int = 300
+    tokens: list[int] = field(default_factory=lambda: [1, 2, 5, 16, 48, 64])
+    contexts: list[int] = field(default_factory=lambda: [300, 1000, 2000])
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    paths: list[str] = field(default_factory=lambda: ["exact", "plain"])
     trees: list[int] = field(default_factory=lambda: [16, 48])
     tree_depth: int = 6
     repeats: int = 9
@@ -62,7 +66,7 @@ def step_ms(runner, ids: torch.Tensor, repeats: int, **forward) -> float:
     return statistics.median(times[1:]) * 1000
 
 
-def invariant_rows(runner, context: torch.Tensor, tokens: torch.Tensor) -> dict[int, int]:
+def equal_rows(runner, context: torch.Tensor, tokens: torch.Tensor) -> dict[int, int]:
     """Block size -> how many of the tokens' logit rows equal the one-at-a-time rows bitwise."""
     runner.reset(1)
     runner.forward(context)
@@ -80,30 +84,44 @@ def invariant_rows(runner, context: torch.Tensor, tokens: torch.Tensor) -> dict[
 def run(cfg: ForwardCostConfig) -> str:
     torch.set_num_threads(cfg.threads)
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, 8192, (1, cfg.context), generator=generator)
+    longest = max(cfg.contexts)
+    text = torch.randint(0, 8192, (1, longest), generator=generator)
     continuation = torch.randint(0, 8192, (1, 64), generator=generator)
-    lines = [f"SmolLM2 target forward of T new tokens over {cfg.context} cached tokens, {cfg.threads} thread(s), "
-             f"median of {cfg.repeats}", "",
-             "| dtype | batch-invariant | " + " | ".join(f"T={t}" for t in cfg.tokens)
-             + "".join(f" | tree T={t}" for t in cfg.trees) + " | rows equal to one-at-a-time (blocks 5 / 16 / 48, of 64) |",
-             "|---|---|" + "---|" * (len(cfg.tokens) + len(cfg.trees)) + "---|"]
+    header = ("| dtype | path | context | " + " | ".join(f"T={t}" for t in cfg.tokens)
+              + "".join(f" | tree T={t}" for t in cfg.trees) + " | tree 48 ÷ chain 48 | rows equal to one-at-a-time "
+              "(blocks 5 / 16 / 48, of 64) |")
+    lines = [f"SmolLM2 target forward of T new tokens, {cfg.threads} thread(s), median of {cfg.repeats}; "
+             "in brackets: × that path's decode step", "", header,
+             "|---|---|---|" + "---|" * (len(cfg.tokens) + len(cfg.trees)) + "---|---|"]
+    decode: dict[tuple[str, int], dict[str, float]] = {}
     for name in cfg.dtypes:
-        target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.context + 128, dtype=model_dtype(name, "cpu"))
-        runner = target.runner
-        runner.reset(1)
-        runner.forward(context)
-        costs = [step_ms(runner, continuation[:, :t], cfg.repeats) for t in cfg.tokens]
-        for t in cfg.trees:
-            mask, positions = chains_tree(t, cfg.tree_depth, cfg.context)
-            costs.append(step_ms(runner, continuation[:, :t], cfg.repeats, attention_mask=mask, positions=positions))
-        base = costs[0] if cfg.tokens[0] == 1 else None
-        cells = [f"{ms:.1f} ms" + (f" ({ms / base:.2f}×)" if base else "") for ms in costs]
-        equal = invariant_rows(runner, context, continuation)
-        lines.append(f"| {name} | {'yes' if runner.batch_invariant else 'no'} | " + " | ".join(cells)
-                     + f" | {equal[5]} / {equal[16]} / {equal[48]} |")
-        del target, runner
+        for path in cfg.paths:
+            target = load_lm(cfg.target, device="cpu", max_seq_len=longest + 128, dtype=model_dtype(name, "cpu"),
+                             exact=path == "exact")
+            runner = target.runner
+            for context in cfg.contexts:
+                runner.reset(1)
+                runner.forward(text[:, :context])
+                costs = {t: step_ms(runner, continuation[:, :t], cfg.repeats) for t in cfg.tokens}
+                trees = {}
+                for t in cfg.trees:
+                    mask, positions = chains_tree(t, cfg.tree_depth, context)
+                    trees[t] = step_ms(runner, continuation[:, :t], cfg.repeats, attention_mask=mask,
+                                       positions=positions)
+                base = costs.get(1)
+                decode.setdefault((name, context), {})[path] = base
+                cells = [f"{ms:.1f} ms" + (f" ({ms / base:.2f}×)" if base else "")
+                         for ms in [*costs.values(), *trees.values()]]
+                ratio = f"{trees[48] / costs[48]:.2f}" if 48 in trees and 48 in costs else "–"
+                equal = equal_rows(runner, text[:, :context], continuation)
+                lines.append(f"| {name} | {runner.exactness.path} | {context} | " + " | ".join(cells)
+                             + f" | {ratio} | {equal[5]} / {equal[16]} / {equal[48]} |")
+            del target, runner
+    if "exact" in cfg.paths and "plain" in cfg.paths and 1 in cfg.tokens:
+        lines += ["", "| dtype | context | exact decode ÷ plain decode |", "|---|---|---|"]
+        lines += [f"| {name} | {context} | {paths['exact'] / paths['plain']:.3f} |"
+                  for (name, context), paths in decode.items()]
     return "\n".join(lines)
-
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, lambda args: run(parse_cli(args, ForwardCostConfig, USAGE)), doc=__doc__,

@@ -14,6 +14,7 @@ from core.overrides import OverrideError
 from inference import evaluate as evaluate_cli
 from inference import generate as generate_cli
 from inference.drafters import LoadedModel, load_draft_lm
+from inference.report import markdown_table
 from inference.runner import ModelRunner
 
 
@@ -45,6 +46,10 @@ def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
     assert set(results["speedup_vs_ar"]) == {"ar", "sps"} and results["speedup_vs_ar"]["ar"] == 1.0
     report = (tmp_path / "report.md").read_text()
     assert "| sps | mt_bench | greedy | 1 | 16 | 4.00 |" in report
+    # which path ran and on what grounds: the fp32 one-row runner is exact and its probe passed
+    assert results["exactness"]["path"] == "exact" and results["exactness"]["bitwise"] is True
+    assert "exactness: exact path, probe passed; greedy output is bitwise AR's by construction" in report
+    assert "Not lossless" not in report
     for png in ("acceptance.png", "speedup.png", "tau_distribution.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
@@ -339,3 +344,14 @@ def test_a_variants_max_new_tokens_takes_effect(tiny_eval, tmp_path):
     assert (short["new_tokens"], short["max_new_tokens"]) == (6, 3)
     assert short["greedy_equal_to_ar"] is True  # over its 3 tokens: AR's first 3
     assert "| greedy max 3 new |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_report_flags_every_greedy_row_that_left_ar():
+    """Output that differs from AR's is never presented as lossless, whatever else the table says."""
+    runs = [{"algorithm": name, "bench": "gsm", "n_prompts": 1, "new_tokens": 4, "tau": 2.0, "tokens_per_s": 9.0,
+             "speedup_vs_ar": 1.2, "rollback_rate": 0.1, "greedy_equal_to_ar": equal, "temperature": 0}
+            for name, equal in (("ar", True), ("sps", True), ("eagle3_tree", False))]
+    exactness = {"path": "approximate", "probe": "not run", "bitwise": False, "reason": "cuda attention"}
+    report = markdown_table({"config": {}, "runs": runs, "exactness": exactness})
+    assert ("exactness: approximate path, probe not run; greedy output is AR's only up to rounding. **Not "
+            "lossless: greedy output differs from AR's in eagle3_tree (gsm)**") in report

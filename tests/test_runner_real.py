@@ -44,6 +44,8 @@ def test_smollm2_hidden_capture_matches_output_hidden_states(smollm2):
     out = runner.forward(torch.tensor([ids]), capture_layers=(1, 14, 26), return_last_hidden=True)
     with torch.no_grad():
         hf = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    # rtol: exact mode's own RMSNorm scale and fp32 GEMMs over rows padded to a multiple of 4 round the last bit
+    # differently from transformers' ops; SmolLM2 carries activations of ~25,000 in a few features
     for layer in (1, 14, 26):  # output of decoder layer i == hidden_states[i + 1]
-        torch.testing.assert_close(out.hidden[layer][0], hf[layer + 1][0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(model.lm_head(out.last_hidden)[0], out.logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.hidden[layer][0], hf[layer + 1][0], atol=ATOL, rtol=1e-6)
+    torch.testing.assert_close(model.lm_head(out.last_hidden)[0], out.logits[0], atol=ATOL, rtol=1e-6)
