@@ -28,59 +28,6 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline float lane_total(float *acc) {
-    for (int w = LANES / 2; w >= 1; w >>= 1)
-        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-    return acc[0];
-}
-
-/* exp(x) for x in [-87, 88] (clamped outside; callers pass x <= 0 or clamp themselves): Cephes' expf, written with
- * explicit fmaf so that every host computes the same bits. Accurate to about 1 ulp. */
-static inline float exact_expf(float x) {
-    x = x < -87.0f ? -87.0f : x; /* comparisons, not fminf/fmaxf: they vectorise without -ffinite-math-only */
-    x = x > 88.0f ? 88.0f : x;
-    float n = floorf(fmaf(x, 1.44269504088896341f, 0.5f));
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    float y = fmaf(p, r * r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
-/* x [rows, dim] (bf16 or fp32) -> out [rows, dim] fp32: x * (1 / sqrt(mean(x^2) + eps)), as RMSNorm before its
- * cast and weight. */
-void exact_rms_scale(const void *x, int is_bf16, long rows, int dim, float eps, float *out) {
-    float *row = malloc(sizeof(float) * (size_t)(dim + LANES));
-    for (long r = 0; r < rows; r++) {
-        for (int i = 0; i < dim; i++)
-            row[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * dim + i]) : ((const float *)x)[r * dim + i];
-        for (int i = dim; i < dim + LANES; i++) row[i] = 0.0f;
-        float acc[LANES];
-        for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
-        for (int i = 0; i < dim; i += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] = fmaf(row[i + l], row[i + l], acc[l]);
-        float inv = 1.0f / sqrtf(lane_total(acc) / (float)dim + eps);
-        for (int i = 0; i < dim; i++) out[r * dim + i] = row[i] * inv;
-    }
-    free(row);
-}
-
-/* x [n] (bf16 or fp32) -> out [n] fp32: x / (1 + exp(-x)), SiLU. */
-void exact_silu(const void *x, int is_bf16, long n, float *out) {
-    for (long i = 0; i < n; i++) {
-        float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-        out[i] = v / (1.0f + exact_expf(-v));
-    }
-}
-
 /* ---- attention ------------------------------------------------------------------------------------------------
  * GCC vector extensions: element-wise IEEE operations on 16 lanes, lowered to whatever vector width the CPU has;
  * the result of each lane is the same on all of them. Products and sums stay separate (no fused multiply-add). */
@@ -128,6 +75,49 @@ static inline vf vexp(vf x) {
     vf y = (p * (r * r) + r) + splat(1.0f);
     vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     return y * (vf)bits;
+}
+
+/* 16 values from x (bf16 or fp32) starting at i, zero past n. */
+static inline vf load16(const void *x, int is_bf16, long i, long n) {
+    vf v = {0};
+    if (i + LANES <= n) { /* the common case, written so that it vectorises */
+        if (!is_bf16) return *(const vf_unaligned *)((const float *)x + i);
+        const uint16_t *h = (const uint16_t *)x + i;
+        vi bits;
+        for (int l = 0; l < LANES; l++) bits[l] = (int32_t)((uint32_t)h[l] << 16);
+        return (vf)bits;
+    }
+    for (int l = 0; l < LANES && i + l < n; l++)
+        v[l] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i + l]) : ((const float *)x)[i + l];
+    return v;
+}
+
+/* x [rows, dim] (bf16 or fp32) -> out [rows, dim] fp32: x * (1 / sqrt(mean(x^2) + eps)), as RMSNorm before its
+ * cast and weight; x^2 summed in lanes i % 16 (products fused into the sum), then the lanes pairwise. */
+void exact_rms_scale(const void *x, int is_bf16, long rows, int dim, float eps, float *out) {
+    for (long r = 0; r < rows; r++) {
+        vf acc = {0};
+        for (int i = 0; i < dim; i += LANES) {
+            const vf v = load16(x, is_bf16, r * dim + i, r * dim + dim);
+            acc = vfma(v, v, acc);
+        }
+        const float inv = 1.0f / sqrtf(vtotal(acc) / (float)dim + eps);
+        for (int i = 0; i < dim; i += LANES) {
+            const vf v = load16(x, is_bf16, r * dim + i, r * dim + dim) * inv;
+            if (i + LANES <= dim) *(vf_unaligned *)(out + r * dim + i) = v;
+            else for (int l = 0; i + l < dim; l++) out[r * dim + i + l] = v[l];
+        }
+    }
+}
+
+/* x [n] (bf16 or fp32) -> out [n] fp32: x / (1 + exp(-x)), SiLU. */
+void exact_silu(const void *x, int is_bf16, long n, float *out) {
+    for (long i = 0; i < n; i += LANES) {
+        const vf v = load16(x, is_bf16, i, n);
+        const vf y = v / (splat(1.0f) + vexp(-v));
+        if (i + LANES <= n) *(vf_unaligned *)(out + i) = y;
+        else for (int l = 0; i + l < n; l++) out[i + l] = y[l];
+    }
 }
 
 /* Attention for the new tokens of one cache row, over an fp32 cache.
