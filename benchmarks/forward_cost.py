@@ -44,6 +44,7 @@ class ForwardCostConfig:
     tree_depth: int = 6
     repeats: int = 9
     threads: int = 1
+    decode_pairs: int = 40  # alternating exact / plain decode steps for their ratio
 
 
 def chains_tree(nodes: int, depth: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +82,24 @@ def equal_rows(runner, context: torch.Tensor, tokens: torch.Tensor) -> dict[int,
     return equal
 
 
+def decode_ratio(target: str, dtype: torch.dtype, context: torch.Tensor, pairs: int) -> tuple[float, float, float]:
+    """(exact ms, plain ms, median of the per-pair ratios): one decode step of each path in turn over the same
+    cached text, so that a change in the machine's load hits both alike."""
+    runners = [load_lm(target, device="cpu", max_seq_len=context.shape[1] + 8, dtype=dtype, exact=exact).runner
+               for exact in (True, False)]
+    token = context[:, -1:]
+    for runner in runners:
+        runner.reset(1)
+        runner.forward(context)
+        step_ms(runner, token, 2)  # warm-up
+    times: list[list[float]] = [[], []]
+    for _ in range(pairs):
+        for runner, spent in zip(runners, times):
+            spent.append(step_ms(runner, token, 1))
+    ratios = [a / b for a, b in zip(*times)]
+    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
+
+
 def run(cfg: ForwardCostConfig) -> str:
     torch.set_num_threads(cfg.threads)
     generator = torch.Generator().manual_seed(0)
@@ -93,7 +112,6 @@ def run(cfg: ForwardCostConfig) -> str:
     lines = [f"SmolLM2 target forward of T new tokens, {cfg.threads} thread(s), median of {cfg.repeats}; "
              "in brackets: × that path's decode step", "", header,
              "|---|---|---|" + "---|" * (len(cfg.tokens) + len(cfg.trees)) + "---|---|"]
-    decode: dict[tuple[str, int], dict[str, float]] = {}
     for name in cfg.dtypes:
         for path in cfg.paths:
             target = load_lm(cfg.target, device="cpu", max_seq_len=longest + 128, dtype=model_dtype(name, "cpu"),
@@ -109,7 +127,6 @@ def run(cfg: ForwardCostConfig) -> str:
                     trees[t] = step_ms(runner, continuation[:, :t], cfg.repeats, attention_mask=mask,
                                        positions=positions)
                 base = costs.get(1)
-                decode.setdefault((name, context), {})[path] = base
                 cells = [f"{ms:.1f} ms" + (f" ({ms / base:.2f}×)" if base else "")
                          for ms in [*costs.values(), *trees.values()]]
                 ratio = f"{trees[48] / costs[48]:.2f}" if 48 in trees and 48 in costs else "–"
@@ -117,10 +134,14 @@ def run(cfg: ForwardCostConfig) -> str:
                 lines.append(f"| {name} | {runner.exactness.path} | {context} | " + " | ".join(cells)
                              + f" | {ratio} | {equal[5]} / {equal[16]} / {equal[48]} |")
             del target, runner
-    if "exact" in cfg.paths and "plain" in cfg.paths and 1 in cfg.tokens:
-        lines += ["", "| dtype | context | exact decode ÷ plain decode |", "|---|---|---|"]
-        lines += [f"| {name} | {context} | {paths['exact'] / paths['plain']:.3f} |"
-                  for (name, context), paths in decode.items()]
+    if "exact" in cfg.paths and "plain" in cfg.paths:
+        lines += ["", f"Decode step, exact ÷ plain: {cfg.decode_pairs} alternating steps of each, medians",
+                  "", "| dtype | context | exact | plain | exact ÷ plain (median of pairs) |", "|---|---|---|---|---|"]
+        for name in cfg.dtypes:
+            for context in cfg.contexts:
+                exact, plain, ratio = decode_ratio(cfg.target, model_dtype(name, "cpu"), text[:, :context],
+                                                   cfg.decode_pairs)
+                lines.append(f"| {name} | {context} | {exact:.1f} ms | {plain:.1f} ms | {ratio:.3f} |")
     return "\n".join(lines)
 
 def main(argv: list[str] | None = None) -> int:

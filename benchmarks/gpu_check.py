@@ -347,8 +347,8 @@ def chi2_p_value(chi2: float, dof: int) -> float:
 
 
 def build_for(name: str, models: Models, model: str, dtype: str, max_seq_len: int, **options):
-    """``name`` over a fresh target runner, with the drafter kind it needs (as tests/test_batch_invariant.py
-    test_every_algorithm_serves_a_bf16_target_and_equals_ar gives them)."""
+    """``name`` over a fresh target runner, with the drafter kind it needs (as tests/test_exact_mode.py
+    test_every_algorithm_equals_ar_in_exact_mode gives them)."""
     target = models.get(model, dtype)
     drafter = None
     if name in DRAFT_LM:

@@ -9,7 +9,7 @@ can be re-run by hand or scaled up (the ``demo_*`` recipes are the ``*_smollm2_g
 ``benchmarks/drafter_quality.py`` runs the full-size pipeline). A stage whose output is complete is skipped,
 and re-running ``make demo`` after an interruption continues.
 
-On a CPU with native bf16 the target runs in bf16, batch-invariant (greedy output still equals AR's token for
+On a CPU with native bf16 the target runs in bf16, in exact mode (greedy output equals AR's token for
 token) and verifying a few drafted tokens costs about one decode step, as on a GPU; elsewhere in fp32.
 
     python -m inference.demo [out=runs/demo] [n_samples=256] [n_prompts=4] [max_new_tokens=96] [stages=all|...]
