@@ -81,9 +81,10 @@ from data_prep.capture import HiddenCapture
 from data_prep.features import collate_features
 from data_prep.samples import TokenSample
 from inference.algorithms import ALGORITHMS, build_algorithm
+from inference.exactness import tree_mask
+from inference.round_observers import observer_names, register_observer
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
-from inference.round_observers import observer_names, register_observer
 from spectrain.adapt.adapter import AdaptSettings
 from spectrain.adapt.engine import BANDIT
 from spectrain.config import FitConfig
@@ -315,17 +316,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     result = fn()
     sync(device)
     return result, time.perf_counter() - start
-
-
-def tree_mask(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """[T, T] ancestor-or-self mask and each node's depth, for nodes given by their parent (-1: below the cache)."""
-    mask, depth = torch.zeros(len(parents), len(parents), dtype=torch.bool), []
-    for node, parent in enumerate(parents):
-        mask[node, node] = True
-        if parent >= 0:
-            mask[node] |= mask[parent]
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-    return mask, depth
 
 
 def random_tree(nodes: int, seed: int) -> list[int]:

@@ -210,10 +210,10 @@ class ModelRunner(nn.Module):
             module.to(device=device, dtype=dtype)
         self.requires_grad_(False)
         self.eval()
-        if self.exact and dtype == torch.float32:  # see Linear.row_multiple
+        if self.exact:  # see Linear.exact (fp32; bf16 runs oneDNN's packed linear, probed)
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.row_multiple = 4
+                    module.exact = True
 
     # -- modules drafters reuse ------------------------------------------------------------------------------
 

@@ -387,14 +387,22 @@ def test_packed_bf16_linear_equals_f_linear_and_follows_weight_updates():
     assert layer.weight.grad is not None and layer.weight.grad.shape == layer.weight.shape
 
 
-def test_fp32_rows_are_padded_to_a_multiple_of_four_in_exact_mode():
+def test_the_exact_fp32_linear_gives_each_row_the_same_bits_whatever_the_call():
     torch.manual_seed(0)
-    layer = Linear(32, 8).requires_grad_(False)
-    layer.row_multiple = 4
-    x = torch.randn(7, 32)
+    layer = Linear(70, 100).requires_grad_(False)  # neither a multiple of 16: padded columns, a k tail
+    layer.exact = True
+    x = torch.randn(64, 70)
     with torch.no_grad():
-        padded = torch.nn.functional.linear(torch.cat([x, x.new_zeros(1, 32)]), layer.weight, layer.bias)[:7]
-        assert torch.equal(layer(x), padded)
+        full = layer(x)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5,
+                                   atol=1e-5)
+        for rows in (1, 2, 3, 5, 13, 33, 48):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        assert torch.equal(layer(x[17:18]), full[17:18])
+        assert torch.equal(layer(x[:7], 40), full[:7, :40])  # a vocabulary-limited head
+        layer.weight.mul_(2)  # an in-place update: the transposed copy is rebuilt
+        torch.testing.assert_close(layer(x[:3]), torch.nn.functional.linear(x[:3], layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_warnings_name_one_line(target, monkeypatch, fresh_probe):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from core.kernels import exact_cpu
 
 
 class Linear(nn.Linear):
@@ -12,14 +16,14 @@ class Linear(nn.Linear):
 
     bf16 on a CPU runs oneDNN's linear over a weight packed once into its blocked layout: about twice as fast as
     ``F.linear`` for the few rows of a decode or verification step, and its row results do not depend on how many
-    rows share the call (what batch-invariant mode relies on). fp32 runs 2 or 3 rows as 4 on a CPU: MKL's fp32
+    rows share the call (what exact mode relies on, and probes). fp32 runs 2 or 3 rows as 4 on a CPU: MKL's fp32
     GEMM is slower for 2-3 rows than for 4 (``benchmarks/linear_rows.py``), and speculative steps are full of such
     shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added.
 
-    ``row_multiple`` (fp32 on a CPU) pads every call's rows with zero rows up to a multiple of it: the engine's
-    exact mode sets 4, since MKL computes a row in a partial 4-row tile with other rounding than in a full one."""
+    ``exact`` (set by the engine's exact mode): fp32 on a CPU runs ``core.kernels.exact_cpu.linear``, whose rows do
+    not depend on how many rows share the call (MKL's fp32 GEMM keeps a row's bits only inside full 4-row tiles)."""
 
-    row_multiple: int = 1
+    exact: bool = False
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
@@ -29,22 +33,32 @@ class Linear(nn.Linear):
         # (not where autograd needs this op: the packed linear has no backward; drafters train through here)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not needs_grad:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features), bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features, _onednn_packed), bias,
+                                                      "none", [], "")
+        if self.exact and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not needs_grad:
+            return exact_cpu.linear(x, self._packed(weight, out_features, exact_cpu.transposed_weight),
+                                    weight.shape[0], bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        pad = -rows % (4 if rows in (2, 3) else self.row_multiple)
+        pad = -rows % 4 if rows in (2, 3) else 0
         if not pad or x.device.type != "cpu":
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
         padded = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
 
-    def _packed(self, weight: torch.Tensor, out_features: int | None) -> torch.Tensor:
-        """oneDNN's packed copy of ``weight``, made on first use and again whenever the weight changes."""
+    def _packed(self, weight: torch.Tensor, out_features: int | None,
+                pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``pack(weight)``, made on first use and again whenever the weight changes."""
         packs = self.__dict__.setdefault("_packs", {})  # not a buffer: state_dict and .to() stay as nn.Linear's
         stamp = (weight.data_ptr(), self.weight._version)
         if out_features not in packs or packs[out_features][0] != stamp:
-            packs[out_features] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
+            packs[out_features] = (stamp, pack(weight))
         return packs[out_features][1]
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout of a bf16 weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -348,3 +348,83 @@ void exact_attention(const float *q, const float *kt, const float *v, long kt_he
     attention_units(&jobs[0]);
     for (int i = 1; i < threads; i++) pthread_join(ids[i], NULL);
 }
+
+/* ---- fp32 linear -------------------------------------------------------------------------------------------------
+ * out[m][n] = (x[m][0] * w[n][0] + ... + x[m][K-1] * w[n][K-1]) + bias[n]: one fused multiply-add per k, in increasing
+ * k, for every output alike, so a row's outputs never depend on how many rows share the call (MKL's fp32 GEMM keeps a
+ * row's bits only inside full 4-row tiles). wt is the weight transposed, [K][Np] with Np = N rounded up to 16 and zero
+ * columns after N. Rows are taken 4 at a time (then 1) against 64 columns (or fewer at the end); k runs in blocks
+ * of KB so that a block of the weight stays in L1 while every row takes it, the partial sums kept in `out` between
+ * blocks (an fp32 store and load: the same value). */
+#define KB 96
+
+static inline __attribute__((always_inline)) void linear_block(const float *x, long K, const float *wt, long Np,
+                                                               long n0, long k0, long k1, int cols,
+                                                               float *const out[4], const int MB) {
+    vf acc[4][4];
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < cols; c++)
+            acc[m][c] = k0 == 0 ? splat(0.0f) : *(const vf_unaligned *)(out[m] + n0 + c * LANES);
+    for (long k = k0; k < k1; k++) {
+        const float *w = wt + k * Np + n0;
+        vf wv[4];
+        for (int c = 0; c < cols; c++) wv[c] = *(const vf_unaligned *)(w + c * LANES);
+        for (int m = 0; m < MB; m++) {
+            const vf xv = splat(x[m * K + k]);
+            for (int c = 0; c < cols; c++) acc[m][c] = vfma(xv, wv[c], acc[m][c]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < cols; c++) *(vf_unaligned *)(out[m] + n0 + c * LANES) = acc[m][c];
+}
+
+typedef struct {
+    const float *x, *wt, *bias;
+    long M, K, N, Np;
+    float *out; /* [M][Np]: padded rows, so that every 16-wide store stays inside */
+    long first, last; /* column blocks of 64 (the last may be narrower) */
+} linear_job;
+
+static void *linear_columns(void *arg) {
+    const linear_job *job = arg;
+    const long K = job->K, Np = job->Np;
+    for (long b = job->first; b < job->last; b++) {
+        const long n0 = b * 4 * LANES;
+        const int cols = (int)((Np - n0) / LANES < 4 ? (Np - n0) / LANES : 4);
+        for (long k0 = 0; k0 < K; k0 += KB) {
+            const long k1 = k0 + KB < K ? k0 + KB : K;
+            long m = 0;
+            for (; m + 4 <= job->M; m += 4) {
+                float *out[4] = {job->out + m * Np, job->out + (m + 1) * Np, job->out + (m + 2) * Np,
+                                 job->out + (m + 3) * Np};
+                if (cols == 4) linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, 4, out, 4);
+                else linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 4);
+            }
+            for (; m < job->M; m++) {
+                float *out[4] = {job->out + m * Np, NULL, NULL, NULL};
+                if (cols == 4) linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, 4, out, 1);
+                else linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 1);
+            }
+        }
+        if (job->bias)
+            for (long m = 0; m < job->M; m++)
+                for (long n = n0; n < n0 + cols * LANES && n < job->N; n++)
+                    job->out[m * Np + n] = job->out[m * Np + n] + job->bias[n];
+    }
+    return NULL;
+}
+
+/* out is [M][Np]; the caller keeps its first N columns. */
+void exact_linear_f32(const float *x, long M, long K, const float *wt, long N, long Np, const float *bias, float *out,
+                      int threads) {
+    const long blocks = (Np + 4 * LANES - 1) / (4 * LANES);
+    if (threads > blocks) threads = (int)blocks;
+    if (threads < 1) threads = 1;
+    linear_job jobs[threads];
+    pthread_t ids[threads];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (linear_job){x, wt, bias, M, K, N, Np, out, blocks * i / threads, blocks * (i + 1) / threads};
+    for (int i = 1; i < threads; i++) pthread_create(&ids[i], NULL, linear_columns, &jobs[i]);
+    linear_columns(&jobs[0]);
+    for (int i = 1; i < threads; i++) pthread_join(ids[i], NULL);
+}

@@ -76,9 +76,10 @@ def library() -> ctypes.CDLL:
             ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
             lib.exact_rms_scale.argtypes = [ptr, i32, i64, i32, f32, ptr]
             lib.exact_silu.argtypes = [ptr, i32, i64, ptr]
+            lib.exact_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
             lib.exact_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, f32,
                                             ptr, i32]
-            for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention):
+            for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention, lib.exact_linear_f32):
                 fn.restype = None
             _library = lib
         return _library
@@ -113,6 +114,35 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.float32)
     library().exact_silu(x.data_ptr(), _check(x), x.numel(), out.data_ptr())
     return out
+
+
+def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as :func:`linear` takes it: fp32 [K, N rounded up to 16], zero columns after N."""
+    out_features, in_features = weight.shape
+    packed = weight.new_zeros(in_features, -(-out_features // 16) * 16, dtype=torch.float32)
+    packed[:, :out_features] = weight.detach().t()
+    return packed
+
+
+def linear(x: torch.Tensor, weight_t: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """fp32 ``x @ W.T + bias`` whose rows are each fixed whatever else the call holds (each output one fused
+    multiply-add per input feature, in order); ``weight_t`` from :func:`transposed_weight`."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or weight_t.dtype != torch.float32:
+        raise ValueError(f"the exact linear takes fp32 CPU tensors, got {x.dtype} on {x.device}")
+    in_features = x.shape[-1]
+    if weight_t.shape[0] != in_features or weight_t.shape[1] % 16 or weight_t.shape[1] < out_features:
+        raise ValueError(f"weight_t {tuple(weight_t.shape)} does not fit {in_features} inputs, {out_features} outputs")
+    flat = x.reshape(-1, in_features).contiguous()
+    rows, padded = flat.shape[0], weight_t.shape[1]
+    out = torch.empty(rows, padded, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).contiguous()
+    if threads is None:
+        threads = torch.get_num_threads() if rows * padded * in_features >= THREAD_WORK else 1
+    library().exact_linear_f32(flat.data_ptr(), rows, in_features, weight_t.data_ptr(), out_features, padded,
+                               0 if bias is None else bias.data_ptr(), out.data_ptr(), threads)
+    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
 @dataclass(frozen=True)
