@@ -97,6 +97,7 @@ class ModelRunner(nn.Module):
         self._pending: tuple[torch.Tensor, int] | None = None  # (lengths before the last forward, its T)
         self._dtype = dtype
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._double_lone_rows = dtype != torch.float32
         self.logit_vocab: int | None = None  # see with_logit_vocab
 
     def _choose_exactness(self, exact: bool | None, device: torch.device, dtype: torch.dtype,
@@ -429,7 +430,7 @@ class ModelRunner(nn.Module):
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         # As one contiguous 2D matmul: a strided 3D input would take a batched path that copies the weight.
         flat = rows.reshape(-1, rows.shape[-1]).contiguous()
-        if self.exact and flat.shape[0] == 1:  # exact mode: a linear always sees at least two rows
+        if self.exact and self._double_lone_rows and flat.shape[0] == 1:  # see _exact_layers
             return self._logits(flat.expand(2, -1))[:1].view(*rows.shape[:-1], -1)
         if self.logit_vocab is None:
             logits = self.lm_head(flat).float()
@@ -473,8 +474,9 @@ class ModelRunner(nn.Module):
     def _exact_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, user_mask: torch.Tensor | None,
                       slots: torch.Tensor, cached: int, capture: Sequence[int],
                       hidden: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """:meth:`_layers` in exact mode (one row): each token's keys are planned once for every layer, a lone
-        token runs as a doubled row (so every linear sees at least two), RoPE's angles come from one table."""
+        """:meth:`_layers` in exact mode (one row): each token's keys are planned once for every layer, RoPE's angles
+        come from one table, and in bf16 a lone token runs as a doubled row (oneDNN computes a one-row linear
+        another way; fp32's exact linear needs no such care)."""
         new = input_ids.shape[1]
         if user_mask is None:
             keys = KeyLists.chain(cached, new)
@@ -482,7 +484,7 @@ class ModelRunner(nn.Module):
             keys = KeyLists.from_mask(self._attention_mask(user_mask, slots, cached, new, cached + new)[0, 0])
         cos, sin = self._rope_at(positions)
         x = self.model.embed_tokens(input_ids)
-        if new == 1:
+        if new == 1 and self._double_lone_rows:
             x = x.repeat(1, 2, 1)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], cached, None, None, False, exact=keys)
