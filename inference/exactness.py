@@ -1,8 +1,9 @@
 """Whether the runner's greedy output is bitwise the target's, and on what grounds.
 
-In exact mode (``inference.llama.EXACT_ROWS``) attention, RMSNorm and SiLU are row-exact by construction; the
-linears are the host's GEMMs, whose row results must not depend on how many rows share a call. That is a property
-of the kernels on this machine, so before the mode claims anything a probe checks it on the model's own shapes (a
+In exact mode (``inference.llama.EXACT_ROWS``) attention, RMSNorm, SiLU and fp32 linears are row-exact by
+construction; bf16 linears are the host's oneDNN GEMM, whose row results must not depend on how many rows share a
+call. That is a property of the kernels on this machine, so before the mode claims anything (in either dtype, as a
+check of the whole path) a probe tests it on the model's own shapes (a
 two-layer copy with the model's real first and last layers and lm_head): decoding 64 tokens one at a time against
 blocks of 2, 3, 5, 13, 33, 48 and 64, and a tree with gaps against decoding each node's path. If a block differs,
 the runner verifies token by token (every call then has a decode's shape: bitwise by construction, slower), and the

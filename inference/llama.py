@@ -19,10 +19,11 @@ from core.kernels.exact_cpu import KeyLists
 
 # Exact mode (one row on a CPU, bf16 or fp32): a token's logits are bitwise the same whether it is decoded alone or
 # verified inside a chain, tree or grid, so greedy speculative output equals AR's token for token. Attention, RMSNorm's
-# scale and SiLU run in core.kernels.exact_cpu, whose results are fixed per row by construction: each token attends
-# over its own keys in path order, whatever else the call holds. The linears stay oneDNN/MKL GEMMs, called with at
-# least two rows (a lone row is doubled) and at most EXACT_ROWS; that their rows do not depend on the row count is a
-# property of the host's kernels, which inference.exactness probes before the mode claims anything.
+# scale, SiLU and the fp32 linears run in core.kernels.exact_cpu, whose results are fixed per row by construction:
+# each token attends over its own keys in path order, whatever else the call holds. bf16 linears stay oneDNN's packed
+# GEMM, called with at least two rows (a lone row is doubled) and at most EXACT_ROWS; that their rows do not depend
+# on the row count is a property of the host's kernels, which inference.exactness probes before the mode claims
+# anything.
 EXACT_ROWS = 64
 
 
