@@ -85,14 +85,6 @@ def library() -> ctypes.CDLL:
         return _library
 
 
-def available() -> bool:
-    try:
-        library()
-    except (KernelUnavailable, OSError):
-        return False
-    return True
-
-
 def _check(x: torch.Tensor) -> int:
     """1 for bf16, 0 for fp32; anything else is refused."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
