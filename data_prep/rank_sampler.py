@@ -28,6 +28,10 @@ class RankSlicedSampler(Sampler[int]):
                  rank: int = 0, world: int = 1):
         if shuffle and generator is None:
             raise ValueError("a shuffling RankSlicedSampler needs its own seeded generator")
+        if world > 1 and n < world * batch_size:  # no full global batch: every process would train 0 steps
+            raise ValueError(f"{n} training samples do not fill one global batch of {world} processes x batch_size "
+                             f"{batch_size} = {world * batch_size}, so nothing would train; give more samples, a "
+                             "smaller data.batch_size or fewer processes")
         self.n, self.batch_size, self.shuffle, self.generator = n, batch_size, shuffle, generator
         self.rank, self.world = rank, world
 

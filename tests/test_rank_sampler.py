@@ -3,6 +3,7 @@ processes' batches, side by side, are one process's batches of twice the size, a
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from data_prep.datamodules import _shuffle_generator
@@ -36,3 +37,12 @@ def test_a_mid_epoch_state_resumes_the_same_indices_in_a_later_epoch():
     resumed = iter(fresh)
     resumed.load_state_dict(state)
     assert list(resumed) == rest and len(seen + rest) == len(fresh)
+
+
+def test_fewer_samples_than_one_global_batch_are_refused_rather_than_training_nothing():
+    with pytest.raises(ValueError) as info:
+        RankSlicedSampler(5, 3, shuffle=False, rank=1, world=2)
+    assert str(info.value) == ("5 training samples do not fill one global batch of 2 processes x batch_size 3 = 6, so "
+                               "nothing would train; give more samples, a smaller data.batch_size or fewer processes")
+    assert len(list(RankSlicedSampler(6, 3, shuffle=False, rank=1, world=2))) == 3  # exactly one global batch
+    assert len(list(RankSlicedSampler(2, 3, shuffle=False))) == 2  # one process trains on a partial batch
