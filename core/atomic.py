@@ -53,6 +53,20 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def replace_directory(new: Path, final: Path) -> None:
+    """Rename the finished directory ``new`` to ``final``, replacing a ``final`` that exists. A directory cannot be
+    renamed over a non-empty one, so the old ``final`` is moved aside to ``.NAME.old`` and deleted last; a kill
+    between the two renames leaves no ``final`` (callers keep another copy, e.g. a step checkpoint). A ``.NAME.old``
+    that an earlier kill left, whole or half-deleted, is removed first: renaming onto it would fail."""
+    new, final = Path(new), Path(final)
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file and rename (POSIX-atomic)."""
     path = Path(path)

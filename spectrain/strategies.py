@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from core.atomic import replace_directory
 from core.overrides import RecipeError
 
 
@@ -79,12 +80,8 @@ def sharded_strategy_class() -> type:
             self.barrier()
             super().save_checkpoint(checkpoint, tmp, storage_options)
             self.barrier()
-            if self.global_rank == 0:
-                old = final.with_name(f".{final.name}.old")
-                if final.exists():
-                    final.rename(old)  # a kill here leaves no last.ckpt; resume=auto then takes the step file
-                tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
+            if self.global_rank == 0:  # a kill mid-swap leaves no last.ckpt; resume=auto then takes the step file
+                replace_directory(tmp, final)
             self.barrier()
 
     return ShardedDataParallel

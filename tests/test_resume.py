@@ -155,3 +155,28 @@ def test_rng_states_round_trip_through_a_weights_only_load(tmp_path):
     resume.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+
+
+def test_fsdp_checkpoint_replaces_last_ckpt_over_a_half_deleted_old_copy(tmp_path, monkeypatch):
+    """An earlier kill mid-cleanup left ``.last.ckpt.old`` half deleted: the next sharded save still lands whole,
+    and nothing else is left beside it (one process; the collectives are identities)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from spectrain.strategies import sharded_strategy_class
+
+    def write_shards(self, checkpoint, path, storage_options=None):  # stands in for torch.distributed.checkpoint
+        Path(path).mkdir()
+        (Path(path) / "shard-0").write_text(str(checkpoint["global_step"]))
+
+    monkeypatch.setattr(ModelParallelStrategy, "save_checkpoint", write_shards)
+    strategy = sharded_strategy_class()()
+    monkeypatch.setattr(strategy, "broadcast", lambda obj, src=0: obj)
+    monkeypatch.setattr(strategy, "barrier", lambda *args, **kwargs: None)
+    final = tmp_path / "last.ckpt"
+    strategy.save_checkpoint({"global_step": 2}, final)
+    leftover = tmp_path / ".last.ckpt.old" / "__0_0.distcp"  # what a kill inside rmtree leaves
+    leftover.parent.mkdir()
+    leftover.write_text("half deleted")
+    strategy.save_checkpoint({"global_step": 4}, final)
+    assert (final / "shard-0").read_text() == "4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
