@@ -241,6 +241,8 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
                        "data_prep.regenerate ...")
     path = out if world == 1 else part_file(out, rank, world)  # where this process writes
     done = read_done(out, header)  # refuses other settings before any model loads
+    if world > 1:  # an earlier run's marker says nothing about this run's part
+        done_marker(path).unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     conversations = load_prompts(cfg.source, n=cfg.n_samples, seed=cfg.seed, split=cfg.split)
     if not conversations:
@@ -299,9 +301,9 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     # Source order, so the finished file does not depend on batching or on where a run was killed.
     write_records(path, header, done)
     if world > 1:
-        atomic_write_text(done_marker(path), f"{len(done)}\n")
+        atomic_write_text(done_marker(path), json.dumps({"conversations": len(conversations)}) + "\n")
         if rank == 0:
-            merge_parts(out, header, world)
+            merge_parts(out, header, world, len(conversations))
     answered = sum(1 for i in done if i < len(conversations))
     summary = {"conversations": answered, "skipped": len(items) - answered, "new_tokens": batcher.new_tokens,
                "wall_s": round(elapsed, 2), "tokens_per_s": round(batcher.new_tokens / max(elapsed, 1e-9), 2),
@@ -327,10 +329,21 @@ def done_marker(part: Path) -> Path:
     return part.with_name(part.name + ".done")
 
 
-def merge_parts(out: Path, header: dict[str, Any], world: int) -> None:
-    """Rank 0, once every part is done: one file in source order, written atomically; then the parts go."""
+def part_finished(part: Path, conversations: int) -> bool:
+    """Whether ``part`` is finished for a run over ``conversations`` source items: its marker says so. A marker an
+    earlier run left (killed before rank 0 merged, then re-run with another n_samples) names another count."""
+    try:
+        return json.loads(done_marker(part).read_text()).get("conversations") == conversations
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return False  # not written yet, or in an older format: not this run's
+
+
+def merge_parts(out: Path, header: dict[str, Any], world: int, conversations: int) -> None:
+    """Rank 0, once every part is finished for this run's ``conversations``: one file in source order, written
+    atomically; then the parts go."""
     parts = [part_file(out, rank, world) for rank in range(world)]
-    wait_for(lambda: all(done_marker(p).is_file() for p in parts), f"the other {world - 1} process(es) to finish {out}")
+    wait_for(lambda: all(part_finished(p, conversations) for p in parts),
+             f"the other {world - 1} process(es) to finish {out}")
     done = read_done(out, header)
     for part in parts:
         done.update(read_done(part, header))

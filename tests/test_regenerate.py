@@ -158,6 +158,40 @@ def test_regenerate_resumes_after_kill_9(tiny, target, tmp_path):
     assert read_jsonl(out)[1] == read_jsonl(reference)[1]
 
 
+def test_two_process_merge_waits_for_parts_finished_for_this_run(target, tiny, tmp_path, monkeypatch):
+    """A 2-process run of 4 conversations whose rank 0 died before merging leaves rank 1's part and its done
+    marker; re-run with n_samples=8, rank 0 must not merge that stale part but wait for rank 1's new one. The
+    ranks run here in turn (they coordinate only through files); rank 1 finishes while rank 0 waits."""
+    from data_prep import regenerate as module
+
+    source = prompts_file(tmp_path / "prompts.jsonl", 8)
+    common = [f"target={tiny}", f"source=jsonl:{source}", "max_len=80", "max_new_tokens=5", "batch_size=2",
+              "device=cpu"]
+    reference, out = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    regenerate(parse_args([*common, "n_samples=8", f"out={reference}"]), target=target)
+
+    def as_rank(rank: int, n: int) -> None:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        regenerate(parse_args([*common, f"n_samples={n}", f"out={out}"]), target=target)
+
+    as_rank(1, 4)  # the earlier run: rank 1 finished; rank 0 never merged
+    assert module.done_marker(module.part_file(out, 1, 2)).is_file()
+    waited = []
+
+    def rank_1_finishes_meanwhile(done, what: str) -> None:
+        waited.append(done())
+        if not done():
+            as_rank(1, 8)
+        assert done()
+
+    monkeypatch.setattr(module, "wait_for", rank_1_finishes_meanwhile)
+    as_rank(0, 8)
+    assert waited == [False]  # the stale marker was not taken for this run's
+    assert out.read_text() == reference.read_text()  # every conversation, once, in source order
+    assert not list(tmp_path.glob("two.jsonl.rank-*"))
+
+
 def test_gsm_training_prompts_never_meet_evaluation_prompts():
     evaluation = load_prompts("gsm_symbolic", n=60)
     training = load_prompts("gsm_symbolic_train", n=60)
