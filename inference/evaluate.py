@@ -8,8 +8,9 @@ over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decide
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
 skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other
 options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,sps@temperature=1@seed=3]``.
-A variant may set any algorithm option, sampling (temperature, top_k, top_p), seed and max_new_tokens; the keys
-in ``RUN_LEVEL_KEYS`` (models, prompts, placement, outputs) are refused in a variant.
+A variant may set its algorithm's options, sampling (temperature, top_k, top_p), seed and max_new_tokens; the other
+keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's algorithms reads
+is refused (``inference.engine_args``), so nothing is accepted and ignored.
 
 Runs every algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so speedups
 compare like with like) and writes ``out/results.json``, ``out/report.md`` and PNGs (acceptance by position,
@@ -31,48 +32,27 @@ from omegaconf import OmegaConf
 from core.atomic import check_output
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
-from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
+from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import GenerationStats
-from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafter_index import export_kind, find_exports
-from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
-                                pick_device)
+from inference.algorithms.options import apply_threads
+from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
+from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_drafters,
+                                   check_placement, drafter_paths, given_keys, parse_variant, sampling_params,
+                                   with_overrides)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
-from inference.runner_loading import with_logit_vocab
-from inference.sampling import SamplingParams
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
          "bench=mt_bench n_prompts=N max_new_tokens=M temperature=T out=DIR")
 
 
 @dataclass
-class ModelOptions(AlgorithmOptions):
-    """The target and where its drafters come from (``drafter_paths``): shared by ``inference.serve``."""
-
-    target: str = "smollm2"
-    drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
-    drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
-    feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
-    specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
-
-
-@dataclass
-class EvalConfig(ModelOptions):
+class EvalConfig(EngineArgs):
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
     batch_size: int = 1  # prompts per generate_batch call for algorithms that batch (ssd); the others run one by one
-    max_new_tokens: int = 128
     warmup: bool = True
     out: str = "results/eval"
-
-
-# Keys fixed for the whole run: models and caches are loaded once (sized by device, max_seq_len, batch_size),
-# every algorithm runs the same prompts, and threads/warmup/out describe the process. A variant may not set them.
-# (hrad stays a variant option: specbranch loads it itself, and specbranch@hrad=none is the H-RAD ablation.)
-RUN_LEVEL_KEYS = frozenset({"target", "drafters", "drafter", "feature_drafter", "specblock_drafter", "algorithms",
-                            "bench", "n_prompts", "batch_size", "warmup", "out", "device", "dtype",
-                            "max_seq_len", "chat_template", "threads"})
 
 
 def parse_args(argv: Sequence[str]) -> Any:
@@ -82,16 +62,13 @@ def parse_args(argv: Sequence[str]) -> Any:
     if cfg.n_prompts < 1 or cfg.batch_size < 1:
         raise OverrideError("n_prompts and batch_size must be >= 1")
     check_output(cfg.out)  # results are written after the whole run: a bad out= must fail now
-    try:
-        model_dtype(cfg.dtype, pick_device(cfg.device))
-    except ValueError as exc:
-        raise OverrideError(str(exc)) from None
+    check_placement(cfg)
     _check_generation(cfg, "")
+    # unknown algorithms, and options none of them reads, fail here, before any model loads
+    check_algorithm_options(cfg, given_keys(argv, EvalConfig, USAGE), cfg.algorithms)
     for label in cfg.algorithms:
         if label != "all":
-            base, overrides = parse_variant(label)
-            algorithm_class(base)  # unknown names and keys fail here, before any model loads
-            _check_generation(with_overrides(cfg, overrides, label), f"algorithm variant '{label}': ")
+            _check_generation(with_overrides(cfg, parse_variant(label)[1], label), f"algorithm variant '{label}': ")
     return cfg
 
 
@@ -102,10 +79,6 @@ def _check_generation(cfg: Any, where: str) -> None:
         sampling_params(cfg)
     except ValueError as exc:
         raise OverrideError(f"{where}{exc}") from None
-
-
-def sampling_params(cfg: Any) -> SamplingParams:
-    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 def generation_settings(cfg: Any) -> dict[str, Any]:
@@ -119,52 +92,6 @@ def _listify(arg: str, list_keys: tuple[str, ...]) -> str:
     if sep and key in list_keys and not value.startswith("["):
         return f"{key}=[{value}]"
     return arg
-
-
-def parse_variant(label: str) -> tuple[str, list[str]]:
-    """``sps@verifier=hsd@gamma=3`` -> ("sps", ["verifier=hsd", "gamma=3"])."""
-    base, *overrides = label.split("@")
-    for item in overrides:
-        if "=" not in item:
-            raise OverrideError(f"algorithm variant '{label}': '{item}' is not key=value; write NAME@key=value")
-    return base, overrides
-
-
-def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
-    """``cfg`` with a variant's options applied (validated against the schema, like any key=value)."""
-    if not overrides:
-        return cfg
-    if not OmegaConf.is_config(cfg):
-        cfg = OmegaConf.structured(cfg)
-    keys = [k.split("=", 1)[0] for k in overrides]
-    for key, item in zip(keys, overrides):
-        if key in RUN_LEVEL_KEYS:  # before parsing: a list key's value would fail there with a vaguer message
-            raise OverrideError(f"algorithm variant '{label}': '{key}' cannot differ per variant; "
-                                f"set {item} for the whole run instead")
-    try:
-        variant = parse_cli(list(overrides), EvalConfig, USAGE)
-    except OverrideError as exc:
-        raise OverrideError(f"algorithm variant '{label}': {exc}") from None
-    return OmegaConf.merge(cfg, {key: OmegaConf.select(variant, key) for key in keys})
-
-
-def drafter_paths(cfg: Any) -> dict[str, str]:
-    """Algorithm drafter kind (draft_lm | features | specblock | hrad) -> path: ``drafters=DIR`` first, then each
-    explicitly named drafter on top."""
-    by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
-    paths: dict[str, str] = {}
-    if cfg.drafters:
-        for export, path in find_exports(cfg.drafters).items():
-            paths[by_export.get(export, export)] = str(path)
-    if cfg.drafter:
-        paths[by_export.get(export_kind(Path(cfg.drafter)) or "draft_lm", "draft_lm")] = cfg.drafter
-    if cfg.feature_drafter:
-        paths["features"] = cfg.feature_drafter
-    if cfg.specblock_drafter:
-        paths["specblock"] = cfg.specblock_drafter
-    if cfg.hrad not in ("auto", "none"):
-        paths["hrad"] = cfg.hrad
-    return paths
 
 
 def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[str, str]]:
@@ -183,17 +110,6 @@ def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[st
     labels = list(dict.fromkeys(labels))
     check_drafters(labels, available)
     return labels, skipped
-
-
-def check_drafters(labels: Sequence[str], available: set[str]) -> None:
-    """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it."""
-    missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
-    missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
-    if missing:
-        first, kind = next(iter(missing.items()))
-        option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter"}[kind]
-        raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
-                            f"add {option}=PATH or drafters=DIR (a directory of exports)")
 
 
 @dataclass
@@ -256,64 +172,22 @@ def greedy_equal(outputs: list, cfg: Any, ar_outputs: list, ar_cfg: Any) -> bool
     return [out[:n] for out in outputs] == [out[:n] for out in ar_outputs]
 
 
-def load_drafters(cfg: Any, paths: dict[str, str], needed: set[str], target: LoadedModel,
-                  preloaded: dict[str, Any], max_batch_size: int = 1) -> dict[str, Any]:
-    """The drafter of each ``needed`` kind: the preloaded one if given, else loaded from its path."""
-    return {kind: preloaded[kind] if preloaded.get(kind) is not None else
-            load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                         max_batch_size=max_batch_size) for kind in needed}
-
-
-def resolved_config(cfg: Any, paths: dict[str, str]) -> Any:
-    """``cfg`` with the draft LM's path and H-RAD resolved: algorithms that rebuild a drafter elsewhere (a draft
-    process) read its path from cfg, and ``hrad=auto`` means the drafters' H-RAD export, if any."""
-    return OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
-                           {"drafter": paths.get("draft_lm"),
-                            "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
-
-
-def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict[str, Any],
-                  limited: dict[int, Any]) -> tuple[Any, Any]:
-    """``(algorithm, its config)`` for ``NAME[@key=value...]`` over the loaded target and drafters; ``limited``
-    caches one vocabulary-limited draft runner (shared weights) per ``draft_vocab``."""
-    name, overrides = parse_variant(label)
-    variant_cfg = with_overrides(resolved, overrides, label)
-    if variant_cfg.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
-        variant_cfg.hrad = resolved.hrad
-    kind = algorithm_class(name).drafter
-    drafter = drafters.get(kind)
-    if kind == "draft_lm" and variant_cfg.draft_vocab:
-        vocab = variant_cfg.draft_vocab
-        drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
-    return build_algorithm(name, target.runner, drafter, **algorithm_class(name).options_from_config(variant_cfg)), \
-        variant_cfg
-
-
 def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
              features=None, specblock=None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
     ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` replace loading them from ``cfg``."""
     from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
-    paths = drafter_paths(cfg)
     preloaded = {"draft_lm": draft.runner if isinstance(draft, LoadedModel) else draft, "features": features,
                  "specblock": specblock}
-    available = {kind for kind, obj in preloaded.items() if obj is not None} | set(paths)
+    available = {kind for kind, obj in preloaded.items() if obj is not None} | set(drafter_paths(cfg))
     labels, skipped = select_algorithms(cfg, available)
     for name, why in skipped.items():
         print(f"[evaluate] skipping {name}: it {why}", file=sys.stderr)
-    needed = {algorithm_class(parse_variant(label)[0]).drafter for label in labels} - {"none"}
     for bench in cfg.bench:  # an unreadable or empty bench fails before any model loads (re-read below: cheap)
         load_bench_conversations(bench, cfg.n_prompts)
-    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                               max_batch_size=cfg.batch_size, dtype=model_dtype(cfg.dtype, pick_device(cfg.device)),
-                               chat_template=cfg.chat_template)
-    drafters = load_drafters(cfg, paths, needed, target, preloaded, cfg.batch_size)
+    target, algorithms = build_algorithms(cfg, labels, target, preloaded, cfg.batch_size)
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    resolved = resolved_config(cfg, paths)
-    algorithms, limited = {}, {}
-    for label in labels:
-        algorithms[label] = build_variant(label, resolved, target, drafters, limited)
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]
 
     runs, totals, ar_runs = [], {}, {}

@@ -1,8 +1,8 @@
 """``python -m inference.generate target=smollm2 algorithm=ar prompt="..."`` — stream one answer.
 
-The prompt is a single user message rendered with the target's chat template. Draft-LM algorithms take
-``drafter=PATH`` (a draft LM); ``eagle3_tree`` and ``specblock_tree`` take ``drafter=PATH`` (their export).
-Statistics (tokens/s,
+The prompt is a single user message rendered with the target's chat template. An algorithm with a drafter takes
+``drafter=PATH`` (a draft LM, or an export of the kind the algorithm needs) or ``drafters=DIR`` (a directory of
+exports), as ``inference.evaluate`` does; an option the algorithm does not read is refused. Statistics (tokens/s,
 τ) are printed to stderr after the answer.
 """
 
@@ -17,23 +17,20 @@ import torch
 
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import render_prompt
-from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
+from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import GenerationResult
-from inference.algorithms.options import AlgorithmOptions, apply_threads
-from inference.drafters import (DRAFTER_KINDS, LoadedModel, eos_token_ids, load_drafter, load_lm, model_dtype,
-                                pick_device)
-from inference.runner_loading import with_logit_vocab
-from inference.sampling import SamplingParams
+from inference.algorithms.options import apply_threads
+from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
+from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement,
+                                   given_keys, load_target, sampling_params)
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
 
 
 @dataclass
-class GenerateConfig(AlgorithmOptions):
+class GenerateConfig(EngineArgs):
     prompt: str = ""
-    target: str = "smollm2"
     algorithm: str = "ar"
-    drafter: str | None = None
     max_new_tokens: int = 256
 
 
@@ -56,40 +53,44 @@ class TextStreamer:
         self.printed = text
 
 
-def generate_text(cfg: Any, target: LoadedModel, draft: LoadedModel | None = None,
+def generate_text(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | Any = None,
                   on_tokens=None) -> GenerationResult:
-    """Answer ``cfg.prompt`` with ``cfg.algorithm`` on an already loaded target (and draft: a LoadedModel draft
-    LM, or an EAGLE-3 drafter module for feature algorithms)."""
-    cls = algorithm_class(cfg.algorithm)
-    drafter = draft.runner if isinstance(draft, LoadedModel) else draft
-    if cls.drafter == "draft_lm" and drafter is not None:
-        drafter = with_logit_vocab(drafter, cfg.draft_vocab)
-    algorithm = build_algorithm(cfg.algorithm, target.runner, drafter, **cls.options_from_config(cfg))
+    """Answer ``cfg.prompt`` with ``cfg.algorithm``, loading what is not given: the target, and the drafter (a
+    LoadedModel draft LM, or a drafter module for feature algorithms)."""
+    kind = algorithm_class(cfg.algorithm).drafter
+    preloaded = {kind: draft.runner if isinstance(draft, LoadedModel) else draft}
+    target, built = build_algorithms(cfg, [cfg.algorithm], target, preloaded)
+    algorithm, _ = built[cfg.algorithm]
     prompt_ids = render_prompt(target.tokenizer, [{"role": "user", "content": cfg.prompt}])
-    return algorithm.generate(prompt_ids, max_new_tokens=cfg.max_new_tokens,
-                              sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
-                              generator=torch.Generator().manual_seed(cfg.seed),
-                              eos_ids=eos_token_ids(target.tokenizer, target.model.config), on_tokens=on_tokens)
+    try:
+        return algorithm.generate(prompt_ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling_params(cfg),
+                                  generator=torch.Generator().manual_seed(cfg.seed),
+                                  eos_ids=eos_token_ids(target.tokenizer, target.model.config), on_tokens=on_tokens)
+    finally:
+        getattr(algorithm, "close", lambda: None)()  # a draft process or thread
 
 
 def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     cfg = parse_cli(args, GenerateConfig, USAGE)
     if not cfg.prompt:
         raise OverrideError(f"no prompt given; usage: {USAGE}")
-    apply_threads(cfg)
-    cls = algorithm_class(cfg.algorithm)
-    if cls.drafter != "none" and not cfg.drafter:
-        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[cls.drafter][1]}: add drafter=PATH")
+    if cfg.max_new_tokens < 1:
+        raise OverrideError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if "@" in cfg.algorithm:
+        raise OverrideError(f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as key=value "
+                            "(variants NAME@key=value are for inference.evaluate and inference.serve)")
+    check_algorithm_options(cfg, given_keys(args, GenerateConfig, USAGE), [cfg.algorithm])
+    check_placement(cfg)
     try:
-        dtype = model_dtype(cfg.dtype, pick_device(cfg.device))
+        sampling_params(cfg)
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
-    target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, dtype=dtype,
-                     chat_template=cfg.chat_template)
-    draft = None
-    if cls.drafter != "none":
-        draft = load_drafter(cls.drafter, cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
-    return cfg, generate_text(cfg, target, draft, on_tokens=TextStreamer(target.tokenizer))
+    kind = algorithm_class(cfg.algorithm).drafter
+    if kind != "none" and not (cfg.drafter or cfg.drafters or cfg.feature_drafter or cfg.specblock_drafter):
+        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[kind][1]}: add drafter=PATH")
+    apply_threads(cfg)
+    target = load_target(cfg)
+    return cfg, generate_text(cfg, target, on_tokens=TextStreamer(target.tokenizer))
 
 
 def _report(outcome: tuple[Any, GenerationResult]) -> None:

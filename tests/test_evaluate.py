@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from core.overrides import OverrideError
+from inference import engine_args
 from inference import evaluate as evaluate_cli
 from inference import generate as generate_cli
 from inference.drafters import LoadedModel, load_draft_lm
@@ -122,7 +123,8 @@ def test_every_algorithm_reads_its_options_from_both_clis(name):
     from inference.algorithms import algorithm_class
 
     cls = algorithm_class(name)
-    eval_cfg = evaluate_cli.parse_args(["gamma=3", "tree_depth=2", "self_draft_L=5"])
+    eval_cfg = evaluate_cli.parse_args(["algorithms=[sps,eagle3_tree,self_draft]", "gamma=3", "tree_depth=2",
+                                        "self_draft_L=5"])
     gen_cfg = generate_cli.parse_cli(["prompt=hi", "gamma=3", "tree_depth=2", "self_draft_L=5"],
                                      generate_cli.GenerateConfig, generate_cli.USAGE)
     assert cls.options_from_config(eval_cfg) == cls.options_from_config(gen_cfg)
@@ -242,7 +244,7 @@ def tiny_eval(monkeypatch):
     """``run(prompts, args) -> (results, calls)``: evaluate on fixed token prompts (no EOS) with a tiny target and
     draft; ``calls[i]`` lists (sampling, tokens) of every generate call of the i-th algorithm built (ar first)."""
     calls: list[list] = []
-    build = evaluate_cli.build_algorithm
+    build = engine_args.build_algorithm
 
     def spying_build(*args, **kwargs):
         algorithm, seen = build(*args, **kwargs), []
@@ -257,7 +259,7 @@ def tiny_eval(monkeypatch):
         algorithm.generate = spy
         return algorithm
 
-    monkeypatch.setattr(evaluate_cli, "build_algorithm", spying_build)
+    monkeypatch.setattr(engine_args, "build_algorithm", spying_build)
     monkeypatch.setattr(evaluate_cli, "eos_token_ids", lambda *a, **k: [])
 
     def run(prompts: list[list[int]], vocab: int, args: list[str]):

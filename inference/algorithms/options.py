@@ -1,30 +1,38 @@
-"""The knobs every algorithm reads, shared by ``inference.evaluate`` and ``inference.generate``.
+"""Each algorithm's own options, and the options every algorithm shares (sampling, placement).
 
-Each algorithm's ``options_from_config(cfg)`` picks its own fields from a config built on this dataclass, so a
-new algorithm adds its fields here once and both CLIs accept them.
+An algorithm's options dataclass lists exactly the keys it reads (its ``options_from_config`` reads those and the
+shared ones, nothing else); ``inference.engine_args.check_algorithm_options`` refuses a key the chosen algorithms
+do not read, so an option is never accepted and silently ignored. The CLIs parse into :class:`AlgorithmOptions`,
+the union of them all. The dataclasses live here, not beside each algorithm, so parsing a command line imports no algorithm.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+# ---------------------------------------------------------------------------------------------------------------
+# Groups several algorithms share
+
 
 @dataclass
-class AlgorithmOptions:
-    # sps (and other chain algorithms)
-    verifier: str = "tokenwise"  # tokenwise | block | hsd
-    hsd_final_ratio: str = "capped"  # capped (lossless) | uncapped (the HSD authors' lossy rule)
-    gamma: int = 4
-    # draft-LM algorithms (sps, pearl, specbranch, ssd): the draft proposes only from the K lowest token ids, so its
-    # lm_head costs K/V of the full one (lossless; inference.runner_loading.with_logit_vocab); 0 = every id
+class ChainOptions:
+    gamma: int = 4  # draft tokens per round
+    # the draft proposes only from the K lowest token ids, so its lm_head costs K/V of the full one (lossless;
+    # inference.runner_loading.with_logit_vocab); 0 = every id
     draft_vocab: int = 0
-    # eagle3_tree
-    tree_depth: int = 6  # longest drafted path
-    tree_topk: int = 8  # children per expanded node, and nodes expanded per level
-    tree_total: int = 48  # tokens per verification forward, root included
-    # serving-time drafter adaptation (eagle3_tree, specblock_tree; spectrain.adapt.AdaptSettings documents each)
+
+
+@dataclass
+class OverlapOptions:
+    executor: str = "sequential"  # sequential | cuda_streams | multiprocess (inference.executors)
+
+
+@dataclass
+class AdaptOptions:
+    """Serving-time drafter adaptation (spectrain.adapt.AdaptSettings documents each ``adapt_`` field)."""
+
     adapt: str = "none"  # none | bandit
     adapt_arms: str = "head,full"
     adapt_horizon: int = 1024
@@ -59,7 +67,70 @@ class AlgorithmOptions:
     adapt_cost_cache: str | None = "~/.cache/spectrain/adapt_costs.json"
     adapt_log: str | None = None  # DIR: decisions.csv + trace records for python -m spectrain.adapt.replay
     adapt_wandb: str | None = None  # wandb project for the decision log
-    # self_draft
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One dataclass per algorithm (inference.algorithms.ALGORITHMS names them)
+
+
+@dataclass
+class AROptions:
+    """AR reads no algorithm option."""
+
+
+@dataclass
+class SpsOptions(ChainOptions):
+    verifier: str = "tokenwise"  # tokenwise | block | hsd
+    hsd_final_ratio: str = "capped"  # capped (lossless) | uncapped (the HSD authors' lossy rule); verifier=hsd only
+
+
+@dataclass
+class PearlOptions(ChainOptions, OverlapOptions):
+    pass
+
+
+@dataclass
+class SpecBranchOptions(ChainOptions, OverlapOptions):
+    # H-RAD export PATH; none = confidence cut every round ("w/o H-RAD"); auto = the H-RAD export of evaluate's
+    # drafters=DIR when there is one, else none
+    hrad: str = "auto"
+    specbranch_kmax: int = 3  # most branches per branch point; 1 = "w/o branching"
+    specbranch_eps: float | None = None  # confidence threshold ε; None = the H-RAD export's, else 0.3
+
+
+@dataclass
+class SSDOptions(ChainOptions, OverlapOptions):
+    """Lookahead K = gamma (spec Part 2)."""
+
+    ssd_budget: int = 8  # B: cached speculations per sequence per round
+    ssd_fanout: str = "geometric"  # geometric (closed form, a_p by EMA) | K+1 ints, e.g. "2:2:2:1:1"
+    ssd_fanout_miss: str = "auto"  # auto (JIT: = hit vector; fast: geometric on fast acceptance) | K+1 ints
+    ssd_fanout_r: float = 1.0  # power-law exponent r of the cache-miss model
+    ssd_fallback: str = "jit"  # jit (drafter drafts on a miss) | fast (n-gram/random tokens) | auto (batch-aware)
+    ssd_fast: str = "ngram"  # ngram | random: the fast fallback's tokens
+    ssd_saguaro_c: float = 1.0  # SAGUARO C in (0, 1]: scale of the cached guesses' draft probability
+
+
+@dataclass
+class Eagle3TreeOptions(AdaptOptions):
+    tree_depth: int = 6  # longest drafted path
+    tree_topk: int = 8  # children per expanded node, and nodes expanded per level
+    tree_total: int = 48  # tokens per verification forward, root included
+
+
+@dataclass
+class SpecBlockTreeOptions(AdaptOptions):
+    """§1.6 released defaults."""
+
+    specblock_width: int = 10  # W: block-1 slot-0 width; leaf beam for rounds after block 2
+    specblock_budget: int = 90  # N: tree nodes, root excluded
+    specblock_widths: list[int] | None = None  # TOPK[rank bucket]; None = the drafter's ([2, 4, 6, 4])
+    specblock_blocks: int = 2  # N_blk_inf: blocks per tree
+    specblock_prob_caps: bool = True  # confidence caps on the widths
+
+
+@dataclass
+class SelfDraftOptions:
     self_draft_L: int = 6  # branch length L (draft levels per branch = L - 2)
     self_draft_N: int = 6  # number of draft branches N
     self_draft_G: int = 4  # context gram length G (capped at L - 1)
@@ -69,37 +140,52 @@ class AlgorithmOptions:
     self_draft_grid_vocab: int = 0  # grid argmax over the K lowest ids + the text's tokens (CPU); 0 = all
     ngram_corpus: str | None = None  # corpus cache file from python -m data_prep.ngram_corpus
     compat_original_cap: bool = False  # the original's counting (no bonus token), for the paper's DE
-    # specblock_tree (§1.6 released defaults)
-    specblock_width: int = 10  # W: block-1 slot-0 width; leaf beam for rounds after block 2
-    specblock_budget: int = 90  # N: tree nodes, root excluded
-    specblock_widths: list[int] | None = None  # TOPK[rank bucket]; None = the drafter's ([2, 4, 6, 4])
-    specblock_blocks: int = 2  # N_blk_inf: blocks per tree
-    specblock_prob_caps: bool = True  # confidence caps on the widths
-    # pearl, specbranch (draft side overlapped with the target; they use gamma too)
-    executor: str = "sequential"  # sequential | cuda_streams | multiprocess (inference.executors)
-    # specbranch: H-RAD export PATH; none = confidence cut every round ("w/o H-RAD"); auto = the H-RAD export of
-    # evaluate's drafters=DIR when there is one, else none
-    hrad: str = "auto"
-    specbranch_kmax: int = 3  # most branches per branch point; 1 = "w/o branching"
-    specbranch_eps: float | None = None  # confidence threshold ε; None = the H-RAD export's, else 0.3
-    # ssd (lookahead K = gamma; spec Part 2)
-    ssd_budget: int = 8  # B: cached speculations per sequence per round
-    ssd_fanout: str = "geometric"  # geometric (closed form, a_p by EMA) | K+1 ints, e.g. "2:2:2:1:1"
-    ssd_fanout_miss: str = "auto"  # auto (JIT: = hit vector; fast: geometric on fast acceptance) | K+1 ints
-    ssd_fanout_r: float = 1.0  # power-law exponent r of the cache-miss model
-    ssd_fallback: str = "jit"  # jit (drafter drafts on a miss) | fast (n-gram/random tokens) | auto (batch-aware)
-    ssd_fast: str = "ngram"  # ngram | random: the fast fallback's tokens
-    ssd_saguaro_c: float = 1.0  # SAGUARO C in (0, 1]: scale of the cached guesses' draft probability
-    # sampling and placement
+
+
+OPTIONS_BY_ALGORITHM: dict[str, type] = {
+    "ar": AROptions, "sps": SpsOptions, "eagle3_tree": Eagle3TreeOptions, "self_draft": SelfDraftOptions,
+    "pearl": PearlOptions, "specbranch": SpecBranchOptions, "specblock_tree": SpecBlockTreeOptions, "ssd": SSDOptions,
+}
+
+# An option that matters only when another has a given value: set without it, it would be ignored.
+ONLY_WITH: dict[str, tuple[str, str]] = {"hsd_final_ratio": ("verifier", "hsd"),
+                                         **{f.name: ("adapt", "!none") for f in fields(AdaptOptions)
+                                            if f.name != "adapt"}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What every algorithm reads
+
+
+@dataclass
+class SamplingOptions:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+
+@dataclass
+class PlacementOptions:
     device: str = "auto"
-    dtype: str = "auto"  # auto (fp32 on a CPU, bf16 on CUDA) | fp32 | bf16 (CPU: native bf16 only, batch-invariant)
+    dtype: str = "auto"  # auto (fp32 on a CPU, bf16 on CUDA) | fp32 | bf16 (CPU: native bf16 only)
     max_seq_len: int = 2048
     chat_template: str = "auto"  # how prompts are rendered: auto (the tokenizer's) | none (text as is) | PATH (Jinja)
     threads: int = 0  # CPU intra-op threads; 0 = torch's default (on a shared CPU, 1 keeps timings sane)
+
+
+@dataclass
+class AlgorithmOptions(SpsOptions, PearlOptions, SpecBranchOptions, SSDOptions, Eagle3TreeOptions,
+                       SpecBlockTreeOptions, SelfDraftOptions, SamplingOptions, PlacementOptions):
+    """Every algorithm's options, sampling and placement: the schema the CLIs parse into."""
+
+
+def option_keys(algorithm: str) -> list[str]:
+    """The algorithm-specific keys ``algorithm`` reads, in declaration order."""
+    return [f.name for f in fields(OPTIONS_BY_ALGORITHM[algorithm])]
+
+
+ALGORITHM_KEYS = frozenset(k for name in OPTIONS_BY_ALGORITHM for k in option_keys(name))
 
 
 def apply_threads(cfg) -> None:

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.overrides import OverrideError, parse_cli
-from inference.algorithms import algorithm_class
-from inference.drafters import model_dtype, pick_device
-from inference.evaluate import ModelOptions, parse_variant, with_overrides
+from inference.engine_args import (EngineArgs, check_algorithm_options, check_placement, given_keys, parse_variant,
+                                   with_overrides)
 from inference.round_observers import check_observer
 
 USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
@@ -17,7 +16,7 @@ USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3
 
 
 @dataclass
-class ServeConfig(ModelOptions):
+class ServeConfig(EngineArgs):
     algorithm: str = "ar"  # NAME or NAME@key=value[@key=value], as a variant of inference.evaluate
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port (printed at start)
@@ -46,14 +45,14 @@ def parse_args(argv: Sequence[str]) -> Any:
         raise OverrideError("max_new_tokens and max_queue must be >= 1, batch_size >= 0 (0 = auto)")
     if not 0 <= cfg.port <= 65535:
         raise OverrideError(f"port={cfg.port} is not a TCP port; use 1-65535 (or 0 for any free port)")
-    name, overrides = parse_variant(cfg.algorithm)
+    # an unknown algorithm, a bad variant key and an option the algorithm does not read fail now
+    check_algorithm_options(cfg, given_keys(argv, ServeConfig, USAGE), [cfg.algorithm])
+    check_placement(cfg)
+    variant = with_overrides(cfg, parse_variant(cfg.algorithm)[1], cfg.algorithm)
     try:
-        algorithm_class(name)
-        check_observer(cfg.adapt)
-        model_dtype(cfg.dtype, pick_device(cfg.device))
+        check_observer(variant.adapt)
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
-    variant = with_overrides(cfg, overrides, cfg.algorithm)  # a bad variant key fails now
     if variant.max_new_tokens < 1:  # the default budget of every request
         raise OverrideError(f"algorithm variant '{cfg.algorithm}': max_new_tokens must be >= 1")
     return cfg

@@ -1,0 +1,224 @@
+"""Engine arguments -> a running algorithm: what ``inference.evaluate``, ``inference.generate`` and
+``inference.serve`` share (vLLM's ``EngineArgs`` -> engine is the shape).
+
+:class:`EngineArgs` is the target, where its drafters come from, every algorithm's options, sampling and placement.
+An algorithm label is ``NAME`` or a variant ``NAME@key=value[@key=value]`` that changes only what a variant may
+(``VARIANT_KEYS``). :func:`check_algorithm_options` refuses an option none of the chosen algorithms reads, and
+:func:`build_variant` builds a label over a loaded target and drafters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
+from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
+from inference.algorithms.options import (ALGORITHM_KEYS, ONLY_WITH, AlgorithmOptions, SamplingOptions,
+                                          option_keys)
+from inference.drafter_index import export_kind, find_exports
+from inference.drafters import DRAFTER_KINDS, LoadedModel, load_drafter, load_lm, model_dtype, pick_device
+from inference.runner_loading import with_logit_vocab
+from inference.sampling import SamplingParams
+
+
+@dataclass
+class EngineArgs(AlgorithmOptions):
+    """The target and where its drafters come from (``drafter_paths``), every algorithm option, sampling and
+    placement, and the answer's length."""
+
+    target: str = "smollm2"
+    drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
+    drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
+    feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
+    specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
+    max_new_tokens: int = 128
+
+
+# What a variant NAME@key=value may change: its algorithm's options, sampling and the answer's length. The rest
+# (models, placement, and each CLI's own keys) is fixed for the whole run: models load once.
+VARIANT_KEYS = ALGORITHM_KEYS | {f.name for f in fields(SamplingOptions)} | {"max_new_tokens"}
+
+
+def parse_variant(label: str) -> tuple[str, list[str]]:
+    """``sps@verifier=hsd@gamma=3`` -> ("sps", ["verifier=hsd", "gamma=3"])."""
+    base, *overrides = label.split("@")
+    for item in overrides:
+        if "=" not in item:
+            raise OverrideError(f"algorithm variant '{label}': '{item}' is not key=value; write NAME@key=value")
+    return base, overrides
+
+
+def given_keys(argv: Sequence[str], schema: type, usage: str) -> list[str]:
+    """The schema keys the ``key=value`` args set (abbreviated keys resolved)."""
+    valid = leaf_keys(OmegaConf.structured(schema))
+    return [resolve_key(key, valid) for key, _ in split_key_values(argv, usage)]
+
+
+def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
+    """``cfg`` with a variant's options applied (validated against the schema, like any key=value)."""
+    if not overrides:
+        return cfg
+    if not OmegaConf.is_config(cfg):
+        cfg = OmegaConf.structured(cfg)
+    keys = [k.split("=", 1)[0] for k in overrides]
+    for key, item in zip(keys, overrides):
+        # a key of the run's schema that a variant may not change; before parsing: a list key's value would fail
+        # there with a vaguer message (an unknown key fails in parsing, with the closest valid one)
+        if key in cfg and key not in VARIANT_KEYS:
+            raise OverrideError(f"algorithm variant '{label}': '{key}' cannot differ per variant; "
+                                f"set {item} for the whole run instead")
+    try:
+        variant = parse_cli(list(overrides), EngineArgs, "NAME@key=value[@key=value]")
+    except OverrideError as exc:
+        raise OverrideError(f"algorithm variant '{label}': {exc}") from None
+    return OmegaConf.merge(cfg, {key: OmegaConf.select(variant, key) for key in keys})
+
+
+def _takes_effect(key: str, cfg: Any) -> bool:
+    other, value = ONLY_WITH[key]
+    actual = str(getattr(cfg, other))
+    return actual != value[1:] if value.startswith("!") else actual == value
+
+
+def _check_read(given: Iterable[str], runs: Sequence[tuple[str, Any]], where: str) -> None:
+    """Refuse an algorithm option in ``given`` that none of ``runs`` ((algorithm, its config) pairs) reads, or that
+    does nothing in every run that reads it (``ONLY_WITH``)."""
+    for key in given:
+        if key not in ALGORITHM_KEYS:
+            continue
+        readers = [(name, cfg) for name, cfg in runs if key in option_keys(name)]
+        if not readers:
+            names = list(dict.fromkeys(name for name, _ in runs))
+            own = "; ".join(f"{name} reads {', '.join(option_keys(name)) or 'no algorithm option'}" for name in names)
+            owners = ", ".join(name for name in ALGORITHMS if key in option_keys(name))
+            raise OverrideError(f"{where}{key} is not read by {', '.join(names)} ({own}); it is an option of "
+                                f"{owners}: drop it or choose an algorithm that reads it")
+        if key in ONLY_WITH and not any(_takes_effect(key, cfg) for _, cfg in readers):
+            other, value = ONLY_WITH[key]
+            need = f"{other} other than {value[1:]}" if value.startswith("!") else f"{other}={value}"
+            raise OverrideError(f"{where}{key} does nothing with {other}={getattr(readers[0][1], other)}; "
+                                f"set {need} or drop {key}")
+
+
+def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str]) -> None:
+    """Refuse (one line) an unknown algorithm, and an algorithm option that the run's algorithms do not read: a
+    key the command line set (``given``) and each variant's own keys. ``all`` admits every option."""
+    runs = []
+    for label in labels:
+        if label == "all":
+            continue
+        name, overrides = parse_variant(label)
+        try:
+            algorithm_class(name)
+        except ValueError as exc:
+            raise OverrideError(str(exc)) from None
+        variant = with_overrides(cfg, overrides, label)
+        _check_read([item.split("=", 1)[0] for item in overrides], [(name, variant)],
+                    f"algorithm variant '{label}': ")
+        runs.append((name, variant))
+    if "all" not in labels:
+        _check_read(given, runs, "")
+
+
+def sampling_params(cfg: Any) -> SamplingParams:
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def check_placement(cfg: Any) -> None:
+    """Refuse (one line) a device or dtype this machine cannot run, before any model loads."""
+    try:
+        model_dtype(cfg.dtype, pick_device(cfg.device))
+    except ValueError as exc:
+        raise OverrideError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafters and the target
+
+
+def drafter_paths(cfg: Any) -> dict[str, str]:
+    """Algorithm drafter kind (draft_lm | features | specblock | hrad) -> path: ``drafters=DIR`` first, then each
+    explicitly named drafter on top."""
+    by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
+    paths: dict[str, str] = {}
+    if cfg.drafters:
+        for export, path in find_exports(cfg.drafters).items():
+            paths[by_export.get(export, export)] = str(path)
+    if cfg.drafter:
+        paths[by_export.get(export_kind(Path(cfg.drafter)) or "draft_lm", "draft_lm")] = cfg.drafter
+    if cfg.feature_drafter:
+        paths["features"] = cfg.feature_drafter
+    if cfg.specblock_drafter:
+        paths["specblock"] = cfg.specblock_drafter
+    if getattr(cfg, "hrad", "auto") not in ("auto", "none"):
+        paths["hrad"] = cfg.hrad
+    return paths
+
+
+def check_drafters(labels: Sequence[str], available: set[str]) -> None:
+    """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it."""
+    missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
+    missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
+    if missing:
+        first, kind = next(iter(missing.items()))
+        option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter"}[kind]
+        raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
+                            f"add {option}=PATH or drafters=DIR (a directory of exports)")
+
+
+def load_target(cfg: Any, max_batch_size: int = 1) -> LoadedModel:
+    return load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, max_batch_size=max_batch_size,
+                   dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
+
+
+def load_drafters(cfg: Any, paths: dict[str, str], needed: set[str], target: LoadedModel,
+                  preloaded: dict[str, Any], max_batch_size: int = 1) -> dict[str, Any]:
+    """The drafter of each ``needed`` kind: the preloaded one if given, else loaded from its path."""
+    return {kind: preloaded[kind] if preloaded.get(kind) is not None else
+            load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
+                         max_batch_size=max_batch_size) for kind in needed}
+
+
+def resolved_config(cfg: Any, paths: dict[str, str]) -> Any:
+    """``cfg`` with the draft LM's path and H-RAD resolved: algorithms that rebuild a drafter elsewhere (a draft
+    process) read its path from cfg, and ``hrad=auto`` means the drafters' H-RAD export, if any."""
+    return OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
+                           {"drafter": paths.get("draft_lm"),
+                            "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
+
+
+def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict[str, Any],
+                  limited: dict[int, Any]) -> tuple[Any, Any]:
+    """``(algorithm, its config)`` for ``NAME[@key=value...]`` over the loaded target and drafters; ``limited``
+    caches one vocabulary-limited draft runner (shared weights) per ``draft_vocab``."""
+    name, overrides = parse_variant(label)
+    variant_cfg = with_overrides(resolved, overrides, label)
+    if variant_cfg.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
+        variant_cfg.hrad = resolved.hrad
+    kind = algorithm_class(name).drafter
+    drafter = drafters.get(kind)
+    if kind == "draft_lm" and variant_cfg.draft_vocab:
+        vocab = variant_cfg.draft_vocab
+        drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
+    return build_algorithm(name, target.runner, drafter, **algorithm_class(name).options_from_config(variant_cfg)), \
+        variant_cfg
+
+
+def build_algorithms(cfg: Any, labels: Sequence[str], target: LoadedModel | None = None,
+                     preloaded: dict[str, Any] | None = None, max_batch_size: int = 1
+                     ) -> tuple[LoadedModel, dict[str, tuple[Any, Any]]]:
+    """Load (or take) the target and the drafters ``labels`` need, and build each label: ``(target, {label:
+    (algorithm, its config)})``. ``preloaded`` maps a drafter kind to an already loaded drafter."""
+    paths = drafter_paths(cfg)
+    preloaded = {kind: obj for kind, obj in (preloaded or {}).items() if obj is not None}
+    check_drafters(labels, set(preloaded) | set(paths))
+    target = target or load_target(cfg, max_batch_size)
+    needed = {algorithm_class(parse_variant(label)[0]).drafter for label in labels} - {"none"}
+    drafters = load_drafters(cfg, paths, needed, target, preloaded, max_batch_size)
+    resolved, limited = resolved_config(cfg, paths), {}
+    return target, {label: build_variant(label, resolved, target, drafters, limited) for label in labels}
