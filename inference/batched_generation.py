@@ -46,16 +46,24 @@ class _Row:
     job: Job
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    ended: bool = False  # finished or failed: the row is free for the next job
 
 
 class ContinuousBatcher:
     """Answers jobs ``batch_size`` at a time. ``next_job()`` returns the next ready job or None (none ready now;
     a multi-turn caller makes a turn ready when the previous one finishes); ``on_done(job, tokens)`` gets each
     answer (EOS included if it ended there); the optional ``on_token(job, token)`` sees each token as it is
-    sampled and ends that job there by returning False (its row is free for the next job at once). ``refill_at``: refill once this many rows are free (a refill is a
-    wide forward, so batching the refills saves work; default a quarter of the batch). A refill writes the widest
-    new prompt's width into every row, so it waits while the longest active row lacks that much room: a runner
-    with spare rows prefills new prompts apart from the batch and never waits."""
+    sampled and ends that job there by returning False (its row is free for the next job at once).
+
+    ``on_error(job, exc)``, if given, makes a failure of one job end only that job: a job that does not fit, or
+    whose sampling, ``on_token`` or ``on_done`` raises, is handed to it and its row freed, while the other rows
+    go on (a server must not fail its neighbours for one bad request). Without it the error ends the run. A
+    failing forward fails every row and always ends the run.
+
+    ``refill_at``: refill once this many rows are free (a refill is a wide forward, so batching the refills saves
+    work; default a quarter of the batch). A refill writes the widest new prompt's width into every row, so it
+    waits while the longest active row lacks that much room: a runner with spare rows prefills new prompts apart
+    from the batch and never waits."""
 
     def __init__(self, runner, *, batch_size: int, eos_ids: Sequence[int], sampling: SamplingParams,
                  refill_at: int | None = None):
@@ -72,7 +80,8 @@ class ContinuousBatcher:
 
     @torch.no_grad()
     def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, list[int]], None],
-            on_token: Callable[[Job, int], bool | None] | None = None) -> None:
+            on_token: Callable[[Job, int], bool | None] | None = None,
+            on_error: Callable[[Job, Exception], None] | None = None) -> None:
         runner, size = self.runner, self.batch_size
         rows: list[_Row | None] = [None] * size
         runner.reset(size)
@@ -83,12 +92,7 @@ class ContinuousBatcher:
             active = size - len(free)
             fresh: dict[int, Job] = {}
             if free and (len(free) >= self.refill_at or active == 0):
-                for i in free:
-                    job = held.pop(0) if held else next_job()
-                    if job is None:
-                        break
-                    self._check(job)
-                    fresh[i] = job
+                fresh = dict(zip(free, self._pull(len(free), next_job, held, on_error)))
             separate = fresh and self._can_prefill_apart(len(fresh))
             if fresh and active and not separate and not self._refill_fits(fresh):
                 held = list(fresh.values()) + held  # wait until the longest rows finish
@@ -104,14 +108,46 @@ class ContinuousBatcher:
             self.forwards += 1
             for i in stepping:
                 row = rows[i]
-                token = self._sample(logits[i], row)
-                row.tokens.append(token)
-                self.new_tokens += 1
-                pending[i] = token
-                stopped = on_token is not None and on_token(row.job, token) is False
-                if stopped or token in self.eos_ids or len(row.tokens) >= row.job.max_new_tokens:
+                try:
+                    self._advance(row, logits[i], on_done, on_token)
+                except Exception as exc:
+                    if on_error is None:
+                        raise
+                    row.ended = True
+                    on_error(row.job, exc)
+                if row.ended:
                     rows[i] = None
-                    on_done(row.job, row.tokens)
+                else:
+                    pending[i] = row.tokens[-1]
+
+    def _pull(self, n: int, next_job: Callable[[], Job | None], held: list[Job],
+              on_error: Callable[[Job, Exception], None] | None) -> list[Job]:
+        """Up to ``n`` jobs that fit (held ones first); one that does not goes to ``on_error`` (or raises)."""
+        jobs: list[Job] = []
+        while len(jobs) < n:
+            job = held.pop(0) if held else next_job()
+            if job is None:
+                break
+            try:
+                self._check(job)
+            except ValueError as exc:
+                if on_error is None:
+                    raise
+                on_error(job, exc)
+                continue
+            jobs.append(job)
+        return jobs
+
+    def _advance(self, row: _Row, logits: torch.Tensor, on_done: Callable[[Job, list[int]], None],
+                 on_token: Callable[[Job, int], bool | None] | None) -> None:
+        """Sample the row's next token; at its end (EOS, budget, ``on_token`` False) mark it ended and hand it on."""
+        token = self._sample(logits, row)
+        row.tokens.append(token)
+        self.new_tokens += 1
+        stopped = on_token is not None and on_token(row.job, token) is False
+        if stopped or token in self.eos_ids or len(row.tokens) >= row.job.max_new_tokens:
+            row.ended = True
+            on_done(row.job, row.tokens)
 
     def _check(self, job: Job) -> None:
         if not job.ids or job.max_new_tokens < 1:

@@ -251,7 +251,8 @@ class OverlappedDraftAlgorithm(Algorithm):
 
     @property
     def executor(self) -> Executor:
-        if self._executor is None:  # built on first use: a multiprocess executor starts a process
+        # built on first use (a multiprocess executor starts a process), and again after its draft process died
+        if self._executor is None or self._executor.broken:
             self._executor = make_executor(self.executor_name, self.draft_factory, **self.executor_kwargs)
         return self._executor
 

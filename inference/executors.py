@@ -26,10 +26,10 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -59,6 +59,7 @@ class Executor(ABC):
 
     def __init__(self) -> None:
         self.stats = OverlapStats()
+        self.broken = False  # the draft side is gone (its process died): the owner builds a new executor
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A draft-side call nothing overlaps with (e.g. prefill); counted as serial time."""
@@ -150,7 +151,11 @@ class CudaStreamsExecutor(Executor):
         if self.stream is not None:  # the draft stream must see everything already queued on ours
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         future = self.pool.submit(self._on_stream, method, args, kwargs)
-        target_result, target_s = _timed(target_job, _cuda_current())
+        try:
+            target_result, target_s = _timed(target_job, _cuda_current())
+        except BaseException:
+            wait([future])  # the target's error is the one to raise; the draft side must be idle before it
+            raise
         draft_result, draft_s = future.result()
         return target_result, target_s, draft_result, draft_s
 
@@ -193,12 +198,28 @@ class MultiprocessExecutor(Executor):
         self._check_reply(self._recv())  # the worker's "ready" (or why building the draft side failed)
 
     def _send(self, message: Any) -> None:
-        self._dist.send_object_list([message], dst=1)
+        try:
+            self._dist.send_object_list([message], dst=1)
+        except Exception as exc:  # noqa: BLE001 - any failure of the group: the draft process is lost
+            self._lost(exc)
 
     def _recv(self) -> Any:
         box = [None]
-        self._dist.recv_object_list(box, src=1)
+        try:
+            self._dist.recv_object_list(box, src=1)
+        except Exception as exc:  # noqa: BLE001 - any failure of the group: the draft process is lost
+            self._lost(exc)
         return box[0]
+
+    def _lost(self, exc: Exception) -> NoReturn:
+        """The draft process died (gloo reports "Connection closed by peer" at once): release what is left and
+        mark this executor broken, so that its owner starts a new draft process for the next call."""
+        self.broken = True
+        self._dist.destroy_process_group()
+        if self.process.is_alive():
+            self.process.kill()
+        raise RuntimeError(f"the draft process is gone ({type(exc).__name__}: {exc}); a new one starts on the next "
+                           "call") from exc
 
     @staticmethod
     def _check_reply(reply: tuple) -> tuple[Any, float]:
@@ -213,12 +234,16 @@ class MultiprocessExecutor(Executor):
 
     def _overlap(self, target_job, method, args, kwargs):
         self._send(("call", method, args, kwargs))  # the worker starts at once; we run the target meanwhile
-        target_result, target_s = _timed(target_job, _cuda_current())
+        try:
+            target_result, target_s = _timed(target_job, _cuda_current())
+        except BaseException:
+            self._recv()  # this round's draft reply: left unread, the next call would take it for its own
+            raise
         draft_result, draft_s = self._check_reply(self._recv())
         return target_result, target_s, draft_result, draft_s
 
     def close(self) -> None:
-        if getattr(self, "_dist", None) is None or not self._dist.is_initialized():
+        if getattr(self, "_dist", None) is None or self.broken or not self._dist.is_initialized():
             return
         try:
             self._send(("close", None, (), {}))

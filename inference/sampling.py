@@ -54,7 +54,9 @@ def warp_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float 
         logits = logits.float()
     if temperature == 0:
         return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
-    scores = logits / temperature
+    # Shifted by the max before dividing: logits / 1e-45 overflow to inf and softmax gives NaN, while the shifted
+    # scores are <= 0, so a tiny temperature gives the argmax's one-hot (softmax ignores the shift).
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if 0 < top_k < scores.shape[-1]:
         scores = _keep_top_k(scores, top_k)
     if top_p < 1.0:

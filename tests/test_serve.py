@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,36 +20,57 @@ from tiny_targets import save_tiny_target
 
 from core.prompts import render_prompt
 from inference.algorithms import build_algorithm
-from inference.drafters import load_lm
+from inference.drafters import LoadedModel, load_lm
 from inference.runner_loading import load_runner
 from inference.sampling import SamplingParams
 from inference.serve.config import parse_args
 from inference.serve.engine import serving_batch
+from inference.serve.scheduler import Generation
 from inference.serve.server import RunningServer, build_server, main
+from inference.serve.text import TextAssembler
 
 MAX_SEQ, ROWS = 256, 8
 PROMPT = "Name a prime."
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The target (loaded once, 2 x ROWS rows for batched AR), a draft LM directory, and the two random tree
-    drafters; ``ar`` is the reference, on a runner of its own."""
-    root = tmp_path_factory.mktemp("serve")
+def tiny_models(root: Path) -> dict:
+    """The target (its weights and tokenizer: each server gets a runner of its own, ``own_target``), a draft LM
+    directory, and the two random tree drafters; ``ar`` is the reference, on a runner of its own. The other
+    ``test_serve_*`` modules build theirs with it too."""
     target_dir = save_tiny_target(root / "target", layers=4, logit_scale=8.0)
     draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
-    target = load_lm(str(target_dir), max_seq_len=MAX_SEQ, max_batch_size=2 * ROWS)
+    target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)
     ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
     return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
             "features": random_drafter(target.model, draft_vocab=2048),
             "specblock": random_specblock_drafter(target.model, draft_vocab=2048)}
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("serve"))
+
+
+def own_target(tiny) -> LoadedModel:
+    """The tiny target's weights with a runner (KV cache) of their own: every server gets one."""
+    target = tiny["target"]
+    runner = load_runner(target.model, max_seq_len=MAX_SEQ, max_batch_size=2 * ROWS)
+    return LoadedModel(target.name, runner, target.tokenizer, target.model)
+
+
+def serve_config(tiny, *keys: str):
+    return parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
+                       f"max_seq_len={MAX_SEQ}", f"batch_size={ROWS}", *keys])
+
+
 def start(tiny, *keys: str) -> RunningServer:
-    cfg = parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
-                      f"max_seq_len={MAX_SEQ}", f"batch_size={ROWS}", *keys])
     drafters = {"features": tiny["features"], "specblock": tiny["specblock"]}
-    return RunningServer(build_server(cfg, target=tiny["target"], drafters=drafters))
+    return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
+
+
+def runner_of(server: RunningServer):
+    """The target runner the server's engine steps."""
+    return server.server.model.algorithm.target
 
 
 def client(server: RunningServer) -> openai.OpenAI:
@@ -248,17 +270,18 @@ def wait_for(condition, timeout: float = 30.0) -> None:
 
 
 class Paced:
-    """The served target's forwards, counted and slowed to 5 ms each, so that a request of 200 tokens still runs
-    when the test acts (a tiny model otherwise finishes before an HTTP round trip); ``gate`` holds the first one."""
+    """The served target's forwards, counted and slowed to ``delay`` seconds each (5 ms), so that a request of 200
+    tokens still runs when the test acts (a tiny model otherwise finishes before an HTTP round trip); ``gate``
+    holds the first one."""
 
-    def __init__(self, runner, gate: threading.Event | None = None):
-        self.runner, self.gate, self.calls, self.forward = runner, gate, 0, runner.forward
+    def __init__(self, runner, gate: threading.Event | None = None, delay: float = 0.005):
+        self.runner, self.gate, self.delay, self.calls, self.forward = runner, gate, delay, 0, runner.forward
 
     def __call__(self, *args, **kwargs):
         if self.gate is not None:
             self.gate.wait(60)
         self.calls += 1
-        time.sleep(0.005)
+        time.sleep(self.delay)
         return self.forward(*args, **kwargs)
 
     def __enter__(self):
@@ -269,8 +292,18 @@ class Paced:
         del self.runner.forward  # the class's method again
 
 
+def submit(server: RunningServer, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> tuple:
+    """A request handed to the scheduler directly, past the schema: (its Generation, the list its events arrive
+    in)."""
+    model, events = server.server.model, []
+    gen = Generation(prompt_ids, n, SamplingParams(temperature), seed, TextAssembler(model.tokenizer),
+                     events.append, model.eos_ids, stream=False)
+    server.server.scheduler.submit(gen)
+    return gen, events
+
+
 def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
-    with Paced(tiny["target"].runner) as paced:
+    with Paced(runner_of(ar_server)) as paced:
         with httpx.stream("POST", f"{ar_server.url}/v1/completions",
                           json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0,
                                 "stream": True}) as response:
@@ -293,7 +326,7 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
     """One request at a time and one waiting place: a stream holds the engine, a second request waits, a third is
     refused with 429; closing the stream ends its generation and the waiting one is answered."""
     gate = threading.Event()
-    with start(tiny, "batch_size=1", "max_queue=1") as server, Paced(tiny["target"].runner, gate) as paced:
+    with start(tiny, "batch_size=1", "max_queue=1") as server, Paced(runner_of(server), gate) as paced:
         url = f"{server.url}/v1/completions"
         body = {"model": "tiny", "prompt": [5, 6, 7], "temperature": 0}
         waiting: dict = {}

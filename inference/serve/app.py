@@ -1,9 +1,14 @@
 """The FastAPI routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (both with ``stream=true`` as
 server-sent events in OpenAI's chunk format), ``/health`` and ``/metrics``.
 
-A request is checked completely (model name, types, context length) before it is queued, so a bad one costs no
-engine work. Every error answers OpenAI's error JSON. A streaming client that goes away is noticed when the
-stream is cancelled, a waiting non-streaming one when the ASGI channel reports it; either way its request leaves the engine at once.
+A request is checked completely (model name, types, sampling fields, stop strings, context length; the body's
+size in ``inference.serve.limits``) before it is queued, so a bad one costs no engine work and never reaches its
+neighbours. Every error answers OpenAI's error JSON. A streaming client that goes away is noticed when the stream
+is cancelled, a waiting non-streaming one when the ASGI channel reports it (or its handler is cancelled); either
+way its request leaves the engine at once.
+
+``spectrain_requests_total`` counts each request once, with its outcome: a stream is counted when it ends (200
+finished, 500 failed, 503 shutting down, 499 its client went away), not when its headers go out.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,14 +28,17 @@ from starlette.exceptions import HTTPException
 from core.prompts import render_prompt
 from inference.sampling import SamplingParams
 from inference.serve.engine import ServedModel
+from inference.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from inference.serve.metrics import ServeMetrics
-from inference.serve.scheduler import Chunk, Failed, Finished, Generation, QueueFull, Scheduler
+from inference.serve.scheduler import Chunk, Closed, Failed, Finished, Generation, QueueFull, Scheduler
 from inference.serve.schemas import (APIError, ChatRequest, CompletionRequest, GenerationRequest, ResponseShape,
                                      error_body, usage_body)
 from inference.serve.text import TextAssembler
 
-def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics) -> FastAPI:
+def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, *,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="spectrain", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     _add_error_handlers(app, metrics)
 
     @app.get("/health")
@@ -131,13 +139,10 @@ def _sse(payload: dict) -> str:
 async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, request: Request,
                   body: GenerationRequest, prompt_ids: list[int], *, chat: bool) -> Response:
     max_tokens = _max_tokens(model, body, len(prompt_ids))
-    try:
-        default = model.default_sampling
-        sampling = SamplingParams(default.temperature if body.temperature is None else body.temperature,
-                                  default.top_k if body.top_k is None else max(body.top_k, 0),
-                                  default.top_p if body.top_p is None else body.top_p)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    default = model.default_sampling  # checked at start-up; the request's own fields by its schema
+    sampling = SamplingParams(default.temperature if body.temperature is None else body.temperature,
+                              default.top_k if body.top_k is None else max(body.top_k, 0),
+                              default.top_p if body.top_p is None else body.top_p)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def send(event: object) -> None:  # called on the engine's thread
@@ -154,25 +159,32 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
     except QueueFull:
         raise APIError(429, f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
                        type="rate_limit_error", code="queue_full") from None
+    except Closed:
+        raise APIError(503, "the server is shutting down; retry the request", type="server_error",
+                       code="shutting_down") from None
     shape = ResponseShape(chat, model.name, body.return_token_ids)
     usage = _usage_builder(model, len(prompt_ids))
+
+    def count(status: int) -> None:
+        metrics.requests.labels(endpoint=request.url.path, status=str(status)).inc()
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        response = StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage),
-                                     media_type="text/event-stream")
-    else:
-        response = await _collect(scheduler, gen, events, shape, usage, request)
-    metrics.requests.labels(endpoint=request.url.path, status=str(response.status_code)).inc()
-    return response
+        return StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage, count),
+                                 media_type="text/event-stream")
+    return await _collect(scheduler, gen, events, shape, usage, request, count)
 
 
 def _usage_builder(model: ServedModel, prompt_tokens: int):
     return lambda done: usage_body(prompt_tokens, done.completion_tokens, done.stats, model.label)
 
 
+CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection; nobody reads it
+
+
 async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
-                  include_usage: bool) -> AsyncIterator[str]:
-    ended = False
+                  include_usage: bool, count: Callable[[int], None]) -> AsyncIterator[str]:
+    status = CLIENT_GONE  # until the end event says otherwise
     try:
         if shape.chat:
             yield _sse(shape.role_chunk())
@@ -182,18 +194,20 @@ async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, 
                 if event.text or (shape.return_token_ids and event.token_ids):
                     yield _sse(shape.chunk(event.text, event.token_ids))
                 continue
-            ended = True
             if isinstance(event, Failed):
+                status = event.status
                 yield _sse(error_body(event.message, "server_error"))
             else:
+                status = 200
                 yield _sse(shape.chunk(None if shape.chat else "", [], event.finish_reason))
                 if include_usage:
                     yield _sse(shape.usage_chunk(usage(event)))
             yield "data: [DONE]\n\n"
             return
     finally:  # also when the client went away and the stream was cancelled
-        if not ended:
-            scheduler.cancel(gen)
+        if status == CLIENT_GONE:
+            scheduler.cancel(gen)  # a no-op (nothing counted) if the engine had ended it already
+        count(status)
 
 
 async def _disconnected(request: Request) -> None:
@@ -204,25 +218,32 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
-                   request: Request) -> Response:
+                   request: Request, count: Callable[[int], None]) -> Response:
+    response = Response(status_code=CLIENT_GONE)
     text, token_ids = [], []
     gone = asyncio.ensure_future(_disconnected(request))
+    getter = None
     try:
         while True:
             getter = asyncio.ensure_future(events.get())
             await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
-                getter.cancel()
-                scheduler.cancel(gen)
-                return Response(status_code=499)  # nobody reads it
+                return response
             event = getter.result()
             if isinstance(event, Chunk):
                 text.append(event.text)
                 token_ids.extend(event.token_ids)
             elif isinstance(event, Failed):
-                return JSONResponse(error_body(event.message, "server_error"), status_code=500)
+                response = JSONResponse(error_body(event.message, "server_error"), status_code=event.status)
+                return response
             else:
                 assert isinstance(event, Finished)
-                return JSONResponse(shape.full("".join(text), token_ids, event.finish_reason, usage(event)))
-    finally:
+                response = JSONResponse(shape.full("".join(text), token_ids, event.finish_reason, usage(event)))
+                return response
+    finally:  # also when this handler is cancelled (server shutdown): the request must leave the engine
         gone.cancel()
+        if getter is not None:
+            getter.cancel()
+        if response.status_code == CLIENT_GONE:
+            scheduler.cancel(gen)
+        count(response.status_code)

@@ -10,6 +10,7 @@ from core.overrides import OverrideError, parse_cli
 from inference.engine_args import (EngineArgs, check_algorithm_options, check_placement, given_keys, parse_variant,
                                    with_overrides)
 from inference.round_observers import check_observer
+from inference.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
          "[any option of inference.evaluate, e.g. adapt=bandit or algorithm=sps@gamma=3]")
@@ -29,6 +30,7 @@ class ServeConfig(EngineArgs):
     # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
     batch_size: int = 0
     max_queue: int = 64  # requests waiting for the engine; one more is answered 429
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is answered 413
     warmup: bool = True  # one short generation before serving: the first request should not pay for allocation
     log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug
 
@@ -43,6 +45,8 @@ def parse_args(argv: Sequence[str]) -> Any:
     cfg = parse_cli(argv, ServeConfig, USAGE)
     if cfg.batch_size < 0 or cfg.max_new_tokens < 1 or cfg.max_queue < 1:
         raise OverrideError("max_new_tokens and max_queue must be >= 1, batch_size >= 0 (0 = auto)")
+    if cfg.max_body_bytes < 1024:
+        raise OverrideError(f"max_body_bytes={cfg.max_body_bytes} leaves no room for a request; use at least 1024")
     if not 0 <= cfg.port <= 65535:
         raise OverrideError(f"port={cfg.port} is not a TCP port; use 1-65535 (or 0 for any free port)")
     # an unknown algorithm, a bad variant key and an option the algorithm does not read fail now

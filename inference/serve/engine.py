@@ -1,8 +1,14 @@
 """What a server serves: one algorithm over a loaded target (and drafter), built the way ``inference.evaluate``
-builds a variant, with the tokenizer, the EOS ids and the context it answers within."""
+builds a variant, with the tokenizer, the EOS ids and the context it answers within.
+
+A served model holds its target runner (its KV cache) alone until it is closed: two engines stepping one cache
+would corrupt each other's answers, so a second server over the same loaded target is refused.
+"""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +49,37 @@ class ServedModel:
         slots reserved, as ``Algorithm.check_fits`` counts them)."""
         return self.max_seq_len - prompt_len - self.algorithm.lookahead()
 
+    def close(self) -> None:
+        """The algorithm first (its draft process or threads), then the adapter (with ``adapt_background``: its
+        last update is collected and published; its log and wandb run are finished), then the target runner is
+        free for another server. Call it once the engine's worker has stopped."""
+        try:
+            getattr(self.algorithm, "close", lambda: None)()
+        finally:
+            try:
+                if self.adapter is not None:
+                    getattr(self.adapter, "close", lambda: None)()
+            finally:
+                release_runner(self.algorithm.target)
+
+
+_SERVED_RUNNERS: weakref.WeakSet = weakref.WeakSet()  # target runners an open ServedModel holds
+_SERVED_LOCK = threading.Lock()
+
+
+def claim_runner(runner: Any) -> None:
+    """Hold ``runner`` for one served model; a second claim fails in one line until ``release_runner``."""
+    with _SERVED_LOCK:
+        if runner in _SERVED_RUNNERS:
+            raise ValueError("this target's runner (its KV cache) already serves another server; close that server "
+                             "first, or load the target again for this one")
+        _SERVED_RUNNERS.add(runner)
+
+
+def release_runner(runner: Any) -> None:
+    with _SERVED_LOCK:
+        _SERVED_RUNNERS.discard(runner)
+
 
 def served_name(cfg: Any) -> str:
     return cfg.model_name or Path(str(cfg.target)).name
@@ -81,8 +118,13 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     if batch > 1 and target.runner.max_batch_size < batch:
         raise ValueError(f"batch_size={batch} but the target runner holds {target.runner.max_batch_size} rows; "
                          f"load it with max_batch_size={2 * batch}")
-    loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded)
-    algorithm, variant_cfg = build_variant(cfg.algorithm, resolved_config(cfg, paths), target, loaded, {})
+    claim_runner(target.runner)
+    try:
+        loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded)
+        algorithm, variant_cfg = build_variant(cfg.algorithm, resolved_config(cfg, paths), target, loaded, {})
+    except BaseException:
+        release_runner(target.runner)
+        raise
     adapter = getattr(algorithm, "adapter", None)
     if adapter is not None:  # the tap reports each query's decision; the algorithm calls it like the adapter
         adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))

@@ -5,7 +5,12 @@ at most ``max_queue``; one more is refused (the app answers 429). AR with ``batc
 many requests side by side (``inference.batched_generation.ContinuousBatcher``: a finished or cancelled row is
 refilled from the queue at once); every other algorithm serves one request at a time. A cancelled request
 (its client went away, or a stop string was met) leaves the queue at once, or its row at the next token: the
-engine's token callback returns False, so the algorithm ends the query through its normal path.
+engine's token callback returns False, so the algorithm ends the query through its normal path. A batched row
+that fails ends alone, with its error; the other rows go on.
+
+Each request ends exactly once (finished, failed, cancelled, or refused at shutdown), decided under the
+scheduler's lock: a request that finished is never also counted as cancelled. ``close()`` ends the requests in
+flight and in the queue (503) and stops the worker within a bound.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class QueueFull(Exception):
     """The request queue holds ``max_queue`` requests already."""
 
 
+class Closed(Exception):
+    """The scheduler is shutting down and takes no new request."""
+
+
 @dataclass
 class Chunk:
     text: str
@@ -49,11 +58,12 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    status: int = 500  # the HTTP status a non-streaming answer gets: 500 the engine failed, 503 shutting down
 
 
 class Generation:
     """One request on its way through the queue and the engine. The worker calls ``accept`` with each batch of
-    new tokens and ``finish`` / ``fail`` at the end; ``send`` delivers the events to the client's handler
+    new tokens and ``finish`` at its end; ``send`` delivers the events to the client's handler
     (thread-safe)."""
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, seed: int,
@@ -64,7 +74,8 @@ class Generation:
         # event loop a wake-up (and the engine's thread a GIL hand-over) per token.
         self.stream = stream
         self._held: list[Chunk] = []
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event()  # the engine stops generating it at its next token
+        self.ended = False  # finished, failed or cancelled (set once, under the scheduler's lock)
         self.submitted = time.perf_counter()
         self.first_token_s: float | None = None
 
@@ -85,16 +96,16 @@ class Generation:
         else:
             self._held.append(chunk)
 
-    def finish(self, stats: GenerationStats) -> Finished:
-        """Deliver the rest of the text; returns the end event, which the caller sends once it is counted."""
+    def finish(self, stats: GenerationStats) -> tuple[list[Chunk], Finished]:
+        """The chunks still to send (the text held back; a non-streaming request's whole answer) and the end
+        event; the caller sends them once the request is counted."""
         tail = self.text.flush()
-        if tail:
-            self._deliver(Chunk(tail, []))
-        if self._held:
-            self.send(Chunk("".join(c.text for c in self._held), [t for c in self._held for t in c.token_ids]))
+        chunks = self._held + ([Chunk(tail, [])] if tail else [])
+        if not self.stream and chunks:
+            chunks = [Chunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids])]
         tokens = self.text.tokens
         ended = self.text.stopped or bool(tokens and tokens[-1] in self.eos_ids)
-        return Finished("stop" if ended else "length", stats, len(tokens))
+        return chunks, Finished("stop" if ended else "length", stats, len(tokens))
 
 
 def batched_stats(tokens: list[int], wall_s: float) -> GenerationStats:
@@ -106,6 +117,7 @@ class Scheduler:
     def __init__(self, model: ServedModel, metrics: ServeMetrics, *, max_queue: int):
         self.model, self.metrics, self.max_queue = model, metrics, max_queue
         self._queue: deque[Generation] = deque()
+        self._running: set[Generation] = set()  # taken from the queue, not ended yet
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="spectrain-engine", daemon=True)
@@ -117,31 +129,48 @@ class Scheduler:
 
     def submit(self, gen: Generation) -> None:
         with self._cond:
+            if self._closing:
+                raise Closed
             if len(self._queue) >= self.max_queue:
                 raise QueueFull
             self._queue.append(gen)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify()
 
-    def cancel(self, gen: Generation) -> None:
-        """Drop ``gen``: out of the queue now if it still waits, else out of its row at its next token."""
-        if gen.cancelled.is_set():
-            return
-        gen.cancelled.set()
+    def _end(self, gen: Generation) -> bool:
+        """Mark ``gen`` ended; False if it already was, so that each request ends (and is counted) once."""
         with self._cond:
+            if gen.ended:
+                return False
+            gen.ended = True
+            self._running.discard(gen)
             if gen in self._queue:
                 self._queue.remove(gen)
                 self.metrics.queue_depth.set(len(self._queue))
-        self.metrics.cancelled.inc()
+            return True
 
-    def close(self, timeout: float = 10.0) -> None:
+    def cancel(self, gen: Generation) -> bool:
+        """Drop ``gen`` (its client went away): out of the queue now if it still waits, else out of its row at its
+        next token. False, and nothing counted, when it had ended already."""
+        if not self._end(gen):
+            return False
+        gen.cancelled.set()
+        self.metrics.cancelled.inc()
+        return True
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Take no new request, end every queued and running one (its client is answered 503), and wait up to
+        ``timeout`` seconds for the worker: a running request stops at its next token. True when it stopped."""
         with self._cond:
             self._closing = True
-            for gen in self._queue:
-                gen.cancelled.set()
-            self._queue.clear()
+            ending = list(self._queue) + list(self._running)
             self._cond.notify_all()
+        for gen in ending:
+            if self._end(gen):
+                gen.cancelled.set()
+                gen.send(Failed("the server is shutting down; retry the request", status=503))
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _take(self, block: bool) -> Generation | None:
         with self._cond:
@@ -150,6 +179,7 @@ class Scheduler:
             if self._closing or not self._queue:
                 return None
             gen = self._queue.popleft()
+            self._running.add(gen)
             self.metrics.queue_depth.set(len(self._queue))
             return gen
 
@@ -164,15 +194,20 @@ class Scheduler:
                 self._serve_one(gen)
 
     def _done(self, gen: Generation, stats: GenerationStats) -> None:
-        done = gen.finish(stats)
+        chunks, done = gen.finish(stats)  # first: if it raises, the request is still open and fails instead
+        if not self._end(gen):  # cancelled (or refused at shutdown) meanwhile: its client is gone or answered
+            return
         # Counted before the client hears of the end: a /metrics read after a response includes that response.
         self.metrics.finished(len(gen.prompt_ids), done.completion_tokens, stats, gen.submitted, gen.first_token_s)
-        gen.send(done)
+        for event in (*chunks, done):
+            gen.send(event)
 
     def _fail(self, gen: Generation, exc: BaseException) -> None:
-        log.exception("generation failed", exc_info=exc)
-        gen.send(Failed(f"the engine failed on this request: {type(exc).__name__}: {exc}"))
+        log.error("generation failed", exc_info=exc)
+        if not self._end(gen):
+            return
         self.metrics.failed.inc()
+        gen.send(Failed(f"the engine failed on this request: {type(exc).__name__}: {exc}"))
 
     def _serve_one(self, gen: Generation) -> None:
         model = self.model
@@ -181,15 +216,15 @@ class Scheduler:
             result = model.algorithm.generate(gen.prompt_ids, max_new_tokens=gen.max_tokens, sampling=gen.sampling,
                                               generator=torch.Generator().manual_seed(gen.seed),
                                               eos_ids=model.eos_ids, on_tokens=gen.accept)
-            if not gen.cancelled.is_set():
-                self._done(gen, result.stats)
+            self._done(gen, result.stats)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
             self._fail(gen, exc)
         finally:
             self.metrics.running.set(0)
 
     def _serve_batch(self, first: Generation) -> None:
-        """Decode ``first`` and whatever else arrives, ``batch_size`` rows at a time, until the queue is empty."""
+        """Decode ``first`` and whatever else arrives, ``batch_size`` rows at a time, until the queue is empty. A
+        row that fails ends alone (``on_error``); a failing forward fails every row in flight."""
         model, waiting, started = self.model, [first], {}
         batcher = ContinuousBatcher(model.algorithm.target, batch_size=model.batch_size, eos_ids=model.eos_ids,
                                     sampling=first.sampling, refill_at=1)
@@ -204,16 +239,23 @@ class Scheduler:
             self.metrics.running.set(len(started))
             return Job(gen, gen.prompt_ids, gen.max_tokens, seed=gen.seed, sampling=gen.sampling)
 
-        def on_done(job: Job, tokens: list[int]) -> None:
-            gen = job.key
+        def leave(gen: Generation) -> float:
             wall = time.perf_counter() - started.pop(gen)
             self.metrics.running.set(len(started))
-            if not gen.cancelled.is_set():
-                self._done(gen, batched_stats(tokens, wall))
+            return wall
+
+        def on_done(job: Job, tokens: list[int]) -> None:
+            self._done(job.key, batched_stats(tokens, time.perf_counter() - started[job.key]))
+            leave(job.key)
+
+        def on_error(job: Job, exc: Exception) -> None:
+            if job.key in started:
+                leave(job.key)
+            self._fail(job.key, exc)
 
         try:
-            batcher.run(next_job, on_done, on_token=lambda job, token: job.key.accept([token]))
-        except Exception as exc:  # noqa: BLE001 - fail the rows in flight, keep serving the next ones
+            batcher.run(next_job, on_done, on_token=lambda job, token: job.key.accept([token]), on_error=on_error)
+        except Exception as exc:  # noqa: BLE001 - a forward failed: fail the rows in flight, serve the next ones
             for gen in list(started):
                 self._fail(gen, exc)
             started.clear()

@@ -2,7 +2,8 @@
 
 Types are strict (a string where a number belongs is refused, as OpenAI does); fields OpenAI defines that the
 engine cannot honour are refused by name (``n`` > 1, ``logprobs``), and unknown fields are ignored, as clients
-send many. Extra fields: ``top_k`` (0 or -1 = off), ``return_token_ids`` (each choice and chunk carries its
+send many. Every sampling field is checked here, against the limits of ``inference.serve.limits``: a value the
+engine cannot serve is a 400 naming the field, never an engine failure. Extra fields: ``top_k`` (0 or -1 = off), ``return_token_ids`` (each choice and chunk carries its
 token ids), and ``usage.speculative`` (target forwards, drafted and accepted tokens, τ).
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inference.algorithms.base import GenerationStats
+from inference.serve.limits import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MIN_TEMPERATURE
 
 
 class APIError(Exception):
@@ -45,22 +47,34 @@ class GenerationRequest(BaseModel):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     # None: the server's setting (its temperature=, top_k=, top_p=; temperature 1.0 unless set)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # 0 (greedy) or MIN_TEMPERATURE..2
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = None  # at most MAX_STOPS strings of at most MAX_STOP_CHARS characters
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = 1
     logprobs: bool | int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
 
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_at_least_the_minimum(cls, temperature):
+        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}; use 0 for "
+                             "greedy decoding")
+        return temperature
+
     @field_validator("stop")
     @classmethod
-    def _at_most_four(cls, stop):
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
+    def _few_short_stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return stop
 
     @field_validator("n")

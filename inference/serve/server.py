@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import threading
@@ -24,6 +25,8 @@ from inference.serve.engine import ServedModel, load_served_model, warm_up
 from inference.serve.metrics import ServeMetrics
 from inference.serve.scheduler import Scheduler
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Server:
@@ -32,16 +35,30 @@ class Server:
     scheduler: Scheduler
     metrics: ServeMetrics
 
+    def close(self, timeout: float = 10.0) -> None:
+        """In order: the scheduler (requests in flight and waiting end, 503; the worker stops within
+        ``timeout``), then the model (algorithm, then adapter, then the runner is free). A worker that did not
+        stop still holds the model, which is then left open rather than closed under it."""
+        if self.scheduler.close(timeout):
+            self.model.close()
+        else:
+            log.warning("the engine did not stop within %.0f s; its algorithm and adapter are left open", timeout)
+
 
 def build_server(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[str, Any] | None = None) -> Server:
     """Load the model (or take ``target`` / ``drafters``, by drafter kind), start the engine's worker, and
     build the app."""
     metrics = ServeMetrics(cfg.algorithm)
     model = load_served_model(cfg, target=target, drafters=drafters, on_decision=metrics.decision)
-    if cfg.warmup and model.adapter is None:  # the adapter learns from live traffic only
-        warm_up(model)
+    try:
+        if cfg.warmup and model.adapter is None:  # the adapter learns from live traffic only
+            warm_up(model)
+    except BaseException:
+        model.close()
+        raise
     scheduler = Scheduler(model, metrics, max_queue=cfg.max_queue)
-    return Server(create_app(model, scheduler, metrics), model, scheduler, metrics)
+    return Server(create_app(model, scheduler, metrics, max_body_bytes=cfg.max_body_bytes), model, scheduler,
+                  metrics)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -77,9 +94,10 @@ class RunningServer:
         return f"http://{self.host}:{self.port}"
 
     def close(self) -> None:
+        """The server first (its handlers answer the requests it ends), then uvicorn and the socket."""
+        self.server.close()
         self.uvicorn.should_exit = True
         self.thread.join(10)
-        self.server.scheduler.close()
         self.sock.close()
 
     def __enter__(self) -> RunningServer:
@@ -100,7 +118,7 @@ def _run(argv: list[str]) -> None:
     try:
         uvicorn.Server(uvicorn.Config(server.app, log_level=cfg.log_level)).run(sockets=[sock])
     finally:
-        server.scheduler.close()
+        server.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
