@@ -7,6 +7,11 @@ server with each larger number of concurrent clients (real HTTP, OpenAI's JSON, 
 percentiles, the server's overhead against the direct engine, and how many answers equal the direct ones token
 for token. Bounded: ``requests`` per run, and no new request starts after ``time_limit`` seconds. Any key of
 ``inference.serve`` (``algorithm``, ``drafter``, ``batch_size``, ...) applies.
+
+With ``poisoned=true`` (the default) the largest client count runs once more beside one more client that sends
+nothing but requests the server cannot serve (a seed past 2^63, a temperature of 1e-45, an overlong or a fifth
+stop string, a body over the size limit), in turn, until the others finish: each must be refused with a 4xx, and
+every other answer must still succeed and equal the direct engine's.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from inference.serve.config import ServeConfig, parse_args
 from inference.serve.server import RunningServer, build_server
 
 USAGE = "python -m benchmarks.serve_load target=smollm2 algorithm=ar clients=[1,4] requests=8 max_tokens=64"
-LOAD_KEYS = ("clients", "requests", "max_tokens", "bench", "time_limit")
+LOAD_KEYS = ("clients", "requests", "max_tokens", "bench", "time_limit", "poisoned")
 
 
 @dataclass
@@ -38,6 +43,7 @@ class LoadConfig(ServeConfig):
     max_tokens: int = 64  # per request (greedy, so every run generates the same tokens)
     bench: str = "gsm_symbolic"  # where the prompts come from (their first user turn)
     time_limit: float = 600.0  # seconds per run after which no new request starts
+    poisoned: bool = True  # one more run of the most clients, beside a client sending requests that must be refused
 
 
 @dataclass
@@ -63,11 +69,16 @@ def direct(model, ids: list[int], cfg) -> list[int]:
                                     generator=torch.Generator().manual_seed(0), eos_ids=model.eos_ids).tokens
 
 
+def chat_body(running: RunningServer, turns, cfg) -> dict:
+    return {"model": running.server.model.name, "messages": turns, "max_tokens": cfg.max_tokens, "temperature": 0,
+            "return_token_ids": True}
+
+
 def ask(http: httpx.Client, running: RunningServer, turns, cfg) -> list[int]:
-    body = http.post(f"{running.url}/v1/chat/completions",
-                     json={"model": running.server.model.name, "messages": turns, "max_tokens": cfg.max_tokens,
-                           "temperature": 0, "return_token_ids": True}).json()
-    return body["choices"][0]["token_ids"]
+    response = http.post(f"{running.url}/v1/chat/completions", json=chat_body(running, turns, cfg))
+    if response.status_code != 200:
+        raise RuntimeError(f"a good request got HTTP {response.status_code}: {response.text[:300]}")
+    return response.json()["choices"][0]["token_ids"]
 
 
 def paired_runs(running: RunningServer, conversations: list, prompts: list[list[int]], cfg) -> tuple[Run, Run]:
@@ -90,9 +101,32 @@ def paired_runs(running: RunningServer, conversations: list, prompts: list[list[
                  for label, (lat, ans, wall) in zip(("engine, direct", "server, 1 client"), runs.values()))
 
 
-def server_run(running: RunningServer, conversations: list, clients: int, cfg) -> Run:
+def poisons(running: RunningServer, turns, cfg, max_body_bytes: int) -> list[tuple[str, dict]]:
+    """Requests the server must refuse, each a good request with one field made unservable."""
+    good = chat_body(running, turns, cfg)
+    return [("seed=2^64", {**good, "seed": 2**64}), ("temperature=1e-45", {**good, "temperature": 1e-45}),
+            ("stop of 257 characters", {**good, "stop": ["x" * 257]}),
+            ("5 stop strings", {**good, "stop": ["a", "b", "c", "d", "e"]}),
+            ("body over max_body_bytes", {**good, "messages": [{"role": "user", "content": "x" * max_body_bytes}]})]
+
+
+def poisoner(running: RunningServer, bodies: list[tuple[str, dict]], done: threading.Event,
+             statuses: dict[str, list[int]]) -> None:
+    """Send ``bodies`` in turn until ``done``; the statuses they got, by kind."""
+    with httpx.Client(timeout=None) as http:
+        while not done.is_set():
+            for kind, body in bodies:
+                statuses.setdefault(kind, []).append(http.post(f"{running.url}/v1/chat/completions",
+                                                               json=body).status_code)
+
+
+def server_run(running: RunningServer, conversations: list, clients: int, cfg,
+               poisoned: list[tuple[str, dict]] | None = None) -> tuple[Run, dict[str, list[int]]]:
+    """``clients`` clients share the requests; with ``poisoned``, one more client sends those bodies meanwhile.
+    The run, and the statuses the poisoned requests got by kind."""
     pending, lock = list(enumerate(conversations)), threading.Lock()
     latencies, answers, start = [], {}, time.perf_counter()
+    done, statuses = threading.Event(), {}
 
     def client() -> None:
         with httpx.Client(timeout=None) as http:
@@ -108,12 +142,17 @@ def server_run(running: RunningServer, conversations: list, clients: int, cfg) -
                     answers[i] = tokens
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
+    spoiler = threading.Thread(target=poisoner, args=(running, poisoned, done, statuses)) if poisoned else None
+    for t in threads + ([spoiler] if spoiler else []):
         t.start()
     for t in threads:
         t.join()
-    label = f"server, {clients} client{'s' if clients > 1 else ''}"
-    return Run(label, latencies, sum(map(len, answers.values())), time.perf_counter() - start, answers)
+    wall = time.perf_counter() - start
+    done.set()
+    if spoiler:
+        spoiler.join()
+    label = f"server, {clients} client{'s' if clients > 1 else ''}" + (" + 1 poisoned" if poisoned else "")
+    return Run(label, latencies, sum(map(len, answers.values())), wall, answers), statuses
 
 
 def _run(argv: list[str]) -> None:
@@ -129,14 +168,24 @@ def _run(argv: list[str]) -> None:
     with RunningServer(server) as running:
         server_run(running, conversations[:1], 1, load)  # the HTTP path's first call pays for imports and sockets
         direct_engine, one_client = paired_runs(running, conversations, prompts, load)
-        runs = [direct_engine, one_client] + [server_run(running, conversations, n, load) for n in load.clients
+        runs = [direct_engine, one_client] + [server_run(running, conversations, n, load)[0] for n in load.clients
                                               if n > 1]
+        statuses = {}
+        if load.poisoned:
+            bodies = poisons(running, conversations[0], load, cfg.max_body_bytes)
+            run, statuses = server_run(running, conversations, max(load.clients), load, bodies)
+            runs.append(run)
     print(f"\n{cfg.algorithm} on {cfg.target}, {len(prompts)} requests of up to {load.max_tokens} tokens, greedy, "
           f"batch_size={server.model.batch_size}, threads={torch.get_num_threads()}\n")
     print("| run | requests | tokens | tokens/s | p50 s | p90 s | max s | overhead vs direct | equal to direct |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         print(run.row(None if run is direct_engine else direct_engine))
+    if statuses:
+        refused = all(400 <= code < 500 for codes in statuses.values() for code in codes)
+        print(f"\npoisoned requests beside the last run, HTTP statuses by kind (all 4xx: {'yes' if refused else 'NO'}):")
+        for kind, codes in statuses.items():
+            print(f"- {kind}: {len(codes)} sent, " + ", ".join(f"{c} x{codes.count(c)}" for c in sorted(set(codes))))
 
 
 def main(argv: list[str] | None = None) -> int:
