@@ -5,6 +5,7 @@ frees its slot, and ``adapt=bandit`` learns while serving without changing a tok
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -203,6 +204,23 @@ def test_a_request_that_sets_no_sampling_uses_the_servers(tiny, ar_server):
                                               temperature=1.0, extra_body={"return_token_ids": True})
     assert greedy.choices[0].token_ids == reference(tiny, ids, n)
     assert sampled.choices[0].token_ids == unset.choices[0].token_ids != greedy.choices[0].token_ids
+
+def test_the_servers_seed_seeds_the_requests_that_set_none(tiny):
+    """``seed=5``: unseeded requests draw their seeds from a stream seeded by 5, so a restarted server answers the
+    same requests alike; each request still gets a seed of its own."""
+    ids, messages = chat_ids(tiny, PROMPT), [{"role": "user", "content": PROMPT}]
+    answers = []
+    for _ in range(2):
+        with start(tiny, "seed=5", "temperature=1.0") as server:
+            api = client(server)
+            answers.append([api.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                                        extra_body={"return_token_ids": True}).choices[0].token_ids
+                            for _ in range(2)])
+    assert answers[0] == answers[1]
+    seeds = random.Random(5)
+    assert answers[0] == [reference(tiny, ids, 12, temperature=1.0, seed=seeds.getrandbits(63)) for _ in range(2)]
+    assert answers[0][0] != answers[0][1]
+
 
 
 def error_of(response: httpx.Response) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -151,7 +150,7 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
         except RuntimeError:  # the event loop is gone: the server is shutting down
             pass
 
-    seed = body.seed if body.seed is not None else random.getrandbits(63)
+    seed = body.seed if body.seed is not None else model.request_seed()
     gen = Generation(prompt_ids, max_tokens, sampling, seed, TextAssembler(model.tokenizer, body.stop_list()), send,
                      model.eos_ids, stream=body.stream)
     try:

@@ -26,6 +26,8 @@ class ServeConfig(EngineArgs):
     # temperature, top_k and top_p (and the algorithm variant's @temperature=...) are what a request that sets none
     # samples with; OpenAI's default temperature is 1.0, so the server's is too
     temperature: float = 1.0
+    # a request that sets no seed draws one from a stream seeded by this; None: by the OS's entropy
+    seed: int | None = None
     # ar: rows decoded side by side (continuous batching); 0 = auto: 8 in fp32, 1 in bf16, where the batched path is
     # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
     batch_size: int = 0

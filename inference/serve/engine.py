@@ -7,10 +7,11 @@ would corrupt each other's answers, so a second server over the same loaded targ
 
 from __future__ import annotations
 
+import random
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ class ServedModel:
     default_sampling: SamplingParams  # what a request that sets no temperature / top_k / top_p samples with
     adapter: ObserverTap | None  # the serving-time adapter (adapt=NAME), tapped for its decisions
     exactness: dict[str, Any]  # the target runner's path and probe (inference.exactness), for /health
+    # where a request that sets no seed gets one: seeded by the server's seed=, so a restarted server answers the
+    # same unseeded requests, sent in the same order, alike
+    seeds: random.Random = field(default_factory=random.Random)
 
     @property
     def batched(self) -> bool:
@@ -48,6 +52,10 @@ class ServedModel:
         """New tokens the context leaves after a prompt of ``prompt_len`` tokens (the algorithm's lookahead
         slots reserved, as ``Algorithm.check_fits`` counts them)."""
         return self.max_seq_len - prompt_len - self.algorithm.lookahead()
+
+    def request_seed(self) -> int:
+        """The seed of a request that sets none (the next of the server's seed stream)."""
+        return self.seeds.getrandbits(63)
 
     def close(self) -> None:
         """The algorithm first (its draft process or threads), then the adapter (with ``adapt_background``: its
@@ -131,7 +139,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
                        variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
-                       target.runner.exactness.as_dict())
+                       target.runner.exactness.as_dict(), random.Random(variant_cfg.seed))
 
 
 def warm_up(model: ServedModel) -> None:
