@@ -19,7 +19,6 @@ Spec: ../shared/algorithms/specbranch_hsd_selfdraft.md §2.1, §2.4, §2.5, §2.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +26,9 @@ from typing import Any
 import torch
 
 from core import assets
-from inference.algorithms.base import Algorithm, as_batch
-from inference.algorithms.sps import check_same_vocab
 from inference.drafters import pick_device
-from inference.executors import EXECUTORS, DraftFactory, Executor, OverlapStats, make_executor
 from inference.runner import ModelRunner
+from inference.runner_contract import as_batch
 from inference.runner_loading import load_runner, with_logit_vocab
 from inference.sampling import SamplingParams, sample
 
@@ -209,83 +206,3 @@ def draft_side_from_path(path: str, *, device: str = "auto", max_seq_len: int = 
     runner = load_runner(model, backend="native", device=device, dtype=dtype, max_seq_len=max_seq_len,
                          max_batch_size=max_batch, exact=False)
     return DraftSide(with_logit_vocab(runner, logit_vocab), seed=seed)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# What PEARL and SpecBranch share: the executor around the draft side, and the figures it adds to a run
-
-
-class OverlappedDraftAlgorithm(Algorithm):
-    """An algorithm whose draft work runs on a :class:`DraftSide` through an executor (DESIGN.md §5)."""
-
-    drafter = "draft_lm"
-
-    def __init__(self, target, draft, *, executor: str = "sequential", draft_path: str | None = None,
-                 draft_factory: DraftFactory | None = None, max_batch: int = 1, max_seq_len: int | None = None,
-                 executor_kwargs: dict | None = None):
-        """``draft_factory`` builds the draft side (default: over ``draft`` in this process, or from
-        ``draft_path`` in a child process for ``executor=multiprocess``)."""
-        super().__init__(target, max_seq_len=max_seq_len)
-        if executor not in EXECUTORS:
-            raise ValueError(f"unknown executor '{executor}'; choose one of {', '.join(EXECUTORS)}")
-        check_same_vocab(target, draft)
-        self.max_seq_len = min(self.max_seq_len, draft.max_seq_len)
-        if draft_factory is None:
-            if executor == "multiprocess":
-                if not draft_path:
-                    raise ValueError("executor=multiprocess loads the draft LM in its own process and needs its path: "
-                                     "pass drafter=PATH (a directory), or use executor=sequential")
-                # "cuda" = the child's current device (cuda:1 under NCCL), not the parent's draft device
-                device = "cuda" if torch.device(draft.device).type == "cuda" else "cpu"
-                draft_factory = functools.partial(draft_side_from_path, str(draft_path), device=device,
-                                                  max_seq_len=draft.max_seq_len, max_batch=max_batch,
-                                                  logit_vocab=getattr(draft, "logit_vocab", None),
-                                                  dtype=draft.dtype)
-            else:
-                draft_factory = functools.partial(draft_side_from_runner, draft, max_batch)
-        self.executor_name = executor
-        self.draft_factory = draft_factory
-        self.executor_kwargs = dict(executor_kwargs or {})
-        self._executor: Executor | None = None
-        self._period = {"wall_s": 0.0, "tokens": 0, "stats": OverlapStats()}
-
-    @property
-    def executor(self) -> Executor:
-        # built on first use (a multiprocess executor starts a process), and again after its draft process died
-        if self._executor is None or self._executor.broken:
-            self._executor = make_executor(self.executor_name, self.draft_factory, **self.executor_kwargs)
-        return self._executor
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.close()
-            self._executor = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass
-
-    def start_draft(self, generator: torch.Generator | None) -> None:
-        """Reset the draft side for a new generation; its seed comes from the algorithm's generator, so one
-        injected generator fixes both sides' random streams on every executor."""
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) \
-            if generator is not None else 0
-        self.executor.call("start", seed)
-
-    def note_generation(self, wall_s: float, tokens: int) -> None:
-        self._period["wall_s"] += wall_s
-        self._period["tokens"] += tokens
-
-    def extra_metrics(self) -> dict[str, Any]:
-        """Executor timing since the previous call: real and simulated-overlap tokens/s (simulated = time outside
-        the executor + Σ max(t_target, t_draft) inside it)."""
-        now = self._executor.stats if self._executor is not None else OverlapStats()
-        before: OverlapStats = self._period["stats"]
-        delta = OverlapStats(**{k: v - getattr(before, k) for k, v in now.as_dict().items()})
-        wall, tokens = self._period["wall_s"], self._period["tokens"]
-        simulated = max(wall - delta.wall_s + delta.simulated_s, 0.0)
-        self._period = {"wall_s": 0.0, "tokens": 0, "stats": OverlapStats(**now.as_dict())}
-        return {"executor": self.executor_name, "overlap": {k: round(v, 4) for k, v in delta.as_dict().items()},
-                "simulated_tokens_per_s": round(tokens / simulated, 3) if simulated > 0 else 0.0}

@@ -175,3 +175,16 @@ def limited_logits(scored: torch.Tensor, vocab_size: int) -> torch.Tensor:
     full = scored.new_full((*scored.shape[:-1], vocab_size), float("-inf"), dtype=torch.float32)
     full[..., : scored.shape[-1]] = scored
     return full
+
+
+def as_batch(tokens: Sequence[int], device) -> torch.Tensor:
+    """One row of token ids, as ``forward`` takes them."""
+    return torch.tensor([list(tokens)], dtype=torch.long, device=device)
+
+
+def check_same_vocab(target, draft) -> None:
+    """Refuse a drafter whose vocabulary differs from the target's (its token ids would mean other tokens)."""
+    t_vocab, d_vocab = target.config.vocab_size, draft.config.vocab_size
+    if t_vocab != d_vocab:
+        raise ValueError(f"drafter vocab_size {d_vocab} differs from the target's {t_vocab}: the drafter must share "
+                         "the target's tokenizer (train one with recipe=draftlm_* for this target)")

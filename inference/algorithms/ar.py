@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
+from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
+from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams, sample
 
 

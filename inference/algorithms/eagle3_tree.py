@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
+from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
 from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options,
                                                    check_drafter_fits)
 from inference.round_observers import check_observer
+from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
 

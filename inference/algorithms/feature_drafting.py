@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
+from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.round_observers import observer_kind, observer_names
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
+from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams, sample
 from inference.verify import tree_walk
 

@@ -19,8 +19,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
-from inference.draft_side import OverlappedDraftAlgorithm, common_prefix
+from inference.algorithms.base import GenerationStats, OutputBuffer
+from inference.algorithms.overlapped import OverlappedDraftAlgorithm
+from inference.draft_side import common_prefix
+from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams
 from inference.verify import tokenwise
 

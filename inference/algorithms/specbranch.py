@@ -29,9 +29,11 @@ from typing import Any, Protocol
 import torch
 
 from core.drafters.hrad import load_hrad, stack_lastk
-from inference.algorithms.base import GenerationStats, OutputBuffer, as_batch
-from inference.draft_side import OverlappedDraftAlgorithm, common_prefix
+from inference.algorithms.base import GenerationStats, OutputBuffer
+from inference.algorithms.overlapped import OverlappedDraftAlgorithm
+from inference.draft_side import common_prefix
 from inference.match import match_round
+from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams
 
 DEFAULT_EPSILON = 0.3  # §2.3, when the H-RAD export does not store one

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer, as_batch
+from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
+from inference.runner_contract import as_batch, check_same_vocab
 from inference.sampling import SamplingParams, sample
 from inference.verify import ChainVerifier, get_verifier
 
@@ -41,14 +42,6 @@ class RoundInfo:
 
 
 RoundHook = Callable[[RoundInfo], None]
-
-
-def check_same_vocab(target, draft) -> None:
-    """Refuse a drafter whose vocabulary differs from the target's (its token ids would mean other tokens)."""
-    t_vocab, d_vocab = target.config.vocab_size, draft.config.vocab_size
-    if t_vocab != d_vocab:
-        raise ValueError(f"drafter vocab_size {d_vocab} differs from the target's {t_vocab}: the drafter must share "
-                         "the target's tokenizer (train one with recipe=draftlm_* for this target)")
 
 
 class SpeculativeSampling(Algorithm):

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationResult, GenerationStats, OutputBuffer, _synchronize
-from inference.algorithms.sps import check_same_vocab
 from inference.executors import EXECUTORS, Executor, make_executor
+from inference.runner_contract import check_same_vocab
 from inference.saguaro import check_c, proposal_probs
 from inference.sampling import SamplingParams, random_device, sample
 from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, parse_fanout
