@@ -154,12 +154,13 @@ class Unrolled:
 
 def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, teacher_probs: torch.Tensor,
                   position_mask: torch.Tensor, cuts: Sequence[int], *, rank_mask: str = "rank_chain",
-                  freq_budget: float = 10.0) -> Unrolled:
+                  freq_budget: float = 10.0, attention: str = "block_sparse") -> Unrolled:
     """Cross-block training (§1.5): ``len(cuts) + 1`` blocks. Block 1 reads target features ``aux_hidden``
     [B, S, 3·H_t] and ``tokens`` [B, S] in the row frame (row i holds x_{i+1}); leaving a block at cut ``M``
     (1..K, one value for the whole batch), the next block reads the pre-norm hidden of slot ``M − 1`` of every
     anchor and the tokens ``M`` rows further on, attends to this block's K/V (kept with gradient, TTT) over
-    slots ``< M`` of the same anchor, and is scored ``M`` rows further on. No cross-block filtering."""
+    slots ``< M`` of the same anchor, and is scored ``M`` rows further on. No cross-block filtering.
+    ``attention``: the drafter's ``forward_block`` attention (``block_sparse`` or the ``dense`` reference)."""
     K = drafter.config.block_size
     if any(not 1 <= m <= K for m in cuts):
         raise ValueError(f"cross-block cuts must lie in 1..{K} (block_size), got {list(cuts)}")
@@ -168,7 +169,7 @@ def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, 
     blocks, offsets = [], []
     for b in range(len(cuts) + 1):
         out = drafter.forward_block(cond, toks, from_target=(b == 0), first_block_kv=first_kv,
-                                    ttt_kv=tuple(ttt_kv), ttt_valid=tuple(ttt_valid))
+                                    ttt_kv=tuple(ttt_kv), ttt_valid=tuple(ttt_valid), attention=attention)
         blocks.append(block_losses(out.logits, out.rank_logits, teacher_probs, position_mask, off,
                                    rank_mask=rank_mask, freq_budget=freq_budget))
         offsets.append(off)

@@ -155,7 +155,8 @@ class SuccessorOracle(torch.nn.Module):
         self.config = SimpleNamespace(block_size=block_size)
         self.vocab, self.lag, self.calls = vocab, lag, []
 
-    def forward_block(self, cond, tokens, *, from_target, first_block_kv=None, ttt_kv=(), ttt_valid=()):
+    def forward_block(self, cond, tokens, *, from_target, first_block_kv=None, ttt_kv=(), ttt_valid=(),
+                      attention="block_sparse"):
         self.calls.append(dict(cond=cond, tokens=tokens, from_target=from_target, first=first_block_kv,
                                ttt_kv=ttt_kv, ttt_valid=ttt_valid))
         slots, x = [], tokens

@@ -213,16 +213,25 @@ class Eagle3Attention(nn.Module):
                 past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, input width]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend).
         Returns (output [B, T, H], this call's K, V [B, kv_heads, T, D])."""
-        batch, new, _ = x.shape
-        q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
                                              enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, new, -1)), k, v
+        return self.merge(out), k, v
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, input width] -> RoPE'd q [B, heads, T, D] and k, v [B, kv_heads, T, D]."""
+        batch, new, _ = x.shape
+        q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, heads, T, D] -> o_proj output [B, T, H]."""
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class Eagle3DecoderLayer(nn.Module):

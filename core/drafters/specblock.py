@@ -22,7 +22,9 @@ Attention (§1.4), entries flattened as ``anchor·K + slot``:
   anchor's entries with slot ``< valid[b']`` (the cut used when leaving ``b'``); its own block causally within the
   anchor (plus anchors ``j < i`` only with ``train_block2_sees_other_anchors``, a training quirk of the release).
 
-Training calls :meth:`SpecBlockDrafter.forward_block`; serving calls :meth:`SpecBlockDrafter.extend_and_draft`
+Training computes these masks' attention block-sparsely by default (:mod:`core.drafters.specblock_attention`:
+same result, without the masked entries; ``attention="dense"`` materialises the masks). Training calls
+:meth:`SpecBlockDrafter.forward_block`; serving calls :meth:`SpecBlockDrafter.extend_and_draft`
 (first blocks of newly committed anchors against the cross cache) and :meth:`SpecBlockDrafter.forward_leaves`
 (later blocks of pending tree leaves). All three run :meth:`SpecBlockDrafter._trunk` + :meth:`_heads`.
 """
@@ -47,6 +49,7 @@ from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
 from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedConfig, check_drafter_config,
                                   layer_llama_config, target_layer_shape)
+from core.drafters.specblock_attention import ATTENTION_KINDS, BlockLayout, block_sparse_attention
 from core.drafters.target_tied import TargetTiedDrafter
 from core.layer_ids import LAYER_CONVENTION
 from core.vocab import check_vocab_mapping
@@ -175,12 +178,33 @@ def later_block_mask(anchors: int, k: int, *, first_block: bool, ttt_valid: Sequ
 # Modules
 
 
+class SpecBlockAttention(Eagle3Attention):
+    """Llama attention over this block's keys after the past K/V groups (``past_k``, ``past_v``: per group
+    [B, kv_heads, entries, D]). ``attention``: a dense bool mask [B, T, P + T] over the groups concatenated, or
+    the :class:`BlockLayout` of a training block (block-sparse, same result)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: Sequence[torch.Tensor],
+                past_v: Sequence[torch.Tensor],
+                attention: torch.Tensor | BlockLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if isinstance(attention, torch.Tensor):
+            return super().forward(x, cos, sin, _joined(past_k), _joined(past_v), attention)
+        q, k, v = self.project(x, cos, sin)
+        out = block_sparse_attention(q, k, v, past_k, past_v, attention, expand_kv=q.is_cuda)
+        return self.merge(out), k, v
+
+
+def _joined(groups: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    if len(groups) <= 1:  # no copy of a lone group (the serving cache)
+        return groups[0] if groups else None
+    return torch.cat(list(groups), dim=2)
+
+
 class SpecBlockLayer(nn.Module):
     """A standard pre-norm Llama decoder layer with the target's shapes (transformers parameter names)."""
 
     def __init__(self, config: SpecBlockConfig):
         super().__init__()
-        self.self_attn = Eagle3Attention(config, input_width=config.hidden_size)
+        self.self_attn = SpecBlockAttention(config, input_width=config.hidden_size)
         self.mlp = MLP(config.llama_config())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -296,11 +320,12 @@ class SpecBlockDrafter(TargetTiedDrafter):
 
     # -- the one code path -----------------------------------------------------------------------------------
 
-    def _trunk(self, cond: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, past: BlockKV | None,
-               mask: torch.Tensor) -> tuple[torch.Tensor, BlockKV]:
+    def _trunk(self, cond: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, past: Sequence[BlockKV],
+               attention: torch.Tensor | BlockLayout) -> tuple[torch.Tensor, BlockKV]:
         """Block forward of A anchors: ``cond`` [B, A, H] (RMSNorm_c input), ``tokens`` [B, A] target ids,
-        ``anchors`` [B, A] anchor indices (slot k at position anchor + 1 + k), ``past`` keys before this block's,
-        ``mask`` bool [B, A·K, P + A·K] -> (G [B, A, K, H], this block's K/V)."""
+        ``anchors`` [B, A] anchor indices (slot k at position anchor + 1 + k), ``past`` the key groups before this
+        block's, ``attention`` a bool mask [B, A·K, P + A·K] over them or their :class:`BlockLayout`
+        -> (G [B, A, K, H], this block's K/V)."""
         batch, count = tokens.shape
         k, hidden = self.config.block_size, self.config.hidden_size
         c = self.cond_norm(cond)
@@ -316,9 +341,8 @@ class SpecBlockDrafter(TargetTiedDrafter):
         for index, layer in enumerate(self.layers):
             if index >= 1:  # the shift projection REPLACES the layer input (no residual add)
                 z = self.shift[index - 1](torch.cat([z, shift_slots(z)], dim=-1))
-            past_k = None if past is None else past.k[index]
-            past_v = None if past is None else past.v[index]
-            x, key, value = layer(z.reshape(batch, count * k, hidden), cos, sin, past_k, past_v, mask)
+            past_k, past_v = [group.k[index] for group in past], [group.v[index] for group in past]
+            x, key, value = layer(z.reshape(batch, count * k, hidden), cos, sin, past_k, past_v, attention)
             z = x.view(batch, count, k, hidden)
             ks.append(key)
             vs.append(value)
@@ -340,7 +364,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
 
     def forward_block(self, cond: torch.Tensor, tokens: torch.Tensor, *, from_target: bool,
                       first_block_kv: BlockKV | None = None, ttt_kv: Sequence[BlockKV] = (),
-                      ttt_valid: Sequence[int] = ()) -> BlockOutput:
+                      ttt_valid: Sequence[int] = (), attention: str = "block_sparse") -> BlockOutput:
         """Training-mode forward of one block for all anchors of a batch.
 
         ``cond``: [B, S, 3·H_t] target aux features (W_c + RMSNorm_c applied here) when ``from_target``, else
@@ -348,27 +372,32 @@ class SpecBlockDrafter(TargetTiedDrafter):
         token embedded with anchor i). Slot k of anchor i sits at RoPE position i + 1 + k (later blocks reuse
         the anchor's positions). Attention per §1.4 (module docstring); ``first_block_kv`` / ``ttt_kv`` /
         ``ttt_valid`` are used by later blocks only (``ttt_kv[b']`` = block b''s ``kv``, ``ttt_valid[b']`` = the
-        cut M leaving it)."""
+        cut M leaving it). ``attention``: ``block_sparse`` (skips masked entries) or ``dense`` (the boolean
+        masks of :func:`first_block_mask` / :func:`later_block_mask`; the reference)."""
         if len(ttt_kv) != len(ttt_valid):
             raise ValueError(f"ttt_kv has {len(ttt_kv)} blocks but ttt_valid {len(ttt_valid)}: give one cut per block")
         if from_target and (first_block_kv is not None or ttt_kv):
             raise ValueError("a first block (from_target=True) attends to no earlier block: drop first_block_kv/ttt_kv")
         if any(not 1 <= int(m) <= self.config.block_size for m in ttt_valid):
             raise ValueError(f"ttt_valid cuts must lie in 1..K={self.config.block_size}, got {list(ttt_valid)}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION_KINDS)}")
         batch, count = tokens.shape
-        device = tokens.device
+        device, k = tokens.device, self.config.block_size
         if from_target:
             cond = self.fc(cond)
-            mask = first_block_mask(count, self.config.block_size, device)
-            past = None
-        else:
-            mask = later_block_mask(count, self.config.block_size, first_block=first_block_kv is not None,
-                                    ttt_valid=ttt_valid, other_anchors=self.config.train_block2_sees_other_anchors,
-                                    device=device)
-            groups = ([first_block_kv] if first_block_kv is not None else []) + list(ttt_kv)
-            past = BlockKV.cat(groups) if groups else None
+        past = ([first_block_kv] if first_block_kv is not None else []) + list(ttt_kv)
+        other_anchors = self.config.train_block2_sees_other_anchors
+        structure: torch.Tensor | BlockLayout = BlockLayout(
+            count, k, first_block=first_block_kv is not None, ttt_valid=tuple(int(m) for m in ttt_valid),
+            own_sees_earlier=from_target or other_anchors)
+        if attention == "dense":
+            mask = first_block_mask(count, k, device) if from_target else later_block_mask(
+                count, k, first_block=first_block_kv is not None, ttt_valid=ttt_valid, other_anchors=other_anchors,
+                device=device)
+            structure = mask.expand(batch, *mask.shape)
         anchors = torch.arange(count, device=device).expand(batch, count)
-        hidden, kv = self._trunk(cond, tokens, anchors, past, mask.expand(batch, *mask.shape))
+        hidden, kv = self._trunk(cond, tokens, anchors, past, structure)
         logits, rank = self._heads(hidden)
         return BlockOutput(logits, rank, hidden, kv)
 
@@ -386,7 +415,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
         batch, count = tokens.shape
         k = self.config.block_size
         first = cache.anchors
-        past = cache.view() if cache.length else None
+        past = [cache.view()] if cache.length else []
         own = first_block_mask(count, k, tokens.device)
         mask = torch.cat([own.new_ones(count * k, cache.length), own], dim=-1).expand(batch, -1, -1)
         anchors = (first + torch.arange(count, device=tokens.device)).expand(batch, count)
@@ -426,7 +455,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
         own = first_block_mask(count, k, device) & ~_earlier_anchors(count, k, device)
         mask = torch.cat(groups + [own], dim=-1).expand(batch, -1, -1)
         anchors = torch.full((batch, count), current, dtype=torch.long, device=device)
-        hidden, kv = self._trunk(cond, tokens, anchors, BlockKV.cat(parts), mask)
+        hidden, kv = self._trunk(cond, tokens, anchors, parts, mask)
         logits, rank = self._heads(hidden)
         return BlockOutput(logits, rank, hidden, kv)
 

@@ -20,6 +20,7 @@ from core.assets import target_record
 from core.drafters.eagle3 import shift_left
 from core.drafters.eagle3_layouts import read_checkpoint
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.drafters.specblock_attention import ATTENTION_KINDS
 from core.drafters.specblock_layouts import warm_start_from_eagle3
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
@@ -48,11 +49,14 @@ class SpecBlockSchema:
     widths: list[int] | None = None  # serving TOPK[bucket] table recorded in the export; None = [2, 4, 6, 4]
     train_block2_sees_other_anchors: bool = False  # release quirk (§1.4 item 3); off = inference-consistent
     warm_start: str | None = None  # an EAGLE-3 export dir (any layout): copies what maps (warm_start_from_eagle3)
+    attention: str = "block_sparse"  # block_sparse (skips masked entries) | dense (the reference masks; same loss)
 
 
 def _check_schema(model: Any) -> None:
     if model.rank_mask not in RANK_MASKS:
         raise RecipeError(f"model.rank_mask={model.rank_mask} is not one of {', '.join(RANK_MASKS)}")
+    if model.attention not in ATTENTION_KINDS:
+        raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(ATTENTION_KINDS)}")
     if model.block_size < 1 or model.num_layers < 1 or model.train_blocks < 1:
         raise RecipeError(f"model.block_size, num_layers and train_blocks must be >= 1, got {model.block_size}, "
                           f"{model.num_layers}, {model.train_blocks}")
@@ -133,7 +137,7 @@ class SpecBlockModule(DrafterModule):
         cuts = self.cuts_for_step(self.global_step, model_cfg.train_blocks if ranked else 1)
         aux, tokens, teacher, pm = self._rows(batch)
         out = unroll_blocks(self.drafter, aux, tokens, teacher, pm, cuts, rank_mask=model_cfg.rank_mask,
-                            freq_budget=model_cfg.rank_freq_budget)
+                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention)
         loss = total_loss(out, slot_weight=model_cfg.slot_weight,
                           rank_weight=model_cfg.rank_weight if ranked else 0.0)
         size = len(batch["input_ids"])
@@ -153,7 +157,7 @@ class SpecBlockModule(DrafterModule):
         # The serving chain: block 1 from target features, then block 2 from its last slot (cut M = K).
         cuts = [K] if model_cfg.train_blocks > 1 else []
         out = unroll_blocks(self.drafter, aux, tokens, teacher, pm, cuts, rank_mask=model_cfg.rank_mask,
-                            freq_budget=model_cfg.rank_freq_budget)
+                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention)
         first = out.blocks[0]
         self.log("val/loss", total_loss(out, slot_weight=model_cfg.slot_weight, rank_weight=model_cfg.rank_weight),
                  batch_size=len(batch["input_ids"]))
