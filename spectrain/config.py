@@ -79,3 +79,6 @@ class FitConfig:
 LOGGERS = ("csv", "wandb", "tensorboard")
 STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+SCHEDULERS = ("cosine", "constant")
+MONITOR_MODES = ("min", "max")

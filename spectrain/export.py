@@ -38,6 +38,7 @@ from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkp
 from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.registry import get_kind
+from spectrain.resume import is_sharded_checkpoint
 
 USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators [verifier=PATH_OR_ID] out=DIR  |  "
          "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
@@ -61,11 +62,6 @@ class Loaded:
     checkpoint: Eagle3Checkpoint
     recipe: dict[str, Any] | None
     metrics: dict[str, Any]
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """A checkpoint directory that ``trainer.strategy=fsdp`` wrote (torch.distributed.checkpoint + meta.pt)."""
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file() and (Path(path) / "meta.pt").is_file()
 
 
 def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -124,7 +120,8 @@ def load_source(path: str, target: dict[str, Any] | None) -> Loaded:
             loaded.recipe = OmegaConf.to_container(OmegaConf.load(source / "recipe.yaml"))
         return loaded
     if not source.exists():
-        raise CheckpointError(f"checkpoint '{path}' does not exist")
+        raise CheckpointError(f"{path} does not exist; give runs/<run>/checkpoints/last.ckpt of python -m "
+                              "spectrain.fit, or an export directory")
     loaded = load_lightning_checkpoint(source)
     if target is not None:
         recorded = loaded.checkpoint.target

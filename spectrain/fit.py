@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -31,10 +32,11 @@ from core.distributed import reduce_across_processes
 from core.overrides import RecipeError, bad_value, leaf_keys, resolve_key, run_cli, split_key_values
 from data_prep.manifest import DatasetError, read_manifest
 from inference.device import cpu_has_native_bf16
-from spectrain.config import LOGGERS, PRECISIONS, STRATEGIES, FitConfig
+from spectrain.config import FitConfig
 from spectrain.memory import MemoryEstimate, estimate, parameter_counts
+from spectrain.recipe_checks import check_recipe_values
 from spectrain.registry import get_kind
-from spectrain.resume import latest_checkpoint, resume_classes
+from spectrain.resume import checkpoint_layout, latest_checkpoint, resume_classes
 from spectrain.strategies import build_strategy
 from spectrain.targets import weightless_targets
 
@@ -109,14 +111,7 @@ def _validate(cfg: DictConfig, recipe: str) -> None:
     missing = [k for k in ("kind", "run_name") if OmegaConf.is_missing(cfg, k)]
     if missing:
         raise RecipeError(f"recipe '{recipe}' does not set {', '.join(missing)}")
-    if cfg.logger not in LOGGERS:
-        raise RecipeError(f"logger={cfg.logger} is not one of {', '.join(LOGGERS)}")
-    if cfg.trainer.strategy not in STRATEGIES:
-        raise RecipeError(f"trainer.strategy={cfg.trainer.strategy} is not one of {', '.join(STRATEGIES)}")
-    if cfg.trainer.precision not in PRECISIONS:
-        raise RecipeError(f"trainer.precision={cfg.trainer.precision} is not one of {', '.join(PRECISIONS)}")
-    if cfg.trainer.checkpoint_every_n_steps < 1:
-        raise RecipeError(f"trainer.checkpoint_every_n_steps={cfg.trainer.checkpoint_every_n_steps} must be >= 1")
+    check_recipe_values(cfg)
     try:
         kind = get_kind(cfg.kind)
     except ValueError as exc:
@@ -171,6 +166,15 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     path = Path(cfg.resume)
     if not path.exists():  # a file, or the directory DeepSpeed writes under the .ckpt name
         raise RecipeError(f"resume={cfg.resume}: no such checkpoint; use resume=auto or a path to a .ckpt file")
+    layout = checkpoint_layout(path)
+    if layout is None:
+        raise RecipeError(f"resume={cfg.resume} is not a checkpoint of python -m spectrain.fit (truncated, or another "
+                          "file or directory); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt), or resume=auto")
+    strategy = cfg.trainer.strategy
+    wanted = {"sharded": "fsdp", "deepspeed": "deepspeed_stage_2 or deepspeed_stage_3"}.get(layout)
+    if wanted and not (strategy == "fsdp" if layout == "sharded" else strategy.startswith("deepspeed")):
+        raise RecipeError(f"resume={cfg.resume} is a {layout} checkpoint, which trainer.strategy={strategy} cannot "
+                          f"load; resume it with trainer.strategy={wanted}")
     return str(path)
 
 
@@ -346,6 +350,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     """Train (or, with ``dry_run=true``, only build) the drafter a composed recipe describes."""
     import lightning.pytorch as pl  # Lightning: a heavy import, deferred to first use
 
+    ckpt_path = resume_checkpoint(cfg)  # first: a named checkpoint that is not there must not fail on the data
     gpu_only = cfg.trainer.accelerator in ("gpu", "cuda") and not _cuda_available()
     if gpu_only and not cfg.dry_run:
         raise RecipeError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA GPUs and none is visible; use "
@@ -358,14 +363,17 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     precision = resolve_precision(cfg.trainer.precision, cuda=gpu_only or _uses_cuda(cfg))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     directory = run_dir(cfg)
-    ckpt_path = resume_checkpoint(cfg)
-    save_run_info(cfg, directory)
-    module, datamodule = build_module_and_data(cfg)
+    # The topmost directory this launch creates: removed again if it is refused before its first step.
+    created = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
+    module, datamodule = build_module_and_data(cfg)  # before the run directory: a bad model field writes nothing
+    if not cfg.dry_run:  # idempotent (Lightning's own call then finds it done): data that does not fit the
+        datamodule.setup("fit")  # recipe is refused before the Trainer prints or writes anything
     if cfg.dry_run:
         memory = memory_estimate(cfg, module, precision)
         print(f"[spectrain] dry run: {memory.line(cfg.trainer.strategy)}")
     if gpu_only:  # dry run without GPUs: Lightning refuses a CPU Trainer for a GPU recipe; build the strategy alone
         strategy = build_strategy(cfg.trainer.strategy, cuda=True)
+        save_run_info(cfg, directory)
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and "
               f"{type(strategy).__name__ if not isinstance(strategy, str) else strategy} (no GPU here, so no "
               f"Trainer; precision {precision} on the GPUs); nothing trained. Run dir: {directory}")
@@ -373,6 +381,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
                 "strategy": strategy if isinstance(strategy, str) else type(strategy).__name__,
                 "trainable_params": parameter_counts(module)[0], "memory_gib": memory.total_gib}
     trainer = build_trainer(cfg, directory)
+    save_run_info(cfg, directory)
     if cfg.dry_run:
         print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
               f"nothing trained. Run dir: {directory}")
@@ -384,6 +393,10 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     reduce_across_processes(True)  # loss denominators over the global batch when several processes train
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except Exception:
+        if created is not None and trainer.global_step == 0 and trainer.is_global_zero:
+            shutil.rmtree(created, ignore_errors=True)  # refused before its first step (e.g. by the sampler)
+        raise
     finally:
         reduce_across_processes(False)
     return {"run_dir": str(directory), "trained": True, "global_step": trainer.global_step,

@@ -10,8 +10,27 @@ import functools
 import os
 import random
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A checkpoint directory that ``trainer.strategy=fsdp`` wrote (torch.distributed.checkpoint + meta.pt)."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file() and (Path(path) / "meta.pt").is_file()
+
+
+def checkpoint_layout(path: Path) -> str | None:
+    """How the checkpoint at ``path`` was written: ``file`` (one torch.save archive: every strategy but fsdp and
+    DeepSpeed), ``sharded`` (fsdp), ``deepspeed`` (its partitioned directory), or None when it is none of these.
+    Reads a few bytes, not the checkpoint."""
+    if path.is_file():
+        return "file" if zipfile.is_zipfile(path) else None
+    if is_sharded_checkpoint(path):
+        return "sharded"
+    if path.is_dir() and (path / "latest").is_file() and (path / "checkpoint").is_dir():
+        return "deepspeed"
+    return None
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

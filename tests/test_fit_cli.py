@@ -169,6 +169,35 @@ def test_resume_path_must_exist(recipes, tmp_path):
         fit_cli.fit(cfg)
 
 
+def test_a_resume_checkpoint_is_checked_before_anything_else(recipes, tmp_path):
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint\n")
+    sharded = tmp_path / "sharded.ckpt"  # what trainer.strategy=fsdp writes: a directory
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"")
+    (sharded / "meta.pt").write_bytes(b"")
+    for resume_from, message in [
+        ("notes.ckpt", "resume={p} is not a checkpoint of python -m spectrain.fit (truncated, or another file or "
+                       "directory); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt), or resume=auto"),
+        ("sharded.ckpt", "resume={p} is a sharded checkpoint, which trainer.strategy=auto cannot load; resume it "
+                         "with trainer.strategy=fsdp")]:
+        path = tmp_path / resume_from
+        with pytest.raises(fit_cli.RecipeError) as info:  # a target that does not exist is never looked at
+            fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path / 'runs'}", f"resume={path}",
+                                f"target={tmp_path / 'nowhere'}"))
+        assert str(info.value) == message.format(p=path)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_refused_before_its_first_step_leaves_no_run_directory(recipes, tmp_path, monkeypatch):
+    def too_few_samples(self):  # as RankSlicedSampler refuses inside Lightning, once processes exist
+        raise ValueError("2 training samples do not fill one global batch")
+
+    monkeypatch.setattr(ToyData, "train_dataloader", too_few_samples)
+    with pytest.raises(ValueError, match="do not fill one global batch"):
+        fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path / 'runs'}"))
+    assert not (tmp_path / "runs").exists()
+
+
 def test_dry_run_builds_without_training(recipes, tmp_path):
     result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "dry_run=true", "logger=tensorboard"))
     params = 4 * 8 + 8 + 8 + 1

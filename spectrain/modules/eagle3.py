@@ -68,7 +68,9 @@ class Eagle3Module(DrafterModule):
         target = self.target_model()
         model_cfg = cfg.model
         if model_cfg.gamma > model_cfg.ttt_steps:
-            raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}")
+            raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}: the "
+                             f"draft steps simulated must be trained; set model.ttt_steps >= {model_cfg.gamma} or a "
+                             "smaller model.gamma")
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
         vocab_map = vocab_map_for(cfg, target.config.vocab_size)
         draft_vocab = target.config.vocab_size if vocab_map is None else int(vocab_map[0].numel())
