@@ -8,6 +8,7 @@ is an export directory of ``python -m spectrain.export``; it must record the ver
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,7 @@ from core.assets import target_record, tokenizer_fingerprint
 from core.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
 from core.drafters.specblock import build_drafter, read_native
 from inference.device import cpu_has_native_bf16
+from inference.drafter_index import export_kind
 from inference.runner_loading import load_runner
 
 if TYPE_CHECKING:
@@ -94,6 +96,10 @@ def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048,
 
 def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
     """Load a draft LM and refuse (one line) one whose tokenizer or vocabulary differs from the target's."""
+    kind = export_kind(Path(name_or_path))
+    if kind not in (None, "draft_lm"):  # e.g. an EAGLE-3 export: its config.json is no causal LM's
+        raise ValueError(f"drafter '{name_or_path}' is an export of kind {kind}, not a draft LM: give a draft_lm "
+                         f"export or a causal-LM directory (or use this one with an algorithm for {kind} drafters)")
     draft = load_lm(name_or_path, **kw)
     if tokenizer_fingerprint(draft.tokenizer) != tokenizer_fingerprint(target.tokenizer):
         raise ValueError(f"drafter '{name_or_path}' has a different tokenizer than target '{target.name}': a drafter "

@@ -298,8 +298,13 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
         raw = read_json(directory / "config.json", fix="re-export the drafter (python -m spectrain.export)")
     except AssetError as exc:
         raise CheckpointError(str(exc)) from None
-    layout = detect_layout(raw)
     block = raw.get("spectrain")
+    kind = block.get("kind") if isinstance(block, dict) else None
+    if kind not in (None, "eagle3"):  # an export contradicting itself must not run as an EAGLE-3 drafter
+        raise CheckpointError(f"{directory}/config.json records a '{kind}' drafter, not eagle3: EAGLE-3 algorithms "
+                              "cannot load it; give an eagle3 export of python -m spectrain.export (or use this one "
+                              f"with an algorithm for {kind} drafters)")
+    layout = detect_layout(raw)
     weights = read_weights(directory)
     if layout == "speculators" and block is not None and block.get("embed_tokens") == "target":
         weights.pop(EMBED, None)  # the target's own, shipped for speculators' loader (``target_embedding``)
