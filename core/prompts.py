@@ -246,9 +246,9 @@ def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N, train: bool = Fa
                            meta={"answer": item.get("answer")})
 
 
-_JSONL_EXPECTED = ("expected a JSON object with 'prompt' (str, optionally with 'completion'), 'text' (str), "
-                   "'messages' ([{role, content}], roles system/user/assistant) or 'conversations' ([{from, value}], "
-                   "from human/gpt/system)")
+JSONL_EXPECTED = ("expected a JSON object with 'prompt' (str, optionally with 'completion'), 'text' (str), "
+                  "'messages' ([{role, content}], roles system/user/assistant) or 'conversations' ([{from, value}], "
+                  "from human/gpt/system)")
 
 
 def _jsonl_turns(rec: Any) -> list[Turn] | None:
@@ -287,23 +287,23 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start}): is it a "
-                                 f"binary file? {_JSONL_EXPECTED}") from None
+                                 f"binary file? {JSONL_EXPECTED}") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg}); {_JSONL_EXPECTED}") from None
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg}); {JSONL_EXPECTED}") from None
             if lineno == 1 and isinstance(rec, dict) and set(rec) == {JSONL_HEADER_KEY}:
                 continue  # data_prep.regenerate's settings line
             turns = _jsonl_turns(rec)
             if turns is None:
-                raise ValueError(f"{path}:{lineno}: {_JSONL_EXPECTED}")
+                raise ValueError(f"{path}:{lineno}: {JSONL_EXPECTED}")
             found += 1
             yield Conversation(id=str(rec.get("id", f"{path.name}:{lineno}")), turns=turns,
                                source=f"jsonl:{path}")
     if not found:
-        raise ValueError(f"jsonl source {path} holds no conversations (empty file); {_JSONL_EXPECTED}")
+        raise ValueError(f"jsonl source {path} holds no conversations (empty file); {JSONL_EXPECTED}")
 
 
 def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = "all",
