@@ -15,6 +15,7 @@ import torch
 
 from core import assets
 from core.assets import target_record, tokenizer_fingerprint
+from core.drafters import dflash_layouts
 from core.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
 from core.drafters.specblock import build_drafter, read_native
 from inference.device import cpu_has_native_bf16
@@ -22,6 +23,7 @@ from inference.drafter_index import export_kind
 from inference.runner_loading import load_runner
 
 if TYPE_CHECKING:
+    from core.drafters.dflash import DFlashDrafter
     from core.drafters.eagle3 import Eagle3Drafter
     from core.drafters.specblock import SpecBlockDrafter
 
@@ -136,7 +138,26 @@ def load_specblock(path: str, target: LoadedModel) -> SpecBlockDrafter:
     """Load a SpecBlock native export onto ``target``'s device and dtype, sharing its token embedding. Refuses
     (one line) a drafter trained for another target, hidden size, vocabulary or layer count."""
     config, tensors, block = read_native(path)
-    recorded = block.get("target")
+    check_native_target(path, config, block.get("target"), target)
+    runner = target.runner
+    drafter = build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight)
+    return drafter.to(device=runner.device, dtype=runner.dtype).eval()
+
+
+def load_dflash(path: str, target: LoadedModel) -> DFlashDrafter:
+    """Load a DFlash native export onto ``target``'s device and dtype, sharing its token embedding and head. Refuses
+    (one line) a drafter trained for another target, hidden size, vocabulary or layer count."""
+    config, tensors, block = dflash_layouts.read_native(path)
+    check_native_target(path, config, block.get("target"), target)
+    runner = target.runner
+    drafter = dflash_layouts.build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight,
+                                           head_weight=runner.lm_head.weight)
+    return drafter.to(device=runner.device, dtype=runner.dtype).eval()
+
+
+def check_native_target(path: str, config: Any, recorded: dict[str, Any] | None, target: LoadedModel) -> None:
+    """Refuse (one line) a native export that records no target, another target, another vocabulary or hidden
+    size, aux layers the target lacks, or another chat template."""
     if recorded is None:
         raise ValueError(f"drafter '{path}' does not record its target; re-export it with its target record")
     record = target_record(target.name)
@@ -154,9 +175,6 @@ def load_specblock(path: str, target: LoadedModel) -> SpecBlockDrafter:
         raise ValueError(f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
                          f"({record['num_hidden_layers']} layers) does not have")
     assets.check_chat_template(f"drafter '{path}'", recorded, target.tokenizer)
-    runner = target.runner
-    drafter = build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight)
-    return drafter.to(device=runner.device, dtype=runner.dtype).eval()
 
 
 # What each algorithm drafter kind is loaded from: the export kind written by spectrain.export, and a hint.
@@ -164,6 +182,7 @@ DRAFTER_KINDS: dict[str, tuple[str, str]] = {
     "draft_lm": ("draft_lm", "a draft LM (an exported draft_lm or a HF directory sharing the target's tokenizer)"),
     "features": ("eagle3", "an EAGLE-3 export of python -m spectrain.export for this target"),
     "specblock": ("specblock", "a SpecBlock export of python -m spectrain.export for this target"),
+    "dflash": ("dflash", "a DFlash export of python -m spectrain.export for this target"),
 }
 
 
@@ -179,4 +198,6 @@ def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "au
         return load_eagle3(path, target)
     if kind == "specblock":
         return load_specblock(path, target)
+    if kind == "dflash":
+        return load_dflash(path, target)
     raise ValueError(f"unknown drafter kind '{kind}'; known: {', '.join(DRAFTER_KINDS)}")

@@ -36,6 +36,7 @@ class EngineArgs(AlgorithmOptions):
     drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
     feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
     specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
+    dflash_drafter: str | None = None  # the DFlash export for dflash
     max_new_tokens: int = 128
 
 
@@ -142,7 +143,7 @@ def check_placement(cfg: Any) -> None:
 
 
 def drafter_paths(cfg: Any) -> dict[str, str]:
-    """Algorithm drafter kind (draft_lm | features | specblock | hrad) -> path: ``drafters=DIR`` first, then each
+    """Algorithm drafter kind (draft_lm | features | specblock | dflash | hrad) -> path: ``drafters=DIR`` first, then each
     explicitly named drafter on top."""
     by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
     paths: dict[str, str] = {}
@@ -155,6 +156,8 @@ def drafter_paths(cfg: Any) -> dict[str, str]:
         paths["features"] = cfg.feature_drafter
     if cfg.specblock_drafter:
         paths["specblock"] = cfg.specblock_drafter
+    if cfg.dflash_drafter:
+        paths["dflash"] = cfg.dflash_drafter
     if getattr(cfg, "hrad", "auto") not in ("auto", "none"):
         paths["hrad"] = cfg.hrad
     return paths
@@ -166,7 +169,8 @@ def check_drafters(labels: Sequence[str], available: set[str]) -> None:
     missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
     if missing:
         first, kind = next(iter(missing.items()))
-        option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter"}[kind]
+        option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter",
+                  "dflash": "dflash_drafter"}[kind]
         raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
                             f"add {option}=PATH or drafters=DIR (a directory of exports)")
 

@@ -1,9 +1,10 @@
 """``python -m inference.evaluate target=smollm2 drafters=DIR algorithms=all bench=[mt_bench,humaneval] ...``
 
 Drafters: ``drafters=DIR`` is a directory of exports (``python -m spectrain.export`` outputs, found by the kind
-their ``config.json`` records: draft_lm, eagle3, specblock, hrad). Each can also be named on its own, which wins
+their ``config.json`` records: draft_lm, eagle3, specblock, dflash, hrad). Each can also be named on its own, which wins
 over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``feature_drafter=PATH``
-(EAGLE-3), ``specblock_drafter=PATH``, ``hrad=PATH`` (SpecBranch's H-RAD; ``hrad=none`` for the ablation).
+(EAGLE-3), ``specblock_drafter=PATH``, ``dflash_drafter=PATH``, ``hrad=PATH`` (SpecBranch's H-RAD; ``hrad=none``
+for the ablation).
 
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
 skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other
@@ -173,13 +174,14 @@ def greedy_equal(outputs: list, cfg: Any, ar_outputs: list, ar_cfg: Any) -> bool
 
 
 def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
-             features=None, specblock=None) -> dict[str, Any]:
+             features=None, specblock=None, dflash=None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
-    ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` replace loading them from ``cfg``."""
+    ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` / ``dflash`` replace loading them from
+    ``cfg``."""
     from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
     preloaded = {"draft_lm": draft.runner if isinstance(draft, LoadedModel) else draft, "features": features,
-                 "specblock": specblock}
+                 "specblock": specblock, "dflash": dflash}
     available = {kind for kind, obj in preloaded.items() if obj is not None} | set(drafter_paths(cfg))
     labels, skipped = select_algorithms(cfg, available)
     for name, why in skipped.items():

@@ -86,7 +86,8 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
     kind = algorithm_class(cfg.algorithm).drafter
-    if kind != "none" and not (cfg.drafter or cfg.drafters or cfg.feature_drafter or cfg.specblock_drafter):
+    if kind != "none" and not (cfg.drafter or cfg.drafters or cfg.feature_drafter or cfg.specblock_drafter
+                               or cfg.dflash_drafter):
         raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[kind][1]}: add drafter=PATH")
     apply_threads(cfg)
     target = load_target(cfg)

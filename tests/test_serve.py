@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 from test_eagle3_tree import random_drafter
+from test_dflash import make_drafter as random_dflash_drafter
 from test_specblock_tree import random_drafter as random_specblock_drafter
 from tiny_targets import save_tiny_target
 
@@ -36,7 +37,7 @@ PROMPT = "Name a prime."
 
 def tiny_models(root: Path) -> dict:
     """The target (its weights and tokenizer: each server gets a runner of its own, ``own_target``), a draft LM
-    directory, and the two random tree drafters; ``ar`` is the reference, on a runner of its own. The other
+    directory, and the random feature drafters (EAGLE-3, SpecBlock, DFlash); ``ar`` is the reference, on a runner of its own. The other
     ``test_serve_*`` modules build theirs with it too."""
     target_dir = save_tiny_target(root / "target", layers=4, logit_scale=8.0)
     draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
@@ -44,7 +45,8 @@ def tiny_models(root: Path) -> dict:
     ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
     return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
             "features": random_drafter(target.model, draft_vocab=2048),
-            "specblock": random_specblock_drafter(target.model, draft_vocab=2048)}
+            "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
+            "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval()}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def serve_config(tiny, *keys: str):
 
 
 def start(tiny, *keys: str) -> RunningServer:
-    drafters = {"features": tiny["features"], "specblock": tiny["specblock"]}
+    drafters = {"features": tiny["features"], "specblock": tiny["specblock"], "dflash": tiny["dflash"]}
     return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
 
 
@@ -108,6 +110,7 @@ ALGORITHMS = {
     "eagle3_tree": ["algorithm=eagle3_tree", "tree_depth=3", "tree_topk=2", "tree_total=8"],
     "specblock_tree": ["algorithm=specblock_tree", "specblock_budget=16", "specblock_width=4"],
     "self_draft": ["algorithm=self_draft", "self_draft_L=3", "self_draft_N=2"],
+    "dflash": ["algorithm=dflash"],
     "ssd": ["algorithm=ssd@gamma=3@ssd_budget=3@ssd_fallback=fast@ssd_fast=random"],
 }
 

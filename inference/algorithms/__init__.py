@@ -16,6 +16,7 @@ ALGORITHMS: dict[str, str] = {
     "specbranch": "inference.algorithms.specbranch:SpecBranch",
     "specblock_tree": "inference.algorithms.specblock_tree:SpecBlockTree",
     "ssd": "inference.algorithms.ssd:SSD",
+    "dflash": "inference.algorithms.dflash:DFlash",
 }
 
 
@@ -27,7 +28,7 @@ def algorithm_class(name: str):
 
 
 def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3 or a SpecBlock drafter) refuses
+    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock or DFlash drafter) refuses
     to start without one."""
     cls = algorithm_class(name)
     if cls.drafter == "none":

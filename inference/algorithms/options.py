@@ -142,9 +142,15 @@ class SelfDraftOptions:
     compat_original_cap: bool = False  # the original's counting (no bonus token), for the paper's DE
 
 
+@dataclass
+class DFlashOptions:
+    dflash_draft_tokens: int = 0  # tokens drafted (and verified) per round, 1..block_size - 1; 0 = the whole block
+
+
 OPTIONS_BY_ALGORITHM: dict[str, type] = {
     "ar": AROptions, "sps": SpsOptions, "eagle3_tree": Eagle3TreeOptions, "self_draft": SelfDraftOptions,
     "pearl": PearlOptions, "specbranch": SpecBranchOptions, "specblock_tree": SpecBlockTreeOptions, "ssd": SSDOptions,
+    "dflash": DFlashOptions,
 }
 
 # An option that matters only when another has a given value: set without it, it would be ignored.
@@ -176,7 +182,7 @@ class PlacementOptions:
 
 @dataclass
 class AlgorithmOptions(SpsOptions, PearlOptions, SpecBranchOptions, SSDOptions, Eagle3TreeOptions,
-                       SpecBlockTreeOptions, SelfDraftOptions, SamplingOptions, PlacementOptions):
+                       SpecBlockTreeOptions, SelfDraftOptions, DFlashOptions, SamplingOptions, PlacementOptions):
     """Every algorithm's options, sampling and placement: the schema the CLIs parse into."""
 
 

@@ -1,0 +1,120 @@
+"""DFlash export directories: our native layout (DESIGN.md §4), read and written.
+
+Native: ``config.json`` with the ``spectrain`` block (kind ``dflash``, target record, architecture, layer ids and
+their convention, block size, mask token, vocab sizes), ``model.safetensors`` with every tensor of
+:class:`~core.drafters.dflash.DFlashDrafter` except the two it takes from the target at load time (the token
+embedding and the head's draft-vocabulary rows, both frozen), ``metrics.json`` and ``recipe.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from core.assets import load_safetensors, read_json
+from core.atomic import atomic_directory
+from core.drafters.dflash import KIND, DFlashConfig, DFlashDrafter
+from core.layer_ids import LAYER_CONVENTION
+from core.vocab import check_vocab_mapping
+
+FORMAT_VERSION = 1
+FROM_TARGET = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's weights: never stored
+
+
+def spectrain_block(config: DFlashConfig, target: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:
+    return {
+        "format_version": FORMAT_VERSION, "kind": KIND, "layout": "native", "target": target,
+        "architecture": config.to_dict(), "block_size": config.block_size, "num_layers": config.num_layers,
+        "mask_token_id": config.mask_token_id,
+        "layers": {"ids": list(config.aux_layer_ids), "convention": LAYER_CONVENTION},
+        "vocab": {"vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size},
+        "embed_tokens": "target", "lm_head": "target rows of the draft vocabulary", **(extra or {}),
+    }
+
+
+def stored_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    return {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items() if name not in FROM_TARGET}
+
+
+def save_native(drafter: DFlashDrafter, out_dir: str | Path, *, target: dict[str, Any] | None,
+                recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+                extra: dict[str, Any] | None = None) -> Path:
+    """Write the native export dir atomically; refuses an existing non-empty ``out_dir`` and a drafter without a
+    target record."""
+    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
+
+    out = Path(out_dir)
+    if any(out.iterdir()) if out.is_dir() else out.exists():
+        raise ValueError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
+    if target is None:
+        raise ValueError("a DFlash export must record its target: pass target=target_record(NAME)")
+    tensors = stored_tensors(drafter)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"the drafter's tensor '{name}' holds NaN/inf (training diverged?): export an earlier "
+                             "checkpoint (runs/<run>/checkpoints/stepN.ckpt) or retrain")
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "spectrain_kind": KIND})
+        config = {"spectrain": spectrain_block(drafter.config, target, extra)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
+        if recipe is not None:
+            (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
+    return out
+
+
+def read_native(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, tensors, spectrain block) of a native DFlash export; one-line errors for anything else."""
+    directory = Path(path)
+    fix = "re-export the drafter (python -m spectrain.export)"
+    if not directory.exists():
+        raise ValueError(f"drafter '{directory}' does not exist; give a DFlash export of python -m spectrain.export")
+    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+        raise ValueError(f"{directory} is not a DFlash export (needs config.json and model.safetensors; an "
+                         f"interrupted export or copy lacks one); {fix}")
+    block = read_json(directory / "config.json", fix=fix).get("spectrain") or {}
+    if block.get("kind") != KIND:
+        raise ValueError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not dflash: the dflash "
+                         "algorithm cannot load it; give a dflash export of python -m spectrain.export (or use this "
+                         f"one with an algorithm for {block.get('kind')} drafters)")
+    try:
+        config = DFlashConfig.from_dict(block.get("architecture") or {})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{directory}/config.json records a dflash drafter, but its architecture is not a "
+                         f"DFlash's ({str(exc).split(';')[0]}); {fix}") from None
+    return config, load_safetensors(directory / "model.safetensors", fix=fix), block
+
+
+def build_drafter(config: DFlashConfig, tensors: dict[str, torch.Tensor], embed_weight: torch.Tensor | None = None,
+                  head_weight: torch.Tensor | None = None) -> DFlashDrafter:
+    """The module holding ``tensors`` (strict: no missing or unknown tensor, shapes checked) with the target's
+    embedding and head (zero placeholders when not given: inspection and re-export only, never serving)."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    expected = {name: t.shape for name, t in drafter.state_dict().items() if name not in FROM_TARGET}
+    unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"DFlash weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
+                         "re-export the drafter")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
+                             f"{tuple(expected[name])}")
+    check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
+    drafter.load_state_dict(tensors, strict=False, assign=True)
+    dtype = tensors["fc.weight"].dtype
+    placeholder = torch.zeros(config.vocab_size, config.hidden_size, dtype=dtype)
+    drafter.use_target_embedding(placeholder if embed_weight is None else embed_weight)
+    drafter.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # off the meta device
+    drafter.use_target_head(placeholder if head_weight is None else head_weight)
+    return drafter
+
+
+def load_native(path: str | Path, embed_weight: torch.Tensor | None = None,
+                head_weight: torch.Tensor | None = None) -> DFlashDrafter:
+    config, tensors, _ = read_native(path)
+    return build_drafter(config, tensors, embed_weight, head_weight)
