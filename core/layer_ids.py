@@ -13,6 +13,9 @@ Layer specs (``layers=`` on the CLIs):
 - ``lastK`` (e.g. ``last4``, H-RAD): the last K entries of the HF ``hidden_states`` tuple, as SpecBranch's H-RAD
   reads them: raw outputs of layers ``L-K .. L-2`` plus the final-normed state. The aux ids are therefore
   ``[L-K, ..., L-2]`` and the K-th block is ``last_hidden`` (stored anyway), so nothing is stored twice.
+- ``dflashK`` (e.g. ``dflash5``, DFlash): K ids spread from layer 1 to layer L - 3, as z-lab's
+  ``build_target_layer_ids`` spreads them (Python's round, ties to even; K = 1: ``[L // 2]``). Qwen3-8B (L=36),
+  K=5: ``[1, 9, 17, 25, 33]``; SmolLM2 (L=30): ``[1, 8, 14, 20, 27]``.
 - ``[i, j, ...]``: explicit output-of-layer ids, increasing (negative ids count from the end).
 """
 
@@ -25,6 +28,7 @@ from typing import Any
 LAYER_CONVENTION = ("output of decoder layer i, 0-based (transformers output_hidden_states[i + 1]); "
                     "last_hidden is after the final norm (lm_head(last_hidden) == logits)")
 _LAST_K = re.compile(r"^last(\d+)$")
+_DFLASH_K = re.compile(r"^dflash(\d+)$")
 
 
 def eagle3_layers(num_layers: int) -> list[int]:
@@ -32,8 +36,16 @@ def eagle3_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def dflash_layers(num_layers: int, count: int) -> list[int]:
+    """z-lab's DFlash target layers: ``count`` output-of-layer ids from 1 to ``num_layers - 3``, evenly spread."""
+    if count == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    return [int(round(start + i * (end - start) / (count - 1))) for i in range(count)]
+
+
 def resolve_layers(spec: Any, num_layers: int) -> list[int]:
-    """Aux layer ids (output-of-layer, 0-based, increasing) for a spec: eagle3 | lastK | [i, j, ...]."""
+    """Aux layer ids (output-of-layer, 0-based, increasing) for a spec: eagle3 | lastK | dflashK | [i, j, ...]."""
     if isinstance(spec, str) and spec == "eagle3":
         ids = eagle3_layers(num_layers)
         if len(set(ids)) < 3 or min(ids) < 0:
@@ -45,9 +57,15 @@ def resolve_layers(spec: Any, num_layers: int) -> list[int]:
         if not 2 <= k <= num_layers:
             raise ValueError(f"layers={spec}: K must be in 2..{num_layers} for a {num_layers}-layer target")
         return list(range(num_layers - k, num_layers - 1))
+    if isinstance(spec, str) and (match := _DFLASH_K.match(spec)):
+        ids = dflash_layers(num_layers, int(match.group(1)))
+        if int(match.group(1)) < 1 or len(set(ids)) < len(ids) or min(ids) < 0:
+            raise ValueError(f"layers={spec} gives {ids} for a {num_layers}-layer target: K must be in "
+                             f"1..{num_layers - 3}; or give explicit ids")
+        return ids
     if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec:
-        raise ValueError(f"layers={spec!r} is not a layer spec; use eagle3, lastK (e.g. last4) or a list "
-                         "of output-of-layer ids like [1,14,26]")
+        raise ValueError(f"layers={spec!r} is not a layer spec; use eagle3, lastK (e.g. last4), dflashK (e.g. "
+                         "dflash5) or a list of output-of-layer ids like [1,14,26]")
     ids = []
     for layer in spec:
         if isinstance(layer, bool) or not isinstance(layer, int) or not -num_layers <= layer < num_layers:

@@ -176,7 +176,7 @@ def export(cfg: Any) -> Path:
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     source = cfg.ckpt or cfg.import_path
     kind = checkpoint_kind(cfg.ckpt) if cfg.ckpt else None
-    if kind in ("draft_lm", "hrad", "specblock"):  # each kind's module exports its own checkpoints
+    if kind in ("draft_lm", "hrad", "specblock", "dflash"):  # each kind's module exports its own checkpoints
         return get_kind(kind).export_checkpoint(Path(cfg.ckpt), cfg)
     reference = Path(cfg.import_path or "") / "config.json"  # the SpecBlock reference release's config
     if cfg.import_path and reference.is_file() and "diffspec_draft_token_num" in json.loads(reference.read_text()):

@@ -18,6 +18,7 @@ KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import ti
     "spectrain.modules.eagle3",
     "spectrain.modules.specblock",
     "spectrain.modules.hrad",
+    "spectrain.modules.dflash",
 ]
 
 

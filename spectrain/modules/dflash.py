@@ -1,0 +1,153 @@
+"""``kind=dflash``: train the DFlash drafter (arXiv 2602.06036; recipes ``dflash_*``).
+
+Per step, per sequence: anchors sampled among the answer tokens (:func:`spectrain.dflash_losses.sample_anchors`,
+seeded by (seed, step), so a resumed run draws the same anchors); one drafter forward runs every anchor's block at
+once with the block-sparse anchor attention (:mod:`core.drafters.dflash_attention`); the loss is the slot-weighted
+KL against the target's distribution over the draft vocabulary (:mod:`spectrain.dflash_losses`). The teacher comes
+from the stored (or online) final hidden state through the target's lm_head rows of the draft vocabulary; features
+are the target's layers ``data.layers`` (``dflashK``: z-lab's spread), online as for EAGLE-3 or from a dataset.
+
+Validation: per anchor, slot k is right when its argmax equals the target's; ``val/tau_sim`` = 1 + E[the run of
+right slots from slot 1], over blocks whose slots are all scored (γ = block_size - 1). For DFlash this is what a
+greedy round serves, not a proxy: the block reads only the context, so teacher forcing changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from core.assets import target_record
+from core.drafters.dflash import DFlashConfig, DFlashDrafter
+from core.layer_ids import resolve_layers
+from core.overrides import RecipeError
+from spectrain.dflash_export import export_dflash_checkpoint
+from spectrain.dflash_losses import sample_anchors, scored_slots, slot_weights, weighted_kl
+from spectrain.metrics import SimulatedAcceptance
+from spectrain.modules.base import DrafterModule, build_datamodule
+from spectrain.modules.eagle3 import vocab_map_for
+from spectrain.registry import DrafterKind, register_kind
+from spectrain.targets import trained_template
+
+ATTENTION_KINDS = ("block_sparse", "dense")
+
+
+@dataclass
+class DFlashSchema:
+    mask_token_id: int | None = None  # the id every non-anchor slot reads: a special token the data never holds
+    draft_vocab_size: int = 0  # 0 = the target's whole vocabulary
+    vocab_map: str | None = None  # data_prep.vocab output; None + draft_vocab_size > 0: counted from data.source
+    block_size: int = 8  # anchor + drafted tokens per block (speculators' default; the paper: 16 for Qwen3)
+    num_layers: int = 3  # draft decoder layers
+    max_anchors: int = 64  # blocks per sequence and step (speculators: 512 per packed batch)
+    loss_decay_gamma: float = 4.0  # slot k >= 1 weighted exp(-(k - 1) / gamma)
+    attention: str = "block_sparse"  # block_sparse (chunked; skips other blocks and later context) | dense (mask)
+
+
+def _check_schema(model: Any) -> None:
+    if model.mask_token_id is None:
+        raise RecipeError("model.mask_token_id is not set: give the id of a special token the training data never "
+                          "holds (SmolLM2: 16, <empty_output>; Llama-3: 128002, <|reserved_special_token_0|>)")
+    if model.attention not in ATTENTION_KINDS:
+        raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(ATTENTION_KINDS)}")
+    if model.block_size < 2 or model.num_layers < 1 or model.max_anchors < 1 or model.loss_decay_gamma <= 0:
+        raise RecipeError(f"model.block_size must be >= 2, num_layers and max_anchors >= 1 and loss_decay_gamma > 0, "
+                          f"got {model.block_size}, {model.num_layers}, {model.max_anchors}, "
+                          f"{model.loss_decay_gamma}")
+
+
+class DFlashModule(DrafterModule):
+    FSDP_FORWARD_METHODS = ("head",)  # the loss applies it to the scored slots only, after forward
+
+    def __init__(self, cfg: Any):
+        _check_schema(cfg.model)
+        super().__init__(cfg)
+
+        target = self.target_model()
+        model_cfg = cfg.model
+        layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
+        # counting the vocabulary reads the whole source: a dry run leaves it to the real run
+        vocab_map = None if cfg.dry_run else vocab_map_for(cfg, target.config.vocab_size)
+        draft_vocab = (model_cfg.draft_vocab_size or target.config.vocab_size) if vocab_map is None \
+            else int(vocab_map[0].numel())
+        config = DFlashConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
+                                         block_size=model_cfg.block_size, num_layers=model_cfg.num_layers,
+                                         mask_token_id=model_cfg.mask_token_id)
+        # A dry run (fit builds the target on the meta device) builds the drafter there too: shapes, no memory.
+        with torch.device("meta" if cfg.dry_run else "cpu"):
+            self.drafter = DFlashDrafter(config, embed_weight=target.get_input_embeddings().weight.detach(),
+                                         head_weight=target.get_output_embeddings().weight.detach())
+        if vocab_map is not None:
+            self.drafter.set_vocab_map(*vocab_map)
+        self.register_buffer("weights", slot_weights(config.block_size, model_cfg.loss_decay_gamma), persistent=False)
+        self.val_blocks = SimulatedAcceptance(config.block_size - 1)
+
+    # -- one batch -------------------------------------------------------------------------------------------
+
+    def _slots(self, batch: dict[str, torch.Tensor], generator: torch.Generator):
+        """(student logits [N, Vd], teacher probs [N, Vd], slot of each row k [N], (b, a) [N], anchors' shape) over
+        the scored slots of this batch's blocks."""
+        model_cfg, drafter = self.cfg.model, self.drafter
+        supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        anchors, valid = sample_anchors(supervised, drafter.config.block_size, model_cfg.max_anchors, generator)
+        hidden = drafter(batch["aux_hidden"], batch["input_ids"], anchors, attention=model_cfg.attention)
+        b, a, k, positions = scored_slots(anchors, valid, supervised, drafter.config.block_size)
+        # the teacher once per distinct position (overlapping blocks share them), over the draft vocabulary only
+        flat = b * supervised.shape[1] + positions - 1
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows = batch["last_hidden"].flatten(0, 1)[unique].float()
+        head = self.teacher_lm_head[drafter.draft_ids_in_target()]
+        teacher = (rows @ head.T).softmax(-1)[inverse]
+        return drafter.head(hidden[b, a, k]), teacher, k, (b, a), anchors.shape
+
+    def _generator(self, salt: int) -> torch.Generator:
+        return torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + int(salt))
+
+    def training_step(self, batch, batch_idx):
+        student, teacher, k, _, _ = self._slots(batch, self._generator(self.global_step))
+        loss = weighted_kl(student, teacher, self.weights[k])
+        size = len(batch["input_ids"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        first = k == 1
+        right = (student[first].argmax(-1) == teacher[first].argmax(-1)).float()
+        self.log("train/acc_slot1", right.mean() if len(right) else torch.zeros(()), batch_size=size)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        # anchors fixed per validation batch: every validation pass scores the same blocks
+        student, teacher, k, (b, a), shape = self._slots(batch, self._generator(-1 - batch_idx))
+        self.log("val/loss", weighted_kl(student, teacher, self.weights[k]), batch_size=len(batch["input_ids"]))
+        right = student.argmax(-1) == teacher.argmax(-1)
+        alphas, masks = [], []
+        for slot in range(1, self.drafter.config.block_size):
+            here = k == slot
+            alpha = torch.zeros(shape, device=student.device)
+            alpha[b[here], a[here]] = right[here].float()
+            mask = torch.zeros(shape, dtype=torch.bool, device=student.device)
+            mask[b[here], a[here]] = True
+            alphas.append(alpha)
+            masks.append(mask)
+        self.val_blocks.update(alphas, masks)
+
+    def on_validation_epoch_end(self):
+        blocks = self.val_blocks.compute()
+        self.log("val/tau_sim", blocks["tau_sim"], prog_bar=True)
+        self.log("val/top1_agreement", blocks["acc_1"])
+        for key, value in blocks.items():
+            if key.startswith("acc_"):
+                self.log(f"val/{key}", value)
+        self.last_val_metrics = {key: float(value) for key, value in blocks.items()}
+        self.val_blocks.reset()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if getattr(self, "_target_record", None) is None:  # hashes the target's weights: once per run
+            self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
+        checkpoint["spectrain"] = {"kind": "dflash", "config": self.drafter.config.to_dict(),
+                                   "target": self._target_record, "recipe": dict(self.hparams["recipe"]),
+                                   "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
+
+
+register_kind(DrafterKind(name="dflash", build_module=DFlashModule, build_datamodule=build_datamodule,
+                          model_schema=DFlashSchema, export_checkpoint=export_dflash_checkpoint))
