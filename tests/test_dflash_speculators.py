@@ -1,0 +1,98 @@
+"""Our DFlash drafter, training loss and gradients against vLLM's drafter library itself (``speculators`` 0.9.0,
+``DFlashDraftModel``), on the same weights, batch and anchors.
+
+Conventions pinned here: the library's ``aux_hidden_state_layer_ids`` are ours + 1 (HF ``hidden_states`` indices);
+its teacher applies the target's final norm itself (``verifier_norm``) to the last layer's output, ours reads the
+normed state; its loss divides by (scored slots + 1e-5), ours by the scored slots; anchors are drawn by its own
+``select_anchors`` from the same RNG state. Export layouts the engines load (issue 33 §2) are not written yet.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+# Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.losses import resolve_loss_config
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+from speculators.models.dflash.utils import select_anchors
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from test_algorithms import tiny_llama
+from test_dflash import AUX, BLOCK, make_drafter
+from transformers import Qwen3Config
+
+from spectrain.dflash_losses import scored_slots, slot_weights, weighted_kl
+
+LENGTH, ANCHORS, GAMMA = 40, 6, 4.0
+
+
+def theirs_for(ours) -> DFlashDraftModel:
+    """The library's model with our drafter's shapes and weights (eager attention: its flex attention fails on
+    short CPU inputs)."""
+    c = ours.config
+    layer = Qwen3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=c.resolved_head_dim, vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
+                        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                        max_position_embeddings=c.max_position_embeddings, attention_bias=c.attention_bias)
+    layer._attn_implementation = "eager"
+    config = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=c.draft_vocab_size, block_size=c.block_size,
+        aux_hidden_state_layer_ids=[i + 1 for i in c.aux_layer_ids], mask_token_id=c.mask_token_id,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=c.block_size - 1)],
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    theirs = DFlashDraftModel(config)
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert sorted(missing) == ["verifier_lm_head.weight", "verifier_norm.weight"] and not unexpected
+    return theirs
+
+
+def test_the_training_forward_and_loss_agree_with_the_library():
+    target = tiny_llama(0, layers=3)
+    ours = make_drafter(target)
+    theirs = theirs_for(ours)
+    with torch.no_grad():  # the library's teacher: the target's final norm and head rows of the draft vocabulary
+        theirs.verifier_lm_head.weight.copy_(ours.lm_head.weight)
+        theirs.verifier_norm.weight.copy_(target.model.norm.weight)
+    ids = torch.randint(0, 90, (1, LENGTH), generator=torch.Generator().manual_seed(1))
+    captured = []  # the last decoder layer's output before the final norm (what the library's teacher reads)
+    hook = target.model.layers[-1].register_forward_hook(lambda m, i, out: captured.append(out[0] if
+                                                                                        isinstance(out, tuple) else out))
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    features, pre_norm = torch.cat([states[i + 1] for i in AUX], -1), captured[0]
+    loss_mask = torch.zeros(1, LENGTH)
+    loss_mask[0, 8:] = 1.0
+
+    torch.manual_seed(0)
+    hidden, their_logits, _, their_mask, _ = theirs._backbone_forward(
+        features, ids, loss_mask, pre_norm, torch.zeros(1, LENGTH, dtype=torch.long), max_anchors=ANCHORS)
+    torch.manual_seed(0)
+    _, their_loss, metrics = theirs(features, ids, loss_mask, pre_norm, torch.zeros(1, LENGTH, dtype=torch.long),
+                                    loss_config=resolve_loss_config("kl_div", "eager"), gamma=GAMMA,
+                                    max_anchors=ANCHORS)
+    torch.manual_seed(0)
+    anchors, valid = select_anchors(loss_mask, ANCHORS, BLOCK)  # the same draw the library made
+    our_logits = ours.head(ours(features, ids, anchors[None]))
+    torch.testing.assert_close(our_logits.flatten(1, 2), their_logits, rtol=1e-5, atol=1e-5)
+
+    # the scored slots: the library's aligned mask without the anchor slot
+    b, a, k, positions = scored_slots(anchors[None], valid[None], loss_mask.bool(), BLOCK)
+    theirs_scored = their_mask[0].view(ANCHORS, BLOCK).nonzero().tolist()
+    assert sorted(zip(a.tolist(), k.tolist())) == sorted(map(tuple, theirs_scored))
+    with torch.no_grad():  # ours: the normed final state (what our datasets store) through the head's rows
+        teacher = (target.model.norm(pre_norm) @ ours.lm_head.weight.T)[0, positions - 1].softmax(-1)
+    student = our_logits[b, a, k]
+    loss = weighted_kl(student, teacher, slot_weights(BLOCK, GAMMA)[k]) * len(k) / (len(k) + 1e-5)
+    assert float(loss.detach()) == pytest.approx(float(their_loss.detach()), rel=1e-5)
+    assert (student.argmax(-1) == teacher.argmax(-1)).sum() == metrics["full_acc_sum"]
+    loss.backward()
+    their_loss.backward()
+    theirs_params = dict(theirs.named_parameters())
+    trained = [(name, p) for name, p in ours.named_parameters() if p.requires_grad]
+    assert len(trained) > 10
+    for name, param in trained:
+        torch.testing.assert_close(param.grad, theirs_params[name].grad, rtol=1e-4, atol=1e-7, msg=name)
