@@ -3,7 +3,9 @@
 Where a training step's time goes, for any recipe: builds the recipe's LightningModule and DataModule exactly as
 ``spectrain.fit`` does, then times ``steps`` training steps split into the batch (collation, which for online
 features includes the target's forward) and the step (forward, backward, AdamW), after one warm-up step. Prints
-seconds per step and trained (answer) tokens/s; ``profile=true`` adds torch.profiler's top operators of one step.
+seconds per step, trained (answer) tokens/s and the process's CPU seconds per step (on a shared machine the
+fairer figure to compare: other jobs' load inflates wall time, not it); ``profile=true`` adds torch.profiler's top
+operators of one step.
 Any other ``key=value`` is a recipe override (``data.batch_size=8``, ``model.ttt_steps=5``, ...), applied to
 each recipe named; ``out=`` writes ``{kind: seconds per step}`` as JSON (``benchmarks/drafter_quality.py`` sizes
 SpecBlock's run to EAGLE-3's training wall time from it).
@@ -73,17 +75,19 @@ def time_steps(cfg, own: TrainStepConfig) -> float:
     one_step()  # warm-up: first calls pay for allocation and kernel selection
     fetch_s = step_s = 0.0
     tokens = 0
+    cpu_start = time.process_time()  # this process's CPU time: what a shared machine's load does not inflate
     for _ in range(own.steps):
         f, s, n = one_step()
         fetch_s, step_s, tokens = fetch_s + f, step_s + s, tokens + n
+    cpu_per_step = (time.process_time() - cpu_start) / own.steps
     per_step = (fetch_s + step_s) / own.steps
     print(f"recipe={cfg.run_name} kind={cfg.kind} batch_size={cfg.data.batch_size} max_len={cfg.data.max_len} "
           f"threads={own.threads} steps={own.steps}")
     print("| s/step | batch (incl. online target forward) | forward+backward+optimizer | answer tokens/step | "
-          "trained tokens/s |")
-    print("|---|---|---|---|---|")
+          "trained tokens/s | CPU s/step (this process) |")
+    print("|---|---|---|---|---|---|")
     print(f"| {per_step:.2f} | {fetch_s / own.steps:.2f} | {step_s / own.steps:.2f} | {tokens / own.steps:.0f} | "
-          f"{tokens / (fetch_s + step_s):.0f} |")
+          f"{tokens / (fetch_s + step_s):.0f} | {cpu_per_step:.2f} |")
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
 
