@@ -22,7 +22,7 @@ from core.distributed import process_rank
 from core.layer_ids import resolve_layers
 from data_prep.capture import HiddenCapture
 from data_prep.features import FeatureDataset, collate_features
-from data_prep.rank_sampler import RankSlicedSampler
+from data_prep.rank_sampler import RankSlicedSampler, check_fills_global_batch
 from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
 from inference.drafters import LoadedModel, load_lm
 
@@ -39,7 +39,8 @@ def _shuffle_generator(seed: int) -> torch.Generator:
 
 
 def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, seed: int = 0, num_workers: int = 0,
-                     collate_fn: Any = None, per_rank: bool = False) -> StatefulDataLoader:
+                     collate_fn: Any = None, per_rank: bool = False,
+                     skip: frozenset[int] = frozenset()) -> StatefulDataLoader:
     """A DataLoader whose position inside an epoch (shuffle order + batches yielded) is in its ``state_dict``.
 
     Lightning stores the train loader's ``state_dict`` in every checkpoint and loads it on resume, so a run resumed
@@ -47,13 +48,14 @@ def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, se
     global RNG (which the model's dropout consumes).
 
     ``per_rank`` (training loaders): under an initialised process group each process takes its ``batch_size`` rows
-    of every global batch (``data_prep.rank_sampler``); one process sees the same batches either way.
+    of every global batch (``data_prep.rank_sampler``); one process sees the same batches either way. ``skip``:
+    items never yielded, though drawn in the shuffle (``RankSlicedSampler``).
     """
     rank, world = process_rank() if per_rank else (0, 1)
     sampler = None
-    if shuffle or world > 1:
+    if shuffle or world > 1 or skip:
         sampler = RankSlicedSampler(len(dataset), batch_size, shuffle=shuffle, rank=rank, world=world,
-                                    generator=_shuffle_generator(seed) if shuffle else None)
+                                    generator=_shuffle_generator(seed) if shuffle else None, skip=skip)
     return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                               generator=torch.Generator().manual_seed(seed + 1), collate_fn=collate_fn)
 
@@ -161,9 +163,18 @@ class OnlineFeatureDataModule(L.LightningDataModule):
         """``per_rank=False``: every process gets all batches (what validation wants)."""
         self.setup()
         if self.bucket_by_length:  # the loader shuffles whole batches of similar-length samples
-            batches = length_buckets([len(s) for s in self.samples], self.batch_size, self.seed)
-            grouped = [[self.samples[i] for i in batch] for batch in batches]
-            return resumable_loader(grouped, batch_size=1, shuffle=self.shuffle, seed=self.seed,
-                                    collate_fn=lambda items: self._collate(items[0]), per_rank=per_rank)
+            # Buckets of the global batch, each process taking its rows of every one (as RankSlicedSampler does),
+            # so N processes with batch b train on the batches one process with batch N*b trains on.
+            rank, world = process_rank() if per_rank else (0, 1)
+            check_fills_global_batch(len(self.samples), self.batch_size, world)
+            size = world * self.batch_size
+            batches = length_buckets([len(s) for s in self.samples], size, self.seed)
+            # A partial last bucket would leave a process without rows in the gradient all-reduce: skipped, but
+            # still shuffled, so the full ones come in one process's order.
+            partial = frozenset(i for i, batch in enumerate(batches) if len(batch) < size and world > 1)
+            mine = [[self.samples[i] for i in batch[rank * self.batch_size:(rank + 1) * self.batch_size]]
+                    for batch in batches]
+            return resumable_loader(mine, batch_size=1, shuffle=self.shuffle, seed=self.seed,
+                                    collate_fn=lambda items: self._collate(items[0]), skip=partial)
         return resumable_loader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
                                 collate_fn=self._collate, per_rank=per_rank)

@@ -21,26 +21,34 @@ import torch
 from torch.utils.data import Sampler
 
 
+def check_fills_global_batch(n: int, batch_size: int, world: int) -> None:
+    """Refuse (one line) ``n`` samples that fill no global batch of ``world`` processes: each would train 0 steps
+    (the trailing partial global batch is dropped), silently."""
+    if world > 1 and n < world * batch_size:
+        raise ValueError(f"{n} training samples do not fill one global batch of {world} processes x batch_size "
+                         f"{batch_size} = {world * batch_size}, so nothing would train; give more samples, a "
+                         "smaller data.batch_size or fewer processes")
+
+
 class RankSlicedSampler(Sampler[int]):
     """Sample indices of process ``rank``'s rows of each global batch (see the module docstring)."""
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, skip: frozenset[int] = frozenset()):
+        """``skip``: indices drawn in the permutation but never yielded, so the others come in the order a run
+        that yields them draws (a length bucket that only one process count fills, ``data_prep.datamodules``)."""
         if shuffle and generator is None:
             raise ValueError("a shuffling RankSlicedSampler needs its own seeded generator")
-        if world > 1 and n < world * batch_size:  # no full global batch: every process would train 0 steps
-            raise ValueError(f"{n} training samples do not fill one global batch of {world} processes x batch_size "
-                             f"{batch_size} = {world * batch_size}, so nothing would train; give more samples, a "
-                             "smaller data.batch_size or fewer processes")
+        check_fills_global_batch(n - len(skip), batch_size, world)
         self.n, self.batch_size, self.shuffle, self.generator = n, batch_size, shuffle, generator
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.skip = rank, world, skip
 
     def global_batches(self) -> int:
-        span = self.batch_size * self.world
-        return self.n // span if self.world > 1 else -(-self.n // span)
+        span, kept = self.batch_size * self.world, self.n - len(self.skip)
+        return kept // span if self.world > 1 else -(-kept // span)
 
     def __len__(self) -> int:
-        return self.n if self.world == 1 else self.global_batches() * self.batch_size
+        return self.n - len(self.skip) if self.world == 1 else self.global_batches() * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
         return _RankSliceIterator(self)
@@ -59,6 +67,7 @@ class _RankSliceIterator(Iterator[int]):
     def _indices(self) -> list[int]:
         s = self.sampler
         order = torch.randperm(s.n, generator=s.generator).tolist() if s.shuffle else list(range(s.n))
+        order = [i for i in order if i not in s.skip]
         span = s.batch_size * s.world
         mine: list[int] = []
         for start in range(0, s.global_batches() * span, span):

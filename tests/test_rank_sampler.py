@@ -46,3 +46,27 @@ def test_fewer_samples_than_one_global_batch_are_refused_rather_than_training_no
                                "nothing would train; give more samples, a smaller data.batch_size or fewer processes")
     assert len(list(RankSlicedSampler(6, 3, shuffle=False, rank=1, world=2))) == 3  # exactly one global batch
     assert len(list(RankSlicedSampler(2, 3, shuffle=False))) == 2  # one process trains on a partial batch
+
+
+def test_length_bucketed_batches_split_across_processes_as_one_process_batches_them(monkeypatch):
+    """bucket_by_length: 2 processes with batch b take the halves of the batches 1 process with batch 2b takes."""
+    from data_prep import datamodules
+    from data_prep.samples import TokenSample
+
+    def rows(loader) -> list[list[int]]:  # each batch's first tokens: the sample indices below
+        return [batch["input_ids"][:, 0].tolist() for batch in loader]
+
+    def loader(batch_size: int, rank: int = 0, world: int = 1):
+        monkeypatch.setattr(datamodules, "process_rank", lambda: (rank, world))
+        module = datamodules.OnlineFeatureDataModule("unused", source="unused", n_samples=22, max_len=64,
+                                                     batch_size=batch_size, features=False, bucket_by_length=True)
+        module.samples = [TokenSample(i, [i] * (1 + (7 * i) % 13), [1] * (1 + (7 * i) % 13)) for i in range(22)]
+        return module.train_dataloader()
+
+    one = rows(loader(6))
+    ranks = [rows(loader(3, rank, 2)) for rank in range(2)]
+    full = [batch for batch in one if len(batch) == 6]
+    assert len(ranks[0]) == len(ranks[1]) == len(full) == 3 and len(one) == 4  # 2 processes skip the partial one
+    assert [a + b for a, b in zip(*ranks)] == full
+    with pytest.raises(ValueError, match="22 training samples do not fill one global batch of 2 processes"):
+        loader(12, 0, 2)
