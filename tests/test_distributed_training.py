@@ -1,8 +1,11 @@
-"""Training on several processes, on CPU over gloo, started by Lightning's own launcher (``python -m spectrain.fit
-... trainer.devices=2``): 2 processes with a per-process batch of b end with the weights of 1 process with batch 2b,
-for every kind under DDP, for SpecBlock under FSDP (sharded checkpoints, killed, resumed, exported) and for EAGLE-3
-under DeepSpeed ZeRO-3; a DDP run whose launcher is killed with SIGKILL mid-epoch resumes (``resume=auto``) to the
-uninterrupted run's weights bit for bit.
+"""Training on several processes, on CPU over gloo, started by Lightning's own launcher: 2 processes with a
+per-process batch of b end with the weights of 1 process with batch 2b, for every kind (and each GSM recipe's own
+training path) under DDP, FSDP and DeepSpeed ZeRO-2/3; a run whose launcher is killed with SIGKILL mid-epoch resumes
+(``resume=auto``) to the uninterrupted run's weights bit for bit under DDP, and from its sharded checkpoint under
+FSDP (exported afterwards).
+
+Interpreter starts are most of a small multi-process run, so every uninterrupted run and both resumes share ONE
+launch (``tests/fit_many.py``); only the two runs that are killed have launches of their own.
 
 Tolerance: the per-process losses are means over the global batch (``core.distributed.process_mean``) and DDP
 averages the gradients, so the two trainings differ only in float summation order. AdamW divides each gradient by
@@ -11,7 +14,7 @@ step: |Δw| <= 1e-4 + 1e-4·|w|, a hundredth of one step at lr 1e-2 (seen: at mo
 
 from __future__ import annotations
 
-import functools
+import json
 import os
 import shutil
 import signal
@@ -25,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_targets import save_tiny_target, write_jsonl
 
+from spectrain import export as export_cli
 from spectrain import fit as fit_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,41 +61,75 @@ def setup(tmp_path_factory):
 
 
 def kind_args(root: Path, kind: str) -> list[str]:
-    """The kind's CPU recipe on the tiny setup: 6 steps (a checkpoint every 2), per-process batch B."""
+    """The kind's CPU recipe on the tiny setup: 6 steps (a checkpoint every 2), per-process batch B. A ``_gsm`` name
+    is that kind's GSM recipe, on the same chats: it trains its own path (batches bucketed by length; the draft LM
+    on the data's tokens with a truncated head, ``train_vocab``)."""
     common = [f"target={root / 'target'}", "max_steps=6", "val_check_interval=6", "checkpoint_every_n_steps=2",
               "warmup_steps=2", "log_every_n_steps=1", "logger=csv", "trainer.accelerator=cpu"]
     online = [f"source=jsonl:{root / 'chats.jsonl'}", "n_samples=24", "n_val_samples=4", "max_len=48"]
+    eagle3 = ["draft_vocab_size=512", "ttt_steps=3", "gamma=2", "layers=[0,1,2]", "lr=5e-3"]
     return {
         "draft_lm": ["recipe=draftlm_smollm2", *online, "num_layers=2", "lr=1e-2"],
-        "eagle3": ["recipe=eagle3_smollm2", *online, "draft_vocab_size=512", "ttt_steps=3", "gamma=2",
-                   "layers=[0,1,2]", "lr=5e-3"],
+        "draft_lm_gsm": ["recipe=draftlm_smollm2_gsm", *online, "num_layers=2", "lr=1e-2", "train_vocab=512"],
+        "eagle3": ["recipe=eagle3_smollm2", *online, *eagle3],
+        "eagle3_gsm": ["recipe=eagle3_smollm2_gsm", *online, *eagle3],
         "specblock": ["recipe=specblock_smollm2", f"source=jsonl:{root / 'chats.jsonl'}", "n_samples=24",
                       "max_len=48", f"dataset_dir={root / 'feats'}", f"val_dataset_dir={root / 'feats'}",
                       "draft_vocab_size=512", "layers=[0,1,2]", "lr=5e-3"],
+        "specblock_gsm": ["recipe=specblock_smollm2_gsm", *online, "draft_vocab_size=512", "layers=[0,1,2]",
+                          "lr=5e-3"],
         "hrad": ["recipe=hrad_smollm2", f"dataset_dir={root / 'traces'}", "val_fraction=0.25", "lr=1e-2",
                  "model.dropout=0.0"],  # dropout masks are drawn per process: another batch, other masks
     }[kind] + common
 
 
-def launch(args: list[str], runs: Path, recipes: Path, strategy: str = "ddp") -> subprocess.Popen:
-    """``python -m spectrain.fit ... trainer.devices=2 trainer.strategy=ddp``: Lightning starts the second
-    process itself (it re-runs this command with LOCAL_RANK=1)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECTRAIN_RECIPES=str(recipes), DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "spectrain.fit", *args, f"batch_size={B}", "trainer.devices=2",
-           f"trainer.strategy={strategy}", f"runs_dir={runs}"]
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # its own group: a leftover rank can be reaped by the test
+# What the shared launch trains, by strategy: every kind and GSM recipe (specblock under fsdp is the killed run,
+# resumed in that launch).
+KINDS = ("draft_lm", "draft_lm_gsm", "eagle3", "eagle3_gsm", "specblock", "specblock_gsm", "hrad")
+TRAINED = {"ddp": KINDS, "fsdp": tuple(k for k in KINDS if k != "specblock"), "deepspeed_stage_2": KINDS,
+           "deepspeed_stage_3": KINDS}
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
+def two_process_args(root: Path, kind: str, strategy: str, runs: Path) -> list[str]:
+    return [*kind_args(root, kind), f"batch_size={B}", "trainer.devices=2", f"trainer.strategy={strategy}",
+            f"runs_dir={runs}"]
+
+
+def launch(command: list[str], recipes: Path) -> subprocess.Popen:
+    """``command`` (a spectrain.fit with ``trainer.devices=2``): Lightning starts the second process itself (it
+    re-runs the command with LOCAL_RANK=1)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECTRAIN_RECIPES=str(recipes),
+               DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, *command], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)  # its own group: a leftover rank can be reaped
+
+
+def finish(proc: subprocess.Popen, timeout: float = 900) -> None:
     _, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err.decode()[-3000:]
 
 
-def last_weights(runs: Path) -> dict[str, torch.Tensor]:
+def checkpoints(runs: Path) -> Path:
     (run,) = [p for p in runs.iterdir() if p.is_dir()]
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return run / "checkpoints"
+
+
+def last_weights(runs: Path) -> dict[str, torch.Tensor]:
+    """The final weights of a run, whatever the strategy wrote: one file, a sharded (fsdp) or a DeepSpeed
+    directory."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    from spectrain.export import read_lightning_checkpoint
+
+    last = checkpoints(runs) / "last.ckpt"
+    if last.is_dir() and (last / "latest").is_file():  # DeepSpeed's own partitioned layout
+        full = runs / "consolidated.ckpt"
+        if not full.exists():
+            convert_zero_checkpoint_to_fp32_state_dict(str(last), str(full))
+        last = full
+    state = read_lightning_checkpoint(last)
+    assert state["global_step"] == 6
+    return state["state_dict"]
 
 
 def single_process_run(root: Path, kind: str) -> Path:
@@ -119,35 +157,6 @@ def kill_after(proc: subprocess.Popen, marker: Path) -> None:
     reap_group(proc.pid, grace=5.0)
 
 
-@functools.cache
-def two_process_run(root: Path, kind: str) -> Path:
-    """The uninterrupted 2-process run of ``kind`` (shared by the equality and the resume test)."""
-    runs = root / f"ddp_{kind}"
-    finish(launch(kind_args(root, kind), runs, root / "recipes"))
-    return runs
-
-
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "specblock", "hrad"])
-def test_two_ddp_processes_with_batch_b_train_like_one_process_with_batch_2b(setup, kind):
-    ddp = last_weights(two_process_run(setup, kind))
-    single = last_weights(single_process_run(setup, kind))
-    assert ddp.keys() == single.keys() and ddp
-    early = early_weights(setup, kind)
-    changed = 0
-    for name, value in single.items():
-        if name == "drafter.temperature":  # fitted after training by LBFGS on a 3-round validation NLL that is
-            continue  # flat here (T runs off to ~1e6): its end point is not a function of the weights
-        torch.testing.assert_close(ddp[name], value, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
-        changed += not torch.equal(value, early[name])
-    assert changed, "nothing trained"
-
-
-def early_weights(root: Path, kind: str) -> dict[str, torch.Tensor]:
-    """The weights at step 2 of the single run: the test must compare trained weights, not initial ones."""
-    (run,) = [p for p in (root / f"single_{kind}").iterdir() if p.is_dir()]
-    return torch.load(run / "checkpoints" / "step2.ckpt", weights_only=False)["state_dict"]
-
-
 def reap_group(group: int, grace: float = 10.0) -> None:
     """Wait until every process of a killed launch is gone; SIGKILL what is left after ``grace`` seconds."""
     deadline = time.monotonic() + grace
@@ -160,58 +169,71 @@ def reap_group(group: int, grace: float = 10.0) -> None:
         pass
 
 
-def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup):
-    kind, runs = "eagle3", setup / "ddp_killed"
-    args = kind_args(setup, kind)
-    kill_after(launch(args, runs, setup / "recipes"), runs / "eagle3_smollm2" / "checkpoints" / "step2.ckpt")
-    stopped = torch.load(fit_cli.latest_checkpoint(runs / "eagle3_smollm2"), weights_only=False)["global_step"]
-    assert 2 <= stopped < 6
-    finish(launch([*args, "resume=auto"], runs, setup / "recipes"))
-    resumed, uninterrupted = last_weights(runs), last_weights(two_process_run(setup, kind))
+@pytest.fixture(scope="module")
+def trained(setup) -> dict[str, object]:
+    """The two killed launches (eagle3 under ddp, specblock under fsdp, each killed after its first checkpoint),
+    then the one launch that resumes both and trains everything in ``TRAINED``. Returns what the kills left."""
+    recipes = setup / "recipes"
+    killed_ddp, killed_fsdp = setup / "ddp_killed", setup / "fsdp_killed"
+    ddp_args = two_process_args(setup, "eagle3", "ddp", killed_ddp)
+    fsdp_args = two_process_args(setup, "specblock", "fsdp", killed_fsdp)
+    kill_after(launch(["-m", "spectrain.fit", *ddp_args], recipes),
+               killed_ddp / "eagle3_smollm2" / "checkpoints" / "step2.ckpt")
+    kill_after(launch(["-m", "spectrain.fit", *fsdp_args], recipes),
+               killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt")
+    from spectrain.export import read_lightning_checkpoint
+
+    left = {"ddp_stopped_at": read_lightning_checkpoint(fit_cli.latest_checkpoint(killed_ddp / "eagle3_smollm2"))[
+                "global_step"],
+            "fsdp_step2_sharded": export_cli.is_sharded_checkpoint(
+                killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt")}
+    runs = [[*ddp_args, "resume=auto"], [*fsdp_args, "resume=auto"]]
+    runs += [two_process_args(setup, kind, strategy, setup / f"{strategy}_{kind}")
+             for strategy, kinds in TRAINED.items() for kind in kinds]
+    (setup / "runs.json").write_text(json.dumps(runs))
+    finish(launch([str(TESTS / "fit_many.py"), str(setup / "runs.json")], recipes))
+    return left
+
+
+def assert_trains_like_one_process(root: Path, runs: Path, kind: str) -> None:
+    multi, single = last_weights(runs), last_weights(single_process_run(root, kind))
+    assert multi.keys() == single.keys() and multi
+    early = torch.load(checkpoints(root / f"single_{kind}") / "step2.ckpt", weights_only=False)["state_dict"]
+    changed = 0
+    for name, value in single.items():
+        if name == "drafter.temperature":  # fitted after training by LBFGS on a 3-round validation NLL that is
+            continue  # flat here (T runs off to ~1e6): its end point is not a function of the weights
+        torch.testing.assert_close(multi[name], value, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+        changed += not torch.equal(value, early[name])
+    assert changed, "nothing trained"
+
+
+@pytest.mark.parametrize("strategy, kind", [(s, k) for s, kinds in TRAINED.items() for k in kinds])
+def test_two_processes_with_batch_b_train_like_one_process_with_batch_2b(setup, trained, strategy, kind):
+    assert_trains_like_one_process(setup, setup / f"{strategy}_{kind}", kind)
+
+
+def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup, trained):
+    assert 2 <= trained["ddp_stopped_at"] < 6  # killed mid-run, after its first checkpoint
+    resumed, uninterrupted = last_weights(setup / "ddp_killed"), last_weights(setup / "ddp_eagle3")
     assert resumed.keys() == uninterrupted.keys()
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), name
 
 
-def test_fsdp_on_two_processes_saves_sharded_resumes_and_exports_the_single_process_tensors(setup, tmp_path):
+def test_fsdp_on_two_processes_saves_sharded_resumes_and_exports_the_single_process_tensors(setup, trained, tmp_path):
     """trainer.strategy=fsdp (FSDP2 over gloo): the launcher is killed after the first sharded checkpoint, the run
     resumes from it (resume=auto), and its export equals the export of 1 process with batch 2B."""
-    from spectrain import export as export_cli
-
-    kind, runs = "specblock", setup / "fsdp"
-    args = kind_args(setup, kind)
-    checkpoints = runs / "specblock_smollm2" / "checkpoints"
-    kill_after(launch(args, runs, setup / "recipes", strategy="fsdp"), checkpoints / "step2.ckpt")
-    assert export_cli.is_sharded_checkpoint(checkpoints / "step2.ckpt")  # one directory, a shard per process
-    finish(launch([*args, "resume=auto"], runs, setup / "recipes", strategy="fsdp"))
-    assert export_cli.is_sharded_checkpoint(checkpoints / "last.ckpt")
+    assert trained["fsdp_step2_sharded"]  # one directory, a shard per process
+    ckpts = checkpoints(setup / "fsdp_killed")
+    assert export_cli.is_sharded_checkpoint(ckpts / "last.ckpt")
 
     def exported(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
         assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={out}"]) == 0
         return load_file(out / "model.safetensors")
 
-    sharded = exported(checkpoints / "last.ckpt", tmp_path / "fsdp_export")
-    single = exported(single_process_run(setup, kind) / "specblock_smollm2" / "checkpoints" / "last.ckpt",
-                      tmp_path / "single_export")
+    sharded = exported(ckpts / "last.ckpt", tmp_path / "fsdp_export")
+    single = exported(checkpoints(single_process_run(setup, "specblock")) / "last.ckpt", tmp_path / "single_export")
     assert sharded.keys() == single.keys() and sharded
     for name, value in single.items():
         torch.testing.assert_close(sharded[name], value, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-@pytest.mark.parametrize("stage", [3])
-def test_deepspeed_zero_on_two_cpu_processes_trains_like_one_process(setup, stage, tmp_path):
-    """DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) communicates over gloo: ZeRO-3 (parameters, gradients and
-    optimizer state partitioned) trains on 2 processes, and its consolidated weights equal 1 process with batch 2B."""
-    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
-
-    kind, runs = "eagle3", setup / f"zero{stage}"
-    finish(launch(kind_args(setup, kind), runs, setup / "recipes", strategy=f"deepspeed_stage_{stage}"))
-    checkpoint = runs / "eagle3_smollm2" / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_dir()  # DeepSpeed's own partitioned layout
-    convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint), str(tmp_path / "full.ckpt"))
-    zero = torch.load(tmp_path / "full.ckpt", weights_only=False)
-    assert zero["global_step"] == 6
-    single = last_weights(single_process_run(setup, kind))
-    for name, value in single.items():
-        torch.testing.assert_close(zero["state_dict"][name], value, atol=ATOL, rtol=RTOL,
-                                   msg=lambda m, n=name: f"{n}: {m}")

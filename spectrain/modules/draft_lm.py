@@ -12,6 +12,7 @@ so this is distillation of exactly what greedy verification accepts, at the cost
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,11 @@ class DraftLMModule(DrafterModule):
         if model_cfg.freeze_embeddings:
             freeze_embeddings(draft)
         self.drafter = add_lora(draft, model_cfg.lora_rank) if model_cfg.lora_rank else draft
+        if self.train_vocab:
+            # A method of the drafter, so FSDP can gather its weights around the call as around forward (the
+            # head reads the base model and lm_head directly, which FSDP does not hook).
+            self.drafter.train_vocab_logits = functools.partial(train_vocab_logits, self.drafter, self.train_vocab)
+            self.FSDP_FORWARD_METHODS = ("train_vocab_logits",)
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
         self.val_sampled = SimulatedAcceptance(model_cfg.gamma)
 
@@ -101,9 +107,7 @@ class DraftLMModule(DrafterModule):
         """The drafter's logits, over the first ``train_vocab`` ids only when that is set."""
         if not self.train_vocab:
             return self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        causal_lm = self.drafter.get_base_model() if hasattr(self.drafter, "get_base_model") else self.drafter
-        hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        return hidden @ causal_lm.lm_head.weight[:self.train_vocab].T
+        return self.drafter.train_vocab_logits(batch["input_ids"], batch["attention_mask"])
 
     def training_step(self, batch, batch_idx):
         loss, greedy, _, mask = self._step(batch)
@@ -143,6 +147,14 @@ class DraftLMModule(DrafterModule):
                  "kept_layers": self.kept_layers,
                  "metrics": metrics or {}}
         export_draft_lm(self.drafter, tokenizer, out_dir, spectrain_block=block)
+
+
+def train_vocab_logits(drafter: torch.nn.Module, k: int, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor) -> torch.Tensor:
+    """``drafter``'s logits over its first ``k`` ids only: the final hidden state times ``k`` rows of lm_head."""
+    causal_lm = drafter.get_base_model() if hasattr(drafter, "get_base_model") else drafter
+    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden @ causal_lm.lm_head.weight[:k].T
 
 
 def build_draft_lm_datamodule(cfg: Any):
