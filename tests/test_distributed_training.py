@@ -68,6 +68,7 @@ def kind_args(root: Path, kind: str) -> list[str]:
               "warmup_steps=2", "log_every_n_steps=1", "logger=csv", "trainer.accelerator=cpu"]
     online = [f"source=jsonl:{root / 'chats.jsonl'}", "n_samples=24", "n_val_samples=4", "max_len=48"]
     eagle3 = ["draft_vocab_size=512", "ttt_steps=3", "gamma=2", "layers=[0,1,2]", "lr=5e-3"]
+    dflash = ["draft_vocab_size=512", "block_size=4", "num_layers=1", "max_anchors=16", "layers=[0,1,2]", "lr=5e-3"]
     return {
         "draft_lm": ["recipe=draftlm_smollm2", *online, "num_layers=2", "lr=1e-2"],
         "draft_lm_gsm": ["recipe=draftlm_smollm2_gsm", *online, "num_layers=2", "lr=1e-2", "train_vocab=512"],
@@ -80,14 +81,19 @@ def kind_args(root: Path, kind: str) -> list[str]:
                           "lr=5e-3"],
         "hrad": ["recipe=hrad_smollm2", f"dataset_dir={root / 'traces'}", "val_fraction=0.25", "lr=1e-2",
                  "model.dropout=0.0"],  # dropout masks are drawn per process: another batch, other masks
+        "dflash": ["recipe=dflash_smollm2", *online, *dflash],
+        "dflash_gsm": ["recipe=dflash_smollm2_gsm", *online, *dflash],
     }[kind] + common
 
 
 # What the shared launch trains, by strategy: every kind and GSM recipe (specblock under fsdp is the killed run,
-# resumed in that launch).
+# resumed in that launch). DFlash draws its anchors for a process's rows from one generator per step, so 2 x b
+# processes draw other anchors than 1 x 2b: it is checked to train, not to equal one process.
 KINDS = ("draft_lm", "draft_lm_gsm", "eagle3", "eagle3_gsm", "specblock", "specblock_gsm", "hrad")
-TRAINED = {"ddp": KINDS, "fsdp": tuple(k for k in KINDS if k != "specblock"), "deepspeed_stage_2": KINDS,
-           "deepspeed_stage_3": KINDS}
+STRATEGIES = ("ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
+UNEQUAL = ("dflash", "dflash_gsm")
+TRAINED = {strategy: (*(k for k in KINDS if (strategy, k) != ("fsdp", "specblock")), *UNEQUAL)
+           for strategy in STRATEGIES}
 
 
 def two_process_args(root: Path, kind: str, strategy: str, runs: Path) -> list[str]:
@@ -114,21 +120,21 @@ def checkpoints(runs: Path) -> Path:
     return run / "checkpoints"
 
 
-def last_weights(runs: Path) -> dict[str, torch.Tensor]:
-    """The final weights of a run, whatever the strategy wrote: one file, a sharded (fsdp) or a DeepSpeed
-    directory."""
+def last_weights(runs: Path, name: str = "last.ckpt", step: int = 6) -> dict[str, torch.Tensor]:
+    """The weights of checkpoint ``name`` (written at ``step``) of a run, whatever the strategy wrote: one file, a
+    sharded (fsdp) or a DeepSpeed directory."""
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     from spectrain.export import read_lightning_checkpoint
 
-    last = checkpoints(runs) / "last.ckpt"
-    if last.is_dir() and (last / "latest").is_file():  # DeepSpeed's own partitioned layout
-        full = runs / "consolidated.ckpt"
+    path = checkpoints(runs) / name
+    if path.is_dir() and (path / "latest").is_file():  # DeepSpeed's own partitioned layout
+        full = runs / f"consolidated-{name}"
         if not full.exists():
-            convert_zero_checkpoint_to_fp32_state_dict(str(last), str(full))
-        last = full
-    state = read_lightning_checkpoint(last)
-    assert state["global_step"] == 6
+            convert_zero_checkpoint_to_fp32_state_dict(str(path), str(full))
+        path = full
+    state = read_lightning_checkpoint(path)
+    assert state["global_step"] == step
     return state["state_dict"]
 
 
@@ -208,9 +214,17 @@ def assert_trains_like_one_process(root: Path, runs: Path, kind: str) -> None:
     assert changed, "nothing trained"
 
 
-@pytest.mark.parametrize("strategy, kind", [(s, k) for s, kinds in TRAINED.items() for k in kinds])
+@pytest.mark.parametrize("strategy, kind", [(s, k) for s, kinds in TRAINED.items() for k in kinds if k in KINDS])
 def test_two_processes_with_batch_b_train_like_one_process_with_batch_2b(setup, trained, strategy, kind):
     assert_trains_like_one_process(setup, setup / f"{strategy}_{kind}", kind)
+
+
+@pytest.mark.parametrize("strategy, kind", [(s, k) for s in STRATEGIES for k in UNEQUAL])
+def test_dflash_trains_on_two_processes(setup, trained, strategy, kind):
+    runs = setup / f"{strategy}_{kind}"
+    last, early = last_weights(runs), last_weights(runs, "step2.ckpt", step=2)
+    assert last.keys() == early.keys() and all(value.isfinite().all() for value in last.values())
+    assert any(not torch.equal(last[name], early[name]) for name in last), "nothing trained after step 2"
 
 
 def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup, trained):
