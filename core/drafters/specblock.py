@@ -49,7 +49,8 @@ from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
 from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedConfig, check_drafter_config,
                                   layer_llama_config, target_layer_shape)
-from core.drafters.specblock_attention import ATTENTION_KINDS, BlockLayout, block_sparse_attention
+from core.drafters.specblock_attention import (ATTENTION_KINDS, CHUNK_ANCHORS, CHUNK_ANCHORS_CUDA, BlockLayout,
+                                                block_sparse_attention)
 from core.drafters.target_tied import TargetTiedDrafter
 from core.layer_ids import LAYER_CONVENTION
 from core.vocab import check_vocab_mapping
@@ -390,7 +391,8 @@ class SpecBlockDrafter(TargetTiedDrafter):
         other_anchors = self.config.train_block2_sees_other_anchors
         structure: torch.Tensor | BlockLayout = BlockLayout(
             count, k, first_block=first_block_kv is not None, ttt_valid=tuple(int(m) for m in ttt_valid),
-            own_sees_earlier=from_target or other_anchors)
+            own_sees_earlier=from_target or other_anchors,
+            chunk_anchors=CHUNK_ANCHORS_CUDA if device.type == "cuda" else CHUNK_ANCHORS)
         if attention == "dense":
             mask = first_block_mask(count, k, device) if from_target else later_block_mask(
                 count, k, first_block=first_block_kv is not None, ttt_valid=ttt_valid, other_anchors=other_anchors,
@@ -514,16 +516,9 @@ def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tens
                          f"interrupted export or copy lacks one); {fix}")
     block = read_json(directory / "config.json", fix=fix).get("spectrain") or {}
     if block.get("kind") != KIND:
-        raise ValueError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not specblock: SpecBlock "
-                         "algorithms cannot load it; give a specblock export of python -m spectrain.export (or use "
-                         f"this one with an algorithm for {block.get('kind')} drafters)")
-    try:
-        config = SpecBlockConfig.from_dict(block.get("architecture") or {})
-    except (TypeError, ValueError) as exc:  # e.g. another kind's export relabelled specblock
-        raise ValueError(f"{directory}/config.json records a specblock drafter, but its architecture is not a "
-                         f"SpecBlock's ({str(exc).split(';')[0]}); {fix}") from None
+        raise ValueError(f"{directory} holds a '{block.get('kind')}' drafter, not specblock; use its own loader")
     tensors = load_safetensors(directory / "model.safetensors", fix=fix)
-    return config, tensors, block
+    return SpecBlockConfig.from_dict(block["architecture"]), tensors, block
 
 
 def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],

@@ -33,6 +33,9 @@ ATTENTION_KINDS = ("block_sparse", "dense")
 # Smaller chunks waste fewer keys on their own staircase and local keys, larger ones pay less per call: 16 was
 # the fastest of 8 / 16 / 32 / 64 for a later block's forward + backward at 300 anchors (fp32 and bf16, this CPU).
 CHUNK_ANCHORS = 16
+# On CUDA (unmeasured: no GPU here) larger chunks: fewer launches, and fewer copies of the earlier prefix kept
+# for the backward (their total grows as anchors² / chunk).
+CHUNK_ANCHORS_CUDA = 64
 
 
 @dataclass(frozen=True)
@@ -109,16 +112,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
                            expand_kv: bool = False) -> torch.Tensor:
     """Attention of one block: ``q`` [B, heads, A·K, D], this block's ``k``, ``v`` [B, kv_heads, A·K, D],
     ``past_k`` / ``past_v`` the earlier blocks' groups in ``layout`` order ([first block] + one per
-    ``ttt_valid``) -> [B, heads, A·K, D]. ``expand_kv`` repeats the K/V heads instead of asking SDPA for
-    grouped-query attention (CUDA's memory-efficient kernel takes masks but not GQA)."""
+    ``ttt_valid``) -> [B, heads, A·K, D]. ``expand_kv``: later blocks repeat the K/V heads per chunk instead of
+    asking SDPA for grouped-query attention (CUDA's memory-efficient kernel takes masks but not GQA)."""
     heads = q.shape[1]
-    if expand_kv and heads != k.shape[1]:
-        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        past_k = [t.repeat_interleave(heads // t.shape[1], dim=1) for t in past_k]
-        past_v = [t.repeat_interleave(heads // t.shape[1], dim=1) for t in past_v]
-    gqa = k.shape[1] != heads
-    if layout.causal:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if layout.causal:  # flash kernels take GQA under is_causal, on CUDA too
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
     n_first = int(layout.first_block)
     if len(past_k) != n_first + len(layout.ttt_valid) or len(past_v) != len(past_k):
         raise ValueError(f"block_sparse_attention got {len(past_k)} past groups for a layout of {n_first} first "
@@ -129,7 +127,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     keys = torch.cat([*past_k[:n_first], *own, *past_k[n_first:], k], dim=2).index_select(2, plan.index)
     own = [v] if layout.own_sees_earlier else []
     values = torch.cat([*past_v[:n_first], *own, *past_v[n_first:], v], dim=2).index_select(2, plan.index)
-    outputs = [F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
+    expand = expand_kv and k.shape[1] != heads
+
+    def heads_of(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(heads // t.shape[1], dim=1) if expand else t
+
+    outputs = [F.scaled_dot_product_attention(query, heads_of(key), heads_of(value), attn_mask=mask,
+                                              enable_gqa=k.shape[1] != heads and not expand)
                for query, key, value, mask in zip(q.split(plan.query_counts, dim=2),
                                                   keys.split(plan.key_counts, dim=2),
                                                   values.split(plan.key_counts, dim=2), plan.masks)]
