@@ -516,9 +516,16 @@ def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tens
                          f"interrupted export or copy lacks one); {fix}")
     block = read_json(directory / "config.json", fix=fix).get("spectrain") or {}
     if block.get("kind") != KIND:
-        raise ValueError(f"{directory} holds a '{block.get('kind')}' drafter, not specblock; use its own loader")
+        raise ValueError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not specblock: SpecBlock "
+                         "algorithms cannot load it; give a specblock export of python -m spectrain.export (or use "
+                         f"this one with an algorithm for {block.get('kind')} drafters)")
+    try:
+        config = SpecBlockConfig.from_dict(block.get("architecture") or {})
+    except (TypeError, ValueError) as exc:  # e.g. another kind's export relabelled specblock
+        raise ValueError(f"{directory}/config.json records a specblock drafter, but its architecture is not a "
+                         f"SpecBlock's ({str(exc).split(';')[0]}); {fix}") from None
     tensors = load_safetensors(directory / "model.safetensors", fix=fix)
-    return SpecBlockConfig.from_dict(block["architecture"]), tensors, block
+    return config, tensors, block
 
 
 def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],
