@@ -163,14 +163,19 @@ def drafter_paths(cfg: Any) -> dict[str, str]:
     return paths
 
 
-def check_drafters(labels: Sequence[str], available: set[str]) -> None:
-    """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it."""
+def check_drafters(labels: Sequence[str], available: set[str], drafter: str | None = None) -> None:
+    """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it;
+    ``drafter`` (the ``drafter=`` path, routed by the kind its export records) is named when it is another kind."""
     missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
     missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
     if missing:
         first, kind = next(iter(missing.items()))
         option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter",
                   "dflash": "dflash_drafter"}[kind]
+        given = export_kind(Path(drafter)) if drafter else None
+        if given is not None and given != DRAFTER_KINDS[kind][0]:
+            raise OverrideError(f"'{first}' needs {DRAFTER_KINDS[kind][1]}, but drafter={drafter} is a {given} "
+                                f"export (its config.json says so); give {option}=PATH or choose an algorithm for it")
         raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
                             f"add {option}=PATH or drafters=DIR (a directory of exports)")
 
@@ -220,7 +225,7 @@ def build_algorithms(cfg: Any, labels: Sequence[str], target: LoadedModel | None
     (algorithm, its config)})``. ``preloaded`` maps a drafter kind to an already loaded drafter."""
     paths = drafter_paths(cfg)
     preloaded = {kind: obj for kind, obj in (preloaded or {}).items() if obj is not None}
-    check_drafters(labels, set(preloaded) | set(paths))
+    check_drafters(labels, set(preloaded) | set(paths), cfg.drafter)
     target = target or load_target(cfg, max_batch_size)
     needed = {algorithm_class(parse_variant(label)[0]).drafter for label in labels} - {"none"}
     drafters = load_drafters(cfg, paths, needed, target, preloaded, max_batch_size)

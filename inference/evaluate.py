@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str]) -> Any:
 
 def _check_generation(cfg: Any, where: str) -> None:
     if cfg.max_new_tokens < 1:
-        raise OverrideError(f"{where}max_new_tokens must be >= 1")
+        raise OverrideError(f"{where}max_new_tokens={cfg.max_new_tokens} must be >= 1")
     try:
         sampling_params(cfg)
     except ValueError as exc:
@@ -109,7 +109,7 @@ def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[st
         else:
             labels.append(label)
     labels = list(dict.fromkeys(labels))
-    check_drafters(labels, available)
+    check_drafters(labels, available, cfg.drafter)
     return labels, skipped
 
 

@@ -188,6 +188,19 @@ CASES = [
     ("inference.serve.server", (*SERVE, "algorithm=specblock_tree", "specblock_drafter={B}/e3"), None,
      "{B}/e3/config.json records a 'eagle3' drafter, not specblock: SpecBlock algorithms cannot load it; give "
      "a specblock export of python -m spectrain.export (or use this one with an algorithm for eagle3 drafters)"),
+    # drafter= is routed by the kind its export records: another kind's export is named as such
+    ("inference.evaluate", (*EVAL, "algorithms=specblock_tree", "drafter={B}/e3"), None,
+     "'specblock_tree' needs a SpecBlock export of python -m spectrain.export for this target, but "
+     "drafter={B}/e3 is a eagle3 export (its config.json says so); give specblock_drafter=PATH or choose an "
+     "algorithm for it"),
+    ("inference.generate", (*GEN, "algorithm=sps", "drafter={B}/e3"), None,
+     "'sps' needs a draft LM (an exported draft_lm or a HF directory sharing the target's tokenizer), but "
+     "drafter={B}/e3 is a eagle3 export (its config.json says so); give drafter=PATH or choose an algorithm "
+     "for it"),
+    ("inference.serve.server", (*SERVE, "algorithm=specblock_tree", "drafter={B}/e3"), None,
+     "'specblock_tree' needs a SpecBlock export of python -m spectrain.export for this target, but "
+     "drafter={B}/e3 is a eagle3 export (its config.json says so); give specblock_drafter=PATH or choose an "
+     "algorithm for it"),
     ("spectrain.export", ("import={B}/e3kind", "out={B}/y"), None,
      "{B}/e3kind/config.json records a 'specblock' drafter, not eagle3: EAGLE-3 algorithms cannot load it; "
      "give an eagle3 export of python -m spectrain.export (or use this one with an algorithm for specblock "
@@ -280,7 +293,7 @@ CASES = [
     ("data_prep.vocab", ("dataset={B}/feats_other", "draft_vocab_size=0", "out={B}/v.st"), None,
      "draft_vocab_size must be in 1..49152 (the target vocabulary), got 0"),
     ("inference.evaluate", (*EVAL, "max_new_tokens=-1"), None,
-     "max_new_tokens must be >= 1"),
+     "max_new_tokens=-1 must be >= 1"),
     ("inference.evaluate", (*EVAL, "top_p=2"), None,
      "top_p must be in (0, 1] (1 = off), got 2.0"),
     ("inference.evaluate", (*EVAL, "algorithms=ar", "gamma=3"), None,
@@ -296,7 +309,9 @@ CASES = [
      "algorithms=[ar,sps]: a server runs one algorithm; write algorithm=NAME and start one server per "
      "algorithm"),
     ("inference.serve.server", (*SERVE, "max_queue=0"), None,
-     "max_new_tokens and max_queue must be >= 1, batch_size >= 0 (0 = auto)"),
+     "max_queue=0 must be >= 1"),
+    ("inference.serve.server", (*SERVE, "batch_size=-1"), None,
+     "batch_size=-1 must be >= 0 (0 = auto)"),
     ("inference.serve.server", (*SERVE, "algorithm=ar", "tree_depth=3"), None,
      "tree_depth is not read by ar (ar reads no algorithm option); it is an option of eagle3_tree: drop it or "
      "choose an algorithm that reads it"),

@@ -45,8 +45,10 @@ def parse_args(argv: Sequence[str]) -> Any:
             raise OverrideError(f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per "
                                 "algorithm")
     cfg = parse_cli(argv, ServeConfig, USAGE)
-    if cfg.batch_size < 0 or cfg.max_new_tokens < 1 or cfg.max_queue < 1:
-        raise OverrideError("max_new_tokens and max_queue must be >= 1, batch_size >= 0 (0 = auto)")
+    for key, low in (("max_new_tokens", 1), ("max_queue", 1), ("batch_size", 0)):
+        if cfg[key] < low:
+            auto = " (0 = auto)" if key == "batch_size" else ""
+            raise OverrideError(f"{key}={cfg[key]} must be >= {low}{auto}")
     if cfg.max_body_bytes < 1024:
         raise OverrideError(f"max_body_bytes={cfg.max_body_bytes} leaves no room for a request; use at least 1024")
     if not 0 <= cfg.port <= 65535:
@@ -60,5 +62,5 @@ def parse_args(argv: Sequence[str]) -> Any:
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
     if variant.max_new_tokens < 1:  # the default budget of every request
-        raise OverrideError(f"algorithm variant '{cfg.algorithm}': max_new_tokens must be >= 1")
+        raise OverrideError(f"algorithm variant '{cfg.algorithm}': max_new_tokens={variant.max_new_tokens} must be >= 1")
     return cfg

@@ -116,7 +116,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     kind = algorithm_class(name).drafter
     paths = drafter_paths(cfg)
     preloaded = {k: v for k, v in (drafters or {}).items() if v is not None}
-    check_drafters([cfg.algorithm], set(preloaded) | set(paths))
+    check_drafters([cfg.algorithm], set(preloaded) | set(paths), cfg.drafter)
     device = pick_device(cfg.device)
     dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
     batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)))
