@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION_KINDS = ("block_sparse", "dense")
-# Smaller chunks waste fewer keys on their own staircase and local keys, larger ones pay less per call: 16 was
-# the fastest of 8 / 16 / 32 / 64 for a later block's forward + backward at 300 anchors (fp32 and bf16, this CPU).
+# Smaller chunks waste fewer keys on their own staircase and local keys, larger ones pay less per call: of 8 / 16 /
+# 32 / 64, 16 and 32 were the fastest for a later block at 300 anchors (benchmarks.specblock_attention, this CPU).
 CHUNK_ANCHORS = 16
 # On CUDA (unmeasured: no GPU here) larger chunks: fewer launches, and fewer copies of the earlier prefix kept
 # for the backward (their total grows as anchors² / chunk).
