@@ -19,7 +19,7 @@ export WANDB_MODE ?= offline
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint clean-cache
+.PHONY: install demo test test-fast lint clean-cache
 
 install: $(STAMP)
 
@@ -35,8 +35,16 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m inference.demo
 
+# The suite on TEST_WORKERS processes (pytest-xdist); each module's tests stay on one worker, so a module's fixtures
+# are built once. test-fast leaves out the real model and the tests marked slow (the multi-process ones among them).
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -rs $(PYTEST_PARALLEL) -m "not real_model and not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check core spectrain data_prep inference tests benchmarks

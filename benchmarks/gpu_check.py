@@ -72,6 +72,7 @@ import transformers
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
@@ -207,6 +208,16 @@ def random_specblock(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) 
                                         block_size=4)
     torch.manual_seed(seed)
     drafter = SpecBlockDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu())
+    return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
+
+
+def random_dflash(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> DFlashDrafter:
+    """A random DFlash drafter (blocks of 4, one layer) over the target's frozen embedding and head rows."""
+    config = DFlashConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target),
+                                     block_size=4, num_layers=1, mask_token_id=0)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu(),
+                            head_weight=target.get_output_embeddings().weight.detach().float().cpu())
     return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
 
 
@@ -353,6 +364,8 @@ def build_for(name: str, models: Models, model: str, dtype: str, max_seq_len: in
         options.setdefault("tree_total", 16)
     if name == "specblock_tree":
         drafter = random_specblock(target, draft_vocab=min(8000, target.config.vocab_size // 2))
+    if name == "dflash":
+        drafter = random_dflash(target, draft_vocab=min(8000, target.config.vocab_size // 2))
     return build_algorithm(name, runner_for(target, max_seq_len), drafter, **options)
 
 

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from core.drafters.specblock import first_block_mask, later_block_mask
 from core.drafters.specblock_attention import BlockLayout, block_sparse_attention
 from core.overrides import parse_cli
+from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
 
 USAGE = "python -m benchmarks.specblock_attention anchors=300 chunks=[8,16,32,64] steps=6 precision=32-true [overrides]"
 OWN_KEYS = ("anchors", "chunks", "steps", "precision")
@@ -81,10 +83,6 @@ def _block_seconds(q: torch.Tensor, own: tuple, groups: list[tuple], cuts: tuple
 
 
 def step_table(cfg: AttentionBenchConfig, overrides: list[str]) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
-
     import_kind_modules()
     recipe = compose_recipe(["recipe=specblock_smollm2_gsm", f"trainer.precision={cfg.precision}", *overrides])
     module, data = build_module_and_data(recipe)

@@ -24,10 +24,11 @@ def pytest_collection_modifyitems(config, items):
 def _seed_and_threads(request):
     """Seed every test. Tiny-model tests run on one intra-op thread: threads only add overhead on tiny
     tensors, and spinning thread pools stall badly on a busy 2-core machine (25x slower seen here).
-    Tests that run the real model keep all threads."""
+    Tests that run the real model keep all threads, unless pytest-xdist runs several workers: each worker then
+    gets one thread, so the workers share the cores instead of oversubscribing them."""
     torch.manual_seed(0)
     threads = torch.get_num_threads()
-    if "real_model" not in request.keywords:
+    if "real_model" not in request.keywords or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)

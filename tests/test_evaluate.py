@@ -335,7 +335,7 @@ def test_a_run_level_key_in_a_variant_is_refused(key, value, tmp_path, capsys):
 def test_a_variants_bad_sampling_is_refused_at_parse_time():
     with pytest.raises(OverrideError, match=r"variant 'sps@temperature=-1': temperature must be a finite number"):
         evaluate_cli.parse_args(["algorithms=[sps@temperature=-1]"])
-    with pytest.raises(OverrideError, match=r"variant 'sps@max_new_tokens=0': max_new_tokens must be >= 1"):
+    with pytest.raises(OverrideError, match=r"variant 'sps@max_new_tokens=0': max_new_tokens=0 must be >= 1"):
         evaluate_cli.parse_args(["algorithms=[sps@max_new_tokens=0]"])
 
 

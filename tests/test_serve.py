@@ -395,7 +395,7 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 5 and all(line.startswith("error: ") for line in errors)
     assert "unknown algorithm 'nope'" in errors[0] and "one algorithm" in errors[1] and "port=70000" in errors[2]
-    assert "'ar@max_new_tokens=0': max_new_tokens must be >= 1" in errors[4]
+    assert "'ar@max_new_tokens=0': max_new_tokens=0 must be >= 1" in errors[4]
 
 
 def test_only_ar_batches_and_auto_batches_in_fp32_only():

@@ -145,7 +145,8 @@ class SSD(Algorithm):
     def options_from_config(cls, cfg) -> dict:
         options = {"gamma": cfg.gamma, "budget": cfg.ssd_budget, "fanout": cfg.ssd_fanout,
                    "fanout_miss": cfg.ssd_fanout_miss, "fanout_r": cfg.ssd_fanout_r, "fallback": cfg.ssd_fallback,
-                   "fast": cfg.ssd_fast, "saguaro_c": cfg.ssd_saguaro_c, "executor": cfg.executor, "seed": cfg.seed}
+                   "fast": cfg.ssd_fast, "saguaro_c": cfg.ssd_saguaro_c, "executor": cfg.executor,
+                   "seed": 0 if cfg.seed is None else cfg.seed}  # a server without seed= leaves it None
         if cfg.executor == "multiprocess":
             options["draft_source"] = getattr(cfg, "drafter", None)
             options["executor_kwargs"] = {"threads": cfg.threads or None}
