@@ -87,6 +87,41 @@ def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+@dataclass
+class TrainedDrafter:
+    """What a drafter kind's checkpoint holds for its native export (:func:`read_trained_drafter`)."""
+
+    meta: dict[str, Any]  # the checkpoint's ``spectrain`` block
+    target: dict[str, Any] | None  # the target record it was trained for (or the one ``target=`` names)
+    tensors: dict[str, torch.Tensor]  # the drafter's, without its prefix and the frozen ones
+    recipe: dict[str, Any] | None
+    metrics: dict[str, Any]  # validation metrics, step, epoch and source
+
+
+def read_trained_drafter(path: Path, target: str | None, frozen: Sequence[str] = ()) -> TrainedDrafter:
+    """A kind's Lightning checkpoint (or FSDP checkpoint directory) read for export: a ``target`` other than the
+    one it was trained for is refused, and the drafter's tensors but ``frozen`` (names inside the drafter) kept."""
+    raw = read_lightning_checkpoint(path)
+    meta = raw["spectrain"]
+    recorded = meta.get("target")
+    if target:
+        wanted = target_record(target)
+        if recorded is not None and not same_target(recorded, wanted):
+            raise CheckpointError(f"{path} was trained for target '{recorded.get('name')}', not '{target}'; "
+                                  "use the target it was trained for")
+        recorded = recorded or wanted
+    skipped = {DRAFTER_PREFIX + name for name in frozen}
+    tensors = {name.removeprefix(DRAFTER_PREFIX): t for name, t in (raw.get("state_dict") or {}).items()
+               if name.startswith(DRAFTER_PREFIX) and name not in skipped}
+    if not tensors:
+        raise CheckpointError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule keeps the "
+                              "drafter as self.drafter)")
+    recipe = meta.get("recipe") or (raw.get("hyper_parameters") or {}).get("recipe")
+    metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "epoch": raw.get("epoch"),
+               "source": str(path)}
+    return TrainedDrafter(meta, recorded, tensors, recipe, metrics)
+
+
 def load_lightning_checkpoint(path: Path) -> Loaded:
     raw = read_lightning_checkpoint(path)
     meta = raw.get("spectrain")

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from core.assets import load_safetensors, target_record
-from core.drafters.eagle3_layouts import CheckpointError, same_target
+from core.drafters.eagle3_layouts import CheckpointError
 from core.drafters.specblock import SpecBlockConfig, build_drafter, save_native
 from core.drafters.specblock_layouts import reference_config, reference_tensors
-from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
-from spectrain.export import read_lightning_checkpoint
+from spectrain.checkpoint_contract import DTYPES
+from spectrain.export import read_trained_drafter
 
 
 def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
@@ -21,30 +21,13 @@ def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
     if cfg.format != "native":
         raise CheckpointError(f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 "
                               "engine layout")
-    raw = read_lightning_checkpoint(path)  # a .ckpt file or an FSDP checkpoint directory
-    meta = raw["spectrain"]
-    recorded = meta.get("target")
-    if cfg.target:
-        wanted = target_record(cfg.target)
-        if recorded is not None and not same_target(recorded, wanted):
-            raise CheckpointError(f"{path} was trained for target '{recorded.get('name')}', not '{cfg.target}'; "
-                                  "use the target it was trained for")
-        recorded = recorded or wanted
-    config = SpecBlockConfig.from_dict(meta["config"])
-    tensors = {name.removeprefix(DRAFTER_PREFIX): t for name, t in (raw.get("state_dict") or {}).items()
-               if name.startswith(DRAFTER_PREFIX) and name != DRAFTER_PREFIX + "embed_tokens.weight"}
-    if not tensors:
-        raise CheckpointError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule keeps the "
-                              "drafter as self.drafter)")
-    drafter = build_drafter(config, tensors)
+    trained = read_trained_drafter(path, cfg.target, frozen=("embed_tokens.weight",))
+    drafter = build_drafter(SpecBlockConfig.from_dict(trained.meta["config"]), trained.tensors)
     if DTYPES[cfg.dtype] is not None:
         drafter = drafter.to(DTYPES[cfg.dtype])
-    recipe = meta.get("recipe") or (raw.get("hyper_parameters") or {}).get("recipe")
-    metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "epoch": raw.get("epoch"),
-               "source": str(path)}
-    training = {key: (recipe or {}).get("model", {}).get(key) for key in
+    training = {key: (trained.recipe or {}).get("model", {}).get(key) for key in
                 ("train_blocks", "slot_weight", "rank_mask", "rank_freq_budget", "warm_start")}
-    return save_native(drafter, cfg.out, target=recorded, recipe=recipe, metrics=metrics,
+    return save_native(drafter, cfg.out, target=trained.target, recipe=trained.recipe, metrics=trained.metrics,
                        extra={"training": training})
 
 

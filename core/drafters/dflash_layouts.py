@@ -8,16 +8,13 @@ embedding and the head's draft-vocabulary rows, both frozen), ``metrics.json`` a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from core.assets import load_safetensors, read_json
-from core.atomic import atomic_directory
 from core.drafters.dflash import KIND, DFlashConfig, DFlashDrafter
+from core.drafters.native_export import read_export_dir, write_export_dir
 from core.layer_ids import LAYER_CONVENTION
 from core.vocab import check_vocab_mapping
 
@@ -43,50 +40,20 @@ def stored_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
 def save_native(drafter: DFlashDrafter, out_dir: str | Path, *, target: dict[str, Any] | None,
                 recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
                 extra: dict[str, Any] | None = None) -> Path:
-    """Write the native export dir atomically; refuses an existing non-empty ``out_dir`` and a drafter without a
-    target record."""
-    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
-
-    out = Path(out_dir)
-    if any(out.iterdir()) if out.is_dir() else out.exists():
-        raise ValueError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
-    if target is None:
-        raise ValueError("a DFlash export must record its target: pass target=target_record(NAME)")
+    """Write the native export dir atomically; refuses an existing non-empty ``out_dir``, a drafter without a
+    target record and non-finite weights."""
     tensors = stored_tensors(drafter)
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"the drafter's tensor '{name}' holds NaN/inf (training diverged?): export an earlier "
                              "checkpoint (runs/<run>/checkpoints/stepN.ckpt) or retrain")
-    with atomic_directory(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "spectrain_kind": KIND})
-        config = {"spectrain": spectrain_block(drafter.config, target, extra)}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
-        if recipe is not None:
-            (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
-    return out
+    return write_export_dir(out_dir, tensors, spectrain_block(drafter.config, target, extra), recipe=recipe,
+                            metrics=metrics)
 
 
 def read_native(path: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, spectrain block) of a native DFlash export; one-line errors for anything else."""
-    directory = Path(path)
-    fix = "re-export the drafter (python -m spectrain.export)"
-    if not directory.exists():
-        raise ValueError(f"drafter '{directory}' does not exist; give a DFlash export of python -m spectrain.export")
-    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
-        raise ValueError(f"{directory} is not a DFlash export (needs config.json and model.safetensors; an "
-                         f"interrupted export or copy lacks one); {fix}")
-    block = read_json(directory / "config.json", fix=fix).get("spectrain") or {}
-    if block.get("kind") != KIND:
-        raise ValueError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not dflash: the dflash "
-                         "algorithm cannot load it; give a dflash export of python -m spectrain.export (or use this "
-                         f"one with an algorithm for {block.get('kind')} drafters)")
-    try:
-        config = DFlashConfig.from_dict(block.get("architecture") or {})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{directory}/config.json records a dflash drafter, but its architecture is not a "
-                         f"DFlash's ({str(exc).split(';')[0]}); {fix}") from None
-    return config, load_safetensors(directory / "model.safetensors", fix=fix), block
+    return read_export_dir(path, kind=KIND, title="DFlash", loader="the dflash algorithm", config_cls=DFlashConfig)
 
 
 def build_drafter(config: DFlashConfig, tensors: dict[str, torch.Tensor], embed_weight: torch.Tensor | None = None,

@@ -31,7 +31,6 @@ same result, without the masked entries; ``attention="dense"`` materialises the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +38,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
-from core.assets import load_safetensors, read_json
-from core.atomic import atomic_directory
 from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
@@ -51,6 +47,7 @@ from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedC
                                   layer_llama_config, target_layer_shape)
 from core.drafters.specblock_attention import (ATTENTION_KINDS, CHUNK_ANCHORS, CHUNK_ANCHORS_CUDA, BlockLayout,
                                                 block_sparse_attention)
+from core.drafters.native_export import read_export_dir, write_export_dir
 from core.drafters.target_tied import TargetTiedDrafter
 from core.layer_ids import LAYER_CONVENTION
 from core.vocab import check_vocab_mapping
@@ -486,46 +483,15 @@ def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[
     """Write the native export dir atomically: ``config.json`` (``spectrain`` block), ``model.safetensors``
     (without the frozen target embedding), ``metrics.json`` and ``recipe.yaml`` when given. Refuses an existing
     non-empty ``out_dir`` (exports are never overwritten)."""
-    from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
-
-    out = Path(out_dir)
-    if any(out.iterdir()) if out.is_dir() else out.exists():
-        raise ValueError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
-    if target is None:
-        raise ValueError("a SpecBlock export must record its target: pass target=target_record(NAME)")
     tensors = {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items() if name != EMBED}
-    with atomic_directory(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "spectrain_kind": KIND})
-        config = {"spectrain": spectrain_block(drafter.config, target, extra)}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
-        if recipe is not None:
-            (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
-    return out
+    return write_export_dir(out_dir, tensors, spectrain_block(drafter.config, target, extra), recipe=recipe,
+                            metrics=metrics)
 
 
 def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, spectrain block) of a native SpecBlock export; one-line errors for anything else."""
-
-    directory = Path(path)
-    fix = "re-export the drafter (python -m spectrain.export)"
-    if not directory.exists():
-        raise ValueError(f"drafter '{directory}' does not exist; give a SpecBlock export of python -m spectrain.export")
-    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
-        raise ValueError(f"{directory} is not a SpecBlock export (needs config.json and model.safetensors; an "
-                         f"interrupted export or copy lacks one); {fix}")
-    block = read_json(directory / "config.json", fix=fix).get("spectrain") or {}
-    if block.get("kind") != KIND:
-        raise ValueError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not specblock: SpecBlock "
-                         "algorithms cannot load it; give a specblock export of python -m spectrain.export (or use "
-                         f"this one with an algorithm for {block.get('kind')} drafters)")
-    try:
-        config = SpecBlockConfig.from_dict(block.get("architecture") or {})
-    except (TypeError, ValueError) as exc:  # e.g. another kind's export relabelled specblock
-        raise ValueError(f"{directory}/config.json records a specblock drafter, but its architecture is not a "
-                         f"SpecBlock's ({str(exc).split(';')[0]}); {fix}") from None
-    tensors = load_safetensors(directory / "model.safetensors", fix=fix)
-    return config, tensors, block
+    return read_export_dir(path, kind=KIND, title="SpecBlock", loader="SpecBlock algorithms",
+                           config_cls=SpecBlockConfig)
 
 
 def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],

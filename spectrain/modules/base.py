@@ -10,9 +10,11 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
+from core.assets import target_record
+
 from spectrain.data import build_feature_datamodule
 from spectrain.strategies import shard_drafter
-from spectrain.targets import loaded_target
+from spectrain.targets import loaded_target, trained_template
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
@@ -46,6 +48,15 @@ class DrafterModule(L.LightningModule):
     def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits recomputed from its final (normed) hidden state."""
         return last_hidden.float() @ self.teacher_lm_head.T
+
+    def checkpoint_block(self, kind: str) -> dict[str, Any]:
+        """The ``spectrain`` block a checkpoint carries for export: kind, the drafter's config, the target record
+        (its weights hashed once per run), the recipe and the last validation metrics."""
+        if getattr(self, "_target_record", None) is None:
+            self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
+        return {"kind": kind, "config": self.drafter.config.to_dict(), "target": self._target_record,
+                "recipe": dict(self.hparams["recipe"]),
+                "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
 
     FSDP_FORWARD_METHODS: tuple[str, ...] = ()  # drafter methods besides forward that training_step calls
 

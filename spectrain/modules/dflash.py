@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from core.assets import target_record
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
@@ -29,7 +28,6 @@ from spectrain.metrics import SimulatedAcceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.modules.eagle3 import vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
-from spectrain.targets import trained_template
 
 ATTENTION_KINDS = ("block_sparse", "dense")
 
@@ -142,11 +140,7 @@ class DFlashModule(DrafterModule):
         self.val_blocks.reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if getattr(self, "_target_record", None) is None:  # hashes the target's weights: once per run
-            self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
-        checkpoint["spectrain"] = {"kind": "dflash", "config": self.drafter.config.to_dict(),
-                                   "target": self._target_record, "recipe": dict(self.hparams["recipe"]),
-                                   "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
+        checkpoint["spectrain"] = self.checkpoint_block("dflash")
 
 
 register_kind(DrafterKind(name="dflash", build_module=DFlashModule, build_datamodule=build_datamodule,

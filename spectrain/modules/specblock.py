@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from core.assets import target_record
 from core.drafters.eagle3 import shift_left
 from core.drafters.eagle3_layouts import read_checkpoint
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
@@ -31,7 +30,6 @@ from spectrain.modules.eagle3 import vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.specblock_export import export_specblock_checkpoint, import_specblock_reference
 from spectrain.specblock_losses import RANK_MASKS, total_loss, unroll_blocks
-from spectrain.targets import trained_template
 
 
 @dataclass
@@ -195,11 +193,7 @@ class SpecBlockModule(DrafterModule):
         self.val_rank_confusion.reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if getattr(self, "_target_record", None) is None:  # hashes the target's weights: once per run
-            self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
-        checkpoint["spectrain"] = {"kind": "specblock", "config": self.drafter.config.to_dict(),
-                                   "target": self._target_record, "recipe": dict(self.hparams["recipe"]),
-                                   "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
+        checkpoint["spectrain"] = self.checkpoint_block("specblock")
 
 
 register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,
