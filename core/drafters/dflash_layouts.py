@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from core.drafters.dflash import KIND, DFlashConfig, DFlashDrafter
-from core.drafters.native_export import read_export_dir, write_export_dir
+from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.layer_ids import LAYER_CONVENTION
-from core.vocab import check_vocab_mapping
 
 FORMAT_VERSION = 1
 FROM_TARGET = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's weights: never stored
@@ -62,17 +61,7 @@ def build_drafter(config: DFlashConfig, tensors: dict[str, torch.Tensor], embed_
     embedding and head (zero placeholders when not given: inspection and re-export only, never serving)."""
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
-    expected = {name: t.shape for name, t in drafter.state_dict().items() if name not in FROM_TARGET}
-    unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"DFlash weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
-                         "re-export the drafter")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
-                             f"{tuple(expected[name])}")
-    check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
-    drafter.load_state_dict(tensors, strict=False, assign=True)
+    assign_strict(drafter, tensors, title="DFlash", frozen=FROM_TARGET)
     dtype = tensors["fc.weight"].dtype
     placeholder = torch.zeros(config.vocab_size, config.hidden_size, dtype=dtype)
     drafter.use_target_embedding(placeholder if embed_weight is None else embed_weight)

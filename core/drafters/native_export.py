@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from core.assets import load_safetensors, read_json
 from core.atomic import atomic_directory
+from core.vocab import check_vocab_mapping
 
 REEXPORT = "re-export the drafter (python -m spectrain.export)"
 
@@ -58,3 +59,20 @@ def read_export_dir(path: str | Path, *, kind: str, title: str, loader: str,
         raise ValueError(f"{directory}/config.json records a {kind} drafter, but its architecture is not a "
                          f"{title}'s ({str(exc).split(';')[0]}); {REEXPORT}") from None
     return config, load_safetensors(directory / "model.safetensors", fix=REEXPORT), block
+
+
+def assign_strict(drafter: torch.nn.Module, tensors: dict[str, torch.Tensor], *, title: str,
+                  frozen: tuple[str, ...]) -> None:
+    """Assign ``tensors`` to ``drafter`` (built on the meta device): every tensor but the ``frozen`` ones the
+    target gives must be there, none unknown, each of the config's shape, and the vocab map must be consistent."""
+    expected = {name: t.shape for name, t in drafter.state_dict().items() if name not in frozen}
+    unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"{title} weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
+                         "re-export the drafter")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
+                             f"{tuple(expected[name])}")
+    check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
+    drafter.load_state_dict(tensors, strict=False, assign=True)

@@ -47,10 +47,9 @@ from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedC
                                   layer_llama_config, target_layer_shape)
 from core.drafters.specblock_attention import (ATTENTION_KINDS, CHUNK_ANCHORS, CHUNK_ANCHORS_CUDA, BlockLayout,
                                                 block_sparse_attention)
-from core.drafters.native_export import read_export_dir, write_export_dir
+from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.drafters.target_tied import TargetTiedDrafter
 from core.layer_ids import LAYER_CONVENTION
-from core.vocab import check_vocab_mapping
 
 NUM_RANK_FEATURES = 15
 RANK_BUCKET_UPPER = (1, 4, 10)  # bucket c holds ranks in (UPPER[c-1], UPPER[c]]; > 10 is the "give up" bucket
@@ -499,17 +498,7 @@ def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],
     """The module holding ``tensors`` (strict: no missing or unknown tensor, shapes checked)."""
     with torch.device("meta"):
         drafter = SpecBlockDrafter(config)
-    expected = {name: t.shape for name, t in drafter.state_dict().items() if name != EMBED}
-    unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"SpecBlock weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
-                         "re-export the drafter")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
-                             f"{tuple(expected[name])}")
-    check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
-    drafter.load_state_dict(tensors, strict=False, assign=True)
+    assign_strict(drafter, tensors, title="SpecBlock", frozen=(EMBED,))
     if embed_weight is None:  # a placeholder; serving must share the target's embedding (use_target_embedding)
         embed_weight = torch.zeros(config.vocab_size, config.hidden_size, dtype=tensors["fc.weight"].dtype)
     drafter.use_target_embedding(embed_weight)
