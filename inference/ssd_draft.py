@@ -13,6 +13,12 @@ Per round, for a batch of ``b`` sequences with lookahead ``K`` and budget ``B`` 
 * ``speculate(request)`` (overlapped with the target's verification): GLUE decode ``[bonus, s_1..s_K]``, FORK the
   top-``F_j`` next-token guesses at each acceptance length ``j`` (excluding the drafted ``s_{j+1}``), TREE decode
   all ``B`` branches K steps in parallel (one drafter forward per step, tree attention mask), POPULATE the cache.
+
+Fork vocabulary (``fork_vocab``). A vocabulary-limited drafter (``draft_vocab=N``: it proposes only ids < N) would
+also limit the fork guesses, so a bonus token with a larger id could never be a cache hit. ``full`` (the default)
+scores the K+1 glue rows with the drafter's whole lm_head for the forks only (the drafted tokens still come from
+the limited head); ``draft`` forks on the limited head. Which keys are cached never depends on the branch tokens,
+so either choice is lossless (spec §2.6); only the hit rate differs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache
 
 FALLBACKS = {"jit": 0, "fast": 1}
+FORK_VOCABS = ("full", "draft")  # the fork guesses come from the drafter's whole lm_head | its limited one
 FAST_KINDS = {"ngram": 0, "random": 1}
 HIT, JIT, FAST, IDLE = 0, 1, 2, 3  # where a row's speculation came from (IDLE: finished row, tokens unused)
 
@@ -177,7 +184,9 @@ class SSDDraftSide:
 
     def __init__(self, source: Any, *, lookahead: int, budget: int, seed: int = 0, device: str = "cpu",
                  max_batch_size: int = 1, max_seq_len: int = 2048, threads: int | None = None,
-                 logit_vocab: int | None = None):
+                 logit_vocab: int | None = None, fork_vocab: str = "full"):
+        if fork_vocab not in FORK_VOCABS:
+            raise ValueError(f"ssd fork_vocab must be one of {', '.join(FORK_VOCABS)}, got {fork_vocab!r}")
         if threads:
             torch.set_num_threads(threads)
         self.runner = build_draft_runner(source, device=device, max_batch_size=max_batch_size,
@@ -185,6 +194,8 @@ class SSDDraftSide:
         self.device = self.runner.device
         self.k = lookahead
         self.budget = budget
+        # full-head forks only mean something when the drafter's own logits are vocabulary-limited
+        self.full_forks = fork_vocab == "full" and getattr(self.runner, "logit_vocab", None) is not None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cache = SpecCache()
         self.history: list[list[int]] = []
@@ -316,8 +327,10 @@ class SSDDraftSide:
         tree_tops = req.tree_tops.to(self.device)
         b = fanout.shape[0]
         base = runner.cache_lens.clone()
-        glue = runner.forward(torch.cat([self.bonus[:, None], self.spec], 1)).logits  # [b, K+1, V] = d_0..d_K
-        fork_len, fork_tok = self._fork(glue, fanout)
+        glue = runner.forward(torch.cat([self.bonus[:, None], self.spec], 1), return_last_hidden=self.full_forks)
+        # d_0..d_K [b, K+1, V]: from the whole lm_head for full-vocabulary forks, else the drafter's own logits
+        fork_len, fork_tok = self._fork(full_head_logits(runner, glue.last_hidden) if self.full_forks
+                                        else glue.logits, fanout)
         width = fork_tok.shape[1]
         feed, steps_tok, steps_logits = fork_tok, [], []
         for step in range(1, k_max + 1):
@@ -351,6 +364,13 @@ class SSDDraftSide:
         fork_len = fork_len.to(self.device)
         # Unused slots decode harmlessly after glue token 0 with token 0; their keys stay NO_KEY.
         return fork_len, fork_tok.to(self.device)
+
+
+def full_head_logits(runner: Any, hidden: Tensor) -> Tensor:
+    """fp32 logits over every id from the final-norm hidden states [..., H] a runner returned
+    (``return_last_hidden``), through its whole lm_head, whatever its ``logit_vocab``."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    return runner.lm_head(flat).float().view(*hidden.shape[:-1], -1)
 
 
 def draft_side_factory(source: Any, **kwargs: Any) -> Callable[[], SSDDraftSide]:

@@ -1,6 +1,6 @@
 """SSD / SAGUARO (spec §2.11): sampler, verifier proposal, fan-out, cache, fork, tree mask, protocol, greedy
-equivalence (batch 1 and 3), exact sampling law with both fallbacks, the reference's lossy fast check failing, and
-identical tokens from every executor."""
+equivalence (batch 1 and 3), exact sampling law with both fallbacks, the reference's lossy fast check failing,
+identical tokens from every executor, and forks from the full vocabulary of a vocabulary-limited drafter."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from test_algorithms import assert_follows_law, runner, tiny_llama
 from inference.algorithms import build_algorithm
 from inference.runner import ModelRunner
 from inference.runner_contract import RunnerOutput
+from inference.runner_loading import with_logit_vocab
 from inference.saguaro import NEURAL, POINT, UNIFORM, proposal_probs, saguaro_probs, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache, fanout_weights, geometric_fanout, largest_remainder_round
 from inference.ssd_draft import (HIT, JIT, ServeRequest, SpeculateRequest, Speculation, SSDDraftSide,
-                                 tree_step_mask)
+                                 full_head_logits, tree_step_mask)
 from inference.verify import tokenwise_plan
 
 GREEDY = SamplingParams(temperature=0)
@@ -300,6 +301,97 @@ def test_reference_greedy_check_of_fast_tokens_is_biased():
         assert_follows_law(counts, law, runs, max_tv=0.06)
 
 
+# -- fork vocabulary: a vocabulary-limited drafter forks on its whole head ----------------------------------------
+
+
+class LimitedBigramRunner(BigramRunner):
+    """A BigramRunner limited like ``with_logit_vocab``: its logits score only ids < ``logit_vocab`` (the rest
+    -inf). Its final hidden state is the one-hot last token and its lm_head the whole log table, so
+    ``full_head_logits`` gives the unlimited row."""
+
+    def __init__(self, table: torch.Tensor, max_batch_size: int, logit_vocab: int):
+        super().__init__(table, max_batch_size)
+        self.logit_vocab = logit_vocab
+        self.lm_head = lambda hidden: hidden.to(self.table.dtype) @ self.table
+
+    def forward(self, input_ids, *, return_last_hidden=False, only_last_logits=False, **kw) -> RunnerOutput:
+        logits = super().forward(input_ids, only_last_logits=only_last_logits, **kw).logits.clone()
+        logits[..., self.logit_vocab:] = float("-inf")
+        hidden = torch.nn.functional.one_hot(input_ids, self.table.shape[0]).double() if return_last_hidden else None
+        return RunnerOutput(logits=logits, last_hidden=hidden)
+
+
+def test_full_head_logits_score_every_id_of_a_limited_runner():
+    base = tiny_draft_runner(1, 128, 1)
+    limited = with_logit_vocab(base, 64)
+    ids = torch.tensor([[5, 9, 77, 3]])
+    limited.reset(1)
+    out = limited.forward(ids, return_last_hidden=True)
+    assert torch.isinf(out.logits[..., 64:]).all()
+    base.reset(1)
+    full = base.forward(ids).logits
+    assert torch.allclose(full_head_logits(limited, out.last_hidden), full, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def limited_greedy():
+    """A tiny target whose greedy answers use ids >= 64 often, its AR tokens, and a drafter = the target limited
+    to ids < 64: every bonus the drafter cannot propose is its full head's top guess."""
+    target = tiny_llama(0, vocab=128, layers=2, temperature_scale=8.0)
+    prompts = [[7, 1, 8, 2, 8], [3, 4], [9, 9, 9, 1, 2, 3, 4, 5]]
+    ar = build_algorithm("ar", runner(target, 256))
+    return target, prompts, [ar.generate(p, max_new_tokens=25, sampling=GREEDY).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("fanout", ["2:2:1:1", "uniform"])
+def test_a_bonus_outside_the_draft_vocab_hits_only_with_full_vocab_forks(limited_greedy, fanout):
+    target, prompts, expected = limited_greedy
+    assert sum(t >= 64 for out in expected for t in out) >= 10  # the case under test really occurs
+    metrics = {}
+    for fork_vocab in ("full", "draft"):
+        draft = with_logit_vocab(ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), 64)
+        ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), draft,
+                              gamma=3, budget=6, fanout=fanout, fork_vocab=fork_vocab)
+        assert [r.tokens for r in ssd.generate_batch(prompts, max_new_tokens=25, sampling=GREEDY)] == expected
+        metrics[fork_vocab] = ssd.extra_metrics()
+        assert metrics[fork_vocab]["fork_vocab"] == fork_vocab and metrics[fork_vocab]["draft_vocab"] == 64
+    full, capped = metrics["full"], metrics["draft"]
+    assert full["cache_lookups_outside_draft_vocab"] > 0 and capped["cache_lookups_outside_draft_vocab"] > 0
+    # capped forks: such a bonus can never be a key; full-head forks: it is the drafter's (= target's) top guess
+    assert capped["cache_hits_outside_draft_vocab"] == 0
+    assert full["cache_hits_outside_draft_vocab"] == full["cache_lookups_outside_draft_vocab"]
+    assert full["cache_hit_rate"] == 1.0 > capped["cache_hit_rate"]
+    if fanout == "uniform":
+        assert full["fanout_hit"] == [2, 2, 1, 1]  # 6 over K+1 = 4 lengths, the remainder to the shortest
+    # every lookup is counted under the fan-out its cache was built with
+    for k, (lookups, fans) in enumerate(zip(full["cache_lookups_by_k"], full["cache_lookup_fanout_by_k"])):
+        assert sum(fans.values()) == lookups and (not fans or set(fans) == {[2, 2, 1, 1][k]})
+
+
+@pytest.mark.parametrize("fork_vocab", ["full", "draft"])
+def test_sampling_law_is_exact_with_a_limited_drafter_and_either_fork_vocab(fork_vocab):
+    """A drafter limited to ids < 3 of 5 (q = 0 on ids 3, 4): the output still follows the target's law, and with
+    full-vocabulary forks a bonus 3 or 4 is served from the cache."""
+    runs, batch = 6000, 500
+    p_table, q_table = bigram_tables()
+    target, draft = BigramRunner(p_table, batch), LimitedBigramRunner(q_table, batch, logit_vocab=3)
+    ssd = build_algorithm("ssd", target, draft, gamma=2, budget=6, fanout="2:2:2", fallback="jit", saguaro_c=0.4,
+                          seed=3, fork_vocab=fork_vocab)
+    generator = torch.Generator().manual_seed(11)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(runs // batch):
+        for result in ssd.generate_batch([BIGRAM_PROMPT] * batch, max_new_tokens=3, sampling=T1,
+                                         generator=generator):
+            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+    assert_follows_law(counts, bigram_law(p_table, BIGRAM_PROMPT[-1], 3), runs, max_tv=0.06)
+    metrics = ssd.extra_metrics()
+    assert metrics["cache_lookups_outside_draft_vocab"] > 0
+    if fork_vocab == "full":
+        assert metrics["cache_hits_outside_draft_vocab"] > 0
+    else:
+        assert metrics["cache_hits_outside_draft_vocab"] == 0
+
+
 # -- executors: identical tokens ---------------------------------------------------------------------------------
 
 
@@ -332,6 +424,9 @@ def test_bad_options_are_one_line_errors():
         build_algorithm("ssd", target, draft, gamma=2, budget=8, fanout="2:2:1")
     with pytest.raises(ValueError, match="needs K\\+1=3"):
         build_algorithm("ssd", target, draft, gamma=2, fanout="4:4")
+    with pytest.raises(ValueError, match="fork_vocab must be one of full, draft"):
+        build_algorithm("ssd", target, draft, fork_vocab="capped")
+    assert build_algorithm("ssd", target, draft, gamma=7, budget=24, fanout="uniform").fan_hit == [3] * 8
     with pytest.raises(ValueError, match="C must be in"):
         build_algorithm("ssd", target, draft, saguaro_c=0.0)
     with pytest.raises(ValueError, match="executor=multiprocess builds the drafter in another process"):

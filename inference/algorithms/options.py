@@ -103,12 +103,17 @@ class SSDOptions(ChainOptions, OverlapOptions):
     """Lookahead K = gamma (spec Part 2)."""
 
     ssd_budget: int = 8  # B: cached speculations per sequence per round
-    ssd_fanout: str = "geometric"  # geometric (closed form, a_p by EMA) | K+1 ints, e.g. "2:2:2:1:1"
-    ssd_fanout_miss: str = "auto"  # auto (JIT: = hit vector; fast: geometric on fast acceptance) | K+1 ints
+    # geometric (closed form, a_p by EMA) | uniform (B / (K+1) each: the reference's shape, e.g. gamma=7
+    # ssd_budget=24) | K+1 ints, e.g. "2:2:2:1:1"
+    ssd_fanout: str = "geometric"
+    ssd_fanout_miss: str = "auto"  # auto (JIT: = hit vector; fast: geometric on fast acceptance) | uniform | K+1 ints
     ssd_fanout_r: float = 1.0  # power-law exponent r of the cache-miss model
     ssd_fallback: str = "jit"  # jit (drafter drafts on a miss) | fast (n-gram/random tokens) | auto (batch-aware)
     ssd_fast: str = "ngram"  # ngram | random: the fast fallback's tokens
     ssd_saguaro_c: float = 1.0  # SAGUARO C in (0, 1]: scale of the cached guesses' draft probability
+    # where the fork guesses come from with draft_vocab set: full (the drafter's whole lm_head at the K+1 fork
+    # positions, so a bonus id >= draft_vocab can hit) | draft (the limited head: such a bonus always misses)
+    ssd_fork_vocab: str = "full"
 
 
 @dataclass

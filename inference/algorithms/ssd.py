@@ -9,6 +9,12 @@ against the proposal each token was really drawn from: SAGUARO's ``q'`` rebuilt 
 mass for n-gram tokens, uniform for random tokens (the reference's greedy check of fast tokens is lossy at T > 0;
 ``fast_verify="reference_greedy"`` reproduces it for the regression test only).
 
+Fork vocabulary: with a vocabulary-limited drafter (``draft_vocab``), ``fork_vocab="full"`` (the default) takes the
+fork guesses from the drafter's whole lm_head at the K+1 glue positions, so a bonus token outside the limited
+range can still hit the cache; ``"draft"`` forks on the limited head (such a bonus always misses). Fan-out
+``"uniform"`` splits the budget evenly over the K+1 acceptance lengths (the reference code's shape: K = 7,
+F = 3 each, B = 24); ``"geometric"`` is spec §2.5's closed form; an explicit vector gives the K+1 counts.
+
 Round bookkeeping (per row): the target cache holds the committed tokens; the last emitted token (the bonus) is
 pending. The verify forward is ``[bonus, s_1..s_K]``; the row keeps ``1 + k`` of those K+1 slots.
 """
@@ -28,9 +34,9 @@ from inference.executors import EXECUTORS, Executor, make_executor
 from inference.runner_contract import check_same_vocab
 from inference.saguaro import check_c, proposal_probs
 from inference.sampling import SamplingParams, random_device, sample
-from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, parse_fanout
-from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, HIT, IDLE, JIT, ServeRequest, SpeculateRequest,
-                                 Speculation, given_runner, draft_side_factory)
+from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, largest_remainder_round, parse_fanout
+from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, FORK_VOCABS, HIT, IDLE, JIT, ServeRequest,
+                                 SpeculateRequest, Speculation, given_runner, draft_side_factory)
 from inference.verify import LossyVerifierWarning, VerifyPlan, tokenwise_plan
 
 FAST_VERIFY = ("exact", "reference_greedy")
@@ -48,12 +54,28 @@ class _Ema:
         self.seen = True
 
 
+def fanout_vector(spec: str | Sequence[int], k_max: int, budget: int) -> list[int] | None:
+    """The fixed fan-out an ``ssd_fanout`` value names: ``"uniform"`` (the budget split evenly over the K+1
+    acceptance lengths, the remainder to the shortest), an explicit K+1 vector, or None for ``"geometric"``."""
+    if spec == "uniform":
+        if budget < 1:
+            raise ValueError(f"uniform fan-out needs budget >= 1, got {budget}")
+        return largest_remainder_round([budget / (k_max + 1)] * (k_max + 1), budget)
+    return parse_fanout(spec, k_max)
+
+
 class SSDMetrics:
-    """SSD counters beyond GenerationStats: cache hit rate by k, bonus hit rate, fallbacks, drafter idle time."""
+    """SSD counters beyond GenerationStats: cache hit rate by k, bonus hit rate, fallbacks, drafter idle time.
+    ``fanout_at_lookup_by_k[k]`` counts the fan-out F_k the looked-up cache was built with, per value (what a
+    teacher-forced recall must be read at); "outside draft vocab" counts lookups whose bonus id is beyond the
+    drafter's vocabulary limit (``draft_vocab``)."""
 
     def __init__(self, k_max: int):
         self.lookups_by_k = [0] * (k_max + 1)
         self.hits_by_k = [0] * (k_max + 1)
+        self.fanout_at_lookup_by_k: list[dict[int, int]] = [{} for _ in range(k_max + 1)]
+        self.lookups_outside_vocab = 0
+        self.hits_outside_vocab = 0
         self.guessable = 0  # lookups whose k had at least one cached branch
         self.fallbacks = {"jit": 0, "fast": 0}
         self.first_round_misses = 0
@@ -72,6 +94,9 @@ class SSDMetrics:
             "cache_hit_rate": round(hits / lookups, 4) if lookups else None,
             "cache_hit_rate_by_k": [round(h / n, 4) if n else None for h, n in zip(self.hits_by_k, self.lookups_by_k)],
             "cache_lookups_by_k": list(self.lookups_by_k),
+            "cache_lookup_fanout_by_k": [dict(sorted(h.items())) for h in self.fanout_at_lookup_by_k],
+            "cache_lookups_outside_draft_vocab": self.lookups_outside_vocab,
+            "cache_hits_outside_draft_vocab": self.hits_outside_vocab,
             "bonus_hit_rate": round(hits / self.guessable, 4) if self.guessable else None,
             "fallback_counts": dict(self.fallbacks),
             "first_round_misses": self.first_round_misses,
@@ -92,7 +117,8 @@ class SSD(Algorithm):
                  fanout_miss: str | Sequence[int] = "auto", fanout_r: float = 1.0, fallback: str = "jit",
                  fast: str = "ngram", saguaro_c: float = 1.0, ema: float = 0.2, executor: str = "sequential",
                  executor_kwargs: dict | None = None, draft_source: Any = None, seed: int = 0,
-                 fast_verify: str = "exact", max_seq_len: int | None = None, max_batch_size: int | None = None):
+                 fast_verify: str = "exact", max_seq_len: int | None = None, max_batch_size: int | None = None,
+                 fork_vocab: str = "full"):
         """``draft`` is an in-process drafter runner; ``draft_source`` (a draft LM path or a picklable callable
         building one) is needed instead for ``executor=multiprocess``, where the drafter lives in another process."""
         super().__init__(target, max_seq_len=max_seq_len)
@@ -104,6 +130,8 @@ class SSD(Algorithm):
             raise ValueError(f"ssd fast fallback must be one of {', '.join(FAST_KINDS)}, got {fast!r}")
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor '{executor}'; choose one of {', '.join(EXECUTORS)}")
+        if fork_vocab not in FORK_VOCABS:
+            raise ValueError(f"ssd fork_vocab must be one of {', '.join(FORK_VOCABS)}, got {fork_vocab!r}")
         if fast_verify not in FAST_VERIFY:
             raise ValueError(f"fast_verify must be one of {', '.join(FAST_VERIFY)}, got {fast_verify!r}")
         if fast_verify == "reference_greedy":
@@ -122,14 +150,16 @@ class SSD(Algorithm):
         self.k = gamma
         self.budget = budget
         self.vocab = target.config.vocab_size
-        self.fan_hit = parse_fanout(fanout, gamma)
-        self.fan_miss = None if fanout_miss == "auto" else parse_fanout(fanout_miss, gamma)
+        self.fan_hit = fanout_vector(fanout, gamma, budget)
+        self.fan_miss = None if fanout_miss == "auto" else fanout_vector(fanout_miss, gamma, budget)
         for fan in (self.fan_hit, self.fan_miss):
             if fan is not None and sum(fan) != budget:
                 raise ValueError(f"explicit fan-out {fan} sums to {sum(fan)} but budget={budget}: both hit and miss "
                                  "vectors must sum to the budget (static shapes)")
         self.fanout_r, self.fallback, self.fast, self.c = fanout_r, fallback, fast, saguaro_c
         self.fast_verify = fast_verify
+        self.fork_vocab = fork_vocab
+        self.logit_vocab = getattr(draft, "logit_vocab", None)  # the drafter's vocabulary limit (None: every id)
         self.executor_name, self.executor_kwargs = executor, dict(executor_kwargs or {})
         self.draft, self.draft_source, self.seed = draft, draft_source, seed
         self.draft_max_batch = max_batch_size or getattr(draft, "max_batch_size", 1)
@@ -145,7 +175,8 @@ class SSD(Algorithm):
     def options_from_config(cls, cfg) -> dict:
         options = {"gamma": cfg.gamma, "budget": cfg.ssd_budget, "fanout": cfg.ssd_fanout,
                    "fanout_miss": cfg.ssd_fanout_miss, "fanout_r": cfg.ssd_fanout_r, "fallback": cfg.ssd_fallback,
-                   "fast": cfg.ssd_fast, "saguaro_c": cfg.ssd_saguaro_c, "executor": cfg.executor,
+                   "fast": cfg.ssd_fast, "saguaro_c": cfg.ssd_saguaro_c, "fork_vocab": cfg.ssd_fork_vocab,
+                   "executor": cfg.executor,
                    "seed": 0 if cfg.seed is None else cfg.seed}  # a server without seed= leaves it None
         if cfg.executor == "multiprocess":
             options["draft_source"] = getattr(cfg, "drafter", None)
@@ -166,7 +197,7 @@ class SSD(Algorithm):
             device = str(getattr(self.draft, "device", self.target.device))
             factory = draft_side_factory(source, lookahead=self.k, budget=self.budget, seed=self.seed, device=device,
                                          max_batch_size=self.draft_max_batch, max_seq_len=self.max_seq_len,
-                                         logit_vocab=getattr(self.draft, "logit_vocab", None))
+                                         logit_vocab=self.logit_vocab, fork_vocab=self.fork_vocab)
             # backend / threads only mean something for the draft process
             kwargs = self.executor_kwargs if self.executor_name == "multiprocess" else {}
             self._executor = make_executor(self.executor_name, factory, **kwargs)
@@ -181,6 +212,8 @@ class SSD(Algorithm):
         """SSD metrics accumulated since the last call (then reset)."""
         metrics, self.metrics = self.metrics.as_dict(), SSDMetrics(self.k)
         metrics["fanout_hit"] = self._fanouts()[0]
+        metrics["ssd_lookahead"], metrics["ssd_budget"] = self.k, self.budget
+        metrics["fork_vocab"], metrics["draft_vocab"] = self.fork_vocab, self.logit_vocab or 0
         metrics["acceptance_ema"] = round(self.ema_hit.value, 4)
         return metrics
 
@@ -355,7 +388,7 @@ class SSD(Algorithm):
         last = getattr(self, "_last_fanout", None)
         hits = 0
         lookups = 0
-        for row, (k, _) in enumerate(keys.tolist()):
+        for row, (k, bonus) in enumerate(keys.tolist()):
             if not bool(active[row]) or k == NO_KEY:
                 continue
             hit = int(source[row]) == HIT
@@ -363,8 +396,13 @@ class SSD(Algorithm):
             hits += hit
             m.lookups_by_k[k] += 1
             m.hits_by_k[k] += hit
-            if last is not None and row < last.shape[0] and int(last[row, k]) > 0:
-                m.guessable += 1
+            if self.logit_vocab is not None and bonus >= self.logit_vocab:
+                m.lookups_outside_vocab += 1
+                m.hits_outside_vocab += hit
+            if last is not None and row < last.shape[0]:
+                fan = int(last[row, k])
+                m.fanout_at_lookup_by_k[k][fan] = m.fanout_at_lookup_by_k[k].get(fan, 0) + 1
+                m.guessable += fan > 0
         if lookups:
             self.hit_rate.update(hits / lookups)
         misses = int(((source == JIT) | (source == FAST)).sum())
