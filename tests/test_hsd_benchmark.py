@@ -1,4 +1,5 @@
-"""benchmarks/hsd_block_efficiency.py: paired tokenwise vs HSD rounds at T = 1, the bootstrap CI, T = 0 refused."""
+"""benchmarks/hsd_block_efficiency.py: paired tokenwise vs HSD rounds at T = 1, the bootstrap CI, T = 0 refused, and
+the block / uncapped judges (block = capped on every draft; uncapped's lossy excess)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_algorithms import runner, tiny_llama
 from test_pearl import noisy_copy
 
@@ -43,7 +45,10 @@ def test_both_verifiers_reach_min_rounds_on_paired_generations(comparison):
         assert tw.tokens[0] == hsd.tokens[0]  # same seed: the prefill's sampled token is common to both
         for run in (tw, hsd):  # expected tokens per round lie in [1, γ + 1]
             rounds = run.stats.rounds
-            assert all(rounds <= run.expected[n] <= 5 * rounds + 1e-9 for n in bench.VERIFIERS)
+            assert all(rounds <= run.expected[n] <= 5 * rounds + 1e-9 for n in bench.JUDGES)
+            assert run.expected["block"] == pytest.approx(run.expected["hsd"], abs=1e-9 * max(rounds, 1))
+            # the uncapped final step accepts the whole draft at least as often as the capped one
+            assert run.expected["uncapped"] >= run.expected["hsd"] - 1e-9
     # sampled, not greedy: the two verifiers' outputs differ somewhere
     assert any(g.runs["tokenwise"].tokens != g.runs["hsd"].tokens for g in gens)
 
@@ -65,11 +70,51 @@ def test_summary_ratio_ci_and_tables(comparison):
                                                          / be["tokenwise"]["block_efficiency"])
     # Block Verification keeps at least as much as tokenwise in expectation, on the very same drafts
     assert summary["same_draft_exact"]["ratio"] >= 1.0 - 1e-12
+    judged = summary["same_draft_exact_by_judge"]
+    assert judged["block"]["ratio"] == pytest.approx(judged["hsd"]["ratio"], abs=1e-12)
+    assert judged["hsd"] == summary["same_draft_exact"]
+    pooled = summary["pooled_block_efficiency_exact_e"]
+    excess, share = summary["lossy_excess"], summary["lossy_share_of_uncapped_gain"]
+    assert excess["ratio"] == pytest.approx((pooled["uncapped"] - pooled["hsd"]) / pooled["tokenwise"])
+    assert share["ratio"] == pytest.approx((pooled["uncapped"] - pooled["hsd"])
+                                           / (pooled["uncapped"] - pooled["tokenwise"]))
+    assert excess["ratio"] > 0 and 0 < share["ratio"] <= 1  # sampled drafts: uncapped accepts more, lossily
+    assert judged["uncapped"]["ratio"] == pytest.approx(judged["hsd"]["ratio"] + excess["ratio"])
     text = bench.report(summary, "header")
     assert "| hsd (capped) |" in text and "two-stage cluster bootstrap" in text
-    assert "pos 4" in text and "n=4" in text and "goal >= 1.03" in text
+    assert "pos 4" in text and "n=4" in text and f"goal >= {bench.GOAL:g}" in text
+    assert "| same-draft exact expectation, block (BlockVerifier) |" in text and "lossy: not a lossless" in text
+    assert "share of uncapped's gain over tokenwise" in text
     again = bench.summarize(comparison, resamples=2000, seed=0)
     assert again["measured"] == summary["measured"]  # seeded bootstrap
+
+
+def test_uncapped_excess_is_exactly_the_final_step_difference():
+    """One hand-checkable draft: γ = 1, V = 2, p(x) = 0.9 < q(x) = 1 at the drafted token. Capped accepts the draft
+    with r*_1 = 0.9 and uncapped with min(1, r_1) = 0.9 too; with p(x) > q(x) both accept surely. The judges differ
+    only when a ratio above 1 is followed by one below 1, which γ = 2 shows: r_1 = 2, r_2 = 2·0.5 = 1 → uncapped
+    accepts both tokens surely, capped with r*_2 = min(1, 0.5) = 0.5."""
+    judges = bench.make_judges()
+    tokens = torch.tensor([0, 0])
+    q = torch.tensor([[0.4, 0.6], [0.8, 0.2]], dtype=torch.float64)
+    p = torch.tensor([[0.8, 0.2], [0.4, 0.6], [0.5, 0.5]], dtype=torch.float64)
+    e = {name: bench._expected_tokens(judge, tokens, q, p) for name, judge in judges.items()}
+    assert e["block"] == e["hsd"]
+    law_capped = judges["hsd"].plan(tokens, q, p).tau_law()
+    law_uncapped = judges["uncapped"].plan(tokens, q, p).tau_law()
+    assert float(law_uncapped[2]) == pytest.approx(1.0) and float(law_capped[2]) == pytest.approx(0.5)
+    assert e["uncapped"] - e["hsd"] == pytest.approx(float((law_uncapped - law_capped) @ torch.arange(3.0).double()))
+    assert e["uncapped"] > e["hsd"] >= e["tokenwise"]
+
+
+def test_a_block_judge_that_differs_from_capped_is_an_error():
+    judges = bench.make_judges()
+    judges["block"] = judges["uncapped"]  # a "block" rule that is not Block Verification
+    recorder = bench.RecordingVerifier(judges["hsd"], judges)
+    q = torch.tensor([[0.4, 0.6], [0.8, 0.2]], dtype=torch.float64)
+    p = torch.tensor([[0.8, 0.2], [0.4, 0.6], [0.5, 0.5]], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="must be identical"):
+        recorder(torch.tensor([0, 0]), q, p, torch.Generator().manual_seed(0))
 
 
 def test_bootstrap_weights_resample_prompts_then_generations():
