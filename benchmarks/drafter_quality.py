@@ -6,11 +6,12 @@ Does what spectrain trains draft well? One resumable pipeline per setting, every
 ``gsm`` (one domain, GSM-symbolic; evaluation prompts from seeds disjoint from the training prompts'):
   regenerate the target's own greedy answers to ``n_samples`` training prompts -> train the draft LM
   (``draftlm_smollm2_gsm``) and EAGLE-3 (``eagle3_smollm2_gsm``) side by side, one core each -> time a step of
-  EAGLE-3 and SpecBlock (so SpecBlock gets EAGLE-3's training wall time) -> train SpecBlock beside the draft LM's
-  SpS traces and the HSD vs tokenwise comparison at T = 1 (neither measures time) -> H-RAD -> export all -> ONE
-  timed ``inference.evaluate`` run of every algorithm but SpecBlock on held-out GSM prompts (greedy), alone on the
-  machine -> one evaluate run of SpecBlock beside EAGLE-3 on the same prompts (τ and drafter forwards, which the
-  machine's load does not change) -> the goal table.
+  EAGLE-3, SpecBlock and DFlash (so each block drafter gets EAGLE-3's training wall time) -> train SpecBlock and
+  DFlash beside the draft LM's SpS traces and the HSD vs tokenwise comparison at T = 1 (none measures time) ->
+  H-RAD -> export all -> ONE timed ``inference.evaluate`` run of every algorithm but the block drafters on held-out
+  GSM prompts (greedy), alone on the machine -> one timed evaluate run of SpecBlock and DFlash beside EAGLE-3's
+  tree, chain and 16-node tree on the same prompts, alone too (each compared at its fastest setting) -> the goal
+  table.
 ``general`` (ShareGPT, evaluated on MT-Bench): regenerate ShareGPT answers -> EAGLE-3 (``eagle3_smollm2``
   recipe) on the regenerated file beside the same recipe on the same conversations' original answers, with as
   many trained answer tokens -> export both -> evaluate each on the same held-out MT-Bench prompts.
@@ -79,10 +80,11 @@ def _steps(n: int, validations: int = 4) -> tuple[str, ...]:
             f"trainer.checkpoint_every_n_steps={max(1, n // 4)}")
 
 
-def equal_time_steps(eagle3_steps: int, probe: Path) -> int:
-    """SpecBlock's steps for EAGLE-3's training wall time, from the measured seconds per step of both."""
+def equal_time_steps(eagle3_steps: int, probe: Path, kind: str = "specblock") -> int:
+    """``kind``'s steps for EAGLE-3's training wall time, from the measured seconds per step of both (EAGLE-3's
+    own steps when the probe predates ``kind``)."""
     timed = json.loads(probe.read_text())
-    return max(1, round(eagle3_steps * timed["eagle3"] / timed["specblock"]))
+    return max(1, round(eagle3_steps * timed["eagle3"] / timed[kind])) if kind in timed else eagle3_steps
 
 
 def eagle3_steps(cfg: QualityConfig) -> int:
@@ -97,6 +99,7 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     precision = f"trainer.precision={_precision(cfg.precision)}"
     probe = out / "step_seconds.json"
     specblock_steps = equal_time_steps(steps, probe) if probe.is_file() else steps
+    dflash_steps = equal_time_steps(steps, probe, "dflash") if probe.is_file() else steps
     dtype = f"dtype={serving_dtype(cfg.dtype)}"
 
     def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
@@ -114,9 +117,11 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                   ssd_reference, f"{ssd_reference}@executor=multiprocess",
                   "eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
                   "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16"]
-    # SpecBlock against EAGLE-3 at equal training time: its own evaluate run of both (τ and drafter forwards do not
-    # depend on the machine's load, so it need not wait for an idle machine as the timed run above does)
-    blocks = ["eagle3_tree", "specblock_tree", "specblock_tree@specblock_budget=16@specblock_width=4"]
+    # SpecBlock and DFlash against EAGLE-3 at equal training time: their own evaluate run, timed like the one above
+    # (tokens/s ratios between its rows are read), so it too needs the machine alone
+    blocks = ["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
+              "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree",
+              "specblock_tree@specblock_budget=16@specblock_width=4", "dflash"]
     return [
         stage("regenerate", 0.02 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
               ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
@@ -128,8 +133,8 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               _fit("eagle3_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
                    *_steps(steps, validations=12)),
               ckpt("eagle3_smollm2_gsm"), group="train"),
-        stage("probe-step-time", 3.0, "seconds per training step of EAGLE-3 and SpecBlock (equal wall time)",
-              ("benchmarks.train_step", "recipe=[eagle3_smollm2_gsm,specblock_smollm2_gsm]", "steps=3", source,
+        stage("probe-step-time", 3.0, "seconds per training step of EAGLE-3, SpecBlock and DFlash (equal wall time)",
+              ("benchmarks.train_step", "recipe=[eagle3_smollm2_gsm,specblock_smollm2_gsm,dflash_smollm2_gsm]", "steps=3", source,
                precision, f"out={probe}"), probe),
         stage("export-draftlm", 0.2, "export the draft LM", ("spectrain.export", f"ckpt={ckpt('draftlm_smollm2_gsm')}",
               f"out={exports / 'draft_lm'}"), exports / "draft_lm"),
@@ -137,6 +142,10 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               _fit("specblock_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
                    *_steps(specblock_steps, validations=12)),
               ckpt("specblock_smollm2_gsm"), group="last"),
+        stage("train-dflash", 0.04 * steps, f"DFlash for EAGLE-3's training wall time ({dflash_steps} steps)",
+              _fit("dflash_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
+                   *_steps(dflash_steps, validations=12)),
+              ckpt("dflash_smollm2_gsm"), group="last"),
         stage("traces", 6.0, "SpS acceptance traces of the draft LM on 32 training prompts (H-RAD labels)",
               ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
                "split=train", "n_samples=32", "gamma=4", "max_new_tokens=96", f"draft_vocab={DRAFT_VOCAB}",
@@ -154,6 +163,8 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               "format=native", f"out={exports / 'eagle3'}"), exports / "eagle3"),
         stage("export-specblock", 0.2, "export SpecBlock", ("spectrain.export", f"ckpt={ckpt('specblock_smollm2_gsm')}",
               "format=native", f"out={exports / 'specblock'}"), exports / "specblock"),
+        stage("export-dflash", 0.2, "export DFlash", ("spectrain.export", f"ckpt={ckpt('dflash_smollm2_gsm')}",
+              "format=native", f"out={exports / 'dflash'}"), exports / "dflash"),
         stage("agreement", 0.3 + 0.006 * cfg.n_prompts * cfg.max_new_tokens / 10,
               "the draft LM's top-1 agreement and top-k recall on the held-out prompts (teacher-forced on AR's answers)",
               ("benchmarks.draft_agreement", "target=smollm2", f"drafter={exports / 'draft_lm'}", "bench=gsm_symbolic",
@@ -312,6 +323,7 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
             f"{ratio:.2f} (τ {block['tau']:.2f} vs {paired['tau']:.2f}; training {_fmt(minutes['train-specblock'], 1)}"
             f" vs {_fmt(minutes['train-eagle3'], 1)} min)")
         add("GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's", "≤ 0.5", fwd, fwd <= 0.5)
+        rows.extend(block_rows(both, out))
     ssd = runs[f"ssd@draft_vocab={DRAFT_VOCAB}"]
     hit = ssd.get("cache_hit_rate")
     add("GSM: SSD cache hit rate (T = 0)", "≥ 0.6", hit, hit is not None and hit >= 0.6)
@@ -342,6 +354,51 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
             f"{measured['ratio']:.3f} [95 % CI {low:.3f}, {high:.3f}]; same-draft exact {exact['ratio']:.3f} "
             f"[{exact['ci95'][0]:.3f}, {exact['ci95'][1]:.3f}]")
     add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
+    return rows
+
+
+def _best(runs: dict[str, dict[str, Any]], prefix: str) -> tuple[str, dict[str, Any]] | None:
+    """The fastest served setting of one algorithm (label starting with ``prefix``) in one evaluate run."""
+    served = {label: r for label, r in runs.items() if label.split("@")[0] == prefix}
+    return max(served.items(), key=lambda item: item[1]["tokens_per_s"]) if served else None
+
+
+def block_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple[str, str, str, str]]:
+    """SpecBlock's and DFlash's figures against EAGLE-3, each at its fastest served setting of the one
+    ``evaluate-specblock`` run (its tokens/s are comparable only when that run had the machine alone)."""
+    rows: list[tuple[str, str, str, str]] = []
+    eagle = _best(both, "eagle3_tree")
+    if eagle is None:
+        return rows
+    e_label, e_run = eagle
+    block = _best(both, "specblock_tree")
+    if block is not None:
+        b_label, b_run = block
+        speed = b_run["tokens_per_s"] / e_run["tokens_per_s"]
+        rows.append(("GSM: SpecBlock tokens/s ÷ EAGLE-3 tokens/s, each at its fastest setting", "≥ 1.08",
+                     f"{speed:.2f} ({b_label} {b_run['tokens_per_s']:.1f} vs {e_label} {e_run['tokens_per_s']:.1f})",
+                     "yes" if speed >= 1.08 else "no"))
+        costs = b_run.get("draft_ms_per_round"), e_run.get("draft_ms_per_round")
+        if all(costs):
+            cost = costs[0] / costs[1]
+            rows.append(("GSM: SpecBlock drafting ms per round ÷ EAGLE-3's (same settings)", "≤ 0.52",
+                         f"{cost:.2f} ({costs[0]:.1f} vs {costs[1]:.1f} ms)", "yes" if cost <= 0.52 else "no"))
+    dflash = both.get("dflash")
+    if dflash is not None:
+        tau = dflash["tau"]
+        rows.append(("GSM: DFlash τ (engine, chain of block − 1)", "≥ 3.1", f"{tau:.2f}", "yes" if tau >= 3.1 else "no"))
+        per = dflash["draft_forwards"] / max(dflash["target_forwards"] - dflash["n_prompts"], 1)  # prefills draft nothing
+        rows.append(("GSM: DFlash drafter forwards per verification", "1", f"{per:.2f}",
+                     "yes" if abs(per - 1) < 0.05 else "no"))
+        speed = dflash["tokens_per_s"] / e_run["tokens_per_s"]
+        rows.append(("GSM: DFlash tokens/s ÷ the fastest EAGLE-3 setting's", "≥ 1.2",
+                     f"{speed:.2f} (vs {e_label})", "yes" if speed >= 1.2 else "no"))
+        metrics_file = out / "exports" / "dflash" / "metrics.json"
+        simulated = json.loads(metrics_file.read_text()).get("val/tau_sim") if metrics_file.is_file() else None
+        if simulated is not None:
+            gap = abs(float(simulated) - tau)
+            rows.append(("GSM: DFlash val/tau_sim vs served τ", "within 0.1",
+                         f"{float(simulated):.2f} vs {tau:.2f}", "yes" if gap <= 0.1 else "no"))
     return rows
 
 

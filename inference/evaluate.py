@@ -159,6 +159,8 @@ def run_record(name: str, bench: str, n_prompts: int, stats: GenerationStats) ->
         "target_forwards": stats.target_forwards, "tau": round(stats.tau, 4),
         "draft_forwards": stats.draft_forwards, "drafted_tokens": stats.drafted_tokens,
         "rollback_rate": round(stats.rollback_rate, 4),
+        # tree drafting's seconds per round; None where an algorithm does not time its drafter
+        "draft_ms_per_round": round(1000 * stats.draft_s / stats.rounds, 3) if stats.draft_s and stats.rounds else None,
         "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
         "accepted_hist": list(stats.accepted_hist),
     }

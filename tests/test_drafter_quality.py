@@ -84,6 +84,11 @@ def test_specblock_gets_eagle3s_wall_time_from_the_probe(tmp_path):
     probe.write_text(json.dumps({"eagle3": 10.0, "specblock": 25.0}))
     specblock = next(s for s in dq.gsm_stages(cfg) if s.name == "train-specblock")
     assert "trainer.max_steps=48" in specblock.argv and dq.equal_time_steps(120, probe) == 48
+    dflash = next(s for s in dq.gsm_stages(cfg) if s.name == "train-dflash")
+    assert "trainer.max_steps=120" in dflash.argv  # a probe without DFlash's time gives EAGLE-3's steps
+    probe.write_text(json.dumps({"eagle3": 10.0, "specblock": 25.0, "dflash": 15.0}))
+    dflash = next(s for s in dq.gsm_stages(cfg) if s.name == "train-dflash")
+    assert "trainer.max_steps=80" in dflash.argv and "recipe=dflash_smollm2_gsm" in dflash.argv
 
 
 def _record(algorithm: str, tau: float, speedup: float, **extra) -> dict:
@@ -133,6 +138,26 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
         "0.55 (top-4 recall 0.80; a round's first draft token accepted: 0.70)", "no")
     assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1"] == (
         "1.070 [95 % CI 0.950, 1.240]; same-draft exact 1.020 [1.010, 1.030]", "–")  # the CI straddles 1.03
+
+
+def test_block_drafters_are_compared_with_the_fastest_eagle3_setting(tmp_path):
+    both = {r["algorithm"]: r for r in [
+        _record("ar", 1.0, 1.0), _record("eagle3_tree", 3.1, 0.8, draft_ms_per_round=40.0),
+        _record("eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6", 2.2, 1.5, draft_ms_per_round=30.0),
+        _record("specblock_tree", 2.0, 1.2, draft_ms_per_round=12.0),
+        _record("specblock_tree@specblock_budget=16@specblock_width=4", 1.8, 1.65, draft_ms_per_round=9.0),
+        _record("dflash", 3.2, 2.0, draft_forwards=94, target_forwards=100, n_prompts=6)]}
+    (tmp_path / "exports" / "dflash").mkdir(parents=True)
+    (tmp_path / "exports" / "dflash" / "metrics.json").write_text(json.dumps({"val/tau_sim": 3.25}))
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.block_rows(both, tmp_path)}
+    chain = "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6"
+    assert rows["GSM: SpecBlock tokens/s ÷ EAGLE-3 tokens/s, each at its fastest setting"] == (
+        f"1.10 (specblock_tree@specblock_budget=16@specblock_width=4 16.5 vs {chain} 15.0)", "yes")
+    assert rows["GSM: SpecBlock drafting ms per round ÷ EAGLE-3's (same settings)"] == ("0.30 (9.0 vs 30.0 ms)", "yes")
+    assert rows["GSM: DFlash τ (engine, chain of block − 1)"] == ("3.20", "yes")
+    assert rows["GSM: DFlash drafter forwards per verification"] == ("1.00", "yes")
+    assert rows["GSM: DFlash tokens/s ÷ the fastest EAGLE-3 setting's"] == (f"1.33 (vs {chain})", "yes")
+    assert rows["GSM: DFlash val/tau_sim vs served τ"] == ("3.25 vs 3.20", "yes")
 
 
 def test_scaling_reads_every_validation_and_fits_log_linear(tmp_path):

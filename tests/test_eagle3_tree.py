@@ -11,6 +11,7 @@ from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
+from inference.evaluate import run_record
 from inference.tree import DraftTree, keep_best, subtree
 
 PROMPT, N_NEW = [7, 1, 8, 2, 8], 37
@@ -97,6 +98,9 @@ def test_greedy_equals_ar(setup, kind, depth, topk, total):
     assert stats.new_tokens == N_NEW and stats.target_forwards == 1 + stats.rounds
     assert stats.new_tokens <= 1 + stats.accepted_draft_tokens + stats.rounds
     assert stats.drafted_tokens <= stats.rounds * (total - 1)
+    assert 0 < stats.draft_s < stats.wall_s  # the drafter's time per round is timed inside the generation
+    record = run_record("eagle3_tree", "test", 1, stats)
+    assert record["draft_ms_per_round"] == pytest.approx(1000 * stats.draft_s / stats.rounds, abs=1e-3)
     if kind == "oracle_with_misses" and topk >= 2 and depth >= 2:
         assert stats.tau > 2.0  # misses ranked second are still accepted through a sibling
 

@@ -32,6 +32,7 @@ class GenerationStats:
     accepted_draft_tokens: int = 0
     rounds: int = 0  # verification rounds
     wall_s: float = 0.0
+    draft_s: float = 0.0  # wall seconds inside the drafter, where an algorithm times it (tree drafting)
     accepted_at: list[int] = field(default_factory=list)  # [k]: rounds where draft position k+1 was accepted
     attempted_at: list[int] = field(default_factory=list)  # [k]: rounds where draft position k+1 was judged
     accepted_hist: list[int] = field(default_factory=list)  # [n]: rounds that kept exactly n drafted tokens
@@ -62,6 +63,7 @@ class GenerationStats:
         self.accepted_draft_tokens += other.accepted_draft_tokens
         self.rounds += other.rounds
         self.wall_s += other.wall_s
+        self.draft_s += other.draft_s
         self._grow(len(other.attempted_at))
         for k, (acc, att) in enumerate(zip(other.accepted_at, other.attempted_at)):
             self.accepted_at[k] += acc

@@ -5,6 +5,7 @@ adapter's set-up and what it is told after each round. Each algorithm supplies o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,9 @@ class FeatureDrafting:
             adapter.begin_query(prompt_ids, features[0], start.output.logits[0, -1], max_accept=max_accept)
         while not out.done:
             child_logits: dict[int, torch.Tensor] | None = None if adapter is None else {}
+            started = time.perf_counter()
             tree = self._draft_tree(features, next_tokens, committed, cache, out, stats, child_logits)
+            stats.draft_s += time.perf_counter() - started  # the drafter's cost per round (CPU work is synchronous)
             verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
             if adapter is not None:
                 self._observe_round(root, tree, verified, child_logits)
