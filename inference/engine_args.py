@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.options import (ALGORITHM_KEYS, ONLY_WITH, AlgorithmOptions, SamplingOptions,
-                                          option_keys)
+                                          option_keys, specbranch_option_error)
 from inference.drafter_index import export_kind, find_exports
 from inference.drafters import DRAFTER_KINDS, LoadedModel, load_drafter, load_lm, model_dtype, pick_device
 from inference.runner_loading import with_logit_vocab
@@ -121,6 +121,8 @@ def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str
         variant = with_overrides(cfg, overrides, label)
         _check_read([item.split("=", 1)[0] for item in overrides], [(name, variant)],
                     f"algorithm variant '{label}': ")
+        if name == "specbranch" and (error := specbranch_option_error(variant)):
+            raise OverrideError(f"algorithm variant '{label}': {error}" if overrides else error)
         runs.append((name, variant))
     if "all" not in labels:
         _check_read(given, runs, "")

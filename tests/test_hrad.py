@@ -220,13 +220,64 @@ def test_balanced_sampler_and_prompt_level_split(traces):
     counts = datamodule.class_counts["train"]
     assert max(counts) > 2 * min(counts) > 0, f"want imbalanced classes in this test: {counts}"
     loader = datamodule.train_dataloader()  # one loader per fit: its generator moves on every epoch
-    drawn = torch.cat([batch[2] for _ in range(30) for batch in loader])
+    drawn = torch.cat([batch[-1] for _ in range(30) for batch in loader])
     frequencies = torch.bincount(drawn, minlength=3).float() / len(drawn)
     torch.testing.assert_close(frequencies, torch.full((3,), 1 / 3), atol=0.05, rtol=0)
-    hidden, emb, _ = datamodule.train_set[0]
+    hidden, emb, confidence, _ = datamodule.train_set[0]
     assert hidden.shape == (4, 32) and emb.shape == (32,) and emb.dtype == torch.float32
+    assert confidence.shape == () and 0 < float(confidence) <= 1  # draft_max_probs[1] of the row
 
     prompts = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 4, 5])
     held_out = split_prompts(prompts, 0.34, seed=0)
     assert set(prompts[held_out].tolist()).isdisjoint(prompts[~held_out].tolist())
     assert len(prompts[held_out].unique()) == 2  # round(0.34 * 6) prompts
+
+
+def test_confidence_feature_trains_exports_and_serves_and_old_exports_still_load(traces, tmp_path):
+    """model.confidence_feature adds the draft's confidence at the first continuation token (draft_max_probs[1])
+    as the last of 5d+1 inputs; the export records it; an export written before the key existed loads as off."""
+    from data_prep.shards import ShardReader
+    from spectrain import export as export_cli
+    from spectrain import fit as fit_cli
+    from spectrain.modules.hrad import HRADDataModule, first_continuation_confidence
+
+    recipe = fit_cli.compose_recipe(fit_args(traces, "run_name=hrad_conf", "confidence_feature=true"))
+    datamodule = HRADDataModule(recipe)
+    datamodule.setup("fit")
+    reader = ShardReader(traces["out"])
+    column = first_continuation_confidence(reader)
+    rows = [reader.row(i, ["draft_max_probs"])["draft_max_probs"] for i in range(3)]
+    assert column[:3].tolist() == pytest.approx([float(r[1]) for r in rows])
+    assert len(datamodule.feature_mean) == 5 * 32 + 1
+    used = torch.cat([datamodule.train_set.confidence, datamodule.val_set.confidence])
+    assert datamodule.feature_mean[-1] == pytest.approx(float(datamodule.train_set.confidence.mean()), rel=1e-4)
+    assert datamodule.summary["confidence_feature"] and 0 < float(used.min()) <= float(used.max()) <= 1
+
+    result = fit_cli.fit(recipe)
+    assert result["trained"]
+    out = tmp_path / "export"
+    assert export_cli.main([f"ckpt={traces['root'] / 'runs' / 'hrad_conf' / 'checkpoints' / 'last.ckpt'}",
+                            f"out={out}"]) == 0
+    block = json.loads((out / "config.json").read_text())["spectrain"]
+    assert block["confidence_feature"] is True and block["config"]["confidence_feature"] is True
+    predictor = load_hrad(out, traces["target"].runner)
+    assert predictor.confidence_feature and predictor.model.mlp[0].in_features == 5 * 32 + 1
+    hidden, emb = datamodule.val_set.hidden[:2].float(), datamodule.val_set.emb[:2]
+    assert predictor.predict(hidden, emb, torch.tensor([0.05, 0.95])).shape == (2, 3)
+    with torch.no_grad():  # the feature reaches the classifier (logits: calibrated probabilities may saturate)
+        low, high = (predictor.model(hidden, emb, torch.full((2,), c)) for c in (0.05, 0.95))
+    assert not torch.allclose(low, high)
+    with pytest.raises(ValueError, match=r"pass confidence=\[2\]"):
+        predictor.predict(hidden, emb)
+
+    # an export from before the option: no confidence_feature key anywhere -> 5d inputs, as it was trained
+    old = tmp_path / "old"
+    model = HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3]))
+    from core.drafters.hrad import save_native
+    save_native(model, old, target=block["target"])
+    config = json.loads((old / "config.json").read_text())
+    config["spectrain"].pop("confidence_feature")
+    config["spectrain"]["config"].pop("confidence_feature")
+    (old / "config.json").write_text(json.dumps(config))
+    legacy = load_hrad(old, traces["target"].runner)
+    assert not legacy.confidence_feature and legacy.predict(hidden, emb).shape == (2, 3)

@@ -1,5 +1,6 @@
 """SpecBranch (spec §2.2–2.10): greedy exactness for k in {1,2,3} and each forced H-RAD class, the exact law at
-T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q, H-RAD feature convention."""
+T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q, H-RAD feature convention; the
+measurement policies (class0/class2, the oracles) and the serving-position hook (on_branch)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import torch
 from test_algorithms import GREEDY, runner, tiny_llama
 from test_pearl import PROMPT, ar_tokens, assert_executor_matches_sequential, assert_overlapped_law, tiny_pair
 
+from core.overrides import OverrideError
 from inference.algorithms import build_algorithm
-from inference.algorithms.specbranch import continuation_to_keep
+from inference.algorithms.specbranch import continuation_to_keep, true_class
 from inference.draft_side import draft_side_from_runner
 from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
 
 
 class ForcedClass:
@@ -211,3 +214,133 @@ def test_options_come_from_both_clis(name):
     assert options == algorithm_class(name).options_from_config(gen_cfg)
     assert options["executor"] == "multiprocess" and options["draft_path"] == "/models/draft"
     assert name == "pearl" or (options["kmax"], options["hrad"]) == (4, "/exports/hrad")
+
+
+# ------------------------------------------------------------------------------------- measurement policies
+
+
+def realised_from_ar(reference: list[int], prompt_len: int, position: int, tokens: tuple[int, ...]) -> int:
+    """Continuation tokens of a survivor (branch token at sequence ``position``) equal to AR's greedy tokens."""
+    start = position - prompt_len + 1  # index in AR's output of the first continuation token
+    n = 0
+    for j, token in enumerate(tokens[1:]):
+        if start + j >= len(reference) or reference[start + j] != token:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("policy", ["class0", "class2", "oracle", "oracle_keep"])
+def test_measurement_policies_are_lossless_and_the_oracles_know_the_true_class(pair, policy):
+    target, draft = pair
+    gamma, rounds, points = 4, [], []
+    algo = specbranch(target, draft, rounds, gamma=gamma, kmax=3, hrad=policy, on_branch=points.append)
+    result = algo.generate(PROMPT, max_new_tokens=40, sampling=GREEDY)
+    reference = ar_tokens(target, 40 + 3 * gamma)  # the last round may commit past the budget
+    assert result.tokens == reference[:40]
+    survived = [r for r in rounds if r.survivor is not None]
+    assert len(points) == len(survived) > 0
+    realised = [realised_from_ar(reference, len(PROMPT), p.position, p.tokens) for p in points]
+    assert [p.realised for p in points] == realised
+    assert {p.realised for p in points} - {0}, "want some accepted continuation in this test"
+    classes = [r.hrad_class for r in survived]
+    if policy.startswith("oracle"):
+        assert classes == [true_class(n, gamma) for n in realised]
+    else:
+        assert set(classes) == {int(policy[-1])}
+    if policy == "oracle_keep":
+        assert [r.keep for r in survived] == realised
+        # every kept token is accepted next round: what rolls back is only branch-point tokens
+        for before, after in zip(rounds, rounds[1:]):
+            assert after.pending_accepted == before.pending
+    metrics = algo.extra_metrics()
+    assert metrics["hrad_policy"] == policy and metrics["oracle_target_forwards"] == len(points)
+    assert result.stats.target_forwards == len(rounds)  # the oracle's passes are not in τ
+
+
+def test_on_branch_reports_hrad_inputs_and_changes_nothing(pair):
+    """The hook's hidden states are HF hidden_states[-4:] at the position before the survivor token; with it on,
+    greedy and seeded T = 1 outputs are those without it (the extra pass and its draws leave the run alone)."""
+    from core.drafters.hrad import capture_layers
+
+    target, draft = pair
+    layers = capture_layers(2, 2)  # the 2-layer target: output of layer 0, then the final-normed state
+    points = []
+    hooked = specbranch(target, draft, gamma=4, kmax=3, on_branch=points.append, branch_capture_layers=layers)
+    plain = specbranch(target, draft, gamma=4, kmax=3)
+    assert hooked.generate(PROMPT, max_new_tokens=30, sampling=GREEDY).tokens == ar_tokens(target, 30)
+    assert points and all(p.hrad_class == 1 for p in points)
+    for point in points[:5]:
+        assert len(point.tokens) == len(point.confidence) == 4
+        sequence = PROMPT + ar_tokens(target, point.position - len(PROMPT) + 1)
+        assert sequence[point.position] == point.tokens[0]
+        with torch.no_grad():
+            states = target(torch.tensor([sequence[:point.position]]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(point.hidden[layers[0]], states[-2][0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(point.last_hidden, states[-1][0, -1], atol=1e-4, rtol=1e-4)
+    hot = SamplingParams(1.0)
+    for seed in (3, 4):
+        a = hooked.generate(PROMPT, max_new_tokens=20, sampling=hot, generator=torch.Generator().manual_seed(seed))
+        b = plain.generate(PROMPT, max_new_tokens=20, sampling=hot, generator=torch.Generator().manual_seed(seed))
+        assert a.tokens == b.tokens
+
+
+def test_confidence_feature_reaches_the_predictor(pair):
+    """An H-RAD with confidence_feature gets the draft's confidence at the first continuation token."""
+    from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+
+    target, draft = pair
+    config = HRADConfig(hidden_size=32, last_k=2, gamma=4, boundaries=[1, 3], confidence_feature=True)
+    real = HRADPredictor(HRAD(config), {"layers": {"ids": capture_layers(2, 2)}})
+    seen, points = [], []
+
+    class Recording:
+        capture_layers, confidence_feature = real.capture_layers, True
+
+        def predict(self, hidden_lastk, token_emb, confidence=None):
+            seen.append(confidence)
+            return real.predict(hidden_lastk, token_emb, confidence)
+
+    algo = specbranch(target, draft, gamma=4, kmax=3, hrad=Recording(), on_branch=points.append)
+    assert algo.generate(PROMPT, max_new_tokens=20, sampling=GREEDY).tokens == ar_tokens(target, 20)
+    assert len(seen) == len(points) > 0
+    assert [float(c[0]) for c in seen] == [p.confidence[1] for p in points]
+    with pytest.raises(ValueError, match=r"pass confidence=\[1\]"):
+        real.predict(torch.randn(1, 2, 32), torch.randn(1, 32))
+
+
+def test_oracle_policies_refuse_sampling_in_one_line(pair):
+    from inference import evaluate as evaluate_cli
+    from inference.engine_args import check_algorithm_options
+
+    target, draft = pair
+    algo = specbranch(target, draft, hrad="oracle")
+    with pytest.raises(ValueError, match="hrad=oracle needs temperature=0") as info:
+        algo.generate(PROMPT, max_new_tokens=4, sampling=SamplingParams(1.0), generator=torch.Generator())
+    assert "\n" not in str(info.value)
+    cfg = evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft"])
+    check_algorithm_options(cfg, [], ["specbranch@hrad=oracle", "specbranch@hrad=class0"])  # T = 0: fine
+    with pytest.raises(OverrideError, match=r"'specbranch@hrad=oracle_keep@temperature=1': hrad=oracle_keep needs"):
+        check_algorithm_options(cfg, [], ["specbranch@hrad=oracle_keep@temperature=1"])
+    with pytest.raises(OverrideError, match="hrad=oracle needs temperature=0") as info:  # refused while parsing
+        evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "temperature=0.7", "hrad=oracle"])
+    assert "\n" not in str(info.value)
+
+
+def test_sps_gamma_7_runs_beside_gamma_4(pair):
+    """``sps@gamma=7`` is a variant of its own beside ``sps`` (γ = 4): both pass the option checks, build with
+    their own γ, and give AR's greedy tokens."""
+    from inference import evaluate as evaluate_cli
+    from inference.algorithms import algorithm_class
+    from inference.engine_args import check_algorithm_options, with_overrides
+
+    labels = ["sps@draft_vocab=64", "sps@draft_vocab=64@gamma=7"]
+    cfg = evaluate_cli.parse_args([f"algorithms=[{','.join(labels)}]", "drafter=/models/draft"])
+    check_algorithm_options(cfg, [], labels)
+    target, draft = pair
+    for label, gamma in zip(labels, (4, 7)):
+        options = algorithm_class("sps").options_from_config(with_overrides(cfg, label.split("@")[1:], label))
+        assert options["gamma"] == gamma
+        algo = build_algorithm("sps", runner(target), runner(draft), **options)
+        result = algo.generate(PROMPT, max_new_tokens=30, sampling=GREEDY)
+        assert result.tokens == ar_tokens(target, 30) and len(result.stats.attempted_at) == gamma

@@ -133,6 +133,7 @@ def test_traces_cli_records_rounds_and_resumes(models, tmp_path, monkeypatch):
     manifest = run(tmp_path / "reference")
     assert manifest["complete"] and manifest["skipped"] == 1 and manifest["next_source_index"] == 7
     assert manifest["layers"]["ids"] == [0, 1, 2] and manifest["layers"]["plus_final_norm"]
+    assert not {"positions", "policy", "kmax"} & set(manifest["args"])  # as trace sets made before the option
     assert manifest["drafter"]["weights_hash"] != manifest["target"]["weights_hash"]
     reference = read_rows(tmp_path / "reference")
     assert len(reference) == manifest["num_rows"] > 6
@@ -197,6 +198,68 @@ def test_traces_cli_errors(models, tmp_path, capsys):
     assert "drafter=PATH is required" in capsys.readouterr().err
     assert main(traces_args(models, tmp_path / "x", gama=3)) == 2
     assert "did you mean 'gamma'" in capsys.readouterr().err
+    for extra, message in (({"positions": "branch"}, "positions=branch is not one of sps, specbranch"),
+                           ({"policy": "oracle"}, "set positions=specbranch"),
+                           ({"positions": "specbranch", "gamma": 1}, "needs gamma >= 2"),
+                           ({"positions": "specbranch", "verifier": "block"}, "verifier=block is SpS's"),
+                           ({"positions": "specbranch", "policy": "oracle", "temperature": 1.0},
+                            "hrad=oracle needs temperature=0")):
+        assert main(traces_args(models, tmp_path / "x", **extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and err.count("\n") == 0, err
+
+
+def test_traces_at_serving_positions(models, tmp_path):
+    """positions=specbranch: one row per surviving SpecBranch branch (where serving asks H-RAD), with H-RAD's
+    inputs there and the realised label: the continuation tokens the greedy target accepts."""
+    from transformers import AutoModelForCausalLM
+
+    from core.drafters.hrad import hrad_labels
+    from core.prompts import load_prompts, prompt_turns, render_prompt
+    from inference.algorithms.specbranch import continuation_to_keep
+    from spectrain.modules.hrad import load_trace_rows
+
+    out = tmp_path / "serving"
+    manifest = record_traces(parse_args(traces_args(models, out, positions="specbranch", n_samples=4, gamma=4)),
+                             target=models["target"], draft=models["draft"])
+    assert manifest["args"]["positions"] == "specbranch" and manifest["args"]["policy"] == "none"
+    rows = read_rows(out)
+    assert len(rows) == manifest["num_rows"] > 4
+    assert all(int(r["draft_len"]) == 4 and int(r["num_accepted"]) >= 1 for r in rows)
+    assert {int(r["num_accepted"]) for r in rows} - {1}, "want accepted continuations in this test"
+    model = AutoModelForCausalLM.from_pretrained(models["target_dir"]).eval()
+    conversations = load_prompts(f"jsonl:{models['prompts']}", n=4)
+    checked = 0
+    for index in range(2):
+        prompt = render_prompt(models["target"].tokenizer, prompt_turns(conversations[index]))
+        with torch.no_grad():  # the target's greedy answer: what SpecBranch emits, and past its end
+            answer = model.generate(torch.tensor([prompt]), max_new_tokens=20 + 12, do_sample=False,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0].tolist()
+        for r in (r for r in rows if int(r["sample_index"]) == index):
+            position, tokens = int(r["position"]), r["draft_tokens"].tolist()
+            assert answer[position] == tokens[0] == int(r["branch_token"])
+            realised = 0
+            for j, token in enumerate(tokens[1:]):
+                if position + 1 + j >= len(answer) or answer[position + 1 + j] != token:
+                    break
+                realised += 1
+            assert int(r["num_accepted"]) == realised + 1
+            assert int(r["kept"]) == continuation_to_keep(1, r["draft_max_probs"].tolist(), 0.3)  # policy=none
+            with torch.no_grad():
+                states = model(torch.tensor([answer[:position]]), output_hidden_states=True).hidden_states
+            expected = torch.cat([h[0, -1] for h in states[-4:]]).to(torch.bfloat16)
+            torch.testing.assert_close(r["hidden_lastk"].float(), expected.float(), atol=2e-2, rtol=2e-2)
+            if int(r["branch_rank"]) == 0:
+                assert float(r["draft_probs"][0]) == float(r["draft_max_probs"][0])
+            else:
+                assert r["draft_probs"][0].isnan()
+            checked += 1
+    assert checked > 2
+    # H-RAD reads these rows as it reads SpS rounds: label = class of the realised continuation
+    loaded = load_trace_rows(out, manifest, [1, 3], 4)
+    accepted = torch.tensor([int(r["num_accepted"]) for r in rows])
+    assert loaded.labels.tolist() == hrad_labels(accepted, [1, 3]).tolist()
+    assert loaded.confidence.tolist() == [float(r["draft_max_probs"][1]) for r in rows]
 
 
 @pytest.mark.real_model

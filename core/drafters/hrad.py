@@ -8,6 +8,10 @@ inference-facing predictor a SpecBranch implementation codes against.
   final-normed state. With the engine's runner: ``capture_layers=predictor.capture_layers`` +
   ``return_last_hidden=True``, then :func:`stack_lastk` (``core.layer_ids``: ``lastK``).
 - ``token_emb`` [n, d]: the target's input embedding of x_t (``runner.embed_tokens(x_t)``).
+- ``confidence`` [n] (only when the config's ``confidence_feature`` is on; not in the paper): the draft's own
+  confidence max_v q(v) (temperature 1) at the first continuation token, i.e. of the distribution after x_t that
+  the draft drew its first continuation token from. An export without the key (written before it existed) reads
+  as off.
 
 **Output** of :meth:`HRADPredictor.predict`: calibrated class probabilities [n, 3] (float32, rows sum to 1):
 
@@ -21,7 +25,7 @@ a ``data_prep.traces`` round with draft length γ), class = #{b in boundaries : 
 ``[1, γ-1]`` give 0 / 1..γ-2 / γ-1 (= ``data_prep.traces.hrad_class``).
 
 **Model**: ``Linear(5d→256) → ReLU → Dropout(0.2) → Linear(256→64) → ReLU → Dropout(0.2) → Linear(64→3)`` on
-float32 inputs, as in the authors' code. Ours adds two fixed (not trained) pieces, both stored in the export: a
+float32 inputs, as in the authors' code (5d+1 inputs with the confidence feature). Ours adds two fixed (not trained) pieces, both stored in the export: a
 per-feature standardisation measured on the training split (raw residual streams have a few huge channels that
 otherwise dominate the first layer), and a softmax temperature fitted after training on held-out rounds.
 
@@ -97,10 +101,11 @@ class HRADConfig:
     gamma: int = 7  # draft length of the rounds it was trained on (branch token + γ-1 continuation)
     boundaries: list[int] = field(default_factory=lambda: default_boundaries(7))
     epsilon: float = DEFAULT_EPSILON  # class 1's draft-confidence threshold (used by the algorithm, stored here)
+    confidence_feature: bool = False  # z also holds the draft's confidence at the first continuation token
 
     @property
     def in_features(self) -> int:
-        return (self.last_k + 1) * self.hidden_size
+        return (self.last_k + 1) * self.hidden_size + int(self.confidence_feature)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,13 +138,21 @@ class HRAD(nn.Module):
         self.register_buffer("feature_std", torch.ones(config.in_features))
         self.register_buffer("temperature", torch.ones(()))
 
-    def features(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
-        """z = [hidden_lastk flattened in tuple order ; token_emb], float32 [n, (K+1)·d]."""
+    def features(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
+                 confidence: torch.Tensor | None = None) -> torch.Tensor:
+        """z = [hidden_lastk flattened in tuple order ; token_emb (; confidence)], float32 [n, (K+1)·d (+1)]."""
         n = hidden_lastk.shape[0]
-        return torch.cat([hidden_lastk.reshape(n, -1), token_emb.reshape(n, -1)], dim=-1).float()
+        parts = [hidden_lastk.reshape(n, -1).float(), token_emb.reshape(n, -1).float()]
+        if self.config.confidence_feature:
+            if confidence is None:
+                raise HRADError("this H-RAD reads the draft's confidence at the first continuation token "
+                                "(confidence_feature); pass confidence=[n]")
+            parts.append(confidence.reshape(n, 1).float().to(parts[0].device))
+        return torch.cat(parts, dim=-1)
 
-    def forward(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
-        return self.logits_from_features(self.features(hidden_lastk, token_emb))
+    def forward(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
+                confidence: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits_from_features(self.features(hidden_lastk, token_emb, confidence))
 
     def logits_from_features(self, z: torch.Tensor) -> torch.Tensor:
         return self.mlp((z.float() - self.feature_mean) / self.feature_std)
@@ -189,7 +202,8 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
              "layers": {"ids": capture_layers(int(target["num_layers"]), config.last_k), "plus_final_norm": True,
                         "convention": LAYER_CONVENTION, "position": "branch token position - 1"},
              "classes": list(CLASS_NAMES), "boundaries": list(config.boundaries), "gamma": config.gamma,
-             "epsilon": config.epsilon, "temperature": float(model.temperature), "config": config.to_dict()}
+             "epsilon": config.epsilon, "confidence_feature": config.confidence_feature,
+             "temperature": float(model.temperature), "config": config.to_dict()}
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps({"architectures": ["HRAD"], "spectrain": block}, indent=2) + "\n")
@@ -240,6 +254,7 @@ class HRADPredictor:
         self.gamma: int = config.gamma  # the survivor length the classes refer to (γ-1 continuation tokens)
         self.boundaries: list[int] = list(config.boundaries)
         self.epsilon: float = float(config.epsilon)
+        self.confidence_feature: bool = bool(config.confidence_feature)  # predict() then needs confidence=
         self.classes: tuple[str, ...] = CLASS_NAMES
         self.capture_layers: list[int] = list(self.block["layers"]["ids"])  # + return_last_hidden=True
 
@@ -252,9 +267,11 @@ class HRADPredictor:
         return self
 
     @torch.no_grad()
-    def predict(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+    def predict(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
+                confidence: torch.Tensor | None = None) -> torch.Tensor:
         """Calibrated probabilities [n, 3] (float32, on the model's device) for ``hidden_lastk`` [n, K, d] and
-        ``token_emb`` [n, d] (any float dtype/device; moved to the model's)."""
+        ``token_emb`` [n, d] (any float dtype/device; moved to the model's), and ``confidence`` [n] when the
+        H-RAD reads it (``confidence_feature``)."""
         k, d = self.last_k, self.hidden_size
         if hidden_lastk.dim() != 3 or tuple(hidden_lastk.shape[1:]) != (k, d):
             raise ValueError(f"hidden_lastk must be [n, {k}, {d}] (last {k} hidden_states entries), got "
@@ -262,13 +279,19 @@ class HRADPredictor:
         if token_emb.dim() != 2 or token_emb.shape != (hidden_lastk.shape[0], d):
             raise ValueError(f"token_emb must be [{hidden_lastk.shape[0]}, {d}] (input embedding of the branch token), "
                              f"got {list(token_emb.shape)}")
+        if self.confidence_feature and (confidence is None or confidence.numel() != hidden_lastk.shape[0]):
+            raise ValueError(f"this H-RAD reads the draft's confidence at the first continuation token: pass "
+                             f"confidence=[{hidden_lastk.shape[0]}], got "
+                             f"{None if confidence is None else list(confidence.shape)}")
         device = self.model.temperature.device
-        logits = self.model(hidden_lastk.to(device), token_emb.to(device))
+        logits = self.model(hidden_lastk.to(device), token_emb.to(device),
+                            None if confidence is None else confidence.to(device))
         return self.model.calibrated_probs(logits)
 
-    def predict_class(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+    def predict_class(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
+                      confidence: torch.Tensor | None = None) -> torch.Tensor:
         """argmax class [n] (0 all_reject, 1 confidence, 2 all_accept), as SpecBranch uses it."""
-        return self.predict(hidden_lastk, token_emb).argmax(-1)
+        return self.predict(hidden_lastk, token_emb, confidence).argmax(-1)
 
 
 def _runner_of(target: Any) -> Any:

@@ -92,7 +92,9 @@ class PearlOptions(ChainOptions, OverlapOptions):
 @dataclass
 class SpecBranchOptions(ChainOptions, OverlapOptions):
     # H-RAD export PATH; none = confidence cut every round ("w/o H-RAD"); auto = the H-RAD export of evaluate's
-    # drafters=DIR when there is one, else none
+    # drafters=DIR when there is one, else none; measurement policies (inference.algorithms.specbranch.POLICIES):
+    # class0 / class2 = that class every round, oracle = the true class, oracle_keep = exactly the accepted
+    # continuation (both oracles: one extra greedy target pass per surviving branch, temperature=0 only)
     hrad: str = "auto"
     specbranch_kmax: int = 3  # most branches per branch point; 1 = "w/o branching"
     specbranch_eps: float | None = None  # confidence threshold ε; None = the H-RAD export's, else 0.3
@@ -157,6 +159,23 @@ OPTIONS_BY_ALGORITHM: dict[str, type] = {
     "pearl": PearlOptions, "specbranch": SpecBranchOptions, "specblock_tree": SpecBlockTreeOptions, "ssd": SSDOptions,
     "dflash": DFlashOptions,
 }
+
+SPECBRANCH_ORACLES = ("oracle", "oracle_keep")  # hrad= policies that read the greedy target's true class
+
+
+def oracle_temperature_error(hrad: object, temperature: float) -> str | None:
+    """One line if ``hrad`` is an oracle policy and ``temperature`` > 0 (the oracles read the greedy target)."""
+    name = str(hrad or "").strip().lower()
+    if name in SPECBRANCH_ORACLES and float(temperature) != 0:
+        return (f"hrad={name} needs temperature=0 (the true class is the greedy target's), got "
+                f"temperature={temperature}; use an H-RAD export, none, class0 or class2 at temperature > 0")
+    return None
+
+
+def specbranch_option_error(cfg) -> str | None:
+    """Why a SpecBranch configuration cannot run (one line), or None."""
+    return oracle_temperature_error(getattr(cfg, "hrad", None), cfg.temperature)
+
 
 # An option that matters only when another has a given value: set without it, it would be ignored.
 ONLY_WITH: dict[str, tuple[str, str]] = {"hsd_final_ratio": ("verifier", "hsd"),

@@ -13,7 +13,14 @@ equals z (if any) survives. Then H-RAD, on the target's features at the position
 (posterior: the newest target pass), decides how much of the survivor's continuation becomes the next U:
 class 0 none, class 1 up to the first low-confidence token (max q < ε, checked from the 2nd on), class 2 all.
 ``hrad=none`` applies the confidence rule (class 1) every round: the "w/o H-RAD" ablation; ``kmax=1`` is
-"w/o branching".
+"w/o branching". Measurement policies (T = 0 only for the oracles): ``hrad=class0`` keeps no continuation (always
+class 0), ``hrad=class2`` keeps it all; ``hrad=oracle`` takes the true class, and ``hrad=oracle_keep`` keeps exactly
+the continuation tokens the target accepts, both from one extra greedy target pass over the survivor's continuation
+(cache rolled back after it, so the output is unchanged; counted in ``oracle_target_forwards``, not in τ).
+
+``on_branch`` (serving-position acceptance traces, ``data_prep.traces positions=specbranch``) receives a
+:class:`BranchPoint` at every surviving branch: H-RAD's inputs there and the realised class, from the same extra
+target pass.
 
 The public code's survivor rule (best p_b(y) then min(1, p/q)) is biased under sampling (§0.3 item 2); it is not
 used here. Draft-cache bookkeeping (survivor row, rollback, cached branch-point q) lives in the draft side.
@@ -22,7 +29,7 @@ used here. Draft-cache bookkeeping (survivor row, rollback, cached branch-point 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +37,8 @@ import torch
 
 from core.drafters.hrad import load_hrad, stack_lastk
 from inference.algorithms.base import GenerationStats, OutputBuffer
+from inference.algorithms.options import SPECBRANCH_ORACLES as ORACLES
+from inference.algorithms.options import oracle_temperature_error
 from inference.algorithms.overlapped import OverlappedDraftAlgorithm
 from inference.draft_side import common_prefix
 from inference.match import match_round
@@ -37,6 +46,14 @@ from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams
 
 DEFAULT_EPSILON = 0.3  # §2.3, when the H-RAD export does not store one
+# hrad= values that are a policy, not an H-RAD export: what each keeps of the survivor's continuation
+POLICIES = {
+    "none": "the confidence rule (class 1) every round",
+    "class0": "none of it (class 0 every round)",
+    "class2": "all of it (class 2 every round)",
+    "oracle": "the true class's share (one extra greedy target pass per surviving branch; T = 0 only)",
+    "oracle_keep": "exactly the tokens the target accepts (one extra greedy target pass; T = 0 only)",
+}
 
 
 class ClassPredictor(Protocol):
@@ -45,6 +62,8 @@ class ClassPredictor(Protocol):
     capture_layers: list[int]
 
     def predict(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """Class probabilities [n, 3]; a predictor with ``confidence_feature = True`` also takes ``confidence=``
+        [n], the draft's confidence at the first continuation token."""
         ...
 
 
@@ -63,7 +82,30 @@ class SpecBranchRound:
     context: tuple[int, ...]  # S + U after the round: what the next round's draft job continues
 
 
+@dataclass(frozen=True)
+class BranchPoint:
+    """A surviving branch where H-RAD is asked, handed to ``SpecBranch(on_branch=...)`` (serving-position traces)."""
+
+    round: int  # round number within the generation, from 0
+    position: int  # sequence position of the survivor token (its branch token)
+    rank: int  # which branch survived (0 = the draft's most probable token)
+    tokens: tuple[int, ...]  # the survivor: branch token + γ-1 argmax continuation tokens
+    confidence: tuple[float, ...]  # max_v q(v) of the distribution each of those tokens came from (temperature 1)
+    hidden: dict[int, torch.Tensor]  # {captured layer: [d]} target hidden states at position - 1
+    last_hidden: torch.Tensor  # [d] final-normed target hidden state at position - 1
+    realised: int  # continuation tokens the target accepts (the extra target pass; greedy at T = 0)
+    hrad_class: int  # the class the policy chose
+    keep: int  # continuation tokens kept as the next pending segment
+
+
 RoundHook = Callable[[SpecBranchRound], None]
+BranchHook = Callable[[BranchPoint], None]
+
+
+def true_class(realised: int, gamma: int) -> int:
+    """SpecBranch's class of a survivor whose first ``realised`` of γ-1 continuation tokens the target accepts:
+    0 none, 2 all, 1 some (``data_prep.traces.hrad_class`` of ``realised + 1`` accepted)."""
+    return 0 if realised == 0 else 2 if realised >= gamma - 1 else 1
 
 
 def continuation_to_keep(hrad_class: int, confidence: list[float], epsilon: float) -> int:
@@ -80,9 +122,21 @@ def continuation_to_keep(hrad_class: int, confidence: list[float], epsilon: floa
     return gamma - 1
 
 
+def policy_name(hrad: str | ClassPredictor | None) -> str | None:
+    """The :data:`POLICIES` name ``hrad`` selects, or None for an H-RAD (an export path or a predictor)."""
+    if hrad is None:
+        return "none"
+    if isinstance(hrad, str):
+        name = hrad.strip().lower()
+        if name in ("", "auto"):  # "auto" reaches here only when no H-RAD export was found (evaluate resolves it)
+            return "none"
+        return name if name in POLICIES else None
+    return None
+
+
 def load_predictor(hrad: str | ClassPredictor | None, target) -> ClassPredictor | None:
-    if hrad is None or (isinstance(hrad, str) and hrad.lower() in ("", "none", "auto")):
-        return None  # "auto" reaches here only when no H-RAD export was found (evaluate resolves it)
+    if policy_name(hrad) is not None:
+        return None
     if isinstance(hrad, str):
         return load_hrad(hrad, target)
     return hrad
@@ -93,18 +147,26 @@ class SpecBranch(OverlappedDraftAlgorithm):
 
     def __init__(self, target, draft, *, gamma: int = 4, kmax: int = 3, hrad: str | ClassPredictor | None = None,
                  epsilon: float | None = None, executor: str = "sequential", on_round: RoundHook | None = None,
-                 **kwargs: Any):
-        """``hrad``: None / "none" (confidence rule every round), an H-RAD export path, or a predictor object."""
+                 on_branch: BranchHook | None = None, branch_capture_layers: Sequence[int] = (),
+                 branch_seed: int = 0, **kwargs: Any):
+        """``hrad``: an H-RAD export path or predictor object, or a policy of :data:`POLICIES` (None = "none").
+        ``on_branch`` receives a :class:`BranchPoint` with the target's hidden states of ``branch_capture_layers``
+        at every surviving branch; at T > 0 its realised count draws on its own generator (``branch_seed``), never
+        on the generation's."""
         if gamma < 1 or kmax < 1:
             raise ValueError(f"gamma and kmax must be >= 1 (branch length, most branches), got {gamma} and {kmax}")
         super().__init__(target, draft, executor=executor, max_batch=kmax, **kwargs)
         self.gamma, self.kmax = gamma, kmax
+        self.policy = policy_name(hrad)
         self.predictor = load_predictor(hrad, target)
         stored = getattr(self.predictor, "epsilon", None)
         self.epsilon = epsilon if epsilon is not None else stored if stored is not None else DEFAULT_EPSILON
-        self.capture = list(getattr(self.predictor, "capture_layers", [])) if self.predictor is not None else []
-        self.on_round = on_round
-        self.branch_counts = {"drafted": 0, "accepted": 0, "siblings": 0, "speculated": 0}  # since extra_metrics()
+        own = list(getattr(self.predictor, "capture_layers", [])) if self.predictor is not None else []
+        self.capture = sorted(set(own) | set(branch_capture_layers)) if on_branch is not None else own
+        self.on_round, self.on_branch = on_round, on_branch
+        self.branch_generator = torch.Generator().manual_seed(branch_seed)
+        # since extra_metrics(); oracle: target forwards of the extra pass, not in the run's target_forwards
+        self.branch_counts = {"drafted": 0, "accepted": 0, "siblings": 0, "speculated": 0, "oracle": 0}
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:
@@ -114,24 +176,66 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def lookahead(self) -> int:
         return 2 * self.gamma
 
-    def _hrad_class(self, output, position: int, token: int) -> int:
-        """H-RAD's class for the survivor token, from the target's features at ``position`` (the one before it)."""
-        if self.predictor is None:
-            return 1
-
+    def _hrad_class(self, output, position: int, token: int, confidence: list[float]) -> int:
+        """H-RAD's class for the survivor token, from the target's features at ``position`` (the one before it)
+        and, when the H-RAD reads it, the draft's confidence at the first continuation token."""
         hidden = {layer: h[0, position] for layer, h in output.hidden.items()}
-        lastk = stack_lastk(hidden, output.last_hidden[0, position], self.capture)[None]
+        layers = list(self.predictor.capture_layers)
+        lastk = stack_lastk(hidden, output.last_hidden[0, position], layers)[None]
         emb = self.target.embed_tokens(torch.tensor([token], device=self.target.device))
-        return int(self.predictor.predict(lastk, emb).argmax(-1)[0])
+        if getattr(self.predictor, "confidence_feature", False):
+            first = confidence[1] if len(confidence) > 1 else confidence[0]
+            probs = self.predictor.predict(lastk, emb, confidence=torch.tensor([first]))
+        else:
+            probs = self.predictor.predict(lastk, emb)
+        return int(probs.argmax(-1)[0])
+
+    def _realised(self, survivor: list[int], sampling: SamplingParams) -> int:
+        """Continuation tokens of ``survivor`` (branch token first) the target accepts, from one extra target pass
+        over its first γ-1 tokens appended to the cache, which is rolled back afterwards (nothing else changes).
+        Greedy: equal to the target's argmax; T > 0: the deterministic-draft rule (§1.2) on this object's own
+        generator."""
+        if len(survivor) < 2:
+            return 0
+        base = self.target.length()
+        logits = self.target.forward(as_batch(survivor[:-1], self.target.device)).logits[0]
+        self.target.truncate(base)
+        self.branch_counts["oracle"] += 1
+        probs = sampling.warp(logits).float().cpu()  # row j: the target's law of survivor[j + 1]
+        accepted = 0
+        for j, token in enumerate(survivor[1:]):
+            p = float(probs[j, token])
+            keep = p > 0.5 if sampling.greedy else float(torch.rand((), generator=self.branch_generator)) < p
+            if not keep:
+                break
+            accepted += 1
+        return accepted
+
+    def _decide(self, output, position: int, survivor: list[int], confidence: list[float], realised: int | None
+                ) -> tuple[int, int]:
+        """(class, continuation tokens to keep) for the surviving branch, by the predictor or the policy."""
+        gamma = len(survivor)
+        if self.predictor is not None:
+            cls = self._hrad_class(output, position, survivor[0], confidence)
+        elif self.policy in ORACLES:
+            cls = true_class(realised, gamma)
+            if self.policy == "oracle_keep":
+                return cls, realised
+        else:
+            cls = {"none": 1, "class0": 0, "class2": 2}[self.policy]
+        return cls, continuation_to_keep(cls, confidence, self.epsilon)
 
     def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
                   generator: torch.Generator | None, stats: GenerationStats) -> None:
+        if error := oracle_temperature_error(self.policy, sampling.temperature):
+            raise ValueError(error)
         target, executor = self.target, self.executor  # built (a process started) before the clock starts
         start = time.perf_counter()
         target.reset(1)
         self.start_draft(generator)
         committed, pending = list(prompt_ids), []
-        want_hidden = self.predictor is not None
+        want_hidden = self.predictor is not None or self.on_branch is not None
+        round_index = 0
         while not out.done:
             context = committed + pending
             feed = context[target.length():]
@@ -156,11 +260,20 @@ class SpecBranch(OverlappedDraftAlgorithm):
             self.branch_counts["speculated"] += len(pending) + 1
             stats.drafted_tokens -= len(pending) + 1  # counted when drafted (above)
             if survivor is not None:
-                hrad_class = self._hrad_class(output, first + len(pending), new[-1])
-                keep = continuation_to_keep(hrad_class, branch.confidence[survivor], self.epsilon)
-                pending = branch.tokens[survivor][1:1 + keep]
+                tokens, confidence = list(branch.tokens[survivor]), list(branch.confidence[survivor])
+                position = first + len(pending)  # block index of the position before the survivor token
+                realised = self._realised(tokens, sampling) \
+                    if self.policy in ORACLES or self.on_branch is not None else None
+                hrad_class, keep = self._decide(output, position, tokens, confidence, realised)
+                if self.on_branch is not None:
+                    self.on_branch(BranchPoint(
+                        round_index, len(committed) + len(new) - 1, survivor, tuple(tokens), tuple(confidence),
+                        {layer: h[0, position].clone() for layer, h in output.hidden.items()},
+                        output.last_hidden[0, position].clone(), realised, hrad_class, keep))
+                pending = tokens[1:1 + keep]
             else:
                 pending = []
+            round_index += 1
             out.extend(new)
             committed += new
             target.truncate(min(common_prefix(context, committed), len(committed) - 1))
@@ -185,5 +298,8 @@ class SpecBranch(OverlappedDraftAlgorithm):
         metrics["rollback_rate_without_siblings"] = round(1 - counts["accepted"] / path, 4) if path else 0.0
         speculated = counts["speculated"]
         metrics["rollback_rate_speculated"] = round(1 - counts["accepted"] / speculated, 4) if speculated else 0.0
+        metrics["hrad_policy"] = self.policy or "hrad"
+        if self.policy in ORACLES or self.on_branch is not None:  # the extra passes, outside τ's target forwards
+            metrics["oracle_target_forwards"] = counts["oracle"]
         self.branch_counts = dict.fromkeys(counts, 0)
         return metrics

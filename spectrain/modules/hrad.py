@@ -1,8 +1,10 @@
 """``kind=hrad``: train SpecBranch's H-RAD classifier on acceptance traces (recipes ``hrad_smollm2``,
 ``hrad_llama8b``); the model and its export: :mod:`core.drafters.hrad`.
 
-Data: a ``data_prep.traces`` directory (``data.dataset_dir``). A row is a verification round; H-RAD's input is
-[the round's ``hidden_lastk`` ; the target's input embedding of its ``branch_token``], its label comes from
+Data: a ``data_prep.traces`` directory (``data.dataset_dir``). A row is a verification round (``positions=sps``)
+or a surviving SpecBranch branch (``positions=specbranch``: where serving asks H-RAD); H-RAD's input is [the row's
+``hidden_lastk`` ; the target's input embedding of its ``branch_token``] (+ with ``model.confidence_feature`` the
+draft's confidence at the first continuation token, ``draft_max_probs[1]``), its label comes from
 ``num_accepted`` with ``model.boundaries`` (default ``[1, γ-1]``). Rounds whose branch token was rejected (no
 surviving branch) and rounds cut short by the token budget (``draft_len < γ``: "all accepted" is unknowable)
 are left out. Validation: ``data.val_dataset_dir``, or held-out prompts (``model.val_fraction``) of the same
@@ -60,6 +62,8 @@ class HRADSchema:
     dropout: float = 0.2
     boundaries: list[int] | None = None  # accepted continuation tokens starting classes 1 and 2; None = [1, γ-1]
     epsilon: float = DEFAULT_EPSILON  # class 1's draft-confidence threshold, stored in the export
+    # also read the draft's confidence at the first continuation token (draft_max_probs[1] of a trace row)
+    confidence_feature: bool = False
     balance: str = "weights"  # weights (class-weighted loss) | sampler (class-balanced sampling) | none
     val_fraction: float = 0.2  # prompts held out for validation when data.val_dataset_dir is not given
     ece_bins: int = 10
@@ -125,7 +129,8 @@ def read_input_embeddings(target: str) -> torch.Tensor:
 
 @dataclass
 class TraceRows:
-    """Usable rounds of a traces directory: hidden [n, K, d] (stored dtype), branch tokens, labels, prompts."""
+    """Usable rounds of a traces directory: hidden [n, K, d] (stored dtype), branch tokens, labels, prompts, and the
+    draft's confidence at the first continuation token (float32)."""
 
     hidden: torch.Tensor
     tokens: torch.Tensor
@@ -133,6 +138,14 @@ class TraceRows:
     prompts: torch.Tensor
     dropped_rejected: int
     dropped_truncated: int
+    confidence: torch.Tensor
+
+
+def first_continuation_confidence(reader) -> torch.Tensor:
+    """``draft_max_probs[1]`` per row (NaN for a one-token draft): the draft's confidence at the first
+    continuation token, the distribution after the branch token."""
+    values = [float(row[1]) if len(row) > 1 else math.nan for row in reader.column_arrays("draft_max_probs")]
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def _numpy_column(reader, name: str):
@@ -161,20 +174,24 @@ def load_trace_rows(directory: Any, manifest: dict[str, Any], boundaries: list[i
                      tokens=torch.from_numpy(_numpy_column(reader, "branch_token")).long()[keep],
                      labels=hrad_labels(accepted[keep], boundaries),
                      prompts=torch.from_numpy(_numpy_column(reader, "sample_index")).long()[keep],
-                     dropped_rejected=int(rejected.sum()), dropped_truncated=int(truncated.sum()))
+                     dropped_rejected=int(rejected.sum()), dropped_truncated=int(truncated.sum()),
+                     confidence=first_continuation_confidence(reader)[keep])
 
 
 class HRADRows(Dataset):
-    """(hidden_lastk [K, d], branch-token embedding [d] float32, label) per round."""
+    """(hidden_lastk [K, d], branch-token embedding [d] float32, first-continuation confidence [] float32, label)
+    per round."""
 
-    def __init__(self, hidden: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, emb: torch.Tensor, labels: torch.Tensor,
+                 confidence: torch.Tensor | None = None):
         self.hidden, self.emb, self.labels = hidden, emb, labels
+        self.confidence = confidence if confidence is not None else torch.full((len(labels),), math.nan)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
-        return self.hidden[i], self.emb[i], self.labels[i]
+        return self.hidden[i], self.emb[i], self.confidence[i], self.labels[i]
 
 
 def split_prompts(prompts: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
@@ -194,12 +211,15 @@ def class_weights(labels: torch.Tensor) -> torch.Tensor:
     return len(labels) / (NUM_CLASSES * counts.clamp(min=1.0))
 
 
-def feature_stats(hidden: torch.Tensor, emb: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-feature mean and std of z = [hidden flattened ; emb] over the rows, in float64 chunks."""
-    total = torch.zeros(hidden[0].numel() + emb.shape[1], dtype=torch.float64)
+def feature_stats(hidden: torch.Tensor, emb: torch.Tensor, confidence: torch.Tensor | None = None,
+                  chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature mean and std of z = [hidden flattened ; emb (; confidence)] over the rows, in float64 chunks."""
+    extra = [] if confidence is None else [confidence.reshape(-1, 1)]
+    total = torch.zeros(hidden[0].numel() + emb.shape[1] + len(extra), dtype=torch.float64)
     squares = torch.zeros_like(total)
     for start in range(0, len(hidden), chunk):
-        z = torch.cat([hidden[start:start + chunk].flatten(1), emb[start:start + chunk]], dim=1).double()
+        z = torch.cat([hidden[start:start + chunk].flatten(1), emb[start:start + chunk]]
+                      + [e[start:start + chunk] for e in extra], dim=1).double()
         total += z.sum(0)
         squares += (z * z).sum(0)
     n = max(len(hidden), 1)
@@ -233,27 +253,35 @@ class HRADDataModule(L.LightningDataModule):
                 raise HRADError(f"data.val_dataset_dir has gamma={val_manifest['args']['gamma']}, the training "
                                 f"traces gamma={gamma}: record both with the same gamma")
             train, val = rows, load_trace_rows(data.val_dataset_dir, val_manifest, self.boundaries, last_k)
-            train_rows, val_rows = (train.hidden, train.tokens, train.labels), (val.hidden, val.tokens, val.labels)
+            train_rows = (train.hidden, train.tokens, train.labels, train.confidence)
+            val_rows = (val.hidden, val.tokens, val.labels, val.confidence)
         else:
             held_out = split_prompts(rows.prompts, cfg.model.val_fraction, cfg.seed)
-            train_rows = (rows.hidden[~held_out], rows.tokens[~held_out], rows.labels[~held_out])
-            val_rows = (rows.hidden[held_out], rows.tokens[held_out], rows.labels[held_out])
+            train_rows = (rows.hidden[~held_out], rows.tokens[~held_out], rows.labels[~held_out],
+                          rows.confidence[~held_out])
+            val_rows = (rows.hidden[held_out], rows.tokens[held_out], rows.labels[held_out], rows.confidence[held_out])
+        use_confidence = bool(cfg.model.confidence_feature)
+        if use_confidence and (bool(train_rows[3].isnan().any()) or bool(val_rows[3].isnan().any())):
+            raise HRADError(f"{data.dataset_dir}: model.confidence_feature needs draft_max_probs[1] in every row "
+                            "(traces recorded with gamma >= 2)")
         if len(train_rows[2]) == 0 or len(val_rows[2]) == 0:
             raise HRADError(f"{data.dataset_dir}: no usable rounds in the train or val split ({rows.dropped_rejected} "
                             "rejected at the branch token); record more prompts")
 
-        def build(hidden, tokens, labels) -> HRADRows:
-            return HRADRows(hidden, embeddings[tokens].float(), labels)
+        def build(hidden, tokens, labels, confidence) -> HRADRows:
+            return HRADRows(hidden, embeddings[tokens].float(), labels, confidence)
 
         self.train_set, self.val_set = build(*train_rows), build(*val_rows)
         self.gamma = gamma
         self.class_counts = {"train": torch.bincount(train_rows[2], minlength=NUM_CLASSES).tolist(),
                              "val": torch.bincount(val_rows[2], minlength=NUM_CLASSES).tolist()}
         self.class_weights = class_weights(train_rows[2])
-        self.feature_mean, self.feature_std = feature_stats(self.train_set.hidden, self.train_set.emb)
+        self.feature_mean, self.feature_std = feature_stats(
+            self.train_set.hidden, self.train_set.emb, self.train_set.confidence if use_confidence else None)
         self.target_record = {**manifest["target"], "embed_probe": embedding_probe(embeddings).tolist()}
         self.summary = {"rounds": int(manifest["num_rows"]), "dropped_rejected": rows.dropped_rejected,
                         "dropped_truncated": rows.dropped_truncated, "gamma": gamma, "boundaries": self.boundaries,
+                        "positions": manifest["args"].get("positions", "sps"), "confidence_feature": use_confidence,
                         "class_counts": self.class_counts}
         print(f"[hrad] traces {data.dataset_dir}: {json.dumps(self.summary)}")
         for name, count in zip(CLASS_NAMES, self.class_counts["train"]):
@@ -388,7 +416,7 @@ class HRADModule(L.LightningModule):
             config = HRADConfig(hidden_size=int((target_config.get("text_config") or target_config)["hidden_size"]),
                                 last_k=last_k, mlp_hidden=list(model.mlp_hidden), dropout=model.dropout, gamma=gamma,
                                 boundaries=check_boundaries(model.boundaries or default_boundaries(gamma), gamma),
-                                epsilon=model.epsilon)
+                                epsilon=model.epsilon, confidence_feature=bool(model.confidence_feature))
         except (AssetError, DatasetError, HRADError) as exc:
             raise _recipe_error(str(exc)) from None
         self.drafter = HRAD(config)
@@ -417,8 +445,8 @@ class HRADModule(L.LightningModule):
     on_validation_end = DrafterModule.on_validation_end
 
     def _logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, emb, labels = batch
-        return self.drafter(hidden, emb), labels
+        hidden, emb, confidence, labels = batch
+        return self.drafter(hidden, emb, confidence if self.drafter.config.confidence_feature else None), labels
 
     def training_step(self, batch, batch_idx):
         logits, labels = self._logits(batch)
