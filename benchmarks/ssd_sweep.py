@@ -2,13 +2,16 @@
 
     python benchmarks/ssd_sweep.py [drafter=/tmp/exports/draftlm] [target=smollm2] [n=4] [max_new_tokens=48]
         [batches=[1,4]] [gamma=4] [configs=[jit:8:1.0,fast:8:1.0]] [temperature=0] [threads=1]
-        [executor=sequential] [bench=mt_bench] [draft_vocab=0] [out=runs/ssd_sweep]
+        [executor=sequential] [bench=mt_bench] [draft_vocab=0] [fork_vocab=full] [fanout=geometric]
+        [out=runs/ssd_sweep]
 
 ``configs`` entries are ``fallback:B:C`` (fallback jit | fast | auto; B = cache budget per sequence; C = SAGUARO
 scale). ``sps`` runs prompt by prompt (batch 1, its only mode) with the same γ; every SSD config runs the same
 prompts in batches of each size. "tokens/s sim" is SSD's simulated-overlap rate from the sequential executor
 (Σ max(t_verify, t_draft) per round in place of their sum): what a second device would give if transfers were free.
-At temperature 0 each run's tokens are compared with sps's (they must be equal).
+At temperature 0 each run's tokens are compared with sps's (they must be equal). ``fork_vocab`` (full | draft) and
+``fanout`` (geometric | uniform | K+1 ints separated by commas inside quotes) are SSD's ``ssd_fork_vocab`` and
+``ssd_fanout``; the teacher-forced recall behind the hit rate is ``benchmarks/ssd_recall.py``'s.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class SweepConfig:
     bench: str = "mt_bench"
     seed: int = 0
     draft_vocab: int = 0  # K > 0: the draft proposes only ids < K (evaluate's draft_vocab); 0 = all
+    fork_vocab: str = "full"  # SSD's fork guesses from the drafter's whole head (full) or its limited one (draft)
+    fanout: str = "geometric"  # geometric | uniform | K+1 ints
     out: str = "runs/ssd_sweep"
 
 
@@ -81,7 +86,8 @@ def run_sps(cfg, target, draft, prompts, eos, sampling) -> dict:
 def run_ssd(cfg, target, draft, prompts, eos, sampling, spec: str, batch: int) -> dict:
     fallback, budget, c = spec.split(":")
     ssd = build_algorithm("ssd", target.runner, draft.runner, gamma=cfg.gamma, budget=int(budget), fallback=fallback,
-                          saguaro_c=float(c), executor=cfg.executor, seed=cfg.seed, max_batch_size=batch)
+                          saguaro_c=float(c), executor=cfg.executor, seed=cfg.seed, max_batch_size=batch,
+                          fanout=cfg.fanout, fork_vocab=cfg.fork_vocab)
     try:
         ssd.generate_batch(prompts[:batch], max_new_tokens=8, sampling=sampling, eos_ids=eos)  # warm-up
         ssd.extra_metrics()
@@ -124,6 +130,7 @@ def main(argv: list[str]) -> int:
             print(f"{run['algorithm']:10s} b={batch}  tok/s={run['tokens_per_s']:.2f} "
                   f"sim={run['tokens_per_s_sim']} tau={run['tau']:.2f} hit={run['cache_hit_rate']} "
                   f"by_k={run['cache_hit_rate_by_k']} bonus_hit={run['bonus_hit_rate']} "
+                  f"outside_vocab={run['cache_hits_outside_draft_vocab']}/{run['cache_lookups_outside_draft_vocab']} "
                   f"fallbacks={run['fallback_counts']} idle={run['drafter_idle_s']}s "
                   f"equal={run.get('greedy_equal_to_sps')}", flush=True)
     for run in runs:

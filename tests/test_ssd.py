@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 import random
 
 import pytest
 import torch
 from test_algorithms import assert_follows_law, runner, tiny_llama
+
+from benchmarks import ssd_recall
 
 from inference.algorithms import build_algorithm
 from inference.runner import ModelRunner
@@ -390,6 +393,89 @@ def test_sampling_law_is_exact_with_a_limited_drafter_and_either_fork_vocab(fork
         assert metrics["cache_hits_outside_draft_vocab"] > 0
     else:
         assert metrics["cache_hits_outside_draft_vocab"] == 0
+
+
+# -- benchmarks/ssd_recall.py: the engine's hit rate against the teacher-forced recall ----------------------------
+
+
+def test_replayed_rounds_follow_greedy_acceptance():
+    replay = ssd_recall.replay_lookups
+    # position 0: the prefill's token; rounds accept the leading matches (at most K = 2), then look up the next
+    match = [True, True, False, True, True, True, False, False, True]
+    # b=0: accepts 1, bonus 2 → (1, 2); b=2: accepts 3, 4 (K) → bonus 5 → (2, 5); b=5: 6 misses → (0, 6);
+    # b=6: 7 misses → (0, 7); b=7: 8 matches, the answer is complete (no lookup)
+    assert replay(match, 2) == [(1, 2), (2, 5), (0, 6), (0, 7)]
+    assert replay([True], 3) == [] and replay([True, False], 3) == []
+
+
+def test_rank_excludes_the_drafted_token_and_limits_the_vocab():
+    recall = ssd_recall
+    scores = torch.tensor([[5.0, 4.0, 3.0, 9.0, 1.0]])  # full order 3, 0, 1, 2, 4; capped to ids < 3: 0, 1, 2
+    ranks = recall.position_ranks(scores, [1], draft_vocab=3)
+    assert int(ranks["a"][0]) == 0  # the capped argmax
+    assert int(ranks["excl_full"][0]) == 1 and int(ranks["excl_draft"][0]) == 0  # id 3 ahead only in the full head
+    assert int(ranks["incl_full"][0]) == 2 and int(ranks["incl_draft"][0]) == 1
+    outside = recall.position_ranks(scores, [3], draft_vocab=3)
+    assert bool(outside["outside"][0]) and int(outside["excl_draft"][0]) == recall.NEVER
+    assert int(outside["excl_full"][0]) == 0
+
+
+@pytest.mark.parametrize("fork_vocab", ["full", "draft"])
+def test_teacher_forced_replay_predicts_the_engines_hit_rate_by_k(greedy_reference, fork_vocab):
+    """With a fixed fan-out, replaying SSD's greedy rounds on the answer and reading the drafter's teacher-forced
+    ranks gives the engine's lookups and hit rate at every k (fp32 tiny models: no near-tie flips)."""
+    recall = ssd_recall
+    target, prompts, expected = greedy_reference
+    draft = with_logit_vocab(tiny_draft_runner(1), 64)
+    ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), draft,
+                          gamma=3, budget=6, fanout="2:2:1:1", fork_vocab=fork_vocab)
+    assert [ssd.generate(p, max_new_tokens=25, sampling=GREEDY).tokens for p in prompts] == expected
+    record = {"algorithm": f"ssd@ssd_fork_vocab={fork_vocab}", "tau": 1.0, **ssd.extra_metrics()}
+    full = tiny_draft_runner(1)
+    ranks = {64: [recall.position_ranks(recall.teacher_forced_scores(full, p, a), a, 64)
+                  for p, a in zip(prompts, expected)]}
+    result = recall.compare(record, ranks)
+    assert result["replayed_lookups_by_k"] == record["cache_lookups_by_k"]
+    assert result["replayed_lookups_outside_draft_vocab"] == record["cache_lookups_outside_draft_vocab"] > 0
+    for engine, replayed in zip(record["cache_hit_rate_by_k"], result["replayed_by_k"]):
+        assert (engine is None and replayed != replayed) or engine == pytest.approx(replayed, abs=1e-12)
+    assert result["replayed_hit_rate"] == pytest.approx(record["cache_hit_rate"], abs=1e-12)
+    assert result["mean_abs_gap_per_lookup"] < 1e-12
+    assert 0 <= result["all_misses_by_k"][0] <= 1
+    text = recall.report({"bench": "b", "n_prompts": 3, "answer_tokens": 75, "target": "t", "dtype": "fp32",
+                          "drafter": "d", "seconds": 0,
+                          "by_draft_vocab": {"64": {**recall.vocab_shares(ranks[64]),
+                                                    "recall_given_miss": recall.recall_curve(ranks[64], 2)}},
+                          "runs": [result]})
+    assert "| 3 (= K) |" in text and "rank-1 misses" in text
+
+
+def test_ssd_recall_cli_reads_an_evaluate_run(tmp_path, capsys):
+    """evaluate two greedy ssd variants on tiny exports, then the recall CLI on its results.json: the replay
+    matches the engine's lookups and hit rate at every k (fp32, fixed fan-out)."""
+    from tiny_targets import save_tiny_target, write_jsonl
+
+    from inference import evaluate as evaluate_cli
+
+    target = save_tiny_target(tmp_path / "target", layers=2, logit_scale=4.0)
+    draft = save_tiny_target(tmp_path / "draft", layers=2, noise=0.02, logit_scale=4.0)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", 3)
+    variant = "ssd@draft_vocab=2000@gamma=3@ssd_budget=8@ssd_fanout=uniform"  # 2 guesses at every k
+    cfg = evaluate_cli.parse_args([f"target={target}", f"drafter={draft}", f"bench=[jsonl:{prompts}]",
+                                   f"algorithms=[{variant},{variant}@ssd_fork_vocab=draft]", "n_prompts=2",
+                                   "max_new_tokens=16", "temperature=0", "warmup=false", f"out={tmp_path / 'eval'}"])
+    evaluate_cli.evaluate(cfg)
+    out = tmp_path / "recall.json"
+    code = ssd_recall.main([f"eval={tmp_path / 'eval' / 'results.json'}", f"drafter={draft}", f"out={out}"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert [r["fork_vocab"] for r in result["runs"]] == ["full", "draft"] and result["answer_tokens"] == 32
+    for run in result["runs"]:
+        assert run["greedy_equal_to_ar"] is True and run["draft_vocab"] == 2000
+        assert run["replayed_lookups_by_k"] == run["engine_lookups_by_k"] and sum(run["engine_lookups_by_k"]) > 0
+        assert run["mean_abs_gap_per_lookup"] < 1e-9
+    assert "teacher-forced, SSD's lookups" in printed and "draft_vocab=2000" in printed
 
 
 # -- executors: identical tokens ---------------------------------------------------------------------------------
