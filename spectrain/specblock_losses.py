@@ -24,6 +24,11 @@ from core.drafters.specblock import rank_bucket
 NUM_RANK_BUCKETS = 4
 RANK_SEARCH = 10  # the label's rank is searched in the top-10 draft logits; outside => rank 11 ("> 10")
 RANK_MASKS = ("rank_chain", "draft_chain")
+# How slot k's draft loss weighs and normalises its rows (w = weight, n = normaliser; Σ over one block's rows):
+#   chain      (the reference)  w = valid-prefix chain · valid,  n = Σ w     (each slot over its own surviving rows)
+#   slot0_norm                  w = valid-prefix chain · valid,  n = Σ w_0   (every slot over slot 0's row count)
+#   valid                       w = anchor · valid (no chain),   n = Σ w
+VALID_PREFIX = ("chain", "slot0_norm", "valid")
 
 
 def rows_ahead(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
@@ -76,9 +81,10 @@ def frequency_weights(labels: torch.Tensor, valid: torch.Tensor, budget: float =
 @dataclass
 class BlockLosses:
     """Losses and bookkeeping of one block. ``draft`` [K]: per-slot masked mean soft CE; ``rank``: scalar;
-    ``correct`` [B, S, K] greedy slot matches; ``draft_weight`` [B, S, K] valid-prefix weights;
-    ``labels`` / ``rank_pred`` [B, S, K] rank buckets; ``slot_valid`` [B, S, K] anchor valid and target row
-    supervised (the set acceptance and rank metrics count)."""
+    ``correct`` [B, S, K] greedy slot matches; ``draft_weight`` [B, S, K] the draft loss's row weights
+    (valid-prefix weights unless ``valid_prefix="valid"``); ``draft_count`` [K] each slot's normaliser (this
+    process's rows); ``labels`` / ``rank_pred`` [B, S, K] rank buckets; ``slot_valid`` [B, S, K] anchor valid and
+    target row supervised (the set acceptance and rank metrics count)."""
 
     draft: torch.Tensor
     rank: torch.Tensor
@@ -87,21 +93,26 @@ class BlockLosses:
     labels: torch.Tensor
     rank_pred: torch.Tensor
     slot_valid: torch.Tensor
+    draft_count: torch.Tensor
 
 
 def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs: torch.Tensor,
                  position_mask: torch.Tensor, off: int, *, rank_mask: str = "rank_chain",
-                 freq_budget: float = 10.0) -> BlockLosses:
+                 freq_budget: float = 10.0, valid_prefix: str = "chain") -> BlockLosses:
     """§1.5 losses of one block: ``logits`` [B, S, K, Vd], ``rank_logits`` [B, S, K, 4], ``teacher_probs``
-    [B, S, Vd] and ``position_mask`` [B, S] in the row frame, ``off`` the block's cumulative offset."""
+    [B, S, Vd] and ``position_mask`` [B, S] in the row frame, ``off`` the block's cumulative offset.
+    ``valid_prefix``: how each slot's draft loss weighs and normalises its rows (``VALID_PREFIX``; ``chain`` is
+    the reference). The rank loss's ``draft_chain`` mask is the valid-prefix chain in every mode."""
     if rank_mask not in RANK_MASKS:
         raise ValueError(f"rank_mask must be one of {', '.join(RANK_MASKS)}, got '{rank_mask}'")
+    if valid_prefix not in VALID_PREFIX:
+        raise ValueError(f"valid_prefix must be one of {', '.join(VALID_PREFIX)}, got '{valid_prefix}'")
     K = logits.shape[2]
     pm = position_mask.bool()
     anchor = pm.float()  # the chain starts from the offset-0 mask in every block (as the code does)
     chain, rank_chain = anchor, anchor
     table = smoothing_table(rank_logits.shape[-1]).to(rank_logits.device)
-    draft, correct, weights, labels, preds, valid_slots = [], [], [], [], [], []
+    draft, correct, weights, labels, preds, valid_slots, counts = [], [], [], [], [], [], []
     rank_num = logits.new_zeros((), dtype=torch.float32)
     rank_den = logits.new_zeros((), dtype=torch.float32)
     for k in range(K):
@@ -109,10 +120,13 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         valid = rows_ahead(pm, off + k, fill=False).float()
         student = logits[:, :, k]
         # valid-prefix: the slot counts only while every earlier slot of this anchor was greedy-correct
-        w = chain * valid
+        prefix = chain * valid
+        w = anchor * valid if valid_prefix == "valid" else prefix
+        count = counts[0] if valid_prefix == "slot0_norm" and k > 0 else w.sum()
         log_q = F.log_softmax(student.float(), dim=-1)
         ce = -(target.float() * log_q).sum(-1)
-        draft.append(process_mean((w * ce).sum(), w.sum()))
+        draft.append(process_mean((w * ce).sum(), count))
+        counts.append(count)
         target_ids = target.argmax(-1)
         hit = (student.detach().argmax(-1) == target_ids)
         chain = chain * hit.float()
@@ -120,7 +134,7 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         label = rank_labels(student, target_ids)
         rank_k = rank_logits[:, :, k].float()
         pred = rank_k.detach().argmax(-1)
-        sample = rank_chain * valid if rank_mask == "rank_chain" else w  # code's chain | paper: draft prefix
+        sample = rank_chain * valid if rank_mask == "rank_chain" else prefix  # code's chain | paper: draft prefix
         class_w = frequency_weights(label, sample > 0, freq_budget, rank_k.shape[-1])[label]
         distance = 1.0 + (label - pred).abs() + (label - pred).clamp(min=0)  # under-estimates cost double
         rank_ce = -(table[label] * F.log_softmax(rank_k, -1)).sum(-1)
@@ -136,7 +150,7 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         valid_slots.append((anchor * valid).bool())
     return BlockLosses(torch.stack(draft), process_mean(rank_num, rank_den), torch.stack(correct, -1),
                        torch.stack(weights, -1), torch.stack(labels, -1), torch.stack(preds, -1),
-                       torch.stack(valid_slots, -1))
+                       torch.stack(valid_slots, -1), torch.stack(counts))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -154,13 +168,15 @@ class Unrolled:
 
 def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, teacher_probs: torch.Tensor,
                   position_mask: torch.Tensor, cuts: Sequence[int], *, rank_mask: str = "rank_chain",
-                  freq_budget: float = 10.0, attention: str = "block_sparse") -> Unrolled:
+                  freq_budget: float = 10.0, attention: str = "block_sparse",
+                  valid_prefix: str = "chain") -> Unrolled:
     """Cross-block training (§1.5): ``len(cuts) + 1`` blocks. Block 1 reads target features ``aux_hidden``
     [B, S, 3·H_t] and ``tokens`` [B, S] in the row frame (row i holds x_{i+1}); leaving a block at cut ``M``
     (1..K, one value for the whole batch), the next block reads the pre-norm hidden of slot ``M − 1`` of every
     anchor and the tokens ``M`` rows further on, attends to this block's K/V (kept with gradient, TTT) over
     slots ``< M`` of the same anchor, and is scored ``M`` rows further on. No cross-block filtering.
-    ``attention``: the drafter's ``forward_block`` attention (``block_sparse`` or the ``dense`` reference)."""
+    ``attention``: the drafter's ``forward_block`` attention (``block_sparse`` or the ``dense`` reference);
+    ``valid_prefix``: the draft loss's row weights and normalisers (:func:`block_losses`)."""
     K = drafter.config.block_size
     if any(not 1 <= m <= K for m in cuts):
         raise ValueError(f"cross-block cuts must lie in 1..{K} (block_size), got {list(cuts)}")
@@ -171,7 +187,7 @@ def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, 
         out = drafter.forward_block(cond, toks, from_target=(b == 0), first_block_kv=first_kv,
                                     ttt_kv=tuple(ttt_kv), ttt_valid=tuple(ttt_valid), attention=attention)
         blocks.append(block_losses(out.logits, out.rank_logits, teacher_probs, position_mask, off,
-                                   rank_mask=rank_mask, freq_budget=freq_budget))
+                                   rank_mask=rank_mask, freq_budget=freq_budget, valid_prefix=valid_prefix))
         offsets.append(off)
         if b < len(cuts):
             m = int(cuts[b])

@@ -94,6 +94,45 @@ def test_shift_op_stays_inside_each_anchor():
     assert not torch.allclose(after[:, :, K - 1], before[:, :, K - 1])
 
 
+def test_identity_init_shift_returns_its_first_input_and_fusion_passes_the_condition_through():
+    config = SpecBlockConfig.for_target(target_config(), draft_vocab_size=VOCAB, aux_layer_ids=AUX, num_layers=3)
+    torch.manual_seed(0)
+    random = SpecBlockDrafter(config, embed_weight=torch.randn(VOCAB, 32))
+    torch.manual_seed(0)
+    drafter = SpecBlockDrafter(config, embed_weight=torch.randn(VOCAB, 32))
+    rng = torch.get_rng_state()
+    drafter.init_weights_("identity")
+    assert torch.equal(torch.get_rng_state(), rng)  # draws nothing: the rest of a seeded run is unchanged
+    x, y = torch.randn(2, 5, K, 32), torch.randn(2, 5, K, 32)
+    for shift in drafter.shift:  # [I | 0]: the slot's own state, its partner ignored
+        assert torch.equal(shift(torch.cat([x, y], dim=-1)), x)
+    w_c, w_e, w_q = drafter.fuse.weight.split(32, dim=1)
+    c = torch.randn(3, 32)
+    assert torch.equal(torch.nn.functional.linear(c, w_c), c)
+    assert torch.equal(drafter.fuse(torch.cat([c, torch.zeros(3, 64)], dim=-1)), c)
+    # the token and position-query blocks, and every other tensor, keep their random init
+    r_c, r_e, r_q = random.fuse.weight.split(32, dim=1)
+    assert torch.equal(w_e, r_e) and torch.equal(w_q, r_q) and not torch.equal(w_c, r_c)
+    changed = {name for name, t in drafter.state_dict().items() if not torch.equal(t, random.state_dict()[name])}
+    assert changed == {"fuse.weight", "shift.0.weight", "shift.1.weight"}
+    # in the trunk: layer l >= 1 reads exactly what layer l - 1 wrote (the shift is the identity on it)
+    seen = []
+    hooks = [layer.register_forward_hook(lambda _m, args, out: seen.append((args[0], out[0])))
+             for layer in drafter.layers]
+    with torch.no_grad():
+        drafter.forward_block(torch.randn(1, 4, 96), torch.randint(0, VOCAB, (1, 4)), from_target=True)
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == 3 and all(torch.equal(seen[i + 1][0], seen[i][1]) for i in range(2))
+    # "random" is the default: it leaves the drafter bitwise as built; anything else is refused in one line
+    random.init_weights_("random")
+    torch.manual_seed(0)
+    fresh = SpecBlockDrafter(config, embed_weight=torch.randn(VOCAB, 32))
+    assert all(torch.equal(t, fresh.state_dict()[name]) for name, t in random.state_dict().items())
+    with pytest.raises(ValueError, match="init='zeros' is not one of random, identity"):
+        drafter.init_weights_("zeros")
+
+
 def brute_force_mask(anchors: int, k: int, block: int, cuts: list[int], other_anchors: bool) -> torch.Tensor:
     """§1.4 written out: keys are [first block] + [one group per previous block] + [this block] (block >= 2)."""
     groups = ([] if block == 1 else ["first"] + [("ttt", m) for m in cuts]) + ["own"]

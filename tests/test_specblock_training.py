@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spectrain.specblock_losses import (block_losses, frequency_weights, rank_labels, rank_of,
+from spectrain.specblock_losses import (VALID_PREFIX, block_losses, frequency_weights, rank_labels, rank_of,
                                         smoothing_table, total_loss, unroll_blocks)
 
 
@@ -81,6 +81,68 @@ def test_valid_prefix_wrong_slot_one_zeroes_later_slots_loss_and_gradient():
         fixed[0, i, 1, seq[i + 1]] = 5.0
     weights = block_losses(fixed, torch.zeros(1, len(seq), 4, 4), teacher, pm, 0).draft_weight
     assert weights[0, :, 3].tolist() == [1, 1, 1, 0, 0, 0]  # anchor i slot 3 reads row i + 3
+
+
+def _prefix_case():
+    """8 rows, row 2 not supervised; slot k of anchor i greedy-right unless (7i + 3k) % 4 == 0, plus noise."""
+    vocab, seq = 6, [1, 2, 3, 4, 5, 1, 2, 3]
+    n = len(seq)
+    teacher = one_hot_rows(seq, vocab)
+    pm = torch.ones(1, n, dtype=torch.bool)
+    pm[0, 2] = False
+    generator = torch.Generator().manual_seed(0)
+    logits = 0.5 * torch.randn(1, n, 4, vocab, generator=generator)
+    for i in range(n):
+        for k in range(4):
+            right = (7 * i + 3 * k) % 4 != 0 and i + k < n
+            logits[0, i, k, seq[i + k] if right else 0] += 5.0  # token 0 never occurs: a miss
+    return logits, teacher, pm, seq
+
+
+def _hand_prefix(logits, teacher, pm, seq):
+    """Per slot, written out: the valid rows, the valid-prefix chain weights, and each row's soft CE."""
+    n = len(seq)
+    valid = [[bool(pm[0, i + k]) if i + k < n else False for i in range(n)] for k in range(4)]
+    chain, weights, ces = [bool(pm[0, i]) for i in range(n)], [], []
+    for k in range(4):
+        weights.append([float(chain[i] and valid[k][i]) for i in range(n)])
+        ces.append([float(-(teacher[0, i + k] * logits[0, i, k].log_softmax(-1)).sum()) if i + k < n else 0.0
+                    for i in range(n)])
+        chain = [chain[i] and i + k < n and int(logits[0, i, k].argmax()) == seq[i + k] for i in range(n)]
+    anchored = [[float(pm[0, i] and valid[k][i]) for i in range(n)] for k in range(4)]
+    return weights, anchored, ces
+
+
+@pytest.mark.parametrize("mode", VALID_PREFIX)
+def test_valid_prefix_modes_weigh_and_normalise_as_stated(mode):
+    logits, teacher, pm, seq = _prefix_case()
+    chain_w, valid_w, ces = _hand_prefix(logits, teacher, pm, seq)
+    out = block_losses(logits, torch.zeros(1, len(seq), 4, 4), teacher, pm, 0, valid_prefix=mode)
+    # chain and slot0_norm keep the valid-prefix weights; valid drops the chain (w = anchor valid · row valid)
+    weights = valid_w if mode == "valid" else chain_w
+    assert out.draft_weight[0].T.tolist() == weights
+    assert 0 < sum(chain_w[3]) < sum(chain_w[1]) < sum(valid_w[1])  # the chain does thin the later slots here
+    # the normaliser: each slot's own weighted rows, or slot 0's row count for every slot
+    counts = [sum(weights[0]) if mode == "slot0_norm" else sum(weights[k]) for k in range(4)]
+    assert out.draft_count.tolist() == counts
+    expected = [sum(w * c for w, c in zip(weights[k], ces[k])) / counts[k] for k in range(4)]
+    torch.testing.assert_close(out.draft, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    # what the metrics count does not depend on the mode
+    assert out.slot_valid[0].T.tolist() == [[bool(v) for v in row] for row in valid_w]
+    if mode == "chain":  # the default is the reference, bitwise
+        default = block_losses(logits, torch.zeros(1, len(seq), 4, 4), teacher, pm, 0)
+        assert torch.equal(default.draft, out.draft) and torch.equal(default.draft_weight, out.draft_weight)
+
+
+def test_valid_prefix_mode_leaves_the_rank_loss_and_refuses_unknown_modes():
+    logits, teacher, pm, seq = _prefix_case()
+    rank_logits = torch.randn(1, len(seq), 4, 4, generator=torch.Generator().manual_seed(1))
+    for rank_mask in ("rank_chain", "draft_chain"):  # draft_chain is the valid-prefix chain in every mode
+        ranks = [block_losses(logits, rank_logits, teacher, pm, 0, rank_mask=rank_mask, valid_prefix=mode).rank
+                 for mode in VALID_PREFIX]
+        assert all(torch.equal(r, ranks[0]) for r in ranks)
+    with pytest.raises(ValueError, match="valid_prefix must be one of chain, slot0_norm, valid"):
+        block_losses(logits, rank_logits, teacher, pm, 0, valid_prefix="none")
 
 
 def test_rank_loss_equals_hand_value_for_one_sample():
@@ -245,6 +307,29 @@ def test_rank_loss_alone_leaves_the_trunk_without_gradient():
                if p.requires_grad and not name.startswith("rank_head"))
 
 
+def test_slot_weight_zero_rank_weight_zero_one_block_trains_slot_zero_alone():
+    """The 'slot 0 alone' arm: model.train_blocks=1 model.slot_weight=0 model.rank_weight=0 (cuts = [])."""
+    drafter, _ = tiny_drafter()
+    aux, tokens = torch.randn(2, 7, 3 * 32), torch.randint(0, 96, (2, 7))
+    teacher = torch.softmax(torch.randn(2, 7, 64), -1)
+    pm = torch.ones(2, 7, dtype=torch.bool)
+    pm[1, 5:] = False  # later slots of the last anchors have no valid row: still no NaN
+    # no chain (a random drafter's slot 0 is wrong everywhere): slots 1-3 carry a loss that slot_weight=0 must drop
+    out = unroll_blocks(drafter, aux, tokens, teacher, pm, [], valid_prefix="valid")
+    assert len(out.blocks) == 1 and (out.blocks[0].draft[1:] > 0).all()
+    loss = total_loss(out, slot_weight=0.0, rank_weight=0.0)
+    assert torch.equal(loss, out.blocks[0].draft[0])  # 0 ** 0 = 1: slot 0 at full weight, slots 1-3 at 0
+    loss.backward()
+    alone = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad(set_to_none=True)
+    unroll_blocks(drafter, aux, tokens, teacher, pm, [], valid_prefix="valid").blocks[0].draft[0].backward()
+    reference = {name: p.grad for name, p in drafter.named_parameters() if p.grad is not None}
+    assert alone.keys() == reference.keys() and not any(name.startswith("rank_head") for name in alone)
+    for name, grad in alone.items():
+        torch.testing.assert_close(grad, reference[name], rtol=0, atol=0, msg=name)
+    assert reference["position_queries"].abs().sum() > 0  # slot 0 attends to earlier anchors' other slots
+
+
 def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
     from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from core.drafters.eagle3_layouts import Eagle3Checkpoint
@@ -326,6 +411,46 @@ def test_recipes_validate_and_dry_run(tiny_setup, capsys):
     with pytest.raises(fit_cli.RecipeError, match="rank_mask=paper is not one of rank_chain, draft_chain"):
         fit_cli.fit(fit_cli.compose_recipe(["recipe=specblock_smollm2", f"target={target}", "rank_mask=paper",
                                             "dry_run=true", f"runs_dir={root / 'dry'}"]))
+
+
+def test_experiment_keys_build_the_drafter_they_name_and_bad_values_are_one_line(tiny_setup, capsys):
+    from spectrain import fit as fit_cli
+
+    root, target, chats = tiny_setup
+    base = ["recipe=specblock_smollm2", f"target={target}", f"source=jsonl:{chats}", f"dataset_dir={root / 'feats'}",
+            f"val_dataset_dir={root / 'feats'}", "n_samples=24", "max_len=64", "batch_size=4",
+            "draft_vocab_size=512", f"runs_dir={root / 'keys'}"]
+    default = fit_cli.compose_recipe(base)
+    assert (default.model.init, default.model.valid_prefix) == ("random", "chain")
+    eye = torch.eye(32)
+
+    identity, _ = fit_cli.build_module_and_data(fit_cli.compose_recipe([*base, "model.init=identity"]))
+    assert torch.equal(identity.drafter.fuse.weight[:, :32], eye)
+    assert torch.equal(identity.drafter.shift[0].weight, torch.cat([eye, torch.zeros(32, 32)], dim=1))
+    plain, _ = fit_cli.build_module_and_data(default)
+    assert not torch.equal(plain.drafter.fuse.weight[:, :32], eye)
+
+    # slot 0 alone, one layer: no shift, one block, the step's loss is slot 0's draft loss
+    cfg = fit_cli.compose_recipe([*base, "train_blocks=1", "slot_weight=0", "rank_weight=0", "num_layers=1",
+                                  "valid_prefix=slot0_norm"])
+    module, data = fit_cli.build_module_and_data(cfg)
+    assert len(module.drafter.layers) == 1 and len(module.drafter.shift) == 0
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    loss = module.training_step(batch, 0)
+    aux, tokens, teacher, pm = module._rows(batch)
+    alone = unroll_blocks(module.drafter, aux, tokens, teacher, pm, [], valid_prefix="slot0_norm")
+    assert len(alone.blocks) == 1 and torch.equal(loss, alone.blocks[0].draft[0])
+    loss.backward()
+    assert all(p.grad is None for p in module.drafter.rank_head.parameters())
+
+    for bad, line in (("model.init=zeros", "model.init=zeros is not one of random, identity"),
+                      ("model.valid_prefix=none", "model.valid_prefix=none is not one of chain, slot0_norm, valid"),
+                      ("model.slot_weight=-0.5", "model.slot_weight and rank_weight must be >= 0")):
+        capsys.readouterr()
+        assert fit_cli.main([*base, bad, "dry_run=true"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], err
 
 
 def test_fit_exports_a_native_dir_that_load_native_reads(tiny_setup):

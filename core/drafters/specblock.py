@@ -56,6 +56,7 @@ RANK_BUCKET_UPPER = (1, 4, 10)  # bucket c holds ranks in (UPPER[c-1], UPPER[c]]
 FORMAT_VERSION = 1
 KIND = "specblock"
 EMBED = "embed_tokens.weight"
+INITS = ("random", "identity")  # SpecBlockDrafter.init_weights_: the modules' own random init | identity-style
 
 
 @dataclass(kw_only=True)
@@ -301,6 +302,23 @@ class SpecBlockDrafter(TargetTiedDrafter):
         self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
         self.rank_head = nn.Sequential(Linear(hidden + NUM_RANK_FEATURES, config.rank_hidden_size, bias=False),
                                        nn.SiLU(), Linear(config.rank_hidden_size, config.rank_buckets, bias=False))
+
+    def init_weights_(self, init: str) -> None:
+        """``random``: leave the modules' own random init. ``identity``: an identity-style start, every layer-wise
+        shift ``W_s = [I | 0]`` (it returns its first input: the slot's own state, as a residual would) and the
+        condition block of the fusion projection ``W_f = [I | W_e | W_q]`` (it passes ``c`` through; the token
+        and position-query blocks keep their random init). Draws no random numbers either way."""
+        if init not in INITS:
+            raise ValueError(f"init={init!r} is not one of {', '.join(INITS)}")
+        if init == "random":
+            return
+        hidden = self.config.hidden_size
+        with torch.no_grad():
+            eye = torch.eye(hidden, dtype=self.fuse.weight.dtype, device=self.fuse.weight.device)
+            for shift in self.shift:
+                shift.weight.zero_()
+                shift.weight[:, :hidden].copy_(eye)
+            self.fuse.weight[:, :hidden].copy_(eye)
 
     def head_parameters(self) -> list[nn.Parameter]:
         """The output pathway (lm_head + rank head) that the serving-time bandit's head-only update trains."""

@@ -4,7 +4,9 @@ Per step: block 1 reads the target's features; each block boundary draws one cut
 batch (seeded by (seed, step), so a resumed run draws the same cuts) and the next block starts from the drafter's
 own hidden state of slot ``M − 1`` (cross-block training, :func:`spectrain.specblock_losses.unroll_blocks`).
 Loss = Σ_k 0.8^k Σ_b valid-prefix draft CE + λ_rank Σ_b rank loss; before ``rank_start_step`` one block and no
-rank loss. The teacher comes from the stored final hidden state through the target's lm_head, restricted to the
+rank loss. ``slot_weight=0 rank_weight=0 train_blocks=1`` trains slot 0's draft loss alone; ``model.init`` and
+``model.valid_prefix`` select the identity-style start and the draft loss's row normalisation (defaults: the
+reference's). The teacher comes from the stored final hidden state through the target's lm_head, restricted to the
 draft vocabulary (EAGLE-3's §0.3 position mask). Validation: per-slot acceptance of block 1 under the
 valid-prefix rule and ``tau_sim`` (γ = K), the 2-block chain (cut at K), rank-head accuracy and confusion.
 """
@@ -18,7 +20,7 @@ import torch
 
 from core.drafters.eagle3 import shift_left
 from core.drafters.eagle3_layouts import read_checkpoint
-from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.drafters.specblock import INITS, SpecBlockConfig, SpecBlockDrafter
 from core.drafters.specblock_attention import ATTENTION_KINDS
 from core.drafters.specblock_layouts import warm_start_from_eagle3
 from core.layer_ids import resolve_layers
@@ -29,7 +31,7 @@ from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.modules.eagle3 import vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.specblock_export import export_specblock_checkpoint, import_specblock_reference
-from spectrain.specblock_losses import RANK_MASKS, total_loss, unroll_blocks
+from spectrain.specblock_losses import RANK_MASKS, VALID_PREFIX, total_loss, unroll_blocks
 
 
 @dataclass
@@ -48,6 +50,8 @@ class SpecBlockSchema:
     train_block2_sees_other_anchors: bool = False  # release quirk (§1.4 item 3); off = inference-consistent
     warm_start: str | None = None  # an EAGLE-3 export dir (any layout): copies what maps (warm_start_from_eagle3)
     attention: str = "block_sparse"  # block_sparse (skips masked entries) | dense (the reference masks; same loss)
+    init: str = "random"  # random (the modules' own) | identity (shift [I | 0], fusion's condition block I)
+    valid_prefix: str = "chain"  # draft-loss rows: chain (the reference) | slot0_norm | valid (specblock_losses)
 
 
 def _check_schema(model: Any) -> None:
@@ -55,6 +59,13 @@ def _check_schema(model: Any) -> None:
         raise RecipeError(f"model.rank_mask={model.rank_mask} is not one of {', '.join(RANK_MASKS)}")
     if model.attention not in ATTENTION_KINDS:
         raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(ATTENTION_KINDS)}")
+    if model.init not in INITS:
+        raise RecipeError(f"model.init={model.init} is not one of {', '.join(INITS)}")
+    if model.valid_prefix not in VALID_PREFIX:
+        raise RecipeError(f"model.valid_prefix={model.valid_prefix} is not one of {', '.join(VALID_PREFIX)}")
+    if model.slot_weight < 0 or model.rank_weight < 0:
+        raise RecipeError(f"model.slot_weight and rank_weight must be >= 0 (0 = slot 0's draft loss only / no rank "
+                          f"loss), got {model.slot_weight}, {model.rank_weight}")
     if model.block_size < 1 or model.num_layers < 1 or model.train_blocks < 1:
         raise RecipeError(f"model.block_size, num_layers and train_blocks must be >= 1, got {model.block_size}, "
                           f"{model.num_layers}, {model.train_blocks}")
@@ -86,6 +97,7 @@ class SpecBlockModule(DrafterModule):
         # A dry run (fit builds the target on the meta device) builds the drafter there too: shapes, no memory.
         with torch.device("meta" if cfg.dry_run else "cpu"):
             self.drafter = SpecBlockDrafter(config, embed_weight=embed)
+            self.drafter.init_weights_(model_cfg.init)  # before a warm start, which overwrites what maps
         if vocab_map is not None and not cfg.dry_run:
             self.drafter.set_vocab_map(*vocab_map)
         if eagle is not None and not cfg.dry_run:
@@ -135,7 +147,8 @@ class SpecBlockModule(DrafterModule):
         cuts = self.cuts_for_step(self.global_step, model_cfg.train_blocks if ranked else 1)
         aux, tokens, teacher, pm = self._rows(batch)
         out = unroll_blocks(self.drafter, aux, tokens, teacher, pm, cuts, rank_mask=model_cfg.rank_mask,
-                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention)
+                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention,
+                            valid_prefix=model_cfg.valid_prefix)
         loss = total_loss(out, slot_weight=model_cfg.slot_weight,
                           rank_weight=model_cfg.rank_weight if ranked else 0.0)
         size = len(batch["input_ids"])
@@ -155,7 +168,8 @@ class SpecBlockModule(DrafterModule):
         # The serving chain: block 1 from target features, then block 2 from its last slot (cut M = K).
         cuts = [K] if model_cfg.train_blocks > 1 else []
         out = unroll_blocks(self.drafter, aux, tokens, teacher, pm, cuts, rank_mask=model_cfg.rank_mask,
-                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention)
+                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention,
+                            valid_prefix=model_cfg.valid_prefix)
         first = out.blocks[0]
         self.log("val/loss", total_loss(out, slot_weight=model_cfg.slot_weight, rank_weight=model_cfg.rank_weight),
                  batch_size=len(batch["input_ids"]))
