@@ -119,6 +119,15 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                   "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16"]
     # SpecBlock and DFlash against EAGLE-3 at equal training time: their own evaluate run, timed like the one above
     # (tokens/s ratios between its rows are read), so it too needs the machine alone
+    # SpecBranch's rollback against SpS at γ = 4 and 7, and what its policy is worth: H-RAD (SpS-position traces, the
+    # export in drafters=), H-RAD from serving-position traces with the confidence feature, the confidence rule every
+    # round, class 0 every round, and the two oracles (T = 0; one extra target pass each). Rollback and τ only: its
+    # own run, sequential executor (the tokens, and so every count, are the multiprocess executor's)
+    hrad_serving = out / "exports_hrad" / "serving"
+    branch = f"specbranch@draft_vocab={DRAFT_VOCAB}"
+    specbranch_runs = [f"sps@draft_vocab={DRAFT_VOCAB}", f"sps@draft_vocab={DRAFT_VOCAB}@gamma=7", branch,
+                       f"{branch}@hrad={hrad_serving}", f"{branch}@hrad=none", f"{branch}@hrad=class0",
+                       f"{branch}@hrad=oracle", f"{branch}@hrad=oracle_keep"]
     blocks = ["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
               "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree",
               "specblock_tree@specblock_budget=16@specblock_width=4", "dflash"]
@@ -159,6 +168,17 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               "resume=auto", f"data.dataset_dir={out / 'traces'}"), ckpt("demo_hrad")),
         stage("export-hrad", 0.2, "export H-RAD", ("spectrain.export", f"ckpt={ckpt('demo_hrad')}", f"out={exports / 'hrad'}"),
               exports / "hrad"),
+        stage("traces-serving", 10.0, "SpecBranch's surviving branches on the same 32 prompts: H-RAD's rows where "
+              "serving asks it (labels from one extra greedy target pass)",
+              ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
+               "split=train", "n_samples=32", "gamma=4", "max_new_tokens=96", f"draft_vocab={DRAFT_VOCAB}",
+               "positions=specbranch", "kmax=3", f"out={out / 'traces_serving'}"), out / "traces_serving"),
+        stage("train-hrad-serving", 0.3, "H-RAD on the serving-position traces, with the draft-confidence feature",
+              ("spectrain.fit", "recipe=demo_hrad", "run_name=demo_hrad_serving", f"runs_dir={runs}", "resume=auto",
+               f"data.dataset_dir={out / 'traces_serving'}", "model.confidence_feature=true"),
+              ckpt("demo_hrad_serving")),
+        stage("export-hrad-serving", 0.2, "export the serving-position H-RAD",
+              ("spectrain.export", f"ckpt={ckpt('demo_hrad_serving')}", f"out={hrad_serving}"), hrad_serving),
         stage("export-eagle3", 0.2, "export EAGLE-3", ("spectrain.export", f"ckpt={ckpt('eagle3_smollm2_gsm')}",
               "format=native", f"out={exports / 'eagle3'}"), exports / "eagle3"),
         stage("export-specblock", 0.2, "export SpecBlock", ("spectrain.export", f"ckpt={ckpt('specblock_smollm2_gsm')}",
@@ -181,6 +201,13 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
                "temperature=0", "threads=1", dtype, f"out={out / 'eval_specblock'}"),
               out / "eval_specblock" / "results.json"),
+        stage("evaluate-specbranch", 2.0 * (len(specbranch_runs) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
+              f"SpecBranch's policies (H-RAD, none, class 0, oracles) and SpS at γ = 4 and 7 on the same "
+              f"{cfg.n_prompts} held-out GSM prompts (rollback and τ; not timed)",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
+               f"algorithms=[{','.join(specbranch_runs)}]", "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
+               f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
+               f"out={out / 'eval_specbranch'}"), out / "eval_specbranch" / "results.json"),
     ]
 
 

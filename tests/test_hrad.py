@@ -4,6 +4,7 @@ temperature calibration, metrics, recipes, and traces -> fit -> export -> load_h
 from __future__ import annotations
 
 import csv
+import math
 import json
 from pathlib import Path
 
@@ -281,3 +282,29 @@ def test_confidence_feature_trains_exports_and_serves_and_old_exports_still_load
     (old / "config.json").write_text(json.dumps(config))
     legacy = load_hrad(old, traces["target"].runner)
     assert not legacy.confidence_feature and legacy.predict(hidden, emb).shape == (2, 3)
+
+
+def test_auc_and_the_offline_feature_comparison(traces, tmp_path):
+    """benchmarks.hrad_features: the Mann-Whitney AUC (ties count half), and one run over the fixture's traces
+    giving every arm (hidden, hidden+conf trained per seed; conf alone) on the held-out prompts."""
+    from benchmarks.hrad_features import HRADFeaturesConfig, auc, run, table
+
+    positive = torch.tensor([True, True, False, False])
+    assert auc(torch.tensor([0.9, 0.8, 0.1, 0.2]), positive) == 1.0
+    assert auc(torch.tensor([0.1, 0.2, 0.9, 0.8]), positive) == 0.0
+    assert auc(torch.tensor([0.5, 0.5, 0.5, 0.5]), positive) == 0.5
+    assert auc(torch.tensor([0.9, 0.3, 0.3, 0.1]), positive) == pytest.approx(0.875)  # one tie: half a pair
+    assert math.isnan(auc(torch.tensor([0.1, 0.2]), torch.tensor([True, True])))
+
+    cfg = HRADFeaturesConfig(target=str(traces["target_dir"]), traces=[str(traces["out"])], seeds=[0, 1], steps=8,
+                             batch_size=8, warmup_steps=2, bootstrap=50, out=str(tmp_path / "auc.json"))
+    summary = run(cfg)
+    arms = {(r["trained_on"], r["features"]) for r in summary["results"]}
+    assert arms == {(None, "conf"), ("sps:traces", "hidden"), ("sps:traces", "hidden+conf")}
+    for r in summary["results"]:
+        assert 0 <= r["auc"] <= 1 and r["evaluated_on"] == "sps:traces"
+        assert len(r.get("auc_per_seed", [0, 0])) == 2
+    counts = summary["class_counts"]["sps:traces"]
+    assert min(counts["held_out"][0], sum(counts["held_out"][1:])) > 0
+    assert json.loads((tmp_path / "auc.json").read_text())["held_out_prompts"] == summary["held_out_prompts"]
+    assert "| – (no training) | sps:traces | conf |" in table(summary)
