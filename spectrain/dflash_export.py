@@ -1,27 +1,69 @@
-"""DFlash checkpoints out of training: ``python -m spectrain.export ckpt=<dflash .ckpt> out=DIR`` writes the native
-export dir that ``core.drafters.dflash_layouts.load_native`` (and the engine's ``dflash`` algorithm) reads."""
+"""DFlash drafters out of training or another tool, in any of the three layouts
+(:mod:`core.drafters.dflash_layouts`):
+
+* ``python -m spectrain.export ckpt=<dflash .ckpt or export dir> format=native|speculators|dflash out=DIR``;
+* ``python -m spectrain.export import=<speculators or z-lab DFlash dir> target=NAME_OR_DIR out=DIR`` (the layout is
+  detected; a foreign checkpoint records no target, so ``target=`` names it).
+
+What ``core.drafters.dflash_layouts.read_native`` (and the engine's ``dflash`` algorithm) reads back, in every
+layout."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from core.drafters.dflash import DFlashConfig
-from core.drafters.dflash_layouts import FROM_TARGET, build_drafter, save_native
+from omegaconf import OmegaConf
+
+from core.assets import check_model_reference, target_record
+from core.drafters.dflash import DFlashConfig, DFlashDrafter
+from core.drafters.dflash_layouts import (FROM_TARGET, LAYOUTS, build_drafter, check_head, full_vocabulary,
+                                          read_checkpoint, save_layout, target_head)
 from core.drafters.eagle3_layouts import CheckpointError
 from spectrain.checkpoint_contract import DTYPES
 from spectrain.export import read_trained_drafter
+from spectrain.resume import is_sharded_checkpoint
+
+
+def _from_directory(path: Path, cfg: Any) -> tuple[DFlashConfig, dict, dict | None, dict | None, dict, dict | None]:
+    """(config, tensors, target, recipe, metrics, training block) of a DFlash directory in any layout. A foreign
+    checkpoint's head (speculators, reduced vocabulary) must be the target's rows, which we take instead."""
+    given = target_record(cfg.target) if cfg.target else None
+    ckpt = read_checkpoint(path, given)
+    target = ckpt.target or given
+    if target is None:
+        raise CheckpointError(f"{path} is a DFlash checkpoint of another tool ({ckpt.layout} layout) and records no "
+                              "target: give target=NAME_OR_DIR (the model it drafts for)")
+    if ckpt.block is None:
+        check_head(ckpt, target_head(target, cfg.verifier), path)
+    recipe = OmegaConf.to_container(OmegaConf.load(path / "recipe.yaml")) if (path / "recipe.yaml").is_file() else None
+    metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else {}
+    metrics = {**metrics, "source": str(path), "source_layout": ckpt.layout}
+    training = (ckpt.block or {}).get("training")
+    return ckpt.config, ckpt.tensors, target, recipe, metrics, training
 
 
 def export_dflash_checkpoint(path: Path, cfg: Any) -> Path:
-    """A dflash Lightning checkpoint (or FSDP checkpoint directory) -> the native export dir ``cfg.out``."""
-    if cfg.format != "native":
-        raise CheckpointError(f"a dflash drafter exports as format=native; '{cfg.format}' is not a DFlash layout")
-    trained = read_trained_drafter(path, cfg.target, frozen=FROM_TARGET)
-    drafter = build_drafter(DFlashConfig.from_dict(trained.meta["config"]), trained.tensors)
+    """A dflash Lightning checkpoint, FSDP checkpoint directory or DFlash directory (any layout) -> the export dir
+    ``cfg.out`` in layout ``cfg.format``."""
+    if cfg.format not in LAYOUTS:
+        raise CheckpointError(f"a dflash drafter exports as format={', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]}; "
+                              f"'{cfg.format}' is not a DFlash layout")
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        config, tensors, target, recipe, metrics, training = _from_directory(path, cfg)
+    else:
+        trained = read_trained_drafter(path, cfg.target, frozen=FROM_TARGET)
+        config, tensors, target = DFlashConfig.from_dict(trained.meta["config"]), trained.tensors, trained.target
+        recipe, metrics = trained.recipe, trained.metrics
+        training = {key: (recipe or {}).get("model", {}).get(key) for key in ("max_anchors", "loss_decay_gamma")}
+    if target is None:
+        raise CheckpointError(f"{path} does not record its target: give target=NAME_OR_DIR")
+    verifier = check_model_reference(cfg.verifier) if cfg.verifier else None
+    # The speculators layout of a reduced vocabulary stores the frozen head rows, which only the target holds.
+    head = target_head(target, verifier) if cfg.format == "speculators" and not full_vocabulary(config) else None
+    drafter: DFlashDrafter = build_drafter(config, tensors, head_weight=head)
     if DTYPES[cfg.dtype] is not None:
         drafter = drafter.to(DTYPES[cfg.dtype])
-    training = {key: (trained.recipe or {}).get("model", {}).get(key)
-                for key in ("max_anchors", "loss_decay_gamma")}
-    return save_native(drafter, cfg.out, target=trained.target, recipe=trained.recipe, metrics=trained.metrics,
-                       extra={"training": training})
+    return save_layout(drafter, cfg.out, target=target, layout=cfg.format, recipe=recipe, metrics=metrics,
+                       extra={"training": training} if training is not None else None, verifier=verifier)

@@ -1,7 +1,8 @@
-"""``python -m spectrain.export ckpt=PATH format=native|sglang|speculators out=DIR`` — export a trained drafter.
+"""``python -m spectrain.export ckpt=PATH format=native|sglang|speculators|dflash out=DIR`` — export a trained drafter.
 
 ``python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR`` reads an EAGLE-3
-checkpoint in the SGLang or speculators/vLLM layout (auto-detected) back into our module and writes it out.
+checkpoint in the SGLang or speculators/vLLM layout, or a DFlash one in the speculators or z-lab/SGLang layout
+(auto-detected), back into our module and writes it out.
 
 What ``ckpt=`` accepts (the training contract):
 
@@ -14,7 +15,8 @@ What ``ckpt=`` accepts (the training contract):
 The output directory (written atomically; it must not exist yet) holds ``config.json`` (with the ``spectrain``
 block: kind, target identity, architecture, layer ids + convention, vocab map sizes), ``model.safetensors``,
 ``recipe.yaml`` when the checkpoint has a recipe, and ``metrics.json`` (training metrics and provenance).
-Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts`. ``verifier=PATH_OR_ID`` (speculators
+Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts` (EAGLE-3: native, sglang, speculators)
+and :mod:`core.drafters.dflash_layouts` (DFlash: native, speculators, dflash). ``verifier=PATH_OR_ID`` (speculators
 layout only) names the target as vLLM/speculators should load it; by default the target's local directory.
 """
 
@@ -32,6 +34,7 @@ from omegaconf import OmegaConf
 
 from core.assets import check_model_reference, target_record
 from core.atomic import atomic_directory, check_output
+from core.drafters import dflash_layouts
 from core.drafters.eagle3 import Eagle3Config
 from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
                                           drafter_tensors, read_checkpoint, same_target, write_layout)
@@ -40,7 +43,9 @@ from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.registry import get_kind
 from spectrain.resume import is_sharded_checkpoint
 
-USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators [verifier=PATH_OR_ID] out=DIR  |  "
+FORMATS = tuple(dict.fromkeys((*LAYOUTS, *dflash_layouts.LAYOUTS)))  # each kind's exporter refuses the others
+USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators|dflash [verifier=PATH_OR_ID] "
+         "out=DIR  |  "
          "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
 
 
@@ -48,11 +53,12 @@ USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators 
 class ExportConfig:
     ckpt: str | None = None  # a Lightning .ckpt (drafter.* state dict + "spectrain" metadata) or an export dir
     import_path: str | None = None  # given on the command line as import=PATH
-    format: str = "native"  # native | sglang | speculators
+    format: str = "native"  # EAGLE-3: native | sglang | speculators; DFlash: native | speculators | dflash
     out: str | None = None
     target: str | None = None  # target name or HF dir: identity for foreign checkpoints, checked otherwise
     dtype: str = "auto"  # auto (as stored) | float32 | bfloat16 | float16
-    speculative_tokens: int = 3  # speculators layout: vLLM's default num_speculative_tokens
+    speculative_tokens: int = 3  # EAGLE-3 speculators layout: vLLM's default num_speculative_tokens (DFlash's is
+    #                              always block_size - 1: one forward drafts the block)
     verifier: str | None = None  # speculators layout: the target as vLLM/speculators load it (local dir or hub
     #                              id); default: the target's local directory, never our alias (smollm2)
 
@@ -196,8 +202,8 @@ def export(cfg: Any) -> Path:
     """Run the export a config describes; returns the output directory."""
     if bool(cfg.ckpt) == bool(cfg.import_path):
         raise OverrideError(f"give exactly one of ckpt=PATH or import=PATH; usage: {USAGE}")
-    if cfg.format not in LAYOUTS:
-        raise OverrideError(f"format must be one of {', '.join(LAYOUTS)}, got '{cfg.format}'")
+    if cfg.format not in FORMATS:
+        raise OverrideError(f"format must be one of {', '.join(FORMATS)}, got '{cfg.format}'")
     if cfg.dtype not in DTYPES:
         raise OverrideError(f"dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     if not cfg.out:
@@ -213,9 +219,14 @@ def export(cfg: Any) -> Path:
     kind = checkpoint_kind(cfg.ckpt) if cfg.ckpt else None
     if kind in ("draft_lm", "hrad", "specblock", "dflash"):  # each kind's module exports its own checkpoints
         return get_kind(kind).export_checkpoint(Path(cfg.ckpt), cfg)
+    if dflash_layouts.layout_of(source) is not None:  # a DFlash directory, ours or another tool's, any layout
+        return get_kind("dflash").export_checkpoint(Path(source), cfg)
     reference = Path(cfg.import_path or "") / "config.json"  # the SpecBlock reference release's config
     if cfg.import_path and reference.is_file() and "diffspec_draft_token_num" in json.loads(reference.read_text()):
         return get_kind("specblock").import_reference(Path(cfg.import_path), cfg)
+    if cfg.format not in LAYOUTS:
+        raise CheckpointError(f"format={cfg.format} is a DFlash layout; an EAGLE-3 drafter exports as format="
+                              f"{', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]}")
     loaded = load_source(source, target_record(cfg.target) if cfg.target else None)
     metrics = {**loaded.metrics, "source": str(source), "source_layout": loaded.checkpoint.layout}
     return write_export(loaded.checkpoint, cfg.out, layout=cfg.format, recipe=loaded.recipe, metrics=metrics,

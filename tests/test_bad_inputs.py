@@ -268,7 +268,7 @@ CASES = [
     ("data_prep.extract", (*EXTRACT, "n_samples=abc", "out={B}/x"), None,
      "bad value in n_samples=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     ("spectrain.export", ("ckpt={B}/e3.ckpt", "format=unknown", "out={B}/y"), None,
-     "format must be one of native, sglang, speculators, got 'unknown'"),
+     "format must be one of native, sglang, speculators, dflash, got 'unknown'"),
     ("spectrain.export", ("ckpt={B}/e3.ckpt", "dtype=fp8", "out={B}/y"), None,
      "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     ("spectrain.export", ("ckpt={B}/notckpt.ckpt", "out={B}/y"), None,
@@ -435,6 +435,11 @@ CASES = [
      "chat_template={B}/binary.jsonl is not UTF-8 text; it must be a Jinja template file"),
     ("spectrain.fit", (*FIT, "data.chat_template={B}/nope.jinja"), None,
      "chat_template={B}/nope.jinja: no such file; pass auto|none|PATH (PATH: a Jinja template file)"),
+    # the DFlash layout asked of another kind's drafter
+    ("spectrain.export", ("ckpt={B}/e3", "format=dflash", "out={B}/y"), None,
+     "format=dflash is a DFlash layout; an EAGLE-3 drafter exports as format=native, sglang or speculators"),
+    ("spectrain.export", ("import={B}/e3", "format=dflash", "out={B}/y"), None,
+     "format=dflash is a DFlash layout; an EAGLE-3 drafter exports as format=native, sglang or speculators"),
 ]
 
 

@@ -4,7 +4,8 @@
 Conventions pinned here: the library's ``aux_hidden_state_layer_ids`` are ours + 1 (HF ``hidden_states`` indices);
 its teacher applies the target's final norm itself (``verifier_norm``) to the last layer's output, ours reads the
 normed state; its loss divides by (scored slots + 1e-5), ours by the scored slots; anchors are drawn by its own
-``select_anchors`` from the same RNG state. Export layouts the engines load (issue 33 §2) are not written yet.
+``select_anchors`` from the same RNG state. The export layouts the engines load, loaded and converted by the same
+library: ``tests/test_dflash_export.py``.
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ REEXPORT = "re-export the drafter (python -m spectrain.export)"
 
 
 def write_export_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], block: dict[str, Any], *,
-                     recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None) -> Path:
+                     recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+                     engine_config: dict[str, Any] | None = None) -> Path:
     """Write ``tensors`` and the ``spectrain`` ``block`` (its ``kind`` names the drafter) to ``out_dir`` atomically;
-    refuses an existing non-empty ``out_dir`` and a block without a target record."""
+    refuses an existing non-empty ``out_dir`` and a block without a target record. ``engine_config``: the fields
+    another engine's layout reads, written in ``config.json`` beside the block (e.g. DFlash's speculators one)."""
     from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
     out = Path(out_dir)
@@ -31,7 +33,8 @@ def write_export_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], bloc
         raise ValueError(f"a {block['kind']} export must record its target: pass target=target_record(NAME)")
     with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "spectrain_kind": block["kind"]})
-        (tmp / "config.json").write_text(json.dumps({"spectrain": block}, indent=2) + "\n")
+        config = {**(engine_config or {}), "spectrain": block}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2, default=str) + "\n")
         if recipe is not None:
             (tmp / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe)))
