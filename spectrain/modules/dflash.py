@@ -1,7 +1,10 @@
 """``kind=dflash``: train the DFlash drafter (arXiv 2602.06036; recipes ``dflash_*``).
 
-Per step, per sequence: anchors sampled among the answer tokens (:func:`spectrain.dflash_losses.sample_anchors`,
-seeded by (seed, step), so a resumed run draws the same anchors); one drafter forward runs every anchor's block at
+Per step, per sequence: anchors sampled among the answer tokens (:func:`spectrain.dflash_losses.sample_anchors`),
+each row with its own generator seeded by (seed, step, the row's index in the GLOBAL batch) and over its own length,
+so a resumed run draws the same anchors and N processes with batch b draw, row for row, what one process with batch
+N·b draws (a row's anchors depend neither on the process count nor on the other rows' lengths); validation seeds a
+row by its sample index. One drafter forward runs every anchor's block at
 once with the block-sparse anchor attention (:mod:`core.drafters.dflash_attention`); the loss is the slot-weighted
 KL against the target's distribution over the draft vocabulary (:mod:`spectrain.dflash_losses`). The teacher comes
 from the stored (or online) final hidden state through the target's lm_head rows of the draft vocabulary; features
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from core.distributed import process_rank
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
@@ -84,12 +88,12 @@ class DFlashModule(DrafterModule):
 
     # -- one batch -------------------------------------------------------------------------------------------
 
-    def _slots(self, batch: dict[str, torch.Tensor], generator: torch.Generator):
+    def _slots(self, batch: dict[str, torch.Tensor], salt: int, first_row: int):
         """(student logits [N, Vd], teacher probs [N, Vd], slot of each row k [N], (b, a) [N], anchors' shape) over
-        the scored slots of this batch's blocks."""
+        the scored slots of this batch's blocks; anchors: :meth:`_anchors`."""
         model_cfg, drafter = self.cfg.model, self.drafter
         supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        anchors, valid = sample_anchors(supervised, drafter.config.block_size, model_cfg.max_anchors, generator)
+        anchors, valid = self._anchors(supervised, batch["attention_mask"], salt, first_row)
         hidden = drafter(batch["aux_hidden"], batch["input_ids"], anchors, attention=model_cfg.attention)
         b, a, k, positions = scored_slots(anchors, valid, supervised, drafter.config.block_size)
         # the teacher once per distinct position (overlapping blocks share them), over the draft vocabulary only
@@ -100,11 +104,29 @@ class DFlashModule(DrafterModule):
         teacher = (rows @ head.T).softmax(-1)[inverse]
         return drafter.head(hidden[b, a, k]), teacher, k, (b, a), anchors.shape
 
-    def _generator(self, salt: int) -> torch.Generator:
-        return torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + int(salt))
+    def _anchors(self, supervised: torch.Tensor, attention_mask: torch.Tensor, salt: int,
+                 first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [B, A], valid [B, A]) as :func:`sample_anchors` draws them, each row alone: over its own length
+        (not the batch's padded width) with a generator of (seed, ``salt``, ``first_row`` + its index), so a row's
+        anchors do not depend on which rows share its batch or process. Rows with fewer anchors are padded at the
+        front (``valid`` False), as ``sample_anchors`` pads them."""
+        block, most = self.drafter.config.block_size, self.cfg.model.max_anchors
+        rows = []
+        for i, length in enumerate(attention_mask.sum(1).tolist()):  # right-padded rows: the length is the count
+            seed = ((int(self.cfg.seed) * 1_000_003 + int(salt)) * 1_000_003 + first_row + i) % (1 << 63)
+            rows.append(sample_anchors(supervised[i: i + 1, : int(length)], block, most,
+                                       torch.Generator().manual_seed(seed)))
+        width = max(int(a.shape[1]) for a, _ in rows)
+        anchors = supervised.new_zeros(len(rows), width, dtype=torch.long)
+        valid = supervised.new_zeros(len(rows), width, dtype=torch.bool)
+        for i, (row, ok) in enumerate(rows):
+            anchors[i, width - row.shape[1]:], valid[i, width - row.shape[1]:] = row[0], ok[0]
+        return anchors, valid
 
     def training_step(self, batch, batch_idx):
-        student, teacher, k, _, _ = self._slots(batch, self._generator(self.global_step))
+        # process r holds rows [r·b, (r+1)·b) of each global batch (data_prep.rank_sampler, length buckets alike)
+        first_row = process_rank()[0] * len(batch["input_ids"])
+        student, teacher, k, _, _ = self._slots(batch, self.global_step, first_row)
         loss = weighted_kl(student, teacher, self.weights[k])
         size = len(batch["input_ids"])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
@@ -114,8 +136,8 @@ class DFlashModule(DrafterModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        # anchors fixed per validation batch: every validation pass scores the same blocks
-        student, teacher, k, (b, a), shape = self._slots(batch, self._generator(-1 - batch_idx))
+        # anchors fixed per validation sample (every process reads every batch): each pass scores the same blocks
+        student, teacher, k, (b, a), shape = self._slots(batch, -1, batch_idx * int(self.cfg.data.batch_size))
         self.log("val/loss", weighted_kl(student, teacher, self.weights[k]), batch_size=len(batch["input_ids"]))
         right = student.argmax(-1) == teacher.argmax(-1)
         alphas, masks = [], []
