@@ -54,7 +54,7 @@ ARMS = (
         ("model.train_blocks=1", "model.slot_weight=0", "model.rank_weight=0", "model.num_layers=1"),
         "that with one layer (no shift)", 0.07),
     Arm("identity", "specblock_smollm2_gsm", ("model.init=identity",),
-        "SpecBlock, shift [I | 0] and fusion condition block I at init", 0.22),
+        "SpecBlock, identity-style init (shift [I, 0], fusion condition block I)", 0.22),
     Arm("slot0_norm", "specblock_smollm2_gsm", ("model.valid_prefix=slot0_norm",),
         "SpecBlock, each slot's loss over slot 0's row count", 0.22),
     Arm("valid", "specblock_smollm2_gsm", ("model.valid_prefix=valid",),
