@@ -158,12 +158,21 @@ def recall_curve(ranks: list[dict[str, torch.Tensor]], max_f: int) -> dict[str, 
                    for f in range(1, max_f + 1)] for mode in ("full", "draft")}
 
 
-def vocab_shares(ranks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def vocab_shares(ranks: list[dict[str, torch.Tensor]], max_f: int = 8) -> dict:
+    """How many target tokens lie beyond the drafter's vocabulary limit, and how the drafter's whole head ranks
+    them where its top-1 missed (what ``fork_vocab=full`` can gain): recall at F = 1..max_f and the median fan-out
+    a fork would need to guess them."""
     cat = {key: torch.cat([r[key][1:] for r in ranks]) for key in ranks[0]}
     miss = cat["y"] != cat["a"]
+    out_ranks = cat["excl_full"][miss & cat["outside"]]
     return {"positions": int(cat["y"].numel()), "rank1_misses": int(miss.sum()),
+            "outside_positions": int(cat["outside"].sum()),
             "outside_share_all": float(cat["outside"].double().mean()),
             "outside_share_of_misses": float(cat["outside"][miss].double().mean()) if bool(miss.any()) else 0.0,
+            "outside_full_recall_given_miss": [float((out_ranks < f).double().mean()) if out_ranks.numel() else
+                                               float("nan") for f in range(1, max_f + 1)],
+            # the fan-out a fork at that position would need to guess it (1 = the first guess)
+            "outside_full_median_f_needed": int(out_ranks.median()) + 1 if out_ranks.numel() else None,
             "top1_agreement": float((~miss).double().mean())}
 
 
@@ -205,12 +214,17 @@ def compare(run: dict, ranks_by_vocab: dict[int, list[dict[str, torch.Tensor]]])
     lookups = run["cache_lookups_by_k"]
     gaps = [None if e is None or p != p else round(e - p, 4) for e, p in zip(engine, pred["replayed_by_k"])]
     weighted = [abs(g) * n for g, n in zip(gaps, lookups) if g is not None]
+    hits = sum(round((rate or 0.0) * n) for rate, n in zip(engine, lookups))
+    outside, outside_hits = run.get("cache_lookups_outside_draft_vocab"), run.get("cache_hits_outside_draft_vocab")
     return {"algorithm": run["algorithm"], "lookahead": k_max, "budget": run["ssd_budget"], "draft_vocab": vocab,
             "fork_vocab": fork, "fanout_hit": run.get("fanout_hit"), "greedy_equal_to_ar": run.get("greedy_equal_to_ar"),
             "tau": run.get("tau"), "engine_hit_rate": run["cache_hit_rate"], "engine_hit_rate_by_k": engine,
             "engine_lookups_by_k": lookups, "engine_lookup_fanout_by_k": run["cache_lookup_fanout_by_k"],
             "engine_lookups_outside_draft_vocab": run.get("cache_lookups_outside_draft_vocab"),
-            "engine_hits_outside_draft_vocab": run.get("cache_hits_outside_draft_vocab"),
+            "engine_hits_outside_draft_vocab": outside_hits,
+            # the hit rate over the lookups whose bonus the drafter can propose (id < draft_vocab)
+            "engine_hit_rate_inside_draft_vocab": None if outside is None or sum(lookups) == outside else
+            (hits - outside_hits) / (sum(lookups) - outside),
             **pred, "engine_minus_replayed_by_k": gaps,
             "mean_abs_gap_per_lookup": sum(weighted) / max(sum(n for g, n in zip(gaps, lookups) if g is not None), 1)}
 
@@ -240,7 +254,7 @@ def measure(cfg) -> dict:
     return {"eval": cfg.eval, "drafter": cfg.drafter, "target": target_name, "dtype": dtype, "bench": benches[0],
             "n_prompts": len(prompts), "max_new_tokens": ecfg["max_new_tokens"],
             "answer_tokens": sum(len(a) for a in answers), "seconds": round(time.perf_counter() - start, 1),
-            "by_draft_vocab": {str(v): {**vocab_shares(r), "recall_given_miss": recall_curve(r, max_f)}
+            "by_draft_vocab": {str(v): {**vocab_shares(r, max_f), "recall_given_miss": recall_curve(r, max_f)}
                                for v, r in ranks_by_vocab.items()},
             "runs": [compare(r, ranks_by_vocab) for r in runs]}
 
@@ -256,6 +270,11 @@ def report(result: dict) -> str:
         lines.append(f"draft_vocab={vocab}: top-1 agreement {v['top1_agreement']:.3f}; target ids >= draft_vocab: "
                      f"{v['outside_share_all']:.3f} of {v['positions']} positions, {v['outside_share_of_misses']:.3f} "
                      f"of {v['rank1_misses']} rank-1 misses")
+        if v["outside_positions"]:
+            lines.append(f"  the drafter's whole head on the {v['outside_positions']} target ids >= draft_vocab where "
+                         f"its top-1 missed: in ranks 2..F+1 for F = 1..{len(v['outside_full_recall_given_miss'])}: "
+                         + " ".join(f"{c:.3f}" for c in v["outside_full_recall_given_miss"])
+                         + f"; median F needed {v['outside_full_median_f_needed']}")
         for mode, curve in v["recall_given_miss"].items():
             lines.append(f"  P(target in ranks 2..F+1 | rank-1 miss), {mode} vocab, F = 1..{len(curve)}: "
                          + " ".join(f"{c:.3f}" for c in curve))
@@ -266,7 +285,8 @@ def report(result: dict) -> str:
                   f"{_fmt(run['engine_hit_rate'])}, replayed prediction {_fmt(run['replayed_hit_rate'])}; lookups of "
                   f"a bonus id >= draft_vocab: engine {run['engine_lookups_outside_draft_vocab']} "
                   f"({run['engine_hits_outside_draft_vocab']} hits), replay "
-                  f"{run['replayed_lookups_outside_draft_vocab']}", "",
+                  f"{run['replayed_lookups_outside_draft_vocab']}; engine hit rate on the other lookups "
+                  f"{_fmt(run['engine_hit_rate_inside_draft_vocab'])}", "",
                   "| k | engine lookups | replayed lookups | F_k at lookup (F: count) | engine hit rate | "
                   "teacher-forced, SSD's lookups | teacher-forced, all misses | engine − replayed |",
                   "|---|---|---|---|---|---|---|---|"]

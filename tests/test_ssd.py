@@ -448,6 +448,14 @@ def test_teacher_forced_replay_predicts_the_engines_hit_rate_by_k(greedy_referen
                                                     "recall_given_miss": recall.recall_curve(ranks[64], 2)}},
                           "runs": [result]})
     assert "| 3 (= K) |" in text and "rank-1 misses" in text
+    shares = recall.vocab_shares(ranks[64], 4)
+    outside = sum(int(r["outside"][1:].sum()) for r in ranks[64])
+    assert shares["outside_positions"] == outside > 0 and len(shares["outside_full_recall_given_miss"]) == 4
+    assert shares["outside_share_all"] == pytest.approx(outside / shares["positions"])
+    lookups, outside_lookups = sum(record["cache_lookups_by_k"]), record["cache_lookups_outside_draft_vocab"]
+    hits = round(record["cache_hit_rate"] * lookups)
+    assert result["engine_hit_rate_inside_draft_vocab"] == pytest.approx(
+        (hits - record["cache_hits_outside_draft_vocab"]) / (lookups - outside_lookups))
 
 
 def test_ssd_recall_cli_reads_an_evaluate_run(tmp_path, capsys):
