@@ -32,6 +32,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from benchmarks.hsd_block_efficiency import GOAL as HSD_GOAL
 from benchmarks.scaling import answer_tokens_per_sample
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.drafters import serving_dtype
@@ -41,8 +42,10 @@ from inference.device import cpu_has_native_bf16
 USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"
 SETTINGS = ("gsm", "general")
 DRAFT_VOCAB = 8192  # the draft LM proposes from the 8,192 lowest ids (what draftlm_smollm2_gsm trains)
-# SSD's cache budget in its reference code's runs: F = 3 guesses at each of the K + 1 acceptance lengths (K = 4 here)
-SSD_REFERENCE_BUDGET = 3 * (4 + 1)
+# SSD's shape in its reference code's runs: K = 7 drafted tokens, a uniform fan-out of F = 3 guesses at each
+# acceptance length, B = 24 cached outcomes
+SSD_REFERENCE = "gamma=7@ssd_budget=24@ssd_fanout=uniform"
+HSD_GAMMA = 8  # the paper drafts gamma = 10; its lossless Blockwise gains are measured in this class (>= 8)
 # EAGLE-3's steps by setting: gsm ~24 min on one core of the reference CPU (3.0 s a step, bf16 autocast); general
 # (ShareGPT, up to 512 tokens a sample) as many as fit the 2-hour budget with the regenerated data
 EAGLE3_STEPS = {"gsm": 480, "general": 200}
@@ -109,9 +112,9 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
         return runs / run / "checkpoints" / "last.ckpt"
 
     # HSD equals tokenwise at T = 0; its figure is the T = 1 stage ("hsd") below.
-    # SSD at the engine's default budget (8) and at the reference code's (F = 3 per acceptance length, B = 15),
+    # SSD at the engine's default budget (8) and in the reference code's shape (K = 7, uniform F = 3, B = 24),
     # in one process and with the drafter in a second process (the overlap SSD is built for).
-    ssd_reference = f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}"
+    ssd_reference = f"ssd@draft_vocab={DRAFT_VOCAB}@{SSD_REFERENCE}"
     algorithms = [f"sps@draft_vocab={DRAFT_VOCAB}", f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess",
                   f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess", f"ssd@draft_vocab={DRAFT_VOCAB}",
                   ssd_reference, f"{ssd_reference}@executor=multiprocess",
@@ -159,9 +162,9 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
                "split=train", "n_samples=32", "gamma=4", "max_new_tokens=96", f"draft_vocab={DRAFT_VOCAB}",
                f"out={out / 'traces'}"), out / "traces", group="last"),
-        stage("hsd", 0.008 * cfg.hsd_rounds, f"HSD (capped) vs tokenwise block efficiency at T = 1, {cfg.hsd_rounds} rounds",
+        stage("hsd", 0.008 * cfg.hsd_rounds, f"HSD (capped) vs tokenwise block efficiency at T = 1, gamma {HSD_GAMMA}, {cfg.hsd_rounds} rounds",
               ("benchmarks.hsd_block_efficiency", "target=smollm2", f"drafter={exports / 'draft_lm'}",
-               "bench=[gsm_symbolic]", f"n_prompts={cfg.n_prompts}", "max_new_tokens=128", "gamma=4",
+               "bench=[gsm_symbolic]", f"n_prompts={cfg.n_prompts}", "max_new_tokens=128", f"gamma={HSD_GAMMA}",
                "temperature=1.0", f"min_rounds={cfg.hsd_rounds}", f"draft_vocab={DRAFT_VOCAB}", "threads=1",
                f"out={out / 'hsd.json'}"), out / "hsd.json", group="last"),
         stage("train-hrad", 0.3, "H-RAD on the traces", ("spectrain.fit", "recipe=demo_hrad", f"runs_dir={runs}",
@@ -354,15 +357,15 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     ssd = runs[f"ssd@draft_vocab={DRAFT_VOCAB}"]
     hit = ssd.get("cache_hit_rate")
     add("GSM: SSD cache hit rate (T = 0)", "≥ 0.6", hit, hit is not None and hit >= 0.6)
-    reference = runs.get(f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}")
+    reference = runs.get(f"ssd@draft_vocab={DRAFT_VOCAB}@{SSD_REFERENCE}")
     if reference is not None:
         hit = reference.get("cache_hit_rate")
-        add(f"GSM: SSD cache hit rate (T = 0), the reference's budget B = {SSD_REFERENCE_BUDGET}", "≥ 0.6", hit,
+        add("GSM: SSD cache hit rate (T = 0), the reference's shape (K = 7, uniform F = 3, B = 24)", "≥ 0.6", hit,
             hit is not None and hit >= 0.6, f"{_fmt(hit)} ({reference['speedup_vs_ar']:.2f}× AR in one process)")
-    overlapped = runs.get(f"ssd@draft_vocab={DRAFT_VOCAB}@ssd_budget={SSD_REFERENCE_BUDGET}@executor=multiprocess")
+    overlapped = runs.get(f"ssd@draft_vocab={DRAFT_VOCAB}@{SSD_REFERENCE}@executor=multiprocess")
     if overlapped is not None:  # informational: the SSD goal on speed is a GPU one (≥ 1.3× SpS)
         ratio = overlapped["tokens_per_s"] / sps["tokens_per_s"]
-        add("GSM: SSD (B = 15, drafter in a second process) tokens/s ÷ SpS's", "–", ratio, None,
+        add("GSM: SSD (reference shape, drafter in a second process) tokens/s ÷ SpS's", "–", ratio, None,
             f"{ratio:.2f} (hit rate {_fmt(overlapped.get('cache_hit_rate'))})")
     branch = runs[f"specbranch@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
     pearl = runs[f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
@@ -375,11 +378,14 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     if hsd_file.is_file():
         summary = json.loads(hsd_file.read_text())["summary"]
         measured, exact = summary["measured"], summary["same_draft_exact"]
-        low, high = measured["ci95"]
-        verdict = True if low >= 1.03 else False if high < 1.03 else None  # None: the CI straddles the goal
-        add("GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1", "≥ 1.03", measured["ratio"], verdict,
-            f"{measured['ratio']:.3f} [95 % CI {low:.3f}, {high:.3f}]; same-draft exact {exact['ratio']:.3f} "
-            f"[{exact['ci95'][0]:.3f}, {exact['ci95'][1]:.3f}]")
+        low, high = exact["ci95"]  # judged on the same-draft exact expectation: the measured ratio's CI is ±15 %
+        verdict = True if low >= HSD_GOAL else False if high < HSD_GOAL else None  # None: the CI straddles it
+        lossy = summary.get("lossy_share_of_uncapped_gain")
+        add(f"GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1, γ = {summary.get('gamma')}",
+            f"≥ {HSD_GOAL} (the paper's lossless Blockwise gain)", exact["ratio"], verdict,
+            f"same-draft exact {exact['ratio']:.3f} [95 % CI {low:.3f}, {high:.3f}]; measured {measured['ratio']:.3f} "
+            f"[{measured['ci95'][0]:.3f}, {measured['ci95'][1]:.3f}]"
+            + (f"; the uncapped rule's lossy share of its gain {lossy['ratio']:.3f}" if lossy else ""))
     add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
     return rows
 

@@ -105,8 +105,8 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
             _record(f"pearl@draft_vocab={v}@executor=multiprocess", 2.0, 1.2),
             _record(f"specbranch@draft_vocab={v}@executor=multiprocess", 2.1, 1.3, rollback_rate_speculated=0.25),
             _record(f"ssd@draft_vocab={v}", 2.5, 0.9, cache_hit_rate=0.4),
-            _record(f"ssd@draft_vocab={v}@ssd_budget=15", 2.5, 0.7, cache_hit_rate=0.65),
-            _record(f"ssd@draft_vocab={v}@ssd_budget=15@executor=multiprocess", 2.5, 1.2, cache_hit_rate=0.64),
+            _record(f"ssd@draft_vocab={v}@{dq.SSD_REFERENCE}", 2.5, 0.7, cache_hit_rate=0.65),
+            _record(f"ssd@draft_vocab={v}@{dq.SSD_REFERENCE}@executor=multiprocess", 2.5, 1.2, cache_hit_rate=0.64),
             _record("eagle3_tree", 3.2, 1.1)]
     (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
     (out / "eval_specblock").mkdir()  # SpecBlock beside EAGLE-3 in a run of their own (its τ differs from above's)
@@ -123,21 +123,30 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
         "0.94 (τ 2.82 vs 3.00; training 29.0 vs 30.0 min)", "no")
     assert rows["GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's"] == ("0.40", "yes")
     assert rows["GSM: SSD cache hit rate (T = 0)"] == ("0.40", "no")
-    assert rows["GSM: SSD cache hit rate (T = 0), the reference's budget B = 15"] == ("0.65 (0.70× AR in one process)",
-                                                                                      "yes")
-    assert rows["GSM: SSD (B = 15, drafter in a second process) tokens/s ÷ SpS's"] == ("0.75 (hit rate 0.64)", "–")
+    assert rows["GSM: SSD cache hit rate (T = 0), the reference's shape (K = 7, uniform F = 3, B = 24)"] == (
+        "0.65 (0.70× AR in one process)", "yes")
+    assert rows["GSM: SSD (reference shape, drafter in a second process) tokens/s ÷ SpS's"] == ("0.75 (hit rate 0.64)",
+                                                                                               "–")
     assert rows["GSM: SpecBranch rollback (speculated) ÷ SpS's"] == ("0.50", "yes")
     assert rows["GSM: SpecBranch vs PEARL tokens/s (two processes)"] == ("13.0 vs 12.0", "yes")
     assert rows["greedy output = AR in every run"] == ("yes", "yes")
     assert "train-eagle3 30.0" in dq.goal_table("gsm", out)
-    summary = {"measured": {"ratio": 1.07, "ci95": [0.95, 1.24]}, "same_draft_exact": {"ratio": 1.02, "ci95": [1.01, 1.03]}}
+    summary = {"gamma": 8, "measured": {"ratio": 1.07, "ci95": [0.95, 1.24]},
+               "same_draft_exact": {"ratio": 1.02, "ci95": [1.01, 1.03]}}
     (out / "hsd.json").write_text(json.dumps({"summary": summary}))
     (out / "agreement.json").write_text(json.dumps({"top1_agreement": 0.55, "top_k_recall": {"1": 0.55, "4": 0.8}}))
     rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
     assert rows["GSM: draft LM top-1 agreement with the target (held-out, teacher-forced on AR's answers)"] == (
         "0.55 (top-4 recall 0.80; a round's first draft token accepted: 0.70)", "no")
-    assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1"] == (
-        "1.070 [95 % CI 0.950, 1.240]; same-draft exact 1.020 [1.010, 1.030]", "–")  # the CI straddles 1.03
+    assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1, γ = 8"] == (
+        "same-draft exact 1.020 [95 % CI 1.010, 1.030]; measured 1.070 [0.950, 1.240]", "–")  # straddles 1.014
+    summary["same_draft_exact"]["ci95"] = [1.018, 1.046]
+    summary["lossy_share_of_uncapped_gain"] = {"ratio": 0.0531}
+    (out / "hsd.json").write_text(json.dumps({"summary": summary}))
+    rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1, γ = 8"] == (
+        "same-draft exact 1.020 [95 % CI 1.018, 1.046]; measured 1.070 [0.950, 1.240]; the uncapped rule's lossy "
+        "share of its gain 0.053", "yes")
 
 
 def test_block_drafters_are_compared_with_the_fastest_eagle3_setting(tmp_path):
