@@ -104,13 +104,13 @@ def load_theirs(directory: Path) -> DFlashDraftModel:
 def assert_loaded_exactly(theirs: DFlashDraftModel, directory: Path, target: torch.nn.Module) -> None:
     """Every tensor of the file in the model, every model tensor from the file or (verifier-owned) the target:
     nothing missing, unexpected or left at the library's NaN initialisation."""
-    file, state = load_file(str(directory / "model.safetensors")), theirs.state_dict()
+    file, state, vocab = load_file(str(directory / "model.safetensors")), theirs.state_dict(), target.config.vocab_size
     assert not VERIFIER_OWNED & set(file)
-    reloaded = VERIFIER_OWNED | ({"lm_head.weight"} if theirs.draft_vocab_size == VOCAB else set())
+    reloaded = VERIFIER_OWNED | ({"lm_head.weight"} if theirs.draft_vocab_size == vocab else set())
     assert set(state) - reloaded == set(file), set(state) ^ set(file)
     for name, tensor in file.items():
         assert torch.equal(state[name].to(tensor.dtype), tensor), name
-    rows = state["t2d"].bool() if "t2d" in state else torch.ones(VOCAB, dtype=torch.bool)
+    rows = state["t2d"].bool() if "t2d" in state else torch.ones(vocab, dtype=torch.bool)
     assert torch.equal(state["embed_tokens.weight"], target.get_input_embeddings().weight.detach())
     assert torch.equal(state["lm_head.weight"], target.lm_head.weight.detach()[rows])
     assert torch.equal(state["verifier_lm_head.weight"], target.lm_head.weight.detach()[rows])
@@ -187,25 +187,28 @@ def test_layer_ids_speculators_plus_one_and_never_the_final_layer(tmp_path, tiny
     assert not (tmp_path / "x").exists()
 
 
-def our_block(target: LoadedModel, drafter: DFlashDrafter) -> tuple[list[int], torch.Tensor, object]:
+def our_block(target: LoadedModel, drafter: DFlashDrafter,
+              prompt: list[int] = PROMPT) -> tuple[list[int], torch.Tensor, object]:
     """The block our engine drafts after the prompt (target ids), its draft-vocabulary logits and the prefill."""
     algo = build_algorithm("dflash", target.runner, drafter)
-    start = algo._prefill(PROMPT, OutputBuffer(32, []), GREEDY, None, GenerationStats())
-    logits = drafter.draft(drafter.new_cache(64), start.features, start.root)[0]
+    start = algo._prefill(prompt, OutputBuffer(32, []), GREEDY, None, GenerationStats())
+    logits = drafter.draft(drafter.new_cache(max(64, len(prompt) + 2 * drafter.config.block_size)), start.features,
+                           start.root)[0]
     drafts, _ = algo._draft(logits, GREEDY, None)
     return drafts.tolist(), logits, start
 
 
-def their_block(theirs: DFlashDraftModel, start) -> tuple[list[int], torch.Tensor]:
+def their_block(theirs: DFlashDraftModel, start, prompt: list[int] = PROMPT) -> tuple[list[int], torch.Tensor]:
     """What the library drafts from the same context: its training forward with one anchor, at the position after
     the prompt (the root token), reading the prompt's features; the positions after the block are padding."""
-    n, width = len(PROMPT), len(PROMPT) + 2 * BLOCK
+    n, width = len(prompt), len(prompt) + 2 * theirs.block_size
     features = torch.cat([start.features, start.features.new_zeros(1, width - n, start.features.shape[-1])], 1)
-    ids = torch.tensor([PROMPT + [start.root] + [0] * (width - n - 1)])
+    ids = torch.tensor([prompt + [start.root] + [0] * (width - n - 1)])
     anchor = torch.zeros(1, width)
     anchor[0, n] = 1.0  # the only eligible anchor
+    hidden = theirs.config.transformer_layer_config.hidden_size  # the verifier's last state: the teacher, unused here
     with torch.no_grad():
-        _, logits, _, _, _ = theirs._backbone_forward(features, ids, anchor, features.new_zeros(1, width, 32),
+        _, logits, _, _, _ = theirs._backbone_forward(features, ids, anchor, features.new_zeros(1, width, hidden),
                                                       torch.zeros(1, width, dtype=torch.long), max_anchors=1)
     logits = logits[0, 1:]  # slot 0 is the anchor
     drafted = logits.argmax(-1)

@@ -421,7 +421,9 @@ def build_drafter(config: DFlashConfig, tensors: dict[str, torch.Tensor], embed_
     placeholder = torch.zeros(config.vocab_size, config.hidden_size, dtype=dtype)
     drafter.use_target_embedding(placeholder if embed_weight is None else embed_weight)
     drafter.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # off the meta device
-    drafter.use_target_head(placeholder if head_weight is None else head_weight)
+    # detached: the target's head is a Parameter (the engine's runner), which the module would register as its own
+    # ``_target_head`` (an extra tensor in its state_dict and parameters)
+    drafter.use_target_head(placeholder if head_weight is None else head_weight.detach())
     return drafter
 
 
