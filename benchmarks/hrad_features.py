@@ -24,12 +24,13 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from core.atomic import atomic_write_text
 from core.drafters.hrad import HRAD, NUM_CLASSES, HRADConfig, check_boundaries, default_boundaries
@@ -226,7 +227,8 @@ def run(cfg: HRADFeaturesConfig) -> dict[str, Any]:
                     "auc_ci95": bootstrap_auc(mean[:, 0], positive, test.prompts, cfg.bootstrap),
                     "balanced_accuracy_per_seed": [balanced_accuracy(p.argmax(-1), test.labels) for p in probs],
                 })
-    summary = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "class_counts": counts,
+    settings = OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else asdict(cfg)
+    summary = {"config": settings, "class_counts": counts,
                "held_out_prompts": sorted(int(p) for p in held_out), "results": results}
     if cfg.out:
         atomic_write_text(Path(cfg.out), json.dumps(summary, indent=2) + "\n")

@@ -124,6 +124,10 @@ def test_continuation_cut_per_class():
     assert continuation_to_keep(1, confidence, 0.3) == 2  # 1st continuation kept even though low; stops at c_3
     assert continuation_to_keep(1, confidence, 0.05) == 4
     assert continuation_to_keep(2, confidence, 0.3) == 4
+    # cut_from=1: the rule also checks the first continuation token, so it may keep none
+    assert continuation_to_keep(1, confidence, 0.3, cut_from=1) == 0
+    assert continuation_to_keep(1, [0.9, 0.5, 0.8, 0.2, 0.9], 0.3, cut_from=1) == 2
+    assert continuation_to_keep(0, confidence, 0.3, cut_from=1) == 0
 
 
 def test_hrad_features_follow_the_last_k_convention():
@@ -177,6 +181,8 @@ def test_bad_options_are_one_line_errors(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="gamma and kmax must be >= 1"):
         specbranch(target, draft, kmax=0)
+    with pytest.raises(ValueError, match="specbranch_cut_from must be 1 .* or 2"):
+        specbranch(target, draft, cut_from=3)
     with pytest.raises(ValueError, match="is not an H-RAD export"):
         specbranch(target, draft, hrad="/nonexistent/hrad")
     side = draft_side_from_runner(runner(draft), 1)
@@ -344,3 +350,22 @@ def test_sps_gamma_7_runs_beside_gamma_4(pair):
         algo = build_algorithm("sps", runner(target), runner(draft), **options)
         result = algo.generate(PROMPT, max_new_tokens=30, sampling=GREEDY)
         assert result.tokens == ar_tokens(target, 30) and len(result.stats.attempted_at) == gamma
+
+
+def test_cut_from_the_first_continuation_token_is_lossless_and_keeps_less(pair):
+    """specbranch_cut_from=1: the confidence rule may keep no continuation token; greedy output stays AR's, and
+    it never keeps more than the authors' rule (cut_from=2) on the same survivor."""
+    target, draft = pair
+    for eps in (0.3, 0.9):
+        rounds, points = [], []
+        algo = specbranch(target, draft, rounds, gamma=4, kmax=3, epsilon=eps, cut_from=1, on_branch=points.append)
+        assert algo.generate(PROMPT, max_new_tokens=30, sampling=GREEDY).tokens == ar_tokens(target, 30)
+        for point in points:
+            assert point.keep == continuation_to_keep(1, list(point.confidence), eps, cut_from=1)
+            assert point.keep <= continuation_to_keep(1, list(point.confidence), eps)
+    assert any(p.keep == 0 for p in points)  # ε = 0.9: some first continuation tokens are below it
+    from inference import evaluate as evaluate_cli
+    from inference.algorithms import algorithm_class
+
+    cfg = evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "specbranch_cut_from=1"])
+    assert algorithm_class("specbranch").options_from_config(cfg)["cut_from"] == 1

@@ -98,6 +98,9 @@ class SpecBranchOptions(ChainOptions, OverlapOptions):
     hrad: str = "auto"
     specbranch_kmax: int = 3  # most branches per branch point; 1 = "w/o branching"
     specbranch_eps: float | None = None  # confidence threshold ε; None = the H-RAD export's, else 0.3
+    # first continuation token the confidence rule (class 1) checks: 2 = the authors' code (keeps at least one);
+    # 1 = it may keep none, so a low-confidence first continuation token is not bet on
+    specbranch_cut_from: int = 2
 
 
 @dataclass

@@ -11,7 +11,8 @@ At the join: U is verified with the deterministic-draft rule (§1.2; its tokens 
 lossless **Match** at the branch point (§2.6): z ~ p_b is always the emitted token and the branch whose token
 equals z (if any) survives. Then H-RAD, on the target's features at the position before the survivor's token
 (posterior: the newest target pass), decides how much of the survivor's continuation becomes the next U:
-class 0 none, class 1 up to the first low-confidence token (max q < ε, checked from the 2nd on), class 2 all.
+class 0 none, class 1 up to the first low-confidence token (max q < ε, checked from the 2nd on, or from the
+1st with ``specbranch_cut_from=1``), class 2 all.
 ``hrad=none`` applies the confidence rule (class 1) every round: the "w/o H-RAD" ablation; ``kmax=1`` is
 "w/o branching". Measurement policies (T = 0 only for the oracles): ``hrad=class0`` keeps no continuation (always
 class 0), ``hrad=class2`` keeps it all; ``hrad=oracle`` takes the true class, and ``hrad=oracle_keep`` keeps exactly
@@ -108,15 +109,16 @@ def true_class(realised: int, gamma: int) -> int:
     return 0 if realised == 0 else 2 if realised >= gamma - 1 else 1
 
 
-def continuation_to_keep(hrad_class: int, confidence: list[float], epsilon: float) -> int:
+def continuation_to_keep(hrad_class: int, confidence: list[float], epsilon: float, cut_from: int = 2) -> int:
     """Survivor continuation tokens kept (§2.3 table); ``confidence`` [γ] is the survivor's, index 0 = the branch
-    token. Class 1 stops before the first continuation token (from the 2nd on) with confidence < ε."""
+    token. Class 1 stops before the first continuation token with confidence < ε, checked from continuation token
+    ``cut_from`` on: 2 (the authors' code) always keeps the first, 1 lets the rule keep none."""
     gamma = len(confidence)
     if hrad_class == 0:
         return 0
     if hrad_class == 2:
         return gamma - 1
-    for j in range(2, gamma):
+    for j in range(cut_from, gamma):
         if confidence[j] < epsilon:
             return j - 1
     return gamma - 1
@@ -148,13 +150,17 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def __init__(self, target, draft, *, gamma: int = 4, kmax: int = 3, hrad: str | ClassPredictor | None = None,
                  epsilon: float | None = None, executor: str = "sequential", on_round: RoundHook | None = None,
                  on_branch: BranchHook | None = None, branch_capture_layers: Sequence[int] = (),
-                 branch_seed: int = 0, **kwargs: Any):
+                 branch_seed: int = 0, cut_from: int = 2, **kwargs: Any):
         """``hrad``: an H-RAD export path or predictor object, or a policy of :data:`POLICIES` (None = "none").
         ``on_branch`` receives a :class:`BranchPoint` with the target's hidden states of ``branch_capture_layers``
         at every surviving branch; at T > 0 its realised count draws on its own generator (``branch_seed``), never
         on the generation's."""
         if gamma < 1 or kmax < 1:
             raise ValueError(f"gamma and kmax must be >= 1 (branch length, most branches), got {gamma} and {kmax}")
+        if cut_from not in (1, 2):
+            raise ValueError(f"specbranch_cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
+                             f"(it keeps at least one, as the authors' code), got {cut_from}")
+        self.cut_from = cut_from
         super().__init__(target, draft, executor=executor, max_batch=kmax, **kwargs)
         self.gamma, self.kmax = gamma, kmax
         self.policy = policy_name(hrad)
@@ -171,7 +177,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
     @classmethod
     def options_from_config(cls, cfg) -> dict:
         return {"gamma": cfg.gamma, "kmax": cfg.specbranch_kmax, "hrad": cfg.hrad, "epsilon": cfg.specbranch_eps,
-                "executor": cfg.executor, "draft_path": cfg.drafter}
+                "cut_from": cfg.specbranch_cut_from, "executor": cfg.executor, "draft_path": cfg.drafter}
 
     def lookahead(self) -> int:
         return 2 * self.gamma
@@ -223,7 +229,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
                 return cls, realised
         else:
             cls = {"none": 1, "class0": 0, "class2": 2}[self.policy]
-        return cls, continuation_to_keep(cls, confidence, self.epsilon)
+        return cls, continuation_to_keep(cls, confidence, self.epsilon, self.cut_from)
 
     def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
                   generator: torch.Generator | None, stats: GenerationStats) -> None:
