@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_algorithms import GREEDY, runner, tiny_llama
 from test_eagle3_tree import random_drafter
+from tiny_targets import set_random_vocab_map
 
 from inference.algorithms import build_algorithm
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
@@ -443,10 +444,7 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config, embed_weight=target.runner.embed_tokens.weight)
     vocab = config.vocab_size
-    used = torch.sort(torch.randperm(vocab)[:256]).values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    drafter.set_vocab_map(used - torch.arange(256), t2d)
+    set_random_vocab_map(drafter, vocab, 256)
     export = write_export(Eagle3Checkpoint.from_drafter(drafter, target_record(str(target_dir))), tmp_path / "e3")
 
     online = build_algorithm("eagle3_tree", target.runner, load_eagle3(str(export), target), tree_depth=3,

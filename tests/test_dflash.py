@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_algorithms import tiny_llama
+from tiny_targets import set_random_vocab_map
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 
@@ -24,10 +25,7 @@ def make_drafter(target, *, draft_vocab: int = 60, seed: int = 3, block_size: in
     drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(),
                   head_weight=target.lm_head.weight.detach(), **kw)
     vocab = target.config.vocab_size
-    used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
+    set_random_vocab_map(drafter, vocab, draft_vocab)
     return drafter
 
 

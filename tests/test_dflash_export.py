@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.convert.dflash import DFlashConverter
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 from test_eagle3_export import tiny_target
+from tiny_targets import set_random_vocab_map
 from transformers import AutoConfig
 
 from core.assets import target_record
@@ -64,10 +66,7 @@ def make_drafter(target: LoadedModel, *, draft_vocab: int = 40, aux: list[int] =
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     if draft_vocab < VOCAB:
-        used = torch.sort(torch.randperm(VOCAB)[:draft_vocab]).values
-        t2d = torch.zeros(VOCAB, dtype=torch.bool)
-        t2d[used] = True
-        drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
+        set_random_vocab_map(drafter, VOCAB, draft_vocab)
     return drafter.eval()
 
 

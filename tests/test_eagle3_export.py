@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_targets import set_random_vocab_map
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -61,10 +62,7 @@ def make_drafter(target_config, *, seed: int = 1, hidden: int | None = None, **o
         for name, param in drafter.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.uniform_(0.5, 1.5)
-    used = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[used] = True
-    drafter.set_vocab_map(used - torch.arange(DRAFT_VOCAB), t2d)
+    set_random_vocab_map(drafter, VOCAB, DRAFT_VOCAB)
     return drafter
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from tiny_targets import set_random_vocab_map
 
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
@@ -24,10 +25,7 @@ def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=Eagle3Drafter
     torch.manual_seed(seed)
     drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
     vocab = target.config.vocab_size
-    used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
+    set_random_vocab_map(drafter, vocab, draft_vocab)
     return drafter.eval()
 
 

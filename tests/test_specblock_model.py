@@ -7,12 +7,22 @@ import math
 
 import pytest
 import torch
+from tiny_targets import set_random_vocab_map
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.assets import target_record
-from core.drafters.specblock import (BlockKV, SpecBlockConfig, SpecBlockDrafter, first_block_mask,
-                                     later_block_mask, load_native, rank_bucket, rank_features, save_native,
-                                     shift_slots)
+from core.drafters.specblock import (
+    BlockKV,
+    SpecBlockConfig,
+    SpecBlockDrafter,
+    first_block_mask,
+    later_block_mask,
+    load_native,
+    rank_bucket,
+    rank_features,
+    save_native,
+    shift_slots,
+)
 from inference.drafters import LoadedModel, load_specblock
 from inference.runner import ModelRunner
 
@@ -35,10 +45,7 @@ def make_drafter(*, draft_vocab: int = VOCAB, seed: int = 0, dtype=torch.float32
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.uniform_(0.5, 1.5)
     if draft_vocab < VOCAB:
-        used = torch.sort(torch.randperm(VOCAB)[:draft_vocab]).values
-        t2d = torch.zeros(VOCAB, dtype=torch.bool)
-        t2d[used] = True
-        drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
+        set_random_vocab_map(drafter, VOCAB, draft_vocab)
     return drafter.to(dtype).eval()
 
 

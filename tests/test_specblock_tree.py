@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from tiny_targets import set_random_vocab_map
 
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from inference.algorithms import build_algorithm
@@ -27,10 +28,7 @@ def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=SpecBlockDraf
     drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
     vocab = target.config.vocab_size
     if draft_vocab < vocab:
-        used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[used] = True
-        drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
+        set_random_vocab_map(drafter, vocab, draft_vocab)
     return drafter.eval()
 
 

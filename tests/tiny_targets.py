@@ -58,3 +58,12 @@ def write_jsonl(path: Path, n: int, *, prompt_only_every: int = 0) -> Path:
         lines.append({"id": f"chat-{i}", "messages": messages})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
+
+
+def set_random_vocab_map(drafter, vocab: int, draft_vocab: int) -> None:
+    """A random reduced draft vocabulary for ``drafter``: ``draft_vocab`` of the ``vocab`` ids, drawn from the global
+    RNG (sorted, as a trained map's are)."""
+    used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
