@@ -131,6 +131,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     specbranch_runs = [f"sps@draft_vocab={DRAFT_VOCAB}", f"sps@draft_vocab={DRAFT_VOCAB}@gamma=7", branch,
                        f"{branch}@hrad={hrad_serving}", f"{branch}@hrad=none", f"{branch}@hrad=class0",
                        f"{branch}@hrad=oracle", f"{branch}@hrad=oracle_keep"]
+    # The confidence rule's settings (ε, specbranch_cut_from) and SpecBranch at γ = 7 (the paper's γ_max) beside
+    # SpS at γ = 7: the second run of the SpecBranch figures
+    specbranch_rules = [f"{branch}@hrad=none@specbranch_cut_from=1",
+                        f"{branch}@hrad=none@specbranch_cut_from=1@specbranch_eps=0.5", f"{branch}@specbranch_cut_from=1",
+                        f"{branch}@hrad=none@specbranch_eps=0.5", f"{branch}@gamma=7@hrad=none",
+                        f"{branch}@gamma=7@hrad=oracle", f"{branch}@gamma=7@hrad=oracle_keep"]
     blocks = ["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
               "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree",
               "specblock_tree@specblock_budget=16@specblock_width=4", "dflash"]
@@ -211,6 +217,13 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                f"algorithms=[{','.join(specbranch_runs)}]", "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
                f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
                f"out={out / 'eval_specbranch'}"), out / "eval_specbranch" / "results.json"),
+        stage("evaluate-specbranch-rules", 2.0 * (len(specbranch_rules) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
+              f"SpecBranch's confidence rule (ε 0.5, from the first continuation token) and γ = 7 on the same "
+              f"{cfg.n_prompts} prompts (rollback and τ; not timed)",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
+               f"algorithms=[{','.join(specbranch_rules)}]", "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
+               f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
+               f"out={out / 'eval_specbranch_rules'}"), out / "eval_specbranch_rules" / "results.json"),
     ]
 
 
@@ -371,6 +384,17 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
     pearl = runs[f"pearl@draft_vocab={DRAFT_VOCAB}@executor=multiprocess"]
     rb = branch.get("rollback_rate_speculated", branch["rollback_rate"]) / max(sps["rollback_rate"], 1e-9)
     add("GSM: SpecBranch rollback (speculated) ÷ SpS's", "≤ 0.6", rb, rb <= 0.6)
+    policies_file = out / "eval_specbranch" / "results.json"
+    if policies_file.is_file():  # what the policy is worth: the same prompts under each, and the oracles' bounds
+        policies = _runs(json.loads(policies_file.read_text()))
+        lossless = lossless and all(r.get("greedy_equal_to_ar", True) for r in policies.values())
+        base = policies[f"sps@draft_vocab={DRAFT_VOCAB}"]["rollback_rate"]
+        named = {"H-RAD": "", "none": "@hrad=none", "true-class oracle": "@hrad=oracle",
+                 "exact-length oracle": "@hrad=oracle_keep"}
+        ratios = {name: policies[f"specbranch@draft_vocab={DRAFT_VOCAB}{suffix}"]["rollback_rate_speculated"] / base
+                  for name, suffix in named.items() if f"specbranch@draft_vocab={DRAFT_VOCAB}{suffix}" in policies}
+        add("GSM: SpecBranch rollback (speculated) ÷ SpS's (γ = 4), by policy (evaluate-specbranch)", "≤ 0.6", None,
+            None, "; ".join(f"{name} {value:.2f}" for name, value in ratios.items()))
     faster = branch["tokens_per_s"] > pearl["tokens_per_s"]
     add("GSM: SpecBranch vs PEARL tokens/s (two processes)", "faster", None, faster,
         f"{branch['tokens_per_s']:.1f} vs {pearl['tokens_per_s']:.1f}")
