@@ -33,7 +33,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from benchmarks.hsd_block_efficiency import GOAL as HSD_GOAL
-from benchmarks.scaling import answer_tokens_per_sample
+from benchmarks.scaling import answer_tokens_per_sample, run_series, tau_at_tokens
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.drafters import serving_dtype
 from inference.pipeline import Stage, run_pipeline, select
@@ -81,6 +81,12 @@ def _steps(n: int, validations: int = 4) -> tuple[str, ...]:
     tokens from them, so the drafters that feed it validate often) and four checkpoints."""
     return (f"trainer.max_steps={n}", f"trainer.val_check_interval={max(1, n // validations)}",
             f"trainer.checkpoint_every_n_steps={max(1, n // 4)}")
+
+
+def _algorithm_list(labels: Sequence[str]) -> str:
+    """``algorithms=[...]``; a label with a list value (``@specblock_widths=[4,4,4,4]``) is quoted, or the
+    override parser would read its brackets as a nested list."""
+    return "algorithms=[" + ",".join(f"'{label}'" if "[" in label else label for label in labels) + "]"
 
 
 def equal_time_steps(eagle3_steps: int, probe: Path, kind: str = "specblock") -> int:
@@ -137,9 +143,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                         f"{branch}@hrad=none@specbranch_cut_from=1@specbranch_eps=0.5", f"{branch}@specbranch_cut_from=1",
                         f"{branch}@hrad=none@specbranch_eps=0.5", f"{branch}@gamma=7@hrad=none",
                         f"{branch}@gamma=7@hrad=oracle", f"{branch}@gamma=7@hrad=oracle_keep"]
+    # SpecBlock's serving decomposition rides in the same run, at the CPU tree size (16 nodes): one block against
+    # two, and fixed widths (every slot 4 candidates, rank ignored) against the rank-guided table
+    small_block = "specblock_tree@specblock_budget=16@specblock_width=4"
     blocks = ["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
-              "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree",
-              "specblock_tree@specblock_budget=16@specblock_width=4", "dflash"]
+              "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree", small_block,
+              f"{small_block}@specblock_blocks=1", f"{small_block}@specblock_widths=[4,4,4,4]", "dflash"]
     return [
         stage("regenerate", 0.02 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
               ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
@@ -201,12 +210,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                dtype, f"out={out / 'agreement.json'}"), out / "agreement.json"),
         stage("evaluate", 1.5 * (len(algorithms) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"every learned drafter on {cfg.n_prompts} held-out GSM prompts against AR, one run, greedy",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[{','.join(algorithms)}]",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}", _algorithm_list(algorithms),
                "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
                "temperature=0", "threads=1", dtype, f"out={out / 'eval'}"), out / "eval" / "results.json"),
         stage("evaluate-specblock", 1.5 * (len(blocks) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBlock and EAGLE-3 on the same {cfg.n_prompts} held-out GSM prompts, one run (τ, drafter forwards)",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[{','.join(blocks)}]",
+              ("inference.evaluate", "target=smollm2", f"drafters={exports}", _algorithm_list(blocks),
                "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
                "temperature=0", "threads=1", dtype, f"out={out / 'eval_specblock'}"),
               out / "eval_specblock" / "results.json"),
@@ -214,14 +223,14 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               f"SpecBranch's policies (H-RAD, none, class 0, oracles) and SpS at γ = 4 and 7 on the same "
               f"{cfg.n_prompts} held-out GSM prompts (rollback and τ; not timed)",
               ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               f"algorithms=[{','.join(specbranch_runs)}]", "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
+               _algorithm_list(specbranch_runs), "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
                f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
                f"out={out / 'eval_specbranch'}"), out / "eval_specbranch" / "results.json"),
         stage("evaluate-specbranch-rules", 2.0 * (len(specbranch_rules) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBranch's confidence rule (ε 0.5, from the first continuation token) and γ = 7 on the same "
               f"{cfg.n_prompts} prompts (rollback and τ; not timed)",
               ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               f"algorithms=[{','.join(specbranch_rules)}]", "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
+               _algorithm_list(specbranch_rules), "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
                f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
                f"out={out / 'eval_specbranch_rules'}"), out / "eval_specbranch_rules" / "results.json"),
     ]
@@ -352,20 +361,11 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
             served is not None and served >= 0.6)
     blocks_file = out / "eval_specblock" / "results.json"
     if not blocks_file.is_file():
-        add("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time", "≥ 1.10", None, None,
+        add("GSM: SpecBlock tokens/s ÷ EAGLE-3 tokens/s, each at its fastest setting", "≥ 1.08", None, None,
             "not measured yet (stage evaluate-specblock)")
     else:  # both from the one run that evaluated them side by side
         both = _runs(json.loads(blocks_file.read_text()))
-        block, paired = both["specblock_tree"], both["eagle3_tree"]
         lossless = lossless and all(r.get("greedy_equal_to_ar", True) for r in both.values())
-        ratio = block["tau"] / paired["tau"]
-        fwd = (block["draft_forwards"] / block["target_forwards"]) / (paired["draft_forwards"] / paired["target_forwards"])
-        minutes = {name: Stage(name, 0, "", (), out, out / ".done" / name).measured_minutes()
-                   for name in ("train-eagle3", "train-specblock")}
-        add("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time", "≥ 1.10", ratio, ratio >= 1.10,
-            f"{ratio:.2f} (τ {block['tau']:.2f} vs {paired['tau']:.2f}; training {_fmt(minutes['train-specblock'], 1)}"
-            f" vs {_fmt(minutes['train-eagle3'], 1)} min)")
-        add("GSM: SpecBlock drafter forwards per target forward ÷ EAGLE-3's", "≤ 0.5", fwd, fwd <= 0.5)
         rows.extend(block_rows(both, out))
     ssd = runs[f"ssd@draft_vocab={DRAFT_VOCAB}"]
     hit = ssd.get("cache_hit_rate")
@@ -440,6 +440,7 @@ def block_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple[str, st
             cost = costs[0] / costs[1]
             rows.append(("GSM: SpecBlock drafting ms per round ÷ EAGLE-3's (same settings)", "≤ 0.52",
                          f"{cost:.2f} ({costs[0]:.1f} vs {costs[1]:.1f} ms)", "yes" if cost <= 0.52 else "no"))
+        rows.extend(specblock_tau_rows(both, out))
     dflash = both.get("dflash")
     if dflash is not None:
         tau = dflash["tau"]
@@ -456,6 +457,36 @@ def block_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple[str, st
             gap = abs(float(simulated) - tau)
             rows.append(("GSM: DFlash val/tau_sim vs served τ", "within 0.1",
                          f"{float(simulated):.2f} vs {tau:.2f}", "yes" if gap <= 0.1 else "no"))
+    return rows
+
+
+def specblock_tau_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple[str, str, str, str]]:
+    """SpecBlock's τ against EAGLE-3's, reported without a goal: served at equal training wall time (default
+    trees), validation τ_sim at equal trained answer tokens (the training runs' logs), and the serving
+    decomposition of the 16-node tree (one block vs two, fixed vs rank-guided widths)."""
+    rows: list[tuple[str, str, str, str]] = []
+    block, eagle = both.get("specblock_tree"), both.get("eagle3_tree")
+    if block is not None and eagle is not None:
+        rows.append(("GSM: SpecBlock τ ÷ EAGLE-3 τ at equal training wall time (default trees)", "reported",
+                     f"{block['tau'] / eagle['tau']:.2f} (τ {block['tau']:.2f} vs {eagle['tau']:.2f})", "–"))
+    runs = out / "runs"
+    if all((runs / name / "recipe.yaml").is_file() for name in ("specblock_smollm2_gsm", "eagle3_smollm2_gsm")):
+        _, b_tokens, b_tau = run_series(runs / "specblock_smollm2_gsm")
+        _, e_tokens, e_tau = run_series(runs / "eagle3_smollm2_gsm")
+        at = float(b_tokens.max())
+        paired = tau_at_tokens(e_tokens, e_tau, at)
+        rows.append(("GSM: SpecBlock val τ_sim ÷ EAGLE-3's at equal trained tokens", "reported",
+                     "–" if paired is None else f"{b_tau[-1] / paired:.2f} ({b_tau[-1]:.2f} vs {paired:.2f} at "
+                     f"{at:,.0f} answer tokens)", "–"))
+    small = "specblock_tree@specblock_budget=16@specblock_width=4"
+    arms = {"two blocks, rank-guided widths": small, "one block": f"{small}@specblock_blocks=1",
+            "fixed widths [4, 4, 4, 4]": f"{small}@specblock_widths=[4,4,4,4]",
+            "EAGLE-3 chain of 6": "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6"}
+    served = {name: both[label] for name, label in arms.items() if label in both}
+    if len(served) > 1:
+        rows.append(("GSM: SpecBlock 16-node tree decomposition, τ (acceptance at depths 1–3)", "reported", "; ".join(
+            f"{name} {r['tau']:.2f} ({', '.join(f'{a:.2f}' for a in r['acceptance_by_position'][:3])})"
+            for name, r in served.items()), "–"))
     return rows
 
 

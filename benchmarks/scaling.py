@@ -55,6 +55,23 @@ def answer_tokens_per_sample(recipe) -> float:
     return sum(counts) / max(len(counts), 1)
 
 
+def run_series(run_dir: Path) -> tuple[str, np.ndarray, np.ndarray]:
+    """(run name, answer tokens trained on at each validation, val/tau_sim there) of one ``spectrain.fit`` run."""
+    recipe = OmegaConf.load(run_dir / "recipe.yaml")
+    per_step = recipe.data.batch_size * answer_tokens_per_sample(recipe)
+    points = validation_points(run_dir)
+    return (recipe.run_name, np.array([step * per_step for step, _ in points], dtype=float),
+            np.array([t for _, t in points], dtype=float))
+
+
+def tau_at_tokens(tokens: np.ndarray, tau: np.ndarray, at: float) -> float | None:
+    """val/tau_sim at ``at`` answer tokens, linear in log10(tokens) between the two validations around it; None
+    outside the measured span (no extrapolation)."""
+    if at < tokens.min() or at > tokens.max():
+        return None
+    return float(np.interp(math.log10(at), np.log10(tokens), tau))
+
+
 def fit_log_linear(tokens: np.ndarray, tau: np.ndarray) -> tuple[float, float]:
     """(a, b) of τ = a + b · log10(tokens), least squares."""
     b, a = np.polyfit(np.log10(tokens), tau, 1)
@@ -67,18 +84,13 @@ def main(argv: list[str]) -> None:
         raise OverrideError(f"runs=[DIR,...] is required; usage: {USAGE}")
     series = {}
     for run in cfg.runs:
-        run_dir = Path(run)
-        recipe = OmegaConf.load(run_dir / "recipe.yaml")
-        per_step = recipe.data.batch_size * answer_tokens_per_sample(recipe)
-        points = validation_points(run_dir)
-        steps = [step for step, _ in points]
-        tokens = np.array([step * per_step for step in steps])
-        tau = np.array([t for _, t in points])
-        series[recipe.run_name] = (tokens, tau, fit_log_linear(tokens, tau))
+        name, tokens, tau = run_series(Path(run))
+        steps = [step for step, _ in validation_points(Path(run))]
+        series[name] = (tokens, tau, fit_log_linear(tokens, tau))
         print("| run | step | answer tokens trained | val τ_sim |")
         print("|---|---|---|---|")
         for step, t, value in zip(steps, tokens, tau):
-            print(f"| {recipe.run_name} | {step} | {t:,.0f} | {value:.3f} |")
+            print(f"| {name} | {step} | {t:,.0f} | {value:.3f} |")
         print()
     print("| run | fit τ = a + b·log10(tokens) | span measured | EXTRAPOLATED τ at " +
           " | ".join(f"{x:g}× the largest budget" for x in cfg.extrapolate) + " |")

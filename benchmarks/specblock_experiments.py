@@ -5,11 +5,12 @@ same data, seed and steps, one arm per hypothesis, each ending in one validation
 ``val/tau_sim``; γ = 4 for both kinds):
 
 * ``eagle3``: ``eagle3_smollm2_gsm`` (the reference);
-* ``specblock``: ``specblock_smollm2_gsm`` as it is (K = 4, 2 layers, 3 blocks, slot and rank losses);
+* ``specblock``: ``specblock_smollm2_gsm`` as the reference trains it (K = 4, 2 layers, 3 blocks, slot and rank
+  losses, ``model.valid_prefix=chain``);
 * ``slot0``: one block, slot 0's draft loss only (``model.train_blocks=1 model.slot_weight=0
   model.rank_weight=0``): loss dilution removed, the depth kept;
 * ``slot0_1layer``: that with one decoder layer (``model.num_layers=1``, so no layer-wise shift);
-* ``identity``: ``model.init=identity`` (shift ``[I | 0]``, the fusion projection's condition block ``I``);
+* ``identity``: ``model.init=identity`` (shift ``[I | 0]``, the fusion projection's condition block ``I``), chain;
 * ``slot0_norm``: ``model.valid_prefix=slot0_norm`` (every slot's loss over slot 0's row count);
 * ``valid``: ``model.valid_prefix=valid`` (no valid-prefix chain: every valid row counts at every slot).
 
@@ -47,13 +48,14 @@ class Arm:
 
 ARMS = (
     Arm("eagle3", "eagle3_smollm2_gsm", (), "EAGLE-3 (6 TTT steps)", 0.05),
-    Arm("specblock", "specblock_smollm2_gsm", (), "SpecBlock as is (3 blocks, slot + rank losses)", 0.22),
+    Arm("specblock", "specblock_smollm2_gsm", ("model.valid_prefix=chain",),
+        "SpecBlock as the reference trains it (3 blocks, slot + rank losses)", 0.22),
     Arm("slot0", "specblock_smollm2_gsm", ("model.train_blocks=1", "model.slot_weight=0", "model.rank_weight=0"),
         "SpecBlock, one block, slot 0's loss only", 0.1),
     Arm("slot0_1layer", "specblock_smollm2_gsm",
         ("model.train_blocks=1", "model.slot_weight=0", "model.rank_weight=0", "model.num_layers=1"),
         "that with one layer (no shift)", 0.07),
-    Arm("identity", "specblock_smollm2_gsm", ("model.init=identity",),
+    Arm("identity", "specblock_smollm2_gsm", ("model.init=identity", "model.valid_prefix=chain"),
         "SpecBlock, identity-style init (shift [I, 0], fusion condition block I)", 0.22),
     Arm("slot0_norm", "specblock_smollm2_gsm", ("model.valid_prefix=slot0_norm",),
         "SpecBlock, each slot's loss over slot 0's row count", 0.22),

@@ -421,7 +421,7 @@ def test_experiment_keys_build_the_drafter_they_name_and_bad_values_are_one_line
             f"val_dataset_dir={root / 'feats'}", "n_samples=24", "max_len=64", "batch_size=4",
             "draft_vocab_size=512", f"runs_dir={root / 'keys'}"]
     default = fit_cli.compose_recipe(base)
-    assert (default.model.init, default.model.valid_prefix) == ("random", "chain")
+    assert (default.model.init, default.model.valid_prefix) == ("random", "slot0_norm")
     eye = torch.eye(32)
 
     identity, _ = fit_cli.build_module_and_data(fit_cli.compose_recipe([*base, "model.init=identity"]))
