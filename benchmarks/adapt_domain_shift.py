@@ -1,7 +1,11 @@
-"""Serving-time adaptation on a domain shift: eagle3_tree with ``adapt=none`` vs ``adapt=bandit``, greedy.
+"""Serving-time adaptation on a domain shift: a feature drafter's tree with ``adapt=none`` vs ``adapt=bandit``, greedy.
 
-    python benchmarks/adapt_domain_shift.py drafter=/tmp/exports/e3 [target=smollm2] [n=4] [max_new_tokens=64]
-        [streams=[shift,in_domain]] [threads=1] [block=1] [out=runs/adapt_shift] [key=value of adapt_*]
+    python benchmarks/adapt_domain_shift.py drafter=/tmp/exports/e3 [algorithm=eagle3_tree] [target=smollm2] [n=4]
+        [max_new_tokens=64] [streams=[shift,in_domain]] [threads=1] [block=1] [out=runs/adapt_shift]
+        [key=value of adapt_*]
+
+``algorithm``: ``eagle3_tree`` (an EAGLE-3 export; tree ``tree_depth``/``tree_topk``/``tree_total``) or
+``specblock_tree`` (a SpecBlock export; tree ``specblock_width``/``specblock_budget``).
 
 Streams: ``shift`` = n HumanEval prompts then n GSM-symbolic prompts (a drafter trained on ShareGPT sees code,
 then math); ``in_domain`` = 2n held-out ShareGPT prompts (the ``eval`` split). Each mode loads a FRESH drafter
@@ -29,7 +33,7 @@ import torch
 from core.overrides import OverrideError, split_key_values
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
-from inference.drafters import eos_token_ids, load_eagle3, load_lm
+from inference.drafters import eos_token_ids, load_eagle3, load_lm, load_specblock
 from inference.sampling import SamplingParams
 from spectrain.adapt.adapter import AdaptSettings
 from spectrain.adapt.log import plot_tau
@@ -49,6 +53,9 @@ class ShiftConfig:
     tree_total: int = 16
     max_prompt_tokens: int = 384  # longer prompts are skipped (CPU time)
     block: int = 1  # prompts a mode serves in a row before the other takes over (ABBA order over blocks)
+    algorithm: str = "eagle3_tree"  # eagle3_tree | specblock_tree (the drafter's kind)
+    specblock_width: int = 4  # specblock_tree: the CPU tree (16 nodes), as the GSM pipeline's fastest setting
+    specblock_budget: int = 16
 
 
 def stream_prompts(name: str, n: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
@@ -69,12 +76,19 @@ def stream_prompts(name: str, n: int, tokenizer, max_tokens: int) -> list[tuple[
     return prompts
 
 
+TREE_ALGORITHMS = ("eagle3_tree", "specblock_tree")
+
+
 def _build(cfg: ShiftConfig, target, adapt: str, settings: AdaptSettings | None):
-    drafter = load_eagle3(cfg.drafter, target)  # fresh weights per run: the bandit updates its copy in place
+    # fresh weights per run: the bandit updates its copy in place
+    if cfg.algorithm == "specblock_tree":
+        drafter = load_specblock(cfg.drafter, target)
+        shape = dict(width=cfg.specblock_width, budget=cfg.specblock_budget)
+    else:
+        drafter = load_eagle3(cfg.drafter, target)
+        shape = dict(tree_depth=cfg.tree_depth, tree_topk=cfg.tree_topk, tree_total=cfg.tree_total)
     start = time.perf_counter()
-    algorithm = build_algorithm("eagle3_tree", target.runner, drafter, tree_depth=cfg.tree_depth,
-                                tree_topk=cfg.tree_topk, tree_total=cfg.tree_total, adapt=adapt,
-                                adapt_settings=settings)
+    algorithm = build_algorithm(cfg.algorithm, target.runner, drafter, adapt=adapt, adapt_settings=settings, **shape)
     return algorithm, time.perf_counter() - start
 
 
@@ -159,6 +173,8 @@ def main(argv: list[str]) -> int:
         kind = type(getattr(defaults, key))
         cfg_values[key] = value.strip("[]").split(",") if kind is list else kind(value)
     cfg = ShiftConfig(**cfg_values)
+    if cfg.algorithm not in TREE_ALGORITHMS:
+        raise OverrideError(f"algorithm={cfg.algorithm} is not one of {', '.join(TREE_ALGORITHMS)}")
     base = AdaptSettings.with_overrides(AdaptSettings(), adapt_values)  # type-checked now, before any model loads
     torch.set_num_threads(cfg.threads)
     target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 64)

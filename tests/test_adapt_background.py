@@ -188,3 +188,38 @@ def test_the_domain_shift_benchmark_serves_each_query_once_in_abba_blocks():
         assert [i for i, a in schedule if a == mode] == list(range(10))
     with pytest.raises(ValueError, match="block must be >= 1"):
         interleaved(3, 0)
+
+
+def test_the_domain_shift_benchmark_serves_a_specblock_export_with_and_without_the_bandit(tmp_path):
+    """``algorithm=specblock_tree``: both modes load the SpecBlock export afresh, the bandit updates its copy, and
+    the two modes' outputs are equal (the verifier is untouched)."""
+    import sys
+    from pathlib import Path
+
+    from tiny_targets import save_tiny_target, set_random_vocab_map
+    from transformers import AutoConfig
+
+    from core.assets import target_record
+    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, save_native
+    from inference.drafters import load_lm
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    try:
+        from adapt_domain_shift import ShiftConfig, main, run_pair
+    finally:
+        sys.path.pop(0)
+    target_dir = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
+    torch.manual_seed(0)
+    config = SpecBlockConfig.for_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=500,
+                                        aux_layer_ids=[0, 1, 2])
+    drafter = SpecBlockDrafter(config)
+    set_random_vocab_map(drafter, config.vocab_size, 500)
+    export = save_native(drafter, tmp_path / "sb", target=target_record(str(target_dir)))
+    target = load_lm(str(target_dir), device="cpu", max_seq_len=256)
+    cfg = ShiftConfig(drafter=str(export), target=str(target_dir), algorithm="specblock_tree", max_new_tokens=10,
+                      specblock_budget=12, specblock_width=3)
+    runs = run_pair(cfg, target, [], [("tiny", ids) for ids in PROMPTS], forcing_settings(tmp_path / "log"))
+    assert runs["none"]["outputs"] == runs["bandit"]["outputs"]
+    assert runs["none"]["updates"] == 0 and runs["bandit"]["updates"] > 0
+    with pytest.raises(Exception, match="algorithm=dflash is not one of eagle3_tree, specblock_tree"):
+        main(["algorithm=dflash"])
