@@ -9,7 +9,11 @@ class-weighted cross-entropy, AdamW with warm-up and cosine, per-feature standar
 is trained on the training prompts of that directory and scored on the held-out prompts of every directory:
 
 - ``hidden``: the paper's inputs, the target's last-4 hidden states + the branch token's embedding (5d);
-- ``hidden+conf``: the same + the draft's confidence at the first continuation token (``confidence_feature``);
+- ``hidden+conf``: the same + the draft's confidence at the first continuation token (``confidence_feature``) as
+  one more MLP input (``confidence_path=input``);
+- ``hidden+conf_logit``: the same inputs, the confidence on its own linear path to the logits beside the MLP
+  (``confidence_path=logit``: late fusion), as the recipe trains it: the MLP on ``1 - fusion_val_fraction`` of the
+  training prompts, then the MLP's weight and the confidence path refitted on the rest (``fit_late_fusion``);
 - ``conf``: the draft's confidence alone, no training: score = 1 - confidence (a threshold rule's ranking).
 
 Reported per (trained on, evaluated on, features): the AUC of class 0 against the rest (score = P(class 0)),
@@ -36,11 +40,12 @@ from core.atomic import atomic_write_text
 from core.drafters.hrad import HRAD, NUM_CLASSES, HRADConfig, check_boundaries, default_boundaries
 from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.modules.base import cosine_with_warmup
-from spectrain.modules.hrad import (TraceRows, class_weights, feature_stats, load_trace_rows, read_input_embeddings,
-                                    read_traces_manifest)
+from spectrain.modules.hrad import (TraceRows, class_weights, feature_stats, fit_late_fusion, load_trace_rows,
+                                    read_input_embeddings, read_traces_manifest, split_prompts)
 
 USAGE = "python -m benchmarks.hrad_features traces=[DIR,...] target=smollm2 seeds=[0,1,2] out=FILE.json"
-FEATURES = ("hidden", "hidden+conf", "conf")
+FEATURES = ("hidden", "hidden+conf", "hidden+conf_logit", "conf")
+TRAINED = FEATURES[:-1]  # the arms that train an H-RAD; "conf" is the rule's ranking alone
 
 
 @dataclass
@@ -56,6 +61,7 @@ class HRADFeaturesConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup_steps: int = 20
+    fusion_val_fraction: float = 0.2  # hidden+conf_logit: training prompts its fusion is refitted on (recipe's 0.2)
     bootstrap: int = 1000  # prompt resamples for the CI
     threads: int = 1
     out: str | None = None  # FILE.json
@@ -128,12 +134,33 @@ class Split:
 def train_hrad(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamma: int,
                boundaries: list[int]) -> HRAD:
     """The recipe's H-RAD (class-weighted CE, AdamW, warm-up + cosine) on ``train``, with or without the
-    confidence feature."""
+    confidence feature (as an MLP input or on its own path to the logits; the latter trained on a seeded
+    ``1 - fusion_val_fraction`` of the prompts and its fusion refitted on the others, as the recipe does)."""
+    if features not in TRAINED:
+        raise OverrideError(f"features={features!r} is not one of {', '.join(TRAINED)}")
+    if features == "hidden+conf_logit":
+        held_out = split_prompts(train.prompts, cfg.fusion_val_fraction, seed)
+        model = _train(train.rows(~held_out), features, cfg, seed, gamma, boundaries)
+        val = train.rows(held_out)
+        with torch.no_grad():
+            mlp_logits, confidence = model.fusion_inputs(model.features(val.hidden, val.emb, val.confidence))
+        alpha, w, b = fit_late_fusion(mlp_logits, confidence, val.labels, class_weights(train.rows(~held_out).labels))
+        with torch.no_grad():
+            model.mlp_scale.fill_(alpha)
+            model.confidence_logit.weight.copy_(w)
+            model.confidence_logit.bias.copy_(b)
+        return model
+    return _train(train, features, cfg, seed, gamma, boundaries)
+
+
+def _train(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamma: int,
+           boundaries: list[int]) -> HRAD:
     torch.manual_seed(seed)
-    use_conf = features == "hidden+conf"
+    use_conf = features != "hidden"
     hidden_size = train.hidden.shape[-1]
     model = HRAD(HRADConfig(hidden_size=hidden_size, last_k=train.hidden.shape[1], gamma=gamma, boundaries=boundaries,
-                            confidence_feature=use_conf))
+                            confidence_feature=use_conf,
+                            confidence_path="logit" if features == "hidden+conf_logit" else "input"))
     mean, std = feature_stats(train.hidden, train.emb, train.confidence if use_conf else None)
     model.feature_mean.copy_(mean)
     model.feature_std.copy_(std)
@@ -188,6 +215,8 @@ def run(cfg: HRADFeaturesConfig) -> dict[str, Any]:
         raise OverrideError(f"traces=[DIR,...] is required (data_prep.traces directories); usage: {USAGE}")
     if not 0 < cfg.val_fraction < 1:
         raise OverrideError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    if not 0 < cfg.fusion_val_fraction < 1:
+        raise OverrideError(f"fusion_val_fraction must be in (0, 1), got {cfg.fusion_val_fraction}")
     torch.set_num_threads(cfg.threads)
     embeddings = read_input_embeddings(cfg.target)
     data: dict[str, tuple[Split, int, list[int]]] = {}
@@ -214,7 +243,7 @@ def run(cfg: HRADFeaturesConfig) -> dict[str, Any]:
                                                                                 cfg.bootstrap)})
     for train_name, (train, _) in parts.items():
         gamma, bounds = data[train_name][1], data[train_name][2]
-        for features in FEATURES[:2]:
+        for features in TRAINED:
             models = [train_hrad(train, features, cfg, seed, gamma, bounds) for seed in cfg.seeds]
             for eval_name, (_, test) in parts.items():
                 positive = test.labels == 0

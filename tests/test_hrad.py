@@ -284,9 +284,42 @@ def test_confidence_feature_trains_exports_and_serves_and_old_exports_still_load
     assert not legacy.confidence_feature and legacy.predict(hidden, emb).shape == (2, 3)
 
 
+def test_confidence_path_logit_trains_exports_and_serves(traces, tmp_path, capsys):
+    """model.confidence_path=logit through the recipe: trained, exported with the key, served by load_hrad with
+    confidence=; an unknown path is refused in one line before any work."""
+    from spectrain import export as export_cli
+    from spectrain import fit as fit_cli
+
+    result = fit_cli.fit(fit_cli.compose_recipe(fit_args(traces, "run_name=hrad_conf_logit", "confidence_feature=true",
+                                                         "model.confidence_path=logit")))
+    assert result["trained"]
+    run = traces["root"] / "runs" / "hrad_conf_logit" / "checkpoints"
+    assert json.loads((run / "hrad_metrics.json").read_text())["data"]["confidence_path"] == "logit"
+    out = tmp_path / "export"
+    assert export_cli.main([f"ckpt={run / 'last.ckpt'}", f"out={out}"]) == 0
+    block = json.loads((out / "config.json").read_text())["spectrain"]
+    assert block["confidence_path"] == "logit" and block["config"]["confidence_feature"] is True
+    predictor = load_hrad(out, traces["target"].runner)
+    assert predictor.confidence_path == "logit" and predictor.model.mlp[0].in_features == 5 * 32
+    assert float(predictor.model.confidence_logit.weight.detach().abs().sum()) > 0  # refitted from its zero start
+    fusion = json.loads((out / "metrics.json").read_text())["fusion"]
+    assert fusion["mlp_scale"] == pytest.approx(float(predictor.model.mlp_scale)) == block["mlp_scale"]
+    hidden, emb = torch.randn(2, 4, 32), torch.randn(2, 32)
+    probs = predictor.predict(hidden, emb, torch.tensor([0.05, 0.95]))
+    assert probs.shape == (2, 3) and torch.allclose(probs.sum(-1), torch.ones(2))
+
+    capsys.readouterr()
+    for extra, message in (("model.confidence_path=late", "confidence_path='late' is not one of input, logit"),
+                           ("model.confidence_path=logit", "needs confidence_feature=true")):
+        assert fit_cli.main([*fit_args(traces), extra, "dry_run=true"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+
+
 def test_auc_and_the_offline_feature_comparison(traces, tmp_path):
     """benchmarks.hrad_features: the Mann-Whitney AUC (ties count half), and one run over the fixture's traces
-    giving every arm (hidden, hidden+conf trained per seed; conf alone) on the held-out prompts."""
+    giving every arm (hidden, hidden+conf, hidden+conf_logit trained per seed; conf alone) on the held-out
+    prompts."""
     from benchmarks.hrad_features import HRADFeaturesConfig, auc, run, table
 
     positive = torch.tensor([True, True, False, False])
@@ -300,7 +333,8 @@ def test_auc_and_the_offline_feature_comparison(traces, tmp_path):
                              batch_size=8, warmup_steps=2, bootstrap=50, out=str(tmp_path / "auc.json"))
     summary = run(cfg)
     arms = {(r["trained_on"], r["features"]) for r in summary["results"]}
-    assert arms == {(None, "conf"), ("sps:traces", "hidden"), ("sps:traces", "hidden+conf")}
+    assert arms == {(None, "conf"), ("sps:traces", "hidden"), ("sps:traces", "hidden+conf"),
+                    ("sps:traces", "hidden+conf_logit")}
     for r in summary["results"]:
         assert 0 <= r["auc"] <= 1 and r["evaluated_on"] == "sps:traces"
         assert len(r.get("auc_per_seed", [0, 0])) == 2
@@ -308,3 +342,127 @@ def test_auc_and_the_offline_feature_comparison(traces, tmp_path):
     assert min(counts["held_out"][0], sum(counts["held_out"][1:])) > 0
     assert json.loads((tmp_path / "auc.json").read_text())["held_out_prompts"] == summary["held_out_prompts"]
     assert "| – (no training) | sps:traces | conf |" in table(summary)
+
+
+# ------------------------------------------------------------------------------ confidence_path=logit
+
+
+def fake_target_record(hidden: int = 32) -> dict:
+    return {"name": "tiny", "num_layers": 4, "hidden_size": hidden, "vocab_size": 61, "embed_probe": [[0.0]]}
+
+
+def test_confidence_path_logit_export_round_trips_and_old_exports_load_as_input(tmp_path):
+    """confidence_path=logit: the MLP reads 5d inputs, the confidence its own Linear(1→3), logits = α·MLP + W·c + b;
+    save_native/load_native keep the key, α and every weight (same logits); an export without the key loads as
+    "input", as it was trained."""
+    from core.drafters.hrad import HRADPredictor, load_native, save_native
+
+    torch.manual_seed(0)
+    model = HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3], confidence_feature=True,
+                            confidence_path="logit")).eval()
+    assert model.mlp[0].in_features == 5 * 32 and len(model.feature_mean) == 5 * 32 + 1
+    assert model.confidence_logit.weight.abs().sum() == 0 and float(model.mlp_scale) == 1.0  # as training starts
+    with torch.no_grad():
+        model.confidence_logit.weight.copy_(torch.tensor([[-2.0], [0.5], [1.0]]))
+        model.mlp_scale.fill_(0.25)
+        model.feature_mean.normal_()
+        model.feature_std.uniform_(0.5, 2.0)
+        model.temperature.fill_(1.3)
+    hidden, emb, conf = torch.randn(6, 4, 32), torch.randn(6, 32), torch.rand(6)
+    with torch.no_grad():
+        logits = model(hidden, emb, conf)
+        # late fusion: moving the confidence shifts the logits by W·Δc/std, whatever the MLP says
+        shifted = model(hidden, emb, conf + 0.1)
+    std = float(model.feature_std[-1])
+    torch.testing.assert_close(shifted - logits, (0.1 / std) * model.confidence_logit.weight.T.expand(6, 3),
+                               atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        mlp_logits, c = model.fusion_inputs(model.features(hidden, emb, conf))
+        torch.testing.assert_close(logits, 0.25 * mlp_logits + model.confidence_logit(c))
+
+    out = save_native(model, tmp_path / "logit", target=fake_target_record())
+    block = json.loads((out / "config.json").read_text())["spectrain"]
+    assert block["confidence_path"] == "logit" and block["config"]["confidence_path"] == "logit"
+    assert block["mlp_scale"] == 0.25
+    loaded, block = load_native(out)
+    assert loaded.config == model.config and loaded.config.confidence_path == "logit"
+    assert float(loaded.mlp_scale) == 0.25
+    predictor = HRADPredictor(loaded, block)
+    assert predictor.confidence_feature and predictor.confidence_path == "logit"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(hidden, emb, conf), logits)
+    torch.testing.assert_close(predictor.predict(hidden, emb, conf), model.calibrated_probs(logits))
+    with pytest.raises(ValueError, match=r"pass confidence=\[6\]"):
+        predictor.predict(hidden, emb)
+
+    # written before confidence_path existed: no key anywhere -> "input" (the confidence as the MLP's last input)
+    torch.manual_seed(1)
+    old_model = HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3], confidence_feature=True)).eval()
+    old = save_native(old_model, tmp_path / "old", target=fake_target_record())
+    config = json.loads((old / "config.json").read_text())
+    config["spectrain"].pop("confidence_path")
+    config["spectrain"]["config"].pop("confidence_path")
+    (old / "config.json").write_text(json.dumps(config))
+    legacy, legacy_block = load_native(old)
+    assert legacy.config.confidence_path == "input" and legacy.confidence_logit is None
+    assert not hasattr(legacy, "mlp_scale") and "mlp_scale" not in legacy_block
+    assert legacy.mlp[0].in_features == 5 * 32 + 1
+    with torch.no_grad():
+        torch.testing.assert_close(legacy(hidden, emb, conf), old_model(hidden, emb, conf))
+    assert HRADPredictor(legacy, legacy_block).confidence_path == "input"
+
+
+def test_unknown_confidence_path_is_refused_in_one_line(tmp_path):
+    from core.drafters.hrad import load_native, save_native
+
+    for kwargs, message in (({"confidence_feature": True, "confidence_path": "late"},
+                             r"confidence_path='late' is not one of input, logit"),
+                            ({"confidence_path": "logit"}, "confidence_path=logit .* needs confidence_feature=true")):
+        with pytest.raises(HRADError, match=message) as info:
+            HRADConfig(hidden_size=32, **kwargs)
+        assert "\n" not in str(info.value)
+    # an export whose config names a path this code does not know
+    out = save_native(HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3])), tmp_path / "x",
+                      target=fake_target_record())
+    config = json.loads((out / "config.json").read_text())
+    config["spectrain"]["config"].update(confidence_feature=True, confidence_path="bilinear")
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HRADError, match="confidence_path='bilinear' is not one of"):
+        load_native(out)
+
+
+def test_logit_path_recovers_a_confidence_only_signal_from_few_noisy_rows():
+    """Synthetic rows where only the draft's confidence predicts class 0 and the 5d = 2,880 'hidden' inputs are
+    noise (a few hundred rows, as on the GSM traces): trained the recipe's way (MLP, then the fusion refitted on
+    held-out prompts), the late-fusion H-RAD ranks held-out rows by P(class 0) nearly as well as the confidence
+    itself, and gives the MLP little weight; the input path, trained alike, does not get there."""
+    from benchmarks.hrad_features import HRADFeaturesConfig, Split, auc, train_hrad
+
+    generator = torch.Generator().manual_seed(0)
+    n, d = 700, 576
+
+    def rows(count: int) -> Split:
+        confidence = torch.rand(count, generator=generator)
+        class0 = torch.rand(count, generator=generator) < torch.sigmoid(-12 * (confidence - 0.4))
+        rest = 1 + (torch.rand(count, generator=generator) < confidence).long()  # class 2 likelier when confident
+        labels = torch.where(class0, torch.zeros_like(rest), rest)
+        hidden = torch.randn(count, 4, d, generator=generator) * torch.logspace(0, 2, d)  # a few huge channels
+        return Split(hidden, torch.randn(count, d, generator=generator), confidence, labels,
+                     torch.arange(count) // 20)
+
+    train, test = rows(500), rows(n - 500)
+    cfg = HRADFeaturesConfig(steps=150)
+    model = train_hrad(train, "hidden+conf_logit", cfg, seed=0, gamma=4, boundaries=[1, 3])
+    with torch.no_grad():
+        p0 = model(test.hidden, test.emb, test.confidence).softmax(-1)[:, 0]
+    reference = auc(1 - test.confidence, test.labels == 0)
+    late = auc(p0, test.labels == 0)
+    assert reference > 0.85  # the signal is there
+    assert late > reference - 0.03, (late, reference)
+    weight = model.confidence_logit.weight.detach()
+    assert float(weight[0]) < float(weight[2])  # low confidence -> class 0
+    assert float(model.mlp_scale) < 0.5  # held-out rows give the noise-fitting MLP little weight
+    early = train_hrad(train, "hidden+conf", cfg, seed=0, gamma=4, boundaries=[1, 3])
+    with torch.no_grad():
+        drowned = auc(early(test.hidden, test.emb, test.confidence).softmax(-1)[:, 0], test.labels == 0)
+    assert drowned < late - 0.05, (drowned, late)

@@ -291,12 +291,15 @@ def test_on_branch_reports_hrad_inputs_and_changes_nothing(pair):
         assert a.tokens == b.tokens
 
 
-def test_confidence_feature_reaches_the_predictor(pair):
-    """An H-RAD with confidence_feature gets the draft's confidence at the first continuation token."""
+@pytest.mark.parametrize("path", ["input", "logit"])
+def test_confidence_feature_reaches_the_predictor(pair, path):
+    """An H-RAD with confidence_feature gets the draft's confidence at the first continuation token, whichever path
+    (MLP input or its own linear path to the logits) it takes inside."""
     from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 
     target, draft = pair
-    config = HRADConfig(hidden_size=32, last_k=2, gamma=4, boundaries=[1, 3], confidence_feature=True)
+    config = HRADConfig(hidden_size=32, last_k=2, gamma=4, boundaries=[1, 3], confidence_feature=True,
+                        confidence_path=path)
     real = HRADPredictor(HRAD(config), {"layers": {"ids": capture_layers(2, 2)}})
     seen, points = [], []
 

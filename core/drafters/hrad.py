@@ -11,7 +11,8 @@ inference-facing predictor a SpecBranch implementation codes against.
 - ``confidence`` [n] (only when the config's ``confidence_feature`` is on; not in the paper): the draft's own
   confidence max_v q(v) (temperature 1) at the first continuation token, i.e. of the distribution after x_t that
   the draft drew its first continuation token from. An export without the key (written before it existed) reads
-  as off.
+  as off. The config's ``confidence_path`` says where it enters: ``input`` (one more MLP input; what an export
+  without the key reads as) or ``logit`` (its own linear path to the logits beside the MLP, see **Model**).
 
 **Output** of :meth:`HRADPredictor.predict`: calibrated class probabilities [n, 3] (float32, rows sum to 1):
 
@@ -25,13 +26,20 @@ a ``data_prep.traces`` round with draft length γ), class = #{b in boundaries : 
 ``[1, γ-1]`` give 0 / 1..γ-2 / γ-1 (= ``data_prep.traces.hrad_class``).
 
 **Model**: ``Linear(5d→256) → ReLU → Dropout(0.2) → Linear(256→64) → ReLU → Dropout(0.2) → Linear(64→3)`` on
-float32 inputs, as in the authors' code (5d+1 inputs with the confidence feature). Ours adds two fixed (not trained) pieces, both stored in the export: a
+float32 inputs, as in the authors' code (5d+1 inputs with the confidence feature and ``confidence_path=input``).
+With ``confidence_path=logit`` (wide and deep, late fusion) the MLP reads the 5d target features only and the
+standardised confidence c reaches the logits through its own ``Linear(1→3)``: logits = α·MLP(z_5d) + W·c + b.
+Joint training alone does not keep the MLP from drowning c (on a few hundred rows it fits the ~2,880 hidden-state
+inputs' noise, and its held-out logits are ~100× the confidence path's), so after training α (``mlp_scale``, a
+stored scalar, 1 while training) and W, b are refitted on held-out rows (stacking,
+``spectrain.modules.hrad.fit_late_fusion``): the MLP keeps only the weight those rows support, and where it has
+none the model is a logistic regression on the confidence, which ranks rows as the confidence rule does. Ours adds two fixed (not trained) pieces, both stored in the export: a
 per-feature standardisation measured on the training split (raw residual streams have a few huge channels that
 otherwise dominate the first layer), and a softmax temperature fitted after training on held-out rounds.
 
 **Export dir** (:func:`save_native`): ``config.json`` with a ``spectrain`` block (kind ``hrad``, target identity,
-hidden size, last_k, layer ids + convention, classes, boundaries, ε, temperature), ``model.safetensors``,
-``metrics.json``, ``recipe.yaml`` (when known), ``confusion_matrix.png`` (when known).
+hidden size, last_k, layer ids + convention, classes, boundaries, ε, confidence feature and path, temperature),
+``model.safetensors``, ``metrics.json``, ``recipe.yaml`` (when known), ``confusion_matrix.png`` (when known).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ CLASS_NAMES = ("all_reject", "confidence", "all_accept")
 NUM_CLASSES = len(CLASS_NAMES)
 DEFAULT_EPSILON = 0.3  # §2.3: the dev drafter's and most historical versions' confidence threshold
 PROBE_ROWS, PROBE_DIMS = 8, 64  # embedding rows/dims an export keeps to recognise its target's weights
+CONFIDENCE_PATHS = ("input", "logit")  # where the confidence feature enters: an MLP input / its own path to the logits
 
 
 class HRADError(ValueError):
@@ -102,10 +111,30 @@ class HRADConfig:
     boundaries: list[int] = field(default_factory=lambda: default_boundaries(7))
     epsilon: float = DEFAULT_EPSILON  # class 1's draft-confidence threshold (used by the algorithm, stored here)
     confidence_feature: bool = False  # z also holds the draft's confidence at the first continuation token
+    # where that confidence enters: "input" (one more MLP input) | "logit" (Linear(1→3) added to the MLP's logits)
+    confidence_path: str = "input"
+
+    def __post_init__(self) -> None:
+        if self.confidence_path not in CONFIDENCE_PATHS:
+            raise HRADError(f"confidence_path={self.confidence_path!r} is not one of {', '.join(CONFIDENCE_PATHS)} "
+                            "(input: one more MLP input; logit: a direct linear path to the logits)")
+        if self.confidence_path == "logit" and not self.confidence_feature:
+            raise HRADError("confidence_path=logit routes the draft's confidence to the logits: it needs "
+                            "confidence_feature=true")
 
     @property
     def in_features(self) -> int:
+        """Width of z and of its standardisation: 5d, + 1 with the confidence feature (either path)."""
         return (self.last_k + 1) * self.hidden_size + int(self.confidence_feature)
+
+    @property
+    def late_confidence(self) -> bool:
+        """The confidence bypasses the MLP (``confidence_path=logit``)."""
+        return self.confidence_feature and self.confidence_path == "logit"
+
+    @property
+    def mlp_in_features(self) -> int:
+        return self.in_features - int(self.late_confidence)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,23 +149,31 @@ class HRADConfig:
 
 
 class HRAD(nn.Module):
-    """The 3-way MLP over z = [hidden_lastk ; token_emb]; ``forward`` returns uncalibrated logits."""
+    """The 3-way MLP over z = [hidden_lastk ; token_emb] (+ the confidence, as an input or on its own linear path
+    to the logits); ``forward`` returns uncalibrated logits."""
 
     def __init__(self, config: HRADConfig):
         super().__init__()
         check_boundaries(config.boundaries, config.gamma)
         self.config = config
         layers: list[nn.Module] = []
-        width = config.in_features
+        width = config.mlp_in_features
         for hidden in config.mlp_hidden:
             layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(config.dropout)]
             width = hidden
         layers.append(nn.Linear(width, NUM_CLASSES))
         self.mlp = nn.Sequential(*layers)
+        # confidence_path=logit: the standardised confidence's own path to the logits, beside the MLP
+        self.confidence_logit = nn.Linear(1, NUM_CLASSES) if config.late_confidence else None
+        if self.confidence_logit is not None:  # starts with no opinion (then trained, and refitted held out)
+            nn.init.zeros_(self.confidence_logit.weight)
+            nn.init.zeros_(self.confidence_logit.bias)
         # Fixed, saved with the weights: standardisation of z (training split) and the calibration temperature.
         self.register_buffer("feature_mean", torch.zeros(config.in_features))
         self.register_buffer("feature_std", torch.ones(config.in_features))
         self.register_buffer("temperature", torch.ones(()))
+        if self.confidence_logit is not None:  # the MLP's weight in the logits: 1 in training, then fitted on
+            self.register_buffer("mlp_scale", torch.ones(()))  # held-out rows with the confidence path (stacking)
 
     def features(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
                  confidence: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,7 +192,20 @@ class HRAD(nn.Module):
         return self.logits_from_features(self.features(hidden_lastk, token_emb, confidence))
 
     def logits_from_features(self, z: torch.Tensor) -> torch.Tensor:
-        return self.mlp((z.float() - self.feature_mean) / self.feature_std)
+        z = (z.float() - self.feature_mean) / self.feature_std
+        if self.confidence_logit is None:
+            return self.mlp(z)
+        mlp_logits, confidence = self.fusion_inputs(z, standardised=True)
+        return self.mlp_scale * mlp_logits + self.confidence_logit(confidence)
+
+    def fusion_inputs(self, z: torch.Tensor, standardised: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``confidence_path=logit``: (the MLP's logits [n, 3] before ``mlp_scale``, the standardised confidence
+        [n, 1]) of features z, what the held-out refit of the fusion reads."""
+        if self.confidence_logit is None:
+            raise HRADError("fusion_inputs needs confidence_path=logit")
+        if not standardised:
+            z = (z.float() - self.feature_mean) / self.feature_std
+        return self.mlp(z[:, :-1]), z[:, -1:]
 
     def calibrated_probs(self, logits: torch.Tensor) -> torch.Tensor:
         return (logits.float() / self.temperature).softmax(-1)
@@ -203,6 +253,8 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
                         "convention": LAYER_CONVENTION, "position": "branch token position - 1"},
              "classes": list(CLASS_NAMES), "boundaries": list(config.boundaries), "gamma": config.gamma,
              "epsilon": config.epsilon, "confidence_feature": config.confidence_feature,
+             "confidence_path": config.confidence_path,
+             **({"mlp_scale": float(model.mlp_scale)} if config.late_confidence else {}),
              "temperature": float(model.temperature), "config": config.to_dict()}
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     with atomic_directory(out) as tmp:
@@ -255,6 +307,7 @@ class HRADPredictor:
         self.boundaries: list[int] = list(config.boundaries)
         self.epsilon: float = float(config.epsilon)
         self.confidence_feature: bool = bool(config.confidence_feature)  # predict() then needs confidence=
+        self.confidence_path: str = config.confidence_path  # where it enters (input | logit); predict() is the same
         self.classes: tuple[str, ...] = CLASS_NAMES
         self.capture_layers: list[int] = list(self.block["layers"]["ids"])  # + return_last_hidden=True
 

@@ -4,7 +4,8 @@
 Data: a ``data_prep.traces`` directory (``data.dataset_dir``). A row is a verification round (``positions=sps``)
 or a surviving SpecBranch branch (``positions=specbranch``: where serving asks H-RAD); H-RAD's input is [the row's
 ``hidden_lastk`` ; the target's input embedding of its ``branch_token``] (+ with ``model.confidence_feature`` the
-draft's confidence at the first continuation token, ``draft_max_probs[1]``), its label comes from
+draft's confidence at the first continuation token, ``draft_max_probs[1]``, entering as one more MLP input or,
+with ``model.confidence_path=logit``, through its own linear path to the logits), its label comes from
 ``num_accepted`` with ``model.boundaries`` (default ``[1, γ-1]``). Rounds whose branch token was rejected (no
 surviving branch) and rounds cut short by the token budget (``draft_len < γ``: "all accepted" is unknowable)
 are left out. Validation: ``data.val_dataset_dir``, or held-out prompts (``model.val_fraction``) of the same
@@ -13,7 +14,9 @@ traces, so no prompt is in both splits.
 Training: cross-entropy with class weights n / (C·count_c) (``model.balance=weights``) or a class-balanced
 sampler (``sampler``); per-feature standardisation measured on the training split. After every validation and
 at the end of training a temperature is fitted on the validation logits (LBFGS on the NLL, never worse than
-T=1) and stored in the model. Logged: ``train/loss``, ``train/recall_<class>``, ``train/ece``; ``val/nll``,
+T=1) and stored in the model. With ``model.confidence_path=logit`` the end of training first refits the late fusion
+on the validation rows (:func:`fit_late_fusion`: the MLP's weight α and the confidence path, class-weighted like
+training), then the temperature. Logged: ``train/loss``, ``train/recall_<class>``, ``train/ece``; ``val/nll``,
 ``val/nll_calibrated``, ``val/ece_raw``, ``val/ece`` (calibrated), ``val/recall_<class>``,
 ``val/balanced_accuracy``, ``val/accuracy``, ``val/temperature``, ``val/confusion_<true>_<pred>``. At the end
 of training ``confusion_matrix.png`` and ``hrad_metrics.json`` are written next to the checkpoints and
@@ -64,6 +67,8 @@ class HRADSchema:
     epsilon: float = DEFAULT_EPSILON  # class 1's draft-confidence threshold, stored in the export
     # also read the draft's confidence at the first continuation token (draft_max_probs[1] of a trace row)
     confidence_feature: bool = False
+    # where it enters: input (one more MLP input) | logit (its own Linear(1→3) added to the MLP's logits)
+    confidence_path: str = "input"
     balance: str = "weights"  # weights (class-weighted loss) | sampler (class-balanced sampling) | none
     val_fraction: float = 0.2  # prompts held out for validation when data.val_dataset_dir is not given
     ece_bins: int = 10
@@ -282,6 +287,7 @@ class HRADDataModule(L.LightningDataModule):
         self.summary = {"rounds": int(manifest["num_rows"]), "dropped_rejected": rows.dropped_rejected,
                         "dropped_truncated": rows.dropped_truncated, "gamma": gamma, "boundaries": self.boundaries,
                         "positions": manifest["args"].get("positions", "sps"), "confidence_feature": use_confidence,
+                        "confidence_path": str(cfg.model.confidence_path),
                         "class_counts": self.class_counts}
         print(f"[hrad] traces {data.dataset_dir}: {json.dumps(self.summary)}")
         for name, count in zip(CLASS_NAMES, self.class_counts["train"]):
@@ -335,6 +341,41 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 
     with torch.no_grad():
         better = F.cross_entropy(logits / temperature, labels) <= F.cross_entropy(logits, labels)
     return temperature if better else 1.0
+
+
+def fit_late_fusion(mlp_logits: torch.Tensor, confidence: torch.Tensor, labels: torch.Tensor,
+                    weight: torch.Tensor | None = None, max_iter: int = 200) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """``confidence_path=logit``'s stacking step: (α >= 0, W [3, 1], b [3]) minimising the (class-weighted) NLL of
+    ``labels`` under logits = α·``mlp_logits`` + W·``confidence`` + b on held-out rows (LBFGS; ``confidence`` [n, 1]
+    standardised). The MLP gets only the weight those rows support: where its logits do not generalise, α -> 0
+    and the model is a logistic regression on the confidence (the rule's ranking)."""
+    mlp_logits, confidence, labels = mlp_logits.detach().double(), confidence.detach().double(), labels.long()
+    weight = None if weight is None else weight.detach().double()
+
+    def fit(free_alpha: bool) -> tuple[float, torch.Tensor, torch.Tensor, float]:
+        alpha = torch.tensor(1.0 if free_alpha else 0.0, dtype=torch.float64, requires_grad=free_alpha)
+        w = torch.zeros(NUM_CLASSES, 1, dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(NUM_CLASSES, dtype=torch.float64, requires_grad=True)
+        params = [w, b] + ([alpha] if free_alpha else [])
+        optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+        def loss_fn():
+            return F.cross_entropy(alpha * mlp_logits + confidence @ w.T + b, labels, weight=weight)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = loss_fn()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        with torch.no_grad():
+            return float(alpha), w.detach(), b.detach(), float(loss_fn())
+
+    alpha, w, b, loss = fit(True)
+    if not (math.isfinite(loss) and alpha >= 0):  # a negative weight on the MLP is no model: confidence alone
+        alpha, w, b, loss = fit(False)
+    return alpha, w.float(), b.float()
 
 
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
@@ -416,7 +457,8 @@ class HRADModule(L.LightningModule):
             config = HRADConfig(hidden_size=int((target_config.get("text_config") or target_config)["hidden_size"]),
                                 last_k=last_k, mlp_hidden=list(model.mlp_hidden), dropout=model.dropout, gamma=gamma,
                                 boundaries=check_boundaries(model.boundaries or default_boundaries(gamma), gamma),
-                                epsilon=model.epsilon, confidence_feature=bool(model.confidence_feature))
+                                epsilon=model.epsilon, confidence_feature=bool(model.confidence_feature),
+                                confidence_path=str(model.confidence_path))
         except (AssetError, DatasetError, HRADError) as exc:
             raise _recipe_error(str(exc)) from None
         self.drafter = HRAD(config)
@@ -497,14 +539,36 @@ class HRADModule(L.LightningModule):
         return report
 
     @torch.no_grad()
+    def _refit_fusion(self) -> dict[str, Any]:
+        """``confidence_path=logit``: the MLP's weight and the confidence path, fitted on the validation rows."""
+        parts = []
+        for batch in self.trainer.datamodule.val_dataloader():
+            hidden, emb, confidence, labels = (t.to(self.device) for t in batch)
+            mlp_logits, conf = self.drafter.fusion_inputs(self.drafter.features(hidden, emb, confidence))
+            parts.append((mlp_logits.float().cpu(), conf.float().cpu(), labels.cpu()))
+        mlp_logits, conf, labels = (torch.cat(x) for x in zip(*parts))
+        weight = self.class_weights.cpu() if self.cfg.model.balance == "weights" else None
+        alpha, w, b = fit_late_fusion(mlp_logits, conf, labels, weight)
+        self.drafter.mlp_scale.fill_(alpha)
+        self.drafter.confidence_logit.weight.copy_(w)
+        self.drafter.confidence_logit.bias.copy_(b)
+        return {"mlp_scale": alpha, "confidence_weight": w.squeeze(1).tolist(), "confidence_bias": b.tolist()}
+
+    @torch.no_grad()
     def on_train_end(self) -> None:
-        """Final calibration on the whole validation split, the confusion PNG, and a calibrated last.ckpt."""
+        """Final calibration on the whole validation split (with confidence_path=logit: the late fusion's refit
+        first), the confusion PNG, and a calibrated last.ckpt."""
         was_training = self.training
         self.eval()
+        fusion = self._refit_fusion() if self.drafter.confidence_logit is not None else None
         outputs = [self._logits(tuple(t.to(self.device) for t in batch))
                    for batch in self.trainer.datamodule.val_dataloader()]
         logits, labels = (torch.cat([x.float().cpu() for x in part]) for part in zip(*outputs))
         report = self._calibrate(logits, labels)
+        if fusion is not None:
+            report["fusion"] = fusion
+            print(f"[hrad] late fusion refitted on validation: MLP weight {fusion['mlp_scale']:.4f}, confidence "
+                  f"path W {[round(x, 3) for x in fusion['confidence_weight']]}")
         self.train(was_training)
         callback = self.trainer.checkpoint_callback
         directory = Path(callback.dirpath if callback is not None and callback.dirpath else
@@ -521,7 +585,9 @@ class HRADModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What spectrain.export reads (export_hrad_checkpoint): kind, model config, target record, metrics.
-        metrics = {f"val/{k}": v for k, v in self.final_metrics.items() if k != "confusion"}
+        metrics = {f"val/{k}": v for k, v in self.final_metrics.items() if k not in ("confusion", "fusion")}
+        if "fusion" in self.final_metrics:
+            metrics["fusion"] = self.final_metrics["fusion"]
         checkpoint["spectrain"] = {"kind": "hrad", "config": self.drafter.config.to_dict(),
                                    "target": self.target_record, "recipe": dict(self.hparams["recipe"]),
                                    "metrics": {**metrics, "data": self.data_summary},
