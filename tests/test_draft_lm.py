@@ -190,3 +190,76 @@ def test_token_teacher_trains_the_draft_vocabulary_without_running_the_target(dr
     assert result["trained"] and result["global_step"] == 6
     with pytest.raises(ValueError, match="train_vocab needs model.teacher=tokens"):
         DraftLMModule(fit_cli.compose_recipe([*args, "teacher=target"], directory=recipes))
+
+
+def _rare_label_batch():
+    """Labels (ids[1:]) 250 299 300 7 40000 12 20000 40000 9 with K = 300: 300 and 40000 are supervised ids >= K
+    (the batch's extra ids), 20000 is >= K but unsupervised (no loss either way), 9 is unsupervised."""
+    ids = torch.tensor([[5, 250, 299, 300, 7, 40000, 12, 20000, 40000, 9]])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 0]])}
+
+
+def _draft_lm_modules(draft_recipe, *overrides):
+    from spectrain.modules.draft_lm import DraftLMModule
+
+    recipes, args, _ = draft_recipe
+    args = ["recipe=draftlm_smollm2_gsm", *args[1:], "train_vocab=300"]
+    return [DraftLMModule(fit_cli.compose_recipe([*args, *extra], directory=recipes)) for extra in overrides]
+
+
+def test_train_vocab_labels_adds_the_batchs_rare_label_ids_to_the_trained_logits(draft_recipe):
+    """train_vocab_labels=true: the training loss is cross-entropy over the columns [0, K) plus the batch's distinct
+    supervised label ids >= K, so a rare label carries loss and its gradient reaches the trainable layers (with the
+    option off it carries none); the acceptance metrics and validation stay over the K lowest ids."""
+    import torch.nn.functional as F
+
+    on, off = _draft_lm_modules(draft_recipe, ["train_vocab_labels=true"], [])
+    assert on.train_vocab_labels and not off.train_vocab_labels
+    batch = _rare_label_batch()
+    ids, labels = batch["input_ids"], batch["input_ids"][0, 1:]
+    loss, greedy, _, mask = on._step(batch, batch_labels=True)
+    full = on.drafter(input_ids=ids).logits[0, :-1]
+    columns = [*range(300), 300, 40000]  # the batch's extra ids, sorted: 20000 is not supervised
+    column_of = {i: c for c, i in enumerate(columns)}
+    supervised = [t for t in range(9) if mask[0, t]]
+    assert supervised == [0, 1, 2, 3, 4, 5, 7]
+    expected = F.cross_entropy(full[supervised][:, columns], torch.tensor([column_of[int(labels[t])] for t in supervised]))
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
+    assert greedy[0, 4] == 0 and greedy[0, 7] == 0  # a draft_vocab=K argmax never drafts 40000
+    with pytest.warns(UserWarning, match="self.log"):  # training_step takes the extended softmax (no trainer here)
+        torch.testing.assert_close(on.training_step(batch, 0), loss)
+
+    # Off (and validation with it on): today's loss, cross-entropy over the K lowest ids, labels >= K skipped.
+    off_loss = off._step(batch)[0]
+    below_k = [t for t in supervised if labels[t] < 300]
+    torch.testing.assert_close(off_loss, F.cross_entropy(full[below_k, :300], labels[below_k]))
+    assert torch.equal(on._step(batch)[0], off_loss)
+
+    # Only the rare label supervised: with the option on it carries loss and a gradient into the decoder layers
+    # and its own lm_head row; off, it carries neither.
+    rare_only = {**batch, "loss_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 0, 0, 0, 0]])}
+    for module, batch_labels in ((on, True), (off, False)):
+        module.drafter.zero_grad()
+        rare_loss = module._step(rare_only, batch_labels=batch_labels)[0]
+        rare_loss.backward()
+        layer_grad = module.drafter.model.layers[-1].mlp.down_proj.weight.grad.abs().sum()
+        row_grad = module.drafter.lm_head.weight.grad[40000].abs().sum()
+        if batch_labels:
+            # this batch's only extra id is 40000 (300 is no longer a supervised label)
+            expected_rare = -full[4, [*range(300), 40000]].log_softmax(-1)[-1]
+            torch.testing.assert_close(rare_loss, expected_rare, atol=1e-6, rtol=0)
+            assert layer_grad > 0 and row_grad > 0
+        else:
+            assert rare_loss == 0 and layer_grad == 0 and row_grad == 0
+
+
+def test_train_vocab_labels_needs_train_vocab_and_the_token_teacher(draft_recipe):
+    recipes, args, _ = draft_recipe
+    args = ["recipe=draftlm_smollm2_gsm", *args[1:], "train_vocab_labels=true"]
+    from spectrain.modules.draft_lm import DraftLMModule
+
+    for bad in (["train_vocab=0"], ["teacher=target"]):
+        with pytest.raises(ValueError, match=r"^model.train_vocab_labels=true needs model.train_vocab=K > 0 and "
+                                             r"model.teacher=tokens [^\n]*model.train_vocab_labels=false$"):
+            DraftLMModule(fit_cli.compose_recipe([*args, *bad], directory=recipes))

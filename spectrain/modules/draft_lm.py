@@ -47,6 +47,12 @@ class DraftLMSchema:
     # teacher=tokens only: train the logits of the K lowest ids, the ones the engine's draft_vocab=K drafts from
     # (0 = all). On a CPU the 49k-row lm_head is most of a step's cost; K = 8192 cuts it 6x.
     train_vocab: int = 0
+    # train_vocab=K only: each training batch also trains the logits of the distinct label ids >= K its supervised
+    # positions hold (an in-batch sampled softmax: columns K.. are those ids), so every label carries loss and the
+    # rare ids (nouns copied from the prompt) are learnt as positives, and as negatives for the batch's other
+    # rows, for a full-head consumer (SSD's fork candidates). false: labels >= K carry no loss. Validation stays
+    # over the K lowest ids either way (it models serving with draft_vocab=K).
+    train_vocab_labels: bool = False
 
 
 TEACHERS = ("target", "tokens")
@@ -61,6 +67,10 @@ class DraftLMModule(DrafterModule):
             raise ValueError(f"model.teacher must be one of {', '.join(TEACHERS)}, got '{model_cfg.teacher}'")
         self.hard_labels = model_cfg.teacher == "tokens"
         self.train_vocab = int(model_cfg.get("train_vocab", 0) or 0)
+        self.train_vocab_labels = bool(model_cfg.get("train_vocab_labels", False))
+        if self.train_vocab_labels and not (self.train_vocab > 0 and self.hard_labels):
+            raise ValueError("model.train_vocab_labels=true needs model.train_vocab=K > 0 and model.teacher=tokens "
+                             "(it extends the K trained ids); set both, or model.train_vocab_labels=false")
         if self.train_vocab and not self.hard_labels:
             raise ValueError("model.train_vocab needs model.teacher=tokens (a soft teacher's mass outside the K ids "
                              "has nowhere to go); set model.train_vocab=0 or model.teacher=tokens")
@@ -79,23 +89,30 @@ class DraftLMModule(DrafterModule):
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
         self.val_sampled = SimulatedAcceptance(model_cfg.gamma)
 
-    def _step(self, batch: dict[str, torch.Tensor]):
-        """(loss, greedy acceptance, T=1 acceptance, mask), all per position t predicting token t+1."""
+    def _step(self, batch: dict[str, torch.Tensor], batch_labels: bool = False):
+        """(loss, greedy acceptance, T=1 acceptance, mask), all per position t predicting token t+1.
+
+        ``batch_labels`` (training with ``train_vocab_labels``): the loss's softmax also spans the batch's
+        supervised label ids >= ``train_vocab``; greedy acceptance stays the argmax over the K lowest ids."""
         # Position t predicts token t+1: it is supervised when token t+1 is an assistant token.
         predicts_answer = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:].bool()
         if self.hard_labels:
-            student = self._logits(batch)[:, :-1]
             labels = batch["input_ids"][:, 1:]
+            if batch_labels:
+                student, columns = self._batch_label_logits(batch, labels, predicts_answer)
+            else:
+                student, columns = self._logits(batch)[:, :-1], labels
             log_q = F.log_softmax(student.float(), dim=-1)
             # A label outside the trained ids can never be drafted: α = 0 there, and it carries no loss.
-            in_vocab = labels < log_q.shape[-1]
-            log_q_label = log_q.gather(-1, labels.clamp(max=log_q.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+            in_vocab = columns < log_q.shape[-1]
+            log_q_label = log_q.gather(-1, columns.clamp(max=log_q.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
             log_q_label = log_q_label.masked_fill(~in_vocab, 0.0)
             weights = (predicts_answer & in_vocab).float()
             loss = process_mean(-(log_q_label * weights).sum(), weights.sum())
             with torch.no_grad():  # a one-hot teacher: α = 1[argmax q = label] greedy, q(label) at T=1
                 sampled = log_q_label.exp() * in_vocab
-                return loss, (student.argmax(-1) == labels).float(), sampled, predicts_answer
+                drafted = student[..., :self.train_vocab] if batch_labels else student  # draft_vocab=K's argmax
+                return loss, (drafted.argmax(-1) == labels).float(), sampled, predicts_answer
         student = self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         teacher = self.teacher_logits(batch["last_hidden"]).softmax(-1)[:, :-1]
         with torch.no_grad():
@@ -109,13 +126,27 @@ class DraftLMModule(DrafterModule):
             return self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return self.drafter.train_vocab_logits(batch["input_ids"], batch["attention_mask"])
 
+    def _batch_label_logits(self, batch: dict[str, torch.Tensor], labels: torch.Tensor,
+                            supervised: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits per position t predicting t+1 over the K lowest ids plus the batch's extra ids U, each label's
+        column): column K + j stands for id U[j], U the sorted distinct supervised labels >= K. A label >= K at an
+        unsupervised position gets column K + len(U), outside the logits (no loss), as without the option."""
+        k = self.train_vocab
+        extra_ids = torch.unique(labels[supervised & (labels >= k)])  # sorted
+        student = self.drafter.train_vocab_logits(batch["input_ids"], batch["attention_mask"], extra_ids)[:, :-1]
+        outside = torch.full_like(labels, k + len(extra_ids))
+        extra_columns = torch.where(torch.isin(labels, extra_ids), k + torch.searchsorted(extra_ids, labels), outside)
+        return student, torch.where(labels < k, labels, extra_columns)
+
     def training_step(self, batch, batch_idx):
-        loss, greedy, _, mask = self._step(batch)
+        loss, greedy, _, mask = self._step(batch, batch_labels=self.train_vocab_labels)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/top1_agreement", greedy[mask].mean(), prog_bar=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
+        # Over the K lowest ids only, whatever train_vocab_labels says: validation models serving with
+        # draft_vocab=K, where an id >= K is never drafted (α = 0 there, and val/loss skips it).
         loss, greedy, sampled, mask = self._step(batch)
         self.val_greedy.update(greedy, mask)
         self.val_sampled.update(sampled, mask)
@@ -149,12 +180,16 @@ class DraftLMModule(DrafterModule):
         export_draft_lm(self.drafter, tokenizer, out_dir, spectrain_block=block)
 
 
-def train_vocab_logits(drafter: torch.nn.Module, k: int, input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor) -> torch.Tensor:
-    """``drafter``'s logits over its first ``k`` ids only: the final hidden state times ``k`` rows of lm_head."""
+def train_vocab_logits(drafter: torch.nn.Module, k: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       extra_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``drafter``'s logits over its first ``k`` ids only: the final hidden state times ``k`` rows of lm_head;
+    with ``extra_ids`` (ids >= k), their rows' logits follow as columns k, k+1, ... (``train_vocab_labels``)."""
     causal_lm = drafter.get_base_model() if hasattr(drafter, "get_base_model") else drafter
     hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return hidden @ causal_lm.lm_head.weight[:k].T
+    weight = causal_lm.lm_head.weight
+    if extra_ids is None or not len(extra_ids):
+        return hidden @ weight[:k].T
+    return hidden @ torch.cat([weight[:k], weight[extra_ids]]).T
 
 
 def build_draft_lm_datamodule(cfg: Any):
