@@ -135,7 +135,7 @@ class DraftLMModule(DrafterModule):
         extra_ids = torch.unique(labels[supervised & (labels >= k)])  # sorted
         student = self.drafter.train_vocab_logits(batch["input_ids"], batch["attention_mask"], extra_ids)[:, :-1]
         outside = torch.full_like(labels, k + len(extra_ids))
-        extra_columns = torch.where(torch.isin(labels, extra_ids), k + torch.searchsorted(extra_ids, labels), outside)
+        extra_columns = torch.where(torch.isin(labels, extra_ids), k + torch.searchsorted(extra_ids, labels.contiguous()), outside)
         return student, torch.where(labels < k, labels, extra_columns)
 
     def training_step(self, batch, batch_idx):
