@@ -117,6 +117,12 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     def ckpt(run: str) -> Path:
         return runs / run / "checkpoints" / "last.ckpt"
 
+    def evaluate(labels: Sequence[str], name: str) -> tuple[str, ...]:
+        """One greedy ``inference.evaluate`` run of ``labels`` on the held-out GSM prompts, into ``out/name``."""
+        return ("inference.evaluate", "target=smollm2", f"drafters={exports}", _algorithm_list(labels),
+                "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
+                "temperature=0", "threads=1", dtype, f"out={out / name}")
+
     # HSD equals tokenwise at T = 0; its figure is the T = 1 stage ("hsd") below.
     # SSD at the engine's default budget (8) and in the reference code's shape (K = 7, uniform F = 3, B = 24),
     # in one process and with the drafter in a second process (the overlap SSD is built for).
@@ -210,29 +216,18 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                dtype, f"out={out / 'agreement.json'}"), out / "agreement.json"),
         stage("evaluate", 1.5 * (len(algorithms) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"every learned drafter on {cfg.n_prompts} held-out GSM prompts against AR, one run, greedy",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}", _algorithm_list(algorithms),
-               "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-               "temperature=0", "threads=1", dtype, f"out={out / 'eval'}"), out / "eval" / "results.json"),
+              evaluate(algorithms, "eval"), out / "eval" / "results.json"),
         stage("evaluate-specblock", 1.5 * (len(blocks) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBlock and EAGLE-3 on the same {cfg.n_prompts} held-out GSM prompts, one run (τ, drafter forwards)",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}", _algorithm_list(blocks),
-               "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}",
-               "temperature=0", "threads=1", dtype, f"out={out / 'eval_specblock'}"),
-              out / "eval_specblock" / "results.json"),
+              evaluate(blocks, "eval_specblock"), out / "eval_specblock" / "results.json"),
         stage("evaluate-specbranch", 2.0 * (len(specbranch_runs) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBranch's policies (H-RAD, none, class 0, oracles) and SpS at γ = 4 and 7 on the same "
               f"{cfg.n_prompts} held-out GSM prompts (rollback and τ; not timed)",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               _algorithm_list(specbranch_runs), "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
-               f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
-               f"out={out / 'eval_specbranch'}"), out / "eval_specbranch" / "results.json"),
+              evaluate(specbranch_runs, "eval_specbranch"), out / "eval_specbranch" / "results.json"),
         stage("evaluate-specbranch-rules", 2.0 * (len(specbranch_rules) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBranch's confidence rule (ε 0.5, from the first continuation token) and γ = 7 on the same "
               f"{cfg.n_prompts} prompts (rollback and τ; not timed)",
-              ("inference.evaluate", "target=smollm2", f"drafters={exports}",
-               _algorithm_list(specbranch_rules), "bench=gsm_symbolic", f"n_prompts={cfg.n_prompts}",
-               f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype,
-               f"out={out / 'eval_specbranch_rules'}"), out / "eval_specbranch_rules" / "results.json"),
+              evaluate(specbranch_rules, "eval_specbranch_rules"), out / "eval_specbranch_rules" / "results.json"),
     ]
 
 
@@ -475,8 +470,8 @@ def specblock_tau_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple
                      f"{block['tau'] / eagle['tau']:.2f} (τ {block['tau']:.2f} vs {eagle['tau']:.2f})", "–"))
     runs = out / "runs"
     if all((runs / name / "recipe.yaml").is_file() for name in ("specblock_smollm2_gsm", "eagle3_smollm2_gsm")):
-        _, b_tokens, b_tau = run_series(runs / "specblock_smollm2_gsm")
-        _, e_tokens, e_tau = run_series(runs / "eagle3_smollm2_gsm")
+        _, _, b_tokens, b_tau = run_series(runs / "specblock_smollm2_gsm")
+        _, _, e_tokens, e_tau = run_series(runs / "eagle3_smollm2_gsm")
         at = float(b_tokens.max())
         paired = tau_at_tokens(e_tokens, e_tau, at)
         rows.append(("GSM: SpecBlock val τ_sim ÷ EAGLE-3's at equal trained tokens", "reported",

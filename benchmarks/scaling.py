@@ -55,12 +55,14 @@ def answer_tokens_per_sample(recipe) -> float:
     return sum(counts) / max(len(counts), 1)
 
 
-def run_series(run_dir: Path) -> tuple[str, np.ndarray, np.ndarray]:
-    """(run name, answer tokens trained on at each validation, val/tau_sim there) of one ``spectrain.fit`` run."""
+def run_series(run_dir: Path) -> tuple[str, list[int], np.ndarray, np.ndarray]:
+    """(run name, validation steps, answer tokens trained on at each, val/tau_sim there) of one
+    ``spectrain.fit`` run."""
     recipe = OmegaConf.load(run_dir / "recipe.yaml")
     per_step = recipe.data.batch_size * answer_tokens_per_sample(recipe)
     points = validation_points(run_dir)
-    return (recipe.run_name, np.array([step * per_step for step, _ in points], dtype=float),
+    steps = [step for step, _ in points]
+    return (recipe.run_name, steps, np.array([step * per_step for step in steps], dtype=float),
             np.array([t for _, t in points], dtype=float))
 
 
@@ -84,8 +86,7 @@ def main(argv: list[str]) -> None:
         raise OverrideError(f"runs=[DIR,...] is required; usage: {USAGE}")
     series = {}
     for run in cfg.runs:
-        name, tokens, tau = run_series(Path(run))
-        steps = [step for step, _ in validation_points(Path(run))]
+        name, steps, tokens, tau = run_series(Path(run))
         series[name] = (tokens, tau, fit_log_linear(tokens, tau))
         print("| run | step | answer tokens trained | val τ_sim |")
         print("|---|---|---|---|")

@@ -322,19 +322,25 @@ class HRADDataModule(L.LightningDataModule):
 # ------------------------------------------------------------------------------------------ calibration
 
 
-def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 100) -> float:
-    """The softmax temperature minimising the NLL of ``labels`` (LBFGS over log T); 1.0 if that is no better."""
-    logits, labels = logits.detach().double(), labels.long()
-    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([log_t], lr=0.5, max_iter=max_iter, line_search_fn="strong_wolfe")
+def minimise_lbfgs(params: list[torch.Tensor], loss_fn, max_iter: int) -> None:
+    """Minimise ``loss_fn()`` over ``params`` in place (LBFGS, strong-Wolfe line search): the small convex fits
+    done after training (temperature, late fusion)."""
+    optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=max_iter, line_search_fn="strong_wolfe")
 
     def closure():
         optimizer.zero_grad()
-        loss = F.cross_entropy(logits / log_t.exp(), labels)
+        loss = loss_fn()
         loss.backward()
         return loss
 
     optimizer.step(closure)
+
+
+def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 100) -> float:
+    """The softmax temperature minimising the NLL of ``labels`` (LBFGS over log T); 1.0 if that is no better."""
+    logits, labels = logits.detach().double(), labels.long()
+    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    minimise_lbfgs([log_t], lambda: F.cross_entropy(logits / log_t.exp(), labels), max_iter)
     temperature = float(log_t.detach().exp())
     if not math.isfinite(temperature):
         return 1.0
@@ -357,18 +363,11 @@ def fit_late_fusion(mlp_logits: torch.Tensor, confidence: torch.Tensor, labels: 
         w = torch.zeros(NUM_CLASSES, 1, dtype=torch.float64, requires_grad=True)
         b = torch.zeros(NUM_CLASSES, dtype=torch.float64, requires_grad=True)
         params = [w, b] + ([alpha] if free_alpha else [])
-        optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=max_iter, line_search_fn="strong_wolfe")
 
         def loss_fn():
             return F.cross_entropy(alpha * mlp_logits + confidence @ w.T + b, labels, weight=weight)
 
-        def closure():
-            optimizer.zero_grad()
-            loss = loss_fn()
-            loss.backward()
-            return loss
-
-        optimizer.step(closure)
+        minimise_lbfgs(params, loss_fn, max_iter)
         with torch.no_grad():
             return float(alpha), w.detach(), b.detach(), float(loss_fn())
 
