@@ -248,11 +248,14 @@ def raw_arm_steps(steps: int, regenerated: Path, n_samples: int, max_len: int) -
 def general_stages(cfg: QualityConfig) -> list[Stage]:
     out = Path(cfg.out) / "general"
     runs, data, val_data = out / "runs", out / "regenerated.jsonl", out / "regenerated_val.jsonl"
+    exports, probe = out / "exports", out / "step_seconds.json"
     max_len = 512
-    # The raw arm's steps come from the regenerated file's answer lengths: built again once "regenerate" has run.
+    # The raw arm's steps come from the regenerated file's answer lengths, DFlash's from the step-time probe (EAGLE-3's
+    # training wall time): built again once "regenerate" and "probe-step-time" have run.
     steps = eagle3_steps(cfg)
     raw_steps = raw_arm_steps(steps, data, cfg.n_samples, max_len) if (out / ".done" / "regenerate").is_file() \
         else steps
+    dflash_steps = equal_time_steps(steps, probe, "dflash") if probe.is_file() else steps
     precision = f"trainer.precision={_precision(cfg.precision)}"
 
     def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
@@ -263,7 +266,11 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
 
     dtype = f"dtype={serving_dtype(cfg.dtype)}"
     common = ("data.n_val_samples=16", f"data.max_len={max_len}", "data.bucket_by_length=true", precision)
+    regenerated = (f"data.source=jsonl:{data}", "data.n_samples=100000", f"data.val_source=jsonl:{val_data}")
     trees = "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]"
+    # DFlash beside EAGLE-3's default tree, chain of 6 and 16-node tree (its fastest setting on GSM), one timed run
+    beside = _algorithm_list(["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
+                              "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "dflash"])
     evaluate = ("inference.evaluate", "target=smollm2", "bench=mt_bench", f"n_prompts={cfg.n_prompts}",
                 f"max_new_tokens={cfg.max_new_tokens}", "temperature=0", "threads=1", dtype)
     return [
@@ -274,23 +281,33 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
               "(EAGLE-3's validation: the training file holds only the train split)",
               ("data_prep.regenerate", "target=smollm2", "source=sharegpt", "split=eval", "n_samples=16",
                f"max_len={max_len}", "max_new_tokens=256", "batch_size=16", dtype, f"out={val_data}"), val_data),
+        stage("probe-step-time", 3.0, "seconds per training step of EAGLE-3 and DFlash on the regenerated "
+              "conversations (equal wall time)",
+              ("benchmarks.train_step", "recipe=[eagle3_smollm2,dflash_smollm2]", "steps=3", *regenerated, *common,
+               f"out={probe}"), probe),
         stage("train-eagle3", 0.5 * steps, "EAGLE-3 on the regenerated conversations",
-              _fit("eagle3_smollm2", runs, f"data.source=jsonl:{data}", "data.n_samples=100000",
-                   f"data.val_source=jsonl:{val_data}", *common,
+              _fit("eagle3_smollm2", runs, *regenerated, *common,
                    *_steps(steps, validations=8)), ckpt("eagle3_smollm2"), group="train"),
         stage("train-eagle3-raw", 0.5 * raw_steps,
               f"EAGLE-3 on the same conversations' original (ShareGPT) answers, as many answer tokens ({raw_steps} steps)",
               _fit("eagle3_smollm2", runs, "run_name=eagle3_smollm2_raw", "data.source=sharegpt",
                    f"data.n_samples={cfg.n_samples}", *common, *_steps(raw_steps, validations=8)),
               ckpt("eagle3_smollm2_raw"), group="train"),
+        stage("train-dflash", 0.5 * steps, f"DFlash on the regenerated conversations for EAGLE-3's training wall time "
+              f"({dflash_steps} steps)",
+              _fit("dflash_smollm2", runs, *regenerated, *common, *_steps(dflash_steps, validations=8)),
+              ckpt("dflash_smollm2")),
         stage("export-eagle3", 0.2, "export EAGLE-3", ("spectrain.export", f"ckpt={ckpt('eagle3_smollm2')}",
-              "format=native", f"out={out / 'exports' / 'eagle3'}"), out / "exports" / "eagle3"),
+              "format=native", f"out={exports / 'eagle3'}"), exports / "eagle3"),
+        stage("export-dflash", 0.2, "export DFlash", ("spectrain.export", f"ckpt={ckpt('dflash_smollm2')}",
+              "format=native", f"out={exports / 'dflash'}"), exports / "dflash"),
         stage("export-eagle3-raw", 0.2, "export the raw-ShareGPT EAGLE-3", ("spectrain.export",
               f"ckpt={ckpt('eagle3_smollm2_raw')}", "format=native", f"out={out / 'exports_raw' / 'eagle3'}"),
               out / "exports_raw" / "eagle3"),
-        stage("evaluate", 0.5 * cfg.n_prompts * cfg.max_new_tokens / 100, f"EAGLE-3 on {cfg.n_prompts} MT-Bench prompts",
-              (*evaluate, f"feature_drafter={out / 'exports' / 'eagle3'}", trees, f"out={out / 'eval'}"),
-              out / "eval" / "results.json"),
+        stage("evaluate", 1.5 * 5 * cfg.n_prompts * cfg.max_new_tokens / 1000,
+              f"EAGLE-3 (three trees) and DFlash on {cfg.n_prompts} MT-Bench prompts against AR, one timed run",
+              (*evaluate, f"feature_drafter={exports / 'eagle3'}", f"dflash_drafter={exports / 'dflash'}", beside,
+               f"out={out / 'eval'}"), out / "eval" / "results.json"),
         stage("evaluate-raw", 0.5 * cfg.n_prompts * cfg.max_new_tokens / 100,
               f"the raw-ShareGPT EAGLE-3 on the same {cfg.n_prompts} MT-Bench prompts (τ only; timings are the other run's)",
               (*evaluate, f"feature_drafter={out / 'exports_raw' / 'eagle3'}", trees, f"out={out / 'eval_raw'}"),
@@ -303,6 +320,13 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
 
 def _runs(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["algorithm"]: r for r in results["runs"]}
+
+
+def _steps_of(out: Path, stage: str) -> str:
+    """The ``trainer.max_steps`` a finished training stage ran with (its marker records the argv), or ``?``."""
+    marker = out / ".done" / stage
+    argv = json.loads(marker.read_text())["argv"] if marker.is_file() else []
+    return next((a.split("=")[1] for a in argv if a.startswith("trainer.max_steps=")), "?")
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -327,13 +351,15 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
             raw_runs = _runs(json.loads(raw_file.read_text()))
             raw = raw_runs["eagle3_tree"]["tau"]
             lossless = lossless and all(r.get("greedy_equal_to_ar", True) for r in raw_runs.values())
-            steps = {name: json.loads((out / ".done" / name).read_text())["argv"] for name in
-                     ("train-eagle3", "train-eagle3-raw")}
-            steps = {name: next(a.split("=")[1] for a in argv if a.startswith("trainer.max_steps="))
-                     for name, argv in steps.items()}
             add("MT-Bench: EAGLE-3 τ trained on regenerated ÷ on raw ShareGPT answers (equal answer tokens)", "> 1",
-                tau / raw, tau > raw, f"{tau / raw:.2f} (τ {tau:.2f} vs {raw:.2f}; {steps['train-eagle3']} vs "
-                f"{steps['train-eagle3-raw']} steps)")
+                tau / raw, tau > raw, f"{tau / raw:.2f} (τ {tau:.2f} vs {raw:.2f}; {_steps_of(out, 'train-eagle3')} vs "
+                f"{_steps_of(out, 'train-eagle3-raw')} steps)")
+        if "dflash" in runs:  # DFlash beside EAGLE-3, trained for EAGLE-3's wall time on the same conversations
+            add("MT-Bench: DFlash beside EAGLE-3 at equal training wall time, τ and tokens/s ÷ AR (training steps)",
+                "reported", None, None, "; ".join(f"{label} τ {r['tau']:.2f}, {r['speedup_vs_ar']:.2f}×" for label, r
+                                                  in runs.items() if label != "ar") + f" ({_steps_of(out, 'train-dflash')} "
+                f"vs {_steps_of(out, 'train-eagle3')} steps)")
+            rows.extend(dflash_rows(runs, out, where="MT-Bench", goals=False))
         add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
         return rows
     eagle = runs["eagle3_tree"]
@@ -440,22 +466,35 @@ def block_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple[str, st
             rows.append(("GSM: SpecBlock drafting ms per round ÷ EAGLE-3's (default trees)", "reported",
                          f"{defaults[0] / defaults[1]:.2f} ({defaults[0]:.1f} vs {defaults[1]:.1f} ms)", "–"))
         rows.extend(specblock_tau_rows(both, out))
-    dflash = both.get("dflash")
-    if dflash is not None:
-        tau = dflash["tau"]
-        rows.append(("GSM: DFlash τ (engine, chain of block − 1)", "≥ 3.1", f"{tau:.2f}", "yes" if tau >= 3.1 else "no"))
-        per = dflash["draft_forwards"] / max(dflash["target_forwards"] - dflash["n_prompts"], 1)  # prefills draft nothing
-        rows.append(("GSM: DFlash drafter forwards per verification", "1", f"{per:.2f}",
-                     "yes" if abs(per - 1) < 0.05 else "no"))
-        speed = dflash["tokens_per_s"] / e_run["tokens_per_s"]
-        rows.append(("GSM: DFlash tokens/s ÷ the fastest EAGLE-3 setting's", "≥ 1.2",
-                     f"{speed:.2f} (vs {e_label})", "yes" if speed >= 1.2 else "no"))
-        metrics_file = out / "exports" / "dflash" / "metrics.json"
-        simulated = json.loads(metrics_file.read_text()).get("val/tau_sim") if metrics_file.is_file() else None
-        if simulated is not None:
-            gap = abs(float(simulated) - tau)
-            rows.append(("GSM: DFlash val/tau_sim vs served τ", "within 0.1",
-                         f"{float(simulated):.2f} vs {tau:.2f}", "yes" if gap <= 0.1 else "no"))
+    rows.extend(dflash_rows(both, out))
+    return rows
+
+
+def dflash_rows(both: dict[str, dict[str, Any]], out: Path, where: str = "GSM",
+                goals: bool = True) -> list[tuple[str, str, str, str]]:
+    """DFlash's figures against the fastest EAGLE-3 setting of the same evaluate run; ``goals=False`` reports them
+    without the GSM goals (the general setting compares side by side). One drafter forward per verification is
+    judged in both: it is what DFlash is."""
+    eagle, dflash = _best(both, "eagle3_tree"), both.get("dflash")
+    if eagle is None or dflash is None:
+        return []
+    e_label, e_run = eagle
+
+    def row(figure: str, goal: str, measured: str, ok: bool, judged: bool = goals) -> tuple[str, str, str, str]:
+        return (f"{where}: {figure}", goal if judged else "reported", measured, ("yes" if ok else "no") if judged else "–")
+
+    tau = dflash["tau"]
+    per = dflash["draft_forwards"] / max(dflash["target_forwards"] - dflash["n_prompts"], 1)  # prefills draft nothing
+    speed = dflash["tokens_per_s"] / e_run["tokens_per_s"]
+    rows = [row("DFlash τ (engine, chain of block − 1)", "≥ 3.1", f"{tau:.2f}", tau >= 3.1),
+            row("DFlash drafter forwards per verification", "1", f"{per:.2f}", abs(per - 1) < 0.05, judged=True),
+            row("DFlash tokens/s ÷ the fastest EAGLE-3 setting's", "≥ 1.2", f"{speed:.2f} (vs {e_label})", speed >= 1.2)]
+    metrics_file = out / "exports" / "dflash" / "metrics.json"
+    simulated = json.loads(metrics_file.read_text()).get("val/tau_sim") if metrics_file.is_file() else None
+    if simulated is not None:
+        gap = abs(float(simulated) - tau)
+        rows.append(row("DFlash val/tau_sim vs served τ", "within 0.1", f"{float(simulated):.2f} vs {tau:.2f}",
+                        gap <= 0.1))
     return rows
 
 
@@ -507,9 +546,9 @@ def run(cfg: QualityConfig) -> str:
     stages = select(build(cfg), cfg.stages)
     names = [s.name for s in stages]
     # Later stages' step counts come from an earlier stage's output (gsm: SpecBlock's from the step-time probe;
-    # general: the raw arm's from the regenerated answers): build them again once it has run.
-    pivot = {"gsm": "probe-step-time", "general": "regenerate"}[cfg.setting]
-    cut = names.index(pivot) + 1 if pivot in names else len(stages)
+    # general: the raw arm's from the regenerated answers, DFlash's from the probe): build them again once they have run.
+    pivots = {"gsm": ("probe-step-time",), "general": ("regenerate", "probe-step-time")}[cfg.setting]
+    cut = max((names.index(p) + 1 for p in pivots if p in names), default=len(stages))
     run_pipeline(stages[:cut], label=label, rerun_hint="the same command", env={"OMP_NUM_THREADS": "1"})
     if cut < len(stages):
         rest = [s for s in select(build(cfg), cfg.stages) if s.name in names[cut:]]

@@ -77,6 +77,43 @@ def test_general_goal_table_compares_regenerated_with_raw(tmp_path):
         "1.38 (τ 2.20 vs 1.60; 100 vs 75 steps)", "yes")
 
 
+def test_general_dflash_gets_eagle3s_wall_time_on_the_same_conversations(tmp_path):
+    cfg = parse_cli([f"out={tmp_path}", "setting=general", "eagle3_steps=120"], dq.QualityConfig, dq.USAGE)
+    stages = {s.name: s for s in dq.general_stages(cfg)}
+    assert "trainer.max_steps=120" in stages["train-dflash"].argv  # no probe yet: EAGLE-3's steps
+    probe = tmp_path / "general" / "step_seconds.json"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(json.dumps({"eagle3": 10.0, "dflash": 12.5}))
+    stages = {s.name: s for s in dq.general_stages(cfg)}
+    dflash, eagle = stages["train-dflash"].argv, stages["train-eagle3"].argv
+    assert "trainer.max_steps=96" in dflash and "recipe=dflash_smollm2" in dflash
+    data = [a for a in eagle if a.startswith("data.")]
+    assert data == [a for a in dflash if a.startswith("data.")] and any("regenerated.jsonl" in a for a in data)
+    assert [a for a in stages["probe-step-time"].argv if a.startswith("data.")] == data  # timed on that data
+    evaluate = stages["evaluate"].argv
+    assert any(a.startswith("dflash_drafter=") for a in evaluate) and "dflash" in evaluate[-2]
+    assert [a for a in stages["evaluate-raw"].argv if a.startswith("algorithms=")] == [
+        "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]"]
+
+
+def test_general_goal_table_puts_dflash_beside_eagle3(tmp_path):
+    out = tmp_path / "general"
+    (out / "eval").mkdir(parents=True)
+    chain = "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6"
+    runs = [_record("ar", 1.0, 1.0), _record("eagle3_tree", 2.2, 1.1), _record(chain, 1.9, 1.3),
+            _record("dflash", 1.8, 1.4, draft_forwards=50, target_forwards=56, n_prompts=6)]
+    (out / "eval" / "results.json").write_text(json.dumps({"runs": runs}))
+    for name, steps in (("train-eagle3", 120), ("train-dflash", 96)):
+        Stage(name, 0, "", ("spectrain.fit", f"trainer.max_steps={steps}"), out, out / ".done" / name).mark_done(9.0)
+    rows = {figure: (goal, measured, met) for figure, goal, measured, met in dq.goal_rows("general", out)}
+    assert rows["MT-Bench: DFlash beside EAGLE-3 at equal training wall time, τ and tokens/s ÷ AR (training steps)"] == (
+        "reported", f"eagle3_tree τ 2.20, 1.10×; {chain} τ 1.90, 1.30×; dflash τ 1.80, 1.40× (96 vs 120 steps)", "–")
+    assert rows["MT-Bench: DFlash τ (engine, chain of block − 1)"] == ("reported", "1.80", "–")  # no GSM goal here
+    assert rows["MT-Bench: DFlash drafter forwards per verification"] == ("1", "1.00", "yes")
+    assert rows["MT-Bench: DFlash tokens/s ÷ the fastest EAGLE-3 setting's"] == ("reported", f"1.08 (vs {chain})", "–")
+    assert rows["greedy output = AR in every run"] == ("yes", "yes", "yes")
+
+
 def test_specblock_gets_eagle3s_wall_time_from_the_probe(tmp_path):
     cfg = parse_cli([f"out={tmp_path}", "eagle3_steps=120"], dq.QualityConfig, dq.USAGE)
     probe = tmp_path / "gsm" / "step_seconds.json"
