@@ -34,7 +34,7 @@ def scored_rows(supervised: torch.Tensor) -> torch.Tensor:
 def cod_sample(scored: torch.Tensor, num_depths: int, ratio: float, ratio_min: float, max_anchors: int | None,
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain rows of ONE sequence: ``scored`` [T] bool -> (anchors [N], depths [N] in 1..num_depths - 1), sorted by
-    (anchor, depth). ``ratio`` = r, ``ratio_min`` = r_min (see the module docstring); ratio 1 keeps every chain."""
+    (anchor, depth). ``ratio`` = r, ``ratio_min`` = r_min (see the module docstring)."""
     scored = scored.bool().cpu()
     length = scored.numel()
     valid = scored.nonzero().flatten()
@@ -60,6 +60,21 @@ def cod_sample(scored: torch.Tensor, num_depths: int, ratio: float, ratio_min: f
     anchors_t, depths_t = torch.cat(anchors), torch.cat(depths)
     order = torch.argsort(anchors_t * num_depths + depths_t)
     return anchors_t[order], depths_t[order]
+
+
+def every_chain(scored: torch.Tensor, num_depths: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain rows of ONE sequence for validation: every scored anchor ``a`` with each depth ``d`` whose rows
+    ``a .. a + d`` are all scored (what serving drafts there, scored to its end), sorted by (anchor, depth)."""
+    scored = scored.bool().cpu()
+    length = scored.numel()
+    run = torch.zeros(length + 1, dtype=torch.long)  # run[q]: scored rows from q on, consecutively
+    for q in range(length - 1, -1, -1):
+        run[q] = run[q + 1] + 1 if scored[q] else 0
+    anchors = scored.nonzero().flatten()
+    depth = torch.arange(1, num_depths)
+    keep = depth[None, :] < run[anchors][:, None]  # [A, K - 1]
+    a, d = keep.nonzero(as_tuple=True)
+    return anchors[a], depth[d]
 
 
 def batch_chains(per_row: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str, *,

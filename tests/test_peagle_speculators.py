@@ -10,8 +10,13 @@ it trains the token embedding (``embed_requires_grad``), we keep the target's fr
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.losses import resolve_loss_config
@@ -20,11 +25,20 @@ from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 from speculators.models.peagle.data import generate_cod_sample_indices
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from test_dflash_speculators import target_features
-from test_eagle3_export import AUX, VOCAB, tiny_target
-from test_peagle import DEPTHS, make_peagle
-from transformers import LlamaConfig
+from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, tiny_target
+from test_peagle import DEPTHS, MASK, make_peagle
+from test_speculators_interop import assert_loaded_exactly
+from transformers import AutoConfig, LlamaConfig
 
+from core.assets import target_record
+from core.drafters.eagle3_layouts import CheckpointError
 from core.drafters.peagle import PEagleDrafter
+from core.drafters.peagle_layouts import read_checkpoint
+from inference.algorithms import build_algorithm
+from inference.drafters import LoadedModel, load_peagle
+from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
+from spectrain import export as export_cli
 from spectrain.dflash_losses import weighted_kl
 from spectrain.peagle_losses import batch_chains, cod_sample, scored_rows
 
@@ -141,3 +155,98 @@ def test_the_training_forward_loss_and_gradients_agree_with_the_library():
             assert name == "lm_head.weight"
             continue
         torch.testing.assert_close(param.grad, theirs_param.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Export, import and serving with the library's own loader and checkpoints
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama target (untied head) saved as an HF directory, and its runner."""
+    directory = tmp_path_factory.mktemp("target")
+    model = tiny_target(0)
+    model.save_pretrained(directory)
+    return LoadedModel(str(directory), ModelRunner.from_hf_model(model, max_seq_len=96), None, model)
+
+
+def lightning_ckpt(path: Path, drafter: PEagleDrafter, target: dict) -> Path:
+    """What PEagleModule saves: the drafter as self.drafter, plus the spectrain block."""
+    torch.save({"state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()}, "global_step": 3,
+                "epoch": 0, "spectrain": {"kind": "peagle", "config": drafter.config.to_dict(), "target": target,
+                                          "recipe": {"kind": "peagle"}, "metrics": {"val/tau_sim": 2.0}}}, path)
+    return path
+
+
+def load_theirs(directory: Path) -> PEagleDraftModel:
+    """The library's loader; eager attention because its default flex attention fails on short CPU inputs."""
+    config = PEagleSpeculatorConfig.from_pretrained(directory)
+    config.transformer_layer_config._attn_implementation = "eager"
+    return PEagleDraftModel.from_pretrained(str(directory), config=config)
+
+
+def test_speculators_loads_our_export_with_nothing_missing(tmp_path, tiny):
+    ours = make_peagle(tiny.model.config, norm_before_residual=True)
+    ckpt = lightning_ckpt(tmp_path / "last.ckpt", ours, target_record(tiny.name))
+    assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={tmp_path / 'native'}"]) == 0
+    out = tmp_path / "speculators"
+    assert export_cli.main([f"ckpt={tmp_path / 'native'}", "format=speculators", f"out={out}"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["speculators_model_type"], config["architectures"], config["mask_token_id"]) == \
+        ("peagle", ["PEagleSpeculator"], MASK)
+    assert config["norm_before_residual"] is True and config["speculators_config"]["algorithm"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == DEPTHS
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in AUX]
+    theirs = load_theirs(out)  # what a user types, eager attention aside
+    assert_loaded_exactly(theirs, out, tiny.model)
+    assert torch.equal(theirs.mask_hidden, ours.mask_hidden) and theirs.mask_token_id == MASK
+    assert theirs.config.norm_before_residual is True
+
+
+def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, tiny):
+    """A checkpoint speculators itself writes -> import= -> lossless peagle -> format=speculators again."""
+    layer = AutoConfig.from_pretrained(tiny.name)
+    layer.num_hidden_layers = 1  # the draft's own decoder: one layer shaped like the target's
+    used = torch.sort(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[used] = True
+    theirs = PEagleDraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(DRAFT_VOCAB),
+                                                 verifier_name_or_path=tiny.name, draft_vocab_size=DRAFT_VOCAB,
+                                                 norm_before_residual=True, mask_token_id=MASK, num_depths=3,
+                                                 draft_attn_impl="eager", target_layer_ids=[i + 1 for i in AUX])
+    with torch.no_grad():  # trained-looking weights: the library initialises its norms to ones
+        for name, param in theirs.named_parameters():
+            if "norm" in name and not name.startswith("verifier"):
+                param.uniform_(0.5, 1.5)
+        theirs.embed_tokens.weight.add_(0.01)  # it trains the embedding (embed_requires_grad): not the target's now
+    theirs.save_pretrained(tmp_path / "theirs")
+    native, again = tmp_path / "native", tmp_path / "again"
+    assert export_cli.main([f"import={tmp_path / 'theirs'}", f"target={tiny.name}", f"out={native}"]) == 0
+    drafter = load_peagle(str(native), tiny)
+    c = drafter.config
+    assert (c.norm_before_residual, c.num_depths, c.mask_token_id, c.aux_layer_ids, c.own_embedding) == \
+        (True, 3, MASK, AUX, True)
+    assert torch.equal(drafter.embed_tokens.weight, theirs.embed_tokens.weight)  # its own, not the target's
+    greedy, prompt = SamplingParams(0.0), [5, 17, 3, 44, 8]
+    reference = build_algorithm("ar", tiny.runner).generate(prompt, max_new_tokens=12, sampling=greedy)
+    result = build_algorithm("peagle", tiny.runner, drafter).generate(prompt, max_new_tokens=12, sampling=greedy)
+    assert result.tokens == reference.tokens and result.stats.draft_forwards == result.stats.rounds
+    assert export_cli.main([f"ckpt={native}", "format=speculators", f"out={again}"]) == 0
+    first, second = load_file(str(tmp_path / "theirs" / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert first.keys() == second.keys() and "mask_hidden" in first
+    for name, tensor in first.items():
+        assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), name
+    reloaded = load_theirs(again)
+    assert torch.equal(reloaded.mask_hidden, theirs.mask_hidden)
+    assert torch.equal(reloaded.embed_tokens.weight, theirs.embed_tokens.weight)
+
+    # a foreign config without norm_before_residual reads as vLLM serves peagle (False), not EAGLE-3's True
+    bare = Path(shutil.copytree(tmp_path / "theirs", tmp_path / "bare"))
+    config = json.loads((bare / "config.json").read_text())
+    del config["norm_before_residual"]
+    (bare / "config.json").write_text(json.dumps(config))
+    assert read_checkpoint(bare, target_record(tiny.name)).config.norm_before_residual is False
+    del config["mask_token_id"]
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="has no 'mask_token_id'; a P-EAGLE checkpoint needs it"):
+        read_checkpoint(bare, target_record(tiny.name))
