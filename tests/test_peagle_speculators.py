@@ -72,7 +72,7 @@ def theirs_for(ours: PEagleDrafter) -> PEagleDraftModel:
 def test_norm_before_residual_defaults_are_pinned():
     # speculators defaults both kinds to False; vLLM's config conversion (vllm/transformers_utils/configs/speculators/
     # algos.py) defaults update_eagle3 to True and update_peagle to False when the field is absent. Our exports always
-    # write it; our reader of a foreign peagle config takes vLLM's False (tests/test_peagle_export.py).
+    # write it; our reader of a foreign peagle config takes vLLM's False (the import test below).
     assert Eagle3SpeculatorConfig.model_fields["norm_before_residual"].default is False
     assert PEagleSpeculatorConfig.model_fields["norm_before_residual"].default is False
     assert PEagleSpeculatorConfig.model_fields["embed_requires_grad"].default is True

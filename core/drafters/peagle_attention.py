@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# Chain rows per chunk: DFlash's measured optimum (8 anchors x 8 slots) in rows; a chunk rereads at most the K - 2
-# rows of a chain cut by its start.
+# Chain rows per chunk. Measured on the 2-core CPU (benchmarks/peagle_attention.py, SmolLM2's heads, T = 640, K = 6,
+# forward + backward; BENCHMARKS.md): chunks of 64-256 rows run ~1.6x faster than the dense chain mask and equal
+# within the noise; 16 pays per-call overhead. A chunk rereads at most the K - 2 rows of a chain cut by its start.
 CHUNK_ROWS = 64
 
 
