@@ -73,6 +73,32 @@ def test_chunked_chain_attention_equals_the_dense_mask():
         torch.testing.assert_close(sparse[:, :, 3:], dense[:, :, 3:], rtol=1e-6, atol=1e-6)  # padding rows aside
 
 
+def test_the_training_forward_and_its_gradients_equal_the_dense_masks():
+    target = tiny_target(0)
+    torch.manual_seed(4)
+    length = 24
+    ids, aux = torch.randint(0, VOCAB, (2, length)), torch.randn(2, length, 3 * target.config.hidden_size)
+    first, second = every_chain(length, [1, 5, 6, 12], DEPTHS), every_chain(length, [3, 9], DEPTHS)
+    results = []
+    for dense in (True, False):
+        drafter = make_peagle(target.config)
+        layout = chains_of(first, width=len(first))
+        other = chains_of(second, width=len(first))
+        layout = ChainLayout(torch.cat([layout.anchors, other.anchors]), torch.cat([layout.depths, other.depths]),
+                             torch.cat([layout.valid, other.valid]), dense=dense, chunk_rows=5)
+        out = drafter(ids, aux, layout)
+        loss = out.hidden.square().mean() + out.chain_hidden[layout.valid].square().mean()
+        loss.backward()
+        results.append((out, {name: p.grad for name, p in drafter.named_parameters() if p.requires_grad}))
+    (dense_out, dense_grads), (sparse_out, sparse_grads) = results
+    torch.testing.assert_close(sparse_out.hidden, dense_out.hidden, rtol=1e-5, atol=1e-6)
+    valid = layout.valid
+    torch.testing.assert_close(sparse_out.chain_hidden[valid], dense_out.chain_hidden[valid], rtol=1e-5, atol=1e-6)
+    assert "mask_hidden" in sparse_grads and float(sparse_grads["mask_hidden"].abs().sum()) > 0
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_one_training_forward_drafts_what_serving_drafts_at_every_depth():
     target = tiny_target(0)
     drafter = make_peagle(target.config).eval()

@@ -92,7 +92,7 @@ class PEagleModule(DrafterModule):
 
     # -- one batch -------------------------------------------------------------------------------------------
 
-    def _rows(self, batch: dict[str, torch.Tensor], salt: int, first_row: int, every_chain: bool):
+    def _batch_rows(self, batch: dict[str, torch.Tensor], salt: int, first_row: int, every_chain: bool):
         """(student logits [N, Vd], teacher probs [N, Vd], depth [N], batch row [N], anchor [N]) over the scored rows
         of every depth; ``every_chain``: all chains of every scored anchor (validation), else COD's draw."""
         model_cfg, drafter = self.cfg.model, self.drafter
@@ -126,7 +126,7 @@ class PEagleModule(DrafterModule):
     def training_step(self, batch, batch_idx):
         # process r holds rows [r·b, (r+1)·b) of each global batch (data_prep.rank_sampler, length buckets alike)
         first_row = process_rank()[0] * len(batch["input_ids"])
-        student, teacher, depth, _, _ = self._rows(batch, self.global_step, first_row, every_chain=False)
+        student, teacher, depth, _, _ = self._batch_rows(batch, self.global_step, first_row, every_chain=False)
         loss = weighted_kl(student, teacher, torch.ones(len(student), device=student.device))
         size = len(batch["input_ids"])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
@@ -136,7 +136,7 @@ class PEagleModule(DrafterModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        student, teacher, depth, b, a = self._rows(batch, -1, batch_idx * int(self.cfg.data.batch_size),
+        student, teacher, depth, b, a = self._batch_rows(batch, -1, batch_idx * int(self.cfg.data.batch_size),
                                                    every_chain=True)
         self.log("val/loss", weighted_kl(student, teacher, torch.ones(len(student), device=student.device)),
                  batch_size=len(batch["input_ids"]))
