@@ -17,11 +17,47 @@ def test_scored_rows_predict_supervised_tokens_and_full_chains_cover_every_score
     anchors, depths = every_chain(scored[0], 3)  # every chain whose rows are all scored, sorted by (anchor, depth)
     assert list(zip(anchors.tolist(), depths.tolist())) == [(2, 1), (2, 2), (3, 1), (3, 2), (4, 1), (4, 2), (5, 1),
                                                             (5, 2), (6, 1)]
-    drawn = cod_sample(scored[0], 3, 0.7, 0.2, None, torch.Generator().manual_seed(0))
-    assert set(zip(*[t.tolist() for t in drawn])) < set(zip(anchors.tolist(), depths.tolist()))  # COD: a subset
+    drawn = cod_sample(scored[0], 6, 0.7, 0.2, None, torch.Generator().manual_seed(0))
+    # COD: a chain's rows after its anchor are all scored (its anchor row need not be)
+    assert len(drawn[0]) > 4 and all(bool(scored[0, a + 1: a + d + 1].all()) for a, d in zip(*drawn))
     layout = batch_chains([(anchors, depths), (anchors[:2], depths[:2])], "cpu")
     assert layout.valid.sum(1).tolist() == [9, 2] and layout.anchors[1, -2:].tolist() == [2, 2]
     assert layout.valid[1].tolist() == [False] * 7 + [True] * 2  # padded at the front: still sorted
+
+
+def test_a_rows_chains_do_not_depend_on_world_size_or_its_batch():
+    from types import SimpleNamespace
+
+    from spectrain.modules.peagle import PEagleModule
+
+    def stub(seed: int = 7) -> SimpleNamespace:  # what PEagleModule._chains reads of the module
+        model = SimpleNamespace(down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=0)
+        return SimpleNamespace(cfg=SimpleNamespace(seed=seed, model=model),
+                               drafter=SimpleNamespace(config=SimpleNamespace(num_depths=4)))
+
+    def chains(module, scored, attention, salt, first_row, every=False):
+        return [list(zip(a.tolist(), d.tolist())) for a, d in
+                PEagleModule._chains(module, scored, attention, salt, first_row, every)]
+
+    lengths = [30, 16, 21, 17]
+    generator = torch.Generator().manual_seed(0)
+    attention = torch.zeros(4, 30, dtype=torch.long)
+    supervised = torch.zeros(4, 30, dtype=torch.bool)
+    for i, n in enumerate(lengths):  # right-padded rows, answers from position 3
+        attention[i, :n] = 1
+        supervised[i, 3:n] = torch.rand(n - 3, generator=generator) < 0.8
+    scored = scored_rows(supervised)
+    one = chains(stub(), scored, attention, 11, 0)  # 1 process x 4 rows
+    two = []
+    for rank in range(2):  # 2 processes x 2 rows, each padded to its own width
+        rows, width = slice(2 * rank, 2 * rank + 2), max(lengths[2 * rank: 2 * rank + 2])
+        two += chains(stub(), scored_rows(supervised[rows, :width]), attention[rows, :width], 11, 2 * rank)
+    assert one == two and all(len(row) > 3 for row in one)
+    for row, sc in zip(one, scored):  # every chain row is a scored row
+        assert all(sc[a + d] for a, d in row)
+    assert chains(stub(), scored, attention, 12, 0) != one and chains(stub(8), scored, attention, 11, 0) != one
+    full = chains(stub(), scored, attention, 11, 0, every=True)  # validation: no draw, whatever the salt
+    assert full == chains(stub(8), scored, attention, 12, 0, every=True)
 
 
 @pytest.fixture(scope="module")

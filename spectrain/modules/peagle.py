@@ -98,16 +98,7 @@ class PEagleModule(DrafterModule):
         model_cfg, drafter = self.cfg.model, self.drafter
         supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         scored = scored_rows(supervised)
-        depths = drafter.config.num_depths
-        per_row = []
-        for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):  # right-padded: length = the count
-            if every_chain:
-                per_row.append(full_chains(scored[i, : int(length)], depths))
-                continue
-            seed = ((int(self.cfg.seed) * 1_000_003 + int(salt)) * 1_000_003 + first_row + i) % (1 << 63)
-            per_row.append(cod_sample(scored[i, : int(length)], depths, model_cfg.down_sample_ratio,
-                                      model_cfg.down_sample_ratio_min, model_cfg.max_anchors or None,
-                                      torch.Generator().manual_seed(seed)))
+        per_row = self._chains(scored, batch["attention_mask"], salt, first_row, every_chain)
         chains = batch_chains(per_row, scored.device, dense=model_cfg.attention == "dense")
         out = drafter(batch["input_ids"], batch["aux_hidden"], chains)
         b0, q0 = scored.nonzero(as_tuple=True)
@@ -122,6 +113,23 @@ class PEagleModule(DrafterModule):
         head = self.teacher_lm_head[drafter.draft_ids_in_target()]
         teacher = (batch["last_hidden"].flatten(0, 1)[unique].float() @ head.T).softmax(-1)[inverse]
         return drafter.head(hidden), teacher, depth, rows_b, anchor
+
+    def _chains(self, scored: torch.Tensor, attention_mask: torch.Tensor, salt: int, first_row: int,
+                every_chain: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per batch row, its chain rows (anchors, depths): COD's draw over its own length (not the batch's padded
+        width) with a generator of (seed, ``salt``, ``first_row`` + its index), so a row's draw depends neither on
+        the rows sharing its batch nor on the process count; ``every_chain``: all of them (validation)."""
+        model_cfg, depths = self.cfg.model, self.drafter.config.num_depths
+        per_row = []
+        for i, length in enumerate(attention_mask.sum(1).tolist()):  # right-padded: the length is the count
+            if every_chain:
+                per_row.append(full_chains(scored[i, : int(length)], depths))
+                continue
+            seed = ((int(self.cfg.seed) * 1_000_003 + int(salt)) * 1_000_003 + first_row + i) % (1 << 63)
+            per_row.append(cod_sample(scored[i, : int(length)], depths, model_cfg.down_sample_ratio,
+                                      model_cfg.down_sample_ratio_min, model_cfg.max_anchors or None,
+                                      torch.Generator().manual_seed(seed)))
+        return per_row
 
     def training_step(self, batch, batch_idx):
         # process r holds rows [r·b, (r+1)·b) of each global batch (data_prep.rank_sampler, length buckets alike)
