@@ -146,8 +146,8 @@ def check_placement(cfg: Any) -> None:
 
 
 def drafter_paths(cfg: Any) -> dict[str, str]:
-    """Algorithm drafter kind (draft_lm | features | specblock | dflash | peagle | hrad) -> path: ``drafters=DIR`` first, then each
-    explicitly named drafter on top."""
+    """Algorithm drafter kind (draft_lm | features | specblock | dflash | peagle | hrad) -> path: ``drafters=DIR``
+    first, then each explicitly named drafter on top."""
     by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
     paths: dict[str, str] = {}
     if cfg.drafters:

@@ -232,7 +232,8 @@ def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, t
     result = build_algorithm("peagle", tiny.runner, drafter).generate(prompt, max_new_tokens=12, sampling=greedy)
     assert result.tokens == reference.tokens and result.stats.draft_forwards == result.stats.rounds
     assert export_cli.main([f"ckpt={native}", "format=speculators", f"out={again}"]) == 0
-    first, second = load_file(str(tmp_path / "theirs" / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    first = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    second = load_file(str(again / "model.safetensors"))
     assert first.keys() == second.keys() and "mask_hidden" in first
     for name, tensor in first.items():
         assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), name

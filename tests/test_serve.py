@@ -38,8 +38,8 @@ PROMPT = "Name a prime."
 
 def tiny_models(root: Path) -> dict:
     """The target (its weights and tokenizer: each server gets a runner of its own, ``own_target``), a draft LM
-    directory, and the random feature drafters (EAGLE-3, SpecBlock, DFlash, P-EAGLE); ``ar`` is the reference, on a runner of its own. The other
-    ``test_serve_*`` modules build theirs with it too."""
+    directory, and the random feature drafters (EAGLE-3, SpecBlock, DFlash, P-EAGLE); ``ar`` is the reference, on a
+    runner of its own. The other ``test_serve_*`` modules build theirs with it too."""
     target_dir = save_tiny_target(root / "target", layers=4, logit_scale=8.0)
     draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
     target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)

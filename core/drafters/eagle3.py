@@ -329,10 +329,11 @@ class Eagle3Drafter(TargetTiedDrafter):
 
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-              mask: torch.Tensor | Attend, heads: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]:
+              mask: torch.Tensor | Attend, heads: bool = True) -> tuple[torch.Tensor | None, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor]:
         """Rows (token [B, T], hidden [B, T, H]) at ``positions`` [B, T] against past K/V under ``mask``
-        [B, T, P + T] (or an :data:`Attend` function) -> (logits [B, T, Vd] or None without ``heads``, next hidden [B, T, H], K, V of these rows)."""
+        [B, T, P + T] (or an :data:`Attend` function) -> (logits [B, T, Vd] or None without ``heads``, next hidden
+        [B, T, H], K, V of these rows)."""
         dtype = hidden.dtype
         cos, sin = self._rope(positions, dtype)
         embeds = self.embed_tokens(tokens).to(dtype)

@@ -4,8 +4,8 @@ that ONE forward drafts ``K`` tokens (vLLM's ``speculators`` 0.9.0 ``models/peag
 
 Architecture: :mod:`core.drafters.eagle3` (the same ``fc``, ``midlayer``, ``norm``, ``lm_head``, vocabulary map), and::
 
-    row of depth 0 at position i  = EAGLE-3's row i: (token i + 1, fc(target features at i))  -> predicts token i + 2
-    row of depth d at anchor a    = (mask_token_id, fc(mask_hidden)) at position a + d         -> predicts token a + d + 2
+    depth-0 row at position i  = EAGLE-3's row i: (token i + 1, fc(target features at i))  -> predicts token i + 2
+    depth-d row at anchor a    = (mask_token_id, fc(mask_hidden)) at position a + d         -> predicts token a + d + 2
 
 A depth-``d`` row reads neither the token drafted at depth ``d - 1`` nor its hidden state: the mask embedding and
 ``mask_hidden`` stand in for both, so all ``K`` depths of a chain come out of one forward. Attention: a depth-0 row

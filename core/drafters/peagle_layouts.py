@@ -94,7 +94,8 @@ def layout_tensors(config: PEagleConfig, tensors: dict[str, torch.Tensor], layou
         return tensors
     out = eagle3_layout_tensors(tensors, "speculators")
     if EMBED not in out:
-        out[EMBED] = target_embedding(Eagle3Checkpoint(config, tensors, target), verifier).to(tensors["fc.weight"].dtype)
+        embed = target_embedding(Eagle3Checkpoint(config, tensors, target), verifier)
+        out[EMBED] = embed.to(tensors["fc.weight"].dtype)
     return out
 
 

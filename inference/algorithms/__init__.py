@@ -29,8 +29,8 @@ def algorithm_class(name: str):
 
 
 def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock, DFlash or P-EAGLE drafter) refuses
-    to start without one."""
+    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock, DFlash or P-EAGLE drafter)
+    refuses to start without one."""
     cls = algorithm_class(name)
     if cls.drafter == "none":
         return cls(target, **options)
