@@ -75,6 +75,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
+from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from core.layer_ids import eagle3_layers, resolve_layers
 from core.overrides import parse_cli, run_cli
@@ -218,6 +219,15 @@ def random_dflash(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> 
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu(),
                             head_weight=target.get_output_embeddings().weight.detach().float().cpu())
+    return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
+
+
+def random_peagle(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> PEagleDrafter:
+    """A random P-EAGLE drafter (4 tokens per forward) over a random reduced vocabulary."""
+    config = PEagleConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target),
+                                     mask_token_id=0, num_depths=4)
+    torch.manual_seed(seed)
+    drafter = PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu())
     return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
 
 
@@ -366,6 +376,8 @@ def build_for(name: str, models: Models, model: str, dtype: str, max_seq_len: in
         drafter = random_specblock(target, draft_vocab=min(8000, target.config.vocab_size // 2))
     if name == "dflash":
         drafter = random_dflash(target, draft_vocab=min(8000, target.config.vocab_size // 2))
+    if name == "peagle":
+        drafter = random_peagle(target, draft_vocab=min(8000, target.config.vocab_size // 2))
     return build_algorithm(name, runner_for(target, max_seq_len), drafter, **options)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from core import assets
 from core.assets import target_record, tokenizer_fingerprint
-from core.drafters import dflash_layouts
+from core.drafters import dflash_layouts, peagle_layouts
 from core.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
 from core.drafters.specblock import build_drafter, read_native
 from inference.device import cpu_has_native_bf16
@@ -25,6 +25,7 @@ from inference.runner_loading import load_runner
 if TYPE_CHECKING:
     from core.drafters.dflash import DFlashDrafter
     from core.drafters.eagle3 import Eagle3Drafter
+    from core.drafters.peagle import PEagleDrafter
     from core.drafters.specblock import SpecBlockDrafter
 
 
@@ -155,6 +156,17 @@ def load_dflash(path: str, target: LoadedModel) -> DFlashDrafter:
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
 
 
+def load_peagle(path: str, target: LoadedModel) -> PEagleDrafter:
+    """Load a P-EAGLE export of ours (either layout) onto ``target``'s device and dtype, sharing its token embedding
+    unless the drafter owns one. Refuses (one line) a drafter trained for another target, hidden size, vocabulary or
+    layer count."""
+    config, tensors, block = peagle_layouts.read_native(path)
+    check_native_target(path, config, block.get("target"), target)
+    runner = target.runner
+    drafter = peagle_layouts.build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight)
+    return drafter.to(device=runner.device, dtype=runner.dtype).eval()
+
+
 def check_native_target(path: str, config: Any, recorded: dict[str, Any] | None, target: LoadedModel) -> None:
     """Refuse (one line) a native export that records no target, another target, another vocabulary or hidden
     size, aux layers the target lacks, or another chat template."""
@@ -183,6 +195,7 @@ DRAFTER_KINDS: dict[str, tuple[str, str]] = {
     "features": ("eagle3", "an EAGLE-3 export of python -m spectrain.export for this target"),
     "specblock": ("specblock", "a SpecBlock export of python -m spectrain.export for this target"),
     "dflash": ("dflash", "a DFlash export of python -m spectrain.export for this target"),
+    "peagle": ("peagle", "a P-EAGLE export of python -m spectrain.export for this target"),
 }
 
 
@@ -200,4 +213,6 @@ def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "au
         return load_specblock(path, target)
     if kind == "dflash":
         return load_dflash(path, target)
+    if kind == "peagle":
+        return load_peagle(path, target)
     raise ValueError(f"unknown drafter kind '{kind}'; known: {', '.join(DRAFTER_KINDS)}")

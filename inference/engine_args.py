@@ -37,6 +37,7 @@ class EngineArgs(AlgorithmOptions):
     feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
     specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
     dflash_drafter: str | None = None  # the DFlash export for dflash
+    peagle_drafter: str | None = None  # the P-EAGLE export for peagle
     max_new_tokens: int = 128
 
 
@@ -145,8 +146,8 @@ def check_placement(cfg: Any) -> None:
 
 
 def drafter_paths(cfg: Any) -> dict[str, str]:
-    """Algorithm drafter kind (draft_lm | features | specblock | dflash | hrad) -> path: ``drafters=DIR`` first, then each
-    explicitly named drafter on top."""
+    """Algorithm drafter kind (draft_lm | features | specblock | dflash | peagle | hrad) -> path: ``drafters=DIR``
+    first, then each explicitly named drafter on top."""
     by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
     paths: dict[str, str] = {}
     if cfg.drafters:
@@ -160,6 +161,8 @@ def drafter_paths(cfg: Any) -> dict[str, str]:
         paths["specblock"] = cfg.specblock_drafter
     if cfg.dflash_drafter:
         paths["dflash"] = cfg.dflash_drafter
+    if cfg.peagle_drafter:
+        paths["peagle"] = cfg.peagle_drafter
     if getattr(cfg, "hrad", "auto") not in ("auto", "none"):
         paths["hrad"] = cfg.hrad
     return paths
@@ -173,7 +176,7 @@ def check_drafters(labels: Sequence[str], available: set[str], drafter: str | No
     if missing:
         first, kind = next(iter(missing.items()))
         option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter",
-                  "dflash": "dflash_drafter"}[kind]
+                  "dflash": "dflash_drafter", "peagle": "peagle_drafter"}[kind]
         given = export_kind(Path(drafter)) if drafter else None
         if given is not None and given != DRAFTER_KINDS[kind][0]:
             raise OverrideError(f"'{first}' needs {DRAFTER_KINDS[kind][1]}, but drafter={drafter} is a {given} "

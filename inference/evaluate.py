@@ -1,10 +1,10 @@
 """``python -m inference.evaluate target=smollm2 drafters=DIR algorithms=all bench=[mt_bench,humaneval] ...``
 
 Drafters: ``drafters=DIR`` is a directory of exports (``python -m spectrain.export`` outputs, found by the kind
-their ``config.json`` records: draft_lm, eagle3, specblock, dflash, hrad). Each can also be named on its own, which wins
-over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``feature_drafter=PATH``
-(EAGLE-3), ``specblock_drafter=PATH``, ``dflash_drafter=PATH``, ``hrad=PATH`` (SpecBranch's H-RAD; ``hrad=none``
-for the ablation).
+their ``config.json`` records: draft_lm, eagle3, specblock, dflash, peagle, hrad). Each can also be named on its own,
+which wins over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``feature_drafter=PATH``
+(EAGLE-3), ``specblock_drafter=PATH``, ``dflash_drafter=PATH``, ``peagle_drafter=PATH``, ``hrad=PATH`` (SpecBranch's
+H-RAD; ``hrad=none`` for the ablation).
 
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
 skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other

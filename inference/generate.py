@@ -87,7 +87,7 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
         raise OverrideError(str(exc)) from None
     kind = algorithm_class(cfg.algorithm).drafter
     if kind != "none" and not (cfg.drafter or cfg.drafters or cfg.feature_drafter or cfg.specblock_drafter
-                               or cfg.dflash_drafter):
+                               or cfg.dflash_drafter or cfg.peagle_drafter):
         raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[kind][1]}: add drafter=PATH")
     apply_threads(cfg)
     target = load_target(cfg)

@@ -86,7 +86,8 @@ def _own_figures(run: dict[str, Any]) -> str:
 
 
 def _drafters(cfg: dict[str, Any]) -> str:
-    keys = ("drafters", "drafter", "feature_drafter", "specblock_drafter", "dflash_drafter", "hrad")
+    keys = ("drafters", "drafter", "feature_drafter", "specblock_drafter", "dflash_drafter", "peagle_drafter",
+            "hrad")
     named = [f"{k}={cfg[k]}" for k in keys
              if cfg.get(k) not in (None, "auto", "none")]
     return ", ".join(named) or "none"

@@ -1,8 +1,8 @@
 """``python -m spectrain.export ckpt=PATH format=native|sglang|speculators|dflash out=DIR`` — export a trained drafter.
 
 ``python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR`` reads an EAGLE-3
-checkpoint in the SGLang or speculators/vLLM layout, or a DFlash one in the speculators or z-lab/SGLang layout
-(auto-detected), back into our module and writes it out.
+checkpoint in the SGLang or speculators/vLLM layout, a DFlash one in the speculators or z-lab/SGLang layout, or a
+P-EAGLE one in the speculators layout (auto-detected), back into our module and writes it out.
 
 What ``ckpt=`` accepts (the training contract):
 
@@ -15,8 +15,9 @@ What ``ckpt=`` accepts (the training contract):
 The output directory (written atomically; it must not exist yet) holds ``config.json`` (with the ``spectrain``
 block: kind, target identity, architecture, layer ids + convention, vocab map sizes), ``model.safetensors``,
 ``recipe.yaml`` when the checkpoint has a recipe, and ``metrics.json`` (training metrics and provenance).
-Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts` (EAGLE-3: native, sglang, speculators)
-and :mod:`core.drafters.dflash_layouts` (DFlash: native, speculators, dflash). ``verifier=PATH_OR_ID`` (speculators
+Layouts and their engine conventions: :mod:`core.drafters.eagle3_layouts` (EAGLE-3: native, sglang, speculators),
+:mod:`core.drafters.dflash_layouts` (DFlash: native, speculators, dflash) and :mod:`core.drafters.peagle_layouts`
+(P-EAGLE: native, speculators). ``verifier=PATH_OR_ID`` (speculators
 layout only) names the target as vLLM/speculators should load it; by default the target's local directory.
 """
 
@@ -34,7 +35,7 @@ from omegaconf import OmegaConf
 
 from core.assets import check_model_reference, target_record
 from core.atomic import atomic_directory, check_output
-from core.drafters import dflash_layouts
+from core.drafters import dflash_layouts, peagle_layouts
 from core.drafters.eagle3 import Eagle3Config
 from core.drafters.eagle3_layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
                                           drafter_tensors, read_checkpoint, same_target, write_layout)
@@ -53,12 +54,13 @@ USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators|
 class ExportConfig:
     ckpt: str | None = None  # a Lightning .ckpt (drafter.* state dict + "spectrain" metadata) or an export dir
     import_path: str | None = None  # given on the command line as import=PATH
-    format: str = "native"  # EAGLE-3: native | sglang | speculators; DFlash: native | speculators | dflash
+    format: str = "native"  # EAGLE-3: native | sglang | speculators; DFlash: native | speculators | dflash;
+    #                         P-EAGLE: native | speculators
     out: str | None = None
     target: str | None = None  # target name or HF dir: identity for foreign checkpoints, checked otherwise
     dtype: str = "auto"  # auto (as stored) | float32 | bfloat16 | float16
     speculative_tokens: int = 3  # EAGLE-3 speculators layout: vLLM's default num_speculative_tokens (DFlash's is
-    #                              always block_size - 1: one forward drafts the block)
+    #                              always block_size - 1, P-EAGLE's num_depths: one forward drafts them)
     verifier: str | None = None  # speculators layout: the target as vLLM/speculators load it (local dir or hub
     #                              id); default: the target's local directory, never our alias (smollm2)
 
@@ -217,10 +219,12 @@ def export(cfg: Any) -> Path:
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     source = cfg.ckpt or cfg.import_path
     kind = checkpoint_kind(cfg.ckpt) if cfg.ckpt else None
-    if kind in ("draft_lm", "hrad", "specblock", "dflash"):  # each kind's module exports its own checkpoints
+    if kind in ("draft_lm", "hrad", "specblock", "dflash", "peagle"):  # each kind's module exports its checkpoints
         return get_kind(kind).export_checkpoint(Path(cfg.ckpt), cfg)
     if dflash_layouts.layout_of(source) is not None:  # a DFlash directory, ours or another tool's, any layout
         return get_kind("dflash").export_checkpoint(Path(source), cfg)
+    if peagle_layouts.layout_of(source) is not None:  # a P-EAGLE directory, ours or the library's
+        return get_kind("peagle").export_checkpoint(Path(source), cfg)
     reference = Path(cfg.import_path or "") / "config.json"  # the SpecBlock reference release's config
     if cfg.import_path and reference.is_file() and "diffspec_draft_token_num" in json.loads(reference.read_text()):
         return get_kind("specblock").import_reference(Path(cfg.import_path), cfg)

@@ -19,6 +19,7 @@ KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import ti
     "spectrain.modules.specblock",
     "spectrain.modules.hrad",
     "spectrain.modules.dflash",
+    "spectrain.modules.peagle",
 ]
 
 

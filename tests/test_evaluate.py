@@ -160,8 +160,9 @@ def test_all_runs_what_the_drafters_allow_and_says_what_it_skipped():
     cfg = evaluate_cli.parse_args(["algorithms=all"])
     labels, skipped = evaluate_cli.select_algorithms(cfg, {"draft_lm"})
     assert labels[0] == "ar" and {"sps", "self_draft", "pearl", "specbranch", "ssd"} <= set(labels)
-    assert set(skipped) == {"eagle3_tree", "specblock_tree", "dflash"} and "EAGLE-3 export" in skipped["eagle3_tree"]
-    assert "DFlash export" in skipped["dflash"]
+    assert set(skipped) == {"eagle3_tree", "specblock_tree", "dflash", "peagle"}
+    assert "EAGLE-3 export" in skipped["eagle3_tree"] and "DFlash export" in skipped["dflash"]
+    assert "P-EAGLE export" in skipped["peagle"]
     cfg = evaluate_cli.parse_args(["algorithms=[sps,eagle3_tree]"])
     with pytest.raises(OverrideError, match="'eagle3_tree' needs an EAGLE-3 export"):
         evaluate_cli.select_algorithms(cfg, {"draft_lm"})

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_algorithms import tiny_llama
 from test_dflash import make_drafter as random_dflash
+from test_peagle_algorithm import make_peagle as random_peagle
 from test_eagle3_tree import random_drafter as random_eagle3
 from test_specblock_tree import random_drafter as random_specblock
 from transformers import LlamaForCausalLM
@@ -193,7 +194,7 @@ def test_greedy_speculative_output_equals_ar_with_a_draft_that_agrees_often(targ
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd", "eagle3_tree", "specblock_tree", "self_draft",
-                                  "dflash"])
+                                  "dflash", "peagle"])
 def test_every_algorithm_equals_ar_in_exact_mode(name, dtype):
     """Each algorithm with its drafter kind in the target's dtype (a real H-RAD for SpecBranch, whose weights stay
     fp32): its greedy tokens are AR's."""
@@ -213,6 +214,8 @@ def test_every_algorithm_equals_ar_in_exact_mode(name, dtype):
         drafter = random_specblock(model, draft_vocab=512).to(dtype)
     if name == "dflash":
         drafter = random_dflash(model, draft_vocab=512, block_size=8).eval().to(dtype)
+    if name == "peagle":
+        drafter = random_peagle(model, depths=6, draft_vocab=512).to(dtype)
     algorithm = build_algorithm(name, exact_runner(model, dtype), drafter, **options)
     assert algorithm.generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens == reference.tokens
 

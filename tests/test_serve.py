@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_eagle3_tree import random_drafter
 from test_dflash import make_drafter as random_dflash_drafter
+from test_peagle_algorithm import make_peagle as random_peagle_drafter
 from test_specblock_tree import random_drafter as random_specblock_drafter
 from tiny_targets import save_tiny_target
 
@@ -37,8 +38,8 @@ PROMPT = "Name a prime."
 
 def tiny_models(root: Path) -> dict:
     """The target (its weights and tokenizer: each server gets a runner of its own, ``own_target``), a draft LM
-    directory, and the random feature drafters (EAGLE-3, SpecBlock, DFlash); ``ar`` is the reference, on a runner of its own. The other
-    ``test_serve_*`` modules build theirs with it too."""
+    directory, and the random feature drafters (EAGLE-3, SpecBlock, DFlash, P-EAGLE); ``ar`` is the reference, on a
+    runner of its own. The other ``test_serve_*`` modules build theirs with it too."""
     target_dir = save_tiny_target(root / "target", layers=4, logit_scale=8.0)
     draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
     target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)
@@ -46,7 +47,8 @@ def tiny_models(root: Path) -> dict:
     return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
             "features": random_drafter(target.model, draft_vocab=2048),
             "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
-            "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval()}
+            "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval(),
+            "peagle": random_peagle_drafter(target.model, draft_vocab=2048)}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,8 @@ def serve_config(tiny, *keys: str):
 
 
 def start(tiny, *keys: str) -> RunningServer:
-    drafters = {"features": tiny["features"], "specblock": tiny["specblock"], "dflash": tiny["dflash"]}
+    drafters = {"features": tiny["features"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
+                "peagle": tiny["peagle"]}
     return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
 
 
@@ -111,6 +114,7 @@ ALGORITHMS = {
     "specblock_tree": ["algorithm=specblock_tree", "specblock_budget=16", "specblock_width=4"],
     "self_draft": ["algorithm=self_draft", "self_draft_L=3", "self_draft_N=2"],
     "dflash": ["algorithm=dflash"],
+    "peagle": ["algorithm=peagle"],
     "ssd": ["algorithm=ssd@gamma=3@ssd_budget=3@ssd_fallback=fast@ssd_fast=random"],
 }
 

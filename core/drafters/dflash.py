@@ -211,10 +211,6 @@ class DFlashDrafter(TargetTiedDrafter):
 
     # -- the target's frozen weights --------------------------------------------------------------------------
 
-    def draft_ids_in_target(self) -> torch.Tensor:
-        """[Vd] the target id of every draft id."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
     def use_target_head(self, weight: torch.Tensor) -> None:
         """Take the frozen ``lm_head`` from the target's [V, H] head: its rows of the draft vocabulary (kept in
         sync by :meth:`set_vocab_map`)."""

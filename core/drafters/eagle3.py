@@ -26,6 +26,7 @@ feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -40,6 +41,8 @@ from core.blocks.rope import apply_rope
 from core.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
+# (q [B, heads, T, D], keys, values [B, kv_heads, P + T, D]) -> attention output [B, heads, T, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -210,12 +213,16 @@ class Eagle3Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, input width]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend).
+                past_v: torch.Tensor | None, mask: torch.Tensor | Attend) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
+        """x [B, T, input width]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend), or
+        an :data:`Attend` function (a training layout that never builds its dense mask, e.g. P-EAGLE's chains).
         Returns (output [B, T, H], this call's K, V [B, kv_heads, T, D])."""
         q, k, v = self.project(x, cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if callable(mask):
+            return self.merge(mask(q, keys, values)), k, v
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.merge(out), k, v
@@ -322,10 +329,11 @@ class Eagle3Drafter(TargetTiedDrafter):
 
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-              mask: torch.Tensor, heads: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]:
+              mask: torch.Tensor | Attend, heads: bool = True) -> tuple[torch.Tensor | None, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor]:
         """Rows (token [B, T], hidden [B, T, H]) at ``positions`` [B, T] against past K/V under ``mask``
-        [B, T, P + T] -> (logits [B, T, Vd] or None without ``heads``, next hidden [B, T, H], K, V of these rows)."""
+        [B, T, P + T] (or an :data:`Attend` function) -> (logits [B, T, Vd] or None without ``heads``, next hidden
+        [B, T, H], K, V of these rows)."""
         dtype = hidden.dtype
         cos, sin = self._rope(positions, dtype)
         embeds = self.embed_tokens(tokens).to(dtype)

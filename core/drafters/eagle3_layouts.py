@@ -311,7 +311,7 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
     if layout == "native":
         config = Eagle3Config.from_dict(block["architecture"])
     else:
-        config = _config_from_engine(raw, layout, target)
+        config = config_from_engine(raw, layout, target)
         # A checkpoint that carries an embedding keeps it: never drop weights silently.
         config.own_embedding = EMBED in weights
         if block is not None and block.get("architecture") != config.to_dict():
@@ -321,14 +321,16 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
     if recorded is not None and target is not None and not same_target(recorded, target):
         raise CheckpointError(f"{directory} was trained for target '{recorded.get('name')}', not "
                               f"'{target.get('name')}'; use the target it was trained for")
-    ckpt = Eagle3Checkpoint(config, _tensors_from_layout(weights, layout, config, directory),
+    ckpt = Eagle3Checkpoint(config, tensors_from_layout(weights, layout, config, directory),
                             recorded or target, layout)
     if target is not None:
         check_against_target(config, target)
     return ckpt
 
 
-def _config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] | None) -> Eagle3Config:
+def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] | None) -> Eagle3Config:
+    """The EAGLE-3 fields of an sglang or speculators ``config.json`` (a speculators one without
+    ``norm_before_residual`` gets vLLM's EAGLE-3 default, True); ``target`` gives default aux layers."""
     if layout == "speculators":
         fields = dict(raw.get("transformer_layer_config") or {})
         if not fields:
@@ -380,8 +382,10 @@ def _from_vllm_ids(ids: list[int] | None) -> list[int] | None:
     return None if ids is None else [int(i) - 1 for i in ids]
 
 
-def _tensors_from_layout(weights: dict[str, torch.Tensor], layout: str, config: Eagle3Config,
-                         directory: Path) -> dict[str, torch.Tensor]:
+def tensors_from_layout(weights: dict[str, torch.Tensor], layout: str, config: Eagle3Config,
+                        directory: Path) -> dict[str, torch.Tensor]:
+    """A layout's EAGLE-3 tensors under our names, strictly (nothing unknown or missing; ``t2d`` rebuilt from ``d2t``
+    where an engine layout omits it), the vocabulary map checked."""
     prefix = LAYER_PREFIX[layout]
     names = expected_names(config, layout)
     if layout != "native" and "t2d" not in weights and "d2t" in weights:

@@ -66,3 +66,7 @@ class TargetTiedDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def draft_ids_in_target(self) -> torch.Tensor:
+        """[Vd] the target id of every draft id."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t

@@ -17,6 +17,7 @@ ALGORITHMS: dict[str, str] = {
     "specblock_tree": "inference.algorithms.specblock_tree:SpecBlockTree",
     "ssd": "inference.algorithms.ssd:SSD",
     "dflash": "inference.algorithms.dflash:DFlash",
+    "peagle": "inference.algorithms.peagle:PEagle",
 }
 
 
@@ -28,8 +29,8 @@ def algorithm_class(name: str):
 
 
 def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock or DFlash drafter) refuses
-    to start without one."""
+    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock, DFlash or P-EAGLE drafter)
+    refuses to start without one."""
     cls = algorithm_class(name)
     if cls.drafter == "none":
         return cls(target, **options)

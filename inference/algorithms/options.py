@@ -157,10 +157,15 @@ class DFlashOptions:
     dflash_draft_tokens: int = 0  # tokens drafted (and verified) per round, 1..block_size - 1; 0 = the whole block
 
 
+@dataclass
+class PEagleOptions:
+    peagle_draft_tokens: int = 0  # tokens drafted (and verified) per round, 1..num_depths; 0 = all of them
+
+
 OPTIONS_BY_ALGORITHM: dict[str, type] = {
     "ar": AROptions, "sps": SpsOptions, "eagle3_tree": Eagle3TreeOptions, "self_draft": SelfDraftOptions,
     "pearl": PearlOptions, "specbranch": SpecBranchOptions, "specblock_tree": SpecBlockTreeOptions, "ssd": SSDOptions,
-    "dflash": DFlashOptions,
+    "dflash": DFlashOptions, "peagle": PEagleOptions,
 }
 
 SPECBRANCH_ORACLES = ("oracle", "oracle_keep")  # hrad= policies that read the greedy target's true class
@@ -209,7 +214,8 @@ class PlacementOptions:
 
 @dataclass
 class AlgorithmOptions(SpsOptions, PearlOptions, SpecBranchOptions, SSDOptions, Eagle3TreeOptions,
-                       SpecBlockTreeOptions, SelfDraftOptions, DFlashOptions, SamplingOptions, PlacementOptions):
+                       SpecBlockTreeOptions, SelfDraftOptions, DFlashOptions, PEagleOptions, SamplingOptions,
+                       PlacementOptions):
     """Every algorithm's options, sampling and placement: the schema the CLIs parse into."""
 
 
