@@ -10,11 +10,14 @@ Does what spectrain trains draft well? One resumable pipeline per setting, every
   DFlash beside the draft LM's SpS traces and the HSD vs tokenwise comparison at T = 1 (none measures time) ->
   H-RAD -> export all -> ONE timed ``inference.evaluate`` run of every algorithm but the block drafters on held-out
   GSM prompts (greedy), alone on the machine -> one timed evaluate run of SpecBlock and DFlash beside EAGLE-3's
-  tree, chain and 16-node tree on the same prompts, alone too (each compared at its fastest setting) -> the goal
-  table.
+  tree, chain and 16-node tree on the same prompts, alone too (each compared at its fastest setting) -> P-EAGLE
+  (its own step-time probe beside EAGLE-3, trained for EAGLE-3's wall time) in one more timed run beside EAGLE-3's
+  three settings and DFlash -> the goal table.
 ``general`` (ShareGPT, evaluated on MT-Bench): regenerate ShareGPT answers -> EAGLE-3 (``eagle3_smollm2``
   recipe) on the regenerated file beside the same recipe on the same conversations' original answers, with as
-  many trained answer tokens -> export both -> evaluate each on the same held-out MT-Bench prompts.
+  many trained answer tokens, and DFlash (``dflash_smollm2``) on the regenerated file for EAGLE-3's training wall
+  time (step-time probe) -> export them -> evaluate on the same held-out MT-Bench prompts (DFlash beside EAGLE-3's
+  three settings in one timed run).
 
 The table is printed at the end and written to ``OUT/SETTING/goals.md``; each stage's wall minutes are in its
 marker under ``OUT/SETTING/.done/`` (the stage budget). Drafters are not committed: this script makes them.
@@ -46,6 +49,7 @@ DRAFT_VOCAB = 8192  # the draft LM proposes from the 8,192 lowest ids (what draf
 # acceptance length, B = 24 cached outcomes
 SSD_REFERENCE = "gamma=7@ssd_budget=24@ssd_fanout=uniform"
 HSD_GAMMA = 8  # the paper drafts gamma = 10; its lossless Blockwise gains are measured in this class (>= 8)
+PARALLEL_DRAFTERS = {"dflash": "DFlash", "peagle": "P-EAGLE"}  # one drafter forward drafts a whole chain
 # EAGLE-3's steps by setting: gsm ~24 min on one core of the reference CPU (3.0 s a step, bf16 autocast); general
 # (ShareGPT, up to 512 tokens a sample) as many as fit the 2-hour budget with the regenerated data
 EAGLE3_STEPS = {"gsm": 480, "general": 200}
@@ -109,6 +113,9 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     probe = out / "step_seconds.json"
     specblock_steps = equal_time_steps(steps, probe) if probe.is_file() else steps
     dflash_steps = equal_time_steps(steps, probe, "dflash") if probe.is_file() else steps
+    # P-EAGLE came after the probe above had run: its own probe times EAGLE-3 beside it (same conditions)
+    probe_peagle = out / "step_seconds_peagle.json"
+    peagle_steps = equal_time_steps(steps, probe_peagle, "peagle") if probe_peagle.is_file() else steps
     dtype = f"dtype={serving_dtype(cfg.dtype)}"
 
     def stage(name: str, minutes: float, what: str, argv: tuple[str, ...], output: Path, group: str = "") -> Stage:
@@ -155,6 +162,9 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
     blocks = ["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
               "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree", small_block,
               f"{small_block}@specblock_blocks=1", f"{small_block}@specblock_widths=[4,4,4,4]", "dflash"]
+    # the one-forward drafters (P-EAGLE, DFlash) beside EAGLE-3's three settings: a timed run of their own
+    parallel = ["eagle3_tree", "eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6",
+                "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "dflash", "peagle"]
     return [
         stage("regenerate", 0.02 * cfg.n_samples, f"the target's greedy answers to {cfg.n_samples} GSM training prompts",
               ("data_prep.regenerate", "target=smollm2", "source=gsm_symbolic_train", f"n_samples={cfg.n_samples}",
@@ -169,6 +179,9 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
         stage("probe-step-time", 3.0, "seconds per training step of EAGLE-3, SpecBlock and DFlash (equal wall time)",
               ("benchmarks.train_step", "recipe=[eagle3_smollm2_gsm,specblock_smollm2_gsm,dflash_smollm2_gsm]", "steps=3", source,
                precision, f"out={probe}"), probe),
+        stage("probe-step-time-peagle", 3.0, "seconds per training step of EAGLE-3 and P-EAGLE (equal wall time)",
+              ("benchmarks.train_step", "recipe=[eagle3_smollm2_gsm,peagle_smollm2_gsm]", "steps=6", source, precision,
+               f"out={probe_peagle}"), probe_peagle),
         stage("export-draftlm", 0.2, "export the draft LM", ("spectrain.export", f"ckpt={ckpt('draftlm_smollm2_gsm')}",
               f"out={exports / 'draft_lm'}"), exports / "draft_lm"),
         stage("train-specblock", 0.04 * steps, f"SpecBlock for EAGLE-3's training wall time ({specblock_steps} steps)",
@@ -179,6 +192,10 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               _fit("dflash_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
                    *_steps(dflash_steps, validations=12)),
               ckpt("dflash_smollm2_gsm"), group="last"),
+        stage("train-peagle", 0.04 * steps, f"P-EAGLE for EAGLE-3's training wall time ({peagle_steps} steps)",
+              _fit("peagle_smollm2_gsm", runs, source, precision, "data.n_val_samples=16",
+                   *_steps(peagle_steps, validations=12)),
+              ckpt("peagle_smollm2_gsm"), group="last"),
         stage("traces", 6.0, "SpS acceptance traces of the draft LM on 32 training prompts (H-RAD labels)",
               ("data_prep.traces", "target=smollm2", f"drafter={exports / 'draft_lm'}", f"source=jsonl:{data}",
                "split=train", "n_samples=32", "gamma=4", "max_new_tokens=96", f"draft_vocab={DRAFT_VOCAB}",
@@ -209,6 +226,8 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
               "format=native", f"out={exports / 'specblock'}"), exports / "specblock"),
         stage("export-dflash", 0.2, "export DFlash", ("spectrain.export", f"ckpt={ckpt('dflash_smollm2_gsm')}",
               "format=native", f"out={exports / 'dflash'}"), exports / "dflash"),
+        stage("export-peagle", 0.2, "export P-EAGLE", ("spectrain.export", f"ckpt={ckpt('peagle_smollm2_gsm')}",
+              "format=native", f"out={exports / 'peagle'}"), exports / "peagle"),
         stage("agreement", 0.3 + 0.006 * cfg.n_prompts * cfg.max_new_tokens / 10,
               "the draft LM's top-1 agreement and top-k recall on the held-out prompts (teacher-forced on AR's answers)",
               ("benchmarks.draft_agreement", "target=smollm2", f"drafter={exports / 'draft_lm'}", "bench=gsm_symbolic",
@@ -220,6 +239,9 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
         stage("evaluate-specblock", 1.5 * (len(blocks) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBlock and EAGLE-3 on the same {cfg.n_prompts} held-out GSM prompts, one run (τ, drafter forwards)",
               evaluate(blocks, "eval_specblock"), out / "eval_specblock" / "results.json"),
+        stage("evaluate-peagle", 1.5 * (len(parallel) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
+              f"P-EAGLE beside EAGLE-3's three settings and DFlash on the same {cfg.n_prompts} held-out GSM prompts, one "
+              "timed run", evaluate(parallel, "eval_peagle"), out / "eval_peagle" / "results.json"),
         stage("evaluate-specbranch", 2.0 * (len(specbranch_runs) + 1) * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"SpecBranch's policies (H-RAD, none, class 0, oracles) and SpS at γ = 4 and 7 on the same "
               f"{cfg.n_prompts} held-out GSM prompts (rollback and τ; not timed)",
@@ -361,7 +383,7 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
                 "reported", None, None, "; ".join(f"{label} τ {r['tau']:.2f}, {r['speedup_vs_ar']:.2f}×" for label, r
                                                   in runs.items() if label != "ar") + f" ({_steps_of(out, 'train-dflash')} "
                 f"vs {_steps_of(out, 'train-eagle3')} steps)")
-            rows.extend(dflash_rows(runs, out, where="MT-Bench", goals=False))
+            rows.extend(parallel_rows(runs, out, where="MT-Bench", goals=False))
         add("greedy output = AR in every run", "yes", None, lossless, "yes" if lossless else "NO")
         return rows
     eagle = runs["eagle3_tree"]
@@ -390,6 +412,11 @@ def goal_rows(setting: str, out: Path) -> list[tuple[str, str, str, str]]:
         both = _runs(json.loads(blocks_file.read_text()))
         lossless = lossless and all(r.get("greedy_equal_to_ar", True) for r in both.values())
         rows.extend(block_rows(both, out))
+    parallel_file = out / "eval_peagle" / "results.json"
+    if parallel_file.is_file():  # P-EAGLE beside EAGLE-3 (and DFlash) in a timed run of their own
+        parallel = _runs(json.loads(parallel_file.read_text()))
+        lossless = lossless and all(r.get("greedy_equal_to_ar", True) for r in parallel.values())
+        rows.extend(parallel_rows(parallel, out, "peagle", goals=False))
     ssd = runs[f"ssd@draft_vocab={DRAFT_VOCAB}"]
     hit = ssd.get("cache_hit_rate")
     add("GSM: SSD cache hit rate (T = 0)", "≥ 0.6", hit, hit is not None and hit >= 0.6)
@@ -468,35 +495,37 @@ def block_rows(both: dict[str, dict[str, Any]], out: Path) -> list[tuple[str, st
             rows.append(("GSM: SpecBlock drafting ms per round ÷ EAGLE-3's (default trees)", "reported",
                          f"{defaults[0] / defaults[1]:.2f} ({defaults[0]:.1f} vs {defaults[1]:.1f} ms)", "–"))
         rows.extend(specblock_tau_rows(both, out))
-    rows.extend(dflash_rows(both, out))
+    rows.extend(parallel_rows(both, out))
     return rows
 
 
-def dflash_rows(both: dict[str, dict[str, Any]], out: Path, where: str = "GSM",
-                goals: bool = True) -> list[tuple[str, str, str, str]]:
-    """DFlash's figures against the fastest EAGLE-3 setting of the same evaluate run; ``goals=False`` reports them
-    without the GSM goals (the general setting compares side by side). One drafter forward per verification is
-    judged in both: it is what DFlash is."""
-    eagle, dflash = _best(both, "eagle3_tree"), both.get("dflash")
-    if eagle is None or dflash is None:
+def parallel_rows(both: dict[str, dict[str, Any]], out: Path, algorithm: str = "dflash", where: str = "GSM",
+                  goals: bool = True) -> list[tuple[str, str, str, str]]:
+    """A one-forward drafter's figures (``dflash`` or ``peagle``) against the fastest EAGLE-3 setting of the same
+    evaluate run; ``goals=False`` reports them without DFlash's GSM goals (the general setting and P-EAGLE compare
+    side by side). One drafter forward per verification is judged always: it is what these drafters are."""
+    eagle, served = _best(both, "eagle3_tree"), both.get(algorithm)
+    if eagle is None or served is None:
         return []
     e_label, e_run = eagle
+    name = PARALLEL_DRAFTERS[algorithm]
 
     def row(figure: str, goal: str, measured: str, ok: bool, judged: bool = goals) -> tuple[str, str, str, str]:
-        return (f"{where}: {figure}", goal if judged else "reported", measured, ("yes" if ok else "no") if judged else "–")
+        return (f"{where}: {name} {figure}", goal if judged else "reported", measured,
+                ("yes" if ok else "no") if judged else "–")
 
-    tau = dflash["tau"]
-    per = dflash["draft_forwards"] / max(dflash["target_forwards"] - dflash["n_prompts"], 1)  # prefills draft nothing
-    speed = dflash["tokens_per_s"] / e_run["tokens_per_s"]
-    rows = [row("DFlash τ (engine, chain of block − 1)", "≥ 3.1", f"{tau:.2f}", tau >= 3.1),
-            row("DFlash drafter forwards per verification", "1", f"{per:.2f}", abs(per - 1) < 0.05, judged=True),
-            row("DFlash tokens/s ÷ the fastest EAGLE-3 setting's", "≥ 1.2", f"{speed:.2f} (vs {e_label})", speed >= 1.2)]
-    metrics_file = out / "exports" / "dflash" / "metrics.json"
+    tau = served["tau"]
+    per = served["draft_forwards"] / max(served["target_forwards"] - served["n_prompts"], 1)  # prefills draft nothing
+    speed = served["tokens_per_s"] / e_run["tokens_per_s"]
+    chain = "chain of block − 1" if algorithm == "dflash" else "chain of K"
+    rows = [row(f"τ (engine, {chain})", "≥ 3.1", f"{tau:.2f}", tau >= 3.1),
+            row("drafter forwards per verification", "1", f"{per:.2f}", abs(per - 1) < 0.05, judged=True),
+            row("tokens/s ÷ the fastest EAGLE-3 setting's", "≥ 1.2", f"{speed:.2f} (vs {e_label})", speed >= 1.2)]
+    metrics_file = out / "exports" / algorithm / "metrics.json"
     simulated = json.loads(metrics_file.read_text()).get("val/tau_sim") if metrics_file.is_file() else None
     if simulated is not None:
         gap = abs(float(simulated) - tau)
-        rows.append(row("DFlash val/tau_sim vs served τ", "within 0.1", f"{float(simulated):.2f} vs {tau:.2f}",
-                        gap <= 0.1))
+        rows.append(row("val/tau_sim vs served τ", "within 0.1", f"{float(simulated):.2f} vs {tau:.2f}", gap <= 0.1))
     return rows
 
 
@@ -549,7 +578,8 @@ def run(cfg: QualityConfig) -> str:
     names = [s.name for s in stages]
     # Later stages' step counts come from an earlier stage's output (gsm: SpecBlock's from the step-time probe;
     # general: the raw arm's from the regenerated answers, DFlash's from the probe): build them again once they have run.
-    pivots = {"gsm": ("probe-step-time",), "general": ("regenerate", "probe-step-time")}[cfg.setting]
+    pivots = {"gsm": ("probe-step-time", "probe-step-time-peagle"),
+              "general": ("regenerate", "probe-step-time")}[cfg.setting]
     cut = max((names.index(p) + 1 for p in pivots if p in names), default=len(stages))
     run_pipeline(stages[:cut], label=label, rerun_hint="the same command", env={"OMP_NUM_THREADS": "1"})
     if cut < len(stages):

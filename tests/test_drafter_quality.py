@@ -128,6 +128,20 @@ def test_specblock_gets_eagle3s_wall_time_from_the_probe(tmp_path):
     assert "trainer.max_steps=80" in dflash.argv and "recipe=dflash_smollm2_gsm" in dflash.argv
 
 
+def test_peagle_gets_eagle3s_wall_time_from_its_own_probe(tmp_path):
+    cfg = parse_cli([f"out={tmp_path}", "eagle3_steps=120"], dq.QualityConfig, dq.USAGE)
+    probe = tmp_path / "gsm" / "step_seconds.json"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(json.dumps({"eagle3": 10.0, "specblock": 25.0, "dflash": 15.0}))
+    stages = {s.name: s for s in dq.gsm_stages(cfg)}
+    assert "trainer.max_steps=120" in stages["train-peagle"].argv  # no P-EAGLE probe yet: EAGLE-3's steps
+    assert "recipe=[eagle3_smollm2_gsm,peagle_smollm2_gsm]" in stages["probe-step-time-peagle"].argv
+    (tmp_path / "gsm" / "step_seconds_peagle.json").write_text(json.dumps({"eagle3": 12.0, "peagle": 9.0}))
+    stages = {s.name: s for s in dq.gsm_stages(cfg)}
+    assert "trainer.max_steps=160" in stages["train-peagle"].argv and "trainer.max_steps=80" in stages["train-dflash"].argv
+    assert "peagle" in stages["evaluate-peagle"].argv[3] and "dflash" in stages["evaluate-peagle"].argv[3]
+
+
 def _record(algorithm: str, tau: float, speedup: float, **extra) -> dict:
     return {"algorithm": algorithm, "bench": "gsm_symbolic", "tau": tau, "speedup_vs_ar": speedup,
             "tokens_per_s": 10.0 * speedup, "draft_forwards": 10, "target_forwards": 10, "rollback_rate": 0.5,
@@ -173,7 +187,14 @@ def test_goal_table_reads_the_evaluate_run(tmp_path):
                "same_draft_exact": {"ratio": 1.02, "ci95": [1.01, 1.03]}}
     (out / "hsd.json").write_text(json.dumps({"summary": summary}))
     (out / "agreement.json").write_text(json.dumps({"top1_agreement": 0.55, "top_k_recall": {"1": 0.55, "4": 0.8}}))
+    (out / "eval_peagle").mkdir()  # P-EAGLE beside EAGLE-3 in one more run: reported, no goal but one forward
+    parallel = [_record("ar", 1.0, 1.0), _record("eagle3_tree", 3.0, 0.4),
+                _record("peagle", 2.5, 0.6, draft_forwards=94, target_forwards=100, n_prompts=6)]
+    (out / "eval_peagle" / "results.json").write_text(json.dumps({"runs": parallel}))
     rows = {figure: (measured, met) for figure, _, measured, met in dq.goal_rows("gsm", out)}
+    assert rows["GSM: P-EAGLE τ (engine, chain of K)"] == ("2.50", "–")
+    assert rows["GSM: P-EAGLE drafter forwards per verification"] == ("1.00", "yes")
+    assert rows["GSM: P-EAGLE tokens/s ÷ the fastest EAGLE-3 setting's"] == ("1.50 (vs eagle3_tree)", "–")
     assert rows["GSM: draft LM top-1 agreement with the target (held-out, teacher-forced on AR's answers)"] == (
         "0.55 (top-4 recall 0.80; a round's first draft token accepted: 0.70)", "no")
     assert rows["GSM: HSD (capped) ÷ tokenwise block efficiency, T = 1, γ = 8"] == (
