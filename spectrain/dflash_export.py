@@ -10,11 +10,8 @@ layout."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
-
-from omegaconf import OmegaConf
 
 from core.assets import check_model_reference, target_record
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -22,7 +19,7 @@ from core.drafters.dflash_layouts import (FROM_TARGET, LAYOUTS, build_drafter, c
                                           read_checkpoint, save_layout, target_head)
 from core.drafters.eagle3_layouts import CheckpointError
 from spectrain.checkpoint_contract import DTYPES
-from spectrain.export import read_trained_drafter
+from spectrain.export import directory_target, export_dir_notes, read_trained_drafter
 from spectrain.resume import is_sharded_checkpoint
 
 
@@ -31,14 +28,10 @@ def _from_directory(path: Path, cfg: Any) -> tuple[DFlashConfig, dict, dict | No
     checkpoint's head (speculators, reduced vocabulary) must be the target's rows, which we take instead."""
     given = target_record(cfg.target) if cfg.target else None
     ckpt = read_checkpoint(path, given)
-    target = ckpt.target or given
-    if target is None:
-        raise CheckpointError(f"{path} is a DFlash checkpoint of another tool ({ckpt.layout} layout) and records no "
-                              "target: give target=NAME_OR_DIR (the model it drafts for)")
+    target = directory_target(path, ckpt, given, "DFlash")
     if ckpt.block is None:
         check_head(ckpt, target_head(target, cfg.verifier), path)
-    recipe = OmegaConf.to_container(OmegaConf.load(path / "recipe.yaml")) if (path / "recipe.yaml").is_file() else None
-    metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else {}
+    recipe, metrics = export_dir_notes(path)
     metrics = {**metrics, "source": str(path), "source_layout": ckpt.layout}
     training = (ckpt.block or {}).get("training")
     return ckpt.config, ckpt.tensors, target, recipe, metrics, training

@@ -130,6 +130,24 @@ def read_trained_drafter(path: Path, target: str | None, frozen: Sequence[str] =
     return TrainedDrafter(meta, recorded, tensors, recipe, metrics)
 
 
+def export_dir_notes(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(recipe, metrics) an export directory keeps beside its weights: ``recipe.yaml`` (None without one) and
+    ``metrics.json`` ({} without one)."""
+    recipe = OmegaConf.to_container(OmegaConf.load(path / "recipe.yaml")) if (path / "recipe.yaml").is_file() else None
+    metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else {}
+    return recipe, metrics
+
+
+def directory_target(path: Path, ckpt: Any, given: dict[str, Any] | None, title: str) -> dict[str, Any]:
+    """The target a ``title`` directory ``ckpt`` (read from ``path``) drafts for: the one it records, else ``given``
+    (``target=``), which a foreign checkpoint (it records none) needs."""
+    target = ckpt.target or given
+    if target is None:
+        raise CheckpointError(f"{path} is a {title} checkpoint of another tool ({ckpt.layout} layout) and records no "
+                              "target: give target=NAME_OR_DIR (the model it drafts for)")
+    return target
+
+
 def load_lightning_checkpoint(path: Path) -> Loaded:
     raw = read_lightning_checkpoint(path)
     meta = raw.get("spectrain")

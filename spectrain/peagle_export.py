@@ -9,18 +9,15 @@ What ``core.drafters.peagle_layouts.read_native`` (and the engine's ``peagle`` a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
-
-from omegaconf import OmegaConf
 
 from core.assets import check_model_reference, target_record
 from core.drafters.eagle3_layouts import CheckpointError
 from core.drafters.peagle import PEagleConfig
 from core.drafters.peagle_layouts import LAYOUTS, build_drafter, from_target, read_checkpoint, save_layout
 from spectrain.checkpoint_contract import DTYPES
-from spectrain.export import read_trained_drafter
+from spectrain.export import directory_target, export_dir_notes, read_trained_drafter
 from spectrain.resume import is_sharded_checkpoint
 
 
@@ -28,12 +25,8 @@ def _from_directory(path: Path, cfg: Any) -> tuple[PEagleConfig, dict, dict | No
     """(config, tensors, target, recipe, metrics) of a P-EAGLE directory in either layout."""
     given = target_record(cfg.target) if cfg.target else None
     ckpt = read_checkpoint(path, given)
-    target = ckpt.target or given
-    if target is None:
-        raise CheckpointError(f"{path} is a P-EAGLE checkpoint of another tool ({ckpt.layout} layout) and records no "
-                              "target: give target=NAME_OR_DIR (the model it drafts for)")
-    recipe = OmegaConf.to_container(OmegaConf.load(path / "recipe.yaml")) if (path / "recipe.yaml").is_file() else None
-    metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else {}
+    target = directory_target(path, ckpt, given, "P-EAGLE")
+    recipe, metrics = export_dir_notes(path)
     return ckpt.config, ckpt.tensors, target, recipe, {**metrics, "source": str(path), "source_layout": ckpt.layout}
 
 

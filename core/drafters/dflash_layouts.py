@@ -27,19 +27,18 @@ drafting, sliding-window layers), is a one-line error.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.assets import AssetError, model_tensor, read_json
+from core.assets import AssetError, model_tensor
 from core.drafters.dflash import KIND, DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import rope_of
-from core.drafters.eagle3_layouts import (CheckpointError, check_against_target, read_weights, same_target,
-                                          verifier_reference, vllm_layer_ids)
-from core.drafters.native_export import REEXPORT, assign_strict, read_export_dir, write_export_dir
+from core.drafters.eagle3_layouts import (CheckpointError, check_trained_for, checked_block, config_or_none, read_config,
+                                          read_weights, verifier_reference, vllm_layer_ids)
+from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.layer_ids import LAYER_CONVENTION
 
 LAYOUTS = ("native", "speculators", "dflash")
@@ -237,14 +236,8 @@ def detect_layout(raw: dict[str, Any]) -> str | None:
 
 def layout_of(path: str | Path) -> str | None:
     """The DFlash layout of the directory ``path`` (None: no readable config.json of a DFlash checkpoint)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        raw = json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return detect_layout(raw) if isinstance(raw, dict) else None
+    raw = config_or_none(path)
+    return None if raw is None else detect_layout(raw)
 
 
 def _need(raw: dict[str, Any], key: str, where: str) -> Any:
@@ -339,22 +332,14 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> D
     foreign speculators / z-lab one. ``target`` (a target record) is checked against what the checkpoint
     states; a foreign one gets it as its target."""
     directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a DFlash checkpoint directory")
-    try:
-        raw = read_json(directory / "config.json", fix=REEXPORT)
-    except AssetError as exc:
-        raise CheckpointError(str(exc)) from None
+    raw = read_config(directory, "DFlash")
     layout = detect_layout(raw)
     if layout is None:
         raise CheckpointError(f"{directory}/config.json is not a DFlash checkpoint (expected speculators_model_type "
                               f"dflash, architectures [{ARCHITECTURE}] with dflash_config, or a spectrain dflash "
                               f"block; got speculators_model_type {raw.get('speculators_model_type')}, "
                               f"architectures {raw.get('architectures')})")
-    block = raw.get("spectrain") if isinstance(raw.get("spectrain"), dict) else None
-    if block is not None and block.get("kind") != KIND:  # an export contradicting itself
-        raise CheckpointError(f"{directory}/config.json records a '{block.get('kind')}' drafter in a DFlash layout; "
-                              f"{REEXPORT}")
+    block = checked_block(raw, directory, KIND, "DFlash")
     if layout == "native":
         try:
             config, tensors, block = read_export_dir(directory, kind=KIND, title="DFlash", loader="the dflash "
@@ -375,11 +360,7 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> D
             raise CheckpointError(f"{where} drafts for a {raw['num_target_layers']}-layer target, but target "
                                   f"'{target.get('name')}' has {target['num_hidden_layers']} layers")
     if target is not None:
-        recorded = ckpt.target
-        if recorded is not None and not same_target(recorded, target):
-            raise CheckpointError(f"{directory} was trained for target '{recorded.get('name')}', not "
-                                  f"'{target.get('name')}'; use the target it was trained for")
-        check_against_target(ckpt.config, target)
+        check_trained_for(directory, ckpt.target, ckpt.config, target)
     return ckpt
 
 

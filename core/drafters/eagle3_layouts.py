@@ -32,6 +32,7 @@ import torch
 
 from core.assets import AssetError, load_safetensors, model_tensor, portable_model_reference, read_json
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
+from core.drafters.native_export import REEXPORT
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers
 from core.vocab import check_vocab_mapping
 
@@ -280,6 +281,48 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{directory}/pytorch_model.bin is damaged ({str(exc).splitlines()[0]}); "
                                   "re-download the drafter") from None
     raise CheckpointError(f"{directory} has no model.safetensors or pytorch_model.bin")
+
+
+def config_or_none(path: str | Path) -> dict[str, Any] | None:
+    """The object in ``path``/config.json; None when there is none, or it is unreadable or not an object (a layout
+    probe answers "not this kind" rather than raising)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        raw = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def read_config(directory: Path, title: str) -> dict[str, Any]:
+    """``directory``/config.json of a ``title`` checkpoint (e.g. "DFlash"), refused in one line when absent or
+    unreadable."""
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} has no config.json: not a {title} checkpoint directory")
+    try:
+        return read_json(directory / "config.json", fix=REEXPORT)
+    except AssetError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def checked_block(raw: dict[str, Any], directory: Path, kind: str, title: str) -> dict[str, Any] | None:
+    """The ``spectrain`` block of ``raw`` (None for a foreign checkpoint); one recording another kind than ``kind``
+    is an export contradicting itself, refused."""
+    block = raw.get("spectrain") if isinstance(raw.get("spectrain"), dict) else None
+    if block is not None and block.get("kind") != kind:
+        raise CheckpointError(f"{directory}/config.json records a '{block.get('kind')}' drafter in a {title} layout; "
+                              f"{REEXPORT}")
+    return block
+
+
+def check_trained_for(directory: Path, recorded: dict[str, Any] | None, config: Any, target: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``recorded`` target is not ``target``, or whose ``config`` does not fit it."""
+    if recorded is not None and not same_target(recorded, target):
+        raise CheckpointError(f"{directory} was trained for target '{recorded.get('name')}', not "
+                              f"'{target.get('name')}'; use the target it was trained for")
+    check_against_target(config, target)
 
 
 def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> Eagle3Checkpoint:

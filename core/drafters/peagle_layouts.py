@@ -18,20 +18,19 @@ library checkpoint carries its own (trained) token embedding, which is then kept
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.assets import AssetError, read_json
-from core.drafters.eagle3_layouts import (EMBED, CheckpointError, Eagle3Checkpoint, check_against_target,
-                                          config_from_engine, read_weights, same_target, target_embedding,
-                                          tensors_from_layout, vllm_layer_ids)
+from core.assets import AssetError
+from core.drafters.eagle3_layouts import (EMBED, CheckpointError, Eagle3Checkpoint, check_trained_for, checked_block,
+                                          config_from_engine, config_or_none, read_config, read_weights,
+                                          target_embedding, tensors_from_layout, vllm_layer_ids)
 from core.drafters.eagle3_layouts import layout_config as eagle3_layout_config
 from core.drafters.eagle3_layouts import layout_tensors as eagle3_layout_tensors
-from core.drafters.native_export import REEXPORT, assign_strict, read_export_dir, write_export_dir
+from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.drafters.peagle import KIND, PEagleConfig, PEagleDrafter
 from core.layer_ids import LAYER_CONVENTION
 
@@ -150,14 +149,8 @@ def detect_layout(raw: dict[str, Any]) -> str | None:
 
 def layout_of(path: str | Path) -> str | None:
     """The P-EAGLE layout of the directory ``path`` (None: no readable config.json of a P-EAGLE checkpoint)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        raw = json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return detect_layout(raw) if isinstance(raw, dict) else None
+    raw = config_or_none(path)
+    return None if raw is None else detect_layout(raw)
 
 
 def _speculators_config(raw: dict[str, Any], target: dict[str, Any] | None, where: str) -> PEagleConfig:
@@ -178,21 +171,13 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> P
     speculators one. ``target`` (a target record) is checked against what the checkpoint states; a foreign one gets
     it as its target."""
     directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a P-EAGLE checkpoint directory")
-    try:
-        raw = read_json(directory / "config.json", fix=REEXPORT)
-    except AssetError as exc:
-        raise CheckpointError(str(exc)) from None
+    raw = read_config(directory, "P-EAGLE")
     layout = detect_layout(raw)
     if layout is None:
         raise CheckpointError(f"{directory}/config.json is not a P-EAGLE checkpoint (expected speculators_model_type "
                               f"peagle or a spectrain peagle block; got speculators_model_type "
                               f"{raw.get('speculators_model_type')})")
-    block = raw.get("spectrain") if isinstance(raw.get("spectrain"), dict) else None
-    if block is not None and block.get("kind") != KIND:
-        raise CheckpointError(f"{directory}/config.json records a '{block.get('kind')}' drafter in a P-EAGLE layout; "
-                              f"{REEXPORT}")
+    block = checked_block(raw, directory, KIND, "P-EAGLE")
     if layout == "native":
         try:
             config, tensors, block = read_export_dir(directory, kind=KIND, title="P-EAGLE", loader="the peagle "
@@ -215,11 +200,7 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> P
         tensors = {**tensors_from_layout(weights, "speculators", config, directory), MASK_HIDDEN: mask_hidden}
     ckpt = PEagleCheckpoint(config, tensors, block, layout)
     if target is not None:
-        recorded = ckpt.target
-        if recorded is not None and not same_target(recorded, target):
-            raise CheckpointError(f"{directory} was trained for target '{recorded.get('name')}', not "
-                                  f"'{target.get('name')}'; use the target it was trained for")
-        check_against_target(config, target)
+        check_trained_for(directory, ckpt.target, ckpt.config, target)
     return ckpt
 
 

@@ -36,10 +36,7 @@ class DFlash(ParallelDrafting, Algorithm):
                              "(a DFlash export for this target)")
         check_drafter_fits(target, drafter.config, "DFlash")
         most = drafter.config.block_size - 1
-        if not 0 <= draft_tokens <= most:
-            raise ValueError(f"dflash_draft_tokens={draft_tokens} but this drafter's block drafts {most} tokens; "
-                             f"give 1..{most} (0 = all of them)")
-        self._init_parallel(drafter, draft_tokens or most)
+        self._init_parallel(drafter, draft_tokens, most, f"this drafter's block drafts {most} tokens")
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:

@@ -36,10 +36,7 @@ class PEagle(ParallelDrafting, Algorithm):
                              "(a P-EAGLE export for this target)")
         check_drafter_fits(target, drafter.config, "P-EAGLE")
         most = drafter.config.num_depths
-        if not 0 <= draft_tokens <= most:
-            raise ValueError(f"peagle_draft_tokens={draft_tokens} but this drafter drafts {most} tokens per forward; "
-                             f"give 1..{most} (0 = all of them)")
-        self._init_parallel(drafter, draft_tokens or most)
+        self._init_parallel(drafter, draft_tokens, most, f"this drafter drafts {most} tokens per forward")
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:

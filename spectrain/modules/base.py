@@ -1,16 +1,19 @@
 """What every drafter's LightningModule shares: the recipe, the target's frozen lm_head as the teacher's
-projection, the optimiser and schedule, and the DataModule. Drafter-specific code lives in the subclasses."""
+projection, the optimiser and schedule, the DataModule, and helpers several subclasses' ``__init__`` call (building
+the drafter, the mask-token checks). Drafter-specific code lives in the subclasses."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
 from omegaconf import OmegaConf
 
 from core.assets import target_record
+from core.overrides import RecipeError
 
 from spectrain.data import build_feature_datamodule
 from spectrain.strategies import shard_drafter
@@ -25,6 +28,32 @@ def cosine_with_warmup(step: int, warmup: int, total: int, kind: str) -> float:
         return 1.0
     progress = min(1.0, (step - warmup) / max(total - warmup, 1))
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# DFlash's and P-EAGLE's drafter attention: block_sparse (chunked) | dense (the reference mask)
+MASK_ATTENTION_KINDS = ("block_sparse", "dense")
+
+DrafterT = TypeVar("DrafterT", bound=torch.nn.Module)
+
+
+def check_mask_token_and_attention(model: Any) -> None:
+    """The recipe checks of the drafters whose later slots read a mask token (DFlash, P-EAGLE)."""
+    if model.mask_token_id is None:
+        raise RecipeError("model.mask_token_id is not set: give the id of a special token the training data never "
+                          "holds (SmolLM2: 16, <empty_output>; Llama-3: 128002, <|reserved_special_token_0|>)")
+    if model.attention not in MASK_ATTENTION_KINDS:
+        raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(MASK_ATTENTION_KINDS)}")
+
+
+def build_drafter(cfg: Any, make: Callable[[], DrafterT],
+                  vocab_map: tuple[torch.Tensor, torch.Tensor] | None) -> DrafterT:
+    """``make()``'s drafter, its vocabulary map set (not on a dry run). A dry run (fit builds the target on the meta
+    device) builds the drafter there too: shapes, no memory."""
+    with torch.device("meta" if cfg.dry_run else "cpu"):
+        drafter = make()
+    if vocab_map is not None and not cfg.dry_run:
+        drafter.set_vocab_map(*vocab_map)
+    return drafter
 
 
 class DrafterModule(L.LightningModule):

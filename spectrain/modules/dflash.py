@@ -29,11 +29,9 @@ from core.overrides import RecipeError
 from spectrain.dflash_export import export_dflash_checkpoint
 from spectrain.dflash_losses import sample_anchors, scored_slots, slot_weights, weighted_kl
 from spectrain.metrics import SimulatedAcceptance
-from spectrain.modules.base import DrafterModule, build_datamodule
-from spectrain.modules.eagle3 import vocab_map_for
+from spectrain.modules.base import DrafterModule, build_datamodule, build_drafter, check_mask_token_and_attention
+from spectrain.modules.eagle3 import draft_vocabulary
 from spectrain.registry import DrafterKind, register_kind
-
-ATTENTION_KINDS = ("block_sparse", "dense")
 
 
 @dataclass
@@ -49,11 +47,7 @@ class DFlashSchema:
 
 
 def _check_schema(model: Any) -> None:
-    if model.mask_token_id is None:
-        raise RecipeError("model.mask_token_id is not set: give the id of a special token the training data never "
-                          "holds (SmolLM2: 16, <empty_output>; Llama-3: 128002, <|reserved_special_token_0|>)")
-    if model.attention not in ATTENTION_KINDS:
-        raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(ATTENTION_KINDS)}")
+    check_mask_token_and_attention(model)
     if model.block_size < 2 or model.num_layers < 1 or model.max_anchors < 1 or model.loss_decay_gamma <= 0:
         raise RecipeError(f"model.block_size must be >= 2, num_layers and max_anchors >= 1 and loss_decay_gamma > 0, "
                           f"got {model.block_size}, {model.num_layers}, {model.max_anchors}, "
@@ -70,19 +64,13 @@ class DFlashModule(DrafterModule):
         target = self.target_model()
         model_cfg = cfg.model
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
-        # counting the vocabulary reads the whole source: a dry run leaves it to the real run
-        vocab_map = None if cfg.dry_run else vocab_map_for(cfg, target.config.vocab_size)
-        draft_vocab = (model_cfg.draft_vocab_size or target.config.vocab_size) if vocab_map is None \
-            else int(vocab_map[0].numel())
+        vocab_map, draft_vocab = draft_vocabulary(cfg, target.config.vocab_size)
         config = DFlashConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
                                          block_size=model_cfg.block_size, num_layers=model_cfg.num_layers,
                                          mask_token_id=model_cfg.mask_token_id)
-        # A dry run (fit builds the target on the meta device) builds the drafter there too: shapes, no memory.
-        with torch.device("meta" if cfg.dry_run else "cpu"):
-            self.drafter = DFlashDrafter(config, embed_weight=target.get_input_embeddings().weight.detach(),
-                                         head_weight=target.get_output_embeddings().weight.detach())
-        if vocab_map is not None:
-            self.drafter.set_vocab_map(*vocab_map)
+        self.drafter = build_drafter(cfg, lambda: DFlashDrafter(
+            config, embed_weight=target.get_input_embeddings().weight.detach(),
+            head_weight=target.get_output_embeddings().weight.detach()), vocab_map)
         self.register_buffer("weights", slot_weights(config.block_size, model_cfg.loss_decay_gamma), persistent=False)
         self.val_blocks = SimulatedAcceptance(config.block_size - 1)
 

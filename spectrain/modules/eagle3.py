@@ -61,6 +61,18 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     return build_vocab_map(counts, model.draft_vocab_size)
 
 
+def draft_vocab_size(model: Any, vocab_map: tuple[torch.Tensor, torch.Tensor] | None, vocab_size: int) -> int:
+    """The map's draft vocabulary size; without a map ``model.draft_vocab_size`` (0: the target's ``vocab_size``)."""
+    return (model.draft_vocab_size or vocab_size) if vocab_map is None else int(vocab_map[0].numel())
+
+
+def draft_vocabulary(cfg: Any, vocab_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+    """(:func:`vocab_map_for`'s map, :func:`draft_vocab_size`). Counting the vocabulary reads the whole source: a dry
+    run leaves it to the real run (no map)."""
+    vocab_map = None if cfg.dry_run else vocab_map_for(cfg, vocab_size)
+    return vocab_map, draft_vocab_size(cfg.model, vocab_map, vocab_size)
+
+
 class Eagle3Module(DrafterModule):
     def __init__(self, cfg: Any):
         super().__init__(cfg)

@@ -29,14 +29,12 @@ from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
 from spectrain.dflash_losses import weighted_kl
 from spectrain.metrics import SimulatedAcceptance
-from spectrain.modules.base import DrafterModule, build_datamodule
-from spectrain.modules.eagle3 import vocab_map_for
+from spectrain.modules.base import DrafterModule, build_datamodule, build_drafter, check_mask_token_and_attention
+from spectrain.modules.eagle3 import draft_vocabulary
 from spectrain.peagle_export import export_peagle_checkpoint
 from spectrain.peagle_losses import batch_chains, cod_sample, scored_rows
 from spectrain.peagle_losses import every_chain as full_chains
 from spectrain.registry import DrafterKind, register_kind
-
-ATTENTION_KINDS = ("block_sparse", "dense")
 
 
 @dataclass
@@ -53,11 +51,7 @@ class PEagleSchema:
 
 
 def _check_schema(model: Any) -> None:
-    if model.mask_token_id is None:
-        raise RecipeError("model.mask_token_id is not set: give the id of a special token the training data never "
-                          "holds (SmolLM2: 16, <empty_output>; Llama-3: 128002, <|reserved_special_token_0|>)")
-    if model.attention not in ATTENTION_KINDS:
-        raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(ATTENTION_KINDS)}")
+    check_mask_token_and_attention(model)
     if model.num_depths < 1 or model.max_anchors < 0:
         raise RecipeError(f"model.num_depths must be >= 1 and model.max_anchors >= 0, got {model.num_depths}, "
                           f"{model.max_anchors}")
@@ -76,18 +70,12 @@ class PEagleModule(DrafterModule):
         target = self.target_model()
         model_cfg = cfg.model
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
-        # counting the vocabulary reads the whole source: a dry run leaves it to the real run
-        vocab_map = None if cfg.dry_run else vocab_map_for(cfg, target.config.vocab_size)
-        draft_vocab = (model_cfg.draft_vocab_size or target.config.vocab_size) if vocab_map is None \
-            else int(vocab_map[0].numel())
+        vocab_map, draft_vocab = draft_vocabulary(cfg, target.config.vocab_size)
         config = PEagleConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
                                          mask_token_id=model_cfg.mask_token_id, num_depths=model_cfg.num_depths,
                                          norm_before_residual=model_cfg.norm_before_residual)
-        # A dry run (fit builds the target on the meta device) builds the drafter there too: shapes, no memory.
-        with torch.device("meta" if cfg.dry_run else "cpu"):
-            self.drafter = PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach())
-        if vocab_map is not None:
-            self.drafter.set_vocab_map(*vocab_map)
+        self.drafter = build_drafter(
+            cfg, lambda: PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), vocab_map)
         self.val_chains = SimulatedAcceptance(config.num_depths)
 
     # -- one batch -------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from core.overrides import RecipeError
 from spectrain.eagle3_losses import teacher_in_draft_vocab
 from spectrain.metrics import SimulatedAcceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
-from spectrain.modules.eagle3 import vocab_map_for
+from spectrain.modules.eagle3 import draft_vocab_size, vocab_map_for
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.specblock_export import export_specblock_checkpoint, import_specblock_reference
 from spectrain.specblock_losses import RANK_MASKS, VALID_PREFIX, total_loss, unroll_blocks
@@ -88,8 +88,7 @@ class SpecBlockModule(DrafterModule):
         if model_cfg.warm_start:
             eagle = read_checkpoint(model_cfg.warm_start)
         vocab_map = self._vocab_map(eagle, target.config.vocab_size)
-        draft_vocab = (model_cfg.draft_vocab_size or target.config.vocab_size) if vocab_map is None \
-            else int(vocab_map[0].numel())
+        draft_vocab = draft_vocab_size(model_cfg, vocab_map, target.config.vocab_size)
         overrides = {"train_block2_sees_other_anchors": model_cfg.train_block2_sees_other_anchors}
         if model_cfg.widths is not None:
             overrides["widths"] = list(model_cfg.widths)
