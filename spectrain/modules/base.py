@@ -56,6 +56,24 @@ def build_drafter(cfg: Any, make: Callable[[], DrafterT],
     return drafter
 
 
+def chain_hits(shape: torch.Size, right: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
+               anchors: torch.Tensor, positions: range) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per chain position p in ``positions`` (a depth or a block slot): the [B, T] map of whether the row drafted at
+    p from (batch row, anchor) was right, and the mask of the anchors that have such a row — what
+    :class:`spectrain.metrics.SimulatedAcceptance` takes. ``right``, ``position``, ``rows``, ``anchors``: one entry per
+    scored drafted row."""
+    alphas, masks = [], []
+    for p in positions:
+        here = position == p
+        alpha = torch.zeros(shape, device=right.device)
+        alpha[rows[here], anchors[here]] = right[here].float()
+        mask = torch.zeros(shape, dtype=torch.bool, device=right.device)
+        mask[rows[here], anchors[here]] = True
+        alphas.append(alpha)
+        masks.append(mask)
+    return alphas, masks
+
+
 class DrafterModule(L.LightningModule):
     """Subclasses set ``self.drafter`` (the nn.Module that is exported) in their ``__init__``."""
 
@@ -68,6 +86,18 @@ class DrafterModule(L.LightningModule):
         # The teacher's projection: frozen and not saved (the target provides it again at load time).
         self.register_buffer("teacher_lm_head", target.lm_head.weight.detach().float().clone(), persistent=False)
         self.last_val_metrics: dict[str, float] = {}
+
+    def log_simulated_acceptance(self, metric: Any) -> dict[str, float]:
+        """Log a :class:`~spectrain.metrics.SimulatedAcceptance`'s ``val/tau_sim`` (on the progress bar),
+        ``val/top1_agreement`` and ``val/acc_k``, reset it, and return its figures."""
+        figures = metric.compute()
+        self.log("val/tau_sim", figures["tau_sim"], prog_bar=True)
+        self.log("val/top1_agreement", figures["acc_1"])
+        for key, value in figures.items():
+            if key.startswith("acc_"):
+                self.log(f"val/{key}", value)
+        metric.reset()
+        return {key: float(value) for key, value in figures.items()}
 
     def target_model(self):
         """The target (loaded once per process; NOT a submodule, so it is neither trained nor checkpointed)."""

@@ -29,7 +29,8 @@ from core.overrides import RecipeError
 from spectrain.dflash_export import export_dflash_checkpoint
 from spectrain.dflash_losses import sample_anchors, scored_slots, slot_weights, weighted_kl
 from spectrain.metrics import SimulatedAcceptance
-from spectrain.modules.base import DrafterModule, build_datamodule, build_drafter, check_mask_token_and_attention
+from spectrain.modules.base import (DrafterModule, build_datamodule, build_drafter, chain_hits,
+                                    check_mask_token_and_attention)
 from spectrain.modules.eagle3 import draft_vocabulary
 from spectrain.registry import DrafterKind, register_kind
 
@@ -128,26 +129,10 @@ class DFlashModule(DrafterModule):
         student, teacher, k, (b, a), shape = self._slots(batch, -1, batch_idx * int(self.cfg.data.batch_size))
         self.log("val/loss", weighted_kl(student, teacher, self.weights[k]), batch_size=len(batch["input_ids"]))
         right = student.argmax(-1) == teacher.argmax(-1)
-        alphas, masks = [], []
-        for slot in range(1, self.drafter.config.block_size):
-            here = k == slot
-            alpha = torch.zeros(shape, device=student.device)
-            alpha[b[here], a[here]] = right[here].float()
-            mask = torch.zeros(shape, dtype=torch.bool, device=student.device)
-            mask[b[here], a[here]] = True
-            alphas.append(alpha)
-            masks.append(mask)
-        self.val_blocks.update(alphas, masks)
+        self.val_blocks.update(*chain_hits(shape, right, k, b, a, range(1, self.drafter.config.block_size)))
 
     def on_validation_epoch_end(self):
-        blocks = self.val_blocks.compute()
-        self.log("val/tau_sim", blocks["tau_sim"], prog_bar=True)
-        self.log("val/top1_agreement", blocks["acc_1"])
-        for key, value in blocks.items():
-            if key.startswith("acc_"):
-                self.log(f"val/{key}", value)
-        self.last_val_metrics = {key: float(value) for key, value in blocks.items()}
-        self.val_blocks.reset()
+        self.last_val_metrics = self.log_simulated_acceptance(self.val_blocks)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["spectrain"] = self.checkpoint_block("dflash")

@@ -130,14 +130,7 @@ class Eagle3Module(DrafterModule):
         self.val_greedy.update(alphas, masks)
 
     def on_validation_epoch_end(self):
-        greedy = self.val_greedy.compute()
-        self.log("val/tau_sim", greedy["tau_sim"], prog_bar=True)
-        self.log("val/top1_agreement", greedy["acc_1"])
-        for key, value in greedy.items():
-            if key.startswith("acc_"):
-                self.log(f"val/{key}", value)
-        self.last_val_metrics = {key: float(value) for key, value in greedy.items()}
-        self.val_greedy.reset()
+        self.last_val_metrics = self.log_simulated_acceptance(self.val_greedy)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         target = {**target_record(self.cfg.target), **trained_template(self.cfg)}

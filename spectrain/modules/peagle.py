@@ -29,7 +29,8 @@ from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
 from spectrain.dflash_losses import weighted_kl
 from spectrain.metrics import SimulatedAcceptance
-from spectrain.modules.base import DrafterModule, build_datamodule, build_drafter, check_mask_token_and_attention
+from spectrain.modules.base import (DrafterModule, build_datamodule, build_drafter, chain_hits,
+                                    check_mask_token_and_attention)
 from spectrain.modules.eagle3 import draft_vocabulary
 from spectrain.peagle_export import export_peagle_checkpoint
 from spectrain.peagle_losses import batch_chains, cod_sample, scored_rows
@@ -137,26 +138,11 @@ class PEagleModule(DrafterModule):
         self.log("val/loss", weighted_kl(student, teacher, torch.ones(len(student), device=student.device)),
                  batch_size=len(batch["input_ids"]))
         right = student.argmax(-1) == teacher.argmax(-1)
-        alphas, masks = [], []
-        for k in range(self.drafter.config.num_depths):
-            here = depth == k
-            alpha = torch.zeros(batch["input_ids"].shape, device=student.device)
-            alpha[b[here], a[here]] = right[here].float()
-            mask = torch.zeros(batch["input_ids"].shape, dtype=torch.bool, device=student.device)
-            mask[b[here], a[here]] = True
-            alphas.append(alpha)
-            masks.append(mask)
-        self.val_chains.update(alphas, masks)
+        self.val_chains.update(*chain_hits(batch["input_ids"].shape, right, depth, b, a,
+                                           range(self.drafter.config.num_depths)))
 
     def on_validation_epoch_end(self):
-        chains = self.val_chains.compute()
-        self.log("val/tau_sim", chains["tau_sim"], prog_bar=True)
-        self.log("val/top1_agreement", chains["acc_1"])
-        for key, value in chains.items():
-            if key.startswith("acc_"):
-                self.log(f"val/{key}", value)
-        self.last_val_metrics = {key: float(value) for key, value in chains.items()}
-        self.val_chains.reset()
+        self.last_val_metrics = self.log_simulated_acceptance(self.val_chains)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["spectrain"] = self.checkpoint_block("peagle")

@@ -186,13 +186,7 @@ class SpecBlockModule(DrafterModule):
         self.val_rank_confusion.update(first.rank_pred[mask], first.labels[mask])
 
     def on_validation_epoch_end(self):
-        block1 = self.val_block1.compute()
-        self.log("val/tau_sim", block1["tau_sim"], prog_bar=True)
-        self.log("val/top1_agreement", block1["acc_1"])
-        metrics = {key: float(value) for key, value in block1.items()}
-        for key, value in block1.items():
-            if key.startswith("acc_"):
-                self.log(f"val/{key}", value)
+        metrics = self.log_simulated_acceptance(self.val_block1)
         if self.val_two_blocks.starts > 0:
             two = self.val_two_blocks.compute()
             self.log("val/tau_sim_2blocks", two["tau_sim"])
@@ -204,7 +198,6 @@ class SpecBlockModule(DrafterModule):
         metrics["rank_acc"] = float(accuracy)
         metrics["rank_confusion"] = confusion.tolist()
         self.last_val_metrics = metrics
-        self.val_block1.reset()
         self.val_two_blocks.reset()
         self.val_rank_confusion.reset()
 
