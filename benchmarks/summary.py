@@ -288,7 +288,7 @@ def group_status(settings: list[Setting], threshold: Threshold, judge: str) -> s
     tail = f"; unmeasured: {', '.join(unmeasured)}" if unmeasured else ""
     if judge == "all":
         met, n = map(sum, zip(*(tally(s, threshold) for s in measured)))
-        verb = "meets" if met <= 1 else "meet"
+        verb = "meets" if 1 in (met, n) else "meet"
         return (f"met ({met} of {runs_text(n)})" if met == n else f"not met ({met} of {runs_text(n)} {verb} it)") + tail
     full, partial, none = [], [], []
     for s in measured:
