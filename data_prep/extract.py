@@ -1,6 +1,6 @@
 """``python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 out=DIR``
 
-Writes a hidden-state feature dataset: Arrow shards plus ``manifest.json`` (DESIGN.md §4). Per sample:
+Writes a hidden-state feature dataset: Arrow shards plus ``manifest.json`` (docs/architecture.md §5.1). Per sample:
 ``input_ids``, ``loss_mask`` (assistant tokens), ``aux_hidden`` (the captured layers, concatenated) and
 ``last_hidden`` (after the final norm; the teacher distribution is recomputed as ``lm_head(last_hidden)`` at
 training time instead of storing logits).

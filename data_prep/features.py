@@ -10,7 +10,7 @@ Batch format (``collate_features``; the one place where samples are padded), a d
 - ``last_hidden``    [B, T, H] storage dtype, after the target's final norm, zero on padding
 
 Positions are NOT shifted: row t holds token t and the target's features at t. The EAGLE shift
-(``specblock_ssd_eagle3.md`` §0.1) is the training recipe's business.
+(docs/algorithms/eagle3.md §1) is the training recipe's business.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``python -m data_prep.ngram_corpus target=smollm2 source=sharegpt out=FILE [n_samples=2000]``
 
-Builds Self-Draft's corpus cache (spec §4.9) with the TARGET's tokenizer: for key lengths 1..4, the 4-grams
+Builds Self-Draft's corpus cache (docs/algorithms/self_draft.md §9), target tokenizer: for 1..4-token keys, the 4-grams
 that follow each key in the corpus, at most 20 per key by descending count, only counts > 5. Every turn of
 every conversation (user and assistant) is one document; grams never cross documents. The paper used OANC,
 which is not available here: ShareGPT (or any ``load_prompts`` source, e.g. ``jsonl:PATH``) stands in.

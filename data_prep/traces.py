@@ -96,7 +96,7 @@ class TracesConfig:
 
 
 def hrad_class(num_accepted: int, draft_len: int) -> int | None:
-    """SpecBranch's H-RAD label for a round (``specbranch_hsd_selfdraft.md`` §2.3): among the continuation
+    """SpecBranch's H-RAD label for a round (docs/algorithms/specbranch.md §3): among the continuation
     tokens after an accepted branch token, 0 = none accepted, 2 = all (``draft_len - 1``) accepted, 1 = some.
     None when the branch token itself was rejected (H-RAD only runs on a surviving branch)."""
     if num_accepted == 0:

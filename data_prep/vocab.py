@@ -4,7 +4,7 @@ Counts assistant tokens (``loss_mask == 1``) in a feature dataset, or in a promp
 target's tokenizer (``target=smollm2 source=sharegpt n_samples=N max_len=L`` instead of ``dataset=``), keeps the
 K most frequent ids (ties: lower id first; if fewer than K ids occur, the lowest unused ids fill up), sorts them
 ascending into ``used[0..K-1]`` and writes the ``d2t`` / ``t2d`` map of :mod:`core.vocab`
-(``specblock_ssd_eagle3.md`` §0.3, ``eagle3_export_contract.md``) as safetensors with metadata (sizes,
+(docs/algorithms/eagle3.md §3, docs/algorithms/eagle3_export.md) as safetensors with metadata (sizes,
 assistant-token coverage, what was counted).
 """
 

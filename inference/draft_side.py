@@ -12,9 +12,9 @@ the draft logits it computed after each of them, and re-syncs by longest common 
   point), it is reused without a forward; otherwise the uncached tail is fed (at least one token).
 
 So after a round the draft cache holds |S|+|U| tokens when the branch-point distribution is cached and
-|S|+|U|-1 otherwise (spec §2.10), with no bookkeeping in the algorithm.
+|S|+|U|-1 otherwise (§10), with no bookkeeping in the algorithm.
 
-Spec: ../shared/algorithms/specbranch_hsd_selfdraft.md §2.1, §2.4, §2.5, §2.9.
+Spec: docs/algorithms/specbranch.md §1, §4, §5, §9.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class ChainDraft:
 
 @dataclass
 class BranchDraft:
-    """k branches at the branch point (SpecBranch §2.5): branch token + γ-1 argmax continuation tokens each."""
+    """k branches at the branch point (SpecBranch, §5): branch token + γ-1 argmax continuation tokens each."""
 
     tokens: list[list[int]]  # [k][γ]; tokens[i][0] = i-th most probable draft token at the branch point
     confidence: list[list[float]]  # [k][γ]: max_v q(v) (temperature 1) of the distribution each token came from
@@ -145,7 +145,7 @@ class DraftSide:
     @torch.no_grad()
     def branches(self, context: list[int], kmax: int, gamma: int) -> BranchDraft:
         """Top-k branch tokens at the point after ``context`` (k from the draft confidence), each continued by
-        γ-1 argmax tokens in one batched forward per step, all rows sharing the context's K/V (§2.4–2.5)."""
+        γ-1 argmax tokens in one batched forward per step, all rows sharing the context's K/V (§4–5)."""
         logits, forwards, reused = self._sync(context)
         q_b = logits.float().softmax(-1)  # temperature 1, as the authors' code (confidence and TopK)
         confidence = float(q_b.max())

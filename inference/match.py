@@ -1,12 +1,12 @@
-"""SpecBranch's verification step: the pending segment, then the lossless "Match" at the branch point (spec §2.6).
+"""SpecBranch's verification: the pending segment, then the lossless "Match" (docs/algorithms/specbranch.md §6).
 
 The pending tokens u_1..u_m were drafted by argmax (deterministic), so each is judged with the one-candidate
-rule of §1.2, and the k branch tokens y_1..y_k (TopK of the draft, also deterministic) with the multi-candidate
+rule (docs/algorithms/verify.md §3), the k branch tokens y_1..y_k (TopK, also deterministic) with the multi-candidate
 rule: z ~ p_b is always the emitted token and the branch equal to z, if any, survives. Both are
 ``inference.verify.multi_candidate``; this module only chains them and gives the exact law for the tests.
 
 The public code's rule (keep argmax_i p_b(y_i), accept with min(1, p/q), else the greedy residual) is NOT lossless
-under sampling (§0.3 item 2); tests/test_match.py keeps it as a regression fixture.
+under sampling (§12 item 2); tests/test_match.py keeps it as a regression fixture.
 """
 
 from __future__ import annotations

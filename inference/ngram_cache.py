@@ -1,4 +1,4 @@
-"""The n-gram caches Self-Draft draws its candidates from (spec §4.2, §4.7–4.9).
+"""The n-gram caches Self-Draft draws its candidates from (docs/algorithms/self_draft.md §2, §7–9).
 
 * :class:`ContextCache` -- token -> up to ``per_key`` distinct grams, in LRU order; filled during decoding from
   the draft branches and the committed text, and kept across prompts by the algorithm instance.
@@ -52,7 +52,7 @@ class ContextCache:
         return list(grams) if grams else []
 
     def trim(self, keep: int) -> None:
-        """Keep only the ``keep`` most recent grams of every key (the spec's periodic flush)."""
+        """Keep only the ``keep`` most recent grams of every key (the periodic flush of §7)."""
         for key in list(self._grams):
             grams = self._grams[key]
             while len(grams) > keep:
@@ -74,7 +74,7 @@ class CorpusCache:
     def __init__(self, tables: dict[int, dict[Gram, list[tuple[Gram, int]]]], meta: dict[str, Any] | None = None):
         self.tables = {int(n): table for n, table in tables.items()}
         self.meta = dict(meta or {})
-        # Longest key first: a longer matching context predicts the continuation better (spec §4.8).
+        # Longest key first: a longer matching context predicts the continuation better (§8).
         self._key_lens = sorted(self.tables, reverse=True)
 
     def lookup(self, context: Sequence[int], limit: int, exclude: Iterable[Gram] = ()) -> list[Gram]:

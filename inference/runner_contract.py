@@ -1,4 +1,4 @@
-"""What both target runners share (DESIGN §5): the forward contract, its output, the mask and commit-index
+"""What both runners share (docs/architecture.md §6.1): the forward contract, its output, the mask and commit-index
 conventions, and the config checks. :class:`inference.runner.ModelRunner` and
 :class:`inference.transformers_runner.TransformersRunner` implement it.
 

@@ -1,4 +1,4 @@
-"""SAGUARO sampling (spec §2.6) and the proposal distributions SSD's verifier checks draft tokens against.
+"""SAGUARO sampling (docs/algorithms/ssd.md §6) and the proposals SSD's verifier checks draft tokens against.
 
 SAGUARO scales the draft probability of the ``top`` best tokens by ``C`` and renormalises, so a rejection's
 residual ``(p − q')⁺`` lands more often on the tokens the speculation cache forked on. Any such rule is lossless

@@ -1,4 +1,4 @@
-"""The SpecBlock draft tree (``specblock_ssd_eagle3.md`` §1.6, the released reference path).
+"""The SpecBlock draft tree (docs/algorithms/specblock.md §6, the released reference path).
 
 Block 1 (the current anchor's first block, drafted when the anchor was committed) gives per slot ``k`` the draft
 log-probs, the greedy token ``g_k`` with probability ``p_k`` and the rank bucket ``c_k``:
@@ -35,7 +35,7 @@ GIVE_UP = 3  # the "> 10" rank bucket
 
 @dataclass(frozen=True)
 class TreeShape:
-    """The tree knobs of §1.6 (released defaults: W=10, N=90, TOPK=[2, 4, 6, 4], caps on, 2 blocks)."""
+    """The tree knobs of §6 (released defaults: W=10, N=90, TOPK=[2, 4, 6, 4], caps on, 2 blocks)."""
 
     width: int = 10  # W: slot-0 width of block 1; beam of leaves for rounds after block 2
     budget: int = 90  # N: nodes, root excluded

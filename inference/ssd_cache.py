@@ -1,4 +1,4 @@
-"""SSD's speculation cache and its fan-out allocator (spec §2.4–2.5).
+"""SSD's speculation cache and its fan-out allocator (docs/algorithms/ssd.md §4–5).
 
 While the target verifies round T, the draft side grows, for every sequence, ``B`` candidate next speculations,
 one per guessed verification outcome ``(k accepted, bonus token t)``; :class:`SpecCache` holds them keyed by
@@ -35,7 +35,7 @@ def largest_remainder_round(x: Sequence[float], total: int) -> list[int]:
 
 def geometric_fanout(budget: int, k_max: int, a_p: float, r: float = 1.0, f_max: int | None = None,
                      f0_min: int = 1) -> list[int]:
-    """Integer fan-out ``[F_0..F_K]`` summing to ``budget`` from the closed form of spec §2.5, with ``F_0 ≥ f0_min``
+    """Integer fan-out ``[F_0..F_K]`` summing to ``budget`` from the closed form of §5, with ``F_0 ≥ f0_min``
     and every ``F_k ≤ f_max`` (the excess goes to the entries with the largest fractional parts still below the
     cap). ``a_p`` (per-token acceptance) is clamped to [0.01, 0.99] so both ends stay finite."""
     if budget < 1 or k_max < 1:

@@ -1,4 +1,4 @@
-"""SSD's draft side (spec §2.3): serves speculations from the cache or a fallback, then pre-drafts the next round.
+"""SSD's draft side (docs/algorithms/ssd.md §3): serves speculations from the cache or a fallback, then drafts ahead.
 
 The algorithm (target side) talks to it only through method calls carrying packed int64 payloads, so the same
 object runs in this process (``sequential`` / ``cuda_streams`` executors) or in a child process (``multiprocess``).
@@ -18,7 +18,7 @@ Fork vocabulary (``fork_vocab``). A vocabulary-limited drafter (``draft_vocab=N`
 also limit the fork guesses, so a bonus token with a larger id could never be a cache hit. ``full`` (the default)
 scores the K+1 glue rows with the drafter's whole lm_head for the forks only (the drafted tokens still come from
 the limited head); ``draft`` forks on the limited head. Which keys are cached never depends on the branch tokens,
-so either choice is lossless (spec §2.6); only the hit rate differs.
+so either choice is lossless (§6); only the hit rate differs.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _i2f(x: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Wire format: one fused int64 tensor per message (spec §2.8), floats bit-cast.
+# Wire format: one fused int64 tensor per message (§8), floats bit-cast.
 
 
 @dataclass

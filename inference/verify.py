@@ -1,11 +1,11 @@
 """Verifiers: decide how much of a draft the target keeps, without changing the target's output law.
 
-Chain verifiers (DESIGN.md §5) share one call signature, batch 1:
+Chain verifiers (docs/architecture.md §6.3) share one call signature, batch 1:
 
     verifier(draft_tokens [γ], draft_probs [γ, V] | None, target_probs [γ+1, V], generator) -> VerifyResult
 
 - `draft_probs` are the (warped) draft distributions the tokens were sampled from. None means the tokens were
-  chosen deterministically (argmax / top-k): q is then a point mass at each drafted token (spec §1.2).
+  chosen deterministically (argmax / top-k): q is a point mass at each drafted token (docs/algorithms/verify.md §3).
 - `target_probs[t]` is the target's (identically warped) distribution after the first t draft tokens;
   row γ is the bonus distribution.
 - The result holds the accepted draft prefix plus exactly one correction/bonus token.
@@ -18,7 +18,7 @@ Each chain verifier first builds a `VerifyPlan` (per-position stop probabilities
 the emitted token at each stop). The plan gives both the exact output law (used by the enumeration tests)
 and the sampling path (used by the engine), so the tests check the code that runs.
 
-Spec: ../shared/algorithms/specbranch_hsd_selfdraft.md §1.1, §1.2, §3.
+Spec: docs/algorithms/verify.md §2, §3; docs/algorithms/hsd.md.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _normalise_or(mass: Tensor, fallback: Tensor) -> Tensor:
 
 
 def tokenwise_plan(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> VerifyPlan:
-    """Tokenwise speculative sampling (spec §1.1); draft_probs None gives the deterministic rule (§1.2)."""
+    """Tokenwise speculative sampling (docs/algorithms/verify.md §2); draft_probs None: the rule of §3."""
     p, q, x = _as_float64(draft_tokens, draft_probs, target_probs)
     p_draft = p[..., :-1, :]
     p_x = p_draft.gather(-1, x).squeeze(-1)
@@ -154,7 +154,7 @@ def block_plan(
     target_probs: Tensor,
     final_ratio: FinalRatio = "capped",
 ) -> VerifyPlan:
-    """Block Verification = HSD with the capped final ratio (spec §3.2–3.4), float64 in log-ratio space.
+    """Block Verification = HSD with the capped final ratio (docs/algorithms/hsd.md §2–4), float64 in log-ratio space.
 
     final_ratio="uncapped" uses h_γ = min(1, r_γ) (the HSD authors' code): lossy for sampled drafts.
     """
@@ -173,7 +173,7 @@ def block_plan(
     deficit = (r_star[..., :-1, None] * p_draft - q).clamp_min(0.0)  # [.., γ, V] unnormalised residuals
     d_plus = deficit.sum(dim=-1)
     denom = d_plus + (1.0 - r_star[..., :-1])  # = max(d⁺, d⁻) since d⁻ = d⁺ + 1 − r*
-    h = torch.where(denom > 0, d_plus / torch.where(denom > 0, denom, 1.0), 1.0)  # 0/0: stop (spec §3.2)
+    h = torch.where(denom > 0, d_plus / torch.where(denom > 0, denom, 1.0), 1.0)  # 0/0: stop
     if h.shape[-1] > 0:
         h[..., 0] = 1.0  # exact at the root (r*_0 = 1); pinned so the backward scan always terminates
     if final_ratio == "capped":
@@ -254,7 +254,7 @@ class BlockVerifier(ChainVerifier):
 class HSDVerifier(ChainVerifier):
     """Hierarchical Speculative Decoding. "capped" (default) is exactly Block Verification (lossless).
 
-    "uncapped" reproduces the authors' final-step rule, which is lossy for sampled drafts (spec §0.3 item 3).
+    "uncapped" reproduces the authors' final-step rule, lossy for sampled drafts (docs/algorithms/hsd.md §10).
     """
 
     name = "hsd"
@@ -322,7 +322,7 @@ def _token_list(tokens: Tensor | Sequence[int]) -> list[int]:
 def multi_candidate(
     candidates: Tensor | Sequence[int], target_probs: Tensor, generator: torch.Generator | None = None
 ) -> CandidateMatch:
-    """Verify deterministic candidates y_1..y_k at one position (spec §1.2; SpecBranch "Match").
+    """Verify deterministic candidates y_1..y_k at one position (docs/algorithms/verify.md §3; the "Match").
 
     Draw z ~ p and keep the first candidate equal to z, otherwise emit z. Equivalent to testing the
     candidates one by one with p(y) and zeroing rejected ones; the emitted token is exactly z ~ p.

@@ -1,7 +1,7 @@
-"""SpecBlock training losses (``specblock_ssd_eagle3.md`` §1.5): valid-prefix draft loss, rank labels and the
+"""SpecBlock training losses (docs/algorithms/specblock.md §5): valid-prefix draft loss, rank labels and the
 ordinal rank loss, and the cross-block unrolling that feeds later blocks with the drafter's own hidden states.
 
-Row frame (the EAGLE shift, §0.1). Everything here works on *rows*: row ``r`` holds the target's distribution
+Row frame (docs/algorithms/eagle3.md §1). Everything here works on *rows*: row ``r`` holds the target's distribution
 over the draft vocabulary at position ``r + 1`` (``teacher_probs[:, r]`` = P̃_r, the law of token ``x_{r+2}``)
 and the position mask ``pm[:, r]`` (token ``x_{r+2}`` is supervised and the target's argmax at ``r + 1`` lies in
 the draft vocabulary). Slot ``k`` of anchor ``i`` in a block with cumulative offset ``off`` is scored against
@@ -42,7 +42,7 @@ def rows_ahead(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
 
 def rank_of(logits: torch.Tensor, target_ids: torch.Tensor, search: int = RANK_SEARCH) -> torch.Tensor:
     """1-based rank of ``target_ids`` [...] inside ``logits`` [..., V], searched in the top-``search``;
-    ``search + 1`` when it is not there (the code's top-10 search, §1.5)."""
+    ``search + 1`` when it is not there (the code's top-10 search, §5)."""
     top = logits.detach().topk(min(search, logits.shape[-1]), dim=-1).indices
     hits = top == target_ids.unsqueeze(-1)
     first = hits.float().argmax(-1) + 1
@@ -99,7 +99,7 @@ class BlockLosses:
 def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs: torch.Tensor,
                  position_mask: torch.Tensor, off: int, *, rank_mask: str = "rank_chain",
                  freq_budget: float = 10.0, valid_prefix: str = "chain") -> BlockLosses:
-    """§1.5 losses of one block: ``logits`` [B, S, K, Vd], ``rank_logits`` [B, S, K, 4], ``teacher_probs``
+    """§5 losses of one block: ``logits`` [B, S, K, Vd], ``rank_logits`` [B, S, K, 4], ``teacher_probs``
     [B, S, Vd] and ``position_mask`` [B, S] in the row frame, ``off`` the block's cumulative offset.
     ``valid_prefix``: how each slot's draft loss weighs and normalises its rows (``VALID_PREFIX``; ``chain`` is
     the reference). The rank loss's ``draft_chain`` mask is the valid-prefix chain in every mode."""
@@ -170,7 +170,7 @@ def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, 
                   position_mask: torch.Tensor, cuts: Sequence[int], *, rank_mask: str = "rank_chain",
                   freq_budget: float = 10.0, attention: str = "block_sparse",
                   valid_prefix: str = "chain") -> Unrolled:
-    """Cross-block training (§1.5): ``len(cuts) + 1`` blocks. Block 1 reads target features ``aux_hidden``
+    """Cross-block training (§5): ``len(cuts) + 1`` blocks. Block 1 reads target features ``aux_hidden``
     [B, S, 3·H_t] and ``tokens`` [B, S] in the row frame (row i holds x_{i+1}); leaving a block at cut ``M``
     (1..K, one value for the whole batch), the next block reads the pre-norm hidden of slot ``M − 1`` of every
     anchor and the tokens ``M`` rows further on, attends to this block's K/V (kept with gradient, TTT) over
@@ -199,7 +199,7 @@ def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, 
 
 
 def total_loss(unrolled: Unrolled, *, slot_weight: float = 0.8, rank_weight: float = 1.0) -> torch.Tensor:
-    """``Σ_k slot_weight^k Σ_b L_draft[b, k] + rank_weight · Σ_b L_rank[b]`` (§1.5 total objective)."""
+    """``Σ_k slot_weight^k Σ_b L_draft[b, k] + rank_weight · Σ_b L_rank[b]`` (§5 total objective)."""
     draft = torch.stack([b.draft for b in unrolled.blocks]).sum(0)
     decay = slot_weight ** torch.arange(draft.numel(), device=draft.device, dtype=draft.dtype)
     loss = (decay * draft).sum()

@@ -409,7 +409,7 @@ def test_specblock_plugs_in_with_its_own_losses(tiny):
     updater = Updater(adaptable, {"head": ArmUpdate(3, 1e-3), "full": ArmUpdate(3, 1e-3)})
     head = {id(p) for p in drafter.head_parameters()}
     before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
-    # the closure is the training objective itself (§1.5 total loss over the unrolled blocks)
+    # the closure is the training objective itself (docs/algorithms/specblock.md §5: the total over the unrolled blocks)
     from spectrain.specblock_losses import total_loss, unroll_blocks
 
     with torch.no_grad():

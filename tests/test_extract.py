@@ -52,7 +52,7 @@ def assert_same_rows(a: list[dict], b: list[dict]) -> None:
 
 def test_layer_specs():
     assert eagle3_layers(30) == [1, 14, 26]  # SmolLM2
-    assert resolve_layers("eagle3", 32) == [1, 15, 28]  # Llama-3.1-8B: outputs of layers 1, 15, 28 (spec §0.2)
+    assert resolve_layers("eagle3", 32) == [1, 15, 28]  # Llama-3.1-8B: outputs of layers 1, 15, 28 (docs/algorithms/eagle3.md §2)
     assert resolve_layers("last4", 30) == [26, 27, 28]  # + the final-normed state = HF hidden_states[-4:]
     assert resolve_layers([0, 5, -1], 8) == [0, 5, 7]
     for bad, message in ((["eagle3", 6], "needs at least 8"), (["last9", 8], "K must be in"),

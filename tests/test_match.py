@@ -1,4 +1,4 @@
-"""SpecBranch's Match (spec §2.6): exact by enumeration, the implementation follows its law, the public rule's bias."""
+"""SpecBranch's Match (docs/algorithms/specbranch.md §6): exact by enumeration, the implementation follows its law, the public rule's bias."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_match_round_samples_its_exact_law():
 
 
 def public_rule_law(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
-    """The authors' survivor rule (§2.6 "What the public code does instead"): keep i* = argmax_i p(y_i) over
+    """The authors' survivor rule (§6 "What the public code does instead"): keep i* = argmax_i p(y_i) over
     y = TopK(q, k), accept it with min(1, p/q), else emit argmax(norm(max(0, p − q))). Exact law of the token."""
     candidates = torch.topk(q, k).indices
     best = candidates[p[candidates].argmax()]
@@ -90,7 +90,7 @@ def public_rule_law(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def test_public_rule_is_biased_and_match_is_not():
-    """Regression fixture (§0.3 item 2): p=(0.5,0.3,0.2), q=(0.6,0.3,0.1), k=2 gives (0.833, 0, 0.167)."""
+    """Regression fixture (§12 item 2): p=(0.5,0.3,0.2), q=(0.6,0.3,0.1), k=2 gives (0.833, 0, 0.167)."""
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
     public = public_rule_law(p, q, 2)

@@ -1,4 +1,4 @@
-"""PEARL (spec §2.1): greedy equality with AR, the exact target law at T=1, the same tokens from every executor."""
+"""PEARL (docs/algorithms/specbranch.md §1): greedy equality with AR, the exact target law at T=1, the same tokens from every executor."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Self-Draft (spec §4.11): greedy equality with AR, the §4.4 mask/positions, packed-forward logits, the caches,
+"""Self-Draft (docs/algorithms/self_draft.md §11): greedy equality with AR, the §4 mask/positions, packed-forward logits, the caches,
 corpus building, accounting, and the sampling law."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ SPEC_EXAMPLE_MASK = """
 
 
 def test_spec_example_mask_and_positions():
-    """§4.4: N=3, L=4; col 1 pads A,B; col 2 pads C; levels a*, b*; one candidate (g1, g2)."""
+    """§4: N=3, L=4; col 1 pads A,B; col 2 pads C; levels a*, b*; one candidate (g1, g2)."""
     names = SPEC_EXAMPLE_MASK.split("\n")[1].split()
     ids = {name: i + 1 for i, name in enumerate(names)}
     columns = [Column([ids["a0"], ids["b0"]], 0), Column([ids[t] for t in ("A", "B", "a1", "b1")], 2),
@@ -300,7 +300,7 @@ def test_retrieval_priority_and_dedup(model):
 
 
 def test_context_cache_update_rule(model):
-    """§4.7 on a hand-made step: padded columns give G-1 chain tokens + the argmax after them; the root-attached
+    """§7 on a hand-made step: padded columns give G-1 chain tokens + the argmax after them; the root-attached
     column also gives the gram after the root; the text is indexed, padded with column 0, plus the fresh gram."""
     algorithm = self_draft(model, branch_len=5, branch_num=2, gram_len=3, context_cache=True)
     columns = [Column([50, 51, 52], 0), Column([60, 61, 62, 63], 1)]

@@ -1,4 +1,4 @@
-"""SpecBlock drafter (§1.3–1.4, §1.10 tests 1, 2, 6, 7, 8): rank features, buckets, shift, masks, train/serve
+"""SpecBlock drafter (docs/algorithms/specblock.md §3–4, §10 tests 1, 2, 6, 7, 8): rank features, buckets, shift, masks, train/serve
 parity, native export round trip and target checks."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_identity_init_shift_returns_its_first_input_and_fusion_passes_the_condi
 
 
 def brute_force_mask(anchors: int, k: int, block: int, cuts: list[int], other_anchors: bool) -> torch.Tensor:
-    """§1.4 written out: keys are [first block] + [one group per previous block] + [this block] (block >= 2)."""
+    """§4 written out: keys are [first block] + [one group per previous block] + [this block] (block >= 2)."""
     groups = ([] if block == 1 else ["first"] + [("ttt", m) for m in cuts]) + ["own"]
     rows = []
     for i in range(anchors):

@@ -1,4 +1,4 @@
-"""kind=specblock training (``specblock_ssd_eagle3.md`` §1.5, §1.10): losses by hand, cross-block alignment,
+"""kind=specblock training (docs/algorithms/specblock.md §5, §10): losses by hand, cross-block alignment,
 the LightningModule on a tiny target, recipes, and fit -> export -> load."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def one_hot_rows(ids: list[int], vocab: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §1.10 test 3: smoothing table
+# §10 test 3: smoothing table
 
 
 def test_smoothing_table_rows_sum_to_one_and_match_spec():
@@ -32,7 +32,7 @@ def test_smoothing_table_rows_sum_to_one_and_match_spec():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §1.10 test 5: frequency weights
+# §10 test 5: frequency weights
 
 
 def test_frequency_weights_are_min_one_budget_over_count():
@@ -52,7 +52,7 @@ def test_rank_of_searches_the_top_ten():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §1.10 test 4: valid-prefix mask
+# §10 test 4: valid-prefix mask
 
 
 def test_valid_prefix_wrong_slot_one_zeroes_later_slots_loss_and_gradient():
@@ -193,7 +193,7 @@ def test_rank_mask_is_refused_when_unknown():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §1.10 test 9: cross-block alignment
+# §10 test 9: cross-block alignment
 
 
 def successor(x: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -278,7 +278,7 @@ def test_total_loss_weights_slots_by_point_eight_to_the_k():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The real drafter: §1.10 test 1 (second half) and the EAGLE-3 warm start
+# The real drafter: §10 test 1 (second half) and the EAGLE-3 warm start
 
 
 def tiny_drafter(vocab: int = 96, draft_vocab: int = 64, hidden: int = 32):

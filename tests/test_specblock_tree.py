@@ -1,4 +1,4 @@
-"""specblock_tree (§1.6, §1.10 tests 10–12): tree rules and invariants, greedy equality with AR, exact sampling,
+"""specblock_tree (docs/algorithms/specblock.md §6, §10 tests 10–12): tree rules and invariants, greedy equality with AR, exact sampling,
 bookkeeping with an oracle drafter, and the real SmolLM2 target through inference.evaluate."""
 
 from __future__ import annotations

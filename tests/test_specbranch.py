@@ -1,4 +1,4 @@
-"""SpecBranch (spec §2.2–2.10): greedy exactness for k in {1,2,3} and each forced H-RAD class, the exact law at
+"""SpecBranch (docs/algorithms/specbranch.md §2–10): greedy exactness for k in {1,2,3} and each forced H-RAD class, the exact law at
 T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q, H-RAD feature convention; the
 measurement policies (class0/class2, the oracles) and the serving-position hook (on_branch)."""
 
@@ -18,7 +18,7 @@ from inference.sampling import SamplingParams
 
 
 class ForcedClass:
-    """A stub H-RAD that always answers ``cls`` (§2.10), recording the features it was given."""
+    """A stub H-RAD that always answers ``cls`` (§10), recording the features it was given."""
 
     def __init__(self, cls: int, capture_layers: list[int] = ()):
         self.cls, self.capture_layers, self.calls = cls, list(capture_layers), []
@@ -163,7 +163,7 @@ def test_hrad_features_follow_the_last_k_convention():
 @pytest.mark.slow
 @pytest.mark.parametrize("hrad", [None, 0])
 def test_sampling_follows_the_target_law(hrad):
-    """Monte Carlo at T=1: pending tokens (§1.2) + Match; the law of the first 3 tokens is the target's."""
+    """Monte Carlo at T=1: pending tokens (docs/algorithms/verify.md §3) + Match; the law of the first 3 tokens is the target's."""
     assert_overlapped_law(lambda target, draft: build_algorithm(
         "specbranch", runner(target, 16), ModelRunner.from_hf_model(draft, max_seq_len=16), gamma=2, kmax=3,
         hrad=None if hrad is None else ForcedClass(hrad)))

@@ -1,4 +1,4 @@
-"""SSD / SAGUARO (spec §2.11): sampler, verifier proposal, fan-out, cache, fork, tree mask, protocol, greedy
+"""SSD / SAGUARO (docs/algorithms/ssd.md §11): sampler, verifier proposal, fan-out, cache, fork, tree mask, protocol, greedy
 equivalence (batch 1 and 3), exact sampling law with both fallbacks, the reference's lossy fast check failing,
 identical tokens from every executor, and forks from the full vocabulary of a vocabulary-limited drafter."""
 

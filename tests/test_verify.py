@@ -1,4 +1,4 @@
-"""Verifiers are lossless: exact enumeration on table-driven toy LMs (spec §3.6), Monte Carlo on the code path.
+"""Verifiers are lossless: exact enumeration on table-driven toy LMs (docs/algorithms/hsd.md §6), Monte Carlo on the code path.
 
 A toy LM is a list of conditional tables: table[ℓ] has shape (V,)*ℓ + (V,) and table[ℓ][prefix] is the
 next-token distribution after `prefix`. Target tables go up to prefix length γ (the bonus row).
@@ -103,7 +103,7 @@ def all_drafts(V: int, gamma: int) -> torch.Tensor:
 
 
 def continued_law_per_draft(outcome_law: torch.Tensor, drafts: torch.Tensor, P: list) -> torch.Tensor:
-    """Spec §3.6 steps 2–3 for every draft: emit X_{1:τ} + y, then continue to length γ+1 with P.
+    """§6 steps 2–3 for every draft: emit X_{1:τ} + y, then continue to length γ+1 with P.
 
     outcome_law [B, γ+1, V], drafts [B, γ] -> [B] + [V] * (γ+1).
     Continuation is a forward pass over lengths, so no division by prefix probabilities is needed.
@@ -121,7 +121,7 @@ def continued_law_per_draft(outcome_law: torch.Tensor, drafts: torch.Tensor, P: 
 def continued_law(
     outcome_law: torch.Tensor, drafts: torch.Tensor, weights: torch.Tensor, P: list
 ) -> torch.Tensor:
-    """Spec §3.6 step 4: mix the continued per-draft laws with draft probabilities -> law over V^(γ+1)."""
+    """§6 step 4: mix the continued per-draft laws with draft probabilities -> law over V^(γ+1)."""
     per_draft = continued_law_per_draft(outcome_law, drafts, P)
     return (weights.reshape((-1,) + (1,) * (per_draft.dim() - 1)) * per_draft).sum(0)
 
@@ -158,7 +158,7 @@ KINDS = ["dirichlet", "onehot", "identical", "zeros"]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Exact enumeration (§3.6 steps 1–6)
+# Exact enumeration (§6 steps 1–6)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -172,7 +172,7 @@ def test_sampled_drafts_are_exact(V: int, gamma: int, kind: str) -> None:
         law, expected[name] = mixed_law_and_length(law_fn, P, Q)
         err = (law - joint).abs().max().item()
         assert err < 1e-12, f"{name}: max |law - target| = {err:.3e}"
-    # §3.6 step 6: block is optimal, so it never accepts less than tokenwise; HSD capped is block.
+    # §6 step 6: block is optimal, so it never accepts less than tokenwise; HSD capped is block.
     assert expected["tokenwise"] <= expected["block"] + 1e-12
     assert expected["block"] == pytest.approx(expected["hsd_capped"], abs=1e-12)
 
@@ -213,7 +213,7 @@ def test_outcome_laws_are_distributions() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The hand fixture of §3.6 (V=2, γ=2)
+# The hand fixture of §6 (V=2, γ=2)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -383,7 +383,7 @@ def test_greedy_target_gives_greedy_tokens() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Implementation-level Monte Carlo (§3.6 step 7): the sampling path follows the exact law
+# Implementation-level Monte Carlo (§6 step 7): the sampling path follows the exact law
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -446,7 +446,7 @@ def test_verifier_calls_follow_exact_law() -> None:
 
 def test_multi_candidate_emits_target_law() -> None:
     p = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=F64)
-    candidates = [0, 1]  # the SpecBranch example of spec §0.3 item 2, where the public rule is biased
+    candidates = [0, 1]  # the example of docs/algorithms/specbranch.md §12 item 2, where the public rule is biased
     gen = torch.Generator().manual_seed(0)
     n = 6_000
     token_counts = torch.zeros(4, dtype=torch.long)

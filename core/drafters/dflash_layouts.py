@@ -1,6 +1,6 @@
 """DFlash export directories in three layouts, read and written.
 
-* ``native``: ``config.json`` holds the ``spectrain`` block only (DESIGN.md §4); ``model.safetensors`` the body and
+* ``native``: ``config.json`` holds the ``spectrain`` block only (docs/architecture.md §5.3); ``model.safetensors`` the body and
   ``d2t``/``t2d``.
 * ``speculators`` (vLLM): ``speculators_model_type: dflash``, ``transformer_layer_config`` (a Qwen3 layer config),
   ``draft_vocab_size``, ``block_size``, ``aux_hidden_state_layer_ids``, ``mask_token_id``, ``speculators_config``

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (``specblock_ssd_eagle3.md`` Part 0): one module, one code path for training and serving.
+"""The EAGLE-3 drafter (docs/algorithms/eagle3.md): one module, one code path for training and serving.
 
 Architecture. Parameter names are SGLang's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so
 the module's state dict *is* the SGLang weight layout::
@@ -12,7 +12,7 @@ the module's state dict *is* the SGLang weight layout::
     logits = lm_head(norm(g'))                              # over the draft vocabulary (Vd rows)
     draft id i -> target id i + d2t[i]                      # EAGLE-3 offsets; t2d[v]: v is in the draft vocab
 
-Rows (the "EAGLE shift", Part 0.1). Row ``i`` pairs the target's features at position ``i`` with the token at
+Rows (the "EAGLE shift", §1). Row ``i`` pairs the target's features at position ``i`` with the token at
 ``i + 1`` and predicts the token at ``i + 2`` (the target's distribution at position ``i + 1``). Its RoPE
 position is ``i``. A drafted row one step further along (training-time test step ``j``, or a tree node ``j``
 levels below committed row ``i``) reads ``g'`` of its parent row instead of target features, the token at

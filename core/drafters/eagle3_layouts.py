@@ -1,4 +1,4 @@
-"""EAGLE-3 checkpoint layouts: our native dir, SGLang's and speculators/vLLM's (``eagle3_export_contract.md``).
+"""EAGLE-3 checkpoint layouts: our native dir, SGLang's and speculators/vLLM's (docs/algorithms/eagle3_export.md).
 
 All three hold ``config.json`` + ``model.safetensors``; tensor names differ only in the decoder layer's prefix:
 

@@ -1,4 +1,4 @@
-"""H-RAD, SpecBranch's rollback-aware draft-length classifier (``specbranch_hsd_selfdraft.md`` §2.3), and the
+"""H-RAD, SpecBranch's rollback-aware draft-length classifier (docs/algorithms/specbranch.md §3), and the
 inference-facing predictor a SpecBranch implementation codes against.
 
 **Inputs** at a branch point (the branch token x_t was just accepted by the target):
@@ -61,7 +61,7 @@ from core.layer_ids import LAYER_CONVENTION, resolve_layers
 KIND = "hrad"
 CLASS_NAMES = ("all_reject", "confidence", "all_accept")
 NUM_CLASSES = len(CLASS_NAMES)
-DEFAULT_EPSILON = 0.3  # §2.3: the dev drafter's and most historical versions' confidence threshold
+DEFAULT_EPSILON = 0.3  # §3: the dev drafter's and most historical versions' confidence threshold
 PROBE_ROWS, PROBE_DIMS = 8, 64  # embedding rows/dims an export keeps to recognise its target's weights
 CONFIDENCE_PATHS = ("input", "logit")  # where the confidence feature enters: an MLP input / its own path to the logits
 

@@ -1,4 +1,4 @@
-"""The native export directory every learned drafter kind writes (DESIGN.md §4): ``config.json`` with the
+"""The native export directory every learned drafter kind writes (docs/architecture.md §5.3): ``config.json`` with the
 ``spectrain`` block, ``model.safetensors``, ``metrics.json`` and ``recipe.yaml``; written atomically, never over
 an existing export, and read back with one-line errors naming the fix."""
 

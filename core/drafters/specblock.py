@@ -1,4 +1,4 @@
-"""The SpecBlock drafter (``specblock_ssd_eagle3.md`` §1.3–1.4): one module, one code path for training and serving.
+"""The SpecBlock drafter (docs/algorithms/specblock.md §3–4): one module, one code path for training and serving.
 
 One forward at an anchor drafts a BLOCK of ``K`` dependent positions (slots)::
 
@@ -11,11 +11,11 @@ One forward at an anchor drafts a BLOCK of ``K`` dependent positions (slots)::
     logits = lm_head(RMSNorm_out(G_k))      over the draft vocabulary (Vd)
     rank   = RankHead([stopgrad(RMSNorm_out(G_k)) ; φ(logits)])   4 buckets of the target token's draft rank
 
-Rows follow the EAGLE shift (§0.1): anchor ``i`` pairs the target's features at position ``i`` with the token at
+Rows (docs/algorithms/eagle3.md §1): anchor ``i`` pairs the target's features at position ``i`` with the token at
 ``i + 1``; its slot ``k`` predicts the token at ``i + 2 + k`` and sits at RoPE position ``i + 1 + k``. A later
-block started from slot ``s`` of anchor ``i`` keeps anchor ``i``'s positions (§1.4).
+block started from slot ``s`` of anchor ``i`` keeps anchor ``i``'s positions (§4).
 
-Attention (§1.4), entries flattened as ``anchor·K + slot``:
+Attention (§4), entries flattened as ``anchor·K + slot``:
 
 * first block: slot ``(i, k)`` sees ``(j, k')`` iff ``j < i`` or (``j == i`` and ``k' <= k``);
 * block ``b >= 2``: the first block's entries of anchors ``j < i``; for each previous block ``b'`` the SAME
@@ -61,7 +61,7 @@ INITS = ("random", "identity")  # SpecBlockDrafter.init_weights_: the modules' o
 
 @dataclass(kw_only=True)
 class SpecBlockConfig(TargetShapedConfig):
-    """Everything that shapes a SpecBlock drafter (the shared fields: :class:`TargetShapedConfig`; §1.3: the Llama
+    """Everything that shapes a SpecBlock drafter (the shared fields: :class:`TargetShapedConfig`; §3: the Llama
     release has no RoPE base of its own, so ``rope_theta`` defaults to 10 000). Its own fields are keyword-only."""
 
     KIND = "SpecBlock"
@@ -69,10 +69,10 @@ class SpecBlockConfig(TargetShapedConfig):
     block_size: int  # K: slots per block
     num_layers: int  # L_d
     rank_buckets: int = 4
-    rank_topk: int = 20  # rank features read the top-20 draft logits, in training AND serving (§1.9 item 2)
+    rank_topk: int = 20  # rank features read the top-20 draft logits, in training AND serving (§9 item 2)
     rank_hidden_size: int = 256
     widths: list[int] = field(default_factory=lambda: [2, 4, 6, 4])  # serving default TOPK[bucket] table
-    train_block2_sees_other_anchors: bool = False  # release quirk (§1.4): later blocks see other anchors' blocks
+    train_block2_sees_other_anchors: bool = False  # release quirk (§4): later blocks see other anchors' blocks
 
     def __post_init__(self) -> None:
         self.widths = [int(w) for w in self.widths]
@@ -87,7 +87,7 @@ class SpecBlockConfig(TargetShapedConfig):
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], block_size: int = 4,
                    num_layers: int = 2, **overrides: Any) -> SpecBlockConfig:
-        """A drafter whose decoder layers have the target's per-layer shapes (§1.3), like the release.
+        """A drafter whose decoder layers have the target's per-layer shapes (§3), like the release.
         RoPE: the target's unless ``rope_theta`` / ``rope_scaling`` are overridden."""
         values = target_layer_shape(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
         values.update(block_size=block_size, num_layers=num_layers)
@@ -105,7 +105,7 @@ class SpecBlockConfig(TargetShapedConfig):
 
 @torch.no_grad()
 def rank_features(logits: torch.Tensor, topk: int = 20) -> torch.Tensor:
-    """The 15 rank-head features φ of §1.3 from draft logits [..., Vd] -> fp32 [..., 15], no gradient.
+    """The 15 rank-head features φ of §3 from draft logits [..., Vd] -> fp32 [..., 15], no gradient.
 
     With ``ℓ(1) >= ... >= ℓ(topk)`` the top logits, ``A = logsumexp(ℓ)``, ``π = exp(ℓ - A)``: ``ℓ(1..10) - A``,
     the gaps ``ℓ(1) - ℓ(2)``, ``ℓ(1) - ℓ(3)``, ``ℓ(1) - ℓ(5)``, ``π_1`` and the entropy ``-Σ π log π``.
@@ -161,7 +161,7 @@ def _same_anchor_below(anchors: int, k: int, valid: int, device) -> torch.Tensor
 def later_block_mask(anchors: int, k: int, *, first_block: bool, ttt_valid: Sequence[int],
                      other_anchors: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
     """[A·K, keys] of a training block ``b >= 2``; keys = [first block (if given)] + [one group per previous block
-    (``ttt_valid``)] + [this block], each group A·K wide (§1.4)."""
+    (``ttt_valid``)] + [this block], each group A·K wide (§4)."""
     groups = []
     if first_block:
         groups.append(_earlier_anchors(anchors, k, device))
@@ -247,7 +247,7 @@ class BlockOutput:
 
 
 class SpecBlockCache:
-    """The serving CROSS cache (§1.4): per layer K/V [B, kv_heads, capacity, D] holding all K slots of every
+    """The serving CROSS cache (§4): per layer K/V [B, kv_heads, capacity, D] holding all K slots of every
     committed anchor (first-block entries computed from target features), ``length`` entries in use."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], block_size: int):
@@ -385,7 +385,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
         ``cond``: [B, S, 3·H_t] target aux features (W_c + RMSNorm_c applied here) when ``from_target``, else
         [B, S, H] drafter pre-norm hiddens G (RMSNorm_c only). ``tokens``: [B, S] target-vocab ids (row i = the
         token embedded with anchor i). Slot k of anchor i sits at RoPE position i + 1 + k (later blocks reuse
-        the anchor's positions). Attention per §1.4 (module docstring); ``first_block_kv`` / ``ttt_kv`` /
+        the anchor's positions). Attention per §4 (module docstring); ``first_block_kv`` / ``ttt_kv`` /
         ``ttt_valid`` are used by later blocks only (``ttt_kv[b']`` = block b''s ``kv``, ``ttt_valid[b']`` = the
         cut M leaving it). ``attention``: ``block_sparse`` (skips masked entries) or ``dense`` (the boolean
         masks of :func:`first_block_mask` / :func:`later_block_mask`; the reference)."""
@@ -451,7 +451,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
         (target ids). Each leaf sees the cross cache of earlier anchors, the current anchor's first-block slots
         ``< current_valid[l]`` (LongTensor [L]), the TTT entries ``ttt`` where ``ttt_visible`` [L, entries] is
         True (its lineage's earlier later-blocks, slot < source slot + 1), and its own slots causally. Positions
-        are the current anchor's (§1.4)."""
+        are the current anchor's (§4)."""
         batch, count = tokens.shape
         k = self.config.block_size
         device = tokens.device
@@ -477,7 +477,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Native export directory (DESIGN.md §4)
+# Native export directory (docs/architecture.md §5.3)
 
 
 def spectrain_block(config: SpecBlockConfig, target: dict[str, Any] | None,

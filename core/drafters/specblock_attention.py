@@ -40,7 +40,7 @@ CHUNK_ANCHORS_CUDA = 64
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Which keys one training block's queries see (§1.4), as structure instead of a mask.
+    """Which keys one training block's queries see (docs/algorithms/specblock.md §4), as structure, not a mask.
 
     ``first_block``: the keys start with the first block's entries (seen for anchors ``j < i``); ``ttt_valid``:
     one group per previous block (same anchor, slots ``< valid``); ``own_sees_earlier``: the block's own

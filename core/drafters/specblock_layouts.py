@@ -23,7 +23,7 @@ REFERENCE_SKIPPED = ("input_layer.embed_tokens.weight",)  # the target's embeddi
 def reference_config(raw: dict[str, Any], target: dict[str, Any]) -> SpecBlockConfig:
     """Our config from the release's config.json fields that map (K = ``diffspec_draft_token_num``, buckets =
     ``rank_classes``, layers = ``num_hidden_layers``); aux layers = the EAGLE-3 triple of the target (what the
-    release captures); RoPE base 10 000 unless the file sets one (§1.3)."""
+    release captures); RoPE base 10 000 unless the file sets one (docs/algorithms/specblock.md §3)."""
     hidden = raw["hidden_size"]
     try:
         return SpecBlockConfig(

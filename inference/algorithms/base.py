@@ -1,7 +1,7 @@
 """What every decoding algorithm shares: its result, its statistics and the generation loop's bookkeeping.
 
 An algorithm turns a prompt into new tokens with one target runner (and, for draft-model algorithms, a draft
-runner). It reports the counters DESIGN.md §5 asks for, so evaluation treats all algorithms alike.
+runner). It reports the counters docs/architecture.md §6.4 lists, so evaluation treats all algorithms alike.
 """
 
 from __future__ import annotations

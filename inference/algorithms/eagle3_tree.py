@@ -1,4 +1,4 @@
-"""EAGLE-3 with a dynamic draft tree (``specblock_ssd_eagle3.md`` §0.5–0.6): lossless, greedy and sampling.
+"""EAGLE-3 with a dynamic draft tree (docs/algorithms/eagle3.md §5–6): lossless, greedy and sampling.
 
 Per round, with ``n`` committed tokens in the target's cache and the last emitted token ``r`` (the root) not yet
 in it:

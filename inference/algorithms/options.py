@@ -105,7 +105,7 @@ class SpecBranchOptions(ChainOptions, OverlapOptions):
 
 @dataclass
 class SSDOptions(ChainOptions, OverlapOptions):
-    """Lookahead K = gamma (spec Part 2)."""
+    """Lookahead K = gamma (docs/algorithms/ssd.md)."""
 
     ssd_budget: int = 8  # B: cached speculations per sequence per round
     # geometric (closed form, a_p by EMA) | uniform (B / (K+1) each: the reference's shape, e.g. gamma=7
@@ -130,7 +130,7 @@ class Eagle3TreeOptions(AdaptOptions):
 
 @dataclass
 class SpecBlockTreeOptions(AdaptOptions):
-    """§1.6 released defaults."""
+    """docs/algorithms/specblock.md §6: the released defaults."""
 
     specblock_width: int = 10  # W: block-1 slot-0 width; leaf beam for rounds after block 2
     specblock_budget: int = 90  # N: tree nodes, root excluded

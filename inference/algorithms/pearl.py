@@ -1,8 +1,8 @@
-"""PEARL: parallel speculative decoding with adaptive draft length (spec §2.1), SpecBranch's baseline.
+"""PEARL (docs/algorithms/specbranch.md §1): parallel speculative decoding with adaptive draft length.
 
 Each round the target scores the pending segment U (plus the last committed token) while the draft side,
 concurrently, drafts γ tokens d_1..d_γ after S+U as if U were accepted. At the join, U + [d_1] is verified
-tokenwise (§1.1; the deterministic rule §1.2 when greedy) against the target's rows p(·|S), .., p(·|S,U):
+tokenwise (docs/algorithms/verify.md §2; §3 when greedy) against the target's rows p(·|S), .., p(·|S,U):
 
 - all accepted: S += U + [d_1], U = d_2..d_γ ("post-verify": the next round checks them while drafting more);
 - a rejection: S += accepted prefix + [residual sample], U = [] ("pre-verify": the next round's target call

@@ -1,26 +1,26 @@
 """Self-Draft (Gao et al., AAAI 2025): multi-branch self-drafting plus n-gram caches, no draft model.
 
-Spec: ../shared/algorithms/specbranch_hsd_selfdraft.md §4. Every step is ONE target forward over
+Spec: docs/algorithms/self_draft.md. Every step is ONE target forward over
 
 * the **head**: the tokens to commit, causal (the prompt at prefill, afterwards the last emitted token x_last);
   its last token is the **root** of everything below;
 * the **grid**: N draft branches ("columns"). A column is a chain hanging off the root: its padding tokens,
   then its L-2 draft levels. Chain token k sits at position root+1+k and sees the committed text, the root
-  and its own earlier chain tokens, nothing of other columns (§4.4). Once the grid is complete (warm-up,
-  §4.3), each forward makes every column drop its oldest token and append the target's argmax at its last
-  token (Jacobi-style, §4.5);
+  and its own earlier chain tokens, nothing of other columns (§4). Once the grid is complete (warm-up,
+  §3), each forward makes every column drop its oldest token and append the target's argmax at its last
+  token (Jacobi-style, §5);
 * the **candidates**: grams from the context cache (keyed by the root token) and the corpus cache, merged
-  into a prefix trie hanging off the root; a trie node sees the root and its ancestors (§4.4, §4.8).
+  into a prefix trie hanging off the root; a trie node sees the root and its ancestors (§4, §8).
 
 The root's and the nodes' logits are then verified by walking the forest from the root with the
 deterministic-candidate rule (``verify.multi_candidate`` at each node, i.e. ``verify.tree_walk``'s rule):
 exact for greedy and for sampling. The argmax at every grid token feeds the grid update and the context cache
-(§4.7). The context cache lives as long as the algorithm instance (so it carries over between prompts) and is
+(§7). The context cache lives as long as the algorithm instance (so it carries over between prompts) and is
 trimmed every ``flush_interval`` prompts.
 
 Differences from the original code, all lossless (they change speed, never the output):
 
-* a fully matched candidate also emits the bonus token (the original stops at G tokens, §4.6);
+* a fully matched candidate also emits the bonus token (the original stops at G tokens, §6);
 * every grid column is a chain rooted at x_last, exactly like a candidate, so the walk also accepts tokens from
   the columns (their logits are computed anyway);
 * candidates are verified from the prefill on, and the context cache is filled during the warm-up too; the
@@ -51,8 +51,8 @@ from inference.row_logits import RowLogits, lazy_rows_on
 from inference.sampling import SamplingParams
 from inference.verify import multi_candidate
 
-PAD_SEED = 10  # the original reseeds its padding RNG with 10 at every generate call (spec §4.3)
-CORPUS_GRAM_LEN = 4  # corpus grams are 4 tokens whatever G is (spec §4.9)
+PAD_SEED = 10  # the original reseeds its padding RNG with 10 at every generate call (§3)
+CORPUS_GRAM_LEN = 4  # corpus grams are 4 tokens whatever G is (§9)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ class Column:
 
 
 class BranchGrid:
-    """The N columns of draft branches, through warm-up (growing) and steady state (sliding), spec §4.3, §4.5."""
+    """The N columns of draft branches, through warm-up (growing) and steady state (sliding), §3, §5."""
 
     def __init__(self, columns: list[Column], branch_len: int):
         self.columns = columns
@@ -132,7 +132,7 @@ class StepLayout:
 
 def layout_step(columns: Sequence[Column], candidates: Sequence[Sequence[int]]) -> StepLayout:
     """Grid tokens in the original's order (every column's padding, column by column, then the draft levels
-    level by level across columns), then the candidates merged into a prefix trie (spec §4.4)."""
+    level by level across columns), then the candidates merged into a prefix trie (§4)."""
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
@@ -246,7 +246,7 @@ class GridVocab:
 
 
 class SelfDraft(Algorithm):
-    """Self-Draft; defaults are the paper's (L = N = 6, G = 4, 10 context + 2-3 corpus candidates, spec §4.10).
+    """Self-Draft; defaults are the paper's (L = N = 6, G = 4, 10 context + 2-3 corpus candidates, §10).
 
     ``corpus``: a :class:`CorpusCache` or the path of one (``python -m data_prep.ngram_corpus``); None = no
     corpus cache. ``grid_vocab=K`` takes the grid's argmax over the K lowest ids plus the text's tokens
@@ -293,7 +293,7 @@ class SelfDraft(Algorithm):
             if not ok:
                 raise ValueError(message)
         self.branch_len, self.branch_num, self.max_pad_len = branch_len, branch_num, max_pad_len
-        self.gram_len = min(gram_len, branch_len - 1)  # spec: G = min(context_gram_n, L - 1)
+        self.gram_len = min(gram_len, branch_len - 1)  # §7: G = min(context_gram_n, L - 1)
         self.ctx_candidates, self.corpus_candidates = ctx_candidates, corpus_candidates
         self.flush_interval, self.keep_num = flush_interval, keep_num
         self.compat = compat_original_cap
@@ -422,7 +422,7 @@ class SelfDraft(Algorithm):
     # -- caches ----------------------------------------------------------------------------------------------
 
     def _candidates(self, text: list[int]) -> list[tuple[int, ...]]:
-        """Context grams keyed by the root token (most recent ones if capped), then corpus grams (spec §4.8)."""
+        """Context grams keyed by the root token (most recent ones if capped), then corpus grams (§8)."""
         chosen = []
         if self.context is not None and self.ctx_candidates:
             chosen = self.context.retrieve(text[-1])[-self.ctx_candidates:]
@@ -442,7 +442,7 @@ class SelfDraft(Algorithm):
 
     def _update_context(self, text: list[int], indexed: int, grid: BranchGrid, layout: StepLayout,
                         preds: list[int]) -> int:
-        """Spec §4.7: grams from every column (G-1 chain tokens + the fresh argmax after them; the column
+        """§7: grams from every column (G-1 chain tokens + the fresh argmax after them; the column
         attached to the root also yields the gram after the root), then the committed text since position
         ``indexed`` (padded with the root-attached column when short), then the freshly decoded gram.
         Returns the new ``indexed``."""

@@ -1,6 +1,6 @@
-"""SpecBlock with a rank-guided block tree (``specblock_ssd_eagle3.md`` §1.6): lossless, greedy and sampling.
+"""SpecBlock with a rank-guided block tree (docs/algorithms/specblock.md §6): lossless, greedy and sampling.
 
-Bookkeeping (training-consistent, §1.6 / §1.9 item 9): every committed token ``x_{j+1}`` appears in exactly one
+Bookkeeping (training-consistent, §6 / §9 item 9): every committed token ``x_{j+1}`` appears in exactly one
 drafter anchor ``(h_j, x_{j+1})`` whose slots sit at positions ``j + 1 + k``; the cross cache holds all K slots of
 every committed anchor, so ``cache.anchors`` always equals the number of tokens in the target's cache.
 

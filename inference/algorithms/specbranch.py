@@ -1,4 +1,4 @@
-"""SpecBranch: branch-parallel speculative decoding with rollback-aware draft lengths (spec §2.2–2.7).
+"""SpecBranch (docs/algorithms/specbranch.md §2–7): branch-parallel speculative decoding, rollback-aware draft lengths.
 
 Each round, concurrently:
 
@@ -7,8 +7,8 @@ Each round, concurrently:
 - draft side: forks k = max(1, ⌊kmax(1 − max q_b)⌋) branches at the branch point, the Top-k draft tokens, each
   continued by γ-1 argmax tokens in one batched forward per step over the shared prefix K/V.
 
-At the join: U is verified with the deterministic-draft rule (§1.2; its tokens are argmax drafts), then the
-lossless **Match** at the branch point (§2.6): z ~ p_b is always the emitted token and the branch whose token
+At the join: U is verified by the deterministic-draft rule (docs/algorithms/verify.md §3: argmax drafts), then the
+lossless **Match** at the branch point (§6): z ~ p_b is always the emitted token and the branch whose token
 equals z (if any) survives. Then H-RAD, on the target's features at the position before the survivor's token
 (posterior: the newest target pass), decides how much of the survivor's continuation becomes the next U:
 class 0 none, class 1 up to the first low-confidence token (max q < ε, checked from the 2nd on, or from the
@@ -23,7 +23,7 @@ the continuation tokens the target accepts, both from one extra greedy target pa
 :class:`BranchPoint` at every surviving branch: H-RAD's inputs there and the realised class, from the same extra
 target pass.
 
-The public code's survivor rule (best p_b(y) then min(1, p/q)) is biased under sampling (§0.3 item 2); it is not
+The public code's survivor rule (best p_b(y) then min(1, p/q)) is biased under sampling (§12 item 2); it is not
 used here. Draft-cache bookkeeping (survivor row, rollback, cached branch-point q) lives in the draft side.
 """
 
@@ -46,7 +46,7 @@ from inference.match import match_round
 from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams
 
-DEFAULT_EPSILON = 0.3  # §2.3, when the H-RAD export does not store one
+DEFAULT_EPSILON = 0.3  # §3, when the H-RAD export does not store one
 # hrad= values that are a policy, not an H-RAD export: what each keeps of the survivor's continuation
 POLICIES = {
     "none": "the confidence rule (class 1) every round",
@@ -110,7 +110,7 @@ def true_class(realised: int, gamma: int) -> int:
 
 
 def continuation_to_keep(hrad_class: int, confidence: list[float], epsilon: float, cut_from: int = 2) -> int:
-    """Survivor continuation tokens kept (§2.3 table); ``confidence`` [γ] is the survivor's, index 0 = the branch
+    """Survivor continuation tokens kept (§3 table); ``confidence`` [γ] is the survivor's, index 0 = the branch
     token. Class 1 stops before the first continuation token with confidence < ε, checked from continuation token
     ``cut_from`` on: 2 (the authors' code) always keeps the first, 1 lets the rule keep none."""
     gamma = len(confidence)
@@ -199,7 +199,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def _realised(self, survivor: list[int], sampling: SamplingParams) -> int:
         """Continuation tokens of ``survivor`` (branch token first) the target accepts, from one extra target pass
         over its first γ-1 tokens appended to the cache, which is rolled back afterwards (nothing else changes).
-        Greedy: equal to the target's argmax; T > 0: the deterministic-draft rule (§1.2) on this object's own
+        Greedy: equal to the target's argmax; T > 0: the rule of docs/algorithms/verify.md §3 on this object's own
         generator."""
         if len(survivor) < 2:
             return 0
@@ -293,7 +293,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def extra_metrics(self) -> dict[str, Any]:
         metrics = super().extra_metrics()
         counts = self.branch_counts
-        # Three denominators, since the paper's is unverified (spec §1.3). rollback_rate: every drafted token,
+        # Three denominators (the paper's is unknown: docs/algorithms/verify.md §5). rollback_rate: every drafted token,
         # sibling branches and the continuation H-RAD cut included. Without siblings: the path that could have
         # been kept. Speculated: only what the algorithm bet on, i.e. the branch-point token and the continuation
         # H-RAD kept, the tokens a rejection rolls back; the only reading under which the paper's SpecBranch

@@ -1,10 +1,10 @@
-"""SSD — speculative speculative decoding with SAGUARO (spec Part 2), batch ≥ 1, lossless.
+"""SSD — speculative speculative decoding with SAGUARO (docs/algorithms/ssd.md), batch ≥ 1, lossless.
 
 While the target verifies round T, the draft side (``inference.ssd_draft.SSDDraftSide``, run by an executor in this
 process or another) predicts the outcomes (k accepted, bonus token), drafts the next speculation for each into a
 cache keyed (sequence, k, bonus), serves hits at once and falls back on a miss (``jit``: the drafter drafts now;
 ``fast``: n-gram / random tokens; ``auto``: the cheaper per token under the measured T_verify, T_draft, hit rate and
-batch size, spec §2.7). The target verifies ONE chain per sequence per round with tokenwise speculative sampling
+batch size, §7). The target verifies ONE chain per sequence per round with tokenwise speculative sampling
 against the proposal each token was really drawn from: SAGUARO's ``q'`` rebuilt from the cached raw logits, a point
 mass for n-gram tokens, uniform for random tokens (the reference's greedy check of fast tokens is lossy at T > 0;
 ``fast_verify="reference_greedy"`` reproduces it for the regression test only).
@@ -13,7 +13,7 @@ Fork vocabulary: with a vocabulary-limited drafter (``draft_vocab``), ``fork_voc
 fork guesses from the drafter's whole lm_head at the K+1 glue positions, so a bonus token outside the limited
 range can still hit the cache; ``"draft"`` forks on the limited head (such a bonus always misses). Fan-out
 ``"uniform"`` splits the budget evenly over the K+1 acceptance lengths (the reference code's shape: K = 7,
-F = 3 each, B = 24); ``"geometric"`` is spec §2.5's closed form; an explicit vector gives the K+1 counts.
+F = 3 each, B = 24); ``"geometric"`` is §5's closed form; an explicit vector gives the K+1 counts.
 
 Round bookkeeping (per row): the target cache holds the committed tokens; the last emitted token (the bonus) is
 pending. The verify forward is ``[bonus, s_1..s_K]``; the row keeps ``1 + k`` of those K+1 slots.
@@ -363,7 +363,7 @@ class SSD(Algorithm):
         return hit, hit, fast
 
     def _choose_fallback(self, batch: int) -> str:
-        """Batch-aware choice (spec §2.7): the fallback with the lower expected time per emitted token."""
+        """Batch-aware choice (§7): the fallback with the lower expected time per emitted token."""
         if self.fallback != "auto":
             return self.fallback
         if self.t_jit.value is None or self.t_verify.value is None:

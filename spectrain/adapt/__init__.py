@@ -1,4 +1,4 @@
-"""Online cost-aware bandit adaptation of a drafter while it serves (``specblock_ssd_eagle3.md`` §1.7).
+"""Online cost-aware bandit adaptation of a drafter while it serves (docs/algorithms/specblock.md §7).
 
 Modules, one job each:
 

@@ -10,8 +10,8 @@ Order of work at the end of query k (after its last verification, before the nex
 3. context = running-quantile bucket of the signal S_k; at most one update per ``min_gap`` queries (rate bound);
    otherwise the UCB choice of :mod:`spectrain.adapt.bandit` with costs from the measured :class:`CostModel`;
 4. a non-skip arm: snapshot, then at most ``{arm}_steps`` clipped AdamW steps on query k's record (with
-   ``buffer`` > 1: the mean loss over the last ``buffer`` queries' records; §1.7 uses one query);
-5. validation (``validate``, on by default; our addition to §1.7): the update is kept only if it lowers the
+   ``buffer`` > 1: the mean loss over the last ``buffer`` queries' records; §7 uses one query);
+5. validation (``validate``, on by default; our addition to §7): the update is kept only if it lowers the
    training loss (``validate_on=tau``: raises the simulated accept length) on the most recent query it did NOT
    train on; otherwise the snapshot is restored at once. An
    update that fits one query at the expense of the rest is caught before it serves a single token, instead of
@@ -32,7 +32,7 @@ changes serve from query k+2 on; feedback and the rollback watch account for tha
 The same :meth:`BanditAdapter.process` runs online (τ and S measured by the engine) and in replay (τ and S
 simulated from recorded traces), so the CI replay test exercises the production policy.
 
-Defaults follow §1.7 (one query per update, rollback to the last snapshot). The learning rates are the better of
+Defaults: docs/algorithms/specblock.md §7 (one query an update, rollback to the last snapshot). Learning rates: the better of
 (head, full) ∈ {(3e-3, 1e-3), (1e-3, 3e-4)} in replays (γ = 4, last 128 rows) of two recorded
 16-query smollm2 streams (HumanEval→GSM and held-out ShareGPT, EAGLE-3 trained on ShareGPT): mean τ_sim
 +3.3 % / −0.4 % vs no adaptation, where (3e-3, 1e-3) gave +0.1 % / −3.9 %. The same replays favoured
@@ -84,9 +84,9 @@ class AdaptSettings:
     min_gap: int = 4  # at most one update per min_gap queries (2 measured worse on a 48-query shift: BENCHMARKS)
     patience: int = 2  # roll back after this many consecutive queries below the pre-update EMA
     watch: int = 4  # queries after an update during which a rollback can trigger
-    rollback_to: str = "last"  # last: the snapshot before the update (§1.7) | origin: the drafter as served first
+    rollback_to: str = "last"  # last: the snapshot before the update (§7) | origin: the drafter as served first
     max_rows: int = 384  # bounded update size: the last rows of a query
-    buffer: int = 1  # queries an update trains on (the latest ones); 1 = this query only (§1.7)
+    buffer: int = 1  # queries an update trains on (the latest ones); 1 = this query only (§7)
     validate: bool = True  # keep an update only if it helps on the latest query it did not train on
     validate_on: str = "loss"  # loss: its training loss drops | tau: its simulated accept length (τ_sim) rises
     backoff: int = 4  # max doublings of min_gap after consecutive undone updates (0 = none)

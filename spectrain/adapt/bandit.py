@@ -1,4 +1,4 @@
-"""The cost-aware UCB choice between ``skip`` and the update arms (``specblock_ssd_eagle3.md`` §1.7).
+"""The cost-aware UCB choice between ``skip`` and the update arms (docs/algorithms/specblock.md §7).
 
 Per (context, arm) the bandit keeps the running mean of the realised accept-length change Δτ after that arm.
 Its optimistic estimate ``UCB = mean + c·sqrt(2·ln(N_ctx + 1) / n)`` (the arm's statistics pooled over contexts

@@ -5,7 +5,7 @@ and one bounded update per arm on a synthetic record (random rows, the real draf
 result is cached in a JSON file keyed by device, target shape, drafter shape and update settings. Update time is
 modelled as linear in the record's rows and refined with every real update (EMA of the measured seconds).
 
-Value of an update (§1.7, exact instead of first order): with ``T_iter`` the measured time of one draft+verify
+Value of an update (docs/algorithms/specblock.md §7, exact): with ``T_iter`` the measured time of one draft+verify
 iteration and τ the accept length, the next ``H`` tokens cost ``H · T_iter / τ``; raising τ by Δτ saves
 ``H · T_iter · (1/τ − 1/(τ + Δτ))``. Δτ is capped at ``max_accept − τ``, so a cost above that bound can never pay.
 """

@@ -218,7 +218,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
 
 
 class SpecBlockAdaptable(FeatureDrafterAdaptable):
-    """SpecBlock: the loss is the §1.5 objective of ``spectrain.specblock_losses`` (``unroll_blocks`` +
+    """SpecBlock: docs/algorithms/specblock.md §5's loss, ``spectrain.specblock_losses`` (``unroll_blocks`` +
     ``total_loss``) over the query's committed sequence; ``head`` = lm_head + rank head (the drafter's
     ``head_parameters``): the trunk is frozen, so its graph is never built. Cuts between blocks are fixed
     (``block_size // 2``), so an update is deterministic."""

@@ -1,4 +1,4 @@
-"""The per-query signal from rejected positions and the bandit's context (``specblock_ssd_eagle3.md`` §1.7).
+"""The per-query signal from rejected positions and the bandit's context (docs/algorithms/specblock.md §7).
 
 At a rejected position the drafter's distribution and the target's token are both known; ``q_r`` is the
 drafter's probability of that token. ``S = Σ_r −log(max(q_r, floor)) / max(1, rounds)`` is large when the drafter

@@ -1,4 +1,4 @@
-"""``kind=specblock``: train the SpecBlock drafter (``specblock_ssd_eagle3.md`` §1.5; recipes ``specblock_*``).
+"""``kind=specblock``: train the SpecBlock drafter (docs/algorithms/specblock.md §5; recipes ``specblock_*``).
 
 Per step: block 1 reads the target's features; each block boundary draws one cut ``M ~ U{1..K}`` for the whole
 batch (seeded by (seed, step), so a resumed run draws the same cuts) and the next block starts from the drafter's
@@ -8,7 +8,7 @@ rank loss. ``slot_weight=0 rank_weight=0 train_blocks=1`` trains slot 0's draft 
 ``model.valid_prefix`` select the identity-style start and the draft loss's row normalisation (defaults: the
 reference's initialisation; ``slot0_norm``, every slot's loss over slot 0's row count, which raised τ_sim over
 the reference's ``chain``). The teacher comes from the stored final hidden state through the target's lm_head, restricted to the
-draft vocabulary (EAGLE-3's §0.3 position mask). Validation: per-slot acceptance of block 1 under the
+draft vocabulary (docs/algorithms/eagle3.md §3's position mask). Validation: per-slot acceptance of block 1 under the
 valid-prefix rule and ``tau_sim`` (γ = K), the 2-block chain (cut at K), rank-head accuracy and confusion.
 """
 
@@ -48,7 +48,7 @@ class SpecBlockSchema:
     rank_mask: str = "rank_chain"  # rank_chain (the release's code) | draft_chain (the paper)
     rank_freq_budget: float = 10.0  # class weight min(1, budget / count); <= 0 disables
     widths: list[int] | None = None  # serving TOPK[bucket] table recorded in the export; None = [2, 4, 6, 4]
-    train_block2_sees_other_anchors: bool = False  # release quirk (§1.4 item 3); off = inference-consistent
+    train_block2_sees_other_anchors: bool = False  # release quirk (§4 item 3); off = inference-consistent
     warm_start: str | None = None  # an EAGLE-3 export dir (any layout): copies what maps (warm_start_from_eagle3)
     attention: str = "block_sparse"  # block_sparse (skips masked entries) | dense (the reference masks; same loss)
     init: str = "random"  # random (the modules' own) | identity (shift [I | 0], fusion's condition block I)
@@ -127,7 +127,7 @@ class SpecBlockModule(DrafterModule):
     # -- batches ---------------------------------------------------------------------------------------------
 
     def _rows(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Row-frame inputs (§0.1): features (unshifted), tokens x_{i+1}, teacher P̃_i (target at i+1 over the
+        """Row inputs (docs/algorithms/eagle3.md §1): features unshifted, tokens x_{i+1}, teacher P̃_i (target at i+1 over the
         draft vocab) and the position mask (x_{i+2} supervised and the target's argmax at i+1 in the draft vocab)."""
         restricted, in_vocab = teacher_in_draft_vocab(self.teacher_logits(batch["last_hidden"]), self.drafter.t2d)
         teacher = shift_left(restricted, 1).softmax(-1)
