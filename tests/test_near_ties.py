@@ -34,14 +34,17 @@ def served(request):
     """(dtype, target, AR's greedy tokens in exact mode, drafters fit to the sequence AR decodes), once per dtype."""
     dtype, threads = request.param, torch.get_num_threads()
     torch.set_num_threads(1)  # as every test gets (conftest); a module fixture is set up before that applies
-    target = near_tie_llama(dtype)
-    reference = build_algorithm("ar", runner(target, dtype)).generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
-    assert runner(target, dtype).exactness.bitwise
-    sequence = PROMPT + reference.tokens
-    drafters = {name: fit(target, sequence).to(dtype) for name, fit in
-                (("eagle3_tree", fit_eagle3), ("specblock_tree", fit_specblock), ("dflash", fit_dflash),
-                 ("peagle", fit_peagle))}
-    torch.set_num_threads(threads)
+    try:
+        target = near_tie_llama(dtype)
+        reference = build_algorithm("ar", runner(target, dtype)).generate(PROMPT, max_new_tokens=NEW,
+                                                                          sampling=GREEDY)
+        assert runner(target, dtype).exactness.bitwise
+        sequence = PROMPT + reference.tokens
+        drafters = {name: fit(target, sequence).to(dtype) for name, fit in
+                    (("eagle3_tree", fit_eagle3), ("specblock_tree", fit_specblock), ("dflash", fit_dflash),
+                     ("peagle", fit_peagle))}
+    finally:
+        torch.set_num_threads(threads)
     return dtype, target, reference.tokens, drafters
 
 
