@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from near_ties import near_tie_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference.algorithms import build_algorithm
@@ -28,8 +29,8 @@ def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: f
     return model
 
 
-def runner(model, max_seq_len: int = 192) -> ModelRunner:
-    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len)
+def runner(model, max_seq_len: int = 192, exact: bool | None = None) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len, exact=exact)
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +55,19 @@ def test_ar_greedy_equals_transformers_generate(pair):
 
 @pytest.mark.parametrize("verifier", ["tokenwise", "block", "hsd"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_sps_greedy_equals_ar(pair, verifier, gamma):
-    target, draft = pair
+def test_sps_greedy_equals_ar_on_near_ties(verifier, gamma):
+    """On a target whose every greedy step is a near-tie (tests/near_ties.py: a rounding difference would flip it),
+    drafting with the target itself on the approximate path, which proposes the other twin wherever its rounding
+    differs: drafts are kept and rejected, and the output is AR's."""
+    target = near_tie_llama(torch.float32)
     prompt = [7, 1, 8, 2, 8]
     reference = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=37, sampling=GREEDY).tokens
-    sps = build_algorithm("sps", runner(target), runner(draft), gamma=gamma, verifier=verifier)
+    sps = build_algorithm("sps", runner(target), runner(target, exact=False), gamma=gamma, verifier=verifier)
     result = sps.generate(prompt, max_new_tokens=37, sampling=GREEDY)
     assert result.tokens == reference
     stats = result.stats
     assert stats.new_tokens == 37 and stats.target_forwards == 1 + stats.rounds
-    assert stats.drafted_tokens >= stats.accepted_draft_tokens
+    assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens and stats.tau > 1
     # every round emits its accepted tokens plus one (the budget may cut the last round)
     assert stats.new_tokens <= 1 + stats.accepted_draft_tokens + stats.rounds
 
