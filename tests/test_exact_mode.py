@@ -13,6 +13,7 @@ import torch
 from test_algorithms import tiny_llama
 from transformers import LlamaForCausalLM
 
+from core.blocks import linear as linear_module
 from core.blocks.linear import Linear
 from core.kernels import exact_cpu
 from core.kernels.exact_cpu import KeyLists
@@ -371,3 +372,20 @@ def test_warnings_name_one_line(target, monkeypatch, fresh_probe):
         exact_runner(target, torch.float32)
     messages = [str(w.message) for w in caught if issubclass(w.category, exactness.ExactnessWarning)]
     assert len(messages) == 1 and "\n" not in messages[0]
+
+
+def test_bf16_without_onednn_bf16_runs_the_exact_fp32_kernel_row_by_row(monkeypatch):
+    """A CPU whose oneDNN has no bf16 linear (AVX2 only): exact mode's bf16 linear is the fp32 kernel on the bf16
+    values, so each row's bits do not depend on the call; the plain path stays F.linear."""
+    monkeypatch.setattr(linear_module, "ONEDNN_BF16", False)
+    generator = torch.Generator().manual_seed(0)
+    layer = Linear(96, 40, bias=True).to(torch.bfloat16).requires_grad_(False)
+    layer.exact = True
+    x = torch.randn(9, 96, generator=generator).to(torch.bfloat16)
+    together = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    assert together.dtype == torch.bfloat16 and torch.equal(together, alone)
+    reference = (x.double() @ layer.weight.double().t() + layer.bias.double()).to(torch.bfloat16)
+    assert (together.float() - reference.float()).abs().max() <= 2 ** -6 * reference.float().abs().max()
+    layer.exact = False
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -21,7 +21,10 @@ class Linear(nn.Linear):
     shapes (short verifications, 2-3 branches). Row results do not depend on the zero rows added.
 
     ``exact`` (set by the engine's exact mode): fp32 on a CPU runs ``core.kernels.exact_cpu.linear``, whose rows do
-    not depend on how many rows share the call (MKL's fp32 GEMM keeps a row's bits only inside full 4-row tiles)."""
+    not depend on how many rows share the call (MKL's fp32 GEMM keeps a row's bits only inside full 4-row tiles).
+    A CPU whose oneDNN has no bf16 linear (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only Zen 3, say) runs
+    bf16 through ``F.linear``, and in exact mode through the same fp32 kernel on the bf16 values, rounded back to
+    bf16: row-exact by construction there too."""
 
     exact: bool = False
 
@@ -32,9 +35,13 @@ class Linear(nn.Linear):
             weight, bias = weight[:out_features], None if bias is None else bias[:out_features]
         # (not where autograd needs this op: the packed linear has no backward; drafters train through here)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _MKLDNN and not needs_grad:
+        cpu_bf16 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and not needs_grad
+        if cpu_bf16 and ONEDNN_BF16:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features, _onednn_packed), bias,
                                                       "none", [], "")
+        if self.exact and cpu_bf16:
+            return exact_cpu.linear(x.float(), self._packed(weight, out_features, exact_cpu.transposed_weight),
+                                    weight.shape[0], None if bias is None else bias.float()).to(x.dtype)
         if self.exact and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not needs_grad:
             return exact_cpu.linear(x, self._packed(weight, out_features, exact_cpu.transposed_weight),
                                     weight.shape[0], bias)
@@ -61,4 +68,15 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
-_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn_has_bf16() -> bool:
+    """Whether oneDNN's packed bf16 linear runs on this CPU (it refuses hosts without AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT with a RuntimeError at the first call)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN_BF16 = _onednn_has_bf16()
