@@ -15,6 +15,12 @@ from inference.serve.limits import DEFAULT_MAX_BODY_BYTES
 USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
          "[any option of inference.evaluate, e.g. adapt=bandit or algorithm=sps@gamma=3]")
 
+TIME_LIMITS_HELP = ("time limits, in seconds: max_queue_wait_s=120 (a request not started by then gets 503), "
+                    "stall_s=60 (/health answers 503 while the engine has work but no token for this long), "
+                    "draft_timeout_s=60 (executor=multiprocess: a slower draft call fails its request and the draft "
+                    "process restarts), shutdown_timeout_s=10 (at SIGTERM, after the queue is answered 503, open "
+                    "connections get this long)")
+
 
 @dataclass
 class ServeConfig(EngineArgs):

@@ -20,7 +20,7 @@ from inference.algorithms import ALGORITHMS
 from inference.algorithms.options import apply_threads
 from inference.drafters import LoadedModel
 from inference.serve.app import create_app
-from inference.serve.config import USAGE, ServeConfig, parse_args
+from inference.serve.config import TIME_LIMITS_HELP, USAGE, ServeConfig, parse_args
 from inference.serve.engine import ServedModel, load_served_model, warm_up
 from inference.serve.metrics import ServeMetrics
 from inference.serve.scheduler import Scheduler
@@ -143,5 +143,5 @@ def _run(argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = f"usage: {USAGE}\nalgorithms: {', '.join(ALGORITHMS)}"
+    doc = f"usage: {USAGE}\nalgorithms: {', '.join(ALGORITHMS)}\n{TIME_LIMITS_HELP}"
     return run_cli(argv, _run, doc=doc, schema=ServeConfig)
