@@ -221,7 +221,8 @@ async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, 
             yield _sse(shape.role_chunk())
         while True:
             try:
-                event = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+                async with asyncio.timeout(KEEPALIVE_S):  # a timer handle, no task per event (unlike wait_for)
+                    event = await events.get()
             except TimeoutError:  # queued, or a slow step: an SSE comment keeps proxies from closing it
                 yield ": keep-alive\n\n"
                 continue
