@@ -10,7 +10,9 @@ never a closure, so the same algorithm code runs with the draft side in this pro
   target job (most torch ops release the GIL, so Python launch overhead overlaps too). Without CUDA it is the same
   worker thread on CPU, which keeps its ordering logic testable here.
 - ``multiprocess``: the draft side lives in a second process (its own device) and requests/results travel over a
-  two-rank ``torch.distributed`` group: gloo on CPU, NCCL between two GPUs.
+  two-rank ``torch.distributed`` group: gloo on CPU, NCCL between two GPUs. With ``call_timeout_s`` (a server
+  sets its ``draft_timeout_s``), a call the draft process does not answer in time fails, and the process is
+  stopped: the executor is then ``broken`` and its owner starts a new one for the next call.
 
 All backends run the same calls in the same order on the same objects, so at temperature 0 they emit the same
 tokens, and at T > 0 too as long as each side draws from its own seeded generator (never a shared one).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -169,8 +172,11 @@ class MultiprocessExecutor(Executor):
     name = "multiprocess"
 
     def __init__(self, draft_factory: DraftFactory, *, backend: str | None = None, threads: int | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, call_timeout_s: float | None = None):
+        """``timeout_s`` bounds the start (the child builds its draft side) and every exchange of the process
+        group; ``call_timeout_s``, when set, bounds the wait for each call's reply."""
         super().__init__()
+        self.call_timeout_s = call_timeout_s
 
         import torch.distributed as dist  # torch: a heavy import, deferred to first use
         import torch.multiprocessing as mp
@@ -203,23 +209,29 @@ class MultiprocessExecutor(Executor):
         except Exception as exc:  # noqa: BLE001 - any failure of the group: the draft process is lost
             self._lost(exc)
 
-    def _recv(self) -> Any:
-        box = [None]
+    def _recv(self, timeout_s: float | None = None) -> Any:
+        start = time.monotonic()
         try:
-            self._dist.recv_object_list(box, src=1)
+            return _recv_frame(self._dist, src=1, device=_frame_device(self.backend), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the group: the draft process is lost
+            if timeout_s is not None and time.monotonic() - start >= 0.99 * timeout_s:  # it timed out
+                self._lost(exc, f"the draft process did not answer within {timeout_s:g} s (draft_timeout_s); it "
+                                "was stopped, and a new one starts on the next call")
             self._lost(exc)
-        return box[0]
 
-    def _lost(self, exc: Exception) -> NoReturn:
-        """The draft process died (gloo reports "Connection closed by peer" at once): release what is left and
-        mark this executor broken, so that its owner starts a new draft process for the next call."""
+    def _reply(self) -> Any:
+        """A call's reply, waited for at most ``call_timeout_s``."""
+        return self._recv(self.call_timeout_s)
+
+    def _lost(self, exc: Exception, message: str | None = None) -> NoReturn:
+        """The draft process died (gloo reports "Connection closed by peer" at once) or hangs: release what is
+        left and mark this executor broken, so that its owner starts a new draft process for the next call."""
         self.broken = True
-        self._dist.destroy_process_group()
-        if self.process.is_alive():
+        if self.process.is_alive():  # first: a live peer could hold the group's teardown
             self.process.kill()
-        raise RuntimeError(f"the draft process is gone ({type(exc).__name__}: {exc}); a new one starts on the next "
-                           "call") from exc
+        self._dist.destroy_process_group()
+        raise RuntimeError(message or f"the draft process is gone ({type(exc).__name__}: {exc}); a new one starts "
+                                      "on the next call") from exc
 
     @staticmethod
     def _check_reply(reply: tuple) -> tuple[Any, float]:
@@ -230,16 +242,16 @@ class MultiprocessExecutor(Executor):
 
     def _draft_call(self, method, args, kwargs):
         self._send(("call", method, args, kwargs))
-        return self._check_reply(self._recv())
+        return self._check_reply(self._reply())
 
     def _overlap(self, target_job, method, args, kwargs):
         self._send(("call", method, args, kwargs))  # the worker starts at once; we run the target meanwhile
         try:
             target_result, target_s = _timed(target_job, _cuda_current())
         except BaseException:
-            self._recv()  # this round's draft reply: left unread, the next call would take it for its own
+            self._reply()  # this round's draft reply: left unread, the next call would take it for its own
             raise
-        draft_result, draft_s = self._check_reply(self._recv())
+        draft_result, draft_s = self._check_reply(self._reply())
         return target_result, target_s, draft_result, draft_s
 
     def close(self) -> None:
@@ -267,7 +279,7 @@ def _draft_worker(draft_factory: DraftFactory, init_method: str, backend: str, t
         torch.cuda.set_device(1)
 
     def reply(message: tuple) -> None:
-        dist.send_object_list([message], dst=0)
+        _send_frame(dist, message, dst=0, device=_frame_device(backend))
 
     try:
         draft_side = draft_factory()
@@ -291,8 +303,39 @@ def _draft_worker(draft_factory: DraftFactory, init_method: str, backend: str, t
     dist.destroy_process_group()
 
 
+def _frame_device(backend: str) -> torch.device:
+    """Where a reply's tensors travel from: NCCL sends CUDA tensors only."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _send_frame(dist: Any, message: Any, dst: int, device: torch.device) -> None:
+    """``message`` pickled, as its length and then its bytes (what ``_recv_frame`` reads)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.long, device=device), dst=dst)
+    dist.send(data.to(device), dst=dst)
+
+
+def _recv_frame(dist: Any, src: int, device: torch.device, timeout_s: float | None) -> Any:
+    """One ``_send_frame`` message; waits at most ``timeout_s`` for each part (None: the group's timeout). Unlike
+    ``recv_object_list``, its wait can be bounded per call."""
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+
+    def receive(tensor: torch.Tensor) -> torch.Tensor:
+        work = dist.irecv(tensor, src=src)
+        work.wait(timeout) if timeout is not None else work.wait()
+        return tensor
+
+    size = int(receive(torch.empty(1, dtype=torch.long, device=device)).item())
+    data = receive(torch.empty(size, dtype=torch.uint8, device=device))
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
 def make_executor(name: str, draft_factory: DraftFactory, **kwargs: Any) -> Executor:
-    """``sequential`` | ``cuda_streams`` | ``multiprocess`` (kwargs: backend, threads) around a draft side."""
+    """``sequential`` | ``cuda_streams`` | ``multiprocess`` (kwargs: backend, threads, call_timeout_s) around a
+    draft side. The in-process executors ignore ``call_timeout_s``: a call in this process cannot be stopped."""
+    kwargs = dict(kwargs)
+    if name != "multiprocess":
+        kwargs.pop("call_timeout_s", None)
     if name == "sequential":
         return SequentialExecutor(draft_factory)
     if name == "cuda_streams":

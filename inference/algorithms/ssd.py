@@ -190,7 +190,7 @@ class SSD(Algorithm):
 
     def executor(self) -> Executor:
         """The executor around the draft side, built on first use and kept (close() releases it)."""
-        if self._executor is None:
+        if self._executor is None or self._executor.broken:  # first use, or its draft process died or hung
             source = self.draft_source
             if source is None:
                 source = functools.partial(given_runner, self.draft)

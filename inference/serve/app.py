@@ -9,6 +9,10 @@ way its request leaves the engine at once.
 
 ``spectrain_requests_total`` counts each request once, with its outcome: a stream is counted when it ends (200
 finished, 500 failed, 503 shutting down, 499 its client went away), not when its headers go out.
+
+A prompt is rendered and tokenised on a worker thread, not on the event loop (a body of megabytes takes seconds),
+and text the context could not hold is refused before. Every 429 and 503 says Retry-After; a stream that waits
+hears an SSE comment every ``KEEPALIVE_S``, so that proxies with idle timeouts keep it open.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from core.prompts import render_prompt
@@ -34,6 +39,21 @@ from inference.serve.schemas import (APIError, ChatRequest, CompletionRequest, G
                                      error_body, usage_body)
 from inference.serve.text import TextAssembler
 
+KEEPALIVE_S = 15.0  # a stream with nothing to send for this long sends an SSE comment
+
+
+class Unavailable(APIError):
+    """A 429 or 503: its answer says when to retry (Retry-After, seconds)."""
+
+    def __init__(self, status: int, message: str, retry_after: int, **kwargs: Any):
+        super().__init__(status, message, **kwargs)
+        self.retry_after = retry_after
+
+
+def retry_after(seconds: int | None) -> dict[str, str] | None:
+    return {"Retry-After": str(seconds)} if seconds is not None else None
+
+
 def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="spectrain", docs_url=None, redoc_url=None, openapi_url=None)
@@ -42,9 +62,9 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, 
 
     @app.get("/health")
     async def health() -> Response:
-        ok = scheduler.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped", "exactness": model.exactness},
-                            status_code=200 if ok else 503)
+        ok, state = scheduler.health()
+        return JSONResponse({**state, "exactness": model.exactness}, status_code=200 if ok else 503,
+                            headers=None if ok else retry_after(scheduler.retry_after()))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -59,13 +79,16 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(model, body)
-        return await _answer(model, scheduler, metrics, request, body, _completion_prompt(model, body), chat=False)
+        prompt_ids = await run_in_threadpool(_completion_prompt, model, body)
+        return await _answer(model, scheduler, metrics, request, body, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         _check_model(model, body)
+        turns = [m.turn() for m in body.messages]
+        _check_text_length(model, sum(len(turn["content"]) for turn in turns), "messages")
         try:
-            prompt_ids = render_prompt(model.tokenizer, [m.turn() for m in body.messages])
+            prompt_ids = await run_in_threadpool(render_prompt, model.tokenizer, turns)
         except ValueError as exc:  # a template that refuses the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
         return await _answer(model, scheduler, metrics, request, body, prompt_ids, chat=True)
@@ -74,13 +97,13 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, 
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
-    def answer(request: Request, status: int, body: dict) -> JSONResponse:
+    def answer(request: Request, status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         metrics.requests.labels(endpoint=request.url.path, status=str(status)).inc()
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return answer(request, exc.status, exc.body())
+        return answer(request, exc.status, exc.body(), retry_after(getattr(exc, "retry_after", None)))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -106,8 +129,18 @@ def _check_model(model: ServedModel, body: GenerationRequest) -> None:
                        param="model", code="model_not_found")
 
 
+def _check_text_length(model: ServedModel, chars: int, param: str) -> None:
+    """Text the context cannot hold is refused before it is tokenised (which, for megabytes, takes seconds)."""
+    if chars > model.max_prompt_chars:
+        raise APIError(400, f"the prompt's text has {chars} characters, more than this model's context of "
+                            f"{model.max_seq_len} tokens can hold; shorten the prompt", param=param,
+                       code="context_length_exceeded")
+
+
 def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]:
+    """The prompt's token ids (run on a worker thread: tokenising a long text takes a while)."""
     if isinstance(body.prompt, str):
+        _check_text_length(model, len(body.prompt), "prompt")
         return list(model.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
     vocab = model.algorithm.target.config.vocab_size
     bad = [t for t in body.prompt if not 0 <= t < vocab]
@@ -155,12 +188,11 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
                      model.eos_ids, stream=body.stream)
     try:
         scheduler.submit(gen)
-    except QueueFull:
-        raise APIError(429, f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
-                       type="rate_limit_error", code="queue_full") from None
-    except Closed:
-        raise APIError(503, "the server is shutting down; retry the request", type="server_error",
-                       code="shutting_down") from None
+    except QueueFull as full:
+        raise Unavailable(429, f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
+                          full.retry_after, type="rate_limit_error", code="queue_full") from None
+    except Closed as closed:
+        raise Unavailable(503, closed.message, closed.retry_after, type="server_error", code=closed.code) from None
     shape = ResponseShape(chat, model.name, body.return_token_ids)
     usage = _usage_builder(model, len(prompt_ids))
 
@@ -188,14 +220,19 @@ async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, 
         if shape.chat:
             yield _sse(shape.role_chunk())
         while True:
-            event = await events.get()
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):  # a timer handle, no task per event (unlike wait_for)
+                    event = await events.get()
+            except TimeoutError:  # queued, or a slow step: an SSE comment keeps proxies from closing it
+                yield ": keep-alive\n\n"
+                continue
             if isinstance(event, Chunk):
                 if event.text or (shape.return_token_ids and event.token_ids):
                     yield _sse(shape.chunk(event.text, event.token_ids))
                 continue
             if isinstance(event, Failed):
                 status = event.status
-                yield _sse(error_body(event.message, "server_error"))
+                yield _sse(error_body(event.message, "server_error", code=event.code))
             else:
                 status = 200
                 yield _sse(shape.chunk(None if shape.chat else "", [], event.finish_reason))
@@ -233,7 +270,8 @@ async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue,
                 text.append(event.text)
                 token_ids.extend(event.token_ids)
             elif isinstance(event, Failed):
-                response = JSONResponse(error_body(event.message, "server_error"), status_code=event.status)
+                response = JSONResponse(error_body(event.message, "server_error", code=event.code),
+                                        status_code=event.status, headers=retry_after(event.retry_after))
                 return response
             else:
                 assert isinstance(event, Finished)

@@ -15,6 +15,12 @@ from inference.serve.limits import DEFAULT_MAX_BODY_BYTES
 USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
          "[any option of inference.evaluate, e.g. adapt=bandit or algorithm=sps@gamma=3]")
 
+TIME_LIMITS_HELP = ("time limits, in seconds: max_queue_wait_s=120 (a request not started by then gets 503), "
+                    "stall_s=60 (/health answers 503 while the engine has work but no token for this long), "
+                    "draft_timeout_s=60 (executor=multiprocess: a slower draft call fails its request and the draft "
+                    "process restarts), shutdown_timeout_s=10 (at SIGTERM, after the queue is answered 503, open "
+                    "connections get this long)")
+
 
 @dataclass
 class ServeConfig(EngineArgs):
@@ -31,7 +37,16 @@ class ServeConfig(EngineArgs):
     # ar: rows decoded side by side (continuous batching); 0 = auto: 8 in fp32, 1 in bf16, where the batched path is
     # not batch-invariant and answers could differ from one-at-a-time AR's. Other algorithms serve one at a time.
     batch_size: int = 0
-    max_queue: int = 64  # requests waiting for the engine; one more is answered 429
+    max_queue: int = 64  # requests waiting for the engine; one more is answered 429 (with Retry-After)
+    max_queue_wait_s: float = 120.0  # a request not started after waiting this long is answered 503 (Retry-After)
+    # /health answers 503 ("stalled") while the engine has work but made no progress (no token) for this long
+    stall_s: float = 60.0
+    # executor=multiprocess: a draft-process call that takes longer fails its request (500); the draft process is
+    # stopped and a new one starts with the next request (in-process executors cannot be interrupted: see stall_s)
+    draft_timeout_s: float = 60.0
+    # on SIGINT/SIGTERM the queue and running requests are answered 503 at once; open connections then get this
+    # long to finish before they are closed
+    shutdown_timeout_s: float = 10.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is answered 413
     warmup: bool = True  # one short generation before serving: the first request should not pay for allocation
     log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug
@@ -49,6 +64,9 @@ def parse_args(argv: Sequence[str]) -> Any:
         if cfg[key] < low:
             auto = " (0 = auto)" if key == "batch_size" else ""
             raise OverrideError(f"{key}={cfg[key]} must be >= {low}{auto}")
+    for key in ("max_queue_wait_s", "stall_s", "draft_timeout_s", "shutdown_timeout_s"):
+        if not cfg[key] > 0:
+            raise OverrideError(f"{key}={cfg[key]} must be > 0 seconds")
     if cfg.max_body_bytes < 1024:
         raise OverrideError(f"max_body_bytes={cfg.max_body_bytes} leaves no room for a request; use at least 1024")
     if not 0 <= cfg.port <= 65535:

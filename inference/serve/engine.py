@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from inference.engine_args import (build_variant, check_drafters, drafter_paths,
 from inference.round_observers import ObserverTap
 from inference.runner_contract import default_dtype
 from inference.sampling import SamplingParams
+from inference.serve.limits import max_prompt_chars
 
 
 @dataclass
@@ -52,6 +54,11 @@ class ServedModel:
         """New tokens the context leaves after a prompt of ``prompt_len`` tokens (the algorithm's lookahead
         slots reserved, as ``Algorithm.check_fits`` counts them)."""
         return self.max_seq_len - prompt_len - self.algorithm.lookahead()
+
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """A prompt's text (a chat's message contents together) longer than this cannot fit the context."""
+        return max_prompt_chars(self.tokenizer, self.max_seq_len)
 
     def request_seed(self) -> int:
         """The seed of a request that sets none (the next of the server's seed stream)."""
@@ -133,6 +140,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     except BaseException:
         release_runner(target.runner)
         raise
+    limit_draft_calls(algorithm, getattr(cfg, "draft_timeout_s", None))
     adapter = getattr(algorithm, "adapter", None)
     if adapter is not None:  # the tap reports each query's decision; the algorithm calls it like the adapter
         adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))
@@ -140,6 +148,15 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
                        variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
                        target.runner.exactness.as_dict(), random.Random(variant_cfg.seed))
+
+
+def limit_draft_calls(algorithm: Algorithm, seconds: float | None) -> None:
+    """A draft-process call of ``algorithm`` (executor=multiprocess) that takes over ``seconds`` fails its request
+    and stops the process, instead of holding the engine for the process group's 600 s. Set before the executor
+    is built (on first use)."""
+    executor_kwargs = getattr(algorithm, "executor_kwargs", None)
+    if seconds and executor_kwargs is not None:
+        executor_kwargs["call_timeout_s"] = float(seconds)
 
 
 def warm_up(model: ServedModel) -> None:

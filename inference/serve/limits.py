@@ -3,7 +3,9 @@
 A request body is read up to ``max_body_bytes`` (the server's setting) and refused with 413 past it, before it is
 parsed. Stop strings are scanned on the engine's thread at every token, so their number and length are capped.
 A temperature between 0 and ``MIN_TEMPERATURE`` is refused: it is greedy in all but name, and below about 1e-38
-the logits divided by it overflow.
+the logits divided by it overflow. A prompt's text longer than the context could hold even in the vocabulary's
+longest tokens (``max_prompt_chars``) is refused before it is tokenised, which for a body of megabytes takes
+seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ MAX_STOP_CHARS = 256  # per stop string
 MIN_TEMPERATURE = 0.01  # the smallest nonzero temperature (vLLM clamps below 0.01 for the same reason)
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a prompt that fills a 128k-token context is about 0.5 MB of text
+
+
+def max_prompt_chars(tokenizer, max_seq_len: int) -> int:
+    """The most characters ``max_seq_len`` tokens can spell: each token spells at most as many characters as its
+    longest vocabulary entry has (a byte-level entry has one character per byte, and a character of text is at
+    least one byte)."""
+    return max_seq_len * max(len(token) for token in tokenizer.get_vocab())
 
 
 class BodyLimit:

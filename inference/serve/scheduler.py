@@ -11,11 +11,18 @@ that fails ends alone, with its error; the other rows go on.
 Each request ends exactly once (finished, failed, cancelled, or refused at shutdown), decided under the
 scheduler's lock: a request that finished is never also counted as cancelled. ``close()`` ends the requests in
 flight and in the queue (503) and stops the worker within a bound.
+
+The server stays answerable when its engine cannot serve: a request that waited ``max_queue_wait_s`` in the queue
+is answered 503 (a timer thread ends it; nothing polls); if the worker's loop itself dies, every queued and running
+request is answered 503 and ``submit`` refuses; ``health()`` says why, and reports an engine that has made no
+progress (no token, no request started or ended) for ``stall_s`` while it has work. Every refusal carries a
+Retry-After estimate: the requests ahead times the mean time a request took.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -37,9 +44,21 @@ log = logging.getLogger(__name__)
 class QueueFull(Exception):
     """The request queue holds ``max_queue`` requests already."""
 
+    def __init__(self, retry_after: int):
+        super().__init__(retry_after)
+        self.retry_after = retry_after
+
 
 class Closed(Exception):
-    """The scheduler is shutting down and takes no new request."""
+    """The scheduler takes no new request: it is shutting down, or its engine stopped (the message says which)."""
+
+    def __init__(self, message: str, retry_after: int, code: str):
+        super().__init__(message)
+        self.message, self.retry_after, self.code = message, retry_after, code
+
+
+SHUTTING_DOWN = "the server is shutting down; retry the request"
+RESTART_RETRY_S = 30  # Retry-After once the engine stopped: about what a restart of the server takes
 
 
 @dataclass
@@ -59,6 +78,8 @@ class Finished:
 class Failed:
     message: str
     status: int = 500  # the HTTP status a non-streaming answer gets: 500 the engine failed, 503 shutting down
+    code: str | None = None  # OpenAI's error code, where one applies (queue_timeout, engine_stopped)
+    retry_after: int | None = None  # seconds, for a 503's Retry-After
 
 
 class Generation:
@@ -77,6 +98,7 @@ class Generation:
         self.cancelled = threading.Event()  # the engine stops generating it at its next token
         self.ended = False  # finished, failed or cancelled (set once, under the scheduler's lock)
         self.submitted = time.perf_counter()
+        self.started: float | None = None  # when the engine took it from the queue
         self.first_token_s: float | None = None
 
     def accept(self, new: list[int]) -> bool:
@@ -114,28 +136,81 @@ def batched_stats(tokens: list[int], wall_s: float) -> GenerationStats:
 
 
 class Scheduler:
-    def __init__(self, model: ServedModel, metrics: ServeMetrics, *, max_queue: int):
+    def __init__(self, model: ServedModel, metrics: ServeMetrics, *, max_queue: int,
+                 max_queue_wait_s: float = math.inf, stall_s: float = math.inf):
         self.model, self.metrics, self.max_queue = model, metrics, max_queue
+        self.max_queue_wait_s, self.stall_s = max_queue_wait_s, stall_s
         self._queue: deque[Generation] = deque()
         self._running: set[Generation] = set()  # taken from the queue, not ended yet
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the worker waits on it for work
+        self._timer = threading.Condition(lock)  # the queue's timer waits on it for the head's deadline
         self._closing = False
+        self._stopped: str | None = None  # why the worker's loop died, once it has
+        self._progress_at = time.perf_counter()  # the engine's last token, or request taken or ended
+        self._service_s = 1.0  # mean seconds a request held the engine (moving average), for Retry-After
         self._thread = threading.Thread(target=self._loop, name="spectrain-engine", daemon=True)
         self._thread.start()
+        if math.isfinite(max_queue_wait_s):
+            threading.Thread(target=self._expire, name="spectrain-queue-timer", daemon=True).start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._stopped is None
+
+    def health(self) -> tuple[bool, dict]:
+        """(serving, what /health shows): why not, if not; the seconds since the engine last made progress."""
+        with self._cond:
+            age, busy, waiting = time.perf_counter() - self._progress_at, bool(self._running), len(self._queue)
+        if self._stopped is not None:
+            status = self._stopped
+        elif self._closing:
+            status = SHUTTING_DOWN
+        elif not self._thread.is_alive():
+            status = "engine stopped; restart the server"
+        elif busy and age > self.stall_s:
+            status = (f"stalled: the engine has made no progress for {age:.1f} s (stall_s={self.stall_s:g}); a "
+                      "draft process or kernel may hang")
+        else:
+            status = "ok"
+        return status == "ok", {"status": status, "last_progress_s": round(age, 3), "queue": waiting}
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the requests ahead of it, served ``batch_size`` at a time."""
+        if not self.alive:
+            return RESTART_RETRY_S
+        with self._cond:
+            ahead = len(self._queue) + len(self._running)
+        return max(1, min(3600, math.ceil(self._service_s * ahead / max(1, self.model.batch_size))))
 
     def submit(self, gen: Generation) -> None:
         with self._cond:
-            if self._closing:
-                raise Closed
+            if self._closing or not self._thread.is_alive():
+                raise Closed(self._stopped or SHUTTING_DOWN, self.retry_after(),
+                             "engine_stopped" if self._stopped else "shutting_down")
             if len(self._queue) >= self.max_queue:
-                raise QueueFull
+                raise QueueFull(self.retry_after())
             self._queue.append(gen)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify()
+            if len(self._queue) == 1:  # a new head: the timer's deadline changed
+                self._timer.notify()
+
+    def _expire(self) -> None:
+        """The queue's timer: answers 503 to each request that waited ``max_queue_wait_s``. The queue is in
+        submission order, so the head has the earliest deadline; the timer sleeps until it (or a new head)."""
+        with self._cond:
+            while not self._closing:
+                now = time.perf_counter()
+                late = [gen for gen in self._queue if now - gen.submitted >= self.max_queue_wait_s]
+                for gen in late:
+                    if self._end(gen):
+                        gen.cancelled.set()
+                        gen.send(Failed(f"the request waited {self.max_queue_wait_s:g} s in the queue "
+                                        "(max_queue_wait_s) without being served; retry later", status=503,
+                                        code="queue_timeout", retry_after=self.retry_after()))
+                head = self._queue[0].submitted + self.max_queue_wait_s - now if self._queue else None
+                self._timer.wait(head)
 
     def _end(self, gen: Generation) -> bool:
         """Mark ``gen`` ended; False if it already was, so that each request ends (and is counted) once."""
@@ -161,16 +236,21 @@ class Scheduler:
     def close(self, timeout: float = 10.0) -> bool:
         """Take no new request, end every queued and running one (its client is answered 503), and wait up to
         ``timeout`` seconds for the worker: a running request stops at its next token. True when it stopped."""
+        self._refuse_all(Failed(SHUTTING_DOWN, status=503, code="shutting_down", retry_after=RESTART_RETRY_S))
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _refuse_all(self, answer: Failed) -> None:
+        """Take no new request and answer every queued and running one with ``answer``."""
         with self._cond:
             self._closing = True
             ending = list(self._queue) + list(self._running)
             self._cond.notify_all()
+            self._timer.notify_all()
         for gen in ending:
             if self._end(gen):
                 gen.cancelled.set()
-                gen.send(Failed("the server is shutting down; retry the request", status=503))
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+                gen.send(answer)
 
     def _take(self, block: bool) -> Generation | None:
         with self._cond:
@@ -180,21 +260,36 @@ class Scheduler:
                 return None
             gen = self._queue.popleft()
             self._running.add(gen)
+            gen.started = self._progress_at = time.perf_counter()
             self.metrics.queue_depth.set(len(self._queue))
+            self._timer.notify()  # a new head, or none
             return gen
 
     def _loop(self) -> None:
-        while True:
-            gen = self._take(block=True)
-            if gen is None:
-                return
-            if self.model.batched:
-                self._serve_batch(gen)
-            else:
-                self._serve_one(gen)
+        try:
+            while True:
+                gen = self._take(block=True)
+                if gen is None:
+                    return
+                if self.model.batched:
+                    self._serve_batch(gen)
+                else:
+                    self._serve_one(gen)
+        except BaseException as exc:  # noqa: BLE001 - the loop itself died: nobody would answer the waiting clients
+            log.critical("the engine's worker stopped", exc_info=exc)
+            self._stopped = f"engine stopped ({type(exc).__name__}: {exc}); restart the server"
+            self._refuse_all(Failed(self._stopped, status=503, code="engine_stopped", retry_after=RESTART_RETRY_S))
+
+    def _accept(self, gen: Generation, new: list[int]) -> bool:
+        """``gen.accept``, noting the engine's progress for ``health()``."""
+        self._progress_at = time.perf_counter()
+        return gen.accept(new)
 
     def _done(self, gen: Generation, stats: GenerationStats) -> None:
         chunks, done = gen.finish(stats)  # first: if it raises, the request is still open and fails instead
+        self._progress_at = now = time.perf_counter()
+        if gen.started is not None:
+            self._service_s += 0.2 * (now - gen.started - self._service_s)
         if not self._end(gen):  # cancelled (or refused at shutdown) meanwhile: its client is gone or answered
             return
         # Counted before the client hears of the end: a /metrics read after a response includes that response.
@@ -204,6 +299,7 @@ class Scheduler:
 
     def _fail(self, gen: Generation, exc: BaseException) -> None:
         log.error("generation failed", exc_info=exc)
+        self._progress_at = time.perf_counter()
         if not self._end(gen):
             return
         self.metrics.failed.inc()
@@ -215,7 +311,8 @@ class Scheduler:
         try:
             result = model.algorithm.generate(gen.prompt_ids, max_new_tokens=gen.max_tokens, sampling=gen.sampling,
                                               generator=torch.Generator().manual_seed(gen.seed),
-                                              eos_ids=model.eos_ids, on_tokens=gen.accept)
+                                              eos_ids=model.eos_ids,
+                                              on_tokens=lambda new: self._accept(gen, new))
             self._done(gen, result.stats)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
             self._fail(gen, exc)
@@ -254,7 +351,7 @@ class Scheduler:
             self._fail(job.key, exc)
 
         try:
-            batcher.run(next_job, on_done, on_token=lambda job, token: job.key.accept([token]), on_error=on_error)
+            batcher.run(next_job, on_done, on_token=lambda job, token: self._accept(job.key, [token]), on_error=on_error)
         except Exception as exc:  # noqa: BLE001 - a forward failed: fail the rows in flight, serve the next ones
             for gen in list(started):
                 self._fail(gen, exc)

@@ -20,7 +20,7 @@ from inference.algorithms import ALGORITHMS
 from inference.algorithms.options import apply_threads
 from inference.drafters import LoadedModel
 from inference.serve.app import create_app
-from inference.serve.config import USAGE, ServeConfig, parse_args
+from inference.serve.config import TIME_LIMITS_HELP, USAGE, ServeConfig, parse_args
 from inference.serve.engine import ServedModel, load_served_model, warm_up
 from inference.serve.metrics import ServeMetrics
 from inference.serve.scheduler import Scheduler
@@ -56,7 +56,8 @@ def build_server(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[
     except BaseException:
         model.close()
         raise
-    scheduler = Scheduler(model, metrics, max_queue=cfg.max_queue)
+    scheduler = Scheduler(model, metrics, max_queue=cfg.max_queue, max_queue_wait_s=cfg.max_queue_wait_s,
+                          stall_s=cfg.stall_s)
     return Server(create_app(model, scheduler, metrics, max_body_bytes=cfg.max_body_bytes), model, scheduler,
                   metrics)
 
@@ -73,6 +74,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app: FastAPI | None, log_level: str, shutdown_timeout_s: float) -> uvicorn.Config:
+    """uvicorn's settings: at shutdown, open connections get ``shutdown_timeout_s`` to finish, then are closed."""
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
+
+
+class EngineFirstUvicorn(uvicorn.Server):
+    """uvicorn that, told to exit (SIGINT, SIGTERM, ``should_exit``), first closes the engine's queue: the requests
+    waiting and running are answered 503 at once (they stop at their next token) instead of being served while
+    connections drain."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.engine = server
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.engine.scheduler.close(timeout=0)  # ends the requests; Server.close() later waits for the worker
+        await super().shutdown(sockets)
+
+
 class RunningServer:
     """A server on a free port of ``host``, served by uvicorn on a thread of this process; ``close()`` stops it."""
 
@@ -80,7 +100,7 @@ class RunningServer:
         self.server = server
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.uvicorn = uvicorn.Server(uvicorn.Config(server.app, log_level=log_level, timeout_graceful_shutdown=1))
+        self.uvicorn = EngineFirstUvicorn(uvicorn_config(server.app, log_level, shutdown_timeout_s=1), server)
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -116,11 +136,12 @@ def _run(argv: list[str]) -> None:
     print(f"serving '{server.model.name}' with {cfg.algorithm} on http://{host}:{port} (OpenAI API under /v1; "
           "/health, /metrics)", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(server.app, log_level=cfg.log_level)).run(sockets=[sock])
+        EngineFirstUvicorn(uvicorn_config(server.app, cfg.log_level, cfg.shutdown_timeout_s), server).run(
+            sockets=[sock])
     finally:
         server.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = f"usage: {USAGE}\nalgorithms: {', '.join(ALGORITHMS)}"
+    doc = f"usage: {USAGE}\nalgorithms: {', '.join(ALGORITHMS)}\n{TIME_LIMITS_HELP}"
     return run_cli(argv, _run, doc=doc, schema=ServeConfig)
