@@ -22,7 +22,7 @@ import inference.verify as verify_module
 from inference.sampling import SamplingParams, sample
 from inference.verify import CandidateMatch
 
-ALPHA = 1e-3  # small, so a correct algorithm fails about once in a thousand seeds
+ALPHA = 1e-3  # small, so a correct algorithm fails about once in 500-1000 seeds (the pooled test's real size)
 MIN_EXPECTED = 5.0  # outcomes expected fewer times are pooled into one cell (the chi-square approximation holds)
 
 Law = dict[tuple[int, ...], float]
