@@ -157,19 +157,6 @@ def assert_follows_law(counts: dict, law: dict, runs: int, max_tv: float) -> Non
     assert tv < max_tv, tv
 
 
-@pytest.mark.parametrize("verifier", ["tokenwise", "block"])
-def test_sps_sampling_follows_the_target_law(verifier):
-    """Monte Carlo: the law of sps's first 3 tokens equals the target's (chi-square, fixed seed)."""
-    vocab, n, runs = 4, 3, 3000
-    target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
-    draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
-    prompt = [1, 2]
-    law = exact_target_law(target, prompt, n, vocab)
-    sps = build_algorithm("sps", runner(target, 16), runner(draft, 16), gamma=2, verifier=verifier)
-    counts, _ = sampled_law(sps, prompt, n, runs)
-    assert_follows_law(counts, law, runs, max_tv=0.06)
-
-
 @pytest.mark.real_model
 def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
     """Greedy equality on real MT-Bench prompts. The draft is SmolLM2 cut to its first 6 layers: a poor drafter

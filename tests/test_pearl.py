@@ -1,4 +1,5 @@
-"""PEARL (docs/algorithms/specbranch.md §1): greedy equality with AR, the exact target law at T=1, the same tokens from every executor."""
+"""PEARL (docs/algorithms/specbranch.md §1): greedy equality with AR, the same tokens from every executor (its sampling law is checked in
+test_sampling_laws.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_algorithms import GREEDY, runner, tiny_llama
 
 from inference.algorithms import build_algorithm
 from inference.draft_side import DraftSide, draft_side_from_runner
@@ -77,25 +78,6 @@ def test_extra_metrics_report_the_simulated_overlap_per_period(pair):
     assert max(overlap["target_s"], overlap["draft_s"]) <= overlap["simulated_s"] + 1e-3
     assert first["simulated_tokens_per_s"] > 0
     assert pearl.extra_metrics()["overlap"]["rounds"] == 0  # a new period starts at each call
-
-
-@pytest.mark.slow
-def test_pearl_sampling_follows_the_target_law():
-    """Monte Carlo: sampled drafts verified tokenwise; the law of the first 3 tokens is the target's."""
-    assert_overlapped_law(lambda target, draft: build_algorithm("pearl", runner(target, 16), runner(draft, 16),
-                                                                gamma=2))
-
-
-def assert_overlapped_law(build) -> None:
-    """Monte Carlo at T=1 on a 4-token vocabulary: ``build(target, draft)``'s law of the first 3 tokens after
-    [1, 2] is the target's (800 runs; sampling noise alone gives TV ~0.1), and its drafts were really used."""
-    vocab, n, runs = 4, 3, 800
-    target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
-    draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
-    law = exact_target_law(target, [1, 2], n, vocab)
-    counts, accepted = sampled_law(build(target, draft), [1, 2], n, runs)
-    assert accepted > runs // 4
-    assert_follows_law(counts, law, runs, max_tv=0.15)
 
 
 @pytest.mark.parametrize("name", ["cuda_streams", pytest.param("multiprocess", marks=pytest.mark.slow)])

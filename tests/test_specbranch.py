@@ -1,13 +1,13 @@
-"""SpecBranch (docs/algorithms/specbranch.md §2–10): greedy exactness for k in {1,2,3} and each forced H-RAD class, the exact law at
-T=1, identical tokens from every executor, KV bookkeeping, cached branch-point q, H-RAD feature convention; the
-measurement policies (class0/class2, the oracles) and the serving-position hook (on_branch)."""
+"""SpecBranch (docs/algorithms/specbranch.md §2–10): greedy exactness for k in {1,2,3} and each forced H-RAD class, identical tokens from
+every executor, KV bookkeeping, cached branch-point q, H-RAD feature convention; the measurement policies
+(class0/class2, the oracles) and the serving-position hook (on_branch). The sampling law: test_sampling_laws.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_algorithms import GREEDY, runner, tiny_llama
-from test_pearl import PROMPT, ar_tokens, assert_executor_matches_sequential, assert_overlapped_law, tiny_pair
+from test_pearl import PROMPT, ar_tokens, assert_executor_matches_sequential, tiny_pair
 
 from core.overrides import OverrideError
 from inference.algorithms import build_algorithm
@@ -158,15 +158,6 @@ def test_hrad_features_follow_the_last_k_convention():
         expected = torch.stack([h[0, -1] for h in states[-4:]])
         torch.testing.assert_close(lastk[0], expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(emb[0], target.model.embed_tokens.weight[sequence[-1]])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("hrad", [None, 0])
-def test_sampling_follows_the_target_law(hrad):
-    """Monte Carlo at T=1: pending tokens (docs/algorithms/verify.md §3) + Match; the law of the first 3 tokens is the target's."""
-    assert_overlapped_law(lambda target, draft: build_algorithm(
-        "specbranch", runner(target, 16), ModelRunner.from_hf_model(draft, max_seq_len=16), gamma=2, kmax=3,
-        hrad=None if hrad is None else ForcedClass(hrad)))
 
 
 @pytest.mark.parametrize("name", ["cuda_streams", pytest.param("multiprocess", marks=pytest.mark.slow)])
