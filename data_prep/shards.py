@@ -227,9 +227,10 @@ class ShardWriter:
             self._arrow.close()
             self._arrow = None
         if self._stack is not None:
-            with contextlib.suppress(Exception):
-                self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)  # deletes the temporary dir
-            self._stack = None
+            # exiting the stack with an error deletes the temporary directory (atomic_directory renames nothing);
+            # that error is not raised again, while anything failing inside is a bug and propagates
+            stack, self._stack = self._stack, None
+            stack.__exit__(RuntimeError, RuntimeError("shard aborted"), None)
 
     def __enter__(self) -> ShardWriter:
         return self
