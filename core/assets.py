@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_directory
+from core.errors import UserError
 
 # A mistyped path otherwise makes transformers retry the network for ~30 s before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-class AssetError(RuntimeError):
+class AssetError(UserError, RuntimeError):
     """A missing or damaged embedded asset; the message is one line naming the fix."""
 
 

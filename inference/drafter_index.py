@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from core.errors import UserError
+
 
 def export_kind(path: Path) -> str | None:
     """The drafter kind of an export directory, or None when it is not one."""
@@ -36,6 +38,6 @@ def find_exports(root: str | Path) -> dict[str, Path]:
             found.setdefault(kind, []).append(path)
     for kind, paths in found.items():
         if len(paths) > 1:
-            raise ValueError(f"drafters={root} holds {len(paths)} '{kind}' exports ({', '.join(p.name for p in paths)}); "
+            raise UserError(f"drafters={root} holds {len(paths)} '{kind}' exports ({', '.join(p.name for p in paths)}); "
                              f"keep one there or name the one to use explicitly")
     return {kind: paths[0] for kind, paths in found.items()}
