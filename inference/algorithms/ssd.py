@@ -36,20 +36,8 @@ from inference.runner_contract import check_same_vocab
 from inference.saguaro import check_c, proposal_probs
 from inference.sampling import SamplingParams, random_device, sample
 from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, largest_remainder_round, parse_fanout
-from inference.ssd_draft import (
-    FALLBACKS,
-    FAST,
-    FAST_KINDS,
-    FORK_VOCABS,
-    HIT,
-    IDLE,
-    JIT,
-    ServeRequest,
-    SpeculateRequest,
-    Speculation,
-    draft_side_factory,
-    given_runner,
-)
+from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, FORK_VOCABS, HIT, IDLE, JIT, ServeRequest,
+                                 SpeculateRequest, Speculation, given_runner, draft_side_factory)
 from inference.verify import LossyVerifierWarning, VerifyPlan, tokenwise_plan
 
 FAST_VERIFY = ("exact", "reference_greedy")

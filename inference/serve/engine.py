@@ -21,15 +21,8 @@ from core.errors import UserError
 from inference.algorithms import algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
-from inference.engine_args import (
-    build_variant,
-    check_drafters,
-    drafter_paths,
-    load_drafters,
-    parse_variant,
-    resolved_config,
-    sampling_params,
-)
+from inference.engine_args import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
+                                   resolved_config, sampling_params)
 from inference.round_observers import ObserverTap
 from inference.runner_contract import default_dtype
 from inference.sampling import SamplingParams
