@@ -158,7 +158,7 @@ def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str
     if "all" not in labels:
         _check_read(given, runs, "")
     if not sampling_defaults:
-        # a run-level key a variant sets itself is that variant's; the others inherit the run's
+        # a run-level key is refused only if no run samples (each variant inherits it unless it sets its own)
         _check_sampling([key for key in given if key in SAMPLING_FILTERS], runs, "")
 
 
