@@ -2,7 +2,8 @@
 
 An algorithm's options dataclass lists exactly the keys it reads (its ``options_from_config`` reads those and the
 shared ones, nothing else); ``inference.engine_args.check_algorithm_options`` refuses a key the chosen algorithms
-do not read, so an option is never accepted and silently ignored. The CLIs parse into :class:`AlgorithmOptions`,
+do not read, or one that does nothing under the others' values (:data:`ONLY_WITH`), so an option is never accepted
+and silently ignored. The CLIs parse into :class:`AlgorithmOptions`,
 the union of them all. The dataclasses live here, not beside each algorithm, so parsing a command line imports no algorithm.
 """
 
