@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from core.errors import UserError
 from core.overrides import OverrideError, split_key_values
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
@@ -61,7 +62,7 @@ class ShiftConfig:
 def stream_prompts(name: str, n: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
     sources = {"shift": [("humaneval", "all"), ("gsm_symbolic", "all")], "in_domain": [("sharegpt", "eval")]}
     if name not in sources:
-        raise ValueError(f"unknown stream '{name}'; use shift or in_domain")
+        raise UserError(f"unknown stream '{name}'; use shift or in_domain")
     prompts = []
     for source, split in sources[name]:
         want = n * (2 if name == "in_domain" else 1)
@@ -97,7 +98,7 @@ def interleaved(n: int, block: int) -> list[tuple[int, str]]:
     (ABBA: a linear drift of machine speed hits both modes alike). Background work that a bandit query starts
     overlaps the next bandit query inside a block; only at a switch to none must it be waited for."""
     if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
+        raise UserError(f"block must be >= 1, got {block}")
     schedule = []
     for b, first in enumerate(range(0, n, block)):
         indices = range(first, min(first + block, n))

@@ -77,6 +77,7 @@ from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.errors import UserError
 from core.layer_ids import eagle3_layers, resolve_layers
 from core.overrides import parse_cli, run_cli
 from data_prep.capture import HiddenCapture
@@ -148,7 +149,7 @@ class Plan:
         if cfg.cpu_dry_run:
             return cls(torch.device("cpu"), True, TOY, ("fp32",), 8, 16, (64,), (1, 4, 16), 2, 40, 10.0, 32)
         if not torch.cuda.is_available():
-            raise ValueError("benchmarks.gpu_check measures CUDA: run it on a GPU, or pass cpu_dry_run=true to check "
+            raise UserError("benchmarks.gpu_check measures CUDA: run it on a GPU, or pass cpu_dry_run=true to check "
                              "the script on a CPU")
         return cls(torch.device("cuda"), False, BIG, ("fp32", "bf16"), cfg.new_tokens, cfg.speed_tokens,
                    (1024, 4096), (1, 4, 16, 48, 64), cfg.repeats, cfg.mc_runs, cfg.mc_seconds, None)
@@ -874,7 +875,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Plan, GpuCheckConfig, Models], dict]] = {
 def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
     unknown = sorted(set(cfg.sections) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+        raise UserError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
     plan = Plan.of(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
@@ -196,7 +197,7 @@ class Comparison:
 
 def check_sampled(temperature: float) -> None:
     if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: greedy decoding makes tokenwise and HSD identical (both emit "
+        raise UserError(f"temperature={temperature}: greedy decoding makes tokenwise and HSD identical (both emit "
                          "the target's argmax path, ratio 1 by construction); measure at temperature > 0, e.g. 1.0")
 
 
@@ -209,9 +210,9 @@ def run_paired(target, draft, prompts: Sequence[Sequence[int]], *, gamma: int = 
 
     check_sampled(temperature)
     if not prompts:
-        raise ValueError("no prompts")
+        raise UserError("no prompts")
     if max_new_tokens < 2:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: the prefill emits the first token, so no verification "
+        raise UserError(f"max_new_tokens={max_new_tokens}: the prefill emits the first token, so no verification "
                          "round happens below 2")
     sampling = SamplingParams(temperature)
     judges = make_judges()
@@ -417,7 +418,7 @@ def run(argv: Sequence[str]) -> str:
 
     kind = export_kind(Path(cfg.drafter))
     if kind not in (None, "draft_lm"):
-        raise ValueError(f"drafter '{cfg.drafter}' is a '{kind}' export; this benchmark needs a draft_lm")
+        raise UserError(f"drafter '{cfg.drafter}' is a '{kind}' export; this benchmark needs a draft_lm")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_seq_len)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from core.atomic import atomic_write_text
+from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.algorithms import build_algorithm
 from inference.drafters import eos_token_ids, load_drafter, load_lm, model_dtype
@@ -200,7 +201,7 @@ def ssd_runs(results: dict, labels: Sequence[str] = ()) -> list[dict]:
     runs = [r for r in results["runs"] if r["algorithm"].split("@")[0] == "ssd" and r.get("temperature", 0) == 0
             and "cache_lookup_fanout_by_k" in r and (not labels or r["algorithm"] in labels)]
     if not runs:
-        raise ValueError("no greedy ssd run with cache_lookup_fanout_by_k in the results (evaluate an ssd variant "
+        raise UserError("no greedy ssd run with cache_lookup_fanout_by_k in the results (evaluate an ssd variant "
                          "at temperature=0 with this code)")
     return runs
 
@@ -244,7 +245,7 @@ def measure(cfg) -> dict:
     eos = eos_token_ids(target.tokenizer, target.model.config)
     benches = ecfg["bench"] if isinstance(ecfg["bench"], list) else [ecfg["bench"]]
     if len(benches) != 1:
-        raise ValueError(f"the evaluate run has benches {benches}: compare one bench at a time")
+        raise UserError(f"the evaluate run has benches {benches}: compare one bench at a time")
     prompts = load_bench_prompts(benches[0], target.tokenizer, ecfg["n_prompts"]).ids
     answers = greedy_answers(target.runner, prompts, ecfg["max_new_tokens"], eos)
     scores = [teacher_forced_scores(draft, p, a) for p, a in zip(prompts, answers)]

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_directory
+from core.errors import UserError
 
 # A mistyped path otherwise makes transformers retry the network for ~30 s before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-class AssetError(RuntimeError):
+class AssetError(UserError, RuntimeError):
     """A missing or damaged embedded asset; the message is one line naming the fix."""
 
 
@@ -215,7 +216,7 @@ def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool =
     """Every tensor of a safetensors file (and its metadata with ``with_metadata``). A missing, truncated or
     corrupt file, or one holding NaN/inf, is refused in ONE line naming the file and ``fix`` (what to do)."""
     import torch  # torch, safetensors: a heavy import, deferred to first use
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
@@ -224,9 +225,12 @@ def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool =
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except Exception as exc:  # SafetensorError is no ValueError/OSError; a torn file raises either
+    except SafetensorError as exc:  # what safetensors raises for content it cannot parse: a torn or foreign file
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise AssetError(f"{path} is damaged (truncated or not a safetensors file: {reason}); {fix}") from None
+    except OSError as exc:  # there, but not readable: not damage, and re-exporting would not help
+        raise AssetError(f"{path} cannot be read ({exc.strerror or exc}): check that it is a file you may read"
+                         ) from None
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise AssetError(f"{path} holds NaN/inf values (tensor '{name}'): the weights are unusable; {fix}")

@@ -16,8 +16,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.errors import UserError
 
-class OverrideError(ValueError):
+
+class OverrideError(UserError):
     """A bad command-line override; the message is one line naming the fix."""
 
 
@@ -109,10 +111,27 @@ def error_line(exc: BaseException) -> str:
     return lines[0] if lines and lines[0] else type(exc).__name__
 
 
+# OS errors a user causes and fixes (a path that is not there, not theirs, or of the wrong kind; a full or read-only
+# disk); any other OSError is a bug
+USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+USER_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is bad input or a full disk (one line for the user) rather than a bug (a traceback)."""
+    if isinstance(exc, (UserError, *USER_OS_ERRORS)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in USER_ERRNOS:
+        return True
+    # safetensors' own error type derives from no other: only its full-disk write is the user's to fix
+    return type(exc).__name__ == "SafetensorError" and "No space left on device" in str(exc)
+
+
 def run_cli(argv: Sequence[str] | None, action: Callable[[list[str]], Any], *, doc: str | None,
             schema: type | None = None, report: Callable[[Any], None] | None = None) -> int:
-    """The shared ``main`` of every key=value CLI: ``--help``, then ``action(argv)``; any expected failure
-    (bad input, missing file, refused dataset) prints ONE line and exits 2. ``SPECTRAIN_DEBUG=1`` re-raises."""
+    """The shared ``main`` of every key=value CLI: ``--help``, then ``action(argv)``; a user error
+    (:func:`is_user_error`: bad input, a missing file, a refused dataset, a full disk) prints ONE line and exits 2;
+    anything else is a bug and propagates with its traceback. ``SPECTRAIN_DEBUG=1`` re-raises user errors too."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(doc or "")
@@ -122,9 +141,7 @@ def run_cli(argv: Sequence[str] | None, action: Callable[[list[str]], Any], *, d
     try:
         result = action(argv)
     except Exception as exc:
-        # safetensors' own error (e.g. a write that hits a full disk) derives from none of the expected types
-        expected = isinstance(exc, (ValueError, RuntimeError, OSError)) or type(exc).__name__ == "SafetensorError"
-        if not expected or os.environ.get("SPECTRAIN_DEBUG"):
+        if not is_user_error(exc) or os.environ.get("SPECTRAIN_DEBUG"):
             raise
         print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2

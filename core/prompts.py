@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from core import assets
+from core.errors import UserError
 
 Turn = dict[str, str]
 ROLES = ("system", "user", "assistant")
@@ -91,7 +92,7 @@ def prompt_turns(conversation: Conversation, answers: Sequence[str] = ()) -> lis
     """
     n_user = len(conversation.user_turns)
     if len(answers) >= n_user:
-        raise ValueError(f"conversation {conversation.id} has {n_user} user turns; got {len(answers)} answers "
+        raise UserError(f"conversation {conversation.id} has {n_user} user turns; got {len(answers)} answers "
                          f"(at most {n_user - 1})")
     out: list[Turn] = []
     users_seen = 0
@@ -167,7 +168,7 @@ def iter_json_array(text: str) -> Iterator[Any]:
     decoder = json.JSONDecoder()
     pos = text.find("[")
     if pos < 0:
-        raise ValueError("expected a JSON array")
+        raise UserError("expected a JSON array")
     pos += 1
     end = len(text)
     while True:
@@ -227,7 +228,7 @@ def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N, train: bool = Fa
     import reasoning_gym  # lazy: ~1.5 s import
 
     if not train and seed + size > GSM_TRAIN_SEED:
-        raise ValueError(f"gsm_symbolic seed={seed} with {size} items reaches the training seeds (>= {GSM_TRAIN_SEED}); "
+        raise UserError(f"gsm_symbolic seed={seed} with {size} items reaches the training seeds (>= {GSM_TRAIN_SEED}); "
                          "use a smaller seed, or source=gsm_symbolic_train for training data")
     if train:
         seed += GSM_TRAIN_SEED
@@ -277,7 +278,7 @@ def _jsonl_turns(rec: Any) -> list[Turn] | None:
 def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ValueError(f"jsonl source {path} does not exist")
+        raise UserError(f"jsonl source {path} does not exist")
     found = 0
     with open(path, "rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
@@ -286,24 +287,24 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
                     raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start}): is it a "
+                raise UserError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start}): is it a "
                                  f"binary file? {JSONL_EXPECTED}") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg}); {JSONL_EXPECTED}") from None
+                raise UserError(f"{path}:{lineno}: invalid JSON ({err.msg}); {JSONL_EXPECTED}") from None
             if lineno == 1 and isinstance(rec, dict) and set(rec) == {JSONL_HEADER_KEY}:
                 continue  # data_prep.regenerate's settings line
             turns = _jsonl_turns(rec)
             if turns is None:
-                raise ValueError(f"{path}:{lineno}: {JSONL_EXPECTED}")
+                raise UserError(f"{path}:{lineno}: {JSONL_EXPECTED}")
             found += 1
             yield Conversation(id=str(rec.get("id", f"{path.name}:{lineno}")), turns=turns,
                                source=f"jsonl:{path}")
     if not found:
-        raise ValueError(f"jsonl source {path} holds no conversations (empty file); {JSONL_EXPECTED}")
+        raise UserError(f"jsonl source {path} holds no conversations (empty file); {JSONL_EXPECTED}")
 
 
 def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = "all",
@@ -314,11 +315,11 @@ def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = 
     items), jsonl:PATH. Sources are streamed, so a small ``n`` stops reading ShareGPT early.
     """
     if split not in ("all", "train", "eval"):
-        raise ValueError(f"split must be one of all, train, eval; got '{split}'")
+        raise UserError(f"split must be one of all, train, eval; got '{split}'")
     if not 0.0 <= eval_fraction <= 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1]; got {eval_fraction}")
+        raise UserError(f"eval_fraction must be in [0, 1]; got {eval_fraction}")
     if n is not None and n < 0:
-        raise ValueError(f"n must be >= 0; got {n}")
+        raise UserError(f"n must be >= 0; got {n}")
 
     items: Iterable[Conversation]
     if source == "mt_bench":
@@ -339,7 +340,7 @@ def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = 
     elif source.startswith("jsonl:") and len(source) > len("jsonl:"):
         items = iter_jsonl(source[len("jsonl:"):])
     else:
-        raise ValueError(f"unknown prompt source '{source}'; known: {SOURCES}")
+        raise UserError(f"unknown prompt source '{source}'; known: {SOURCES}")
 
     if split != "all":
         items = (c for c in items if split_of(c, eval_fraction) == split)
@@ -386,7 +387,7 @@ def tokenize_conversation(tokenizer, conversation: Conversation | Sequence[Turn]
     earlier reasoning) and masking cannot be derived: ValueError.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("tokenize_conversation needs a fast tokenizer (offset mappings); got a slow one")
+        raise UserError("tokenize_conversation needs a fast tokenizer (offset mappings); got a slow one")
     turns = _turns(conversation)
     kwargs = template_kwargs or {}
     full = _render(tokenizer, turns, False, kwargs)
@@ -396,12 +397,12 @@ def tokenize_conversation(tokenizer, conversation: Conversation | Sequence[Turn]
         if turn["role"] != "assistant":
             continue
         if k == 0:
-            raise ValueError("conversation starts with an assistant turn: there is no prompt to condition it on")
+            raise UserError("conversation starts with an assistant turn: there is no prompt to condition it on")
         before = _render(tokenizer, turns[:k], True, kwargs)
         after = _render(tokenizer, turns[: k + 1], False, kwargs)
         for label, prefix in (("up to the header of", before), ("through", after)):
             if not full.startswith(prefix):
-                raise ValueError(f"chat template is not prefix-stable: rendering {label} assistant turn {k} is "
+                raise UserError(f"chat template is not prefix-stable: rendering {label} assistant turn {k} is "
                                  "not a prefix of the full conversation (does it rewrite earlier turns, e.g. "
                                  "drop reasoning?); cannot derive a loss mask")
         spans.append((len(before), len(after)))

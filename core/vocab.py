@@ -17,24 +17,25 @@ import numpy as np
 import torch
 
 from core.assets import load_safetensors
+from core.errors import UserError
 
 
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Raise ValueError (one line) unless ``d2t + arange == nonzero(t2d)`` (SpecForge's consistency check)."""
     if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
-        raise ValueError(f"vocab map must be d2t [K] and bool t2d [V], got {tuple(d2t.shape)} and "
+        raise UserError(f"vocab map must be d2t [K] and bool t2d [V], got {tuple(d2t.shape)} and "
                          f"{tuple(t2d.shape)} {t2d.dtype}")
     used = torch.nonzero(t2d).flatten()
     if used.numel() != d2t.numel():
-        raise ValueError(f"vocab map is inconsistent: t2d marks {used.numel()} tokens but d2t has {d2t.numel()}")
+        raise UserError(f"vocab map is inconsistent: t2d marks {used.numel()} tokens but d2t has {d2t.numel()}")
     if not torch.equal(d2t.long() + torch.arange(d2t.numel()), used):
-        raise ValueError("vocab map is inconsistent: d2t + arange != nonzero(t2d); rebuild it with "
+        raise UserError("vocab map is inconsistent: d2t + arange != nonzero(t2d); rebuild it with "
                          "python -m data_prep.vocab")
 def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` keeping the ``draft_vocab_size`` most frequent ids of ``counts`` [V]."""
     vocab = len(counts)
     if not 1 <= draft_vocab_size <= vocab:
-        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), got {draft_vocab_size}")
+        raise UserError(f"draft_vocab_size must be in 1..{vocab} (the target vocabulary), got {draft_vocab_size}")
     # Stable sort on -count: equal counts keep id order, so ties go to the lower id (and zero-count fill-ins
     # are the lowest unused ids).
     order = np.argsort(-counts.astype(np.int64), kind="stable")
@@ -66,7 +67,7 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[s
     fix = "rebuild it with python -m data_prep.vocab"
     tensors, metadata = load_safetensors(path, fix=fix, with_metadata=True)
     if "d2t" not in tensors or "t2d" not in tensors:
-        raise ValueError(f"{path} is not a vocabulary map (no d2t/t2d tensors); {fix}")
+        raise UserError(f"{path} is not a vocabulary map (no d2t/t2d tensors); {fix}")
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     check_vocab_mapping(d2t, t2d)
     return d2t, t2d, metadata

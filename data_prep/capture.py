@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from core.errors import UserError
 from data_prep.samples import TokenSample
 
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -23,7 +24,7 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def storage_dtype(name: str) -> torch.dtype:
     if name not in STORAGE_DTYPES:
-        raise ValueError(f"dtype={name} is not a storage dtype; use one of {', '.join(STORAGE_DTYPES)}")
+        raise UserError(f"dtype={name} is not a storage dtype; use one of {', '.join(STORAGE_DTYPES)}")
     return STORAGE_DTYPES[name]
 
 
@@ -44,7 +45,7 @@ class HiddenCapture:
         lengths = [len(s) for s in samples]
         width = max(lengths)
         if width > runner.max_seq_len:
-            raise ValueError(f"a sample has {width} tokens but the target runner holds {runner.max_seq_len}; "
+            raise UserError(f"a sample has {width} tokens but the target runner holds {runner.max_seq_len}; "
                              "lower max_len")
         ids = torch.zeros(len(samples), width, dtype=torch.long)
         for row, sample in enumerate(samples):

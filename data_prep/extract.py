@@ -7,8 +7,8 @@ training time instead of storing logits).
 
 Keys: ``layers`` = eagle3 | lastK | [i,j,...] (output-of-layer ids, 0-based; ``core.layer_ids``),
 ``dtype`` = bf16 | fp16 | fp32 (storage), ``regenerate=true`` answers the prompts with the target itself
-(engine ``ar``; ``max_new_tokens``, ``temperature``), ``split`` = all | train | eval, ``batch_size``,
-``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``.
+(engine ``ar``; ``max_new_tokens``, ``temperature``: refused without it), ``split`` = all | train | eval,
+``batch_size``, ``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``.
 
 Re-running the same command after an interruption (even kill -9) resumes without losing or duplicating a
 sample; other arguments into an existing DIR are refused. Before starting it prints the estimated disk size
@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from core.atomic import check_output
 from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, run_cli, split_key_values
 from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
 from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
 from data_prep.ranks import dataset_part, my_items
@@ -71,6 +71,7 @@ class ExtractConfig:
 
 # Keys that do not change what is written; everything else must match to resume.
 RUN_ONLY_KEYS = ("out",)
+GENERATION_KEYS = ("max_new_tokens", "temperature")  # read only with regenerate=true
 
 
 def parse_args(argv: Sequence[str]) -> Any:
@@ -86,6 +87,13 @@ def parse_args(argv: Sequence[str]) -> Any:
         raise OverrideError(f"window must be one of {', '.join(WINDOWS)}, got '{cfg.window}'")
     if cfg.shard_size < 0:
         raise OverrideError(f"shard_size must be >= 1 (or 0 for auto), got {cfg.shard_size}")
+    if not cfg.regenerate:  # the source's own answers are extracted: nothing is generated
+        valid = leaf_keys(OmegaConf.structured(ExtractConfig))
+        given = [resolve_key(key, valid) for key, _ in split_key_values(argv, USAGE)]
+        for key in GENERATION_KEYS:
+            if key in given:
+                raise OverrideError(f"{key} does nothing with regenerate=false (the source's own answers are "
+                                    f"extracted, nothing is generated); set regenerate=true or drop {key}")
     return cfg
 
 
@@ -96,9 +104,9 @@ def content_args(cfg: Any) -> dict[str, Any]:
     for key, default in (("window", "start"), ("chat_template", "auto")):
         if args[key] == default:  # the default, and what datasets made before the option hold
             args.pop(key)
-    if not args["regenerate"]:  # generation settings mean nothing without regeneration
-        args.pop("max_new_tokens")
-        args.pop("temperature")
+    if not args["regenerate"]:  # generation settings mean nothing without regeneration (and are refused)
+        for key in GENERATION_KEYS:
+            args.pop(key)
     return args
 
 

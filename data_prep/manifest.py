@@ -31,6 +31,7 @@ from typing import Any
 from core import __version__
 from core.assets import chat_template_hash, model_identity, tokenizer_fingerprint
 from core.atomic import atomic_write_text
+from core.errors import UserError
 
 MANIFEST_NAME = "manifest.json"
 RANKS_DIR = "ranks"  # the commit logs of the processes of a multi-process run (data_prep.ranks)
@@ -45,7 +46,7 @@ def commit_log(part: str | None = None) -> str:
     return f"{RANKS_DIR}/{part}.json" if part else MANIFEST_NAME
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset directory that cannot be used as asked; the message is one line naming the problem and fix."""
 
 

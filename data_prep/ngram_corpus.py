@@ -21,6 +21,7 @@ import numpy as np
 from core import assets
 from core.assets import tokenizer_fingerprint
 from core.atomic import check_output
+from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import load_prompts
 from inference.ngram_cache import CorpusCache, Gram
@@ -48,7 +49,7 @@ def count_ngrams(docs: Iterable[Sequence[int]], key_lens: Sequence[int] = KEY_LE
     ``key_len``-token key, at most ``max_per_key`` per key (count descending, ties by gram), count >= min_count.
     """
     if min(key_lens, default=1) < 1 or gram_len < 1 or max_per_key < 1:
-        raise ValueError(f"need key lengths, gram_len and max_per_key >= 1; got {key_lens}, {gram_len}, {max_per_key}")
+        raise UserError(f"need key lengths, gram_len and max_per_key >= 1; got {key_lens}, {gram_len}, {max_per_key}")
     arrays = [np.asarray(d, dtype=np.int64) for d in docs if len(d)]
     tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     doc_id = np.repeat(np.arange(len(arrays)), [len(a) for a in arrays])
@@ -93,7 +94,7 @@ def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
     tokenizer = assets.load_tokenizer(cfg.target)
     texts = corpus_documents(cfg.source, cfg.n_samples, cfg.split)
     if not texts:
-        raise ValueError(f"source '{cfg.source}' (split {cfg.split}) gave no text")
+        raise UserError(f"source '{cfg.source}' (split {cfg.split}) gave no text")
     docs: list[list[int]] = []
     batch = 64
     with tqdm(total=len(texts), desc="tokenize", unit="doc", file=sys.stderr) as progress:

@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from core.errors import UserError
+
 
 def check_fills_global_batch(n: int, batch_size: int, world: int) -> None:
     """Refuse (one line) ``n`` samples that fill no global batch of ``world`` processes: each would train 0 steps
     (the trailing partial global batch is dropped), silently."""
     if world > 1 and n < world * batch_size:
-        raise ValueError(f"{n} training samples do not fill one global batch of {world} processes x batch_size "
+        raise UserError(f"{n} training samples do not fill one global batch of {world} processes x batch_size "
                          f"{batch_size} = {world * batch_size}, so nothing would train; give more samples, a "
                          "smaller data.batch_size or fewer processes")
 

@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from core.atomic import atomic_write_text
+from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import JSONL_HEADER_KEY as HEADER_KEY
 from core.prompts import Conversation, load_prompts, prompt_turns, render_prompt
@@ -57,9 +58,9 @@ class Regenerator:
     def __init__(self, runner, tokenizer, eos_ids: list[int], *, max_len: int, max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0):
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if runner.max_seq_len < max_len + 1:
-            raise ValueError(f"the target runner holds {runner.max_seq_len} tokens; regenerating up to "
+            raise UserError(f"the target runner holds {runner.max_seq_len} tokens; regenerating up to "
                              f"max_len={max_len} needs max_seq_len >= {max_len + 1}")
         self.algorithm = build_algorithm("ar", runner)
         self.tokenizer = tokenizer
@@ -166,19 +167,19 @@ def read_done(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]:
     except json.JSONDecodeError:
         first = None
     if not isinstance(first, dict) or HEADER_KEY not in first:
-        raise ValueError(f"{path} exists and is not a data_prep.regenerate output; choose another out= or remove it")
+        raise UserError(f"{path} exists and is not a data_prep.regenerate output; choose another out= or remove it")
     written = {**LATER_KEYS, **first[HEADER_KEY].get("settings", {})}
     diffs = {k: (written.get(k), v) for k, v in header["settings"].items() if written.get(k) != v}
     if diffs:
         key, (old, new) = next(iter(diffs.items()))
-        raise ValueError(f"{path} was written with other settings ({key}={old!r}, now {new!r}; {len(diffs)} differ); "
+        raise UserError(f"{path} was written with other settings ({key}={old!r}, now {new!r}; {len(diffs)} differ); "
                          "use the same settings to resume, or another out=")
     done = {}
     for lineno, line in enumerate(lines[1:], start=2):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: damaged line ({err.msg}); remove that line and re-run to redo it") from None
+            raise UserError(f"{path}:{lineno}: damaged line ({err.msg}); remove that line and re-run to redo it") from None
         done[int(record["source_index"])] = record
     return done
 
@@ -246,7 +247,7 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     conversations = load_prompts(cfg.source, n=cfg.n_samples, seed=cfg.seed, split=cfg.split)
     if not conversations:
-        raise ValueError(f"source '{cfg.source}' (split={cfg.split}) gave no conversations")
+        raise UserError(f"source '{cfg.source}' (split={cfg.split}) gave no conversations")
     items = my_items(len(conversations), rank, world)
     if world > 1:  # this process's items: finished in out (an earlier run) or in its own part
         mine = set(items)

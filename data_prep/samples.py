@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.errors import UserError
 from core.prompts import Conversation, load_prompts, tokenize_conversation
 from data_prep.regenerate import Regenerator
 
@@ -34,12 +35,12 @@ class TokenSample:
 def load_source(source: str, n_samples: int, seed: int = 0, split: str = "all") -> list[Conversation]:
     """The first ``n_samples`` conversations of a prompt source (``core.prompts.load_prompts``)."""
     if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        raise UserError(f"n_samples must be >= 1, got {n_samples}")
     conversations = load_prompts(source, n=n_samples, seed=seed, split=split)
     if not conversations:
         hint = ("; a file written from one split (data_prep.regenerate split=train) holds none of the other: give "
                 "validation its own source (data.val_source=...)" if split == "eval" and source.startswith("jsonl:") else "")
-        raise ValueError(f"source '{source}' (split={split}) gave no conversations{hint}")
+        raise UserError(f"source '{source}' (split={split}) gave no conversations{hint}")
     return conversations
 
 
@@ -48,9 +49,9 @@ class SampleBuilder:
 
     def __init__(self, tokenizer, max_len: int, regenerator: Regenerator | None = None, window: str = "start"):
         if max_len < 2:
-            raise ValueError(f"max_len must be >= 2, got {max_len}")
+            raise UserError(f"max_len must be >= 2, got {max_len}")
         if window not in WINDOWS:
-            raise ValueError(f"window must be one of {', '.join(WINDOWS)}, got '{window}'")
+            raise UserError(f"window must be one of {', '.join(WINDOWS)}, got '{window}'")
         self.tokenizer = tokenizer
         self.max_len = max_len
         self.regenerator = regenerator
@@ -80,5 +81,5 @@ def answer_window(ids: list[int], mask: list[int], max_len: int) -> tuple[list[i
 def require_answers(conversations: list[Conversation], regenerate: bool, source: str) -> None:
     """Refuse a prompt-only source without regeneration: every sample would be skipped."""
     if not regenerate and not any(t["role"] == "assistant" for c in conversations for t in c.turns):
-        raise ValueError(f"source '{source}' has no assistant turns to learn from; add regenerate=true to answer "
+        raise UserError(f"source '{source}' has no assistant turns to learn from; add regenerate=true to answer "
                          "its prompts with the target")

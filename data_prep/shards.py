@@ -32,6 +32,7 @@ import torch
 
 from core.assets import sha256_file
 from core.atomic import atomic_directory
+from core.errors import UserError
 from data_prep.manifest import (RANKS_DIR, DatasetError, commit_log, header_differences, read_manifest,
                                 settings_mismatch, write_manifest)
 
@@ -112,7 +113,7 @@ class ShardWriter:
     def __init__(self, directory: str | Path, header: dict[str, Any], shard_size: int, *,
                  part: str | None = None):
         if shard_size < 1:
-            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+            raise UserError(f"shard_size must be >= 1, got {shard_size}")
         self.directory = Path(directory)
         # One of several processes writing into one directory (data_prep.ranks): its own commit log and shard names.
         self.part = part
@@ -227,9 +228,10 @@ class ShardWriter:
             self._arrow.close()
             self._arrow = None
         if self._stack is not None:
-            with contextlib.suppress(Exception):
-                self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)  # deletes the temporary dir
-            self._stack = None
+            # exiting the stack with an error deletes the temporary directory (atomic_directory renames nothing);
+            # that error is not raised again, while anything failing inside is a bug and propagates
+            stack, self._stack = self._stack, None
+            stack.__exit__(RuntimeError, RuntimeError("shard aborted"), None)
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -20,6 +20,7 @@ import numpy as np
 
 from core.assets import load_tokenizer, model_identity
 from core.atomic import check_output
+from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.vocab import build_vocab_map, save_vocab_map
 from data_prep.features import check_features
@@ -55,7 +56,7 @@ def count_tokens(sequences: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size:
     for ids, mask in sequences:
         ids = np.asarray(ids)[np.asarray(mask).astype(bool)]
         if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
-            raise ValueError(f"token id {int(ids.max())} is outside the target vocabulary of {vocab_size}")
+            raise UserError(f"token id {int(ids.max())} is outside the target vocabulary of {vocab_size}")
         counts += np.bincount(ids, minlength=vocab_size)
     return counts
 
@@ -97,7 +98,7 @@ def make_vocab(cfg: Any) -> dict[str, Any]:
     counts, provenance = counts_from_dataset(cfg.dataset) if cfg.dataset else counts_from_source(cfg)
     total = int(counts.sum())
     if total == 0:
-        raise ValueError("no assistant token was counted (every loss_mask is 0); check the source")
+        raise UserError("no assistant token was counted (every loss_mask is 0); check the source")
     d2t, t2d = build_vocab_map(counts, cfg.draft_vocab_size)
     covered = int(counts[t2d.numpy()].sum())
     info = {"target_vocab_size": len(counts), "draft_vocab_size": cfg.draft_vocab_size, "counted_tokens": total,

@@ -18,6 +18,7 @@ from core.assets import target_record, tokenizer_fingerprint
 from core.drafters import dflash_layouts, peagle_layouts
 from core.drafters.eagle3_layouts import check_against_target, read_checkpoint, same_target
 from core.drafters.specblock import build_drafter, read_native
+from core.errors import UserError
 from inference.device import cpu_has_native_bf16
 from inference.drafter_index import export_kind
 from inference.runner_loading import load_runner
@@ -33,7 +34,7 @@ def pick_device(device: str = "auto") -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device} but CUDA is not available; use device=cpu")
+        raise UserError(f"device={device} but CUDA is not available; use device=cpu")
     return device
 
 
@@ -47,9 +48,9 @@ def model_dtype(name: str, device: str) -> torch.dtype | None:
     if name == "auto":
         return None
     if name not in DTYPES:
-        raise ValueError(f"dtype={name} is not supported; use auto, {' or '.join(DTYPES)}")
+        raise UserError(f"dtype={name} is not supported; use auto, {' or '.join(DTYPES)}")
     if name == "bf16" and not str(device).startswith("cuda") and not cpu_has_native_bf16():
-        raise ValueError("dtype=bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX), which this one lacks: it "
+        raise UserError("dtype=bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX), which this one lacks: it "
                          "would be emulated and slow; use dtype=fp32")
     return DTYPES[name]
 
@@ -101,14 +102,14 @@ def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
     """Load a draft LM and refuse (one line) one whose tokenizer or vocabulary differs from the target's."""
     kind = export_kind(Path(name_or_path))
     if kind not in (None, "draft_lm"):  # e.g. an EAGLE-3 export: its config.json is no causal LM's
-        raise ValueError(f"drafter '{name_or_path}' is an export of kind {kind}, not a draft LM: give a draft_lm "
+        raise UserError(f"drafter '{name_or_path}' is an export of kind {kind}, not a draft LM: give a draft_lm "
                          f"export or a causal-LM directory (or use this one with an algorithm for {kind} drafters)")
     draft = load_lm(name_or_path, **kw)
     if tokenizer_fingerprint(draft.tokenizer) != tokenizer_fingerprint(target.tokenizer):
-        raise ValueError(f"drafter '{name_or_path}' has a different tokenizer than target '{target.name}': a drafter "
+        raise UserError(f"drafter '{name_or_path}' has a different tokenizer than target '{target.name}': a drafter "
                          "must be trained for this target's tokenizer")
     if draft.runner.config.vocab_size != target.runner.config.vocab_size:
-        raise ValueError(f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
+        raise UserError(f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
                          f"'{target.name}' has {target.runner.config.vocab_size}")
     block = getattr(draft.model.config, "spectrain", None)  # a spectrain export records how it was trained
     assets.check_chat_template(f"drafter '{name_or_path}'", (block or {}).get("target"), target.tokenizer)
@@ -120,11 +121,11 @@ def load_eagle3(path: str, target: LoadedModel) -> Eagle3Drafter:
     token embedding. Refuses (one line) a drafter trained for another target, hidden size or vocabulary."""
     ckpt = read_checkpoint(path)
     if ckpt.target is None:
-        raise ValueError(f"drafter '{path}' does not record its target; import it first: python -m spectrain.export "
+        raise UserError(f"drafter '{path}' does not record its target; import it first: python -m spectrain.export "
                          f"import={path} target={target.name} out=DIR")
     record = target_record(target.name)
     if not same_target(ckpt.target, record):
-        raise ValueError(f"drafter '{path}' was trained for target '{ckpt.target.get('name')}' (config "
+        raise UserError(f"drafter '{path}' was trained for target '{ckpt.target.get('name')}' (config "
                          f"{ckpt.target.get('config_hash')}, weights {ckpt.target.get('weights_hash')}), not "
                          f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
                          "drafter trained for this target")
@@ -171,20 +172,20 @@ def check_native_target(path: str, config: Any, recorded: dict[str, Any] | None,
     """Refuse (one line) a native export that records no target, another target, another vocabulary or hidden
     size, aux layers the target lacks, or another chat template."""
     if recorded is None:
-        raise ValueError(f"drafter '{path}' does not record its target; re-export it with its target record")
+        raise UserError(f"drafter '{path}' does not record its target; re-export it with its target record")
     record = target_record(target.name)
     if not same_target(recorded, record):
-        raise ValueError(f"drafter '{path}' was trained for target '{recorded.get('name')}' (config "
+        raise UserError(f"drafter '{path}' was trained for target '{recorded.get('name')}' (config "
                          f"{recorded.get('config_hash')}, weights {recorded.get('weights_hash')}), not "
                          f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
                          "drafter trained for this target")
     if (config.vocab_size, config.target_hidden_size) != (target.runner.config.vocab_size,
                                                           target.runner.config.hidden_size):
-        raise ValueError(f"drafter '{path}' expects vocab {config.vocab_size} / hidden {config.target_hidden_size} "
+        raise UserError(f"drafter '{path}' expects vocab {config.vocab_size} / hidden {config.target_hidden_size} "
                          f"but target '{target.name}' has {target.runner.config.vocab_size} / "
                          f"{target.runner.config.hidden_size}: it was trained for another target")
     if max(config.aux_layer_ids) >= record["num_hidden_layers"]:
-        raise ValueError(f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
+        raise UserError(f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
                          f"({record['num_hidden_layers']} layers) does not have")
     assets.check_chat_template(f"drafter '{path}'", recorded, target.tokenizer)
 
@@ -215,4 +216,4 @@ def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "au
         return load_dflash(path, target)
     if kind == "peagle":
         return load_peagle(path, target)
-    raise ValueError(f"unknown drafter kind '{kind}'; known: {', '.join(DRAFTER_KINDS)}")
+    raise UserError(f"unknown drafter kind '{kind}'; known: {', '.join(DRAFTER_KINDS)}")

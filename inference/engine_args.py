@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
-from inference.algorithms.options import (ALGORITHM_KEYS, ONLY_WITH, AlgorithmOptions, SamplingOptions,
+from inference.algorithms.options import (ALGORITHM_KEYS, ONLY_WITH, AlgorithmOptions, Needs, SamplingOptions,
                                           option_keys, specbranch_option_error)
 from inference.drafter_index import export_kind, find_exports
 from inference.drafters import DRAFTER_KINDS, LoadedModel, load_drafter, load_lm, model_dtype, pick_device
@@ -43,6 +43,7 @@ class EngineArgs(AlgorithmOptions):
 
 # What a variant NAME@key=value may change: its algorithm's options, sampling and the answer's length. The rest
 # (models, placement, and each CLI's own keys) is fixed for the whole run: models load once.
+SAMPLING_FILTERS = ("top_k", "top_p", "seed")  # do nothing at temperature 0 (but see _sampling_unmet)
 VARIANT_KEYS = ALGORITHM_KEYS | {f.name for f in fields(SamplingOptions)} | {"max_new_tokens"}
 
 
@@ -81,10 +82,21 @@ def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
     return OmegaConf.merge(cfg, {key: OmegaConf.select(variant, key) for key in keys})
 
 
-def _takes_effect(key: str, cfg: Any) -> bool:
-    other, value = ONLY_WITH[key]
-    actual = str(getattr(cfg, other))
-    return actual != value[1:] if value.startswith("!") else actual == value
+def _first_unmet(key: str, cfg: Any) -> Needs | None:
+    """The first condition of ``key`` (``ONLY_WITH``) that ``cfg`` does not meet, or None: it takes effect."""
+    return next((need for need in ONLY_WITH.get(key, ()) if not need.holds(getattr(cfg, need.other))), None)
+
+
+def _sampling_unmet(key: str, name: str, cfg: Any) -> str | None:
+    """Why sampling key ``key`` does nothing for algorithm ``name`` under ``cfg`` (one clause), or None.
+
+    At temperature 0 the output is the target's argmax, which every top-k and top-p keeps, and nothing is drawn
+    from the run's generator; only SSD's fast fallback draws (its random tokens) from a generator seeded by seed."""
+    if float(cfg.temperature) != 0 or (key == "top_k" and cfg.top_k == 0) or (key == "top_p" and cfg.top_p == 1):
+        return None  # sampling, or a filter left off
+    if key == "seed" and name == "ssd" and str(cfg.ssd_fallback) != "jit":
+        return None
+    return "temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random draw)"
 
 
 def _check_read(given: Iterable[str], runs: Sequence[tuple[str, Any]], where: str) -> None:
@@ -100,16 +112,32 @@ def _check_read(given: Iterable[str], runs: Sequence[tuple[str, Any]], where: st
             owners = ", ".join(name for name in ALGORITHMS if key in option_keys(name))
             raise OverrideError(f"{where}{key} is not read by {', '.join(names)} ({own}); it is an option of "
                                 f"{owners}: drop it or choose an algorithm that reads it")
-        if key in ONLY_WITH and not any(_takes_effect(key, cfg) for _, cfg in readers):
-            other, value = ONLY_WITH[key]
-            need = f"{other} other than {value[1:]}" if value.startswith("!") else f"{other}={value}"
-            raise OverrideError(f"{where}{key} does nothing with {other}={getattr(readers[0][1], other)}; "
-                                f"set {need} or drop {key}")
+        unmet = [_first_unmet(key, cfg) for _, cfg in readers]
+        if all(need is not None for need in unmet):
+            need = unmet[0]
+            raise OverrideError(f"{where}{key} does nothing with {need.other}={getattr(readers[0][1], need.other)}; "
+                                f"set {need.fix} or drop {key}")
 
 
-def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str]) -> None:
+def _check_sampling(given: Iterable[str], runs: Sequence[tuple[str, Any]], where: str) -> None:
+    """Refuse top_k, top_p (set on) or seed in ``given`` where every run samples greedily (they would do
+    nothing)."""
+    for key in given:
+        if key not in SAMPLING_FILTERS or not runs:
+            continue
+        reasons = [_sampling_unmet(key, name, cfg) for name, cfg in runs]
+        if all(reasons):
+            raise OverrideError(f"{where}{key} does nothing at {reasons[0]}; set temperature > 0 to sample, or "
+                                f"drop {key}")
+
+
+def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str], *,
+                            sampling_defaults: bool = False) -> None:
     """Refuse (one line) an unknown algorithm, and an algorithm option that the run's algorithms do not read: a
-    key the command line set (``given``) and each variant's own keys. ``all`` admits every option."""
+    key the command line set (``given``) and each variant's own keys. ``all`` admits every option. Sampling
+    filters and seed at temperature 0 are refused too, unless ``sampling_defaults`` (a server's: defaults for
+    requests, which may set a temperature of their own)."""
+    given = list(given)
     runs = []
     for label in labels:
         if label == "all":
@@ -120,13 +148,18 @@ def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str
         except ValueError as exc:
             raise OverrideError(str(exc)) from None
         variant = with_overrides(cfg, overrides, label)
-        _check_read([item.split("=", 1)[0] for item in overrides], [(name, variant)],
-                    f"algorithm variant '{label}': ")
+        own = [item.split("=", 1)[0] for item in overrides]
+        _check_read(own, [(name, variant)], f"algorithm variant '{label}': ")
+        if not sampling_defaults:
+            _check_sampling(own, [(name, variant)], f"algorithm variant '{label}': ")
         if name == "specbranch" and (error := specbranch_option_error(variant)):
             raise OverrideError(f"algorithm variant '{label}': {error}" if overrides else error)
         runs.append((name, variant))
     if "all" not in labels:
         _check_read(given, runs, "")
+    if not sampling_defaults:
+        # a run-level key is refused only if no run samples (each variant inherits it unless it sets its own)
+        _check_sampling([key for key in given if key in SAMPLING_FILTERS], runs, "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

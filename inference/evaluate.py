@@ -31,6 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from core.atomic import check_output
+from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class
@@ -123,7 +124,7 @@ def load_bench_conversations(bench: str, n: int) -> list:
     """The first ``n`` conversations of ``bench``; refuses (one line) a bench that gives none."""
     conversations = load_prompts(bench, n=n)
     if not conversations:
-        raise ValueError(f"bench={bench} gives no prompts; give a bench with at least one conversation")
+        raise UserError(f"bench={bench} gives no prompts; give a bench with at least one conversation")
     return conversations
 
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import UserError
+
 
 POLL_S = 1.0  # how often side-by-side stages are checked for their end
 
@@ -51,7 +53,7 @@ def select(stages: Sequence[Stage], names: Sequence[str]) -> list[Stage]:
     """The stages ``names`` asks for ("all" = every stage), in pipeline order; unknown names fail in one line."""
     unknown = set(names) - {"all"} - {s.name for s in stages}
     if unknown:
-        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages: {', '.join(s.name for s in stages)}")
+        raise UserError(f"unknown stage(s) {sorted(unknown)}; stages: {', '.join(s.name for s in stages)}")
     return [s for s in stages if "all" in names or s.name in names]
 
 
@@ -108,6 +110,6 @@ def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str,
             if running:
                 time.sleep(POLL_S)
         if failed:
-            raise RuntimeError(f"{label} stage {', '.join(failed)} failed (its error is above); fix it and re-run "
+            raise UserError(f"{label} stage {', '.join(failed)} failed (its error is above); fix it and re-run "
                                f"{rerun_hint}: finished stages are kept and this one resumes")
     return ran

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the architectures ModelRunner builds natively
 KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
@@ -77,7 +79,7 @@ def attention_windows(config) -> dict[str, int | None]:
         return {"all": window}
     unknown = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
     if unknown:
-        raise ValueError(f"{config.model_type} has {unknown} attention layers, which spectrain's runners do not "
+        raise UserError(f"{config.model_type} has {unknown} attention layers, which spectrain's runners do not "
                          f"serve (they serve {', '.join(ATTENTION_LAYER_TYPES)})")
     return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
 
@@ -91,7 +93,7 @@ def check_sliding_window(config, max_seq_len: int) -> None:
     """ModelRunner uses full attention; refuse configs where a sliding window would change the result."""
     if window_matters(config, max_seq_len):
         window = min(w for w in attention_windows(config).values() if w is not None)
-        raise ValueError(
+        raise UserError(
             f"{config.model_type} uses a sliding window of {window} < max_seq_len={max_seq_len}, which ModelRunner "
             f"does not implement; load it with backend=auto or backend=transformers (TransformersRunner applies it)"
         )
@@ -165,7 +167,7 @@ def check_logit_vocab(vocab: int | None, vocab_size: int) -> int | None:
     if not vocab:
         return None
     if not 1 <= vocab <= vocab_size:
-        raise ValueError(f"draft_vocab={vocab} is outside 1..{vocab_size} (the model's vocabulary); use 0 for all ids")
+        raise UserError(f"draft_vocab={vocab} is outside 1..{vocab_size} (the model's vocabulary); use 0 for all ids")
     return None if vocab == vocab_size else int(vocab)
 
 
@@ -186,5 +188,5 @@ def check_same_vocab(target, draft) -> None:
     """Refuse a drafter whose vocabulary differs from the target's (its token ids would mean other tokens)."""
     t_vocab, d_vocab = target.config.vocab_size, draft.config.vocab_size
     if t_vocab != d_vocab:
-        raise ValueError(f"drafter vocab_size {d_vocab} differs from the target's {t_vocab}: the drafter must share "
+        raise UserError(f"drafter vocab_size {d_vocab} differs from the target's {t_vocab}: the drafter must share "
                          "the target's tokenizer (train one with recipe=draftlm_* for this target)")

@@ -14,15 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core.errors import UserError
+
 
 def validate_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ValueError (one line) unless temperature >= 0, top_k >= 0 (0 = off) and 0 < top_p <= 1."""
     if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        raise UserError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+        raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 
 from core.assets import load_tokenizer
+from core.errors import UserError
 from data_prep.datamodules import FeatureDataModule, OnlineFeatureDataModule
 from spectrain.targets import loaded_target
 
@@ -40,10 +41,10 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
     if data.dataset_dir:
         if data.bucket_by_length or data.val_source:
             key = "bucket_by_length" if data.bucket_by_length else "val_source"
-            raise ValueError(f"data.{key} applies to online features only; drop it with data.dataset_dir "
+            raise UserError(f"data.{key} applies to online features only; drop it with data.dataset_dir "
                              "(validation features: data.val_dataset_dir)")
         if data.window != "start":
-            raise ValueError(f"data.window={data.window} applies to online features only: an extracted dataset's "
+            raise UserError(f"data.window={data.window} applies to online features only: an extracted dataset's "
                              "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)")
         return FeatureDataModule(data.dataset_dir, batch_size=data.batch_size, seed=cfg.seed,
                                  num_workers=data.num_workers, val_directory=data.val_dataset_dir,

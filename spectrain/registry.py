@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.errors import UserError
+
 KIND_MODULES: list[str] = [  # modules that call register_kind(...) at import time
     "spectrain.modules.draft_lm",
     "spectrain.modules.eagle3",
@@ -54,5 +56,5 @@ def available_kinds() -> list[str]:
 def get_kind(name: str) -> DrafterKind:
     _import_kind_modules()
     if name not in _KINDS:
-        raise ValueError(f"unknown kind '{name}'; registered kinds: {', '.join(sorted(_KINDS)) or '(none)'}")
+        raise UserError(f"unknown kind '{name}'; registered kinds: {', '.join(sorted(_KINDS)) or '(none)'}")
     return _KINDS[name]

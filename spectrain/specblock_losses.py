@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from core.distributed import process_mean, process_sum
 from core.drafters.eagle3 import shift_left
 from core.drafters.specblock import rank_bucket
+from core.errors import UserError
 
 NUM_RANK_BUCKETS = 4
 RANK_SEARCH = 10  # the label's rank is searched in the top-10 draft logits; outside => rank 11 ("> 10")
@@ -104,9 +105,9 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
     ``valid_prefix``: how each slot's draft loss weighs and normalises its rows (``VALID_PREFIX``; ``chain`` is
     the reference). The rank loss's ``draft_chain`` mask is the valid-prefix chain in every mode."""
     if rank_mask not in RANK_MASKS:
-        raise ValueError(f"rank_mask must be one of {', '.join(RANK_MASKS)}, got '{rank_mask}'")
+        raise UserError(f"rank_mask must be one of {', '.join(RANK_MASKS)}, got '{rank_mask}'")
     if valid_prefix not in VALID_PREFIX:
-        raise ValueError(f"valid_prefix must be one of {', '.join(VALID_PREFIX)}, got '{valid_prefix}'")
+        raise UserError(f"valid_prefix must be one of {', '.join(VALID_PREFIX)}, got '{valid_prefix}'")
     K = logits.shape[2]
     pm = position_mask.bool()
     anchor = pm.float()  # the chain starts from the offset-0 mask in every block (as the code does)

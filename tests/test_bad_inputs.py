@@ -10,6 +10,7 @@ lists and identities the code itself prints (``names``), so a message is checked
 from __future__ import annotations
 
 import errno
+import hashlib
 import importlib
 import json
 import shutil
@@ -66,6 +67,9 @@ def B(tmp_path_factory) -> Path:
     save_file(tensors, root / "e3nan" / "model.safetensors")
     shutil.copytree(root / "e3", root / "e3noconf")  # an interrupted copy: weights without config.json
     (root / "e3noconf" / "config.json").unlink()
+    shutil.copytree(root / "e3", root / "exports_broken" / "eagle3")  # drafters=DIR holding a torn config.json
+    (root / "exports_broken" / "eagle3" / "config.json").write_text(
+        (root / "e3" / "config.json").read_text()[:40])
     shutil.copytree(root / "e3", root / "e3kind")  # an export that contradicts itself: EAGLE-3 files, kind specblock
     config = json.loads((root / "e3kind" / "config.json").read_text())
     config["spectrain"]["kind"] = "specblock"
@@ -119,9 +123,23 @@ def disk_full(monkeypatch, B: Path) -> None:
     monkeypatch.setattr(safetensors.torch, "save_file", full)
 
 
-def tree(root: Path) -> list[str]:
-    """Every file and directory under ``root``, hidden ones (temporary outputs) included."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+_HASHES: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> hash of the bytes
+
+
+def content_hash(path: Path) -> str:
+    """The hash of ``path``'s bytes, read again whenever its size, mtime or inode differs from the last read (any
+    write changes its mtime), so the table's ~50 MB of fixtures are not re-read for every case."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _HASHES:
+        _HASHES[key] = hashlib.sha1(path.read_bytes()).hexdigest()
+    return _HASHES[key]
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and directory under ``root``, hidden ones (temporary outputs) included: a file by the hash of its
+    bytes, so one rewritten or appended to in place is caught, not only one added or removed."""
+    return {str(p.relative_to(root)): content_hash(p) if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
 
 
 EVAL = ("target={B}/target", "n_prompts=1", "max_new_tokens=2", "bench=jsonl:{B}/chats.jsonl", "warmup=false",
@@ -435,6 +453,38 @@ CASES = [
      "chat_template={B}/binary.jsonl is not UTF-8 text; it must be a Jinja template file"),
     ("spectrain.fit", (*FIT, "data.chat_template={B}/nope.jinja"), None,
      "chat_template={B}/nope.jinja: no such file; pass auto|none|PATH (PATH: a Jinja template file)"),
+    # a directory of exports with a damaged one: refused naming the file, not skipped
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafters={B}/exports_broken"), None,
+     "{B}/exports_broken/eagle3/config.json is damaged (not JSON: Expecting value, line 3 column 22); re-export "
+     "it (python -m spectrain.export) or remove the directory"),
+    # options that do nothing in this setting (refused naming the option, why, and the fix)
+    ("inference.evaluate", (*EVAL, "algorithms=ssd", "drafter={B}/other", "ssd_fast=random"), None,
+     "ssd_fast does nothing with ssd_fallback=jit; set ssd_fallback=fast or auto or drop ssd_fast"),
+    ("inference.evaluate", (*EVAL, "algorithms=ssd", "drafter={B}/other", "ssd_fork_vocab=draft"), None,
+     "ssd_fork_vocab does nothing with draft_vocab=0; set draft_vocab=N (a vocabulary-limited drafter) or drop "
+     "ssd_fork_vocab"),
+    ("inference.generate", (*GEN, "algorithm=self_draft", "self_draft_corpus_candidates=2"), None,
+     "self_draft_corpus_candidates does nothing with ngram_corpus=None; set ngram_corpus=FILE (python -m "
+     "data_prep.ngram_corpus) or drop self_draft_corpus_candidates"),
+    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "adapt=bandit", "adapt_lora_rank=4"), None,
+     "adapt_lora_rank does nothing with adapt_arms=head,full; set adapt_arms with lora in it (e.g. "
+     "adapt_arms=head,full,lora) or drop adapt_lora_rank"),
+    ("inference.evaluate", (*EVAL, "algorithms=specbranch@hrad=class0@specbranch_eps=0.5"), None,
+     "algorithm variant 'specbranch@hrad=class0@specbranch_eps=0.5': specbranch_eps does nothing with "
+     "hrad=class0; set hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep never cut by "
+     "confidence) or drop specbranch_eps"),
+    ("inference.evaluate", (*EVAL, "top_k=5"), None,
+     "top_k does nothing at temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random "
+     "draw); set temperature > 0 to sample, or drop top_k"),
+    ("inference.generate", (*GEN, "seed=3"), None,
+     "seed does nothing at temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random "
+     "draw); set temperature > 0 to sample, or drop seed"),
+    ("data_prep.extract", (*EXTRACT, "temperature=0.7", "out={B}/x"), None,
+     "temperature does nothing with regenerate=false (the source's own answers are extracted, nothing is "
+     "generated); set regenerate=true or drop temperature"),
+    ("data_prep.extract", (*EXTRACT, "max_new_tokens=64", "out={B}/x"), None,
+     "max_new_tokens does nothing with regenerate=false (the source's own answers are extracted, nothing is "
+     "generated); set regenerate=true or drop max_new_tokens"),
     # the DFlash layout asked of another kind's drafter
     ("spectrain.export", ("ckpt={B}/e3", "format=dflash", "out={B}/y"), None,
      "format=dflash is a DFlash layout; an EAGLE-3 drafter exports as format=native, sglang or speculators"),
@@ -453,10 +503,14 @@ def test_bad_input_is_one_line_with_exit_code_2_and_leaves_nothing(cli, argv, se
     before = tree(B)
     capsys.readouterr()
     code = main([arg.format(B=B) for arg in argv])
-    lines = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
     kinds = ", ".join(available_kinds())  # now: other tests register kinds of their own
     assert code == 2 and lines == [f"error: {message.format(B=B, KINDS=kinds, **names)}"], lines
-    assert tree(B) == before, "a partial output was left behind"
+    assert captured.out == "", f"a refusal printed to stdout: {captured.out!r}"  # stdout is for results only
+    after = tree(B)
+    assert after == before, ("a partial output was left behind, or a file changed: "
+                             f"{sorted(k for k in after.keys() | before.keys() if after.get(k) != before.get(k))}")
 
 
 def test_check_output_accepts_what_can_be_written(tmp_path):

@@ -178,7 +178,8 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
 
     def ask(i, content, n, temperature, seed):
         kw = dict(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n,
-                  temperature=temperature, seed=seed, extra_body={"return_token_ids": True})
+                  temperature=temperature, seed=seed if temperature else openai.NOT_GIVEN,  # greedy: no seed
+                  extra_body={"return_token_ids": True})
         if i % 2:
             chunks = api.chat.completions.create(stream=True, **kw)
             results[i] = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
@@ -249,6 +250,18 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
         ({**ok, "max_tokens": "ten"}, 400, "max_tokens", None),
         ({**ok, "top_p": 0}, 400, "top_p", None),
         ({**ok, "n": 2}, 400, "n", None),
+        # OpenAI fields the engine does not implement, set to act, are refused by name
+        ({**ok, "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
+        ({**ok, "presence_penalty": -1}, 400, "presence_penalty", None),
+        ({**ok, "logit_bias": {"42": 5}}, 400, "logit_bias", None),
+        ({**ok, "top_logprobs": 2}, 400, "top_logprobs", None),
+        ({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+        ({**ok, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+        ({**ok, "repetition_penalty": 1.2}, 400, "repetition_penalty", None),
+        # at temperature 0 a filter or a seed would do nothing
+        ({**ok, "top_k": 5}, 400, "top_k", None),
+        ({**ok, "top_p": 0.9}, 400, "top_p", None),
+        ({**ok, "seed": 3}, 400, "seed", None),
         ({k: v for k, v in ok.items() if k != "messages"}, 400, "messages", None),
     ]
     for body, status, param, code in cases:
@@ -256,6 +269,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
         assert response.status_code == status, body
         error = error_of(response)
         assert (error["param"], error["code"]) == (param, code), error
+    assert error_of(httpx.post(url, json={**ok, "logit_bias": {"42": 5}}))["message"] == (
+        "logit_bias: a logit bias is not served; leave it unset (null or {})")
+    assert error_of(httpx.post(url, json={**ok, "seed": 3}))["message"] == (
+        "seed: seed does nothing at temperature=0 (greedy: the argmax, nothing drawn); set temperature > 0 to "
+        "sample, or leave seed unset")
+    # the official client sends only what its caller set: neutral values and null are served, and so are fields
+    # that change nothing (user); top_k, top_p and seed with a temperature that samples
+    neutral = client(ar_server).chat.completions.create(
+        model="tiny", messages=ok["messages"], max_tokens=3, temperature=0, frequency_penalty=0, presence_penalty=0,
+        logit_bias={}, n=1, logprobs=False, top_p=1, user="someone", tool_choice="none",
+        response_format={"type": "text"}, extra_body={"top_k": -1, "return_token_ids": True, "best_of": None})
+    assert neutral.choices[0].token_ids == reference(tiny, chat_ids(tiny, "Hi"), 3)
+    sampled = client(ar_server).chat.completions.create(model="tiny", messages=ok["messages"], max_tokens=3,
+                                                        temperature=0.7, top_p=0.9, seed=1, extra_body={"top_k": 5})
+    assert sampled.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client(ar_server).chat.completions.create(model="tiny", messages=ok["messages"], frequency_penalty=1.0)
     not_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert not_json.status_code == 400 and error_of(not_json)["type"] == "invalid_request_error"
     nothing = httpx.get(f"{ar_server.url}/v1/nothing")

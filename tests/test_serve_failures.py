@@ -51,8 +51,8 @@ def test_poisoned_requests_are_refused_and_a_full_batch_beside_them_is_answered_
         def ask(key, body):
             results[key] = httpx.post(url, json={"model": "tiny", "return_token_ids": True, **body}, timeout=60)
 
-        bodies = {i: {"messages": [{"role": "user", "content": c}], "max_tokens": n, "temperature": t, "seed": s}
-                  for i, (c, n, t, s) in enumerate(good)}
+        bodies = {i: {"messages": [{"role": "user", "content": c}], "max_tokens": n, "temperature": t,
+                      **({"seed": s} if t else {})} for i, (c, n, t, s) in enumerate(good)}  # greedy: no seed
         for k, (field, value) in enumerate(POISONED):
             bodies[("poison", k)] = {**bodies[k], field: value}
         threads = [threading.Thread(target=ask, args=item) for item in bodies.items()]

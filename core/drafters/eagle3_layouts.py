@@ -33,6 +33,7 @@ import torch
 from core.assets import AssetError, load_safetensors, model_tensor, portable_model_reference, read_json
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
 from core.drafters.native_export import REEXPORT
+from core.errors import UserError
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers
 from core.vocab import check_vocab_mapping
 
@@ -51,7 +52,7 @@ EMBED = "embed_tokens.weight"
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """An EAGLE-3 checkpoint that cannot be read or written faithfully; the message is one line."""
 
 

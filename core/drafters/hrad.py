@@ -56,6 +56,7 @@ from torch import nn
 
 from core.assets import load_safetensors, read_json
 from core.atomic import atomic_directory
+from core.errors import UserError
 from core.layer_ids import LAYER_CONVENTION, resolve_layers
 
 KIND = "hrad"
@@ -66,7 +67,7 @@ PROBE_ROWS, PROBE_DIMS = 8, 64  # embedding rows/dims an export keeps to recogni
 CONFIDENCE_PATHS = ("input", "logit")  # where the confidence feature enters: an MLP input / its own path to the logits
 
 
-class HRADError(ValueError):
+class HRADError(UserError):
     """An H-RAD export that cannot be used as asked; the message is one line naming the problem and the fix."""
 
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from core.assets import load_safetensors, read_json
 from core.atomic import atomic_directory
+from core.errors import UserError
 from core.vocab import check_vocab_mapping
 
 REEXPORT = "re-export the drafter (python -m spectrain.export)"
@@ -28,9 +29,9 @@ def write_export_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], bloc
 
     out = Path(out_dir)
     if any(out.iterdir()) if out.is_dir() else out.exists():
-        raise ValueError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
+        raise UserError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     if block.get("target") is None:
-        raise ValueError(f"a {block['kind']} export must record its target: pass target=target_record(NAME)")
+        raise UserError(f"a {block['kind']} export must record its target: pass target=target_record(NAME)")
     with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "spectrain_kind": block["kind"]})
         config = {**(engine_config or {}), "spectrain": block}
@@ -47,19 +48,19 @@ def read_export_dir(path: str | Path, *, kind: str, title: str, loader: str,
     e.g. "SpecBlock"; ``loader``: what cannot load another kind, e.g. "SpecBlock algorithms")."""
     directory = Path(path)
     if not directory.exists():
-        raise ValueError(f"drafter '{directory}' does not exist; give a {title} export of python -m spectrain.export")
+        raise UserError(f"drafter '{directory}' does not exist; give a {title} export of python -m spectrain.export")
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
-        raise ValueError(f"{directory} is not a {title} export (needs config.json and model.safetensors; an "
+        raise UserError(f"{directory} is not a {title} export (needs config.json and model.safetensors; an "
                          f"interrupted export or copy lacks one); {REEXPORT}")
     block = read_json(directory / "config.json", fix=REEXPORT).get("spectrain") or {}
     if block.get("kind") != kind:
-        raise ValueError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not {kind}: {loader} "
+        raise UserError(f"{directory}/config.json records a '{block.get('kind')}' drafter, not {kind}: {loader} "
                          f"cannot load it; give a {kind} export of python -m spectrain.export (or use this one with "
                          f"an algorithm for {block.get('kind')} drafters)")
     try:
         config = config_cls.from_dict(block.get("architecture") or {})
     except (TypeError, ValueError) as exc:  # e.g. another kind's export relabelled as this one
-        raise ValueError(f"{directory}/config.json records a {kind} drafter, but its architecture is not a "
+        raise UserError(f"{directory}/config.json records a {kind} drafter, but its architecture is not a "
                          f"{title}'s ({str(exc).split(';')[0]}); {REEXPORT}") from None
     return config, load_safetensors(directory / "model.safetensors", fix=REEXPORT), block
 
@@ -71,11 +72,11 @@ def assign_strict(drafter: torch.nn.Module, tensors: dict[str, torch.Tensor], *,
     expected = {name: t.shape for name, t in drafter.state_dict().items() if name not in frozen}
     unknown, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if unknown or missing:
-        raise ValueError(f"{title} weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
+        raise UserError(f"{title} weights do not match the config: unknown {unknown[:4]}, missing {missing[:4]}; "
                          "re-export the drafter")
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
+            raise UserError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
                              f"{tuple(expected[name])}")
     check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
     drafter.load_state_dict(tensors, strict=False, assign=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from core.errors import UserError
 from inference.drafters import DRAFTER_KINDS
 
 # name -> "module:Class"; imported lazily so one algorithm's imports never burden another's users.
@@ -23,7 +24,7 @@ ALGORITHMS: dict[str, str] = {
 
 def algorithm_class(name: str):
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm '{name}'; available: {', '.join(ALGORITHMS)}")
+        raise UserError(f"unknown algorithm '{name}'; available: {', '.join(ALGORITHMS)}")
     module, cls = ALGORITHMS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -35,6 +36,6 @@ def build_algorithm(name: str, target, draft=None, **options):
     if cls.drafter == "none":
         return cls(target, **options)
     if draft is None:
-        raise ValueError(f"algorithm '{name}' needs {DRAFTER_KINDS[cls.drafter][1]}: pass drafter=PATH or "
+        raise UserError(f"algorithm '{name}' needs {DRAFTER_KINDS[cls.drafter][1]}: pass drafter=PATH or "
                          "drafters=DIR (a directory of exports)")
     return cls(target, draft, **options)

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from core.errors import UserError
 from inference.sampling import SamplingParams
 
 # Called with each batch of emitted tokens; returning False ends the generation there, through the algorithm's
@@ -157,7 +158,7 @@ class Algorithm(ABC):
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         needed = prompt_len + max_new_tokens + self.lookahead()
         if needed > self.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{self.lookahead()} lookahead) "
                 f"needs {needed} cache slots but max_seq_len={self.max_seq_len}; shorten the prompt, lower "
                 "max_new_tokens or raise max_seq_len"
@@ -175,7 +176,7 @@ class Algorithm(ABC):
         on_tokens: TokenCallback | None = None,
     ) -> GenerationResult:
         if len(prompt_ids) == 0:
-            raise ValueError("empty prompt: give at least one token")
+            raise UserError("empty prompt: give at least one token")
         self.check_fits(len(prompt_ids), max_new_tokens)
         stats = GenerationStats()
         out = OutputBuffer(max_new_tokens, eos_ids, on_tokens)

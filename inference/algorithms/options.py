@@ -2,13 +2,16 @@
 
 An algorithm's options dataclass lists exactly the keys it reads (its ``options_from_config`` reads those and the
 shared ones, nothing else); ``inference.engine_args.check_algorithm_options`` refuses a key the chosen algorithms
-do not read, so an option is never accepted and silently ignored. The CLIs parse into :class:`AlgorithmOptions`,
+do not read, or one that does nothing under the others' values (:data:`ONLY_WITH`), so an option is never accepted
+and silently ignored. The CLIs parse into :class:`AlgorithmOptions`,
 the union of them all. The dataclasses live here, not beside each algorithm, so parsing a command line imports no algorithm.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -185,10 +188,52 @@ def specbranch_option_error(cfg) -> str | None:
     return oracle_temperature_error(getattr(cfg, "hrad", None), cfg.temperature)
 
 
-# An option that matters only when another has a given value: set without it, it would be ignored.
-ONLY_WITH: dict[str, tuple[str, str]] = {"hsd_final_ratio": ("verifier", "hsd"),
-                                         **{f.name: ("adapt", "!none") for f in fields(AdaptOptions)
-                                            if f.name != "adapt"}}
+@dataclass(frozen=True)
+class Needs:
+    """A condition under which an option takes effect: ``other``'s value passes ``holds``; ``fix`` says what to
+    set (the refusal reads "KEY does nothing with OTHER=VALUE; set FIX or drop KEY")."""
+
+    other: str
+    holds: Callable[[Any], bool]
+    fix: str
+
+
+def _is(value: str) -> Callable[[Any], bool]:
+    return lambda actual: str(actual).strip().lower() == value
+
+
+def _is_not(*values: str) -> Callable[[Any], bool]:
+    return lambda actual: str(actual).strip().lower() not in values
+
+
+def _arm(arm: str) -> Needs:
+    return Needs("adapt_arms", lambda arms: arm in [a.strip() for a in str(arms).split(",")],
+                 f"adapt_arms with {arm} in it (e.g. adapt_arms=head,full,lora)" if arm == "lora" else
+                 f"adapt_arms with {arm} in it")
+
+
+ADAPT_ON = Needs("adapt", _is_not("none"), "adapt other than none")
+# hrad= policies that never apply the confidence rule (class 1), so neither ε nor the cut position is read
+NO_CONFIDENCE_RULE = ("class0", "class2", "oracle_keep")
+CONFIDENCE_RULE = Needs("hrad", _is_not(*NO_CONFIDENCE_RULE),
+                        "hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep never cut by confidence)")
+
+# An option that takes effect only when every one of its conditions holds: set where one fails in every run that
+# reads it, it would be ignored, so it is refused (inference.engine_args.check_algorithm_options).
+ONLY_WITH: dict[str, tuple[Needs, ...]] = {
+    "hsd_final_ratio": (Needs("verifier", _is("hsd"), "verifier=hsd"),),
+    **{f.name: (ADAPT_ON,) for f in fields(AdaptOptions) if f.name != "adapt"},
+    **{f.name: (ADAPT_ON, _arm(f.name.split("_")[1])) for f in fields(AdaptOptions)
+       if f.name.startswith(("adapt_lora_", "adapt_head_", "adapt_full_"))},
+    # the fast fallback's tokens: only drawn on a miss that the fast fallback serves
+    "ssd_fast": (Needs("ssd_fallback", _is_not("jit"), "ssd_fallback=fast or auto"),),
+    # which head the fork guesses come from: only a vocabulary-limited drafter has two
+    "ssd_fork_vocab": (Needs("draft_vocab", _is_not("0"), "draft_vocab=N (a vocabulary-limited drafter)"),),
+    "self_draft_corpus_candidates": (Needs("ngram_corpus", lambda path: bool(path),
+                                           "ngram_corpus=FILE (python -m data_prep.ngram_corpus)"),),
+    "specbranch_eps": (CONFIDENCE_RULE,),
+    "specbranch_cut_from": (CONFIDENCE_RULE,),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------

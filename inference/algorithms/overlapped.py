@@ -4,6 +4,7 @@ figures it adds to a run."""
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -61,10 +62,10 @@ class OverlappedDraftAlgorithm(Algorithm):
             self._executor = None
 
     def __del__(self) -> None:
-        try:
+        # at interpreter shutdown the modules close() needs may be gone already; the draft process is a daemon and
+        # ends with the interpreter. Otherwise a failure to release is a bug, reported (Python prints it)
+        if not sys.is_finalizing():
             self.close()
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass
 
     def start_draft(self, generator: torch.Generator | None) -> None:
         """Reset the draft side for a new generation; its seed comes from the algorithm's generator, so one

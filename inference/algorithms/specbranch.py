@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from core.drafters.hrad import load_hrad, stack_lastk
+from core.errors import UserError
 from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.algorithms.options import SPECBRANCH_ORACLES as ORACLES
 from inference.algorithms.options import oracle_temperature_error
@@ -156,9 +157,9 @@ class SpecBranch(OverlappedDraftAlgorithm):
         at every surviving branch; at T > 0 its realised count draws on its own generator (``branch_seed``), never
         on the generation's."""
         if gamma < 1 or kmax < 1:
-            raise ValueError(f"gamma and kmax must be >= 1 (branch length, most branches), got {gamma} and {kmax}")
+            raise UserError(f"gamma and kmax must be >= 1 (branch length, most branches), got {gamma} and {kmax}")
         if cut_from not in (1, 2):
-            raise ValueError(f"specbranch_cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
+            raise UserError(f"specbranch_cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
                              f"(it keeps at least one, as the authors' code), got {cut_from}")
         self.cut_from = cut_from
         super().__init__(target, draft, executor=executor, max_batch=kmax, **kwargs)
@@ -234,7 +235,7 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
                   generator: torch.Generator | None, stats: GenerationStats) -> None:
         if error := oracle_temperature_error(self.policy, sampling.temperature):
-            raise ValueError(error)
+            raise UserError(error)
         target, executor = self.target, self.executor  # built (a process started) before the clock starts
         start = time.perf_counter()
         target.reset(1)

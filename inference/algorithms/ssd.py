@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
 from inference.algorithms.base import Algorithm, GenerationResult, GenerationStats, OutputBuffer, _synchronize
 from inference.executors import EXECUTORS, Executor, make_executor
 from inference.runner_contract import check_same_vocab
@@ -59,7 +60,7 @@ def fanout_vector(spec: str | Sequence[int], k_max: int, budget: int) -> list[in
     acceptance lengths, the remainder to the shortest), an explicit K+1 vector, or None for ``"geometric"``."""
     if spec == "uniform":
         if budget < 1:
-            raise ValueError(f"uniform fan-out needs budget >= 1, got {budget}")
+            raise UserError(f"uniform fan-out needs budget >= 1, got {budget}")
         return largest_remainder_round([budget / (k_max + 1)] * (k_max + 1), budget)
     return parse_fanout(spec, k_max)
 
@@ -123,29 +124,29 @@ class SSD(Algorithm):
         building one) is needed instead for ``executor=multiprocess``, where the drafter lives in another process."""
         super().__init__(target, max_seq_len=max_seq_len)
         if gamma < 1:
-            raise ValueError(f"gamma (lookahead K) must be >= 1, got {gamma}")
+            raise UserError(f"gamma (lookahead K) must be >= 1, got {gamma}")
         if fallback not in ("jit", "fast", "auto"):
-            raise ValueError(f"ssd fallback must be jit, fast or auto, got {fallback!r}")
+            raise UserError(f"ssd fallback must be jit, fast or auto, got {fallback!r}")
         if fast not in FAST_KINDS:
-            raise ValueError(f"ssd fast fallback must be one of {', '.join(FAST_KINDS)}, got {fast!r}")
+            raise UserError(f"ssd fast fallback must be one of {', '.join(FAST_KINDS)}, got {fast!r}")
         if executor not in EXECUTORS:
-            raise ValueError(f"unknown executor '{executor}'; choose one of {', '.join(EXECUTORS)}")
+            raise UserError(f"unknown executor '{executor}'; choose one of {', '.join(EXECUTORS)}")
         if fork_vocab not in FORK_VOCABS:
-            raise ValueError(f"ssd fork_vocab must be one of {', '.join(FORK_VOCABS)}, got {fork_vocab!r}")
+            raise UserError(f"ssd fork_vocab must be one of {', '.join(FORK_VOCABS)}, got {fork_vocab!r}")
         if fast_verify not in FAST_VERIFY:
-            raise ValueError(f"fast_verify must be one of {', '.join(FAST_VERIFY)}, got {fast_verify!r}")
+            raise UserError(f"fast_verify must be one of {', '.join(FAST_VERIFY)}, got {fast_verify!r}")
         if fast_verify == "reference_greedy":
             warnings.warn("ssd fast_verify='reference_greedy' is the SSD reference's greedy check of fast-fallback "
                           "tokens: lossy at temperature > 0, for regression tests only", LossyVerifierWarning,
                           stacklevel=2)
         check_c(saguaro_c)
         if draft is None and draft_source is None:
-            raise ValueError("ssd needs a drafter: pass a draft runner or draft_source=PATH")
+            raise UserError("ssd needs a drafter: pass a draft runner or draft_source=PATH")
         if draft is not None:
             check_same_vocab(target, draft)
             self.max_seq_len = min(self.max_seq_len, draft.max_seq_len)
         if executor == "multiprocess" and draft_source is None:
-            raise ValueError("executor=multiprocess builds the drafter in another process: pass draft_source (a draft "
+            raise UserError("executor=multiprocess builds the drafter in another process: pass draft_source (a draft "
                              "LM path, e.g. drafter=PATH) or use executor=sequential / cuda_streams")
         self.k = gamma
         self.budget = budget
@@ -154,7 +155,7 @@ class SSD(Algorithm):
         self.fan_miss = None if fanout_miss == "auto" else fanout_vector(fanout_miss, gamma, budget)
         for fan in (self.fan_hit, self.fan_miss):
             if fan is not None and sum(fan) != budget:
-                raise ValueError(f"explicit fan-out {fan} sums to {sum(fan)} but budget={budget}: both hit and miss "
+                raise UserError(f"explicit fan-out {fan} sums to {sum(fan)} but budget={budget}: both hit and miss "
                                  "vectors must sum to the budget (static shapes)")
         self.fanout_r, self.fallback, self.fast, self.c = fanout_r, fallback, fast, saguaro_c
         self.fast_verify = fast_verify
@@ -225,7 +226,7 @@ class SSD(Algorithm):
         """Generate for several prompts of any lengths at once (one verify forward per round for the batch).
         Each result's ``wall_s`` is the batch wall time split evenly, so summed stats give the batch's tokens/s."""
         if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate_batch needs at least one prompt and no empty prompt")
+            raise UserError("generate_batch needs at least one prompt and no empty prompt")
         for p in prompts:
             self.check_fits(len(p), max_new_tokens)
         outs = [OutputBuffer(max_new_tokens, eos_ids) for _ in prompts]
@@ -245,7 +246,7 @@ class SSD(Algorithm):
              sampling: SamplingParams, generator: torch.Generator | None) -> None:
         target, executor, k_max, b = self.target, self.executor(), self.k, len(prompts)
         if b > target.max_batch_size:
-            raise ValueError(f"batch of {b} prompts but the target runner holds {target.max_batch_size} rows; build "
+            raise UserError(f"batch of {b} prompts but the target runner holds {target.max_batch_size} rows; build "
                              "it with max_batch_size >= the batch size")
         ex0 = executor.stats.as_dict()
         start = time.perf_counter()

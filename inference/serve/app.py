@@ -109,7 +109,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
+        param = ".".join(loc) or (first.get("ctx") or {}).get("param")  # a whole-body check names its field
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
         return answer(request, 400, error_body(message, "invalid_request_error", param))
 
@@ -175,13 +175,8 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
     sampling = SamplingParams(default.temperature if body.temperature is None else body.temperature,
                               default.top_k if body.top_k is None else max(body.top_k, 0),
                               default.top_p if body.top_p is None else body.top_p)
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-    def send(event: object) -> None:  # called on the engine's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone: the server is shutting down
-            pass
+    events: asyncio.Queue = asyncio.Queue()
+    send = event_sender(asyncio.get_running_loop(), events)
 
     seed = body.seed if body.seed is not None else model.request_seed()
     gen = Generation(prompt_ids, max_tokens, sampling, seed, TextAssembler(model.tokenizer, body.stop_list()), send,
@@ -204,6 +199,20 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
         return StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage, count),
                                  media_type="text/event-stream")
     return await _collect(scheduler, gen, events, shape, usage, request, count)
+
+
+def event_sender(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[object], None]:
+    """What the engine's thread calls with a request's events: puts each on ``events`` in ``loop``'s thread. A
+    closed loop (the server shutting down) has nobody left to tell; any other failure is a bug and propagates."""
+
+    def send(event: object) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+
+    return send
 
 
 def _usage_builder(model: ServedModel, prompt_tokens: int):

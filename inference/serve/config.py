@@ -71,8 +71,9 @@ def parse_args(argv: Sequence[str]) -> Any:
         raise OverrideError(f"max_body_bytes={cfg.max_body_bytes} leaves no room for a request; use at least 1024")
     if not 0 <= cfg.port <= 65535:
         raise OverrideError(f"port={cfg.port} is not a TCP port; use 1-65535 (or 0 for any free port)")
-    # an unknown algorithm, a bad variant key and an option the algorithm does not read fail now
-    check_algorithm_options(cfg, given_keys(argv, ServeConfig, USAGE), [cfg.algorithm])
+    # an unknown algorithm, a bad variant key and an option the algorithm does not read fail now; the sampling
+    # settings are defaults for requests (which may sample), so top_k/top_p/seed are refused per request instead
+    check_algorithm_options(cfg, given_keys(argv, ServeConfig, USAGE), [cfg.algorithm], sampling_defaults=True)
     check_placement(cfg)
     variant = with_overrides(cfg, parse_variant(cfg.algorithm)[1], cfg.algorithm)
     try:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
 from inference.algorithms import algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
@@ -86,7 +87,7 @@ def claim_runner(runner: Any) -> None:
     """Hold ``runner`` for one served model; a second claim fails in one line until ``release_runner``."""
     with _SERVED_LOCK:
         if runner in _SERVED_RUNNERS:
-            raise ValueError("this target's runner (its KV cache) already serves another server; close that server "
+            raise UserError("this target's runner (its KV cache) already serves another server; close that server "
                              "first, or load the target again for this one")
         _SERVED_RUNNERS.add(runner)
 
@@ -131,7 +132,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                          max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
     if batch > 1 and target.runner.max_batch_size < batch:
-        raise ValueError(f"batch_size={batch} but the target runner holds {target.runner.max_batch_size} rows; "
+        raise UserError(f"batch_size={batch} but the target runner holds {target.runner.max_batch_size} rows; "
                          f"load it with max_batch_size={2 * batch}")
     claim_runner(target.runner)
     try:

@@ -1,8 +1,10 @@
 """Request bodies (checked by pydantic), response bodies and the error JSON, in OpenAI's shapes.
 
-Types are strict (a string where a number belongs is refused, as OpenAI does); fields OpenAI defines that the
-engine cannot honour are refused by name (``n`` > 1, ``logprobs``), and unknown fields are ignored, as clients
-send many. Every sampling field is checked here, against the limits of ``inference.serve.limits``: a value the
+Types are strict (a string where a number belongs is refused, as OpenAI does); fields OpenAI (or vLLM) defines
+that would change the answer and that the engine does not implement are refused by name (``n`` > 1, ``logprobs``,
+``frequency_penalty``, ``logit_bias``, ``tools``, ... :data:`UNSERVED`) unless unset, null or at their neutral
+value (what the official client sends is only what the caller set); other unknown fields (``user``,
+``metadata``, ...) change nothing and are ignored, as clients send many. Every sampling field is checked here, against the limits of ``inference.serve.limits``: a value the
 engine cannot serve is a 400 naming the field, never an engine failure. Extra fields: ``top_k`` (0 or -1 = off), ``return_token_ids`` (each choice and chunk carries its
 token ids), and ``usage.speculative`` (target forwards, drafted and accepted tokens, τ).
 """
@@ -13,7 +15,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from inference.algorithms.base import GenerationStats
 from inference.serve.limits import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MIN_TEMPERATURE
@@ -33,6 +36,25 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_TOOLS = "tool and function calling"
+# field -> (its neutral values, what is not served): set to anything else, a request is refused naming the field
+UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "frequency_penalty": ((0,), "a frequency penalty"), "presence_penalty": ((0,), "a presence penalty"),
+    "repetition_penalty": ((1,), "a repetition penalty"), "logit_bias": (({},), "a logit bias"),
+    "min_p": ((0,), "min_p filtering (top_k and top_p are)"), "min_tokens": ((0,), "a minimum length"),
+    "ignore_eos": ((False,), "ignoring EOS"), "top_logprobs": ((0,), "logprobs"), "best_of": ((1,), "best_of"),
+    "suffix": (("",), "insertion (a suffix)"), "response_format": (({"type": "text"},), "structured output"),
+    "tools": (([],), _TOOLS), "tool_choice": (("none",), _TOOLS), "functions": (([],), _TOOLS),
+    "function_call": (("none",), _TOOLS), "prediction": ((), "a predicted output"), "audio": ((), "audio output"),
+    "modalities": ((["text"],), "output other than text"),
+}
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return value is None or any(type(value) is not bool and value == n if type(n) is not bool else value is n
+                                for n in neutral)
 
 
 class StreamOptions(BaseModel):
@@ -57,6 +79,31 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unserved_fields_unset(cls, data: Any) -> Any:
+        for name, (neutral, what) in UNSERVED.items():
+            if isinstance(data, dict) and name in data and not _neutral(data[name], neutral):
+                shown = "null" + "".join(f" or {n!r}" for n in neutral) if neutral else "null"
+                raise PydanticCustomError("unserved", f"{what} is not served; leave it unset ({shown})",
+                                          {"param": name})
+        return data
+
+    @model_validator(mode="after")
+    def _no_sampling_fields_when_greedy(self) -> GenerationRequest:
+        """A request that asks for temperature 0 gets the argmax, which every top-k and top-p keeps, and draws
+        nothing: a filter set on, or a seed, would do nothing (with no temperature of its own, the server's
+        default decides, which the client may not know: nothing is refused then)."""
+        if self.temperature != 0:
+            return self
+        for name, on in (("top_k", self.top_k not in (None, 0, -1)), ("top_p", self.top_p not in (None, 1)),
+                         ("seed", self.seed is not None)):
+            if on:
+                raise PydanticCustomError("greedy", f"{name} does nothing at temperature=0 (greedy: the argmax, "
+                                          f"nothing drawn); set temperature > 0 to sample, or leave {name} unset",
+                                          {"param": name})
+        return self
 
     @field_validator("temperature")
     @classmethod

@@ -53,6 +53,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core.errors import UserError
 from spectrain.adapt.background import BackgroundRunner, Publisher
 from spectrain.adapt.bandit import CostAwareUCB, Decision
 from spectrain.adapt.cost import CostModel, saving
@@ -119,7 +120,7 @@ class AdaptSettings:
                                      OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
         except OmegaConfBaseException as error:
             key = getattr(error, "full_key", None) or "*"
-            raise ValueError(f"bad setting adapt_{key}: {str(error).splitlines()[0]}") from None
+            raise UserError(f"bad setting adapt_{key}: {str(error).splitlines()[0]}") from None
         return OmegaConf.to_object(merged)
 
     def arm_list(self) -> list[str]:
@@ -145,21 +146,21 @@ class BanditAdapter:
         itself."""
         self.settings = settings = settings or AdaptSettings()
         if settings.min_gap < 1 or settings.patience < 1 or settings.watch < settings.patience:
-            raise ValueError(f"need adapt_min_gap >= 1 and adapt_watch >= adapt_patience >= 1, got "
+            raise UserError(f"need adapt_min_gap >= 1 and adapt_watch >= adapt_patience >= 1, got "
                              f"{settings.min_gap}, {settings.watch}, {settings.patience}")
         if settings.rollback_to not in ("last", "origin"):
-            raise ValueError(f"adapt_rollback_to must be last or origin, got {settings.rollback_to}")
+            raise UserError(f"adapt_rollback_to must be last or origin, got {settings.rollback_to}")
         if settings.origin_check < 0:
-            raise ValueError(f"adapt_origin_check must be >= 0 (queries between checks; 0 = off), got "
+            raise UserError(f"adapt_origin_check must be >= 0 (queries between checks; 0 = off), got "
                              f"{settings.origin_check}")
         if settings.backoff < 0:
-            raise ValueError(f"adapt_backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
+            raise UserError(f"adapt_backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
         if settings.buffer < 1:
-            raise ValueError(f"adapt_buffer must be >= 1 (queries per update), got {settings.buffer}")
+            raise UserError(f"adapt_buffer must be >= 1 (queries per update), got {settings.buffer}")
         if settings.validate_on not in ("loss", "tau"):
-            raise ValueError(f"adapt_validate_on must be loss or tau, got {settings.validate_on}")
+            raise UserError(f"adapt_validate_on must be loss or tau, got {settings.validate_on}")
         if not 0 < settings.ema <= 1 or settings.horizon < 1:
-            raise ValueError(f"need 0 < adapt_ema <= 1 and adapt_horizon >= 1, got {settings.ema}, {settings.horizon}")
+            raise UserError(f"need 0 < adapt_ema <= 1 and adapt_horizon >= 1, got {settings.ema}, {settings.horizon}")
         self.adaptable, self.costs = adaptable, costs
         self.bandit = CostAwareUCB(settings.arm_list(), ucb_c=settings.ucb_c, prior=settings.prior)
         self.updater = self.updater_for(adaptable, settings)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from core.drafters.eagle3 import Eagle3Drafter, shift_left
+from core.errors import UserError
 from spectrain.adapt.record import QueryRecord
 from spectrain.adapt.signal import draft_prob_of
 from spectrain.eagle3_losses import teacher_in_draft_vocab, ttt_loss, ttt_targets
@@ -73,9 +74,9 @@ class FeatureDrafterAdaptable:
 
     def __init__(self, drafter, *, max_rows: int = 384, teacher_temperature: float = 1.0):
         if max_rows < 2:
-            raise ValueError(f"adapt_max_rows must be >= 2, got {max_rows}")
+            raise UserError(f"adapt_max_rows must be >= 2, got {max_rows}")
         if teacher_temperature < 0:
-            raise ValueError(f"adapt_teacher_temperature must be >= 0 (0: the target's greedy token), got "
+            raise UserError(f"adapt_teacher_temperature must be >= 0 (0: the target's greedy token), got "
                              f"{teacher_temperature}")
         self.module, self.max_rows, self.teacher_temperature = drafter, max_rows, teacher_temperature
         self.lora = self._lora_parameters()  # adapters already on the module (a copy of one with them)
@@ -93,7 +94,7 @@ class FeatureDrafterAdaptable:
         from peft import LoraConfig, inject_adapter_in_model  # peft: a heavy import, deferred to first use
 
         if rank < 1:
-            raise ValueError(f"adapt_lora_rank must be >= 1, got {rank}")
+            raise UserError(f"adapt_lora_rank must be >= 1, got {rank}")
         flags = {name: p.requires_grad for name, p in self.module.named_parameters()}
         config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
         inject_adapter_in_model(config, self.module)
@@ -158,7 +159,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
     def __init__(self, drafter, *, ttt_steps: int = 3, step_weight: float = 0.8, max_rows: int = 384,
                  teacher_temperature: float = 1.0):
         if ttt_steps < 1:
-            raise ValueError(f"adapt_ttt_steps must be >= 1, got {ttt_steps}")
+            raise UserError(f"adapt_ttt_steps must be >= 1, got {ttt_steps}")
         super().__init__(drafter, max_rows=max_rows, teacher_temperature=teacher_temperature)
         self.ttt_steps, self.step_weight = ttt_steps, step_weight
 
@@ -280,5 +281,5 @@ def adaptable_for(drafter, **settings) -> AdaptableDrafter:
     if hasattr(drafter, "forward_block") and hasattr(drafter, "head_parameters"):  # SpecBlockDrafter
         return SpecBlockAdaptable(drafter, max_rows=settings.get("max_rows", 384),
                                   teacher_temperature=settings.get("teacher_temperature", 1.0))
-    raise ValueError(f"adapt=bandit does not support a {type(drafter).__name__} drafter; supported: "
+    raise UserError(f"adapt=bandit does not support a {type(drafter).__name__} drafter; supported: "
                      "Eagle3Drafter, SpecBlockDrafter")

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
+
 TRACE_FORMAT, TRACE_VERSION = "spectrain-adapt-trace", 1
 
 
@@ -121,10 +123,10 @@ def read_trace(directory: str | Path) -> tuple[dict[str, Any], list[QueryRecord]
                                 "adapt_log=DIR on eagle3_tree first")
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != TRACE_FORMAT or manifest.get("version") != TRACE_VERSION:
-        raise ValueError(f"{manifest_path} is not a {TRACE_FORMAT} v{TRACE_VERSION} manifest (got "
+        raise UserError(f"{manifest_path} is not a {TRACE_FORMAT} v{TRACE_VERSION} manifest (got "
                          f"{manifest.get('format')} v{manifest.get('version')}); re-record the traces")
     paths = sorted((directory / "queries").glob("q*.pt"))
     if not paths:
-        raise ValueError(f"traces={directory} holds no queries/q*.pt records; the recorded run served no query")
+        raise UserError(f"traces={directory} holds no queries/q*.pt records; the recorded run served no query")
     records = [QueryRecord.from_dict(torch.load(p, map_location="cpu", weights_only=True)) for p in paths]
     return manifest, records

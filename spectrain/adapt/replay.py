@@ -26,6 +26,7 @@ import torch
 
 from core.atomic import check_output
 from core.drafters.eagle3_layouts import read_checkpoint
+from core.errors import UserError
 from core.overrides import OverrideError, run_cli, split_key_values
 from inference.drafters import load_eagle3, load_lm
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
@@ -112,12 +113,12 @@ def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
         settings.wandb = settings.wandb or "spectrain"
     target_name = cfg.target or (read_checkpoint(cfg.drafter).target or {}).get("name")
     if not target_name:
-        raise ValueError(f"drafter {cfg.drafter} records no target; pass target=NAME_OR_DIR")
+        raise UserError(f"drafter {cfg.drafter} records no target; pass target=NAME_OR_DIR")
     target = load_lm(target_name, device=cfg.device)
     drafter = load_eagle3(cfg.drafter, target).float()
     gamma = cfg.gamma or int(manifest.get("max_accept", records[0].max_accept)) - 1
     if gamma < 1:
-        raise ValueError(f"gamma must be >= 1 (simulated chain length), got {gamma}")
+        raise UserError(f"gamma must be >= 1 (simulated chain length), got {gamma}")
     out = Path(cfg.out) if cfg.out else Path(cfg.traces) / "replay"
     adaptable = adaptable_with_settings(drafter, settings)
     rows = replay(records, adaptable, settings, CostModel.from_dict(manifest["costs"]), gamma=gamma, out=out)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from core.errors import UserError
+
 
 def query_signal(rejection_q: Sequence[float], rounds: int, floor: float = 1e-6) -> float:
     """S of one query from its rejected positions' ``q_r`` and its number of verification rounds."""
@@ -33,7 +35,7 @@ class ContextBuckets:
 
     def __init__(self, bins: int = 4):
         if bins < 1:
-            raise ValueError(f"adapt_bins must be >= 1, got {bins}")
+            raise UserError(f"adapt_bins must be >= 1, got {bins}")
         self.bins = bins
         self.history: list[float] = []
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.errors import UserError
 from spectrain.adapt.drafters import AdaptableDrafter
 from spectrain.adapt.record import QueryRecord
 
@@ -40,10 +41,10 @@ class Updater:
     def __init__(self, adaptable: AdaptableDrafter, arms: dict[str, ArmUpdate], *, clip: float = 1.0):
         for arm, spec in arms.items():
             if spec.steps < 1 or spec.lr <= 0:
-                raise ValueError(f"adapt_{arm}_steps must be >= 1 and adapt_{arm}_lr > 0, got {spec.steps}, "
+                raise UserError(f"adapt_{arm}_steps must be >= 1 and adapt_{arm}_lr > 0, got {spec.steps}, "
                                  f"{spec.lr}")
         if clip <= 0:
-            raise ValueError(f"adapt_clip (gradient-norm bound) must be > 0, got {clip}")
+            raise UserError(f"adapt_clip (gradient-norm bound) must be > 0, got {clip}")
         self.adaptable, self.arms, self.clip = adaptable, arms, clip
 
     def parameters(self, arm: str) -> list[torch.nn.Parameter]:

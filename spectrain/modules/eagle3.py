@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from core.errors import UserError
 from core.layer_ids import resolve_layers
 from core.vocab import build_vocab_map, load_vocab_map
 from data_prep.vocab import counts_from_source
@@ -44,11 +45,11 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     if model.vocab_map:
         d2t, t2d, _ = load_vocab_map(model.vocab_map)
         if t2d.numel() != vocab_size:
-            raise ValueError(f"model.vocab_map={model.vocab_map} maps a {t2d.numel()}-token vocabulary but target "
+            raise UserError(f"model.vocab_map={model.vocab_map} maps a {t2d.numel()}-token vocabulary but target "
                              f"'{cfg.target}' has {vocab_size} tokens (built for another tokenizer); rebuild it with "
                              f"python -m data_prep.vocab target={cfg.target} ...")
         if model.draft_vocab_size and d2t.numel() != model.draft_vocab_size:
-            raise ValueError(f"model.vocab_map={model.vocab_map} has {d2t.numel()} draft ids but "
+            raise UserError(f"model.vocab_map={model.vocab_map} has {d2t.numel()} draft ids but "
                              f"model.draft_vocab_size={model.draft_vocab_size}; set model.draft_vocab_size="
                              f"{d2t.numel()} (or 0: the map's size) or rebuild the map with that size")
         return d2t, t2d
@@ -80,7 +81,7 @@ class Eagle3Module(DrafterModule):
         target = self.target_model()
         model_cfg = cfg.model
         if model_cfg.gamma > model_cfg.ttt_steps:
-            raise ValueError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}: the "
+            raise UserError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}: the "
                              f"draft steps simulated must be trained; set model.ttt_steps >= {model_cfg.gamma} or a "
                              "smaller model.gamma")
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
