@@ -22,6 +22,7 @@ token) and verifying a few drafted tokens costs about one decode step, as on a G
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from core.atomic import check_output
 from core.overrides import parse_cli, run_cli
 from inference.algorithms import ALGORITHMS
 from inference.drafters import serving_dtype
-from inference.pipeline import Stage, run_pipeline, select
+from inference.pipeline import Stage, run_pipeline, select, stage_minutes
 from inference.device import cpu_has_native_bf16
 
 # trainer.max_steps of the demo_* training recipes
@@ -201,6 +202,9 @@ def run_stages(cfg: DemoConfig) -> None:
     # One thread per stage: side-by-side stages then share the two cores instead of oversubscribing them.
     ran = run_pipeline(stages, label="demo", rerun_hint="`make demo`", env={"OMP_NUM_THREADS": "1"}, pace=pace,
                        pace_note=note)
+    timings = Path(cfg.out) / "stage_minutes.json"
+    timings.write_text(json.dumps(stage_minutes(stages), indent=1) + "\n")
+    print(f"[demo] stage minutes (reference, announced, measured): {timings}", flush=True)
     report = Path(cfg.out) / "eval" / "report.md"
     if report.is_file():
         if "evaluate" not in ran:  # a fresh evaluate stage has just printed the table itself

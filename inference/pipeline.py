@@ -39,16 +39,26 @@ class Stage:
     def done(self) -> bool:
         return self.marker.is_file() and self.output.exists()
 
-    def mark_done(self, minutes: float = 0.0) -> None:
+    def mark_done(self, minutes: float = 0.0, announced: float | None = None) -> None:
         self.marker.parent.mkdir(parents=True, exist_ok=True)
-        self.marker.write_text(json.dumps({"argv": list(self.argv), "minutes": round(minutes, 2)}) + "\n")
+        record = {"argv": list(self.argv), "minutes": round(minutes, 2)}
+        if announced is not None:
+            record["announced_minutes"] = round(announced, 2)
+        self.marker.write_text(json.dumps(record) + "\n")
+
+    def _recorded(self, key: str) -> float | None:
+        try:
+            return float(json.loads(self.marker.read_text())[key])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def measured_minutes(self) -> float | None:
         """The wall minutes its finished run took (None for markers written before minutes were recorded)."""
-        try:
-            return float(json.loads(self.marker.read_text())["minutes"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return self._recorded("minutes")
+
+    def announced_minutes(self) -> float | None:
+        """The minutes announced before its run, at the pace of that moment (None where not recorded)."""
+        return self._recorded("announced_minutes")
 
 
 def select(stages: Sequence[Stage], names: Sequence[str]) -> list[Stage]:
@@ -80,6 +90,14 @@ def measured_pace(finished: Sequence[tuple[float, float]], probed: float) -> flo
     minutes), their wall minutes over their reference minutes; the probe's figure until a stage has finished."""
     reference = sum(ref for ref, _ in finished)
     return sum(wall for _, wall in finished) / reference if reference > 0 else probed
+
+
+def stage_minutes(stages: Sequence[Stage]) -> list[dict[str, object]]:
+    """Per finished stage: its reference, announced and measured wall minutes (what a run writes beside its
+    results, so its timings are checkable)."""
+    return [{"stage": s.name, "group": s.group, "reference_minutes": round(s.minutes, 2),
+             "announced_minutes": s.announced_minutes(), "minutes": s.measured_minutes()}
+            for s in stages if s.done()]
 
 
 def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str, env: dict[str, str] | None = None,
@@ -116,7 +134,7 @@ def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str, env: d
                     failed.append(stage.name)
                     continue
                 minutes = (time.perf_counter() - start) / 60
-                stage.mark_done(minutes)
+                stage.mark_done(minutes, pace * stage.minutes)
                 ran.append(stage.name)
                 finished.append((stage.minutes, minutes))
                 print(f"{head}: finished in {minutes:.1f} min (announced {pace * stage.minutes:.1f})", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,8 +15,7 @@ from inference import demo, pipeline
 from inference.algorithms import ALGORITHMS
 from inference.drafters import DRAFTER_KINDS
 from inference.evaluate import parse_args as parse_evaluate, select_algorithms
-from inference.pipeline import Stage, measured_pace, minutes_left, run_pipeline
-from spectrain.fit import compose_recipe
+from inference.pipeline import Stage, measured_pace, minutes_left, run_pipeline, stage_minutes
 
 PARSERS = {  # module -> how that CLI validates its arguments without doing the work
     "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),
@@ -32,32 +32,25 @@ def config(tmp_path, *args: str):
     return parse_cli([f"out={tmp_path / 'demo'}", *args], demo.DemoConfig, demo.USAGE)
 
 
-def test_every_stage_is_a_command_its_cli_accepts(tmp_path):
+def test_every_stage_is_a_command_its_cli_accepts_and_evaluate_serves_all_ten_algorithms(tmp_path):
+    """Every stage's argv passes its CLI's own parsing; each trained drafter reaches the exports directory evaluate
+    reads, and with the kinds they export ``algorithms=all`` serves every registered algorithm (none skipped)."""
     stages = demo.build_stages(config(tmp_path))
     assert [s.name for s in stages][:2] == ["regenerate", "ngram-corpus"] and stages[-1].name == "evaluate"
-    trained = {s.argv[1].split("=")[1] for s in stages if s.argv[0] == "spectrain.fit"}
-    assert trained == {"demo_draftlm", "demo_hrad", "demo_eagle3", "demo_specblock", "demo_dflash", "demo_peagle"}
-    for stage in stages:
-        PARSERS[stage.argv[0]](list(stage.argv[1:]))
-
-
-def test_every_training_is_exported_and_evaluate_serves_all_ten_algorithms(tmp_path):
-    """Each trained drafter reaches the exports directory evaluate reads, and with the kinds they export
-    ``algorithms=all`` serves every registered algorithm (none skipped), with the demo recipes' step counts."""
-    stages = demo.build_stages(config(tmp_path))
-    exports = tmp_path / "demo" / "exports"
     exported = {s.argv[1].removeprefix("ckpt="): Path(s.argv[-1].removeprefix("out="))
                 for s in stages if s.argv[0] == "spectrain.export"}
     by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
-    available = set()
-    for stage in (s for s in stages if s.argv[0] == "spectrain.fit"):
-        recipe = compose_recipe(list(stage.argv[1:]))
-        assert exported[str(stage.output)].parent == exports, stage.name
-        available.add(by_export.get(recipe.kind, recipe.kind))  # hrad is its own kind
-        if recipe.run_name in demo.DEMO_RECIPE_STEPS:
-            assert recipe.trainer.max_steps == demo.DEMO_RECIPE_STEPS[recipe.run_name]
-    evaluate = parse_evaluate(list(stages[-1].argv[1:]))
-    labels, skipped = select_algorithms(evaluate, available)
+    trained, available = set(), set()
+    for stage in stages:
+        parsed = PARSERS[stage.argv[0]](list(stage.argv[1:]))
+        if stage.argv[0] == "spectrain.fit":
+            trained.add(parsed.run_name)
+            assert exported[str(stage.output)].parent == tmp_path / "demo" / "exports", stage.name
+            available.add(by_export.get(parsed.kind, parsed.kind))  # hrad is its own kind
+            if parsed.run_name in demo.DEMO_RECIPE_STEPS:
+                assert parsed.trainer.max_steps == demo.DEMO_RECIPE_STEPS[parsed.run_name]
+    assert trained == {"demo_draftlm", "demo_hrad", "demo_eagle3", "demo_specblock", "demo_dflash", "demo_peagle"}
+    labels, skipped = select_algorithms(parse_evaluate(list(stages[-1].argv[1:])), available)
     assert skipped == {} and set(ALGORITHMS) <= set(labels) and len(ALGORITHMS) == 10
 
 
@@ -81,6 +74,8 @@ def test_finished_stages_are_skipped_and_the_table_is_printed(tmp_path, monkeypa
     demo.run_stages(cfg)
     out = capsys.readouterr().out
     assert out.count("done already") == len(stages) and "| algorithm | τ |" in out
+    timings = json.loads((tmp_path / "demo" / "stage_minutes.json").read_text())
+    assert [t["stage"] for t in timings] == [s.name for s in stages]
 
 
 def test_a_stage_killed_midway_is_not_done(tmp_path):
@@ -208,4 +203,6 @@ def test_announced_minutes_follow_the_probe_then_the_stages_measured_pace(tmp_pa
     assert "about 12 min of work left on this host (probe)" in out and "a (about 4.0 min)" in out
     assert "finished in 6.0 min (announced 4.0)" in out
     assert "took 3.00x their reference minutes: about 12 min of work left" in out and "b (about 12.0 min)" in out
-    assert [s.measured_minutes() for s in stages] == [6.0, 1.0]
+    assert stage_minutes(stages) == [  # what the demo writes to stage_minutes.json
+        {"stage": "a", "group": "", "reference_minutes": 2.0, "announced_minutes": 4.0, "minutes": 6.0},
+        {"stage": "b", "group": "", "reference_minutes": 4.0, "announced_minutes": 12.0, "minutes": 1.0}]
