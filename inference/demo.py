@@ -40,8 +40,8 @@ from inference.pipeline import Stage, run_pipeline, select, stage_minutes
 from inference.device import cpu_has_native_bf16
 
 # trainer.max_steps of the demo_* training recipes
-DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 60, "demo_specblock": 16, "demo_dflash": 24,
-                     "demo_peagle": 24}
+DEMO_RECIPE_STEPS = {"demo_draftlm": 240, "demo_eagle3": 60, "demo_specblock": 16, "demo_dflash": 16,
+                     "demo_peagle": 16}
 # The reference machine, whose minutes the stages state: a 2-core AMD EPYC (Zen 3, family 25 model 1, no native
 # bf16: fp32 throughout), shared with other jobs, 2026-11-28. Wall seconds per training step there (one thread,
 # benchmarks.train_step; two trainings run side by side):
