@@ -8,12 +8,12 @@ last layers and lm_head), for every call size the engine can make: a forward run
 so chains, trees, grids, prefills and their tails all take 1..EXACT_ROWS rows. Against decoding 64 tokens one at a
 time it checks
 
-- the decoder on a block of every size 2..64 (the final hidden states), and one pass in blocks of 5, whose keys
-  written by one block are read by the next;
 - the lm_head on hidden rows (the runner's ``logits_from_hidden``: the forward's own logits and the rows verification
   computes later, alone or a grid's at once) for every size 1..64, at several offsets into the rows. In bf16 at the
   full vocabulary; in fp32 over the first ``FP32_HEAD_IDS`` ids: the fp32 linear (``core.kernels.exact_cpu``) runs
   the same code for every output column whatever the width, at a fiftieth of the full head's cost here;
+- the decoder on a block of every size 2..64 (the final hidden states), and one pass in blocks of 5, whose keys
+  written by one block are read by the next;
 - a tree with gaps against decoding each node's path (full logits).
 
 If a check differs, the runner verifies token by token (every call then has a decode's shape: bitwise by
@@ -108,11 +108,14 @@ def first_mismatch(runner, seed: int = 0, sweep: bool = True) -> str | None:
     runner.reset(1)
     runner.forward(prompt)
     stepwise = torch.cat([_final_hidden(runner, tokens[:, j:j + 1]) for j in range(PROBE_TOKENS)])
+    mismatch = _head_mismatch(runner, stepwise) if sweep else None  # first: in fp32 the cheaper sweep
+    if mismatch is not None:
+        return mismatch
     for block in range(2, PROBE_TOKENS + 1) if sweep else ():
         runner.truncate(PROBE_PROMPT)
-        blocked = _final_hidden(runner, tokens[:, :block])
-        if not torch.equal(blocked, stepwise[:block]):
-            return (f"a block of {block} tokens gave token {_first_row(blocked, stepwise)} other hidden states than "
+        blocked, expected = _final_hidden(runner, tokens[:, :block]), stepwise[:block]
+        if not torch.equal(blocked, expected):
+            return (f"a block of {block} tokens gave token {_first_row(blocked, expected)} other hidden states than "
                     "decoding it alone")
     runner.truncate(PROBE_PROMPT)
     chunked = torch.cat([_final_hidden(runner, tokens[:, j:j + PROBE_CHUNK])
@@ -120,9 +123,6 @@ def first_mismatch(runner, seed: int = 0, sweep: bool = True) -> str | None:
     if not torch.equal(chunked, stepwise):
         return (f"blocks of {PROBE_CHUNK} tokens gave token {_first_row(chunked, stepwise)} other hidden states than "
                 "decoding it alone")
-    mismatch = _head_mismatch(runner, stepwise) if sweep else None
-    if mismatch is not None:
-        return mismatch
     mask, depth = tree_mask(PROBE_TREE)
     runner.truncate(PROBE_PROMPT)
     tree = runner.forward(tokens[:, :len(PROBE_TREE)], attention_mask=mask,
