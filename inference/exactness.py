@@ -37,6 +37,9 @@ EXACT = "exact"  # chunks of up to EXACT_ROWS tokens; GEMM rows probed invariant
 PER_TOKEN = "exact-per-token"  # every forward token by token, each call shaped as a decode step
 APPROXIMATE = "approximate"  # SDPA and batched GEMMs: greedy equality up to rounding (near-ties can flip)
 BATCHED_ROWS = "batched rows"  # the reason a CPU runner serving several rows is not exact
+# the reason the transformers fallback is not exact (README, "Model families")
+TRANSFORMERS_BACKEND = ("transformers backend: its attention and GEMMs compute a verification's rows together; "
+                        "exact mode needs the native runner (Llama, Qwen2, Qwen3, Mistral families)")
 
 PROBE_PROMPT = 70
 PROBE_TOKENS = EXACT_ROWS  # every call size up to the most a forward's call takes

@@ -58,7 +58,7 @@ class TransformersRunner:
         self.logit_vocab: int | None = None  # see with_logit_vocab
         # transformers' own attention and GEMMs over batched rows: greedy equality with AR holds up to rounding
         self.exact = False
-        self.exactness = exactness.approximate("transformers backend")
+        self.exactness = exactness.approximate(exactness.TRANSFORMERS_BACKEND)
         self._decoder_layers = next(
             (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == self.num_layers), None
         )
