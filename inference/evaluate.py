@@ -37,10 +37,11 @@ from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import GenerationStats
 from inference.algorithms.options import apply_threads
+from inference import exactness
 from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
 from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_drafters,
-                                   check_placement, drafter_paths, given_keys, parse_variant, sampling_params,
-                                   with_overrides)
+                                   check_placement, drafter_paths, given_keys, load_target, parse_variant,
+                                   sampling_params, with_overrides)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
@@ -52,7 +53,9 @@ class EvalConfig(EngineArgs):
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
-    batch_size: int = 1  # prompts per generate_batch call for algorithms that batch (ssd); the others run one by one
+    # prompts per generate_batch call for algorithms that batch (ssd); the others run one by one. The target then
+    # serves that many rows, off the exact path: refused on a CPU, where exact mode would run (check_exact_batching)
+    batch_size: int = 1
     warmup: bool = True
     out: str = "results/eval"
 
@@ -133,6 +136,16 @@ def load_bench_prompts(bench: str, tokenizer, n: int) -> BenchPrompts:
     return BenchPrompts(bench, [render_prompt(tokenizer, prompt_turns(c)) for c in conversations])
 
 
+def check_exact_batching(batch_size: int, runner: Any) -> None:
+    """Refuse (one line) ``batch_size > 1`` where it alone takes the target off the exact path: a CPU runner serving
+    several rows runs batched SDPA and GEMMs for every algorithm, not only those that batch. Where exact mode is off
+    anyway (a GPU, the transformers fallback) batching changes nothing and runs."""
+    if batch_size > 1 and runner.exactness.reason == exactness.BATCHED_ROWS:
+        raise ValueError(f"batch_size={batch_size} serves {batch_size} rows at once, which takes every algorithm off "
+                         "the exact path on a CPU (greedy output would equal AR's only up to rounding); use "
+                         "batch_size=1 here (batched runs are for GPUs)")
+
+
 def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress=None) -> tuple[GenerationStats, list]:
     """Generate for every prompt with ``cfg``'s sampling, seed and max_new_tokens (the variant's config, when the
     algorithm is a variant)."""
@@ -191,6 +204,8 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
         print(f"[evaluate] skipping {name}: it {why}", file=sys.stderr)
     for bench in cfg.bench:  # an unreadable or empty bench fails before any model loads (re-read below: cheap)
         load_bench_conversations(bench, cfg.n_prompts)
+    target = target or load_target(cfg, cfg.batch_size)
+    check_exact_batching(cfg.batch_size, target.runner)
     target, algorithms = build_algorithms(cfg, labels, target, preloaded, cfg.batch_size)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     benches = [load_bench_prompts(b, target.tokenizer, cfg.n_prompts) for b in cfg.bench]

@@ -20,7 +20,8 @@ def _exactness(results: dict[str, Any]) -> str:
     """The target runner's path and probe, and a warning naming every greedy row whose output left AR's: such a
     row is not lossless, whatever its speed."""
     info = results.get("exactness") or {}
-    line = (f"{info.get('path', 'unknown')} path, probe {info.get('probe', 'not run')}; greedy output is "
+    reason = f" ({info['reason']})" if info.get("reason") else ""  # why the path is not exact, where it is not
+    line = (f"{info.get('path', 'unknown')} path, probe {info.get('probe', 'not run')}{reason}; greedy output is "
             + ("bitwise AR's by construction" if info.get("bitwise") else "AR's only up to rounding"))
     differing = [f"{r['algorithm']} ({r['bench']})" for r in results.get("runs", [])
                  if r.get("greedy_equal_to_ar") is False]

@@ -357,5 +357,29 @@ def test_the_report_flags_every_greedy_row_that_left_ar():
             for name, equal in (("ar", True), ("sps", True), ("eagle3_tree", False))]
     exactness = {"path": "approximate", "probe": "not run", "bitwise": False, "reason": "cuda attention"}
     report = markdown_table({"config": {}, "runs": runs, "exactness": exactness})
-    assert ("exactness: approximate path, probe not run; greedy output is AR's only up to rounding. **Not "
+    assert ("exactness: approximate path, probe not run (cuda attention); greedy output is AR's only up to rounding. **Not "
             "lossless: greedy output differs from AR's in eagle3_tree (gsm)**") in report
+
+
+def test_batch_size_above_one_is_refused_where_it_would_leave_the_exact_path(monkeypatch, tmp_path):
+    """A CPU target serving two rows runs every algorithm off the exact path: refused in one line naming the fix.
+    Where exact mode is off anyway (here the transformers fallback) batch_size=2 runs."""
+    from inference.transformers_runner import TransformersRunner
+
+    model = tiny_loaded(10, 16, 2, 3.0).model
+    monkeypatch.setattr(evaluate_cli, "load_bench_prompts",
+                        lambda bench, tokenizer, n: evaluate_cli.BenchPrompts(bench, [[1, 2, 3], [4, 5]][:n]))
+    monkeypatch.setattr(evaluate_cli, "eos_token_ids", lambda *a, **k: [])
+    cfg = evaluate_cli.parse_args(["algorithms=[ar]", "batch_size=2", "n_prompts=2", "max_new_tokens=4",
+                                   f"out={tmp_path}", "warmup=false"])
+    batched = ModelRunner.from_hf_model(model, max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError) as refused:
+        evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", batched, None, model))
+    message = str(refused.value)
+    assert message.startswith("batch_size=2 serves 2 rows at once, which takes every algorithm off the exact path")
+    assert message.endswith("use batch_size=1 here (batched runs are for GPUs)") and "\n" not in message
+    fallback = TransformersRunner(model, max_batch_size=2, max_seq_len=32)
+    results = evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", fallback, None, model))
+    assert results["exactness"]["reason"].startswith("transformers backend") and results["runs"][0]["new_tokens"] == 8
+    assert ("exactness: approximate path, probe not run (transformers backend: its attention and GEMMs compute a "
+            "verification's rows together; exact mode needs the native runner") in (tmp_path / "report.md").read_text()

@@ -215,11 +215,11 @@ def rounds_differently_past(rows_limit: int):
 def test_the_probe_catches_gemm_rows_that_depend_on_the_row_count_and_falls_back(target, dtype, monkeypatch,
                                                                                    fresh_probe):
     monkeypatch.setattr(Linear, "forward", rounds_differently_past(4))
-    with pytest.warns(exactness.ExactnessWarning, match="exact mode: a block of 5 tokens gave token 0 other logits "
-                                                        "than decoding it alone on this CPU; .*token by token"):
+    with pytest.warns(exactness.ExactnessWarning, match="exact mode: the lm_head on 5 hidden rows gave row 0 other "
+                                                        "logits than on it alone on this CPU; .*token by token"):
         runner = exact_runner(target, dtype)
     assert runner.exactness.path == exactness.PER_TOKEN and runner.exactness.bitwise
-    assert runner.exactness.probe.startswith("failed: a block of 5 tokens")
+    assert runner.exactness.probe.startswith("failed: the lm_head on 5 hidden rows")
     prompt = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=30, sampling=GREEDY)
     draft = exact_runner(noisy_copy(target, 0.05), dtype, exact=False)
@@ -251,6 +251,81 @@ def test_the_probe_catches_attention_rows_that_depend_on_the_call(target, monkey
     reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=12, sampling=GREEDY)
     assert build_algorithm("self_draft", runner).generate(prompt, max_new_tokens=12,
                                                           sampling=GREEDY).tokens == reference.tokens
+
+
+def flipped_last_bit(out: torch.Tensor) -> torch.Tensor:
+    bits = out.view(torch.int16) if out.dtype == torch.bfloat16 else out.view(torch.int32)
+    return (bits ^ 1).view(out.dtype)
+
+
+def rounds_differently_at(rows: int, *, head: bool):
+    """Linear.forward as on a host whose GEMM rounds a call of exactly ``rows`` rows differently, in the lm_head
+    only (``head``: a module with the target's 4096 outputs) or in the decoder's linears only."""
+    original = Linear.forward
+
+    def forward(self, x, out_features=None):
+        out = original(self, x, out_features)
+        hit = x.numel() // x.shape[-1] == rows and (self.out_features == 4096) == head
+        return flipped_last_bit(out) if hit else out
+    return forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, head, found", [
+    (7, False, "a block of 7 tokens gave token 0 other hidden states than decoding it alone"),
+    (27, True, "the lm_head on 27 hidden rows gave row 0 other logits than on it alone"),
+])
+def test_the_probe_catches_rows_that_differ_only_at_a_count_it_once_skipped(target, dtype, rows, head, found,
+                                                                            monkeypatch, fresh_probe):
+    """Served row counts (a 7-token chain, the 27-row tail of a 91-row tree) that the probe's former sample of
+    blocks (2, 3, 5, 13, 33, 48, 64 and their tails) never tried: every count 1..EXACT_ROWS is checked now."""
+    monkeypatch.setattr(Linear, "forward", rounds_differently_at(rows, head=head))
+    with pytest.warns(exactness.ExactnessWarning, match=f"exact mode: {found} on this CPU"):
+        runner = exact_runner(target, dtype)
+    assert runner.exactness.path == exactness.PER_TOKEN and runner.exactness.bitwise
+
+
+def one_row_head_rounds_differently(vocab: int):
+    """Linear.forward as on a host whose one-row lm_head call gives other logits than the same row among others:
+    each id's logit moved by a fixed pattern of about the logits' spread (a deterministic function of the call, as
+    a kernel's other blocking is, and large enough to move greedy choices)."""
+    original = Linear.forward
+    pattern = torch.randn(vocab, generator=torch.Generator().manual_seed(11))
+
+    def forward(self, x, out_features=None):
+        out = original(self, x, out_features)
+        if self.out_features != vocab or x.numel() // x.shape[-1] != 1:
+            return out
+        return out + (pattern[:out.shape[-1]] * 3 * out.float().std()).to(out.dtype)
+    return forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_host_whose_one_row_lm_head_differs_cannot_move_verification_rows_off_ars(dtype, monkeypatch, fresh_probe):
+    """Verification rows computed after the forward (eagle3_tree, specblock_tree, Self-Draft) take the runner's
+    logits_from_hidden, AR's own path. In fp32 AR's head call has one row, so the probe sees it differ from the same
+    row among others and falls back to token by token; in bf16 no call has one row (a lone row is doubled), so the
+    fast path stands, though a bare one-row lm_head call (how those rows were once computed) gives other logits.
+    Either way every algorithm's greedy output is AR's."""
+    model = smollm2_shaped(0, layers=3)  # the drafters' test helpers read aux layers 0, 1, 2
+    monkeypatch.setattr(Linear, "forward", one_row_head_rounds_differently(4096))
+    if dtype == torch.float32:
+        with pytest.warns(exactness.ExactnessWarning, match="the lm_head on 2 hidden rows gave row 0 other logits"):
+            runner = exact_runner(model, dtype)
+        assert runner.exactness.path == exactness.PER_TOKEN
+    else:
+        runner = exact_runner(model, dtype)
+        assert runner.exactness.path == exactness.EXACT
+        hidden = runner.forward(torch.tensor([[5, 6, 7]]), return_last_hidden=True).last_hidden[0, -1:]
+        assert not torch.equal(runner.lm_head(hidden).float(), runner.logits_from_hidden(hidden))
+    prompt = torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=10, sampling=GREEDY).tokens
+    drafters = {"eagle3_tree": (random_eagle3(model, draft_vocab=512).to(dtype), {"tree_total": 8}),
+                "specblock_tree": (random_specblock(model, draft_vocab=512).to(dtype), {}),
+                "self_draft": (None, {"branch_len": 3, "branch_num": 2})}
+    for name, (drafter, options) in drafters.items():
+        built = build_algorithm(name, exact_runner(model, dtype), drafter, **options)
+        assert built.generate(prompt, max_new_tokens=10, sampling=GREEDY).tokens == reference, name
 
 
 def test_a_host_that_is_not_even_deterministic_is_reported_as_approximate(target, monkeypatch, fresh_probe):
