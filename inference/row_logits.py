@@ -5,8 +5,11 @@ the dozens the forward ran. On a CPU every lm_head call streams the whole weight
 vocabulary, ≈ 12 ms, a sixth of a decode step) and a call over 24 rows cost ~3.5× one row here, so computing
 just the rows read is cheaper (measured: +6 % tokens/s for Self-Draft at L = N = 6, +1 % for eagle3_tree with
 48-node trees, where the 49-token decoder pass dominates); on a GPU one batched call over every row is cheaper
-than a string of small ones (:func:`lazy_rows_on` picks by device). Both give the same values: the same lm_head on the same final hidden
-states, so a walk's output does not depend on the choice.
+than a string of small ones (:func:`lazy_rows_on` picks). A row computed on demand goes through the runner's
+``logits_from_hidden``, the very path its forward takes (in exact mode: a lone bf16 row doubled, at most
+``EXACT_ROWS`` rows per call, the ``logit_vocab`` limit), so both give the same bits and a walk's output does not
+depend on the choice. A runner whose forward scores every row anyway (the transformers fallback) hands its
+forward's rows.
 """
 
 from __future__ import annotations
@@ -14,17 +17,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+LogitsFromHidden = Callable[[Tensor], Tensor]  # a runner's logits_from_hidden: [n, H] final hidden -> fp32 [n, V]
 
 
 class RowLogits:
     """Row ``r`` of a forward's logits (float32 [V]): from ``known`` (the rows computed with the forward, a
-    prefix of them) or ``lm_head(hidden[r])`` on first read, then cached. ``len`` = the number of rows."""
+    prefix of them) or ``logits_from_hidden(hidden[r:r + 1])`` on first read (the runner's own method, module
+    docstring), then cached. ``len`` = the number of rows."""
 
-    def __init__(self, hidden: Tensor | None, lm_head: nn.Module | None, *, known: Tensor | None = None):
+    def __init__(self, hidden: Tensor | None, logits_from_hidden: LogitsFromHidden | None, *,
+                 known: Tensor | None = None):
         if hidden is None and known is None:
             raise ValueError("RowLogits needs the final hidden states or the computed logits")
-        self.hidden, self.lm_head, self.known = hidden, lm_head, known
+        self.hidden, self.logits_from_hidden, self.known = hidden, logits_from_hidden, known
         self.num_rows = len(hidden) if hidden is not None else len(known)
         self.device = (hidden if hidden is not None else known).device
         self._rows: dict[int, Tensor] = {}
@@ -44,7 +51,7 @@ class RowLogits:
         if self.known is not None and row < len(self.known):
             return self.known[row]
         if row not in self._rows:
-            self._rows[row] = self.lm_head(self.hidden[row:row + 1]).float()[0]
+            self._rows[row] = self.logits_from_hidden(self.hidden[row:row + 1])[0]
         return self._rows[row]
 
     def stack(self, rows: Sequence[int]) -> Tensor:
@@ -69,6 +76,7 @@ class WarpedRows:
         return self._cache[row]
 
 
-def lazy_rows_on(device: torch.device | str) -> bool:
-    """Compute verification logits row by row on a CPU, all at once elsewhere (module docstring)."""
-    return torch.device(device).type == "cpu"
+def lazy_rows_on(runner) -> bool:
+    """Compute verification logits row by row on a CPU, all at once elsewhere or where the runner's forward
+    scores every row anyway (module docstring)."""
+    return torch.device(runner.device).type == "cpu" and not runner.scores_every_row

@@ -46,6 +46,8 @@ class ModelRunner(nn.Module):
     per-row lengths ``cache_lens: LongTensor[B]``. Built with :meth:`from_config` or :meth:`from_hf_model`.
     """
 
+    scores_every_row = False  # forward scores only the rows asked for (logit_rows); the rest on demand
+
     def __init__(
         self,
         config,
@@ -107,7 +109,8 @@ class ModelRunner(nn.Module):
         wanted = exact if exact is not None else device.type == "cpu" and max_batch_size == 1
         if not wanted:
             return exactness.approximate("exact mode is off" if exact is False else
-                                         "batched rows" if device.type == "cpu" else f"{device.type} attention")
+                                         exactness.BATCHED_ROWS if device.type == "cpu" else
+                                         f"{device.type} attention")
         problems = [
             f"it runs on a CPU, not {device.type}" if device.type != "cpu" else "",
             "it serves one row (max_batch_size=1)" if max_batch_size != 1 else "",
@@ -418,25 +421,35 @@ class ModelRunner(nn.Module):
         self._pending = (start, new)
 
         x = self.model.norm(x, exact=self.exact)
-        rows = x[:, logit_rows_slice(only_last_logits, logit_rows)]
-        if self.exact and rows.shape[1] > step:
-            logits = torch.cat([self._logits(rows[:, lo:lo + step]) for lo in range(0, rows.shape[1], step)], dim=1)
-        else:
-            logits = self._logits(rows)
+        logits = self.logits_from_hidden(x[:, logit_rows_slice(only_last_logits, logit_rows)])
         return RunnerOutput(logits=logits, hidden={i: torch.cat(h, dim=1) if len(h) > 1 else h[0]
                                                    for i, h in hidden.items()},
                             last_hidden=x if return_last_hidden else None)
 
-    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., V] of final-normed hidden rows [..., H] (a forward's ``last_hidden``), computed as
+        :meth:`forward` computes its own: in exact mode in calls of at most EXACT_ROWS rows (one on the per-token
+        path) with a lone bf16 row doubled, and over ``logit_vocab`` ids when set. So a row computed later, alone
+        or among others, has the bits AR's decode step gives it (those row counts are what the probe checks)."""
         # As one contiguous 2D matmul: a strided 3D input would take a batched path that copies the weight.
-        flat = rows.reshape(-1, rows.shape[-1]).contiguous()
-        if self.exact and self._double_lone_rows and flat.shape[0] == 1:  # see _exact_layers
-            return self._logits(flat.expand(2, -1))[:1].view(*rows.shape[:-1], -1)
-        if self.logit_vocab is None:
-            logits = self.lm_head(flat).float()
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        step = flat.shape[0]
+        if self.exact:
+            step = 1 if self.exactness.path == exactness.PER_TOKEN else EXACT_ROWS
+        if flat.shape[0] > step:
+            logits = torch.cat([self._head(flat[lo:lo + step]) for lo in range(0, flat.shape[0], step)])
         else:
-            logits = limited_logits(self.lm_head(flat, self.logit_vocab).float(), self.config.vocab_size)
-        return logits.view(*rows.shape[:-1], logits.shape[-1])
+            logits = self._head(flat)
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def _head(self, flat: torch.Tensor) -> torch.Tensor:
+        """The lm_head over [N, H] rows, N <= EXACT_ROWS in exact mode."""
+        if self.exact and self._double_lone_rows and flat.shape[0] == 1:  # see _exact_layers
+            return self._head(flat.expand(2, -1).contiguous())[:1]
+        if self.logit_vocab is None:
+            return self.lm_head(flat).float()
+        return limited_logits(self.lm_head(flat, self.logit_vocab).float(), self.config.vocab_size)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor | None, user_mask: torch.Tensor | None,
                 shortest: int, cached: int, capture: Sequence[int], hidden: dict[int, list[torch.Tensor]]

@@ -25,8 +25,10 @@ rolls rows back to length n; ``reset()`` empties the cache.
 **Hidden capture convention.** ``capture_layers=(i, ...)``: layer ``i`` (0-based, negative counts from
 the end) is the OUTPUT of decoder layer ``i``, i.e. transformers' ``output_hidden_states[i + 1]`` for
 ``i < L - 1`` (transformers stores the final-normed state at ``[L]``; we return the raw output of the last
-layer there). ``last_hidden`` is the final hidden AFTER the final norm, so ``lm_head(last_hidden) ==
-logits``.
+layer there). ``last_hidden`` is the final hidden AFTER the final norm, and ``logits_from_hidden(rows of
+last_hidden)`` gives those rows' logits as the forward computes them (in exact mode bit for bit: the same calls, a
+lone bf16 row doubled, at most ``EXACT_ROWS`` rows each). ``scores_every_row`` says whether the forward scores every
+row whatever ``logit_rows`` asks (then computing rows again on demand only costs).
 """
 
 from __future__ import annotations

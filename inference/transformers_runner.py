@@ -36,6 +36,13 @@ class TransformersRunner:
     the cache keeps every token, so any context length up to ``max_seq_len`` works.
     """
 
+    # transformers' forward scores every row whatever logit_rows asks: verification reads its rows, computing none
+    # again (inference.row_logits)
+    scores_every_row = True
+    # what transformers' *ForCausalLM heads do after the lm_head, by config attribute (Gemma-2/3 soft-cap their
+    # logits, Cohere scales them, Granite divides them)
+    LOGIT_SOFTCAP, LOGIT_SCALE, LOGIT_DIVISOR = "final_logit_softcapping", "logit_scale", "logits_scaling"
+
     def __init__(self, model: nn.Module, *, max_batch_size: int = 1, max_seq_len: int = 2048):
         attn_impl = getattr(model.config, "_attn_implementation", None)
         if attn_impl not in ("eager", "sdpa", None):
@@ -251,6 +258,26 @@ class TransformersRunner:
         )
 
     __call__ = forward
+
+    @torch.no_grad()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., V] of final-normed hidden rows [..., H] (``last_hidden``), as transformers' head
+        computes them in :meth:`forward`: the lm_head, then the soft-cap or scale the config names, then the
+        ``logit_vocab`` limit. Equal to the forward's rows up to rounding (this backend claims no more)."""
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, self.LOGIT_SOFTCAP, None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        scale = getattr(self.config, self.LOGIT_SCALE, None)
+        if scale is not None:
+            logits = logits * scale
+        divisor = getattr(self.config, self.LOGIT_DIVISOR, None)
+        if divisor is not None:
+            logits = logits / divisor
+        logits = logits.float()
+        if self.logit_vocab is not None:
+            logits = limited_logits(logits[..., : self.logit_vocab], self.config.vocab_size)
+        return logits
 
     def _float_mask(self, allowed: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive float mask (honoured as-is by eager and sdpa attention in transformers) from ``allowed``

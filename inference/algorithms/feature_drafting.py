@@ -126,12 +126,13 @@ class TreeVerification:
                      generator: torch.Generator | None, stats: GenerationStats, out: OutputBuffer) -> TreeRound:
         target, device = self.target, self.target.device
         tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
-        lazy = lazy_rows_on(device)  # the walk reads ~τ rows of the tree's: on a CPU compute only those
+        lazy = lazy_rows_on(target)  # the walk reads ~τ rows of the tree's: on a CPU compute only those
         output = target.forward(tokens, positions=tree.positions(committed, device)[None],
                                 attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers,
                                 return_last_hidden=lazy, logit_rows=slice(0, 0) if lazy else None)
         stats.target_forwards += 1
-        logits = RowLogits(output.last_hidden[0], target.lm_head) if lazy else RowLogits.computed(output.logits[0])
+        logits = (RowLogits(output.last_hidden[0], target.logits_from_hidden) if lazy
+                  else RowLogits.computed(output.logits[0]))
         walk = tree_walk(tree.tokens, tree.parents, WarpedRows(logits, sampling.warp), generator)
         kept_rows = [0] + [node + 1 for node in walk.path]
         target.commit([kept_rows])

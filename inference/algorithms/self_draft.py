@@ -47,7 +47,7 @@ from core import assets
 from core.assets import tokenizer_fingerprint
 from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
 from inference.ngram_cache import ContextCache, CorpusCache
-from inference.row_logits import RowLogits, lazy_rows_on
+from inference.row_logits import LogitsFromHidden, RowLogits, lazy_rows_on
 from inference.sampling import SamplingParams
 from inference.verify import multi_candidate
 
@@ -195,7 +195,13 @@ class NodeLogits(RowLogits):
     on demand: the grid rows need only their argmax (grid update, context cache), which :meth:`grid_argmax`
     takes in one call over the full vocabulary or over a :class:`GridVocab`, and a candidate row is computed
     when the walk visits it. Which tokens the grid proposes changes speed only; every emitted token comes
-    from full-vocabulary rows."""
+    from full-vocabulary rows, computed by the runner's ``logits_from_hidden`` (its forward's own path).
+    ``head_weight``: the lm_head's weight, for :class:`GridVocab`'s proposals."""
+
+    def __init__(self, hidden: torch.Tensor, logits_from_hidden: LogitsFromHidden, *, known: torch.Tensor,
+                 head_weight: torch.Tensor):
+        super().__init__(hidden, logits_from_hidden, known=known)
+        self.head_weight = head_weight
 
     @torch.no_grad()
     def grid_argmax(self, num_grid: int, vocab: GridVocab | None) -> list[int]:
@@ -207,8 +213,8 @@ class NodeLogits(RowLogits):
             return root + self.known[1:1 + num_grid].argmax(dim=-1).tolist()
         hidden = self.hidden[1:1 + num_grid]
         if vocab is not None:
-            return root + vocab.argmax(hidden, self.lm_head.weight)
-        logits = self.lm_head(hidden).float()
+            return root + vocab.argmax(hidden, self.head_weight)
+        logits = self.logits_from_hidden(hidden)
         self._rows.update({1 + i: row for i, row in enumerate(logits)})  # the walk may visit them
         return root + logits.argmax(dim=-1).tolist()
 
@@ -394,10 +400,11 @@ class SelfDraft(Algorithm):
         ids = torch.tensor([head + layout.tokens], dtype=torch.long, device=target.device)
         positions, mask = positions[None].to(target.device), mask.to(target.device)
         root = len(head) - 1  # rows before the root (the rest of a prompt) need no logits
-        lazy = lazy_rows_on(target.device)
+        lazy = lazy_rows_on(target)
         result = target.forward(ids, positions=positions, attention_mask=mask, return_last_hidden=True,
                                 logit_rows=slice(root, root + 1 if lazy else None))
-        return NodeLogits(result.last_hidden[0, root:], target.lm_head, known=result.logits[0])
+        return NodeLogits(result.last_hidden[0, root:], target.logits_from_hidden, known=result.logits[0],
+                          head_weight=target.lm_head.weight)
 
     def _walk(self, layout: StepLayout, logits: NodeLogits, first: int, sampling: SamplingParams,
               generator: torch.Generator | None) -> tuple[list[int], int, list[list[int]]]:
