@@ -174,7 +174,7 @@ class ContinuousBatcher:
         runner.copy_rows(range(size, size + n), list(fresh), lengths)
         for i, job in fresh.items():
             rows[i] = _Row(job)
-        logits = runner.lm_head(hidden).float().cpu()
+        logits = runner.logits_from_hidden(hidden).cpu()
         return {i: logits[k] for k, i in enumerate(fresh)}
 
     def _refill_fits(self, fresh: dict[int, Job]) -> bool:
@@ -233,4 +233,4 @@ class ContinuousBatcher:
         last = (keep - 1).clamp(min=0).to(runner.device)
         hidden = out.last_hidden[torch.arange(self.batch_size, device=runner.device), last]
         runner.truncate(lengths + keep.to(runner.device))
-        return runner.lm_head(hidden).float().cpu()
+        return runner.logits_from_hidden(hidden).cpu()
