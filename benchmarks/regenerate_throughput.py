@@ -1,19 +1,23 @@
 """``python -m benchmarks.regenerate_throughput [n_prompts=24] [max_new_tokens=128] [batch_sizes=[8,16,24]] [threads=1]
-[dtype=auto|fp32|bf16]``
+[dtype=auto|fp32|bf16] [out=DIR]``
 
 Batched regeneration (``inference.batched_generation``, what ``data_prep.regenerate`` runs) against one-prompt AR
 (``inference.algorithms.ar``) on the same held-out GSM-symbolic prompts, in one process: generated tokens/s,
-the ratio to AR, and how many answers equal AR's token for token (a padded batch sums in another order, so a
-near-tie may resolve differently). Prompts are answered greedily up to ``max_new_tokens`` or EOS.
+the ratio to AR, and how many answers equal AR's token for token (all of them on the exact path, which covers batched
+CPU rows; on the approximate path a padded batch sums in another order, so a near-tie may resolve differently).
+Prompts are answered greedily up to ``max_new_tokens`` or EOS. ``out=DIR`` also writes ``DIR/results.json``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from core.overrides import parse_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
@@ -33,6 +37,8 @@ class ThroughputConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 24])
     threads: int = 1
     dtype: str = "auto"  # the target's compute dtype (auto = fp32 on a CPU; bf16 needs native bf16)
+    exact: bool | None = None  # the runner's exact mode (default: on for CPU rows); false: the approximate path
+    out: str | None = None  # DIR: results.json there
 
 
 def main(argv: list[str]) -> None:
@@ -40,7 +46,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(cfg.threads)
     largest = max(cfg.batch_sizes)
     target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=2 * largest,
-                     dtype=model_dtype(cfg.dtype, "cpu"))
+                     dtype=model_dtype(cfg.dtype, "cpu"), exact=cfg.exact)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts("gsm_symbolic", n=cfg.n_prompts)]
     greedy = SamplingParams(0.0)
@@ -62,13 +68,22 @@ def main(argv: list[str]) -> None:
         seconds = time.perf_counter() - start
         same = sum(answers[i] == reference[i] for i in range(len(prompts)))
         rows.append((f"batched, {size} rows", batcher.new_tokens, seconds, same))
+    dtype = str(target.runner.dtype).removeprefix("torch.")
     print(f"{cfg.n_prompts} held-out GSM-symbolic prompts, greedy, max_new_tokens={cfg.max_new_tokens}, "
-          f"{cfg.threads} thread(s), target {cfg.target}, {str(target.runner.dtype).removeprefix('torch.')}")
+          f"{cfg.threads} thread(s), target {cfg.target}, {dtype}; {target.runner.exactness.summary()}")
     print("| mode | tokens | seconds | tokens/s | × AR | answers equal to AR's |")
     print("|---|---|---|---|---|---|")
     for name, tokens, seconds, same in rows:
         print(f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} | {tokens / seconds / (ar_tokens / ar_s):.2f} "
               f"| {same}/{len(prompts)} |")
+    if cfg.out:
+        results = {"config": OmegaConf.to_container(cfg, resolve=True), "dtype": dtype, "exactness": target.runner.exactness.as_dict(),
+                   "rows": [{"mode": name, "tokens": tokens, "seconds": round(seconds, 3),
+                             "tokens_per_s": round(tokens / seconds, 2),
+                             "x_ar": round(tokens / seconds / (ar_tokens / ar_s), 3),
+                             "equal_to_ar": same, "prompts": len(prompts)} for name, tokens, seconds, same in rows]}
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

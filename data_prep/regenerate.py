@@ -3,7 +3,8 @@
 ``python -m data_prep.regenerate target=smollm2 source=gsm_symbolic_train n_samples=N out=FILE.jsonl``
 
 answers many prompts at once (``inference.batched_generation``: ``batch_size`` rows, continuous batching) and
-writes one JSON line per conversation (``messages``; the first line records the settings), readable by every
+writes one JSON line per conversation (``messages``; the first line records the settings and the runner's
+``exactness``: on a CPU, in fp32 and bf16, each batched answer is bitwise the one-prompt AR answer), readable by every
 ``source=jsonl:FILE.jsonl`` consumer (extract, online training, vocab, traces). It is resumable: a line is
 written only once its conversation is complete, so after a kill (even -9) the same command carries on with no
 lost or duplicated conversation (a torn last line is dropped), and other settings into an existing FILE are
@@ -258,6 +259,10 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
                          dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     header["target"] = cfg.target
+    # Whether each answer is bitwise the one-prompt AR answer (exact mode covers batched CPU rows, fp32 and bf16).
+    exact = target.runner.exactness
+    header["exactness"] = {k: v for k, v in exact.as_dict().items() if k != "probe_seconds"}
+    print(f"[regenerate] {cfg.batch_size} rows side by side: {exact.summary()}", file=sys.stderr)
     todo = [i for i in items if i not in done]
     if done:
         print(f"[regenerate] resuming {path}: {len(done)} of {len(items)} conversations done", file=sys.stderr)
@@ -308,7 +313,7 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     answered = sum(1 for i in done if i < len(conversations))
     summary = {"conversations": answered, "skipped": len(items) - answered, "new_tokens": batcher.new_tokens,
                "wall_s": round(elapsed, 2), "tokens_per_s": round(batcher.new_tokens / max(elapsed, 1e-9), 2),
-               "forwards": batcher.forwards}
+               "forwards": batcher.forwards, "exactness": exact.summary()}
     print(f"[regenerate] {out}: {summary['conversations']} conversations ({summary['skipped']} without room for an "
           f"answer); this run {summary['new_tokens']:,} tokens in {elapsed:.1f} s = {summary['tokens_per_s']} tokens/s",
           file=sys.stderr)

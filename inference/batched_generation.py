@@ -11,9 +11,11 @@ place (``copy_rows``). Otherwise one padded forward appends the active rows' nex
 prompts together, which costs the whole batch times the widest prompt: on a CPU that made refills most of the
 work (24 rows, 100-token prompts, 130-token answers).
 
-Greedy output is the target's greedy output up to floating-point summation order: a padded batch computes
-the same math as one row, but a near-tie in the logits may resolve differently (tests check equality with
-``ar`` on a tiny model; ``benchmarks/regenerate.py`` reports the agreement on the real one).
+In exact mode (``ModelRunner`` on a CPU, fp32 or bf16: ``inference.exactness``) a row's logits are bitwise those
+of the same prompt run alone, whoever its neighbours are, so each answer, greedy or seeded, is one-prompt AR's
+token for token (``tests/test_exact_batch.py``). Elsewhere (a GPU, the transformers backend, the approximate path)
+a padded batch computes the same math in another summation order, and a near-tie in the logits may resolve
+differently; ``benchmarks/regenerate_throughput.py`` counts the answers equal to AR's.
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ class ContinuousBatcher:
         runner.copy_rows(range(size, size + n), list(fresh), lengths)
         for i, job in fresh.items():
             rows[i] = _Row(job)
-        logits = runner.lm_head(hidden).float().cpu()
+        logits = runner.logits_from_hidden(hidden).cpu()
         return {i: logits[k] for k, i in enumerate(fresh)}
 
     def _refill_fits(self, fresh: dict[int, Job]) -> bool:
@@ -233,4 +235,4 @@ class ContinuousBatcher:
         last = (keep - 1).clamp(min=0).to(runner.device)
         hidden = out.last_hidden[torch.arange(self.batch_size, device=runner.device), last]
         runner.truncate(lengths + keep.to(runner.device))
-        return runner.lm_head(hidden).float().cpu()
+        return runner.logits_from_hidden(hidden).cpu()

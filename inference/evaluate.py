@@ -54,7 +54,7 @@ class EvalConfig(EngineArgs):
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
     # prompts per generate_batch call for algorithms that batch (ssd); the others run one by one. The target then
-    # serves that many rows, off the exact path: refused on a CPU, where exact mode would run (check_exact_batching)
+    # serves that many rows: exact on a CPU where the probe passed, refused where it left only one row exact
     batch_size: int = 1
     warmup: bool = True
     out: str = "results/eval"
@@ -137,13 +137,13 @@ def load_bench_prompts(bench: str, tokenizer, n: int) -> BenchPrompts:
 
 
 def check_exact_batching(batch_size: int, runner: Any) -> None:
-    """Refuse (one line) ``batch_size > 1`` where it alone takes the target off the exact path: a CPU runner serving
-    several rows runs batched SDPA and GEMMs for every algorithm, not only those that batch. Where exact mode is off
-    anyway (a GPU, the transformers fallback) batching changes nothing and runs."""
+    """Refuse (one line) ``batch_size > 1`` where it alone takes the target off the exact path: batched CPU rows are
+    exact where the probe passed, but where it left only the token-by-token path a batched runner runs the
+    approximate one. Where exact mode is off anyway (a GPU, the transformers fallback) batching changes nothing."""
     if batch_size > 1 and runner.exactness.reason == exactness.BATCHED_ROWS:
-        raise ValueError(f"batch_size={batch_size} serves {batch_size} rows at once, which takes every algorithm off "
-                         "the exact path on a CPU (greedy output would equal AR's only up to rounding); use "
-                         "batch_size=1 here (batched runs are for GPUs)")
+        raise UserError(f"batch_size={batch_size} serves {batch_size} rows at once, and on this CPU batched rows leave "
+                        "the exact path (the probe found GEMM rows that depend on the row count; greedy output would "
+                        "equal AR's only up to rounding); use batch_size=1 here")
 
 
 def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress=None) -> tuple[GenerationStats, list]:

@@ -36,7 +36,9 @@ from inference.llama import EXACT_ROWS
 EXACT = "exact"  # chunks of up to EXACT_ROWS tokens; GEMM rows probed invariant
 PER_TOKEN = "exact-per-token"  # every forward token by token, each call shaped as a decode step
 APPROXIMATE = "approximate"  # SDPA and batched GEMMs: greedy equality up to rounding (near-ties can flip)
-BATCHED_ROWS = "batched rows"  # the reason a CPU runner serving several rows is not exact
+# the reason a CPU runner serving several rows is not exact: the probe left only the token-by-token path, and a
+# batch's decode step is a call of as many rows as the batch
+BATCHED_ROWS = "this CPU's GEMM rows depend on the row count; batched rows run the approximate path"
 # the reason the transformers fallback is not exact (README, "Model families")
 TRANSFORMERS_BACKEND = ("transformers backend: its attention and GEMMs compute a verification's rows together; "
                         "exact mode needs the native runner (Llama, Qwen2, Qwen3, Mistral families)")

@@ -1,7 +1,7 @@
 """The native target runner: a Llama-family decoder (``inference.llama``) with a preallocated static KV cache,
-modelled on gpt-fast (plain modules, no per-token Python loops, static cache tensors). CUDA bf16 and batched CPU rows
-with ``scaled_dot_product_attention``; one row on a CPU (fp32 or bf16) runs in exact mode (``inference.llama.EXACT_ROWS``,
-``inference.exactness``).
+modelled on gpt-fast (plain modules, no per-token Python loops, static cache tensors). CUDA with
+``scaled_dot_product_attention``; CPU rows (fp32 or bf16, one or a batch) run in exact mode
+(``inference.llama.EXACT_ROWS``, ``inference.exactness``).
 It implements the forward contract of ``inference.runner_contract``; ``inference.transformers_runner`` implements it
 over any transformers model, and ``inference.runner_loading`` picks one.
 """
@@ -58,7 +58,7 @@ class ModelRunner(nn.Module):
         max_seq_len: int,
         exact: bool | None = None,
     ):
-        """``exact`` (default: on for one CPU row in fp32 or bf16) runs forwards in exact mode
+        """``exact`` (default: on for CPU rows in fp32 or bf16, one or a batch) runs forwards in exact mode
         (``inference.llama.EXACT_ROWS``); :attr:`exactness` says which path runs and on what grounds."""
         super().__init__()
         model_type = getattr(config, "model_type", None)
@@ -83,37 +83,38 @@ class ModelRunner(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.exactness = self._choose_exactness(exact, device, dtype, max_batch_size)
         self.exact = self.exactness.path != exactness.APPROXIMATE
-        if self.exact:
-            # fp32 caches (bf16 values convert exactly), keys transposed with slots padded to a multiple of 16: the
-            # exact kernel scores 16 slots at a time from contiguous memory.
-            slots = -(-max_seq_len // 16) * 16
-            k_shape = (self.num_layers, max_batch_size, self.num_kv_heads, self.head_dim, slots)
-            v_shape = (self.num_layers, max_batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
-            cache_dtype = torch.float32
-        else:
-            k_shape = v_shape = (self.num_layers, max_batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
-            cache_dtype = dtype
-        self.register_buffer("k_cache", torch.zeros(k_shape, device=device, dtype=cache_dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(v_shape, device=device, dtype=cache_dtype), persistent=False)
+        self._dtype = dtype
+        self._allocate_cache(device)
         self.cache_lens = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self._pending: tuple[torch.Tensor, int] | None = None  # (lengths before the last forward, its T)
-        self._dtype = dtype
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._double_lone_rows = dtype != torch.float32
         self.logit_vocab: int | None = None  # see with_logit_vocab
 
+    def _allocate_cache(self, device: torch.device) -> None:
+        """Empty K/V caches in the layout of the path: exact mode keeps fp32 caches (bf16 values convert exactly),
+        keys transposed with slots padded to a multiple of 16 (the exact kernel scores 16 slots at a time from
+        contiguous memory)."""
+        rows, seq = self.max_batch_size, self.max_seq_len
+        if self.exact:
+            k_shape = (self.num_layers, rows, self.num_kv_heads, self.head_dim, -(-seq // 16) * 16)
+            v_shape = (self.num_layers, rows, self.num_kv_heads, seq, self.head_dim)
+            cache_dtype = torch.float32
+        else:
+            k_shape = v_shape = (self.num_layers, rows, self.num_kv_heads, seq, self.head_dim)
+            cache_dtype = self._dtype
+        self.register_buffer("k_cache", torch.zeros(k_shape, device=device, dtype=cache_dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(v_shape, device=device, dtype=cache_dtype), persistent=False)
+
     def _choose_exactness(self, exact: bool | None, device: torch.device, dtype: torch.dtype,
                           max_batch_size: int) -> Exactness:
         """The path before the probe: APPROXIMATE with the reason, or EXACT pending the probe (run once the
-        weights are loaded)."""
-        wanted = exact if exact is not None else device.type == "cpu" and max_batch_size == 1
+        weights are loaded). One row or a batch: each row's logits are those it gets alone."""
+        wanted = exact if exact is not None else device.type == "cpu"
         if not wanted:
-            return exactness.approximate("exact mode is off" if exact is False else
-                                         exactness.BATCHED_ROWS if device.type == "cpu" else
-                                         f"{device.type} attention")
+            return exactness.approximate("exact mode is off" if exact is False else f"{device.type} attention")
         problems = [
             f"it runs on a CPU, not {device.type}" if device.type != "cpu" else "",
-            "it serves one row (max_batch_size=1)" if max_batch_size != 1 else "",
             f"it computes in fp32 or bf16, not {dtype}" if dtype not in (torch.float32, torch.bfloat16) else "",
             f"it needs SiLU, not {self.config.hidden_act}" if getattr(self.config, "hidden_act", "silu") != "silu"
             else "",
@@ -157,9 +158,25 @@ class ModelRunner(nn.Module):
         )
         runner._load_weights(state_dict, device, dtype)
         if runner.exact and probe:
-            runner.exactness = exactness.probe(runner._kernel_key(), runner._probe_runner)
-            runner.exact = runner.exactness.path != exactness.APPROXIMATE
+            runner._take_probe_result(exactness.probe(runner._kernel_key(), runner._probe_runner))
         return runner
+
+    def _take_probe_result(self, result: Exactness) -> None:
+        """Run the path the probe allows. Token by token keeps one row bitwise (every call a decode step's shape),
+        but a batch's decode step is a call of as many rows as the batch, so batched rows then run the approximate
+        path."""
+        if result.path == exactness.PER_TOKEN and self.max_batch_size > 1:
+            result = Exactness(exactness.APPROXIMATE, result.probe, False, exactness.BATCHED_ROWS,
+                               result.probe_seconds)
+            warnings.warn(f"exact mode: {result.reason} (greedy equality only up to rounding; one row per runner "
+                          "stays bitwise)", exactness.ExactnessWarning, stacklevel=3)
+        self.exactness = result
+        if result.path == exactness.APPROXIMATE:
+            self.exact = False
+            self._allocate_cache(self.device)
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.exact = False
 
     def _kernel_key(self) -> tuple:
         """What decides which kernels the host runs for this model: its shapes and dtype."""
@@ -376,6 +393,20 @@ class ModelRunner(nn.Module):
         allowed = user_mask.gather(2, column[:, None, :].expand(batch, new, attend_len)) & in_use[:, None, :]
         return (allowed | own_slot).unsqueeze(1)
 
+    def _chunk_mask(self, user_mask: torch.Tensor, start: torch.Tensor, shortest: int, cached: int, lo: int,
+                    hi: int) -> torch.Tensor:
+        """The user mask [B, T, P + T] of new tokens ``lo..hi-1``, for a chunk run after tokens ``0..lo-1`` are
+        cached: its columns over what the cache then holds, then the chunk's own. Rows shorter than the longest
+        (lengths ``start`` before the forward) hold the earlier chunks' tokens at their own slots, right after their
+        cached tokens, where a column is read as a slot."""
+        mask = user_mask[:, lo:hi, :cached + hi]
+        if not lo or shortest == cached:
+            return mask
+        column = torch.arange(cached + hi, device=self.device).expand(mask.shape[0], -1)
+        earlier = (column >= start[:, None]) & (column < start[:, None] + lo)
+        column = torch.where(earlier, cached + column - start[:, None], column)
+        return mask.gather(2, column[:, None, :].expand(-1, hi - lo, -1))
+
     @torch.no_grad()
     def forward(
         self,
@@ -415,8 +446,8 @@ class ModelRunner(nn.Module):
             hi = min(new, lo + step)
             chunks.append(self._layers(
                 input_ids[:, lo:hi], None if positions is None else positions[:, lo:hi],
-                None if user_mask is None else user_mask[:, lo:hi, :cached + hi], shortest + lo, cached + lo,
-                capture, hidden))
+                None if user_mask is None else self._chunk_mask(user_mask, start, shortest, cached, lo, hi),
+                shortest + lo, cached + lo, capture, hidden))
         x = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         self._pending = (start, new)
 
@@ -464,7 +495,7 @@ class ModelRunner(nn.Module):
         write_index = cached if aligned else (torch.arange(batch, device=self.device)[:, None], slots)
 
         if self.exact:
-            return self._exact_layers(input_ids, positions, user_mask, slots, cached, capture, hidden)
+            return self._exact_layers(input_ids, positions, user_mask, slots, cached, write_index, capture, hidden)
         attend_len = cached + new
         mask, is_causal = None, False
         if user_mask is not None or not aligned or (new > 1 and cached > 0):
@@ -485,30 +516,34 @@ class ModelRunner(nn.Module):
         return x
 
     def _exact_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, user_mask: torch.Tensor | None,
-                      slots: torch.Tensor, cached: int, capture: Sequence[int],
-                      hidden: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """:meth:`_layers` in exact mode (one row): each token's keys are planned once for every layer, RoPE's angles
-        come from one table, and in bf16 a lone token runs as a doubled row (oneDNN computes a one-row linear
-        another way; fp32's exact linear needs no such care)."""
-        new = input_ids.shape[1]
+                      slots: torch.Tensor, cached: int, write_index: tuple[torch.Tensor, torch.Tensor] | int,
+                      capture: Sequence[int], hidden: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """:meth:`_layers` in exact mode: the rows' tokens run flattened through the linears (in calls of at most
+        EXACT_ROWS rows, ``inference.llama.exact_linear``), each row attends over its own cache with its tokens' keys
+        planned once for every layer, RoPE's angles come from one table, and in bf16 a lone token runs as a doubled
+        row (oneDNN computes a one-row linear another way; fp32's exact linear needs no such care)."""
+        batch, new = input_ids.shape
         if user_mask is None:
-            keys = KeyLists.chain(cached, new)
+            keys = KeyLists.chain(cached, new) if batch == 1 else KeyLists.chains(self.cache_lens, new)
         else:
-            keys = KeyLists.from_mask(self._attention_mask(user_mask, slots, cached, new, cached + new)[0, 0])
+            allowed = self._attention_mask(user_mask, slots, cached, new, cached + new)[:, 0]
+            keys = KeyLists.from_mask(allowed[0] if batch == 1 else allowed)
         cos, sin = self._rope_at(positions)
-        x = self.model.embed_tokens(input_ids)
-        if new == 1 and self._double_lone_rows:
+        tokens = batch * new
+        x = self.model.embed_tokens(input_ids.reshape(1, tokens))
+        if tokens == 1 and self._double_lone_rows:
             x = x.repeat(1, 2, 1)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], cached, None, None, False, exact=keys)
+            x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], write_index, None, None, False, exact=keys)
             if i in capture:
-                hidden[i].append(x[:, :new])
+                hidden[i].append(x[:, :tokens].view(batch, new, -1))
         self.cache_lens = self.cache_lens + new
-        return x[:, :new]
+        return x[:, :tokens].view(batch, new, -1)
 
     def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [1, 1, T, D] from a table computed once for every position: an element of a vectorised cos
-        can depend on where it sits in the tensor, so each position's angles are computed exactly once."""
+        """cos and sin [B, 1, T, D] at ``positions`` [B, T], from a table computed once for every position: an
+        element of a vectorised cos can depend on where it sits in the tensor, so each position's angles are
+        computed exactly once."""
         if self._rope_table is None:
             every = torch.arange(self.max_seq_len, device=self.device)[None]
             cos, sin = rope_cos_sin(every, self.inv_freq, self.rope_scale, self._dtype)
@@ -517,4 +552,4 @@ class ModelRunner(nn.Module):
             raise ValueError(f"positions must lie in 0..{self.max_seq_len - 1} (max_seq_len), got "
                              f"{positions.min().item()}..{positions.max().item()}")
         cos, sin = self._rope_table
-        return cos[positions[0]][None, None], sin[positions[0]][None, None]
+        return cos[positions][:, None], sin[positions][:, None]

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from core.overrides import OverrideError
-from inference import engine_args
+from inference import engine_args, exactness
 from inference import evaluate as evaluate_cli
 from inference import generate as generate_cli
 from inference.drafters import LoadedModel, load_draft_lm
@@ -362,8 +362,9 @@ def test_the_report_flags_every_greedy_row_that_left_ar():
 
 
 def test_batch_size_above_one_is_refused_where_it_would_leave_the_exact_path(monkeypatch, tmp_path):
-    """A CPU target serving two rows runs every algorithm off the exact path: refused in one line naming the fix.
-    Where exact mode is off anyway (here the transformers fallback) batch_size=2 runs."""
+    """Batched CPU rows are exact where the probe passed: batch_size=2 runs there. Where the probe left only one row
+    exact (a host whose GEMM rows depend on the row count), it is refused in one line naming the fix. Where exact
+    mode is off anyway (here the transformers fallback) batch_size=2 runs."""
     from inference.transformers_runner import TransformersRunner
 
     model = tiny_loaded(10, 16, 2, 3.0).model
@@ -373,11 +374,15 @@ def test_batch_size_above_one_is_refused_where_it_would_leave_the_exact_path(mon
     cfg = evaluate_cli.parse_args(["algorithms=[ar]", "batch_size=2", "n_prompts=2", "max_new_tokens=4",
                                    f"out={tmp_path}", "warmup=false"])
     batched = ModelRunner.from_hf_model(model, max_batch_size=2, max_seq_len=32)
+    assert batched.exactness.path == exactness.EXACT
+    results = evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", batched, None, model))
+    assert results["exactness"]["path"] == exactness.EXACT and results["runs"][0]["new_tokens"] == 8
+    batched.exactness = exactness.approximate(exactness.BATCHED_ROWS)  # what such a host's probe leaves
     with pytest.raises(ValueError) as refused:
         evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", batched, None, model))
     message = str(refused.value)
-    assert message.startswith("batch_size=2 serves 2 rows at once, which takes every algorithm off the exact path")
-    assert message.endswith("use batch_size=1 here (batched runs are for GPUs)") and "\n" not in message
+    assert message.startswith("batch_size=2 serves 2 rows at once, and on this CPU batched rows leave the exact path")
+    assert message.endswith("use batch_size=1 here") and "\n" not in message
     fallback = TransformersRunner(model, max_batch_size=2, max_seq_len=32)
     results = evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", fallback, None, model))
     assert results["exactness"]["reason"].startswith("transformers backend") and results["runs"][0]["new_tokens"] == 8

@@ -63,17 +63,16 @@ def fresh_probe(monkeypatch):
     monkeypatch.setattr(exactness, "_results", {})
 
 
-def test_the_mode_is_on_for_one_cpu_row_in_fp32_and_bf16_only(target):
+def test_the_mode_is_on_for_cpu_rows_in_fp32_and_bf16_only(target):
     for dtype in (torch.float32, torch.bfloat16):
         runner = exact_runner(target, dtype)
         assert runner.exact and runner.exactness.path == exactness.EXACT and runner.exactness.bitwise
-    batched = exact_runner(target, max_batch_size=4)  # batched generation keeps SDPA's speed
-    assert not batched.exact and batched.exactness.path == exactness.APPROXIMATE
-    assert batched.exactness.reason == "batched rows" and not batched.exactness.bitwise
+    batched = exact_runner(target, max_batch_size=4)  # batches too (tests/test_exact_batch.py)
+    assert batched.exact and batched.exactness.path == exactness.EXACT and batched.exactness.bitwise
     assert not exact_runner(target, torch.float16, max_seq_len=64).exact
     assert exact_runner(target, exact=False).exactness.reason == "exact mode is off"
-    with pytest.raises(ValueError, match="exact=true is not possible here: it serves one row"):
-        exact_runner(target, exact=True, max_batch_size=2)
+    with pytest.raises(ValueError, match="exact=true is not possible here: it computes in fp32 or bf16"):
+        exact_runner(target, torch.float16, exact=True, max_batch_size=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -101,6 +101,7 @@ def test_regenerate_writes_the_targets_answers_in_source_order(tiny, target, tmp
     summary = regenerate(parse_args(argv), target=target)
     header, records = read_jsonl(out)
     assert header["spectrain_regenerate"]["settings"]["max_new_tokens"] == 7
+    assert header["spectrain_regenerate"]["exactness"]["path"] == "exact"  # batched CPU rows: AR's answers
     assert [r["source_index"] for r in records] == list(range(6)) and summary["conversations"] == 6
     eos = eos_token_ids(target.tokenizer, target.model.config)
     ar = build_algorithm("ar", target.runner)

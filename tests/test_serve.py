@@ -293,10 +293,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
     with pytest.raises(openai.NotFoundError):
         client(ar_server).chat.completions.create(model="gpt-4", messages=ok["messages"])
     assert httpx.post(url, json=ok).json()["choices"][0]["finish_reason"] == "length"
-    health = httpx.get(f"{ar_server.url}/health").json()  # batched AR rows: no bitwise claim, and it says so
-    assert health["status"] == "ok" and health["queue"] == 0
-    assert health["exactness"] == {"path": "approximate", "probe": "not run", "bitwise": False,
-                                   "reason": "batched rows", "probe_seconds": 0.0}
+    health = httpx.get(f"{ar_server.url}/health").json()  # batched AR rows on a CPU: exact, and it says so
+    assert health["status"] == "ok" and health["queue"] == 0 and health["exactness"]["path"] == "exact" and health["exactness"]["bitwise"]
     models = client(ar_server).models.list()
     assert [m.id for m in models.data] == ["tiny"]
 
@@ -433,6 +431,7 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
     assert "'ar@max_new_tokens=0': max_new_tokens=0 must be >= 1" in errors[4]
 
 
-def test_only_ar_batches_and_auto_batches_in_fp32_only():
-    assert serving_batch(0, "ar", torch.float32) == 8 and serving_batch(0, "ar", torch.bfloat16) == 1
+def test_only_ar_batches_and_auto_batches_where_batched_rows_stay_exact():
+    assert serving_batch(0, "ar", torch.float32) == 8 and serving_batch(0, "ar", torch.bfloat16) == 8
+    assert serving_batch(0, "ar", torch.bfloat16, "cuda") == 1 and serving_batch(0, "ar", torch.float32, "cuda") == 8
     assert serving_batch(4, "ar", torch.bfloat16) == 4 and serving_batch(4, "eagle3_tree", torch.float32) == 1

@@ -144,7 +144,6 @@ typedef struct {
     const int32_t *prefix, *offsets, *extra;
     float scale;
     float *out;
-    int first_unit, last_unit;
 } attention_job;
 
 /* Scores of up to HEADS queries (q[j], D each; unused ones are zero) against the 16 keys whose transposed columns
@@ -311,42 +310,71 @@ static void attention_unit(const attention_job *job, int unit, scratch *sc) {
     }
 }
 
+/* A slice of the units of several cache rows (unit u is unit u % per_row of row u / per_row): each row is its own
+ * job, so a row's results are those it gets alone. */
+typedef struct {
+    const attention_job *rows;
+    int per_row;
+    long first, last;
+} units_job;
+
 static void *attention_units(void *arg) {
-    const attention_job *job = arg;
-    const int G = job->H / job->KV;
+    const units_job *work = arg;
+    const attention_job *first = work->rows;
+    const int G = first->H / first->KV;
     int longest = 0;
-    for (int t = 0; t < job->T; t++) {
-        const int n = job->prefix[t] + job->offsets[t + 1] - job->offsets[t];
-        longest = n > longest ? n : longest;
+    for (long u = work->first; u < work->last; u++) {
+        const attention_job *job = work->rows + u / work->per_row;
+        const int t0 = (int)(u % work->per_row % ((job->T + GROUP - 1) / GROUP)) * GROUP;
+        for (int t = t0; t < t0 + GROUP && t < job->T; t++) {
+            const int n = job->prefix[t] + job->offsets[t + 1] - job->offsets[t];
+            longest = n > longest ? n : longest;
+        }
     }
     scratch sc;
     sc.Np = (longest + 2 * LANES) / LANES * LANES; /* room for a full 16-wide store at any prefix tile */
     sc.scores = aligned_alloc(64, sizeof(float) * (size_t)GROUP * G * sc.Np);
-    sc.tile = aligned_alloc(64, sizeof(float) * (size_t)(job->D + 1) * LANES);
+    sc.tile = aligned_alloc(64, sizeof(float) * (size_t)(first->D + 1) * LANES);
     sc.totals = aligned_alloc(64, sizeof(float) * (size_t)(GROUP * G + LANES));
-    for (int unit = job->first_unit; unit < job->last_unit; unit++) attention_unit(job, unit, &sc);
+    for (long u = work->first; u < work->last; u++)
+        attention_unit(work->rows + u / work->per_row, (int)(u % work->per_row), &sc);
     free(sc.scores);
     free(sc.tile);
     free(sc.totals);
     return NULL;
 }
 
-/* Splits the units over up to `threads` threads; a unit is computed whole by one thread, so the split never
- * changes a result. */
-void exact_attention(const float *q, const float *kt, const float *v, long kt_head, long kt_dim, long v_head, int T,
-                     int H, int KV, int D, const int32_t *prefix, const int32_t *offsets, const int32_t *extra,
-                     float scale, float *out, int threads) {
-    const int units = KV * ((T + GROUP - 1) / GROUP);
-    if (threads > units) threads = units;
+/* Attention for B cache rows at once, T new tokens each: row b's queries at q + b * q_row, its keys and values at
+ * kt + b * kt_row and v + b * v_row, its tokens' key lists at prefix + b * T and offsets + b * T (into the shared
+ * `extra`), its output at out + b * q_row. The units of every row are split over up to `threads` threads; a unit is
+ * computed whole by one thread with the code a one-row call runs, so neither the split nor the other rows change a
+ * result. */
+void exact_attention_rows(int B, const float *q, long q_row, const float *kt, long kt_row, const float *v, long v_row,
+                          long kt_head, long kt_dim, long v_head, int T, int H, int KV, int D, const int32_t *prefix,
+                          const int32_t *offsets, const int32_t *extra, float scale, float *out, int threads) {
+    const int per_row = KV * ((T + GROUP - 1) / GROUP);
+    const long units = (long)B * per_row;
+    attention_job *rows = malloc(sizeof(attention_job) * (size_t)B);
+    for (int b = 0; b < B; b++)
+        rows[b] = (attention_job){q + b * q_row, kt + b * kt_row, v + b * v_row, kt_head, kt_dim, v_head, T, H, KV, D,
+                                  prefix + (long)b * T, offsets + (long)b * T, extra, scale, out + b * q_row};
+    if (threads > units) threads = (int)units;
     if (threads < 1) threads = 1;
-    attention_job jobs[threads];
+    units_job jobs[threads];
     pthread_t ids[threads];
-    for (int i = 0; i < threads; i++)
-        jobs[i] = (attention_job){q, kt, v, kt_head, kt_dim, v_head, T, H, KV, D, prefix, offsets, extra, scale, out,
-                                  (int)((long)units * i / threads), (int)((long)units * (i + 1) / threads)};
+    for (int i = 0; i < threads; i++) jobs[i] = (units_job){rows, per_row, units * i / threads, units * (i + 1) / threads};
     for (int i = 1; i < threads; i++) pthread_create(&ids[i], NULL, attention_units, &jobs[i]);
     attention_units(&jobs[0]);
     for (int i = 1; i < threads; i++) pthread_join(ids[i], NULL);
+    free(rows);
+}
+
+/* One cache row: exact_attention_rows with B = 1. */
+void exact_attention(const float *q, const float *kt, const float *v, long kt_head, long kt_dim, long v_head, int T,
+                     int H, int KV, int D, const int32_t *prefix, const int32_t *offsets, const int32_t *extra,
+                     float scale, float *out, int threads) {
+    exact_attention_rows(1, q, 0, kt, 0, v, 0, kt_head, kt_dim, v_head, T, H, KV, D, prefix, offsets, extra, scale,
+                         out, threads);
 }
 
 /* ---- fp32 linear -------------------------------------------------------------------------------------------------
@@ -378,6 +406,33 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, l
         for (int c = 0; c < cols; c++) *(vf_unaligned *)(out[m] + n0 + c * LANES) = acc[m][c];
 }
 
+#if !defined(__AVX512F__) && defined(__FMA__)
+/* The same block on AVX2 (16 vector registers: the 16-lane tiles above would live in memory): 16 columns at a time
+ * as two 8-lane halves, each output still one fused multiply-add per k in increasing k, so the bits are the same. */
+#define LINEAR_AVX2 1
+static inline __attribute__((always_inline)) void linear_block_avx2(const float *x, long K, const float *wt, long Np,
+                                                                    long n0, long k0, long k1, int cols,
+                                                                    float *const out[4], const int MB) {
+    for (int c = 0; c < cols; c++) {
+        const long n = n0 + c * LANES;
+        __m256 acc[4][2];
+        for (int m = 0; m < MB; m++)
+            for (int h = 0; h < 2; h++)
+                acc[m][h] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out[m] + n + 8 * h);
+        for (long k = k0; k < k1; k++) {
+            const __m256 w0 = _mm256_loadu_ps(wt + k * Np + n), w1 = _mm256_loadu_ps(wt + k * Np + n + 8);
+            for (int m = 0; m < MB; m++) {
+                const __m256 xv = _mm256_set1_ps(x[m * K + k]);
+                acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+            }
+        }
+        for (int m = 0; m < MB; m++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[m] + n + 8 * h, acc[m][h]);
+    }
+}
+#endif
+
 typedef struct {
     const float *x, *wt, *bias;
     long M, K, N, Np;
@@ -397,13 +452,21 @@ static void *linear_columns(void *arg) {
             for (; m + 4 <= job->M; m += 4) {
                 float *out[4] = {job->out + m * Np, job->out + (m + 1) * Np, job->out + (m + 2) * Np,
                                  job->out + (m + 3) * Np};
+#ifdef LINEAR_AVX2
+                linear_block_avx2(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 4);
+#else
                 if (cols == 4) linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, 4, out, 4);
                 else linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 4);
+#endif
             }
             for (; m < job->M; m++) {
                 float *out[4] = {job->out + m * Np, NULL, NULL, NULL};
+#ifdef LINEAR_AVX2
+                linear_block_avx2(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 1);
+#else
                 if (cols == 4) linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, 4, out, 1);
                 else linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 1);
+#endif
             }
         }
         if (job->bias)

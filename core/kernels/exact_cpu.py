@@ -79,7 +79,10 @@ def library() -> ctypes.CDLL:
             lib.exact_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
             lib.exact_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, f32,
                                             ptr, i32]
-            for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention, lib.exact_linear_f32):
+            lib.exact_attention_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32, i32, i32, i32,
+                                                 ptr, ptr, ptr, f32, ptr, i32]
+            for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention, lib.exact_attention_rows,
+                       lib.exact_linear_f32):
                 fn.restype = None
             _library = lib
         return _library
@@ -139,35 +142,48 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, out_features: int, bias: tor
 
 @dataclass(frozen=True)
 class KeyLists:
-    """Which cache slots each new token of a one-row forward attends to, oldest first: slots ``0..prefix[t]-1``,
-    then ``extra[offsets[t]:offsets[t+1]]`` (int32 CPU tensors). Built once per forward, used by every layer."""
+    """Which cache slots each new token of a forward attends to, oldest first, for ``rows`` cache rows of the same
+    number of new tokens: token i (row ``i // tokens``) sees slots ``0..prefix[i]-1`` of its row, then
+    ``extra[offsets[i]:offsets[i+1]]`` (int32 CPU tensors). Built once per forward, used by every layer."""
 
     prefix: torch.Tensor
     offsets: torch.Tensor
     extra: torch.Tensor
     longest: int  # the most keys any token has
+    rows: int = 1
 
     @property
     def tokens(self) -> int:
-        return self.prefix.shape[0]
+        """New tokens per row."""
+        return self.prefix.shape[0] // self.rows
 
     @classmethod
     def chain(cls, cached: int, new: int) -> KeyLists:
-        """Causal: new token t sees the cache and new tokens 0..t."""
+        """Causal, one row: new token t sees the cache and new tokens 0..t."""
         prefix = torch.arange(cached + 1, cached + new + 1, dtype=torch.int32)
         return cls(prefix, torch.zeros(new + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), cached + new)
 
     @classmethod
+    def chains(cls, cached: torch.Tensor, new: int) -> KeyLists:
+        """Causal, one row per entry of ``cached`` (each row's cached tokens): what :meth:`chain` gives each row."""
+        cached = cached.to(device="cpu", dtype=torch.int32)
+        prefix = (cached[:, None] + torch.arange(1, new + 1, dtype=torch.int32)).reshape(-1)
+        return cls(prefix, torch.zeros(prefix.shape[0] + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                   int(cached.max()) + new, cached.shape[0])
+
+    @classmethod
     def from_mask(cls, allowed: torch.Tensor) -> KeyLists:
-        """From a [T, S] bool mask over slots: each row's leading run of allowed slots, then the rest in order."""
-        allowed = allowed.cpu()
+        """From a bool mask over slots, [T, S] (one row) or [B, T, S]: each token's leading run of allowed slots,
+        then the rest in order."""
+        rows = allowed.shape[0] if allowed.dim() == 3 else 1
+        allowed = allowed.cpu().reshape(-1, allowed.shape[-1])
         prefix = allowed.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
         rest = allowed & (torch.arange(allowed.shape[-1]) >= prefix[:, None])
         counts = rest.sum(-1, dtype=torch.int32)
         offsets = torch.zeros(allowed.shape[0] + 1, dtype=torch.int32)
         offsets[1:] = counts.cumsum(0)
         longest = int((prefix + counts).max()) if allowed.shape[0] else 0
-        return cls(prefix, offsets, rest.nonzero()[:, 1].to(torch.int32).contiguous(), longest)
+        return cls(prefix, offsets, rest.nonzero()[:, 1].to(torch.int32).contiguous(), longest, rows)
 
 
 def attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists,
@@ -194,4 +210,33 @@ def attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys:
                               keys_t.stride(1), values.stride(0), tokens, heads, kv_heads, dim,
                               keys.prefix.data_ptr(), keys.offsets.data_ptr(), keys.extra.data_ptr(), dim ** -0.5,
                               out.data_ptr(), threads)
+    return out
+
+
+def attention_rows(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists,
+                   threads: int | None = None) -> torch.Tensor:
+    """:func:`attention` for B cache rows at once: ``q`` [B, T, H, D], ``keys_t`` [B, KV, D, S] and ``values``
+    [B, KV, S', D] (the rows of a cache), ``keys`` for B rows of T tokens; fp32 [B, T, H, D]. Each row's result is
+    the one :func:`attention` gives it alone (the same code runs per row, work split by row, kv head and tokens)."""
+    batch, tokens, heads, dim = q.shape
+    kv_heads = keys_t.shape[1]
+    if keys.rows != batch or keys.tokens != tokens or keys_t.shape[0] != batch or values.shape[0] != batch \
+            or heads % kv_heads or keys_t.shape[2] != dim or values.shape[-1] != dim:
+        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, keys {tuple(keys_t.shape)}, values "
+                         f"{tuple(values.shape)}, {keys.rows} rows of {keys.tokens} key lists")
+    if keys_t.dtype != torch.float32 or keys_t.stride(-1) != 1 or keys_t.stride(2) % 16 or keys_t.shape[-1] % 16:
+        raise ValueError("keys_t must be fp32 [B, KV, D, S] with contiguous slots and S a multiple of 16")
+    if values.dtype != torch.float32 or values.stride(-1) != 1 or values.stride(-2) != dim:
+        raise ValueError("values must be fp32 [B, KV, S, D] with contiguous slot and feature dimensions")
+    if keys.longest > min(keys_t.shape[-1], values.shape[2]):
+        raise ValueError("a key list reaches past the cache")
+    q = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    if threads is None:
+        threads = torch.get_num_threads() if batch * tokens * heads * dim * keys.longest >= THREAD_WORK else 1
+    library().exact_attention_rows(batch, q.data_ptr(), tokens * heads * dim, keys_t.data_ptr(), keys_t.stride(0),
+                                   values.data_ptr(), values.stride(0), keys_t.stride(1), keys_t.stride(2),
+                                   values.stride(1), tokens, heads, kv_heads, dim, keys.prefix.data_ptr(),
+                                   keys.offsets.data_ptr(), keys.extra.data_ptr(), dim ** -0.5, out.data_ptr(),
+                                   threads)
     return out

@@ -101,18 +101,19 @@ def served_name(cfg: Any) -> str:
     return cfg.model_name or Path(str(cfg.target)).name
 
 
-AUTO_BATCH = 8  # rows of batched AR when batch_size=0 in fp32
+AUTO_BATCH = 8  # rows of batched AR when batch_size=0, where batched rows stay AR's
 
 
-def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype) -> int:
-    """Rows decoded side by side: only ``ar`` batches. ``batch_size=0`` (auto) batches in fp32 only: a bf16 batch
-    is not batch-invariant (14 of 24 SmolLM2 answers differed from one-prompt AR's, BENCHMARKS.md, "Batched
-    regeneration throughput"), and a server's greedy answers must be AR's."""
+def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype, device: str = "cpu") -> int:
+    """Rows decoded side by side: only ``ar`` batches. ``batch_size=0`` (auto) batches where a batched row's
+    greedy answer is AR's: on a CPU in fp32 or bf16 (exact mode covers batched rows, ``inference.exactness``), and
+    in fp32 elsewhere; a GPU's bf16 batch is not batch-invariant, and a server's greedy answers must be AR's."""
     if algorithm != "ar":
         return 1
     if batch_size:
         return batch_size
-    return AUTO_BATCH if dtype == torch.float32 else 1
+    exact = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    return AUTO_BATCH if exact or dtype == torch.float32 else 1
 
 
 def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[str, Any] | None = None,
@@ -127,7 +128,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     check_drafters([cfg.algorithm], set(preloaded) | set(paths), cfg.drafter)
     device = pick_device(cfg.device)
     dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
-    batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)))
+    batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)), device)
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                          max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
