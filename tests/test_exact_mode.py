@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 from test_algorithms import tiny_llama
+from test_eagle3_tree import random_drafter as random_eagle3
+from test_specblock_tree import random_drafter as random_specblock
 from transformers import LlamaForCausalLM
 
 from core.blocks import linear as linear_module

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.errors import UserError
 from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
@@ -66,23 +67,23 @@ class DFlashConfig(TargetShapedConfig):
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                      "draft_vocab_size", "target_hidden_size", "num_layers"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"DFlash config: {name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"DFlash config: {name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
-            raise ValueError(f"DFlash block_size must be >= 2 (the anchor + at least one drafted token), got "
+            raise UserError(f"DFlash block_size must be >= 2 (the anchor + at least one drafted token), got "
                              f"{self.block_size}")
         if not self.aux_layer_ids or any(i < 0 for i in self.aux_layer_ids):
-            raise ValueError(f"DFlash needs at least one non-negative aux layer id, got {self.aux_layer_ids}")
+            raise UserError(f"DFlash needs at least one non-negative aux layer id, got {self.aux_layer_ids}")
         if self.hidden_size != self.target_hidden_size:
-            raise ValueError(f"DFlash drafter hidden_size {self.hidden_size} must equal the target's "
+            raise UserError(f"DFlash drafter hidden_size {self.hidden_size} must equal the target's "
                              f"{self.target_hidden_size}: it embeds with the target's matrix")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size "
+            raise UserError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size "
                              f"{self.vocab_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is not a token id of the {self.vocab_size}-token "
+            raise UserError(f"mask_token_id {self.mask_token_id} is not a token id of the {self.vocab_size}-token "
                              "vocabulary; pick an unused or special token of the target's tokenizer")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+            raise UserError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
 
     @classmethod

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.errors import UserError
 from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
@@ -82,7 +83,7 @@ class TargetShapedConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             name = cls.KIND.lower().replace("-", "")
-            raise ValueError(f"unknown {name} config fields {unknown}; known: {', '.join(sorted(known))}")
+            raise UserError(f"unknown {name} config fields {unknown}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
 
@@ -118,15 +119,15 @@ def check_drafter_config(config: Any, kind: str, extra_positive: tuple[str, ...]
     if config.head_dim is None:  # stored resolved, so configs compare equal whatever their source wrote
         config.head_dim = config.hidden_size // config.num_attention_heads
     if len(config.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in config.aux_layer_ids):
-        raise ValueError(f"{kind} needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {config.aux_layer_ids}")
+        raise UserError(f"{kind} needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {config.aux_layer_ids}")
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                  "draft_vocab_size", "target_hidden_size", *extra_positive):
         if int(getattr(config, name)) < 1:
-            raise ValueError(f"{kind} config: {name} must be >= 1, got {getattr(config, name)}")
+            raise UserError(f"{kind} config: {name} must be >= 1, got {getattr(config, name)}")
     if config.draft_vocab_size > config.vocab_size:
-        raise ValueError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocab_size {config.vocab_size}")
+        raise UserError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocab_size {config.vocab_size}")
     if config.num_attention_heads % config.num_key_value_heads:
-        raise ValueError(f"num_attention_heads {config.num_attention_heads} is not a multiple of "
+        raise UserError(f"num_attention_heads {config.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads {config.num_key_value_heads}")
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.errors import UserError
 from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
@@ -78,10 +79,10 @@ class SpecBlockConfig(TargetShapedConfig):
         self.widths = [int(w) for w in self.widths]
         check_drafter_config(self, self.KIND, ("block_size", "num_layers", "rank_topk", "rank_hidden_size"))
         if self.rank_buckets != len(RANK_BUCKET_UPPER) + 1:
-            raise ValueError(f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
+            raise UserError(f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
                              f"{self.rank_buckets}")
         if len(self.widths) != self.rank_buckets or any(w < 0 for w in self.widths):
-            raise ValueError(f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
+            raise UserError(f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
                              f"bucket), got {self.widths}")
 
     @classmethod
@@ -309,7 +310,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
         condition block of the fusion projection ``W_f = [I | W_e | W_q]`` (it passes ``c`` through; the token
         and position-query blocks keep their random init). Draws no random numbers either way."""
         if init not in INITS:
-            raise ValueError(f"init={init!r} is not one of {', '.join(INITS)}")
+            raise UserError(f"init={init!r} is not one of {', '.join(INITS)}")
         if init == "random":
             return
         hidden = self.config.hidden_size
