@@ -4,22 +4,27 @@ Each round the draft LM proposes γ tokens one forward at a time, the target sco
 and a chain verifier (tokenwise, block = HSD capped, or the lossy HSD-uncapped rule) keeps a prefix plus one
 correction/bonus token. Both KV caches are then rolled back to the kept tokens.
 
-Cache bookkeeping: every emitted token is eventually fed to both models. ``target_pending`` / ``draft_pending``
-hold the emitted tokens a model has not seen yet (the target always lags by the last emitted token; the draft
-also lags by the last draft token after a fully accepted round, which it never ran).
+It runs on the engine loop as :class:`DraftChain`: the draft LM's runner holds one row per engine row, and one
+draft forward a step drafts for every running row. Cache bookkeeping: every emitted token is eventually fed to both
+models. A row's ``pending`` (the engine's) / ``draft_pending`` hold the emitted tokens a model has not seen yet (the
+target always lags by the last emitted token; the draft also lags by the last draft token after a fully accepted
+round, which it never ran).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
-from inference.runner_contract import as_batch, check_same_vocab
-from inference.sampling import SamplingParams, sample
-from inference.verify import ChainVerifier, get_verifier
+from inference.algorithms.base import Algorithm
+from inference.engine.rows import forward_rows, prefill_rows
+from inference.engine.state import RowState
+from inference.engine.strategy import Proposal, Strategy
+from inference.runner_contract import RunnerOutput, check_same_vocab
+from inference.sampling import sample
+from inference.verify import ChainVerifier, VerifyResult, get_verifier
 
 
 @dataclass(frozen=True)
@@ -74,93 +79,117 @@ class SpeculativeSampling(Algorithm):
     def lookahead(self) -> int:
         return self.gamma + 1
 
-    def _draft_chain(self, pending: list[int], gamma: int, sampling: SamplingParams,
-                     generator: torch.Generator | None, stats: GenerationStats, raw_logits: list | None = None):
-        """γ draft tokens and, when sampling, the warped distributions they were drawn from (``raw_logits``, if
-        given, collects each step's draft logits)."""
-        draft, tokens, probs = self.draft, [], []
-        feed = as_batch(pending, draft.device)
-        for _ in range(gamma):
-            logits = draft.forward(feed, only_last_logits=True).logits[0, -1]
-            stats.draft_forwards += 1
-            if raw_logits is not None:
-                raw_logits.append(logits)
-            q = sampling.warp(logits)
-            token = sample(q, generator)
-            tokens.append(token)
-            probs.append(q)
-            feed = token.view(1, 1)
-        draft_tokens = torch.stack(tokens)
-        # Greedy drafts are point masses: the deterministic-draft rule needs no q.
-        return draft_tokens, (None if sampling.greedy else torch.stack(probs))
+    def strategy(self) -> DraftChain:
+        return DraftChain(self.draft, self.gamma, self.verifier, self.on_round, self.round_capture_layers)
 
-    def _generate(
-        self,
-        prompt_ids: list[int],
-        out: OutputBuffer,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        stats: GenerationStats,
-    ) -> None:
-        target, draft = self.target, self.draft
-        target.reset(1)
-        draft.reset(1)
-        # Prefill: the target gives the first token; the draft sees the prompt minus its last token, which
-        # it reads together with the first new token in its first drafting forward.
-        logits = target.forward(as_batch(prompt_ids, target.device), only_last_logits=True).logits[0, -1]
-        stats.target_forwards += 1
-        if len(prompt_ids) > 1:
-            draft.forward(as_batch(prompt_ids[:-1], draft.device), only_last_logits=True)
-            stats.draft_forwards += 1
-        first = int(sample(sampling.warp(logits), generator))
-        out.extend([first])
-        target_pending, draft_pending = [first], [prompt_ids[-1], first]
 
-        hooked = self.on_round is not None
-        round_index = 0
-        while not out.done:
-            gamma = min(self.gamma, out.remaining)  # never draft past the token budget
-            draft_len = draft.length()
-            raw_logits = [] if hooked else None
-            draft_tokens, draft_probs = self._draft_chain(draft_pending, gamma, sampling, generator, stats, raw_logits)
+@dataclass
+class _DraftRow:
+    """A row's draft-side state: the emitted tokens the draft LM has not read, and its round count (for hooks)."""
 
-            target_len = target.length()
-            block = torch.cat([as_batch(target_pending, target.device), draft_tokens.view(1, -1).to(target.device)], 1)
-            output = target.forward(block, capture_layers=self.round_capture_layers if hooked else (),
-                                    return_last_hidden=hooked)
-            target_logits = output.logits[0, len(target_pending) - 1:]
-            stats.target_forwards += 1
-            result = self.verifier(draft_tokens, draft_probs, sampling.warp(target_logits), generator)
-            accepted = result.num_accepted
-            stats.record_round(gamma, accepted)
-            if hooked:
-                self._report_round(round_index, len(prompt_ids) + len(out.tokens), draft_tokens, raw_logits,
-                                   accepted, output, len(target_pending) - 1)
-                round_index += 1
+    pending: list[int]
+    rounds: int = 0
 
-            # Keep the pending tokens and the accepted draft prefix in both caches.
-            target.truncate(target_len + len(target_pending) + accepted)
-            draft_seen = len(draft_pending) + min(accepted, gamma - 1)
-            draft.truncate(draft_len + draft_seen)
-            emitted = [int(t) for t in result.tokens]
-            out.extend(emitted)
-            target_pending = [emitted[-1]]
-            # After full acceptance the draft never ran its last token: feed it with the bonus token.
-            draft_pending = emitted[-2:] if accepted == gamma else [emitted[-1]]
 
-    def _report_round(self, index: int, prefix_len: int, draft_tokens: torch.Tensor, raw_logits: list,
-                      accepted: int, output, before_branch: int) -> None:
-        """Build the :class:`RoundInfo` for ``on_round``; ``before_branch`` indexes the block position before the
-        branch token."""
-        softmax = torch.stack(raw_logits).float().softmax(dim=-1)  # [γ, V], temperature 1
-        tokens = draft_tokens.view(-1).to(softmax.device)
+@dataclass
+class _Drafted:
+    """What a step's drafting keeps for the hooks: each step's raw draft logits, when hooked."""
+
+    raw_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class DraftChain(Strategy):
+    """γ tokens a row from a draft LM, one draft forward a token for every running row at once; a chain verifier
+    (tokenwise, block = HSD) per row."""
+
+    name = "sps"
+
+    def __init__(self, draft, gamma: int, verifier: ChainVerifier, on_round: RoundHook | None = None,
+                 round_capture_layers: Sequence[int] = ()):
+        self.draft, self.gamma, self.verifier, self.on_round = draft, gamma, verifier, on_round
+        if on_round is not None:
+            self.capture_layers, self.wants_last_hidden = tuple(round_capture_layers), True
+
+    def lookahead(self) -> int:
+        return self.gamma + 1
+
+    def open(self, rows: int) -> None:
+        self.draft.reset(rows)
+
+    def admit(self, states: Sequence[RowState], hidden: Sequence[dict[int, torch.Tensor]]) -> None:
+        # The draft sees the prompt minus its last token, which it reads with the first new token in its first
+        # drafting forward.
+        prefill_rows(self.draft, [s.row for s in states], [list(s.request.prompt)[:-1] for s in states], logits=False)
+        for state in states:
+            state.stats.draft_forwards += int(len(state.request.prompt) > 1)
+            state.draft = _DraftRow([state.request.prompt[-1], *state.pending])
+
+    def propose(self, states: Sequence[RowState]) -> list[Proposal]:
+        """Each row drafts ``min(γ, tokens it may still emit)`` tokens; a row that has drafted all of its own feeds
+        a pad while the longer rows go on (drawing nothing), and is rolled back after."""
+        gammas = [min(self.gamma, s.out.remaining) for s in states]
+        proposals = [Proposal(q=None if s.sampling.greedy else [], extra=_Drafted()) for s in states]
+        span = 1 + max(s.row for s in states)
+        feeds: list[list[int] | None] = [None] * span
+        start = self.draft.cache_lens.clone()
+        for state in states:
+            feeds[state.row] = list(state.draft.pending)
+        for step in range(max(gammas)):
+            wanted = [None if feed is None else [len(feed) - 1] for feed in feeds]
+            logits = forward_rows(self.draft, feeds, wanted).logits
+            for state, gamma, proposal in zip(states, gammas, proposals):
+                if step >= gamma:
+                    feeds[state.row] = [0]  # a pad: this row has its chain
+                    continue
+                state.stats.draft_forwards += 1
+                row_logits = logits[state.row][0]
+                if self.on_round is not None:
+                    proposal.extra.raw_logits.append(row_logits)
+                q = state.sampling.warp(row_logits)
+                token = int(sample(q, state.generator))
+                proposal.tokens.append(token)
+                if proposal.q is not None:
+                    proposal.q.append(q)
+                feeds[state.row] = [token]
+        # Keep each row's pending tokens and its drafts but the last (never run): as a run alone leaves it.
+        lens = self.draft.cache_lens.clone()
+        for state, gamma in zip(states, gammas):
+            lens[state.row] = start[state.row] + len(state.draft.pending) + gamma - 1
+        self.draft.truncate(lens)
+        for proposal in proposals:
+            if proposal.q is not None:
+                proposal.q = torch.stack(proposal.q)
+        return proposals
+
+    def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
+                 row: int) -> None:
+        if self.on_round is None:
+            return
+        raw = proposal.extra.raw_logits
+        softmax = torch.stack(raw).float().softmax(dim=-1)  # [γ, V], temperature 1
+        tokens = torch.tensor(proposal.tokens, device=softmax.device)
         self.on_round(RoundInfo(
-            index=index,
-            prefix_len=prefix_len,
-            draft_tokens=tokens.tolist(),
+            index=state.draft.rounds,
+            prefix_len=state.context_len,
+            draft_tokens=proposal.tokens,
             draft_probs=softmax.gather(1, tokens[:, None]).squeeze(1).tolist(),
             draft_max_probs=softmax.max(dim=-1).values.tolist(),
-            num_accepted=accepted,
-            hidden={layer: h[0, before_branch] for layer, h in output.hidden.items()},
-            last_hidden=output.last_hidden[0, before_branch],
+            num_accepted=result.num_accepted,
+            hidden={layer: h[row, 0] for layer, h in forward.hidden.items()},
+            last_hidden=forward.last_hidden[row, 0],
         ))
+        state.draft.rounds += 1
+
+    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
+                 results: Sequence[VerifyResult | None]) -> None:
+        lens = self.draft.cache_lens.clone()
+        for state, proposal, result in zip(states, proposals, results):
+            if result is None:
+                continue
+            gamma, accepted = len(proposal.tokens), result.num_accepted
+            # the draft holds its pending tokens and the drafts but the last: keep the accepted ones of those
+            lens[state.row] -= gamma - 1 - min(accepted, gamma - 1)
+            emitted = [int(t) for t in result.tokens]
+            # After full acceptance the draft never ran its last token: feed it with the bonus token.
+            state.draft.pending = emitted[-2:] if accepted == gamma else [emitted[-1]]
+        self.draft.truncate(lens)

@@ -1,0 +1,221 @@
+"""The engine loop: every running request of one strategy steps together over one target runner.
+
+A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
+back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
+are not stalled by a padded prefill) and samples each new row's first token. A step asks the strategy for every
+row's drafts, scores all rows in ONE target forward (ragged chains right-padded), verifies per row, rolls each row
+back to what it kept, and reports the rows that ended.
+
+``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
+served beside others and the same request run alone share one code path. On a CPU in exact mode
+(``inference.exactness``) a row's logits do not depend on its neighbours, so a request's tokens, greedy or seeded,
+are those of its run alone (``tests/test_engine_loop.py``).
+
+Failures: a failing batched call (the drafter's proposals, the target forward) fails every row in flight, and the
+engine serves the next requests; a failing verification or callback ends that row alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from core.errors import UserError
+from inference.engine.rows import forward_rows, prefill_rows
+from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
+                                    RowState)
+from inference.engine.strategy import Strategy
+from inference.sampling import sample
+
+Event = Finished | Failed
+
+
+class DecodeEngine:
+    """Runs ``strategy`` for up to ``rows`` requests at once over ``target`` (a runner of at least ``rows`` rows;
+    twice that lets new prompts prefill apart)."""
+
+    def __init__(self, target, strategy: Strategy, *, rows: int = 1, eos_ids: Sequence[int] = ()):
+        if not 1 <= rows <= target.max_batch_size:
+            raise UserError(f"the engine needs 1..{target.max_batch_size} rows (the target runner's max_batch_size), "
+                            f"got {rows}; load the target with max_batch_size >= {max(rows, 1)}")
+        if rows > 1 and not hasattr(target, "row_block"):
+            raise UserError(f"{type(target).__name__} serves one request at a time; use batch_size=1 or the native "
+                            "runner")
+        self.target, self.strategy, self.rows = target, strategy, rows
+        self.eos_ids = tuple(eos_ids)
+        self.slots: list[RowState | None] = [None] * rows
+        self._open = False
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def free_rows(self) -> int:
+        return sum(state is None for state in self.slots)
+
+    @property
+    def busy(self) -> bool:
+        return any(state is not None for state in self.slots)
+
+    def open(self) -> None:
+        """Empty caches, every row free (a running request is dropped)."""
+        self.target.reset(self.rows)
+        self.strategy.open(self.rows)
+        self.slots = [None] * self.rows
+        self._open = True
+
+    @torch.no_grad()
+    def admit(self, requests: Sequence[RowRequest], *, outputs: Sequence[OutputBuffer] | None = None,
+              stats: Sequence[GenerationStats] | None = None) -> list[Event]:
+        """Prefill ``requests`` in free rows (at most ``free_rows()``) and sample each one's first token. Returns
+        the events of those that ended at once (a one-token budget, EOS, an error of their own)."""
+        if not self._open:
+            self.open()
+        free = [row for row, state in enumerate(self.slots) if state is None]
+        if len(requests) > len(free):
+            raise ValueError(f"{len(requests)} requests but {len(free)} free rows")
+        now = time.perf_counter()
+        states = [RowState(req, row,
+                           outputs[k] if outputs else OutputBuffer(req.max_new_tokens, self.eos_ids, req.on_tokens),
+                           stats[k] if stats else GenerationStats(), now)
+                  for k, (req, row) in enumerate(zip(requests, free))]
+        for state in states:
+            self.slots[state.row] = state
+        try:
+            prefill = prefill_rows(self.target, [s.row for s in states], [list(s.request.prompt) for s in states],
+                                   capture_layers=self.strategy.capture_layers)
+        except Exception as exc:  # noqa: BLE001 - the new rows' batched prefill failed: they end, the rest goes on
+            return [self._end(state, exc) for state in states]
+        events, going = [], []
+        for state, logits in zip(states, prefill.logits):
+            state.stats.target_forwards += 1
+            try:
+                token = int(sample(state.sampling.warp(logits), state.generator))
+                state.out.extend([token])
+                state.pending = [token]
+            except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, its callback)
+                events.append(self._end(state, exc))
+                continue
+            if state.out.done:
+                events.append(self._end(state))
+            else:
+                going.append(state)
+        if going:
+            try:  # the drafter's prefill, once the first tokens are known (a feature drafter reads them)
+                self.strategy.admit(going, [prefill.hidden[states.index(s)] for s in going])
+            except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
+                events += [self._end(state, exc) for state in going]
+        return events
+
+    # -- one step --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """One round for every running row; returns the events of the rows that ended."""
+        active = [state for state in self.slots if state is not None]
+        if not active:
+            return []
+        strategy = self.strategy
+        try:
+            proposals = strategy.propose(active)
+            span = 1 + max(state.row for state in active)
+            feeds: list[list[int] | None] = [None] * span
+            wanted: list[range | None] = [None] * span
+            for state, proposal in zip(active, proposals):
+                feeds[state.row] = state.pending + proposal.tokens
+                wanted[state.row] = range(len(state.pending) - 1, len(feeds[state.row]))
+            scored = forward_rows(self.target, feeds, wanted, capture_layers=strategy.capture_layers,
+                                  return_last_hidden=strategy.wants_last_hidden)
+        except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
+            return [self._end(state, exc) for state in active]
+        return self._accept(active, proposals, scored)
+
+    def _accept(self, active: list[RowState], proposals, scored) -> list[Event]:
+        strategy, events, results = self.strategy, [], []
+        keep = self.target.cache_lens.clone()
+        for state, proposal in zip(active, proposals):
+            state.stats.target_forwards += 1
+            try:
+                result = strategy.verify(state, proposal, scored.logits[state.row])
+                if proposal.tokens:
+                    state.stats.record_round(len(proposal.tokens), result.num_accepted)
+                strategy.verified(state, proposal, result, scored.forward, state.row)
+                emitted = [int(t) for t in result.tokens]
+                # the pending tokens and the accepted drafts stay cached; the last emitted token is pending
+                keep[state.row] -= len(proposal.tokens) - result.num_accepted
+                state.out.extend(emitted)
+                state.pending = [emitted[-1]]
+            except Exception as exc:  # noqa: BLE001 - this row's verification or callback: it ends alone
+                result = None
+                events.append(Failed(state.request.key, exc))
+            results.append(result)
+        self.target.truncate(keep)
+        try:
+            strategy.accepted(active, proposals, results)
+        except Exception as exc:  # noqa: BLE001 - the drafter's rollback failed: its rows cannot go on
+            return events + [self._end(state, exc) for state, r in zip(active, results) if r is not None]
+        for state, result in zip(active, results):
+            if result is None:
+                self._release(state)
+            elif state.out.done:
+                events.append(self._end(state))
+        return events
+
+    # -- ends ------------------------------------------------------------------------------------------------
+
+    def _release(self, state: RowState) -> None:
+        if self.slots[state.row] is state:
+            self.slots[state.row] = None
+            self.strategy.release(state)
+
+    def _end(self, state: RowState, error: BaseException | None = None) -> Event:
+        self._release(state)
+        if error is not None:
+            return Failed(state.request.key, error)
+        state.stats.new_tokens = len(state.out.tokens)
+        state.stats.wall_s = time.perf_counter() - state.started
+        return Finished(state.request.key, GenerationResult(state.out.tokens, state.stats))
+
+    # -- drivers ---------------------------------------------------------------------------------------------
+
+    def run(self, next_request: Callable[[], RowRequest | None], on_event: Callable[[Event], None]) -> None:
+        """Serve requests until ``next_request()`` has none and every row has ended: new requests are admitted
+        whenever rows are free (FIFO), between steps; ``on_event`` gets each request's end."""
+        while True:
+            new: list[RowRequest] = []
+            while len(new) < self.free_rows() and (request := next_request()) is not None:
+                new.append(request)
+            events = self.admit(new) if new else []
+            if not new and not self.busy:
+                return
+            events += self.step()
+            for event in events:
+                on_event(event)
+
+    def run_one(self, request: RowRequest, out: OutputBuffer | None = None,
+                stats: GenerationStats | None = None) -> GenerationResult:
+        """``request`` alone, from an empty cache; its error, if any, is raised."""
+        self.open()
+        try:
+            events = self.admit([request], outputs=[out] if out else None, stats=[stats] if stats else None)
+            while not events:
+                events = self.step()
+        finally:
+            self.slots = [None] * self.rows
+        (event,) = events
+        if isinstance(event, Failed):
+            raise event.error
+        return event.result
+
+    def cancel(self, key: Hashable) -> bool:
+        """End the running request ``key`` now (no event); False if it is not running."""
+        for state in self.slots:
+            if state is not None and state.request.key == key:
+                self._release(state)
+                return True
+        return False
+
+    def close(self) -> None:
+        self.slots = [None] * self.rows
+        self.strategy.close()
+        self._open = False

@@ -1,0 +1,156 @@
+"""The engine loop (inference.engine.loop): requests run side by side, each in its own row, get exactly the tokens
+and counters of the same request run alone (``Algorithm.generate``, itself a one-row engine run), greedy and seeded,
+whoever their neighbours are: rows are admitted as others end (prefill apart in spare rows, or in place), drafts are
+ragged (a row near its budget drafts fewer tokens), some rows stop at EOS inside an accepted draft. On a CPU in exact
+mode a row's logits do not depend on its neighbours (tests/test_exact_batch.py), so equality is bitwise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_algorithms import tiny_llama
+
+from inference.algorithms import build_algorithm
+from inference.engine.loop import DecodeEngine
+from inference.engine.state import Failed, Finished, RowRequest
+from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
+
+VOCAB = 97
+GREEDY = SamplingParams(0.0)
+SAMPLED = SamplingParams(1.0)
+WARPED = SamplingParams(0.7, top_k=20, top_p=0.9)
+VARIANTS = {"ar": {}, "sps": {"gamma": 4}, "sps@hsd": {"gamma": 3, "verifier": "hsd"}}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A target with sharp distributions and a draft close to it (its weights perturbed), so drafts are accepted
+    often but not always."""
+    target = tiny_llama(0, vocab=VOCAB, layers=2, temperature_scale=6.0)
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.35 * p.std() * torch.randn(p.shape, generator=generator))
+    return target, draft
+
+
+def runner_of(model, rows: int = 1, spare: bool = True) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, max_batch_size=2 * rows if spare else rows, max_seq_len=160)
+
+
+def algorithm(name: str, models, rows: int = 1, spare: bool = True):
+    target, draft = models
+    base, _, verifier = name.partition("@")
+    return build_algorithm(base, runner_of(target, rows, spare),
+                           None if base == "ar" else runner_of(draft, rows, spare), **VARIANTS[name])
+
+
+def jobs(eos: int | None = None) -> list[tuple[list[int], int, SamplingParams, int]]:
+    """(prompt, budget, sampling, seed): mixed prompt lengths, budgets and settings."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = (5, 1, 23, 9, 40, 2, 14)
+    budgets = (24, 7, 31, 1, 18, 26, 12)
+    settings = (GREEDY, SAMPLED, WARPED, SAMPLED, GREEDY, WARPED, SAMPLED)
+    return [(torch.randint(0, VOCAB, (n,), generator=generator).tolist(), budget, sampling, 100 + k)
+            for k, (n, budget, sampling) in enumerate(zip(lengths, budgets, settings))]
+
+
+def solo(alg, job, eos_ids=()):
+    prompt, budget, sampling, seed = job
+    return alg.generate(prompt, max_new_tokens=budget, sampling=sampling, eos_ids=eos_ids,
+                        generator=torch.Generator().manual_seed(seed))
+
+
+def side_by_side(alg, all_jobs, rows: int, eos_ids=(), on_tokens=None) -> dict:
+    engine = DecodeEngine(alg.target, alg.strategy(), rows=rows, eos_ids=eos_ids)
+    queue = [RowRequest(k, prompt, budget, sampling, torch.Generator().manual_seed(seed),
+                        None if on_tokens is None else (lambda new, k=k: on_tokens(k, new)))
+             for k, (prompt, budget, sampling, seed) in enumerate(all_jobs)]
+    events = {}
+    engine.run(lambda: queue.pop(0) if queue else None, lambda event: events.setdefault(event.key, event))
+    assert not engine.busy and engine.free_rows() == rows
+    return events
+
+
+def counters(stats) -> tuple:
+    return (stats.new_tokens, stats.target_forwards, stats.draft_forwards, stats.drafted_tokens,
+            stats.accepted_draft_tokens, stats.rounds, stats.accepted_hist, stats.accepted_at, stats.attempted_at)
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["prefill-apart", "prefill-in-place"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_each_request_gets_the_tokens_and_counters_of_its_run_alone(models, name, spare):
+    lone = algorithm(name, models)
+    all_jobs = jobs()
+    eos = solo(lone, all_jobs[0]).tokens[9]  # met early by some rows, inside accepted drafts
+    expected = [solo(lone, job, eos_ids=[eos]) for job in all_jobs]
+    assert any(eos in r.tokens[:-1] or r.tokens[-1] == eos for r in expected)
+    events = side_by_side(algorithm(name, models, rows=3, spare=spare), all_jobs, rows=3, eos_ids=[eos])
+    for k, want in enumerate(expected):
+        event = events[k]
+        assert isinstance(event, Finished), event
+        assert event.result.tokens == want.tokens, f"request {k}"
+        assert counters(event.result.stats) == counters(want.stats), f"request {k}"
+    if name != "ar":
+        assert sum(r.stats.accepted_draft_tokens for r in expected) > 20  # drafts really are accepted
+
+
+def test_the_ar_strategy_equals_the_continuous_batcher_and_a_row_alone(models):
+    """Greedy AR through the engine is the target's greedy decode (the old per-request loop's answer)."""
+    target, _ = models
+    prompt = [3, 1, 4, 1, 5]
+    reference = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    tokens = solo(algorithm("ar", models), (prompt, 20, GREEDY, 0)).tokens
+    assert tokens == reference[0, len(prompt):].tolist()
+
+
+def test_a_failing_callback_ends_its_request_alone(models):
+    """Request 2's stream consumer raises at its third token: it fails, the others get their solo answers; a
+    consumer that returns False ends its request there (a client that went away)."""
+    lone = algorithm("sps", models)
+    all_jobs = jobs()
+    expected = [solo(lone, job) for job in all_jobs]
+    seen: dict[int, int] = {}
+
+    def on_tokens(key, new):
+        seen[key] = seen.get(key, 0) + len(new)
+        if key == 2 and seen[key] >= 3:
+            raise RuntimeError("consumer gone")
+        return not (key == 4 and seen[key] >= 5)
+
+    events = side_by_side(algorithm("sps", models, rows=3), all_jobs, rows=3, on_tokens=on_tokens)
+    assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
+    assert isinstance(events[4], Finished) and 5 <= len(events[4].result.tokens) < len(expected[4].tokens)
+    assert events[4].result.tokens == expected[4].tokens[:len(events[4].result.tokens)]
+    for k in (0, 1, 3, 5, 6):
+        assert events[k].result.tokens == expected[k].tokens
+
+
+def test_a_failing_forward_fails_the_rows_in_flight_and_the_engine_goes_on(models):
+    alg = algorithm("sps", models, rows=2)
+    engine = DecodeEngine(alg.target, alg.strategy(), rows=2)
+    all_jobs = jobs()[:4]
+    requests = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in
+                enumerate(all_jobs)]
+    assert engine.admit(requests[:2]) == []
+    forward = alg.target.forward
+    alg.target.forward = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
+    events = engine.step()
+    assert sorted(e.key for e in events) == [0, 1] and all(isinstance(e, Failed) for e in events)
+    alg.target.forward = forward
+    events = []
+    queue = requests[2:]
+    engine.run(lambda: queue.pop(0) if queue else None, events.append)
+    lone = algorithm("sps", models)
+    assert [e.result.tokens for e in sorted(events, key=lambda e: e.key)] == [
+        solo(lone, job).tokens for job in all_jobs[2:]]
+
+
+def test_rows_must_fit_the_runner(models):
+    alg = algorithm("ar", models, rows=2, spare=False)
+    with pytest.raises(Exception, match="max_batch_size"):
+        DecodeEngine(alg.target, alg.strategy(), rows=3)
