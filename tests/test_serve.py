@@ -21,8 +21,9 @@ from test_peagle_algorithm import make_peagle as random_peagle_drafter
 from test_specblock_tree import random_drafter as random_specblock_drafter
 from tiny_targets import save_tiny_target
 
+from core.errors import UserError
 from core.prompts import render_prompt
-from inference.algorithms import build_algorithm
+from inference.algorithms import algorithm_class, build_algorithm
 from inference.drafters import LoadedModel, load_lm
 from inference.runner_loading import load_runner
 from inference.sampling import SamplingParams
@@ -64,8 +65,11 @@ def own_target(tiny) -> LoadedModel:
 
 
 def serve_config(tiny, *keys: str):
+    """The tiny server's config: ``ROWS`` rows side by side for an algorithm that batches, one otherwise."""
+    name = next((k.split("=", 1)[1].split("@")[0] for k in keys if k.startswith("algorithm=")), "ar")
+    rows = ROWS if algorithm_class(name).batchable else 1
     return parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
-                       f"max_seq_len={MAX_SEQ}", f"batch_size={ROWS}", *keys])
+                       f"max_seq_len={MAX_SEQ}", f"batch_size={rows}", *keys])
 
 
 def start(tiny, *keys: str) -> RunningServer:
@@ -431,7 +435,12 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
     assert "'ar@max_new_tokens=0': max_new_tokens=0 must be >= 1" in errors[4]
 
 
-def test_only_ar_batches_and_auto_batches_where_batched_rows_stay_exact():
-    assert serving_batch(0, "ar", torch.float32) == 8 and serving_batch(0, "ar", torch.bfloat16) == 8
-    assert serving_batch(0, "ar", torch.bfloat16, "cuda") == 1 and serving_batch(0, "ar", torch.float32, "cuda") == 8
-    assert serving_batch(4, "ar", torch.bfloat16) == 4 and serving_batch(4, "eagle3_tree", torch.float32) == 1
+def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_exact():
+    for name in ("ar", "sps"):
+        assert serving_batch(0, name, torch.float32) == 8 and serving_batch(0, name, torch.bfloat16) == 8
+        assert serving_batch(0, name, torch.bfloat16, "cuda") == 1
+        assert serving_batch(0, name, torch.float32, "cuda") == 8
+        assert serving_batch(4, name, torch.bfloat16) == 4
+    assert serving_batch(0, "eagle3_tree", torch.float32) == serving_batch(1, "eagle3_tree", torch.float32) == 1
+    with pytest.raises(UserError, match="eagle3_tree serves one request at a time.*batch_size=1"):
+        serving_batch(4, "eagle3_tree", torch.float32)

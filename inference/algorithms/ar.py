@@ -13,6 +13,7 @@ from inference.engine.strategy import Strategy
 class Autoregressive(Algorithm):
     name = "ar"
     drafter = "none"
+    batchable = True
 
     def strategy(self) -> Strategy:
         return Strategy()

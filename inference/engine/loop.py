@@ -36,7 +36,10 @@ class DecodeEngine:
     """Runs ``strategy`` for up to ``rows`` requests at once over ``target`` (a runner of at least ``rows`` rows;
     twice that lets new prompts prefill apart)."""
 
-    def __init__(self, target, strategy: Strategy, *, rows: int = 1, eos_ids: Sequence[int] = ()):
+    def __init__(self, target, strategy: Strategy, *, rows: int = 1, eos_ids: Sequence[int] = (),
+                 max_seq_len: int | None = None):
+        """``max_seq_len``: the context a request must fit in (default the target's; an algorithm's can be less,
+        its draft LM's)."""
         if not 1 <= rows <= target.max_batch_size:
             raise UserError(f"the engine needs 1..{target.max_batch_size} rows (the target runner's max_batch_size), "
                             f"got {rows}; load the target with max_batch_size >= {max(rows, 1)}")
@@ -45,6 +48,7 @@ class DecodeEngine:
                             "runner")
         self.target, self.strategy, self.rows = target, strategy, rows
         self.eos_ids = tuple(eos_ids)
+        self.max_seq_len = min(max_seq_len or target.max_seq_len, target.max_seq_len)
         self.slots: list[RowState | None] = [None] * rows
         self._open = False
 
@@ -74,6 +78,13 @@ class DecodeEngine:
         free = [row for row, state in enumerate(self.slots) if state is None]
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests but {len(free)} free rows")
+        problems = [self._misfit(request) for request in requests]
+        if any(problems):  # a request that cannot run fails alone, before it takes a row
+            keep = [k for k, problem in enumerate(problems) if not problem]
+            refused = [Failed(requests[k].key, UserError(problem)) for k, problem in enumerate(problems) if problem]
+            return refused + (self.admit([requests[k] for k in keep],
+                                         outputs=[outputs[k] for k in keep] if outputs else None,
+                                         stats=[stats[k] for k in keep] if stats else None) if keep else [])
         now = time.perf_counter()
         states = [RowState(req, row,
                            outputs[k] if outputs else OutputBuffer(req.max_new_tokens, self.eos_ids, req.on_tokens),
@@ -106,6 +117,19 @@ class DecodeEngine:
             except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
                 events += [self._end(state, exc) for state in going]
         return events
+
+    def _misfit(self, request: RowRequest) -> str:
+        """Why ``request`` cannot run here ('' when it can)."""
+        if not len(request.prompt):
+            return "empty prompt: give at least one token"
+        if request.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {request.max_new_tokens}"
+        needed = len(request.prompt) + request.max_new_tokens + self.strategy.lookahead()
+        if needed > self.max_seq_len:
+            return (f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} "
+                    f"(+{self.strategy.lookahead()} lookahead) needs {needed} cache slots but "
+                    f"max_seq_len={self.max_seq_len}; shorten the prompt or lower max_new_tokens")
+        return ""
 
     # -- one step --------------------------------------------------------------------------------------------
 

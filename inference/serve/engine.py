@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from core.errors import UserError
-from inference.algorithms import algorithm_class
+from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
 from inference.engine_args import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
@@ -38,7 +38,7 @@ class ServedModel:
     tokenizer: Any
     eos_ids: list[int]
     max_seq_len: int
-    batch_size: int  # > 1: AR rows decoded side by side (inference.batched_generation); else one request at a time
+    batch_size: int  # > 1: requests decoded side by side on the engine loop (inference.engine); else one at a time
     default_max_tokens: int
     default_sampling: SamplingParams  # what a request that sets no temperature / top_k / top_p samples with
     adapter: ObserverTap | None  # the serving-time adapter (adapt=NAME), tapped for its decisions
@@ -101,14 +101,22 @@ def served_name(cfg: Any) -> str:
     return cfg.model_name or Path(str(cfg.target)).name
 
 
-AUTO_BATCH = 8  # rows of batched AR when batch_size=0, where batched rows stay AR's
+AUTO_BATCH = 8  # rows decoded side by side when batch_size=0, where batched rows stay the requests' own answers
+
+
+def batchable_algorithms() -> list[str]:
+    return [name for name in ALGORITHMS if algorithm_class(name).batchable]
 
 
 def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype, device: str = "cpu") -> int:
-    """Rows decoded side by side: only ``ar`` batches. ``batch_size=0`` (auto) batches where a batched row's
-    greedy answer is AR's: on a CPU in fp32 or bf16 (exact mode covers batched rows, ``inference.exactness``), and
-    in fp32 elsewhere; a GPU's bf16 batch is not batch-invariant, and a server's greedy answers must be AR's."""
-    if algorithm != "ar":
+    """Rows decoded side by side: algorithms on the engine loop batch; ``batch_size`` > 1 for another is refused.
+    ``batch_size=0`` (auto) batches where a batched row's answer is the request's own: on a CPU in fp32 or bf16
+    (exact mode covers batched rows, ``inference.exactness``), and in fp32 elsewhere; a GPU's bf16 batch is not
+    batch-invariant, and a server's greedy answers must be AR's."""
+    if not algorithm_class(algorithm).batchable:
+        if batch_size > 1:
+            raise UserError(f"batch_size={batch_size}: {algorithm} serves one request at a time; batched serving "
+                            f"runs {', '.join(batchable_algorithms())} (or set batch_size=1)")
         return 1
     if batch_size:
         return batch_size
@@ -118,8 +126,9 @@ def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype, device: s
 
 def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[str, Any] | None = None,
                       on_decision: Callable[[dict], None] | None = None) -> ServedModel:
-    """Load (or take) the target and the algorithm's drafter, and build ``cfg.algorithm`` over them. AR with
-    ``batch_size`` > 1 needs a target runner of ``2 * batch_size`` rows (new prompts prefill in spare rows).
+    """Load (or take) the target and the algorithm's drafter, and build ``cfg.algorithm`` over them. A batched
+    algorithm with ``batch_size`` > 1 loads its target (and draft LM) with ``2 * batch_size`` rows: new prompts
+    prefill in spare rows.
     ``on_decision`` receives each adapter decision (``adapt=``)."""
     name, _ = parse_variant(cfg.algorithm)
     kind = algorithm_class(name).drafter
@@ -132,12 +141,18 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                          max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
-    if batch > 1 and target.runner.max_batch_size < batch:
-        raise UserError(f"batch_size={batch} but the target runner holds {target.runner.max_batch_size} rows; "
-                         f"load it with max_batch_size={2 * batch}")
+    if batch > 1 and not hasattr(target.runner, "row_block"):  # the transformers fallback: one row at a time
+        if cfg.batch_size:
+            raise UserError(f"batch_size={batch}: this target runs on the transformers fallback, which serves one "
+                            "request at a time; set batch_size=1")
+        batch = 1
+    check_rows(target.runner, batch, "target")
     claim_runner(target.runner)
     try:
-        loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded)
+        loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded,
+                               max_batch_size=2 * batch if batch > 1 else 1)
+        if kind == "draft_lm":
+            check_rows(loaded[kind], batch, "draft LM")
         algorithm, variant_cfg = build_variant(cfg.algorithm, resolved_config(cfg, paths), target, loaded, {})
     except BaseException:
         release_runner(target.runner)
@@ -150,6 +165,12 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
                        variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
                        target.runner.exactness.as_dict(), random.Random(variant_cfg.seed))
+
+
+def check_rows(runner: Any, batch: int, what: str) -> None:
+    if batch > 1 and runner.max_batch_size < batch:
+        raise UserError(f"batch_size={batch} but the {what} runner holds {runner.max_batch_size} rows; load it with "
+                        f"max_batch_size={2 * batch}")
 
 
 def limit_draft_calls(algorithm: Algorithm, seconds: float | None) -> None:

@@ -1,12 +1,12 @@
 """The bounded request queue and the worker thread that runs the engine.
 
 One worker thread owns the engine (its runners and KV caches are not thread-safe). Requests wait in a queue of
-at most ``max_queue``; one more is refused (the app answers 429). AR with ``batch_size`` > 1 decodes up to that
-many requests side by side (``inference.batched_generation.ContinuousBatcher``: a finished or cancelled row is
-refilled from the queue at once); every other algorithm serves one request at a time. A cancelled request
-(its client went away, or a stop string was met) leaves the queue at once, or its row at the next token: the
-engine's token callback returns False, so the algorithm ends the query through its normal path. A batched row
-that fails ends alone, with its error; the other rows go on.
+at most ``max_queue``; one more is refused (the app answers 429). An algorithm that runs on the engine loop (AR,
+SpS/HSD) with ``batch_size`` > 1 decodes up to that many requests side by side (``inference.engine.loop``: a
+finished or cancelled row is refilled from the queue at once); every other algorithm serves one request at a time. A
+cancelled request (its client went away, or a stop string was met) leaves the queue at once, or its row at its next
+tokens: the engine's token callback returns False, so the request ends through its normal path. A batched row that
+fails ends alone, with its error; the other rows go on.
 
 Each request ends exactly once (finished, failed, cancelled, or refused at shutdown), decided under the
 scheduler's lock: a request that finished is never also counted as cancelled. ``close()`` ends the requests in
@@ -32,7 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from inference.algorithms.base import GenerationStats
-from inference.batched_generation import ContinuousBatcher, Job
+from inference.engine.loop import DecodeEngine
+from inference.engine.state import Failed as RowFailed
+from inference.engine.state import Finished as RowFinished
+from inference.engine.state import RowRequest
 from inference.sampling import SamplingParams
 from inference.serve.engine import ServedModel
 from inference.serve.metrics import ServeMetrics
@@ -128,11 +131,6 @@ class Generation:
         tokens = self.text.tokens
         ended = self.text.stopped or bool(tokens and tokens[-1] in self.eos_ids)
         return chunks, Finished("stop" if ended else "length", stats, len(tokens))
-
-
-def batched_stats(tokens: list[int], wall_s: float) -> GenerationStats:
-    """A batched AR row's counters: one target forward (its prefill, then one decode step) per token."""
-    return GenerationStats(new_tokens=len(tokens), target_forwards=len(tokens), wall_s=wall_s)
 
 
 class Scheduler:
@@ -320,40 +318,47 @@ class Scheduler:
             self.metrics.running.set(0)
 
     def _serve_batch(self, first: Generation) -> None:
-        """Decode ``first`` and whatever else arrives, ``batch_size`` rows at a time, until the queue is empty. A
-        row that fails ends alone (``on_error``); a failing forward fails every row in flight."""
-        model, waiting, started = self.model, [first], {}
-        batcher = ContinuousBatcher(model.algorithm.target, batch_size=model.batch_size, eos_ids=model.eos_ids,
-                                    sampling=first.sampling, refill_at=1)
+        """Decode ``first`` and whatever else arrives, ``batch_size`` rows at a time on the engine loop, until the
+        queue is empty. A row that fails ends alone; a failing batched call fails every row in flight."""
+        model, waiting, started = self.model, [first], set()
+        engine = DecodeEngine(model.algorithm.target, model.algorithm.strategy(), rows=model.batch_size,
+                              eos_ids=model.eos_ids, max_seq_len=model.max_seq_len)
 
-        def next_job() -> Job | None:
-            gen = waiting.pop() if waiting else self._take(block=False)
-            while gen is not None and gen.cancelled.is_set():
-                gen = self._take(block=False)
-            if gen is None:
-                return None
-            started[gen] = time.perf_counter()
+        def next_request() -> RowRequest | None:
+            while True:
+                gen = waiting.pop() if waiting else self._take(block=False)
+                if gen is None:
+                    return None
+                if gen.cancelled.is_set():
+                    continue
+                try:
+                    generator = torch.Generator().manual_seed(gen.seed)
+                except Exception as exc:  # noqa: BLE001 - a seed torch cannot take: this request fails alone
+                    self._fail(gen, exc)
+                    continue
+                started.add(gen)
+                self.metrics.running.set(len(started))
+                return RowRequest(gen, gen.prompt_ids, gen.max_tokens, gen.sampling, generator,
+                                  lambda new: self._accept(gen, new))
+
+        def on_event(event: RowFinished | RowFailed) -> None:
+            gen = event.key
+            started.discard(gen)
             self.metrics.running.set(len(started))
-            return Job(gen, gen.prompt_ids, gen.max_tokens, seed=gen.seed, sampling=gen.sampling)
-
-        def leave(gen: Generation) -> float:
-            wall = time.perf_counter() - started.pop(gen)
-            self.metrics.running.set(len(started))
-            return wall
-
-        def on_done(job: Job, tokens: list[int]) -> None:
-            self._done(job.key, batched_stats(tokens, time.perf_counter() - started[job.key]))
-            leave(job.key)
-
-        def on_error(job: Job, exc: Exception) -> None:
-            if job.key in started:
-                leave(job.key)
-            self._fail(job.key, exc)
+            if isinstance(event, RowFailed):
+                self._fail(gen, event.error)
+                return
+            try:
+                self._done(gen, event.result.stats)
+            except Exception as exc:  # noqa: BLE001 - finishing this answer failed: it fails alone
+                self._fail(gen, exc)
 
         try:
-            batcher.run(next_job, on_done, on_token=lambda job, token: self._accept(job.key, [token]), on_error=on_error)
-        except Exception as exc:  # noqa: BLE001 - a forward failed: fail the rows in flight, serve the next ones
+            engine.run(next_request, on_event)
+        except Exception as exc:  # noqa: BLE001 - the engine itself failed: fail the rows in flight, serve the next
             for gen in list(started):
                 self._fail(gen, exc)
             started.clear()
+        finally:
+            engine.close()
         self.metrics.running.set(0)
