@@ -11,19 +11,24 @@ for token. Bounded: ``requests`` per run, and no new request starts after ``time
 With ``poisoned=true`` (the default) the largest client count runs once more beside one more client that sends
 nothing but requests the server cannot serve (a seed past 2^63, a temperature of 1e-45, an overlong or a fifth
 stop string, a body over the size limit), in turn, until the others finish: each must be refused with a 4xx, and
-every other answer must still succeed and equal the direct engine's.
+every other answer must still succeed and equal the direct engine's. ``out=DIR`` also writes ``DIR/results.json``
+(the config, the machine's threads, and every run's figures and answers).
 """
 
 from __future__ import annotations
 
+import json
+import platform
 import statistics
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import torch
+from omegaconf import OmegaConf
 
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
@@ -33,7 +38,7 @@ from inference.serve.config import ServeConfig, parse_args
 from inference.serve.server import RunningServer, build_server
 
 USAGE = "python -m benchmarks.serve_load target=smollm2 algorithm=ar clients=[1,4] requests=8 max_tokens=64"
-LOAD_KEYS = ("clients", "requests", "max_tokens", "bench", "time_limit", "poisoned")
+LOAD_KEYS = ("clients", "requests", "max_tokens", "bench", "time_limit", "poisoned", "out")
 
 
 @dataclass
@@ -44,6 +49,7 @@ class LoadConfig(ServeConfig):
     bench: str = "gsm_symbolic"  # where the prompts come from (their first user turn)
     time_limit: float = 600.0  # seconds per run after which no new request starts
     poisoned: bool = True  # one more run of the most clients, beside a client sending requests that must be refused
+    out: str | None = None  # DIR: results.json there
 
 
 @dataclass
@@ -53,6 +59,13 @@ class Run:
     tokens: int
     wall_s: float
     answers: dict[int, list[int]]
+
+    def record(self, direct: Run | None) -> dict:
+        """The run's figures as ``results.json`` keeps them."""
+        equal = sum(direct.answers.get(i) == a for i, a in self.answers.items()) if direct else len(self.answers)
+        return {"label": self.label, "requests": len(self.answers), "tokens": self.tokens, "wall_s": self.wall_s,
+                "tokens_per_s": self.tokens / self.wall_s, "latencies_s": self.latencies,
+                "equal_to_direct": equal, "answers": {str(i): a for i, a in sorted(self.answers.items())}}
 
     def row(self, direct: Run | None) -> str:
         rate = self.tokens / self.wall_s
@@ -181,6 +194,14 @@ def _run(argv: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         print(run.row(None if run is direct_engine else direct_engine))
+    if load.out:
+        record = {"config": OmegaConf.to_container(load, resolve=True) if OmegaConf.is_config(load) else vars(load),
+                  "argv": argv, "batch_size": server.model.batch_size, "threads": torch.get_num_threads(),
+                  "machine": platform.processor() or platform.machine(), "exactness": server.model.exactness,
+                  "runs": [run.record(None if run is direct_engine else direct_engine) for run in runs],
+                  "poisoned_statuses": statuses}
+        Path(load.out).mkdir(parents=True, exist_ok=True)
+        (Path(load.out) / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     if statuses:
         refused = all(400 <= code < 500 for codes in statuses.values() for code in codes)
         print(f"\npoisoned requests beside the last run, HTTP statuses by kind (all 4xx: {'yes' if refused else 'NO'}):")
