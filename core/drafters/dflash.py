@@ -288,7 +288,6 @@ class DFlashDrafter(TargetTiedDrafter):
             cache.append(self.context_kv(self.context(features.to(self.fc.weight.dtype)), positions), counts)
         anchor = torch.as_tensor(anchor_token, dtype=torch.long, device=device).view(batch, 1)
         positions = torch.arange(self.config.block_size, device=device)[None] + cache.lengths[:, None]
-        ragged = bool((cache.lengths != cache.lengths[0]).any())
-        keys = ContextLengths(cache.lengths, self.row_exact) if ragged or self.row_exact else None
+        keys = ContextLengths(cache.lengths, self.row_exact) if self.row_exact or not cache.uniform else None
         hidden = self._layers(self.block_tokens(anchor), positions, cache.view(), keys)
         return self.head(hidden[:, 1:])

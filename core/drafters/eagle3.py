@@ -393,42 +393,43 @@ class Eagle3Drafter(TargetTiedDrafter):
         counts = cache.counts(new, counts)
         mask = self._serving_mask(cache, new, counts, attention_mask)
         past_k, past_v = cache.view()[0] if mask.shape[-1] > new else (None, None)
-        attend = per_row_attention(mask, cache.lengths, counts) if self.row_exact else mask
+        attend = per_row_attention(mask, cache.held, counts) if self.row_exact else mask
         logits, out, k, v = self._rows(tokens, hidden, positions.expand(batch, new), past_k, past_v, attend)
         cache.append([(k, v)], counts)
         return Eagle3Step(logits, out)
 
-    def _serving_mask(self, cache: RowKV, new: int, counts: torch.Tensor,
+    def _serving_mask(self, cache: RowKV, new: int, counts: list[int],
                       attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """bool [B, T, P + T] of :meth:`step`: the caller's mask limited to held slots and real rows, plus self."""
-        batch, held = cache.batch, cache.key_mask(new)
-        past, device = held.shape[-1], held.device
-        eye = torch.eye(new, dtype=torch.bool, device=device)
+        """bool [B, T, P + T] of :meth:`step`: the caller's mask limited to held slots and real rows, plus self.
+        (Rows of one length and no pads skip the limiting: a one-row call builds the mask it always did.)"""
+        batch, past, device = cache.batch, cache.longest, cache.device
         if attention_mask is None:
-            among = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-            attention_mask = torch.cat([held, among.expand(batch, new, new)], dim=-1)
+            mask = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past).expand(batch, new, -1)
         else:
-            attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-            if attention_mask.dim() != 3 or attention_mask.shape[0] not in (1, batch) \
-                    or attention_mask.shape[1] != new or attention_mask.shape[2] not in (new, past + new):
+            mask = attention_mask.to(device=device, dtype=torch.bool)
+            if mask.dim() != 3 or mask.shape[0] not in (1, batch) or mask.shape[1] != new \
+                    or mask.shape[2] not in (new, past + new):
                 raise ValueError(f"drafter mask must be [B, {new}, {new}] (new rows) or [B, {new}, {past + new}] "
                                  f"(cache slots, then new rows), B = {batch}, got {tuple(attention_mask.shape)}")
-            attention_mask = attention_mask.expand(batch, new, -1)
-            if attention_mask.shape[2] == new:
-                attention_mask = torch.cat([held, attention_mask], dim=-1)
-            else:
-                attention_mask = torch.cat([attention_mask[..., :past] & held, attention_mask[..., past:]], dim=-1)
-        real = torch.arange(new, device=device) < counts[:, None]  # [B, T] real new rows (keys)
-        among = (attention_mask[..., past:] & real[:, None, :]) | eye
-        return torch.cat([attention_mask[..., :past], among], dim=-1)
+            mask = mask.expand(batch, new, -1)
+            if mask.shape[2] == new and past:  # short form: the row's whole cache
+                mask = torch.cat([mask.new_ones(batch, new, past), mask], dim=-1)
+        if not cache.uniform:
+            mask = torch.cat([mask[..., :past] & cache.key_mask(new), mask[..., past:]], dim=-1)
+        if any(c != new for c in counts):
+            real = torch.arange(new, device=device) < torch.tensor(counts, device=device)[:, None]  # pad keys out
+            mask = torch.cat([mask[..., :past], mask[..., past:] & real[:, None, :]], dim=-1)
+        own = torch.zeros(new, past + new, dtype=torch.bool, device=device)
+        own[:, past:] = torch.eye(new, dtype=torch.bool, device=device)
+        return mask | own
 
 
-def per_row_attention(mask: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor) -> Attend:
+def per_row_attention(mask: torch.Tensor, lengths: list[int], counts: list[int]) -> Attend:
     """An :data:`Attend` that runs one SDPA per cache row over exactly its held slots and its real new rows, under
     ``mask`` [B, T, P + T]: the call a row gets alone, so its result does not depend on the other rows (row-exact
     serving). Pad rows come out zero."""
     past = mask.shape[-1] - mask.shape[1]
-    spans = list(zip(lengths.tolist(), counts.tolist()))
+    spans = list(zip(lengths, counts))
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         out = q.new_zeros(q.shape)

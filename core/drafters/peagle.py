@@ -113,15 +113,18 @@ class PEagleDrafter(Eagle3Drafter):
             raise ValueError(f"draft needs >= 1 committed row and one next token per row, got {new} rows and "
                              f"{next_tokens.numel()} tokens for {batch} cache rows")
         counts = cache.counts(new, counts)
-        start = cache.lengths.clone()
+        start = cache.held
         tokens, hidden = self._draft_rows(features, next_tokens.view(batch, new), counts, depths)
-        positions = start[:, None] + torch.arange(tokens.shape[1], device=start.device)
-        step = self.step(tokens, hidden, positions, cache, counts=torch.where(counts > 0, counts + depths - 1, 0))
-        cache.truncate(start + counts)  # the mask rows are this round's only
-        first = (counts - 1).clamp_min(0)[:, None] + torch.arange(depths, device=counts.device)  # [B, depths]
-        return step.logits.gather(1, first[..., None].expand(-1, -1, step.logits.shape[-1]))
+        positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        step = self.step(tokens, hidden, positions, cache, counts=[c + depths - 1 if c else 0 for c in counts])
+        cache.truncate([n + c for n, c in zip(start, counts)])  # the mask rows are this round's only
+        if all(c == new for c in counts):  # every row's drafts sit in the same columns
+            return step.logits[:, new - 1:]
+        first = torch.tensor([max(c - 1, 0) for c in counts], device=tokens.device)[:, None]
+        rows = first + torch.arange(depths, device=tokens.device)  # [B, depths]
+        return step.logits.gather(1, rows[..., None].expand(-1, -1, step.logits.shape[-1]))
 
-    def _draft_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: torch.Tensor,
+    def _draft_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
                     depths: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B, n + depths - 1] and hidden [B, n + depths - 1, H] of a draft call: per row its ``counts[b]``
         committed rows, then ``depths - 1`` mask rows, then pads."""
@@ -129,9 +132,9 @@ class PEagleDrafter(Eagle3Drafter):
         dtype = self.fc.weight.dtype
         mask_tokens, mask_hidden = self.mask_rows(1, dtype)
         width = new + depths - 1
-        slot = torch.arange(width, device=counts.device)[None]
-        committed = slot < counts[:, None]  # [B, width]
-        masked = ~committed & (slot < counts[:, None] + depths - 1)
+        slot = torch.arange(width, device=next_tokens.device)[None]
+        real = torch.tensor(counts, device=next_tokens.device)[:, None]
+        masked = (slot >= real) & (slot < real + depths - 1)  # [B, width]
         tokens = F.pad(next_tokens, (0, depths - 1)).masked_fill(masked, int(mask_tokens[0, 0]))
         hidden = F.pad(self.project(features.to(dtype)), (0, 0, 0, depths - 1))
         return tokens, torch.where(masked[..., None], mask_hidden, hidden)

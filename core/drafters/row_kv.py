@@ -12,7 +12,10 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 class RowKV:
-    """Per-row K/V for ``len(k)`` layers. ``name`` and ``unit`` word the errors ("drafter cache", "rows")."""
+    """Per-row K/V for ``len(k)`` layers. ``name`` and ``unit`` word the errors ("drafter cache", "rows").
+
+    The lengths live in a Python list (``held``): every call reads them to size its slices and masks, and a
+    one-row call must cost what the single-length cache did (no tensor ops where every row is equally long)."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], *, name: str = "drafter cache",
                  unit: str = "rows"):
@@ -20,7 +23,7 @@ class RowKV:
             raise ValueError("RowKV needs one K and one V tensor per layer, all [B, kv_heads, capacity, D]")
         self.k, self.v = k, v
         self.name, self.unit = name, unit
-        self.lengths = torch.zeros(k[0].shape[0], dtype=torch.long, device=k[0].device)
+        self.held = [0] * k[0].shape[0]
 
     @classmethod
     def empty(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, like: torch.Tensor,
@@ -39,29 +42,42 @@ class RowKV:
         return self.k[0].shape[2]
 
     @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """LongTensor [B]: the slots each row holds."""
+        return torch.tensor(self.held, dtype=torch.long, device=self.device)
+
+    @property
     def longest(self) -> int:
         """The most slots any row holds (the width of :meth:`view`)."""
-        return int(self.lengths.max()) if self.batch else 0
+        return max(self.held, default=0)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every row holds as many slots."""
+        return all(n == self.held[0] for n in self.held)
 
     @property
     def length(self) -> int:
         """The one length every row holds (the single-row API); refuses rows of different lengths."""
-        first = int(self.lengths[0])
-        if not bool((self.lengths == first).all()):
-            raise ValueError(f"{self.name} rows hold different lengths {self.lengths.tolist()}; read .lengths")
-        return first
+        if not self.uniform:
+            raise ValueError(f"{self.name} rows hold different lengths {self.held}; read .lengths")
+        return self.held[0]
 
-    def counts(self, new: int, counts: torch.Tensor | None) -> torch.Tensor:
+    def counts(self, new: int, counts: torch.Tensor | list[int] | None) -> list[int]:
         """``counts`` [B] checked against a call of ``new`` rows per row (None: all ``new`` of every row)."""
         if counts is None:
-            return torch.full_like(self.lengths, new)
-        counts = torch.as_tensor(counts, dtype=torch.long, device=self.lengths.device).reshape(-1)
-        if counts.shape[0] != self.batch or bool((counts < 0).any()) or bool((counts > new).any()):
+            return [new] * self.batch
+        counts = counts.reshape(-1).tolist() if isinstance(counts, torch.Tensor) else [int(n) for n in counts]
+        if len(counts) != self.batch or any(not 0 <= n <= new for n in counts):
             raise ValueError(f"counts must be {self.batch} numbers in 0..{new} (real new {self.unit} per cache row), "
-                             f"got {counts.tolist()}")
+                             f"got {counts}")
         return counts
 
-    def append(self, kv: list[LayerKV], counts: torch.Tensor | None = None) -> None:
+    def append(self, kv: list[LayerKV], counts: torch.Tensor | list[int] | None = None) -> None:
         """Row ``b`` writes the first ``counts[b]`` of the ``T`` new rows of ``kv`` (per layer K, V [B, kv_heads,
         T, D]) at its slots ``lengths[b]..``; the rest of its rows (pads) are dropped. ``counts`` None: all T."""
         if len(kv) != len(self.k) or kv[0][0].shape[0] != self.batch:
@@ -69,29 +85,40 @@ class RowKV:
                              f"{len(self.k)} layers of {self.batch} rows")
         new = kv[0][0].shape[2]
         counts = self.counts(new, counts)
-        ends = self.lengths + counts
-        if bool((ends > self.capacity).any()):
-            need = int(ends.max())
-            raise ValueError(f"{self.name} overflow: {need} {self.unit} needed, capacity {self.capacity}; build it "
-                             "with a larger max_len")
-        real = torch.arange(new, device=counts.device) < counts[:, None]  # [B, T]
-        rows, steps = real.nonzero(as_tuple=True)
-        slots = self.lengths[rows] + steps
+        ends = [n + c for n, c in zip(self.held, counts)]
+        if max(ends, default=0) > self.capacity:
+            raise ValueError(f"{self.name} overflow: {max(ends)} {self.unit} needed, capacity {self.capacity}; "
+                             "build it with a larger max_len")
+        if self.uniform and all(c == new for c in counts):  # every row writes the same slots: slice copies
+            start = self.held[0] if self.held else 0
+            for (k, v), k_cache, v_cache in zip(kv, self.k, self.v):
+                k_cache[:, :, start:start + new] = k
+                v_cache[:, :, start:start + new] = v
+        else:
+            self._scatter(kv, counts)
+        self.held = ends
+
+    def _scatter(self, kv: list[LayerKV], counts: list[int]) -> None:
+        """Ragged append: one index_put per tensor, (row, :, slot) <- (row, :, step) for every real row."""
+        rows = torch.tensor([b for b, c in enumerate(counts) for _ in range(c)], dtype=torch.long)
+        steps = torch.tensor([t for c in counts for t in range(c)], dtype=torch.long)
+        slots = torch.tensor([self.held[b] + t for b, c in enumerate(counts) for t in range(c)], dtype=torch.long)
+        rows, steps, slots = rows.to(self.device), steps.to(self.device), slots.to(self.device)
         for (k, v), k_cache, v_cache in zip(kv, self.k, self.v):
-            # index_put on [B, kv, S, D] with (row, :, slot): one scatter of every real row, pads never written
             k_cache[rows, :, slots] = k[rows, :, steps].to(k_cache.dtype)
             v_cache[rows, :, slots] = v[rows, :, steps].to(v_cache.dtype)
-        self.lengths = ends
 
-    def truncate(self, lengths: int | torch.Tensor) -> None:
+    def truncate(self, lengths: int | torch.Tensor | list[int]) -> None:
         """Keep the first ``lengths`` slots of every row (an int) or ``lengths[b]`` of row ``b``; never grows a row."""
-        wanted = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).expand(self.batch)
-        short = (wanted < 0) | (wanted > self.lengths)
-        if bool(short.any()):
-            row = int(short.nonzero()[0])
-            raise ValueError(f"truncate {self.name} row {row} to {int(wanted[row])} but it holds "
-                             f"{int(self.lengths[row])} {self.unit}")
-        self.lengths = wanted.clone()
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.reshape(-1).tolist() if lengths.dim() else int(lengths)
+        wanted = [int(lengths)] * self.batch if isinstance(lengths, int) else [int(n) for n in lengths]
+        if len(wanted) != self.batch:
+            raise ValueError(f"truncate {self.name} got {len(wanted)} lengths for {self.batch} rows")
+        for row, (n, held) in enumerate(zip(wanted, self.held)):
+            if not 0 <= n <= held:
+                raise ValueError(f"truncate {self.name} row {row} to {n} but it holds {held} {self.unit}")
+        self.held = wanted
 
     def view(self) -> list[LayerKV]:
         """Per layer K, V [B, kv_heads, longest, D]: every row's slots up to the longest row's (mask the rest with
@@ -101,5 +128,5 @@ class RowKV:
 
     def key_mask(self, queries: int = 1) -> torch.Tensor:
         """bool [B, queries, longest]: True where the slot holds one of the row's rows."""
-        held = torch.arange(self.longest, device=self.lengths.device) < self.lengths[:, None]
+        held = torch.arange(self.longest, device=self.device) < self.lengths[:, None]
         return held[:, None].expand(self.batch, queries, held.shape[1])
