@@ -224,17 +224,19 @@ def peagle_draft(drafter: PEagleDrafter, cache: RowKV, rows_in: Rows, depths: in
 
 @pytest.mark.parametrize("exact", EXACT)
 def test_peagle_rows_equal_their_solo_calls(exact):
-    """Ragged committed rows each round, K and fewer depths: each row's draft logits equal its B = 1 draft; the
-    mask rows leave every row's cache at its committed length."""
+    """Ragged committed rows each round (a row with none sits a round out), K and fewer depths: each row's draft
+    logits equal its B = 1 draft; the mask rows leave every row's cache at its committed length."""
     drafter = eagle3(exact, PEagleDrafter, mask_token_id=7, num_depths=4)
     rounds = [(Rows([4, 1, 6], 3 * TARGET_HIDDEN, 1), 4), (Rows([1, 3, 2], 3 * TARGET_HIDDEN, 2), 2),
-              (Rows([2, 1, 1], 3 * TARGET_HIDDEN, 3), 4)]
+              (Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3), 4), (Rows([1, 2, 1], 3 * TARGET_HIDDEN, 4), 3)]
     cache = drafter.new_cache(32, batch_size=3)
     batched = [peagle_draft(drafter, cache, rows_in, depths, None) for rows_in, depths in rounds]
-    assert cache.lengths.tolist() == [7, 5, 9]
+    assert cache.lengths.tolist() == [8, 6, 10]
     for b in range(3):
         alone = drafter.new_cache(32)
         for (rows_in, depths), logits in zip(rounds, batched):
+            if rows_in.counts[b] == 0:
+                continue
             solo = peagle_draft(drafter, alone, rows_in, depths, b)
             assert logits.shape == (3, depths, DRAFT_VOCAB)
             same(logits[b], solo[0], exact)
