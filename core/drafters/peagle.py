@@ -113,7 +113,7 @@ class PEagleDrafter(Eagle3Drafter):
             raise ValueError(f"draft needs >= 1 committed row and one next token per row, got {new} rows and "
                              f"{next_tokens.numel()} tokens for {batch} cache rows")
         counts = cache.counts(new, counts)
-        start = cache.held
+        start = list(cache.held)
         tokens, hidden = self._draft_rows(features, next_tokens.view(batch, new), counts, depths)
         positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         step = self.step(tokens, hidden, positions, cache, counts=[c + depths - 1 if c else 0 for c in counts])
@@ -128,13 +128,10 @@ class PEagleDrafter(Eagle3Drafter):
                     depths: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B, n + depths - 1] and hidden [B, n + depths - 1, H] of a draft call: per row its ``counts[b]``
         committed rows, then ``depths - 1`` mask rows, then pads."""
-        batch, new = next_tokens.shape
-        dtype = self.fc.weight.dtype
-        mask_tokens, mask_hidden = self.mask_rows(1, dtype)
-        width = new + depths - 1
-        slot = torch.arange(width, device=next_tokens.device)[None]
+        _, mask_hidden = self.mask_rows(1, self.fc.weight.dtype)
+        slot = torch.arange(next_tokens.shape[1] + depths - 1, device=next_tokens.device)[None]
         real = torch.tensor(counts, device=next_tokens.device)[:, None]
         masked = (slot >= real) & (slot < real + depths - 1)  # [B, width]
-        tokens = F.pad(next_tokens, (0, depths - 1)).masked_fill(masked, int(mask_tokens[0, 0]))
-        hidden = F.pad(self.project(features.to(dtype)), (0, 0, 0, depths - 1))
+        tokens = F.pad(next_tokens, (0, depths - 1)).masked_fill(masked, self.config.mask_token_id)
+        hidden = F.pad(self.project(features.to(mask_hidden.dtype)), (0, 0, 0, depths - 1))
         return tokens, torch.where(masked[..., None], mask_hidden, hidden)
