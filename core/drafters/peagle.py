@@ -115,7 +115,8 @@ class PEagleDrafter(Eagle3Drafter):
         counts = cache.counts(new, counts)
         start = list(cache.held)
         tokens, hidden = self._draft_rows(features, next_tokens.view(batch, new), counts, depths)
-        positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        positions = torch.tensor(start, device=tokens.device)[:, None] + torch.arange(tokens.shape[1],
+                                                                                      device=tokens.device)
         step = self.step(tokens, hidden, positions, cache, counts=[c + depths - 1 if c else 0 for c in counts])
         cache.truncate([n + c for n, c in zip(start, counts)])  # the mask rows are this round's only
         if all(c == new for c in counts):  # every row's drafts sit in the same columns
@@ -128,8 +129,13 @@ class PEagleDrafter(Eagle3Drafter):
                     depths: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B, n + depths - 1] and hidden [B, n + depths - 1, H] of a draft call: per row its ``counts[b]``
         committed rows, then ``depths - 1`` mask rows, then pads."""
+        batch, new = next_tokens.shape
+        if all(c == new for c in counts):  # no pads: every row's mask rows follow its n committed ones
+            mask_tokens, mask_hidden = self.mask_rows(depths - 1, self.fc.weight.dtype)
+            return torch.cat([next_tokens, mask_tokens.expand(batch, -1)], dim=1), \
+                torch.cat([self.project(features.to(mask_hidden.dtype)), mask_hidden.expand(batch, -1, -1)], dim=1)
         _, mask_hidden = self.mask_rows(1, self.fc.weight.dtype)
-        slot = torch.arange(next_tokens.shape[1] + depths - 1, device=next_tokens.device)[None]
+        slot = torch.arange(new + depths - 1, device=next_tokens.device)[None]
         real = torch.tensor(counts, device=next_tokens.device)[:, None]
         masked = (slot >= real) & (slot < real + depths - 1)  # [B, width]
         tokens = F.pad(next_tokens, (0, depths - 1)).masked_fill(masked, self.config.mask_token_id)
