@@ -20,8 +20,8 @@ levels below committed row ``i``) reads ``g'`` of its parent row instead of targ
 
 Training (:meth:`Eagle3Drafter.forward`): whole sequences, ``steps`` unrolled training-time-test steps; step ``j``
 feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys plus the same row's keys of steps
-``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows against a small KV cache
-(:class:`Eagle3Cache`) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
+``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows of B ragged rows against a small KV cache
+(:class:`Eagle3Cache`, one length per row) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
 """
 
 from __future__ import annotations
