@@ -2,8 +2,8 @@
 per-process batch of b end with the weights of 1 process with batch 2b, for every kind (and each GSM recipe's own
 training path) under DDP, and the kinds that differ in what sharding must get right under FSDP and DeepSpeed
 ZeRO-2/3 (every kind under every strategy with ``SPECTRAIN_TEST_FULL_MATRIX=1``); a run whose launcher is killed
-with SIGKILL mid-epoch resumes (``resume=auto``) to the uninterrupted run's weights bit for bit under DDP, and from its sharded checkpoint under
-FSDP (exported afterwards).
+with SIGKILL mid-epoch resumes (``resume=auto``) to the uninterrupted run's weights bit for bit under DDP, and from
+its sharded checkpoint under FSDP (exported afterwards).
 
 Interpreter starts are most of a small multi-process run, so every uninterrupted run and both resumes share ONE
 launch (``tests/fit_many.py``); only the two runs that are killed have launches of their own.
