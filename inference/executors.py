@@ -1,4 +1,4 @@
-"""Executors for algorithms that overlap drafting with verification (docs/architecture.md §6.5; SpecBranch, SSD).
+"""Executors for algorithms that overlap drafting with verification (docs/architecture.md §6.6; SpecBranch, SSD).
 
 An algorithm splits each round into a *target job* (a closure run in this process) and a *draft job*: a method
 call on a **draft side** object that owns the drafter and its caches. Draft work is a method call on an object,

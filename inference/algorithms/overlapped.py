@@ -16,7 +16,7 @@ from inference.runner_contract import check_same_vocab
 
 
 class OverlappedDraftAlgorithm(Algorithm):
-    """An algorithm whose draft work runs on a :class:`DraftSide` through an executor (docs/architecture.md §6.5)."""
+    """An algorithm whose draft work runs on a :class:`DraftSide` through an executor (docs/architecture.md §6.6)."""
 
     drafter = "draft_lm"
 
