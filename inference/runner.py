@@ -20,6 +20,7 @@ from core.blocks.linear import Linear
 from core.blocks.rope import rope_cos_sin, rope_inv_freq
 from core.kernels import exact_cpu
 from core.kernels.exact_cpu import KeyLists
+from core.errors import UserError
 from inference import exactness
 from inference.exactness import Exactness
 from inference.llama import EXACT_ROWS, Decoder
@@ -63,7 +64,7 @@ class ModelRunner(nn.Module):
         super().__init__()
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise UserError(
                 f"ModelRunner supports model_type in {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
                 "use TransformersRunner (or load_runner) for other architectures"
             )
@@ -122,7 +123,7 @@ class ModelRunner(nn.Module):
         problems = [p for p in problems if p]
         if problems:
             if exact:
-                raise ValueError(f"exact=true is not possible here: {'; '.join(problems)}; use exact=false")
+                raise UserError(f"exact=true is not possible here: {'; '.join(problems)}; use exact=false")
             return exactness.approximate("; ".join(problems))
         try:
             exact_cpu.library()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core.errors import UserError
 from inference.sampling import random_device, sample
 
 FinalRatio = Literal["capped", "uncapped"]
@@ -159,7 +160,7 @@ def block_plan(
     final_ratio="uncapped" uses h_γ = min(1, r_γ) (the HSD authors' code): lossy for sampled drafts.
     """
     if final_ratio not in ("capped", "uncapped"):
-        raise ValueError(f"final_ratio must be 'capped' or 'uncapped', got {final_ratio!r}")
+        raise UserError(f"final_ratio must be 'capped' or 'uncapped', got {final_ratio!r}")
     p, q, x = _as_float64(draft_tokens, draft_probs, target_probs)
     p_draft = p[..., :-1, :]
     p_x = p_draft.gather(-1, x).squeeze(-1)
@@ -261,7 +262,7 @@ class HSDVerifier(ChainVerifier):
 
     def __init__(self, final_ratio: FinalRatio = "capped") -> None:
         if final_ratio not in ("capped", "uncapped"):
-            raise ValueError(f"final_ratio must be 'capped' or 'uncapped', got {final_ratio!r}")
+            raise UserError(f"final_ratio must be 'capped' or 'uncapped', got {final_ratio!r}")
         self.final_ratio = final_ratio
         self.lossless = final_ratio == "capped"
         if not self.lossless:
@@ -293,7 +294,7 @@ _VERIFIERS: dict[str, type[ChainVerifier]] = {
 def get_verifier(name: str, **kwargs: object) -> ChainVerifier:
     """Build a chain verifier by name, e.g. get_verifier("hsd") (the lossless capped rule by default)."""
     if name not in _VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; valid names: {', '.join(_VERIFIERS)}")
+        raise UserError(f"unknown verifier {name!r}; valid names: {', '.join(_VERIFIERS)}")
     return _VERIFIERS[name](**kwargs)
 
 
