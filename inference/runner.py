@@ -18,9 +18,9 @@ from torch import nn
 
 from core.blocks.linear import Linear
 from core.blocks.rope import rope_cos_sin, rope_inv_freq
+from core.errors import UserError
 from core.kernels import exact_cpu
 from core.kernels.exact_cpu import KeyLists
-from core.errors import UserError
 from inference import exactness
 from inference.exactness import Exactness
 from inference.llama import EXACT_ROWS, Decoder
