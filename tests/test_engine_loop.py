@@ -154,3 +154,36 @@ def test_rows_must_fit_the_runner(models):
     alg = algorithm("ar", models, rows=2, spare=False)
     with pytest.raises(Exception, match="max_batch_size"):
         DecodeEngine(alg.target, alg.strategy(), rows=3)
+
+
+def test_a_step_budget_of_one_token_a_row_makes_every_step_an_ar_step(models):
+    """``max_step_tokens=1``: SpS drafts nothing and each request gets AR's own tokens, greedy and seeded (AR
+    draws one sample a token from the row's generator, as a width-1 step does), one target forward a token."""
+    ar = algorithm("ar", models)
+    all_jobs = jobs()
+    sps = algorithm("sps", models, rows=3)
+    engine = DecodeEngine(sps.target, sps.strategy(), rows=3, max_step_tokens=1)
+    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in
+             enumerate(all_jobs)]
+    events = {}
+    engine.run(lambda: queue.pop(0) if queue else None, lambda e: events.setdefault(e.key, e))
+    for k, job in enumerate(all_jobs):
+        stats = events[k].result.stats
+        assert events[k].result.tokens == solo(ar, job).tokens, k
+        assert stats.target_forwards == stats.new_tokens and stats.rounds == 0
+
+
+@pytest.mark.parametrize("budget", [4, 7])
+def test_a_squeezed_step_budget_stays_greedy_equal_to_ar(models, budget):
+    """Widths shrink as rows share the budget (3 rows: 1 or 2 target rows each; a row alone: up to γ + 1), rows
+    switch between drafting and AR steps, and the draft catches up on the tokens it skipped: greedy answers are still
+    AR's, and drafts are still accepted."""
+    ar = algorithm("ar", models)
+    greedy = [(p, b, GREEDY, seed) for p, b, _, seed in jobs()]
+    sps = algorithm("sps", models, rows=3)
+    engine = DecodeEngine(sps.target, sps.strategy(), rows=3, max_step_tokens=budget)
+    queue = [RowRequest(k, p, b, s, None) for k, (p, b, s, _) in enumerate(greedy)]
+    events = {}
+    engine.run(lambda: queue.pop(0) if queue else None, lambda e: events.setdefault(e.key, e))
+    assert [events[k].result.tokens for k in range(len(greedy))] == [solo(ar, job).tokens for job in greedy]
+    assert sum(events[k].result.stats.accepted_draft_tokens for k in events) > 0

@@ -200,6 +200,52 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
         assert results[i] == reference(tiny, chat_ids(tiny, content), n, temperature, seed), i
 
 
+@pytest.mark.parametrize("keys", [["algorithm=sps", "gamma=3"], ["algorithm=sps@verifier=hsd", "gamma=3"],
+                                  ["algorithm=sps", "gamma=3", "max_step_tokens=8"]],
+                         ids=["sps", "sps-hsd", "sps-step-budget"])
+def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
+    """16 clients at once against SpS served side by side (8 rows, half streaming, some seeded): greedy answers are
+    AR's; a seeded answer and every answer's ``usage.speculative`` counters are those of the same request run
+    alone by the server's own algorithm (without a step budget: under one, widths shrink with the load)."""
+    jobs = [(f"Count to {i}." + " Go on." * (i % 4), 6 + i % 9, 0.0 if i % 3 else 0.8, i) for i in range(16)]
+    results: dict[int, object] = {}
+    with start(tiny, *keys) as server:
+        api, model = client(server), server.server.model
+        assert model.batch_size == ROWS
+        health = httpx.get(f"{server.url}/health").json()
+        budget = "max_step_tokens=8" in keys
+        assert health["batching"]["max_step_tokens"] == (8 if budget else 0)
+
+        def ask(i, content, n, temperature, seed):
+            kw = dict(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n,
+                      temperature=temperature, seed=seed if temperature else openai.NOT_GIVEN,
+                      extra_body={"return_token_ids": True})
+            results[i] = api.chat.completions.create(**kw)
+
+        threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    assert sorted(results) == list(range(16))
+    lone = build_algorithm("sps", load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
+                           load_runner(load_lm(str(tiny["draft"]), max_seq_len=MAX_SEQ).model, max_seq_len=MAX_SEQ),
+                           gamma=3, verifier="hsd" if "hsd" in keys[0] else "tokenwise")
+    eos = [tiny["target"].tokenizer.eos_token_id]
+    for i, (content, n, temperature, seed) in enumerate(jobs):
+        ids = chat_ids(tiny, content)
+        answer = results[i].choices[0].token_ids
+        if not temperature:
+            assert answer == reference(tiny, ids, n), i
+        if budget:
+            continue
+        alone = lone.generate(ids, max_new_tokens=n, sampling=SamplingParams(temperature), eos_ids=eos,
+                              generator=torch.Generator().manual_seed(seed))
+        assert answer == alone.tokens, i
+        usage = results[i].usage.model_extra["speculative"]
+        assert usage["target_forwards"] == alone.stats.target_forwards, i
+
+
 def test_a_request_that_sets_no_sampling_uses_the_servers(tiny, ar_server):
     """No temperature in the request: the server's (OpenAI's 1.0 by default, ``temperature=0`` greedy); a
     request's own temperature wins over the server's."""
@@ -444,3 +490,9 @@ def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_e
     assert serving_batch(0, "eagle3_tree", torch.float32) == serving_batch(1, "eagle3_tree", torch.float32) == 1
     with pytest.raises(UserError, match="eagle3_tree serves one request at a time.*batch_size=1"):
         serving_batch(4, "eagle3_tree", torch.float32)
+
+
+def test_a_step_budget_where_it_does_nothing_is_refused(tiny):
+    for keys in (["max_step_tokens=4"], ["algorithm=sps", "batch_size=1", "max_step_tokens=4"]):
+        with pytest.raises(UserError, match="max_step_tokens=4 does nothing here.*sps"):
+            start(tiny, *keys)

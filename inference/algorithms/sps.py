@@ -126,21 +126,33 @@ class DraftChain(Strategy):
             state.draft = _DraftRow([state.request.prompt[-1], *state.pending])
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
-        """Each row drafts ``min(γ, tokens it may still emit)`` tokens; a row that has drafted all of its own feeds
-        a pad while the longer rows go on (drawing nothing), and is rolled back after."""
-        gammas = [min(self.gamma, s.out.remaining) for s in states]
-        proposals = [Proposal(q=None if s.sampling.greedy else [], extra=_Drafted()) for s in states]
-        span = 1 + max(s.row for s in states)
+        """Each row drafts ``min(γ, tokens it may still emit, its width - 1)`` tokens; a row that has drafted all of
+        its own feeds a pad while the longer rows go on (drawing nothing), and is rolled back after. A row that
+        drafts nothing (an AR step) sits out, its new tokens left for the draft to read later; once it has γ + 1 of
+        them it reads them in the first draft forward (so a catch-up feed is never wider than a target step)."""
+        gammas = [min(self.gamma, s.out.remaining, s.width - 1 if s.width else self.gamma) for s in states]
+        proposals = [Proposal(q=None if s.sampling.greedy or not g else [], extra=_Drafted())
+                     for s, g in zip(states, gammas)]
+        catch_up = [not g and len(s.draft.pending) > self.gamma for s, g in zip(states, gammas)]
+        if not any(gammas) and not any(catch_up):  # every row takes an AR step
+            return proposals
+        span = 1 + max(s.row for s, g, c in zip(states, gammas, catch_up) if g or c)
         feeds: list[list[int] | None] = [None] * span
         start = self.draft.cache_lens.clone()
-        for state in states:
-            feeds[state.row] = list(state.draft.pending)
-        for step in range(max(gammas)):
-            wanted = [None if feed is None else [len(feed) - 1] for feed in feeds]
+        fed = {}
+        for state, gamma, catching_up in zip(states, gammas, catch_up):
+            if gamma or catching_up:
+                feeds[state.row] = list(state.draft.pending)
+                fed[state.row] = len(state.draft.pending) + max(gamma - 1, 0)
+            elif state.row < span:
+                feeds[state.row] = []  # drafts nothing this step: its cache sits out
+        for step in range(max(1, max(gammas))):
+            wanted = [None if feed is None else [len(feed) - 1] if feed else [] for feed in feeds]
             logits = forward_rows(self.draft, feeds, wanted).logits
             for state, gamma, proposal in zip(states, gammas, proposals):
                 if step >= gamma:
-                    feeds[state.row] = [0]  # a pad: this row has its chain
+                    if state.row < span and feeds[state.row] is not None:  # a pad: this row has its chain or
+                        feeds[state.row] = [0] if gamma else []  # drafts nothing
                     continue
                 state.stats.draft_forwards += 1
                 row_logits = logits[state.row][0]
@@ -154,8 +166,10 @@ class DraftChain(Strategy):
                 feeds[state.row] = [token]
         # Keep each row's pending tokens and its drafts but the last (never run): as a run alone leaves it.
         lens = self.draft.cache_lens.clone()
-        for state, gamma in zip(states, gammas):
-            lens[state.row] = start[state.row] + len(state.draft.pending) + gamma - 1
+        for state, catching_up in zip(states, catch_up):
+            lens[state.row] = start[state.row] + fed.get(state.row, 0)
+            if catching_up:
+                state.draft.pending = []
         self.draft.truncate(lens)
         for proposal in proposals:
             if proposal.q is not None:
@@ -164,7 +178,7 @@ class DraftChain(Strategy):
 
     def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
                  row: int) -> None:
-        if self.on_round is None:
+        if self.on_round is None or not proposal.tokens:
             return
         raw = proposal.extra.raw_logits
         softmax = torch.stack(raw).float().softmax(dim=-1)  # [γ, V], temperature 1
@@ -186,6 +200,9 @@ class DraftChain(Strategy):
         lens = self.draft.cache_lens.clone()
         for state, proposal, result in zip(states, proposals, results):
             if result is None:
+                continue
+            if not proposal.tokens:  # an AR step: the draft reads the new token with the others next time
+                state.draft.pending.append(int(result.tokens[-1]))
                 continue
             gamma, accepted = len(proposal.tokens), result.num_accepted
             # the draft holds its pending tokens and the drafts but the last: keep the accepted ones of those

@@ -37,9 +37,12 @@ class DecodeEngine:
     twice that lets new prompts prefill apart)."""
 
     def __init__(self, target, strategy: Strategy, *, rows: int = 1, eos_ids: Sequence[int] = (),
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, max_step_tokens: int = 0):
         """``max_seq_len``: the context a request must fit in (default the target's; an algorithm's can be less,
-        its draft LM's)."""
+        its draft LM's). ``max_step_tokens`` (0 = no cap): one step scores at most this many target rows, so the
+        more requests run, the fewer tokens each drafts, down to none (an AR step, still lossless)."""
+        if max_step_tokens < 0:
+            raise UserError(f"max_step_tokens must be >= 0 (0 = no cap), got {max_step_tokens}")
         if not 1 <= rows <= target.max_batch_size:
             raise UserError(f"the engine needs 1..{target.max_batch_size} rows (the target runner's max_batch_size), "
                             f"got {rows}; load the target with max_batch_size >= {max(rows, 1)}")
@@ -49,6 +52,7 @@ class DecodeEngine:
         self.target, self.strategy, self.rows = target, strategy, rows
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = min(max_seq_len or target.max_seq_len, target.max_seq_len)
+        self.max_step_tokens = max_step_tokens
         self.slots: list[RowState | None] = [None] * rows
         self._open = False
 
@@ -140,6 +144,9 @@ class DecodeEngine:
         if not active:
             return []
         strategy = self.strategy
+        if self.max_step_tokens:  # the same width for every row: each gets its share of the budget
+            for state in active:
+                state.width = max(1, self.max_step_tokens // len(active))
         try:
             proposals = strategy.propose(active)
             span = 1 + max(state.row for state in active)

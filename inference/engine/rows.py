@@ -23,7 +23,7 @@ from inference.runner_contract import RunnerOutput
 
 PAD_ID = 0  # any valid id: a pad is rolled back before anything that counts reads it
 
-Feed = Sequence[int] | None  # a row's new tokens; None = an idle row
+Feed = Sequence[int] | None  # a row's new tokens; None = an idle row, [] = a row that sits this forward out
 
 
 @dataclass
@@ -44,13 +44,14 @@ def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] |
     busy = [b for b, feed in enumerate(feeds) if feed]
     if not busy:
         raise ValueError("forward_rows needs at least one row with tokens")
+    # None: an idle row (emptied); []: a row that sits out (it keeps its cache, reads pads, is rolled back)
     width = max(len(feeds[b]) for b in busy)
     ids = torch.full((n, width), PAD_ID, dtype=torch.long)
     for b in busy:
         ids[b, :len(feeds[b])] = torch.tensor(list(feeds[b]), dtype=torch.long)
     fed = torch.tensor([len(feed) if feed else 0 for feed in feeds], dtype=torch.long, device=runner.device)
     with _first_rows(runner, n):
-        idle = fed == 0
+        idle = torch.tensor([feed is None for feed in feeds], device=runner.device)
         if bool(idle.any()):  # an idle row's stale cache must not grow past its room
             runner.truncate(torch.where(idle, 0, runner.cache_lens))
         before = runner.cache_lens.clone()

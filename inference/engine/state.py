@@ -154,6 +154,7 @@ class RowState:
     started: float
     pending: list[int] = field(default_factory=list)
     draft: Any = None
+    width: int = 0  # target rows this row may be scored on this step (0 = no cap); 1 = an AR step
 
     @property
     def sampling(self) -> SamplingParams:

@@ -45,7 +45,9 @@ class Proposal:
 
 
 class Strategy:
-    """The AR strategy, and the base of the speculative ones: no drafter, width 1."""
+    """The AR strategy, and the base of the speculative ones: no drafter, width 1. A speculative strategy drafts at
+    most ``state.width - 1`` tokens for a row whose ``width`` the engine capped (``max_step_tokens``), none at width
+    1: that row takes an AR step."""
 
     name = "ar"
     capture_layers: tuple[int, ...] = ()  # target layers the forward must capture for ``verified``

@@ -63,7 +63,8 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, 
     @app.get("/health")
     async def health() -> Response:
         ok, state = scheduler.health()
-        return JSONResponse({**state, "exactness": model.exactness}, status_code=200 if ok else 503,
+        return JSONResponse({**state, "exactness": model.exactness, "batching": model.batching},
+                            status_code=200 if ok else 503,
                             headers=None if ok else retry_after(scheduler.retry_after()))
 
     @app.get("/metrics")

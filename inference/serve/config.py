@@ -38,6 +38,9 @@ class ServeConfig(EngineArgs):
     # a row's answer is the request's own) and in fp32 elsewhere, 1 in a GPU's bf16, where the batched path is not
     # batch-invariant. Other algorithms serve one at a time (batch_size > 1 is refused for them).
     batch_size: int = 0
+    # batched speculative serving: one engine step scores at most this many target rows (0 = no cap), so as requests
+    # join, each drafts fewer tokens, down to none (an AR step, still lossless)
+    max_step_tokens: int = 0
     max_queue: int = 64  # requests waiting for the engine; one more is answered 429 (with Retry-After)
     max_queue_wait_s: float = 120.0  # a request not started after waiting this long is answered 503 (Retry-After)
     # /health answers 503 ("stalled") while the engine has work but made no progress (no token) for this long
@@ -61,7 +64,7 @@ def parse_args(argv: Sequence[str]) -> Any:
             raise OverrideError(f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per "
                                 "algorithm")
     cfg = parse_cli(argv, ServeConfig, USAGE)
-    for key, low in (("max_new_tokens", 1), ("max_queue", 1), ("batch_size", 0)):
+    for key, low in (("max_new_tokens", 1), ("max_queue", 1), ("batch_size", 0), ("max_step_tokens", 0)):
         if cfg[key] < low:
             auto = " (0 = auto)" if key == "batch_size" else ""
             raise OverrideError(f"{key}={cfg[key]} must be >= {low}{auto}")

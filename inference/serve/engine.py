@@ -47,9 +47,20 @@ class ServedModel:
     # same unseeded requests, sent in the same order, alike
     seeds: random.Random = field(default_factory=random.Random)
 
+    max_step_tokens: int = 0  # target rows one engine step may score (0 = no cap): widths shrink under load
+
     @property
     def batched(self) -> bool:
         return self.batch_size > 1
+
+    @property
+    def batching(self) -> dict[str, Any]:
+        """How requests share the engine, for ``/health``."""
+        return {"batch_size": self.batch_size, "max_step_tokens": self.max_step_tokens,
+                "policy": ("one request at a time" if not self.batched else
+                           f"up to {self.batch_size} requests side by side" +
+                           (f"; each step scores at most {self.max_step_tokens} target rows, so drafts shrink "
+                            "as requests join, down to AR steps" if self.max_step_tokens else ""))}
 
     def room(self, prompt_len: int) -> int:
         """New tokens the context leaves after a prompt of ``prompt_len`` tokens (the algorithm's lookahead
@@ -146,6 +157,10 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
             raise UserError(f"batch_size={batch}: this target runs on the transformers fallback, which serves one "
                             "request at a time; set batch_size=1")
         batch = 1
+    if cfg.max_step_tokens and (batch <= 1 or algorithm_class(name).drafter == "none"):
+        raise UserError(f"max_step_tokens={cfg.max_step_tokens} does nothing here: it caps the drafts of batched "
+                        f"speculative serving (batch_size > 1 with {', '.join(n for n in batchable_algorithms() if n != 'ar')}); "
+                        "drop it")
     check_rows(target.runner, batch, "target")
     claim_runner(target.runner)
     try:
@@ -164,7 +179,8 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
                        variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
-                       target.runner.exactness.as_dict(), random.Random(variant_cfg.seed))
+                       target.runner.exactness.as_dict(), random.Random(variant_cfg.seed),
+                       max_step_tokens=cfg.max_step_tokens)
 
 
 def check_rows(runner: Any, batch: int, what: str) -> None:

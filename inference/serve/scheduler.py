@@ -322,7 +322,8 @@ class Scheduler:
         queue is empty. A row that fails ends alone; a failing batched call fails every row in flight."""
         model, waiting, started = self.model, [first], set()
         engine = DecodeEngine(model.algorithm.target, model.algorithm.strategy(), rows=model.batch_size,
-                              eos_ids=model.eos_ids, max_seq_len=model.max_seq_len)
+                              eos_ids=model.eos_ids, max_seq_len=model.max_seq_len,
+                              max_step_tokens=model.max_step_tokens)
 
         def next_request() -> RowRequest | None:
             while True:
@@ -339,7 +340,7 @@ class Scheduler:
                 started.add(gen)
                 self.metrics.running.set(len(started))
                 return RowRequest(gen, gen.prompt_ids, gen.max_tokens, gen.sampling, generator,
-                                  lambda new: self._accept(gen, new))
+                                  lambda new, gen=gen: self._accept(gen, new))
 
         def on_event(event: RowFinished | RowFailed) -> None:
             gen = event.key
