@@ -144,7 +144,7 @@ def test_continuous_batching_answers_equal_solo_ar(target, dtype, spare_rows):
     expected = {job.key: ar.generate(job.ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
                                      generator=torch.Generator().manual_seed(job.seed)).tokens for job in jobs}
     batcher = ContinuousBatcher(runner_of(target, dtype, rows=6 if spare_rows else 3), batch_size=3, eos_ids=[],
-                                sampling=greedy, refill_at=1)
+                                sampling=greedy)
     queue, answers = list(jobs), {}
     batcher.run(lambda: queue.pop(0) if queue else None, lambda job, tokens: answers.__setitem__(job.key, tokens))
     assert answers == expected

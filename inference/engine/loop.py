@@ -53,6 +53,7 @@ class DecodeEngine:
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = min(max_seq_len or target.max_seq_len, target.max_seq_len)
         self.max_step_tokens = max_step_tokens
+        self.forwards = 0  # target forwards so far: prefills and steps
         self.slots: list[RowState | None] = [None] * rows
         self._open = False
 
@@ -101,6 +102,7 @@ class DecodeEngine:
                                    capture_layers=self.strategy.capture_layers)
         except Exception as exc:  # noqa: BLE001 - the new rows' batched prefill failed: they end, the rest goes on
             return [self._end(state, exc) for state in states]
+        self.forwards += prefill.forwards
         events, going = [], []
         for state, logits in zip(states, prefill.logits):
             state.stats.target_forwards += 1
@@ -157,6 +159,7 @@ class DecodeEngine:
                 wanted[state.row] = range(len(state.pending) - 1, len(feeds[state.row]))
             scored = forward_rows(self.target, feeds, wanted, capture_layers=strategy.capture_layers,
                                   return_last_hidden=strategy.wants_last_hidden)
+            self.forwards += 1
         except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
             return [self._end(state, exc) for state in active]
         return self._accept(active, proposals, scored)

@@ -118,6 +118,7 @@ class Prefill:
 
     logits: list[torch.Tensor | None]
     hidden: list[dict[int, torch.Tensor]]
+    forwards: int = 0  # runner forwards it took
 
 
 def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, logits: bool = True,
@@ -137,16 +138,19 @@ def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], 
             raise UserError(f"{type(runner).__name__} prefills one request at a time; serve with batch_size=1")
         runner.reset(1)
         _prefill_block(runner, [prompts[todo[0]]], logits, capture_layers, results, todo)
+        results.forwards = 1
         return results
     if size + len(todo) <= runner.max_batch_size:
         with runner.row_block(size, size + len(todo)):
             _prefill_block(runner, [prompts[k] for k in todo], logits, capture_layers, results, todo)
         runner.copy_rows(range(size, size + len(todo)), [rows[k] for k in todo], [len(prompts[k]) for k in todo])
+        results.forwards = 1
         return results
     for k in todo:
         with runner.row_block(rows[k], rows[k] + 1):
             _prefill_block(runner, [prompts[k]], logits, capture_layers, results, [k])
         runner.copy_rows([rows[k]], [rows[k]], [len(prompts[k])])
+    results.forwards = len(todo)
     return results
 
 
