@@ -173,6 +173,15 @@ def test_completions_stream_and_stop_strings(tiny, ar_server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == stopped.choices[0].text
 
 
+def at_once(ask, jobs: list[tuple], timeout: float) -> None:
+    """``ask(i, *job)`` for every job, each in its own thread, all at once; waits up to ``timeout`` for each."""
+    threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
     """24 clients at once (batched AR over 8 rows, half streaming, some sampling with a seed): every request is
     answered with the tokens of a sequential AR run, nothing lost."""
@@ -190,11 +199,7 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
         else:
             results[i] = api.chat.completions.create(**kw).choices[0].token_ids
 
-    threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    at_once(ask, jobs, timeout=120)
     assert sorted(results) == list(range(24))
     for i, (content, n, temperature, seed) in enumerate(jobs):
         assert results[i] == reference(tiny, chat_ids(tiny, content), n, temperature, seed), i
@@ -204,7 +209,7 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
                                   ["algorithm=sps", "gamma=3", "max_step_tokens=8"]],
                          ids=["sps", "sps-hsd", "sps-step-budget"])
 def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
-    """16 clients at once against SpS served side by side (8 rows, half streaming, some seeded): greedy answers are
+    """16 clients at once against SpS served side by side (8 rows, a third seeded): greedy answers are
     AR's; a seeded answer and every answer's ``usage.speculative`` counters are those of the same request run
     alone by the server's own algorithm (without a step budget: under one, widths shrink with the load)."""
     jobs = [(f"Count to {i}." + " Go on." * (i % 4), 6 + i % 9, 0.0 if i % 3 else 0.8, i) for i in range(16)]
@@ -222,11 +227,7 @@ def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
                       extra_body={"return_token_ids": True})
             results[i] = api.chat.completions.create(**kw)
 
-        threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        at_once(ask, jobs, timeout=180)
     assert sorted(results) == list(range(16))
     lone = build_algorithm("sps", load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
                            load_runner(load_lm(str(tiny["draft"]), max_seq_len=MAX_SEQ).model, max_seq_len=MAX_SEQ),
