@@ -20,7 +20,7 @@ import torch
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
-from core.overrides import OverrideError, parse_cli
+from core.overrides import parse_cli, run_cli
 
 USAGE = "python benchmarks/drafter_rows.py rows=[1,8] threads=1 repeats=7 context=200"
 HIDDEN, VOCAB = 576, 49152
@@ -102,11 +102,8 @@ def measure(cfg: DrafterRowsConfig) -> list[dict]:
     return results
 
 
-def main(argv: list[str]) -> None:
-    try:
-        cfg = parse_cli(argv, DrafterRowsConfig, usage=USAGE)
-    except OverrideError as error:
-        sys.exit(f"error: {error}")
+def _run(argv: list[str]) -> None:
+    cfg = parse_cli(argv, DrafterRowsConfig, usage=USAGE)
     results = measure(cfg)
     print(f"SmolLM2-135M-shaped drafters, fp32, {cfg.threads} thread(s), ~{cfg.context} cached rows, "
           f"median of {cfg.repeats}\n")
@@ -118,5 +115,9 @@ def main(argv: list[str]) -> None:
         print(f"| {row['call']} | " + " | ".join(cells) + " |")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, _run, doc=__doc__, schema=DrafterRowsConfig)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())
