@@ -28,6 +28,7 @@ from inference.algorithms.parallel_drafting import ParallelDrafting
 class DFlash(ParallelDrafting, Algorithm):
     name = "dflash"
     drafter = "dflash"
+    batchable = True
 
     def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
         super().__init__(target, max_seq_len=max_seq_len)

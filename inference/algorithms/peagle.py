@@ -28,6 +28,7 @@ from inference.algorithms.parallel_drafting import ParallelDrafting
 class PEagle(ParallelDrafting, Algorithm):
     name = "peagle"
     drafter = "peagle"
+    batchable = True
     depth_sensitive = True  # the mask rows of a call: rows drafting fewer tokens get a call of their own
 
     def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
