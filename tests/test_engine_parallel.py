@@ -7,13 +7,15 @@ CPU), so the algorithms run their drafter row-exact and equality is bitwise. The
 from __future__ import annotations
 
 import pytest
+import torch
 from test_algorithms import tiny_llama
 from test_dflash import make_drafter
 from test_engine_loop import counters, jobs, runner_of, side_by_side, solo
 from test_peagle_algorithm import make_peagle
 
 from inference.algorithms import build_algorithm
-from inference.engine.state import Finished
+from inference.engine.loop import DecodeEngine
+from inference.engine.state import Finished, RowRequest
 
 VOCAB = 97
 VARIANTS = {"dflash": {}, "dflash@3": {"draft_tokens": 2}, "peagle": {}}
@@ -49,3 +51,20 @@ def test_each_request_gets_the_tokens_and_counters_of_its_run_alone(models, name
         assert counters(event.result.stats) == counters(want.stats), f"request {k}"
     assert sum(r.stats.accepted_draft_tokens for r in expected) >= 15  # drafts really are accepted
     assert any(len(r.stats.accepted_hist) > 2 for r in expected)  # rounds that kept two drafts or more
+
+
+def test_a_cancelled_row_is_refilled_and_every_other_request_gets_its_run_alone(models):
+    """Request 2 is cancelled after two steps (a client that went away): its row takes the next request, whose
+    drafter cache row starts empty; every request that ran to its end gets its solo tokens."""
+    lone, alg = algorithm("peagle", models), algorithm("peagle", models, rows=3)
+    all_jobs = jobs()
+    engine = DecodeEngine(alg.target, alg.strategy(), rows=3)
+    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in enumerate(all_jobs)]
+    events = {e.key: e for e in engine.admit([queue.pop(0) for _ in range(3)])}
+    for _ in range(2):
+        events.update((e.key, e) for e in engine.step())
+    assert engine.cancel(2) and 2 not in events
+    engine.run(lambda: queue.pop(0) if queue else None, lambda event: events.setdefault(event.key, event))
+    assert sorted(events) == [0, 1, 3, 4, 5, 6]
+    for k in events:
+        assert events[k].result.tokens == solo(lone, all_jobs[k]).tokens, f"request {k}"

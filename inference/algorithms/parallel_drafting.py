@@ -103,6 +103,11 @@ class ParallelChain(Strategy):
     def close(self) -> None:
         self.cache = None
 
+    def release(self, state: RowState) -> None:
+        held = list(self.cache.held)
+        held[state.row] = 0  # an idle row appends nothing and holds nothing
+        self.cache.truncate(held)
+
     def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The aux layers concatenated in the drafter's order, in the drafter's dtype."""
         return torch.cat([hidden[i] for i in self.capture_layers], dim=-1).to(self.drafter.fc.weight.dtype)
