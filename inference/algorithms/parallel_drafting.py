@@ -19,6 +19,7 @@ Rows side by side: where the target runner is exact (``target.exact``, a CPU) th
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,24 +137,38 @@ class ParallelChain(Strategy):
         return proposals
 
     def _call(self, states: Sequence[RowState], gamma: int) -> torch.Tensor:
-        """One drafter call in which ``states``' rows append their committed rows and draft; the other rows of the
-        cache append nothing."""
-        batch = self.cache.batch
-        if batch == 1:  # the one-row call (a row alone): its own tensors, unpadded
+        """One drafter call in which ``states``' rows append their committed rows and draft; the other rows up to
+        the last of them append nothing, and the rows after it sit the call out. Returns [rows called, ·, Vd]."""
+        if self.cache.batch == 1:  # the one-row call (a row alone): its own tensors, unpadded
             (state,) = states
             return self.algorithm._draft_logits(self.cache, state.draft.features[None],
                                                 torch.tensor([state.draft.next_tokens]), None, gamma)
+        span = 1 + max(s.row for s in states)
         new = max(len(s.draft.next_tokens) for s in states)
         first = states[0].draft.features
-        features = first.new_zeros(batch, new, first.shape[-1])
-        next_tokens = torch.zeros(batch, new, dtype=torch.long)
-        counts = [0] * batch
+        features = first.new_zeros(span, new, first.shape[-1])
+        next_tokens = torch.zeros(span, new, dtype=torch.long)
+        counts = [0] * span
         for state in states:
             n = len(state.draft.next_tokens)
             features[state.row, :n] = state.draft.features
             next_tokens[state.row, :n] = torch.tensor(state.draft.next_tokens)
             counts[state.row] = n
-        return self.algorithm._draft_logits(self.cache, features, next_tokens, counts, gamma)
+        cache = self._first_rows(span)
+        try:
+            return self.algorithm._draft_logits(cache, features, next_tokens, counts, gamma)
+        finally:
+            self.cache.held[:span] = cache.held
+
+    def _first_rows(self, span: int):
+        """The drafter cache's rows ``0..span-1`` as a cache of their own: views of its K/V (what a call writes
+        lands in the whole cache) and a copy of their lengths (``_call`` copies them back)."""
+        if span == self.cache.batch:
+            return self.cache
+        rows = copy.copy(self.cache)
+        rows.k, rows.v = [k[:span] for k in self.cache.k], [v[:span] for v in self.cache.v]
+        rows.held = self.cache.held[:span]
+        return rows
 
     def _draft(self, logits: torch.Tensor, sampling: SamplingParams,
                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
