@@ -105,6 +105,8 @@ class ParallelChain(Strategy):
         self.cache = None
 
     def release(self, state: RowState) -> None:
+        if self.cache is None:
+            return
         held = list(self.cache.held)
         held[state.row] = 0  # an idle row appends nothing and holds nothing
         self.cache.truncate(held)
