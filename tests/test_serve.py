@@ -483,7 +483,7 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
 
 
 def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_exact():
-    for name in ("ar", "sps"):
+    for name in ("ar", "sps", "dflash", "peagle"):
         assert serving_batch(0, name, torch.float32) == 8 and serving_batch(0, name, torch.bfloat16) == 8
         assert serving_batch(0, name, torch.bfloat16, "cuda") == 1
         assert serving_batch(0, name, torch.float32, "cuda") == 8
@@ -494,6 +494,30 @@ def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_e
 
 
 def test_a_step_budget_where_it_does_nothing_is_refused(tiny):
-    for keys in (["max_step_tokens=4"], ["algorithm=sps", "batch_size=1", "max_step_tokens=4"]):
+    for keys in (["max_step_tokens=4"], ["algorithm=sps", "batch_size=1", "max_step_tokens=4"],
+                 ["algorithm=dflash", "max_step_tokens=4"]):
         with pytest.raises(UserError, match="max_step_tokens=4 does nothing here.*sps"):
             start(tiny, *keys)
+
+
+@pytest.mark.parametrize("name", ["dflash", "peagle"])
+def test_concurrent_clients_of_a_parallel_drafter_get_their_answers_alone(tiny, name):
+    """8 clients at once on 8 rows (every running row's chain drafted in one drafter call), greedy and seeded
+    sampling: each gets the tokens of the algorithm's run of its request alone."""
+    alone = build_algorithm(name, load_runner(tiny["target"].model, max_seq_len=MAX_SEQ), tiny[name])
+    eos = tiny["target"].tokenizer.eos_token_id
+    jobs = [(f"Count to {i}." + " Go on." * (i % 3), 5 + i % 6, 0.0 if i % 2 else 0.9, i) for i in range(ROWS)]
+    results: dict[int, list[int]] = {}
+
+    def ask(i, content, n, temperature, seed):
+        results[i] = client(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n, temperature=temperature,
+            seed=seed if temperature else openai.NOT_GIVEN, extra_body={"return_token_ids": True}).choices[0].token_ids
+
+    with start(tiny, *ALGORITHMS[name]) as server:
+        at_once(ask, jobs, timeout=120)
+    assert sorted(results) == list(range(ROWS))
+    for i, (content, n, temperature, seed) in enumerate(jobs):
+        assert results[i] == alone.generate(chat_ids(tiny, content), max_new_tokens=n,
+                                            sampling=SamplingParams(temperature), eos_ids=[eos],
+                                            generator=torch.Generator().manual_seed(seed)).tokens, i

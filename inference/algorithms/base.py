@@ -31,6 +31,7 @@ class Algorithm(ABC):
     name: ClassVar[str]
     drafter: ClassVar[str] = "none"  # none | draft_lm | features (EAGLE-3) | specblock
     batchable: ClassVar[bool] = False  # runs requests side by side on the engine loop (its strategy batches rows)
+    squeezable: ClassVar[bool] = False  # its strategy drafts fewer tokens for a row whose width the engine caps
 
     def __init__(self, target, *, max_seq_len: int | None = None):
         self.target = target

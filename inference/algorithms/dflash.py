@@ -9,7 +9,7 @@ Per round, with ``n`` committed tokens in the target's cache and the last emitte
    all from one forward (the mask tokens do not read the drafted tokens, so the slots are independent given
    the context).
 2. The draft tokens: the argmax of each slot at T = 0; at T > 0 a sample from each slot's warped distribution
-   ``q_k`` (exact: :mod:`inference.algorithms.parallel_drafting`, whose query loop this is).
+   ``q_k`` (exact: :mod:`inference.algorithms.parallel_drafting`, whose engine strategy this is).
 3. The target verifies ``[r, drafts]`` in ONE forward (positions ``n ..``), capturing the aux layers; the cache
    keeps ``r`` and the accepted drafts, whose features are the drafter's next context.
 
@@ -28,6 +28,7 @@ from inference.algorithms.parallel_drafting import ParallelDrafting
 class DFlash(ParallelDrafting, Algorithm):
     name = "dflash"
     drafter = "dflash"
+    batchable = True
 
     def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
         super().__init__(target, max_seq_len=max_seq_len)
@@ -42,5 +43,10 @@ class DFlash(ParallelDrafting, Algorithm):
     def options_from_config(cls, cfg) -> dict:
         return {"draft_tokens": cfg.dflash_draft_tokens}
 
-    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: list[int], gamma: int) -> torch.Tensor:
-        return self.drafter.draft(cache, features, next_tokens[-1])[0, :gamma]  # the block anchored at the root
+    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None,
+                      gamma: int) -> torch.Tensor:
+        if counts is None:  # one row
+            return self.drafter.draft(cache, features, int(next_tokens[0, -1]))
+        # each row's block is anchored at its last committed row's next token (the last emitted one)
+        last = torch.tensor([max(c - 1, 0) for c in counts])[:, None]
+        return self.drafter.draft(cache, features, next_tokens.gather(1, last)[:, 0], counts)

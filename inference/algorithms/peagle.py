@@ -28,6 +28,8 @@ from inference.algorithms.parallel_drafting import ParallelDrafting
 class PEagle(ParallelDrafting, Algorithm):
     name = "peagle"
     drafter = "peagle"
+    batchable = True
+    depth_sensitive = True  # the mask rows of a call: rows drafting fewer tokens get a call of their own
 
     def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
         super().__init__(target, max_seq_len=max_seq_len)
@@ -42,5 +44,8 @@ class PEagle(ParallelDrafting, Algorithm):
     def options_from_config(cls, cfg) -> dict:
         return {"draft_tokens": cfg.peagle_draft_tokens}
 
-    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: list[int], gamma: int) -> torch.Tensor:
-        return self.drafter.draft(cache, features, next_tokens, depths=gamma)[0]
+    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None,
+                      gamma: int) -> torch.Tensor:
+        if counts is None:  # one row
+            return self.drafter.draft(cache, features, next_tokens[0].tolist(), depths=gamma)
+        return self.drafter.draft(cache, features, next_tokens, depths=gamma, counts=counts)

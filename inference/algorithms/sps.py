@@ -53,6 +53,7 @@ class SpeculativeSampling(Algorithm):
     name = "sps"
     drafter = "draft_lm"
     batchable = True
+    squeezable = True
 
     def __init__(self, target, draft, *, gamma: int = 4, verifier: str | ChainVerifier = "tokenwise",
                  max_seq_len: int | None = None, on_round: RoundHook | None = None,

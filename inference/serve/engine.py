@@ -157,10 +157,10 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
             raise UserError(f"batch_size={batch}: this target runs on the transformers fallback, which serves one "
                             "request at a time; set batch_size=1")
         batch = 1
-    if cfg.max_step_tokens and (batch <= 1 or algorithm_class(name).drafter == "none"):
+    if cfg.max_step_tokens and (batch <= 1 or not algorithm_class(name).squeezable):
+        squeezable = ", ".join(n for n in ALGORITHMS if algorithm_class(n).squeezable)
         raise UserError(f"max_step_tokens={cfg.max_step_tokens} does nothing here: it caps the drafts of batched "
-                        f"speculative serving (batch_size > 1 with {', '.join(n for n in batchable_algorithms() if n != 'ar')}); "
-                        "drop it")
+                        f"speculative serving (batch_size > 1 with {squeezable}); drop it")
     check_rows(target.runner, batch, "target")
     claim_runner(target.runner)
     try:
