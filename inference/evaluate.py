@@ -35,7 +35,7 @@ from core.errors import UserError
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class
-from inference.algorithms.base import GenerationStats
+from inference.algorithms.base import Algorithm, GenerationStats
 from inference.algorithms.options import apply_threads
 from inference import exactness
 from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
@@ -53,8 +53,9 @@ class EvalConfig(EngineArgs):
     algorithms: list[str] = field(default_factory=lambda: ["ar"])
     bench: list[str] = field(default_factory=lambda: ["mt_bench"])
     n_prompts: int = 10
-    # prompts per generate_batch call for algorithms that batch (ssd); the others run one by one. The target then
-    # serves that many rows: exact on a CPU where the probe passed, refused where it left only one row exact
+    # prompts answered side by side by algorithms that batch (those on the engine loop: ar, sps, dflash, peagle; and
+    # ssd); the others run one by one. The target then serves that many rows: exact on a CPU where the probe passed,
+    # refused where it left only one row exact
     batch_size: int = 1
     warmup: bool = True
     out: str = "results/eval"
@@ -146,13 +147,18 @@ def check_exact_batching(batch_size: int, runner: Any) -> None:
                         "equal AR's only up to rounding); use batch_size=1 here")
 
 
+def batches_prompts(algorithm) -> bool:
+    """Whether ``algorithm`` answers several prompts at once: on the engine loop, or with its own batch (SSD)."""
+    return algorithm.batchable or type(algorithm).generate_batch is not Algorithm.generate_batch
+
+
 def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress=None) -> tuple[GenerationStats, list]:
     """Generate for every prompt with ``cfg``'s sampling, seed and max_new_tokens (the variant's config, when the
     algorithm is a variant)."""
     stats, outputs = GenerationStats(), []
     sampling = sampling_params(cfg)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    batch = getattr(cfg, "batch_size", 1) if hasattr(algorithm, "generate_batch") else 1
+    batch = getattr(cfg, "batch_size", 1) if batches_prompts(algorithm) else 1
     for start in range(0, len(prompts.ids), batch):
         chunk = prompts.ids[start:start + batch]
         kw = {"max_new_tokens": cfg.max_new_tokens, "sampling": sampling, "generator": generator, "eos_ids": eos}

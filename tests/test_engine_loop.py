@@ -187,3 +187,20 @@ def test_a_squeezed_step_budget_stays_greedy_equal_to_ar(models, budget):
     engine.run(lambda: queue.pop(0) if queue else None, lambda e: events.setdefault(e.key, e))
     assert [events[k].result.tokens for k in range(len(greedy))] == [solo(ar, job).tokens for job in greedy]
     assert sum(events[k].result.stats.accepted_draft_tokens for k in events) > 0
+
+
+@pytest.mark.parametrize("name", ["ar", "sps"])
+def test_generate_batch_answers_each_prompt_as_alone(models, name):
+    """``generate_batch`` (``inference.evaluate batch_size=N``): prompts side by side, greedy answers and counters
+    those of each prompt alone, the batch's wall time split evenly."""
+    lone = algorithm(name, models)
+    greedy = [(p, b, GREEDY, seed) for p, b, _, seed in jobs()[:5]]
+    batched = algorithm(name, models, rows=5).generate_batch([p for p, *_ in greedy], max_new_tokens=14,
+                                                              sampling=GREEDY)
+    for result, (prompt, _, _, seed) in zip(batched, greedy):
+        alone = solo(lone, (prompt, 14, GREEDY, seed))
+        assert result.tokens == alone.tokens and counters(result.stats) == counters(alone.stats)
+    assert len({r.stats.wall_s for r in batched}) == 1
+    with pytest.raises(Exception, match="answers one prompt at a time"):
+        build_algorithm("self_draft", lone.target).generate_batch([[1]], max_new_tokens=2,
+                                                                       sampling=GREEDY)

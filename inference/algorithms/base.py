@@ -83,6 +83,33 @@ class Algorithm(ABC):
         stats.new_tokens = len(out.tokens)
         return GenerationResult(out.tokens, stats)
 
+    def generate_batch(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: SamplingParams,
+                       generator: torch.Generator | None = None, eos_ids: Sequence[int] = ()) -> list[GenerationResult]:
+        """``prompts`` side by side on the engine loop, one row each (a ``batchable`` algorithm), sharing
+        ``generator``: greedy answers are each prompt's answer alone; sampled ones follow the target's law. Each
+        result's ``wall_s`` is the batch's wall time split evenly, so summed stats give the batch's tokens/s."""
+        if not self.batchable:
+            raise UserError(f"{self.name} answers one prompt at a time; use batch_size=1")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UserError("generate_batch needs at least one prompt and no empty prompt")
+        for prompt in prompts:
+            self.check_fits(len(prompt), max_new_tokens)
+        engine = DecodeEngine(self.target, self.strategy(), rows=len(prompts), eos_ids=eos_ids,
+                              max_seq_len=self.max_seq_len)
+        queue = [RowRequest(k, list(p), max_new_tokens, sampling, generator) for k, p in enumerate(prompts)]
+        events = {}
+        start = time.perf_counter()
+        engine.run(lambda: queue.pop(0) if queue else None, lambda event: events.__setitem__(event.key, event))
+        _synchronize(self.target)
+        wall = time.perf_counter() - start
+        results = []
+        for k in range(len(prompts)):
+            if not hasattr(events[k], "result"):
+                raise events[k].error
+            events[k].result.stats.wall_s = wall / len(prompts)
+            results.append(events[k].result)
+        return results
+
     def strategy(self) -> Strategy | None:
         """A new strategy of this algorithm for the engine loop, or None where it keeps a loop of its own."""
         return None
