@@ -173,6 +173,18 @@ def _multi_candidate_resampling_from_p(candidates, target_probs, generator=None)
     return CandidateMatch(None, int(sample(target_probs, generator).item()))
 
 
+def law_resampling_from_p(law: Law, candidates: dict[int, Sequence[int]]) -> Law:
+    """The law of a two-token window under the resample-from-p bug, where the first token is drawn from the target
+    and the second by the deterministic-candidate rule among ``candidates[first]`` (a tree's root children): a
+    candidate c keeps p(c) and gains (1 - p(C)) p(c) from the fresh draw after a miss; any other token t gets
+    (1 - p(C)) p(t). ``law``: the target's law of the window (:func:`enumerated_law` with ``n`` = 2)."""
+    first = {}
+    for (t1, _), p in law.items():
+        first[t1] = first.get(t1, 0.0) + p
+    missed = {t1: 1.0 - sum(law.get((t1, c), 0.0) for c in candidates[t1]) / first[t1] for t1 in first}
+    return {(t1, t2): p * ((t2 in candidates[t1]) + missed[t1]) for (t1, t2), p in law.items()}
+
+
 def inject_resample_from_p(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a rejection every verifier samples from the target's p instead of the residual: the chain rules
     (tokenwise, block/HSD, SSD's batched tokenwise) through their residual, and the deterministic-candidate rule

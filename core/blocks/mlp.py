@@ -6,9 +6,14 @@ import torch
 from torch import nn
 
 from core.blocks.linear import Linear
+from core.kernels import exact_cpu
 
 
 class MLP(nn.Module):
+    # Set on a drafter's MLPs by its row-exact serving mode: SiLU from core.kernels.exact_cpu, whose value of an
+    # element does not depend on where it sits in the tensor (torch's vectorised loop computes a tail apart).
+    exact: bool = False
+
     def __init__(self, config):
         super().__init__()
         from transformers.activations import ACT2FN  # transformers is heavy: imported when a model is built
@@ -20,4 +25,7 @@ class MLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact and not torch.is_grad_enabled():
+            gate = self.gate_proj(x)
+            return self.down_proj(exact_cpu.silu(gate).to(gate.dtype) * self.up_proj(x))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -40,8 +40,9 @@ from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
 from core.blocks.rope import apply_rope
-from core.drafters.dflash_attention import CHUNK_ANCHORS, AnchorLayout, anchor_block_attention
+from core.drafters.dflash_attention import CHUNK_ANCHORS, AnchorLayout, ContextLengths, anchor_block_attention
 from core.drafters.eagle3 import TargetShapedConfig, layer_llama_config, target_layer_shape
+from core.drafters.row_kv import RowKV
 from core.drafters.target_tied import TargetTiedDrafter
 
 KIND = "dflash"
@@ -160,38 +161,18 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashCache:
-    """The serving cache: per draft layer the context K/V [B, kv_heads, capacity, D] of committed positions."""
+class DFlashCache(RowKV):
+    """The serving cache: per draft layer the context K/V [B, kv_heads, capacity, D] of committed positions and
+    ``lengths`` [B] (:class:`core.drafters.row_kv.RowKV`)."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
-        self.k, self.v = k, v
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        end = self.length + kv[0][0].shape[2]
-        if end > self.capacity:
-            raise ValueError(f"DFlash context cache overflow: {end} positions needed, capacity {self.capacity}; "
-                             "build it with a larger max_len")
-        for layer, (k, v) in enumerate(kv):
-            self.k[layer][:, :, self.length:end] = k
-            self.v[layer][:, :, self.length:end] = v
-        self.length = end
-
-    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.k, self.v)]
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"truncate the DFlash context cache to {n} but it holds {self.length} positions")
-        self.length = n
+        super().__init__(k, v, name="DFlash context cache", unit="positions")
 
 
 class DFlashDrafter(TargetTiedDrafter):
     """The DFlash drafter; see the module docstring for the architecture, blocks and positions."""
+
+    ROW_EXACT_SERVING = True
 
     def __init__(self, config: DFlashConfig, embed_weight: torch.Tensor | None = None,
                  head_weight: torch.Tensor | None = None):
@@ -252,7 +233,7 @@ class DFlashDrafter(TargetTiedDrafter):
         return tokens.flatten(1)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                layout: AnchorLayout | None) -> torch.Tensor:
+                layout: AnchorLayout | ContextLengths | None) -> torch.Tensor:
         """Block tokens [B, Q] at ``positions`` [B, Q] -> last-layer hidden states (pre-norm) [B, Q, H]."""
         dtype = self.fc.weight.dtype
         cos, sin = self._rope(positions, dtype)
@@ -290,16 +271,23 @@ class DFlashDrafter(TargetTiedDrafter):
     # -- serving ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, cache: DFlashCache, features: torch.Tensor, anchor_token: int | torch.Tensor) -> torch.Tensor:
-        """Append the context of newly committed positions (``features`` [1, n, n·H_t], the positions right after
-        those cached), then draft the block of the next position: the anchor ``anchor_token`` sits at position
-        ``cache.length``. Returns the logits of the drafted slots [1, block_size - 1, Vd]."""
+    def draft(self, cache: DFlashCache, features: torch.Tensor, anchor_token: int | torch.Tensor,
+              counts: torch.Tensor | None = None) -> torch.Tensor:
+        """For each of the cache's B rows: append the context of its newly committed positions (``features`` [B, n,
+        n·H_t], the positions right after those the row caches; ``counts`` [B]: row b's first ``counts[b]`` are real,
+        None: all n), then draft the block of its next position: the anchor ``anchor_token[b]`` sits at position
+        ``cache.lengths[b]``. Returns the logits of the drafted slots [B, block_size - 1, Vd]."""
         device = self.fc.weight.device
-        start = cache.length
-        if features.shape[1]:
-            positions = torch.arange(start, start + features.shape[1], device=device)[None]
-            cache.append(self.context_kv(self.context(features.to(self.fc.weight.dtype)), positions))
-        anchor = torch.as_tensor(anchor_token, dtype=torch.long, device=device).view(1, 1)
-        positions = torch.arange(self.config.block_size, device=device)[None] + cache.length
-        hidden = self._layers(self.block_tokens(anchor), positions, cache.view(), None)
+        batch, new = features.shape[:2]
+        if cache.batch != batch:
+            raise ValueError(f"draft got {batch} rows but the DFlash cache holds {cache.batch}; build the cache with "
+                             f"new_cache(max_len, batch_size={batch})")
+        counts = cache.counts(new, counts)
+        if new:
+            positions = cache.lengths[:, None] + torch.arange(new, device=device)
+            cache.append(self.context_kv(self.context(features.to(self.fc.weight.dtype)), positions), counts)
+        anchor = torch.as_tensor(anchor_token, dtype=torch.long, device=device).view(batch, 1)
+        positions = torch.arange(self.config.block_size, device=device)[None] + cache.lengths[:, None]
+        keys = ContextLengths(cache.lengths, self.row_exact) if self.row_exact or not cache.uniform else None
+        hidden = self._layers(self.block_tokens(anchor), positions, cache.view(), keys)
         return self.head(hidden[:, 1:])

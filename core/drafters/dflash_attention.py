@@ -65,16 +65,33 @@ class AnchorLayout:
         return torch.cat([before, same], dim=-1)
 
 
+@dataclass
+class ContextLengths:
+    """Serving B blocks, one per cache row, over ragged contexts: row b's block sees the first ``lengths[b]``
+    context slots and all of its own slots. ``per_row``: one SDPA per row over exactly those keys (the call the row
+    gets alone: row-exact serving); else one padded SDPA under a key-padding mask."""
+
+    lengths: torch.Tensor
+    per_row: bool = False
+
+    def key_mask(self, context: int, block: int) -> torch.Tensor:
+        """bool [B, 1, 1, context + block]: the held context slots, then the block."""
+        held = torch.arange(context, device=self.lengths.device) < self.lengths[:, None]
+        return torch.cat([held, held.new_ones(held.shape[0], block)], dim=-1)[:, None, None]
+
+
 def anchor_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_k: torch.Tensor,
-                           context_v: torch.Tensor, layout: AnchorLayout | None) -> torch.Tensor:
+                           context_v: torch.Tensor, layout: AnchorLayout | ContextLengths | None) -> torch.Tensor:
     """``q`` [B, heads, Q, D] of the block rows, their ``k``, ``v`` [B, kv_heads, Q, D], the context's
     ``context_k`` / ``context_v`` [B, kv_heads, T, D] -> [B, heads, Q, D]. ``layout`` None: every row sees the
-    whole context and all rows (one block)."""
+    whole context and all rows (one block); :class:`ContextLengths`: one block per row over its own context."""
     heads = q.shape[1]
     if q.is_cuda and heads != k.shape[1]:  # CUDA's memory-efficient kernel takes masks but not GQA
         k, v, context_k, context_v = (t.repeat_interleave(heads // t.shape[1], dim=1)
                                       for t in (k, v, context_k, context_v))
     gqa = heads != k.shape[1]
+    if isinstance(layout, ContextLengths):
+        return _ragged_blocks(q, k, v, context_k, context_v, layout, gqa)
     if layout is None:
         return F.scaled_dot_product_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
                                               enable_gqa=gqa)
@@ -88,3 +105,18 @@ def anchor_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
         values = torch.cat([context_v[:, :, :seen], v[:, :, rows]], dim=2)
         outputs.append(F.scaled_dot_product_attention(q[:, :, rows], keys, values, attn_mask=mask, enable_gqa=gqa))
     return torch.cat(outputs, dim=2)
+
+
+def _ragged_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_k: torch.Tensor,
+                   context_v: torch.Tensor, layout: ContextLengths, gqa: bool) -> torch.Tensor:
+    """One block per row, row b over its first ``layout.lengths[b]`` context slots and its own block."""
+    if not layout.per_row:
+        mask = layout.key_mask(context_k.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
+                                              attn_mask=mask, enable_gqa=gqa)
+    rows = []
+    for b, held in enumerate(layout.lengths.tolist()):
+        row_keys = torch.cat([context_k[b:b + 1, :, :held], k[b:b + 1]], dim=2)
+        row_values = torch.cat([context_v[b:b + 1, :, :held], v[b:b + 1]], dim=2)
+        rows.append(F.scaled_dot_product_attention(q[b:b + 1], row_keys, row_values, enable_gqa=gqa))
+    return torch.cat(rows)

@@ -20,8 +20,8 @@ levels below committed row ``i``) reads ``g'`` of its parent row instead of targ
 
 Training (:meth:`Eagle3Drafter.forward`): whole sequences, ``steps`` unrolled training-time-test steps; step ``j``
 feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys plus the same row's keys of steps
-``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows against a small KV cache
-(:class:`Eagle3Cache`) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
+``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows of B ragged rows against a small KV cache
+(:class:`Eagle3Cache`, one length per row) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
 from core.blocks.rope import apply_rope
+from core.drafters.row_kv import RowKV
 from core.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
@@ -279,37 +280,18 @@ class Eagle3Step:
     hidden: torch.Tensor
 
 
-class Eagle3Cache:
-    """The drafter's KV cache for serving: K/V [B, kv_heads, max_len, D] and the number of rows held."""
+class Eagle3Cache(RowKV):
+    """The drafter's KV cache for serving: one layer of per-row K/V [B, kv_heads, max_len, D] and ``lengths`` [B]
+    (:class:`core.drafters.row_kv.RowKV`; ``length`` and ``truncate(int)`` serve single-row callers)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"drafter cache overflow: {end} rows needed, capacity {self.capacity}; build it with "
-                             "a larger max_len")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"truncate drafter cache to {n} but it holds {self.length} rows")
-        self.length = n
+        super().__init__([k], [v], name="drafter cache", unit="rows")
 
 
 class Eagle3Drafter(TargetTiedDrafter):
     """The EAGLE-3 drafter; see the module docstring for the architecture and the row/position convention."""
+
+    ROW_EXACT_SERVING = True
 
     def __init__(self, config: Eagle3Config, embed_weight: torch.Tensor | None = None):
         """``embed_weight`` [V, H]: the target's token embedding, shared (not copied) and frozen."""
@@ -394,21 +376,73 @@ class Eagle3Drafter(TargetTiedDrafter):
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Eagle3Cache,
-             attention_mask: torch.Tensor | None = None) -> Eagle3Step:
-        """Serve new rows (tokens [B, T], hidden [B, T, H]: ``project``-ed target features or a parent's ``g'``)
-        at ``positions`` [B, T] against ``cache``, then append their K/V to it. ``attention_mask`` bool
-        [B, T, P + T] (P = cache rows) or None = causal over everything cached."""
+             attention_mask: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> Eagle3Step:
+        """Serve new rows of B cache rows at once, then append their K/V to ``cache``.
+
+        ``tokens`` [B, T], ``hidden`` [B, T, H] (``project``-ed target features or a parent's ``g'``), ``positions``
+        [B, T] (or [1, T] for every row). ``counts`` [B]: row b's first ``counts[b]`` new rows are real, the rest pads
+        whose K/V are never kept (None: all T). ``attention_mask`` bool, True = attend: None = causal over the row's
+        cache and its new rows; [B, T, T] = the row's whole cache plus the new rows it allows (short form);
+        [B, T, P + T], P = ``cache.longest`` = slot j of the row's own cache, then the new rows (full form, as a tree
+        over cached tree rows needs). Whatever it says, a row reads only its own cache's held slots and its own real
+        new rows, and each row sees itself. Pad rows' outputs are meaningless."""
         batch, new = tokens.shape
-        cached = cache.length
-        if attention_mask is None:
-            full = torch.ones(new, cached + new, dtype=torch.bool, device=tokens.device).tril(cached)
-            attention_mask = full.expand(batch, new, cached + new)
-        elif tuple(attention_mask.shape[-2:]) != (new, cached + new):
-            raise ValueError(f"drafter mask must be [B, {new}, {cached + new}], got {tuple(attention_mask.shape)}")
-        own = torch.zeros(new, cached + new, dtype=torch.bool, device=tokens.device)
-        own[:, cached:] = torch.eye(new, dtype=torch.bool, device=tokens.device)
-        attention_mask = attention_mask.to(torch.bool).expand(batch, new, cached + new) | own
-        past_k, past_v = cache.view() if cached else (None, None)
-        logits, out, k, v = self._rows(tokens, hidden, positions.expand(batch, new), past_k, past_v, attention_mask)
-        cache.append(k, v)
+        if cache.batch != batch:
+            raise ValueError(f"step got {batch} rows but the drafter cache holds {cache.batch}; build the cache with "
+                             f"new_cache(max_len, batch_size={batch})")
+        counts = cache.counts(new, counts)
+        mask = self._serving_mask(cache, new, counts, attention_mask)
+        past_k, past_v = cache.view()[0] if mask.shape[-1] > new else (None, None)
+        attend = per_row_attention(mask, cache.held, counts) if self.row_exact else mask
+        logits, out, k, v = self._rows(tokens, hidden, positions.expand(batch, new), past_k, past_v, attend)
+        cache.append([(k, v)], counts)
         return Eagle3Step(logits, out)
+
+    def _serving_mask(self, cache: RowKV, new: int, counts: list[int],
+                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """bool [B, T, P + T] of :meth:`step`: the caller's mask limited to held slots and real rows, plus self.
+        (Rows of one length and no pads skip the limiting: a one-row call builds the mask it always did.)"""
+        batch, past, device = cache.batch, cache.longest, cache.device
+        if attention_mask is None:
+            mask = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past).expand(batch, new, -1)
+        else:
+            mask = attention_mask.to(device=device, dtype=torch.bool)
+            if mask.dim() != 3 or mask.shape[0] not in (1, batch) or mask.shape[1] != new \
+                    or mask.shape[2] not in (new, past + new):
+                raise ValueError(f"drafter mask must be [B, {new}, {new}] (new rows) or [B, {new}, {past + new}] "
+                                 f"(cache slots, then new rows), B = {batch}, got {tuple(attention_mask.shape)}")
+            mask = mask.expand(batch, new, -1)
+            if mask.shape[2] == new and past:  # short form: the row's whole cache
+                mask = torch.cat([mask.new_ones(batch, new, past), mask], dim=-1)
+        if not cache.uniform:
+            mask = torch.cat([mask[..., :past] & cache.key_mask(new), mask[..., past:]], dim=-1)
+        if any(c != new for c in counts):
+            real = torch.arange(new, device=device) < torch.tensor(counts, device=device)[:, None]  # pad keys out
+            mask = torch.cat([mask[..., :past], mask[..., past:] & real[:, None, :]], dim=-1)
+        own = torch.zeros(new, past + new, dtype=torch.bool, device=device)
+        own[:, past:] = torch.eye(new, dtype=torch.bool, device=device)
+        return mask | own
+
+
+def per_row_attention(mask: torch.Tensor, lengths: list[int], counts: list[int]) -> Attend:
+    """An :data:`Attend` that runs one SDPA per cache row over exactly its held slots and its real new rows, under
+    ``mask`` [B, T, P + T]: the call a row gets alone, so its result does not depend on the other rows (row-exact
+    serving). Pad rows come out zero."""
+    past = mask.shape[-1] - mask.shape[1]
+    spans = list(zip(lengths, counts))
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = q.new_zeros(q.shape)
+        gqa = q.shape[1] != keys.shape[1]
+        for b, (held, count) in enumerate(spans):
+            if count == 0:
+                continue
+            cols = torch.cat([torch.arange(held), torch.arange(past, past + count)]).to(mask.device)
+            row_keys = torch.cat([keys[b:b + 1, :, :held], keys[b:b + 1, :, past:past + count]], dim=2)
+            row_values = torch.cat([values[b:b + 1, :, :held], values[b:b + 1, :, past:past + count]], dim=2)
+            row_mask = mask[b:b + 1, :count, cols][:, None]
+            out[b:b + 1, :, :count] = F.scaled_dot_product_attention(q[b:b + 1, :, :count], row_keys, row_values,
+                                                                     attn_mask=row_mask, enable_gqa=gqa)
+        return out
+
+    return attend

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core.drafters.eagle3 import NUM_AUX_LAYERS, Eagle3Cache, Eagle3Config, Eagle3Drafter, shift_left
@@ -96,24 +97,47 @@ class PEagleDrafter(Eagle3Drafter):
 
     @torch.no_grad()
     def draft(self, cache: Eagle3Cache, features: torch.Tensor, next_tokens: list[int] | torch.Tensor,
-              depths: int | None = None) -> torch.Tensor:
-        """Append the rows of newly committed positions (``features`` [1, n, 3·H_t] of the positions right after those
-        cached, each paired with the token after it, ``next_tokens`` [n]), then draft ``depths`` (default K) tokens
-        after the last of them. Returns their logits over the draft vocabulary [1, depths, Vd]."""
+              depths: int | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """For each of the cache's B rows: append the rows of its newly committed positions (``features`` [B, n,
+        3·H_t] of the positions right after those the row caches, each paired with the token after it,
+        ``next_tokens`` [B, n], a list of n for one row), then draft ``depths`` (default K) tokens after the last of
+        them. ``counts`` [B]: row b's first ``counts[b]`` positions are real (ragged rows, right-padded; None: all
+        n; 0: the row is left as it is and its logits are meaningless). Returns the drafts' logits over the draft
+        vocabulary [B, depths, Vd]."""
         depths = depths or self.config.num_depths
         if not 1 <= depths <= self.config.num_depths:
             raise ValueError(f"draft depths={depths} but this drafter drafts 1..{self.config.num_depths}")
-        new = features.shape[1]
-        if new < 1 or len(next_tokens) != new:
+        batch, new = features.shape[:2]
+        next_tokens = torch.as_tensor(next_tokens, dtype=torch.long, device=self.fc.weight.device)
+        if new < 1 or next_tokens.numel() != batch * new:
             raise ValueError(f"draft needs >= 1 committed row and one next token per row, got {new} rows and "
-                             f"{len(next_tokens)} tokens")
-        dtype = self.fc.weight.dtype
-        start = cache.length
-        mask_tokens, mask_hidden = self.mask_rows(depths - 1, dtype)
-        tokens = torch.cat([torch.as_tensor(next_tokens, dtype=torch.long, device=mask_tokens.device)[None],
-                            mask_tokens], dim=1)
-        hidden = torch.cat([self.project(features.to(dtype)), mask_hidden], dim=1)
-        positions = torch.arange(start, start + new + depths - 1, device=tokens.device)[None]
-        step = self.step(tokens, hidden, positions, cache)
-        cache.truncate(start + new)  # the mask rows are this round's only
-        return step.logits[:, new - 1:]
+                             f"{next_tokens.numel()} tokens for {batch} cache rows")
+        counts = cache.counts(new, counts)
+        start = list(cache.held)
+        tokens, hidden = self._draft_rows(features, next_tokens.view(batch, new), counts, depths)
+        positions = torch.tensor(start, device=tokens.device)[:, None] + torch.arange(tokens.shape[1],
+                                                                                      device=tokens.device)
+        step = self.step(tokens, hidden, positions, cache, counts=[c + depths - 1 if c else 0 for c in counts])
+        cache.truncate([n + c for n, c in zip(start, counts)])  # the mask rows are this round's only
+        if all(c == new for c in counts):  # every row's drafts sit in the same columns
+            return step.logits[:, new - 1:]
+        first = torch.tensor([max(c - 1, 0) for c in counts], device=tokens.device)[:, None]
+        rows = first + torch.arange(depths, device=tokens.device)  # [B, depths]
+        return step.logits.gather(1, rows[..., None].expand(-1, -1, step.logits.shape[-1]))
+
+    def _draft_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
+                    depths: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B, n + depths - 1] and hidden [B, n + depths - 1, H] of a draft call: per row its ``counts[b]``
+        committed rows, then ``depths - 1`` mask rows, then pads."""
+        batch, new = next_tokens.shape
+        if all(c == new for c in counts):  # no pads: every row's mask rows follow its n committed ones
+            mask_tokens, mask_hidden = self.mask_rows(depths - 1, self.fc.weight.dtype)
+            return torch.cat([next_tokens, mask_tokens.expand(batch, -1)], dim=1), \
+                torch.cat([self.project(features.to(mask_hidden.dtype)), mask_hidden.expand(batch, -1, -1)], dim=1)
+        _, mask_hidden = self.mask_rows(1, self.fc.weight.dtype)
+        slot = torch.arange(new + depths - 1, device=next_tokens.device)[None]
+        real = torch.tensor(counts, device=next_tokens.device)[:, None]
+        masked = (slot >= real) & (slot < real + depths - 1)  # [B, width]
+        tokens = F.pad(next_tokens, (0, depths - 1)).masked_fill(masked, self.config.mask_token_id)
+        hidden = F.pad(self.project(features.to(mask_hidden.dtype)), (0, 0, 0, depths - 1))
+        return tokens, torch.where(masked[..., None], mask_hidden, hidden)

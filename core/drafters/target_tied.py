@@ -1,15 +1,22 @@
 """What feature-conditioned drafters (EAGLE-3, SpecBlock) share: the target's frozen token embedding, a reduced
-draft vocabulary (``d2t`` / ``t2d``, ``data_prep.vocab``) and RoPE frequencies kept in fp32."""
+draft vocabulary (``d2t`` / ``t2d``, ``data_prep.vocab``), RoPE frequencies kept in fp32, and the switch of the
+row-exact serving mode."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from core.blocks.linear import Linear
+from core.blocks.mlp import MLP
+from core.blocks.norm import RMSNorm
 from core.blocks.rope import rope_cos_sin, rope_inv_freq
+from core.kernels import exact_cpu
 from core.vocab import check_vocab_mapping
+
+ROPE_TABLE_MIN = 256  # positions of the first row-exact RoPE table; it doubles as positions grow
 
 
 class TargetTiedDrafter(nn.Module):
@@ -20,6 +27,9 @@ class TargetTiedDrafter(nn.Module):
     ``resolved_head_dim``."""
 
     config: Any
+    # Whether the serving calls run one attention per row (a subclass that does sets it True).
+    ROW_EXACT_SERVING: ClassVar[bool] = False
+    row_exact: bool = False
 
     def _init_target_tied(self, config: Any, embed_weight: torch.Tensor | None) -> None:
         self.config = config
@@ -39,10 +49,48 @@ class TargetTiedDrafter(nn.Module):
             self._inv_freq, self.rope_scale = rope_inv_freq(config.llama_config(), config.resolved_head_dim)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] at ``positions`` [B, T]; the fp32 frequencies follow ``positions`` to its device."""
+        """cos, sin [B, 1, T, D] at ``positions`` [B, T]; the fp32 frequencies follow ``positions`` to its device.
+        Row-exact: read from a table where each position's angles were computed once."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
+        if self.row_exact:
+            return self._rope_from_table(positions, dtype)
         return rope_cos_sin(positions, self._inv_freq, self.rope_scale, dtype)
+
+    def _rope_from_table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # A vectorised cos computes a tensor's tail apart, so an angle's bits can depend on where it sits in the
+        # call: the table computes each position once and only appends (old entries are never recomputed).
+        table = self.__dict__.get("_rope_table")
+        have = 0 if table is None else table[0].shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > have:
+            grown = max(need, 2 * have, ROPE_TABLE_MIN)
+            cos, sin = rope_cos_sin(torch.arange(have, grown, device=positions.device)[None], self._inv_freq,
+                                    self.rope_scale, torch.float32)
+            table = (cos[0, 0], sin[0, 0]) if table is None else \
+                (torch.cat([table[0], cos[0, 0]]), torch.cat([table[1], sin[0, 0]]))
+            self.__dict__["_rope_table"] = table
+        return table[0][positions][:, None].to(dtype), table[1][positions][:, None].to(dtype)
+
+    def set_row_exact(self, on: bool = True) -> None:
+        """Row-exact serving on a CPU (fp32; bf16 where the host's linears are row-exact): each row of a batched
+        serving call gets bitwise the logits and hidden states it gets called alone, whoever shares the call.
+        Linears, RMSNorm's scale and SiLU run in ``core.kernels.exact_cpu``, RoPE reads a per-position table and
+        attention runs one call per row over exactly that row's keys. Off restores torch's kernels."""
+        if on:
+            if not self.ROW_EXACT_SERVING:
+                raise ValueError(f"{type(self).__name__} has no row-exact serving mode; serve it with row_exact off")
+            if self.fc.weight.device.type != "cpu":
+                raise ValueError(f"row-exact serving runs on a CPU, this drafter is on {self.fc.weight.device}; "
+                                 "move it to the CPU or leave row_exact off")
+            if self.config.hidden_act != "silu":
+                raise ValueError(f"row-exact serving computes SiLU, this drafter's MLP uses {self.config.hidden_act}; "
+                                 "leave row_exact off")
+            exact_cpu.library()  # raises KernelUnavailable with the reason before anything is switched
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm, MLP)):
+                module.exact = on
+        self.row_exact = on
 
     def _check_embedding(self, weight: torch.Tensor) -> None:
         expected = (self.config.vocab_size, self.config.hidden_size)
