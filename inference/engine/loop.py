@@ -3,8 +3,9 @@
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
 are not stalled by a padded prefill) and samples each new row's first token. A step asks the strategy for every
-row's drafts, scores all rows in ONE target forward (ragged chains right-padded), verifies per row, rolls each row
-back to what it kept, and reports the rows that ended.
+row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree under its row's
+ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it kept (a chain:
+truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that ended.
 
 ``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
 served beside others and the same request run alone share one code path. On a CPU in exact mode
@@ -27,6 +28,7 @@ from inference.engine.rows import forward_rows, prefill_rows
 from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
                                     RowState)
 from inference.engine.strategy import Strategy
+from inference.row_logits import RowLogits
 from inference.sampling import sample
 
 Event = Finished | Failed
@@ -139,41 +141,79 @@ class DecodeEngine:
         active = [state for state in self.slots if state is not None]
         if not active:
             return []
-        strategy = self.strategy
+        strategy, trees = self.strategy, False
         try:
             proposals = strategy.propose(active)
-            span = 1 + max(state.row for state in active)
+            trees = any(proposal.tree is not None for proposal in proposals)
+            # Trees are committed per row after the walk (runner.commit), so the forward runs over the whole batch
+            # (a first_rows view would drop it on exit); chains only truncate, over the rows up to the last busy.
+            span = self.target.batch_size if trees else 1 + max(state.row for state in active)
             feeds: list[list[int] | None] = [None] * span
             wanted: list[range | None] = [None] * span
+            row_trees = [None] * span
+            lazy = trees and strategy.lazy_tree_rows
             for state, proposal in zip(active, proposals):
                 feeds[state.row] = state.pending + proposal.tokens
                 wanted[state.row] = range(len(state.pending) - 1, len(feeds[state.row]))
+                if proposal.tree is not None:
+                    row_trees[state.row] = proposal.tree
+                    wanted[state.row] = range(0) if lazy else wanted[state.row]
             scored = forward_rows(self.target, feeds, wanted, capture_layers=strategy.capture_layers,
-                                  return_last_hidden=strategy.wants_last_hidden)
+                                  return_last_hidden=strategy.wants_last_hidden or lazy,
+                                  trees=row_trees if trees else None, hold=trees)
         except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
+            if trees:  # a forward held for a commit: drop it
+                self._drop_held(active)
             return [self._end(state, exc) for state in active]
-        return self._accept(active, proposals, scored)
+        return self._accept(active, proposals, scored, trees)
 
-    def _accept(self, active: list[RowState], proposals, scored) -> list[Event]:
+    def _drop_held(self, active: list[RowState]) -> None:
+        """After a failed tree step: every row back to what it held before (its pending tokens are fed again)."""
+        lens = self.target.cache_lens.clone()
+        for row, state in enumerate(self.slots):
+            lens[row] = 0 if state is None else min(int(lens[row]), state.context_len - len(state.pending))
+        self.target.truncate(lens)
+
+    def _row_logits(self, state: RowState, proposal, scored):
+        """What ``verify`` reads for ``state``'s row: its logits, or a tree's rows (``RowLogits``)."""
+        if proposal.tree is None:
+            return scored.logits[state.row]
+        width = len(state.pending) + len(proposal.tokens)
+        if self.strategy.lazy_tree_rows:
+            return RowLogits(scored.forward.last_hidden[state.row, len(state.pending) - 1:width],
+                             self.target.logits_from_hidden)
+        return RowLogits.computed(scored.logits[state.row])
+
+    def _accept(self, active: list[RowState], proposals, scored, trees: bool = False) -> list[Event]:
         strategy, events, results = self.strategy, [], []
         keep = self.target.cache_lens.clone()
+        kept: list[list[int]] = [[] for _ in range(self.target.batch_size)]
         for state, proposal in zip(active, proposals):
             state.stats.target_forwards += 1
+            pending = len(state.pending)
+            kept[state.row] = list(range(pending + len(proposal.tokens)))  # a failed row: dropped at release
             try:
-                result = strategy.verify(state, proposal, scored.logits[state.row])
+                result = strategy.verify(state, proposal, self._row_logits(state, proposal, scored))
                 if proposal.tokens:
-                    state.stats.record_round(len(proposal.tokens), result.num_accepted)
+                    state.stats.record_round(proposal.drafted, result.num_accepted)
+                    state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted  # a tree's other nodes
                 strategy.verified(state, proposal, result, scored.forward, state.row)
                 emitted = [int(t) for t in result.tokens]
                 # the pending tokens and the accepted drafts stay cached; the last emitted token is pending
                 keep[state.row] -= len(proposal.tokens) - result.num_accepted
+                kept[state.row] = list(range(pending)) + (
+                    [pending + node for node in result.path] if proposal.tree is not None
+                    else list(range(pending, pending + result.num_accepted)))
                 state.out.extend(emitted)
                 state.pending = [emitted[-1]]
             except Exception as exc:  # noqa: BLE001 - this row's verification or callback: it ends alone
                 result = None
                 events.append(Failed(state.request.key, exc))
             results.append(result)
-        self.target.truncate(keep)
+        if trees:
+            self.target.commit(kept)
+        else:
+            self.target.truncate(keep)
         try:
             strategy.accepted(active, proposals, results)
         except Exception as exc:  # noqa: BLE001 - the drafter's rollback failed: its rows cannot go on
