@@ -103,6 +103,7 @@ class DecodeEngine:
         for state, logits in zip(states, prefill.logits):
             state.stats.target_forwards += 1
             try:
+                state.first_logits = logits
                 token = int(sample(state.sampling.warp(logits), state.generator))
                 state.out.extend([token])
                 state.pending = [token]

@@ -154,6 +154,7 @@ class RowState:
     started: float
     pending: list[int] = field(default_factory=list)
     draft: Any = None
+    first_logits: torch.Tensor | None = None  # the target's logits the first token was drawn from (float32 [V])
 
     @property
     def sampling(self) -> SamplingParams:
