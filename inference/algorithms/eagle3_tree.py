@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats
-from inference.algorithms.feature_drafting import FeatureDrafting, FeatureTrees, adapt_options, check_drafter_fits
+from inference.algorithms.feature_drafting import (FeatureDrafting, FeatureTrees, adapt_options, check_drafter_fits,
+                                                   row_exact_drafter)
 from inference.engine.state import RowState
 from inference.round_observers import check_observer
 from inference.tree import DraftTree, keep_best, subtree
@@ -44,6 +45,7 @@ from inference.tree import DraftTree, keep_best, subtree
 class Eagle3Tree(FeatureDrafting, Algorithm):
     name = "eagle3_tree"
     drafter = "features"
+    batchable = True  # without an adapter (``adapt=`` watches one query at a time)
 
     def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,
                  max_seq_len: int | None = None, adapt: str = "none", adapt_settings=None):
@@ -57,6 +59,8 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
         self.tree_depth, self.tree_topk, self.tree_total = tree_depth, tree_topk, tree_total
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self._build_adapter(adapt, adapt_settings, verify_tokens=tree_total, max_accept=tree_depth + 1)
+        if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
+            row_exact_drafter(self.drafter, target)
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.kernels.exact_cpu import KernelUnavailable
 from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, Strategy
@@ -42,6 +43,18 @@ def check_drafter_fits(target, config, what: str) -> None:
     if max(config.aux_layer_ids) >= target.num_layers:
         raise ValueError(f"{what} drafter aux layers {config.aux_layer_ids} do not exist in a "
                          f"{target.num_layers}-layer target")
+
+
+def row_exact_drafter(drafter, target) -> None:
+    """Where the target's rows are exact (a CPU in exact mode), make the drafter's batched rows bitwise its rows
+    alone too (``set_row_exact``), so a request's drafts, and so its tokens, do not depend on its neighbours. Where
+    the kernels cannot load, the drafter stays as it is: still lossless, rows just not bitwise their runs alone."""
+    if getattr(target, "exact", False) and getattr(drafter, "ROW_EXACT_SERVING", False) \
+            and drafter.fc.weight.device.type == "cpu" and drafter.config.hidden_act == "silu":
+        try:
+            drafter.set_row_exact(True)
+        except KernelUnavailable:
+            pass
 
 
 def adapt_options(cfg) -> dict:
