@@ -20,18 +20,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from core.errors import UserError
-from inference.engine.rows import forward_rows, prefill_rows
+from inference.engine.rows import RowsOutput, forward_rows, prefill_rows
 from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
                                     RowState)
 from inference.engine.strategy import Strategy
 from inference.row_logits import RowLogits
 from inference.sampling import sample
+from inference.tree import DraftTree
 
 Event = Finished | Failed
+
+
+@dataclass
+class _Verdict:
+    """A step's verification: the rows that failed (events), each row's result (None: failed), and how each row
+    is rolled back: ``keep`` (chains: a length per row) or ``kept`` (trees: indices of the step's feed per row)."""
+
+    events: list[Event]
+    results: list
+    keep: torch.Tensor
+    kept: list[list[int]]
 
 
 class DecodeEngine:
@@ -142,16 +155,14 @@ class DecodeEngine:
         active = [state for state in self.slots if state is not None]
         if not active:
             return []
-        strategy, trees = self.strategy, False
+        strategy = self.strategy
         try:
             proposals = strategy.propose(active)
             trees = any(proposal.tree is not None for proposal in proposals)
-            # Trees are committed per row after the walk (runner.commit), so the forward runs over the whole batch
-            # (a first_rows view would drop it on exit); chains only truncate, over the rows up to the last busy.
-            span = self.target.batch_size if trees else 1 + max(state.row for state in active)
+            span = 1 + max(state.row for state in active)  # rows after the last busy one sit out
             feeds: list[list[int] | None] = [None] * span
             wanted: list[range | None] = [None] * span
-            row_trees = [None] * span
+            row_trees: list[DraftTree | None] = [None] * span
             lazy = trees and strategy.lazy_tree_rows
             for state, proposal in zip(active, proposals):
                 feeds[state.row] = state.pending + proposal.tokens
@@ -159,23 +170,24 @@ class DecodeEngine:
                 if proposal.tree is not None:
                     row_trees[state.row] = proposal.tree
                     wanted[state.row] = range(0) if lazy else wanted[state.row]
+            verdict: list[_Verdict] = []
+
+            def walk(scored: RowsOutput) -> list[list[int]]:
+                """Trees: verify inside the forward's row view, which then commits each row's kept indices."""
+                verdict.append(self._verify(active, proposals, scored, span))
+                return verdict[0].kept
+
             scored = forward_rows(self.target, feeds, wanted, capture_layers=strategy.capture_layers,
                                   return_last_hidden=strategy.wants_last_hidden or lazy,
-                                  trees=row_trees if trees else None, hold=trees)
+                                  trees=row_trees if trees else None, commit=walk if trees else None)
         except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
-            if trees:  # a forward held for a commit: drop it
-                self._drop_held(active)
             return [self._end(state, exc) for state in active]
-        return self._accept(active, proposals, scored, trees)
+        if not trees:
+            verdict.append(self._verify(active, proposals, scored, span))
+            self.target.truncate(verdict[0].keep)
+        return self._accept(active, proposals, verdict[0])
 
-    def _drop_held(self, active: list[RowState]) -> None:
-        """After a failed tree step: every row back to what it held before (its pending tokens are fed again)."""
-        lens = self.target.cache_lens.clone()
-        for row, state in enumerate(self.slots):
-            lens[row] = 0 if state is None else min(int(lens[row]), state.context_len - len(state.pending))
-        self.target.truncate(lens)
-
-    def _row_logits(self, state: RowState, proposal, scored):
+    def _row_logits(self, state: RowState, proposal, scored: RowsOutput):
         """What ``verify`` reads for ``state``'s row: its logits, or a tree's rows (``RowLogits``)."""
         if proposal.tree is None:
             return scored.logits[state.row]
@@ -185,14 +197,14 @@ class DecodeEngine:
                              self.target.logits_from_hidden)
         return RowLogits.computed(scored.logits[state.row])
 
-    def _accept(self, active: list[RowState], proposals, scored, trees: bool = False) -> list[Event]:
-        strategy, events, results = self.strategy, [], []
-        keep = self.target.cache_lens.clone()
-        kept: list[list[int]] = [[] for _ in range(self.target.batch_size)]
+    def _verify(self, active: list[RowState], proposals, scored: RowsOutput, span: int) -> _Verdict:
+        """Verify every row and emit its tokens; a row that fails ends alone (its event)."""
+        strategy = self.strategy
+        verdict = _Verdict([], [], self.target.cache_lens.clone(), [[] for _ in range(span)])
         for state, proposal in zip(active, proposals):
             state.stats.target_forwards += 1
             pending = len(state.pending)
-            kept[state.row] = list(range(pending + len(proposal.tokens)))  # a failed row: dropped at release
+            verdict.kept[state.row] = list(range(pending + len(proposal.tokens)))  # a failed row: freed at release
             try:
                 result = strategy.verify(state, proposal, self._row_logits(state, proposal, scored))
                 if proposal.tokens:
@@ -201,22 +213,23 @@ class DecodeEngine:
                 strategy.verified(state, proposal, result, scored.forward, state.row)
                 emitted = [int(t) for t in result.tokens]
                 # the pending tokens and the accepted drafts stay cached; the last emitted token is pending
-                keep[state.row] -= len(proposal.tokens) - result.num_accepted
-                kept[state.row] = list(range(pending)) + (
+                verdict.keep[state.row] -= len(proposal.tokens) - result.num_accepted
+                verdict.kept[state.row] = list(range(pending)) + (
                     [pending + node for node in result.path] if proposal.tree is not None
                     else list(range(pending, pending + result.num_accepted)))
                 state.out.extend(emitted)
                 state.pending = [emitted[-1]]
             except Exception as exc:  # noqa: BLE001 - this row's verification or callback: it ends alone
                 result = None
-                events.append(Failed(state.request.key, exc))
-            results.append(result)
-        if trees:
-            self.target.commit(kept)
-        else:
-            self.target.truncate(keep)
+                verdict.events.append(Failed(state.request.key, exc))
+            verdict.results.append(result)
+        return verdict
+
+    def _accept(self, active: list[RowState], proposals, verdict: _Verdict) -> list[Event]:
+        """After the target's rows are rolled back: the drafter's rollback, then the rows that ended."""
+        events, results = verdict.events, verdict.results
         try:
-            strategy.accepted(active, proposals, results)
+            self.strategy.accepted(active, proposals, results)
         except Exception as exc:  # noqa: BLE001 - the drafter's rollback failed: its rows cannot go on
             return events + [self._end(state, exc) for state, r in zip(active, results) if r is not None]
         for state, result in zip(active, results):

@@ -13,7 +13,7 @@ is the forward's own lm_head path (``inference.runner_contract``) and costs only
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,21 +38,20 @@ class RowsOutput:
 
 def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] | None], *,
                  capture_layers: Sequence[int] = (), return_last_hidden: bool = False,
-                 trees: Sequence[DraftTree | None] | None = None, hold: bool = False) -> RowsOutput:
+                 trees: Sequence[DraftTree | None] | None = None,
+                 commit: Callable[[RowsOutput], Sequence[Sequence[int]]] | None = None) -> RowsOutput:
     """Feed rows ``0..len(feeds)-1`` of ``runner``'s batch their tokens in one forward; ``wanted[b]`` lists the
     positions (into row b's feed) whose logits row b needs. Rows after ``len(feeds)`` sit out; each row ends holding
     its cached tokens plus its feed (an idle row: nothing).
 
     ``trees[b]`` (a draft tree, or None for a chain): row b's feed is its pending tokens then the tree's nodes,
-    scored under the row's ancestor mask at positions ``committed + depth`` (:func:`tree_feed`). ``hold`` leaves
-    the forward uncommitted (every row holding its padded feed) for the caller's ``runner.commit`` of the indices
-    each row keeps; it needs every row of the batch fed (no ``first_rows`` view, whose end drops the forward)."""
+    scored under the row's ancestor mask at positions ``committed + depth`` (:func:`tree_feed`). ``commit``
+    (trees) is called with the output inside the forward's row view and returns the indices of its feed each row
+    keeps (idle rows: none), which ``runner.commit`` keeps; without it each row keeps its whole feed."""
     n = len(feeds)
     busy = [b for b, feed in enumerate(feeds) if feed]
     if not busy:
         raise ValueError("forward_rows needs at least one row with tokens")
-    if hold and n != runner.batch_size:
-        raise ValueError(f"forward_rows(hold=True) feeds every row of the batch ({runner.batch_size}), got {n}")
     width = max(len(feeds[b]) for b in busy)
     ids = torch.full((n, width), PAD_ID, dtype=torch.long)
     for b in busy:
@@ -80,9 +79,12 @@ def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] |
             out = runner.forward(ids.to(runner.device), logit_rows=slice(0, 0), capture_layers=capture_layers,
                                  return_last_hidden=True, **shape)
             logits = _score_rows(runner, out.last_hidden, feeds, wanted)
-        if not hold:
+        result = RowsOutput(logits, out)
+        if commit is None:
             runner.truncate(before + fed)
-    return RowsOutput(logits, out)
+        else:
+            runner.commit([list(kept) for kept in commit(result)])
+    return result
 
 
 def tree_feed(pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
