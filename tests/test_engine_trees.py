@@ -13,6 +13,8 @@ from test_eagle3_tree import random_drafter
 from test_engine_loop import GREEDY, SAMPLED, WARPED, counters, runner_of, side_by_side, solo
 
 from inference.algorithms import build_algorithm
+from inference.engine.loop import DecodeEngine
+from inference.engine.state import Failed, RowRequest
 
 VOCAB = 16
 TREES = {"eagle3_tree": {"tree_depth": 3, "tree_topk": 3, "tree_total": 10},
@@ -58,3 +60,36 @@ def test_each_tree_request_gets_the_tokens_and_counters_of_its_run_alone(models,
         assert counters(events[k].result.stats) == counters(want.stats), f"request {k}"
     accepted = sum(r.stats.accepted_draft_tokens for r in expected)
     assert accepted >= {"eagle3_tree": 10, "eagle3_chain": 4}[name]  # paths really are accepted (EOS comes early)
+
+
+def test_a_failing_tree_row_ends_alone_and_a_failing_forward_fails_the_rows_in_flight(models):
+    """Request 2's stream consumer raises at its third token: it fails, the others get their solo answers. Then a
+    target forward that fails ends the rows in flight, and the engine serves the next requests as they run alone."""
+    lone = algorithm("eagle3_tree", models)
+    all_jobs = jobs()
+    expected = [solo(lone, job) for job in all_jobs]
+    seen: dict[int, int] = {}
+
+    def on_tokens(key, new):
+        seen[key] = seen.get(key, 0) + len(new)
+        if key == 2 and seen[key] >= 3:
+            raise RuntimeError("consumer gone")
+
+    events = side_by_side(algorithm("eagle3_tree", models, rows=3), all_jobs, rows=3, on_tokens=on_tokens)
+    assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
+    assert all(events[k].result.tokens == expected[k].tokens for k in (0, 1, 3, 4, 5, 6))
+
+    alg = algorithm("eagle3_tree", models, rows=2)
+    engine = DecodeEngine(alg.target, alg.strategy(), rows=2)
+    requests = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed))
+                for k, (p, b, s, seed) in enumerate(all_jobs[:4])]
+    assert engine.admit(requests[:2]) == []
+    forward = alg.target.forward
+    alg.target.forward = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
+    failed = engine.step()
+    assert sorted(e.key for e in failed) == [0, 1] and all(isinstance(e, Failed) for e in failed)
+    alg.target.forward = forward
+    done = []
+    queue = requests[2:]
+    engine.run(lambda: queue.pop(0) if queue else None, done.append)
+    assert [e.result.tokens for e in sorted(done, key=lambda e: e.key)] == [r.tokens for r in expected[2:4]]
