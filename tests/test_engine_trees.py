@@ -6,6 +6,8 @@ not depend on its neighbours either."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_algorithms import tiny_llama
@@ -15,6 +17,7 @@ from test_engine_loop import GREEDY, SAMPLED, WARPED, counters, runner_of, side_
 from inference.algorithms import build_algorithm
 from inference.engine.loop import DecodeEngine
 from inference.engine.state import Failed, RowRequest
+from inference.runner import ModelRunner
 
 VOCAB = 16
 TREES = {"eagle3_tree": {"tree_depth": 3, "tree_topk": 3, "tree_total": 10},
@@ -93,3 +96,19 @@ def test_a_failing_tree_row_ends_alone_and_a_failing_forward_fails_the_rows_in_f
     queue = requests[2:]
     engine.run(lambda: queue.pop(0) if queue else None, done.append)
     assert [e.result.tokens for e in sorted(done, key=lambda e: e.key)] == [r.tokens for r in expected[2:4]]
+
+
+def test_bf16_tree_rows_equal_their_runs_alone(models):
+    """The same in bf16 (the target's exact mode and the row-exact drafter cover batched bf16 rows)."""
+    target, drafter = models
+    drafter = copy.deepcopy(drafter).to(torch.bfloat16)
+
+    def bf16(rows: int):
+        runner = ModelRunner.from_hf_model(target, max_batch_size=2 * rows, max_seq_len=160, dtype=torch.bfloat16)
+        return build_algorithm("eagle3_tree", runner, drafter, **TREES["eagle3_tree"])
+
+    expected = [solo(bf16(1), job) for job in jobs()]
+    events = side_by_side(bf16(3), jobs(), rows=3)
+    for k, want in enumerate(expected):
+        assert events[k].result.tokens == want.tokens, f"request {k}"
+        assert counters(events[k].result.stats) == counters(want.stats), f"request {k}"
