@@ -199,8 +199,8 @@ class FeatureTrees(Strategy):
     the kept rows become the row's next drafter input. The drafter's cache holds one row per engine row.
 
     ``draft_s``: each row is charged the wall time of the step's batched drafting (a row alone: its own).
-    The serving-time adapter (``adapt=``) watches one query at a time: its algorithm runs one row
-    (``batchable`` is off with an adapter)."""
+    The serving-time adapter (``adapt=``) watches one query at a time: with one, the strategy takes one row (the
+    server serves ``adapt=`` one request at a time)."""
 
     def __init__(self, algorithm, *, max_accept: int):
         self.algorithm, self.drafter, self.adapter = algorithm, algorithm.drafter, algorithm.adapter
