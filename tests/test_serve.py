@@ -67,7 +67,7 @@ def own_target(tiny) -> LoadedModel:
 def serve_config(tiny, *keys: str):
     """The tiny server's config: ``ROWS`` rows side by side for an algorithm that batches, one otherwise."""
     name = next((k.split("=", 1)[1].split("@")[0] for k in keys if k.startswith("algorithm=")), "ar")
-    rows = ROWS if algorithm_class(name).batchable else 1
+    rows = ROWS if algorithm_class(name).batchable and not any(k.startswith("adapt=") for k in keys) else 1
     return parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
                        f"max_seq_len={MAX_SEQ}", f"batch_size={rows}", *keys])
 
@@ -483,14 +483,14 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
 
 
 def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_exact():
-    for name in ("ar", "sps", "dflash", "peagle"):
+    for name in ("ar", "sps", "dflash", "peagle", "eagle3_tree"):
         assert serving_batch(0, name, torch.float32) == 8 and serving_batch(0, name, torch.bfloat16) == 8
         assert serving_batch(0, name, torch.bfloat16, "cuda") == 1
         assert serving_batch(0, name, torch.float32, "cuda") == 8
         assert serving_batch(4, name, torch.bfloat16) == 4
-    assert serving_batch(0, "eagle3_tree", torch.float32) == serving_batch(1, "eagle3_tree", torch.float32) == 1
-    with pytest.raises(UserError, match="eagle3_tree serves one request at a time.*batch_size=1"):
-        serving_batch(4, "eagle3_tree", torch.float32)
+    assert serving_batch(0, "specblock_tree", torch.float32) == serving_batch(1, "specblock_tree", torch.float32) == 1
+    with pytest.raises(UserError, match="specblock_tree serves one request at a time.*batch_size=1"):
+        serving_batch(4, "specblock_tree", torch.float32)
 
 
 def test_a_step_budget_where_it_does_nothing_is_refused(tiny):

@@ -17,6 +17,10 @@ in it:
 4. ``runner.commit`` keeps the root and the accepted path; their captured features become the drafter's next
    rows, and the drafter's cache drops the tree rows.
 
+It runs on the engine loop (``inference.algorithms.feature_drafting.FeatureTrees``): steps 1 and 2 run for every
+running row at once (one drafter call a step, each row in its own drafter-cache row), step 3 scores every row's
+tree in the engine's one target forward, and step 4 commits per row.
+
 ``tree_total`` counts the tokens of the verification forward INCLUDING the root (EAGLE's ``total_token``).
 
 ``adapt=bandit`` (``spectrain.adapt``): after every verification the adapter receives the committed rows (their
@@ -26,20 +30,22 @@ may update the drafter in place. The verifier and the emitted tokens are untouch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
-from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options,
-                                                   check_drafter_fits)
+from inference.algorithms.base import Algorithm, GenerationStats
+from inference.algorithms.feature_drafting import (FeatureDrafting, FeatureTrees, adapt_options, check_drafter_fits,
+                                                   row_exact_drafter)
+from inference.engine.state import RowState
 from inference.round_observers import check_observer
-from inference.runner_contract import as_batch
-from inference.sampling import SamplingParams
 from inference.tree import DraftTree, keep_best, subtree
 
 
-class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
+class Eagle3Tree(FeatureDrafting, Algorithm):
     name = "eagle3_tree"
     drafter = "features"
+    batchable = True  # without an adapter (``adapt=`` watches one query at a time)
 
     def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,
                  max_seq_len: int | None = None, adapt: str = "none", adapt_settings=None):
@@ -53,6 +59,8 @@ class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
         self.tree_depth, self.tree_topk, self.tree_total = tree_depth, tree_topk, tree_total
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self._build_adapter(adapt, adapt_settings, verify_tokens=tree_total, max_accept=tree_depth + 1)
+        if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
+            row_exact_drafter(self.drafter, target)
 
     @classmethod
     def options_from_config(cls, cfg) -> dict:
@@ -62,74 +70,147 @@ class Eagle3Tree(FeatureDrafting, TreeVerification, Algorithm):
     def lookahead(self) -> int:
         return self.tree_total
 
-    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                  generator: torch.Generator | None, stats: GenerationStats) -> None:
-        cache = self.drafter.new_cache(self.max_seq_len + self.tree_topk * self.tree_depth)
-        self._generate_trees(prompt_ids, out, sampling, generator, stats, cache=cache, max_accept=self.tree_depth + 1)
+    def strategy(self) -> FeatureTrees:
+        return FeatureTrees(self, max_accept=self.tree_depth + 1)
 
-    def _draft_tree(self, features, next_tokens, committed, cache, out, stats, child_logits) -> DraftTree:
+    def new_drafter_cache(self, rows: int):
+        """The drafter's cache for ``rows`` engine rows: a row's committed rows plus one tree's expanded levels."""
+        return self.drafter.new_cache(self.max_seq_len + self.tree_topk * self.tree_depth, batch_size=rows)
+
+    def draft_trees(self, states: Sequence[RowState], cache,
+                    expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
+        """Every running row's draft tree below its root, in batched drafter calls: each row reads the rows its
+        last verification committed (step 1), then the trees grow level by level (step 2). ``expanded[k]`` (a
+        dict, for the adapter) receives row k's drafter logits of every expanded node by tree index (-1: root)."""
         drafter, device = self.drafter, self.target.device
-        first_row = committed - len(next_tokens)
-        cache.truncate(first_row)  # drop last round's tree rows
-        step = drafter.step(as_batch(next_tokens, device), drafter.project(features),
-                            torch.arange(first_row, committed, device=device)[None], cache)
-        stats.draft_forwards += 1
-        depth = max(1, min(self.tree_depth, out.remaining - 1))  # never draft past the token budget
-        return self._grow_tree(step.logits[0, -1], step.hidden[0, -1], committed, cache, depth, stats, child_logits)
+        firsts = [s.draft.committed - len(s.draft.next_tokens) for s in states]
+        lens = [0] * cache.batch  # idle rows hold nothing; a running row drops last round's tree rows
+        for state, first in zip(states, firsts):
+            lens[state.row] = first
+        cache.truncate(lens)
+        counts = [0] * cache.batch
+        for state in states:
+            counts[state.row] = len(state.draft.next_tokens)
+        width = max(counts)
+        tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)
+        positions = torch.zeros(cache.batch, width, dtype=torch.long, device=device)
+        features = states[0].draft.features.new_zeros(cache.batch, width, states[0].draft.features.shape[-1])
+        for state, first in zip(states, firsts):
+            n = counts[state.row]
+            tokens[state.row, :n] = torch.tensor(state.draft.next_tokens, dtype=torch.long, device=device)
+            positions[state.row, :n] = torch.arange(first, first + n, device=device)
+            features[state.row, :n] = state.draft.features
+        step = _step(drafter, tokens, drafter.project(features), positions, cache, None, counts)
+        for state in states:
+            state.stats.draft_forwards += 1
+        # never draft past the token budget
+        depths = [max(1, min(self.tree_depth, s.out.remaining - 1)) for s in states]
+        return self._grow_trees([step.logits[s.row, counts[s.row] - 1] for s in states],
+                                [step.hidden[s.row, counts[s.row] - 1] for s in states],
+                                [s.draft.committed for s in states], [s.row for s in states], cache, depths,
+                                [s.stats for s in states], expanded)
 
     def _grow_tree(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, committed: int, cache,
                    depth: int, stats: GenerationStats, expanded: dict[int, torch.Tensor] | None = None) -> DraftTree:
-        """EAGLE-2 dynamic expansion by cumulative draft log-probability, then reranking to ``tree_total - 1``.
-        ``expanded`` (a dict, for the adapter) receives the draft logits of every kept expanded node by its
-        index in the returned tree (-1: the root)."""
-        drafter, device = self.drafter, root_hidden.device
+        """One row's tree (a one-row drafter cache): :meth:`_grow_trees`."""
+        return self._grow_trees([root_logits], [root_hidden], [committed], [0], cache, [depth], [stats],
+                                [expanded])[0]
+
+    def _grow_trees(self, root_logits: Sequence[torch.Tensor], root_hidden: Sequence[torch.Tensor],
+                    committed: Sequence[int], rows: Sequence[int], cache, depths: Sequence[int],
+                    stats: Sequence[GenerationStats],
+                    expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
+        """EAGLE-2 dynamic expansion by cumulative draft log-probability, then reranking to ``tree_total - 1``,
+        for trees below the roots of drafter-cache rows ``rows`` at once (one drafter call a level; a row whose
+        tree is deep enough sits the later levels out). ``expanded[k]`` (a dict, for the adapter) receives tree
+        k's draft logits of every kept expanded node by its index in the returned tree (-1: the root)."""
+        drafter, device = self.drafter, root_hidden[0].device
         k = min(self.tree_topk, drafter.config.draft_vocab_size)
-        best = _log_probs(root_logits).topk(k)
-        draft_ids, scores = best.indices.tolist(), best.values.tolist()
-        parents, depths = [-1] * k, [1] * k
-        frontier, frontier_hidden = list(range(k)), root_hidden.expand(k, -1)
-        committed_rows = cache.length
-        cache_row: dict[int, int] = {}  # frontier node -> its row in the drafter's cache
+        grow = [_Growing(logits, *_log_probs(logits).topk(k), k, hidden, cache.held[row])
+                for logits, hidden, row in zip(root_logits, root_hidden, rows)]
 
-        for level in range(1, depth):
-            width, cached = len(frontier), cache.length
-            mask = torch.zeros(width, cached + width, dtype=torch.bool)
-            mask[:, :committed_rows] = True
-            for row, node in enumerate(frontier):
-                ancestor = parents[node]
-                while ancestor >= 0:
-                    mask[row, cache_row[ancestor]] = True
-                    ancestor = parents[ancestor]
-            tokens = drafter.to_target_ids(torch.tensor(draft_ids, device=device)[frontier])
-            positions = torch.full((1, width), committed - 1 + level, dtype=torch.long, device=device)
-            step = drafter.step(tokens[None], frontier_hidden[None], positions, cache, mask.to(device)[None])
-            stats.draft_forwards += 1
-            for row, node in enumerate(frontier):
-                cache_row[node] = cached + row
+        for level in range(1, max(depths)):
+            going = [t for t, depth in enumerate(depths) if level < depth]
+            past = cache.longest
+            tokens = torch.zeros(cache.batch, k, dtype=torch.long, device=device)
+            hidden = root_hidden[0].new_zeros(cache.batch, k, root_hidden[0].shape[-1])
+            positions = torch.zeros(cache.batch, k, dtype=torch.long, device=device)
+            mask = torch.zeros(cache.batch, k, past + k, dtype=torch.bool)
+            counts = [0] * cache.batch
+            for t in going:
+                tree, row = grow[t], rows[t]
+                mask[row, :, :tree.committed_rows] = True
+                for i, node in enumerate(tree.frontier):
+                    ancestor = tree.parents[node]
+                    while ancestor >= 0:
+                        mask[row, i, tree.cache_row[ancestor]] = True
+                        ancestor = tree.parents[ancestor]
+                tokens[row] = drafter.to_target_ids(torch.tensor(tree.draft_ids, device=device)[tree.frontier])
+                hidden[row] = tree.frontier_hidden
+                positions[row] = committed[t] - 1 + level
+                counts[row] = k
+                for i, node in enumerate(tree.frontier):
+                    tree.cache_row[node] = cache.held[row] + i
+            step = _step(drafter, tokens, hidden, positions, cache, mask.to(device), counts)
+            for t in going:
+                stats[t].draft_forwards += 1
+                grow[t].expand(step.logits[rows[t]], step.hidden[rows[t]], level, k, expanded[t])
 
-            if expanded is not None:
-                expanded.update({node: step.logits[0, row] for row, node in enumerate(frontier)})
-            children = _log_probs(step.logits[0]).topk(k, dim=-1)  # [width, k]
-            child_scores = torch.tensor([scores[n] for n in frontier], device=device)[:, None] + children.values
-            first_child = len(draft_ids)
-            draft_ids += children.indices.flatten().tolist()
-            scores += child_scores.flatten().tolist()
-            parents += [node for node in frontier for _ in range(k)]
-            depths += [level + 1] * (width * k)
-            # Next frontier: the k best children overall (stable sort: ties go to the earlier child).
-            order = torch.sort(-child_scores.flatten(), stable=True).indices[:k]
-            frontier = [first_child + int(i) for i in order]
-            frontier_hidden = step.hidden[0][order // k]
+        trees = []
+        for tree, into in zip(grow, expanded):
+            kept = keep_best(tree.scores, tree.parents, self.tree_total - 1)
+            if into is not None:  # re-key by index in the kept tree
+                index = {node: i for i, node in enumerate(kept)}
+                logits_by_node = dict(into)
+                into.clear()
+                into.update({index[n]: row for n, row in logits_by_node.items() if n in index})
+                into[-1] = tree.root_logits
+            target_ids = drafter.to_target_ids(torch.tensor(tree.draft_ids, device=device)).tolist()
+            trees.append(subtree(target_ids, tree.parents, tree.depths, kept))
+        return trees
 
-        kept = keep_best(scores, parents, self.tree_total - 1)
-        if expanded is not None:  # re-key by index in the kept tree
-            index = {node: i for i, node in enumerate(kept)}
-            logits_by_node = dict(expanded)
-            expanded.clear()
-            expanded.update({index[n]: row for n, row in logits_by_node.items() if n in index})
-            expanded[-1] = root_logits
-        target_ids = drafter.to_target_ids(torch.tensor(draft_ids, device=device)).tolist()
-        return subtree(target_ids, parents, depths, kept)
+
+class _Growing:
+    """One row's tree while it grows: every drafted node (draft id, cumulative score, parent, depth), the frontier
+    that expands next and its hidden states, and the drafter-cache slot of each expanded node."""
+
+    def __init__(self, root_logits: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, k: int,
+                 root_hidden: torch.Tensor, committed_rows: int):
+        self.draft_ids, self.scores = ids.tolist(), scores.tolist()
+        self.parents, self.depths = [-1] * k, [1] * k
+        self.frontier, self.frontier_hidden = list(range(k)), root_hidden.expand(k, -1)
+        self.committed_rows = committed_rows
+        self.cache_row: dict[int, int] = {}
+        self.root_logits = root_logits
+
+    def expand(self, logits: torch.Tensor, hidden: torch.Tensor, level: int, k: int,
+               expanded: dict[int, torch.Tensor] | None) -> None:
+        """The frontier's drafter outputs (``logits`` [k, Vd], ``hidden`` [k, H]): ``k`` children each; the next
+        frontier is the ``k`` best children overall (stable sort: ties go to the earlier child)."""
+        if expanded is not None:
+            expanded.update({node: logits[i] for i, node in enumerate(self.frontier)})
+        children = _log_probs(logits).topk(k, dim=-1)  # [width, k]
+        child_scores = torch.tensor([self.scores[n] for n in self.frontier], device=logits.device)[:, None] \
+            + children.values
+        first_child = len(self.draft_ids)
+        width = len(self.frontier)
+        self.draft_ids += children.indices.flatten().tolist()
+        self.scores += child_scores.flatten().tolist()
+        self.parents += [node for node in self.frontier for _ in range(k)]
+        self.depths += [level + 1] * (width * k)
+        order = torch.sort(-child_scores.flatten(), stable=True).indices[:k]
+        self.frontier = [first_child + int(i) for i in order]
+        self.frontier_hidden = hidden[order // k]
+
+
+def _step(drafter, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache,
+          mask: torch.Tensor | None, counts: list[int]):
+    """``drafter.step`` over the cache's rows; a call where every row is real passes no ``counts`` (the one-row
+    call it always was)."""
+    if all(n == tokens.shape[1] for n in counts):
+        return drafter.step(tokens, hidden, positions, cache, mask) if mask is not None else \
+            drafter.step(tokens, hidden, positions, cache)
+    return drafter.step(tokens, hidden, positions, cache, mask, counts=counts)
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:

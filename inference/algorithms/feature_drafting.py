@@ -1,21 +1,27 @@
 """What tree algorithms over feature-conditioned drafters (``eagle3_tree``, ``specblock_tree``) share: the checks
-that a drafter fits the target, reading its input features from the target's captured hidden states, the query
-loop (prefill, then per round: draft a tree, verify it in one target forward, commit), and the serving-time
-adapter's set-up and what it is told after each round. Each algorithm supplies only ``_draft_tree``."""
+that a drafter fits the target, reading its input features from the target's captured hidden states, the
+serving-time adapter's set-up and what it is told after each round, and two ways to run rounds (draft a tree,
+verify it in one target forward, commit): :class:`FeatureTrees`, a strategy of the engine loop (``eagle3_tree``:
+every running row drafts at once), and the one-request query loop ``_generate_trees`` (``specblock_tree``, which
+supplies ``_draft_tree``)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from core.kernels.exact_cpu import KernelUnavailable
 from inference.algorithms.base import GenerationStats, OutputBuffer
+from inference.engine.state import RowState
+from inference.engine.strategy import Proposal, Strategy
 from inference.round_observers import observer_kind, observer_names
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
 from inference.runner_contract import as_batch
 from inference.sampling import SamplingParams, sample
-from inference.verify import tree_walk
+from inference.verify import TreeWalkResult, tree_walk
 
 
 @dataclass
@@ -37,6 +43,18 @@ def check_drafter_fits(target, config, what: str) -> None:
     if max(config.aux_layer_ids) >= target.num_layers:
         raise ValueError(f"{what} drafter aux layers {config.aux_layer_ids} do not exist in a "
                          f"{target.num_layers}-layer target")
+
+
+def row_exact_drafter(drafter, target) -> None:
+    """Where the target's rows are exact (a CPU in exact mode), make the drafter's batched rows bitwise its rows
+    alone too (``set_row_exact``), so a request's drafts, and so its tokens, do not depend on its neighbours. Where
+    the kernels cannot load, the drafter stays as it is: still lossless, rows just not bitwise their runs alone."""
+    if getattr(target, "exact", False) and getattr(drafter, "ROW_EXACT_SERVING", False) \
+            and drafter.fc.weight.device.type == "cpu" and drafter.config.hidden_act == "silu":
+        try:
+            drafter.set_row_exact(True)
+        except KernelUnavailable:
+            pass
 
 
 def adapt_options(cfg) -> dict:
@@ -152,3 +170,113 @@ class TreeVerification:
         rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
         self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], verified.features[0],
                                    verified.logits.stack(verified.kept_rows), walk.num_accepted, rejected)
+
+
+@dataclass
+class FeatureRow:
+    """A row's drafter-side state between rounds: the target features of the rows the last verification committed
+    (the prompt, after prefill) paired with the token after each, and the target's cache length."""
+
+    features: torch.Tensor  # [n, 3·H_t] in the drafter's dtype
+    next_tokens: list[int]
+    committed: int
+    root: int  # the last emitted token (the adapter's end of query)
+
+
+@dataclass
+class DraftedTree:
+    """What a tree proposal keeps for the hooks: the drafter's logits of every expanded node by tree index (-1:
+    the root; for the adapter, else None) and the target's rows the walk read."""
+
+    child_logits: dict[int, torch.Tensor] | None
+    rows: RowLogits | None = None
+
+
+class FeatureTrees(Strategy):
+    """A feature drafter's draft trees as a strategy of the engine loop: every running row's tree is drafted in
+    batched drafter calls (``algorithm.draft_trees``), the target scores each row's tree under its ancestor mask in
+    the step's one forward, ``tree_walk`` walks it per row with the row's generator, and the captured features of
+    the kept rows become the row's next drafter input. The drafter's cache holds one row per engine row.
+
+    ``draft_s``: each row is charged the wall time of the step's batched drafting (a row alone: its own).
+    The serving-time adapter (``adapt=``) watches one query at a time: with one, the strategy takes one row (the
+    server serves ``adapt=`` one request at a time)."""
+
+    def __init__(self, algorithm, *, max_accept: int):
+        self.algorithm, self.drafter, self.adapter = algorithm, algorithm.drafter, algorithm.adapter
+        self.aux_layers = tuple(algorithm.aux_layers)
+        self.capture_layers = self.aux_layers
+        self.lazy_tree_rows = lazy_rows_on(algorithm.target)  # the walk reads ~τ rows of a tree's
+        self.max_accept = max_accept
+        self.cache = None
+
+    def lookahead(self) -> int:
+        return self.algorithm.lookahead()
+
+    def open(self, rows: int) -> None:
+        if self.adapter is not None and rows != 1:
+            raise ValueError("a serving-time adapter (adapt=) watches one query at a time: serve with batch_size=1")
+        self.cache = self.algorithm.new_drafter_cache(rows)
+
+    def features(self, hidden: dict[int, torch.Tensor], rows) -> torch.Tensor:
+        """[n, 3·H_t]: the aux layers at ``rows`` (of one target row), concatenated in the drafter's order."""
+        return torch.cat([hidden[i][rows] for i in self.aux_layers], dim=-1).to(self.drafter.fc.weight.dtype)
+
+    def admit(self, states: Sequence[RowState], hidden: Sequence[dict[int, torch.Tensor]]) -> None:
+        lens = list(self.cache.held)
+        for state, prompt_hidden in zip(states, hidden):
+            prompt = list(state.request.prompt)
+            state.draft = FeatureRow(self.features(prompt_hidden, slice(None)), prompt[1:] + state.pending,
+                                     len(prompt), state.pending[-1])
+            lens[state.row] = 0
+            if self.adapter is not None:
+                self.adapter.begin_query(prompt, state.draft.features, state.first_logits,
+                                         max_accept=self.max_accept)
+        self.cache.truncate(lens)
+
+    def propose(self, states: Sequence[RowState]) -> list[Proposal]:
+        started = time.perf_counter()
+        expanded = [None if self.adapter is None else {} for _ in states]
+        trees = self.algorithm.draft_trees(states, self.cache, expanded)
+        elapsed = time.perf_counter() - started  # the drafter's cost per round (CPU work is synchronous)
+        for state in states:
+            state.stats.draft_s += elapsed
+        return [Proposal(tokens=list(tree.tokens), tree=tree, extra=DraftedTree(child_logits))
+                for tree, child_logits in zip(trees, expanded)]
+
+    def verify(self, state: RowState, proposal: Proposal, logits: RowLogits) -> TreeWalkResult:
+        proposal.extra.rows = logits
+        tree = proposal.tree
+        return tree_walk(tree.tokens, tree.parents, WarpedRows(logits, state.sampling.warp), state.generator)
+
+    def verified(self, state: RowState, proposal: Proposal, result: TreeWalkResult, forward,
+                 row: int) -> None:
+        pending = len(state.pending)
+        kept = list(range(pending)) + [pending + node for node in result.path]
+        row_hidden = {layer: forward.hidden[layer][row] for layer in self.aux_layers}
+        emitted = result.tokens.tolist()
+        draft = state.draft
+        draft.features, draft.next_tokens = self.features(row_hidden, kept), state.pending[1:] + emitted
+        draft.committed += len(kept)
+        if self.adapter is not None:
+            self._observe(draft.root, proposal, result, draft.features)
+        draft.root = emitted[-1]
+
+    def _observe(self, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor) -> None:
+        """The adapter's view of a round (as ``TreeVerification._observe_round``): the committed rows and, where
+        the walk stopped at a node with drafted children, the drafter's distribution there with the target's
+        token."""
+        tree, child_logits = proposal.tree, proposal.extra.child_logits
+        end = walk.path[-1] if walk.path else -1
+        drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
+        rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
+        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], features,
+                                   proposal.extra.rows.stack([0] + [node + 1 for node in walk.path]),
+                                   walk.num_accepted, rejected)
+
+    def release(self, state: RowState) -> None:
+        if self.adapter is not None and isinstance(state.draft, FeatureRow):
+            self.adapter.end_query(state.draft.root)
+
+    def close(self) -> None:
+        self.cache = None

@@ -3,8 +3,9 @@
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
 are not stalled by a padded prefill) and samples each new row's first token. A step asks the strategy for every
-row's drafts, scores all rows in ONE target forward (ragged chains right-padded), verifies per row, rolls each row
-back to what it kept, and reports the rows that ended.
+row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree under its row's
+ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it kept (a chain:
+truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that ended.
 
 ``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
 served beside others and the same request run alone share one code path. On a CPU in exact mode
@@ -19,17 +20,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from core.errors import UserError
-from inference.engine.rows import forward_rows, prefill_rows
+from inference.engine.rows import RowsOutput, forward_rows, prefill_rows
 from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
                                     RowState)
 from inference.engine.strategy import Strategy
+from inference.row_logits import RowLogits
 from inference.sampling import sample
+from inference.tree import DraftTree
 
 Event = Finished | Failed
+
+
+@dataclass
+class _Verdict:
+    """A step's verification: the rows that failed (events), each row's result (None: failed), and how each row
+    is rolled back: ``keep`` (chains: a length per row) or ``kept`` (trees: indices of the step's feed per row)."""
+
+    events: list[Event]
+    results: list
+    keep: torch.Tensor
+    kept: list[list[int]]
 
 
 class DecodeEngine:
@@ -107,6 +122,7 @@ class DecodeEngine:
         for state, logits in zip(states, prefill.logits):
             state.stats.target_forwards += 1
             try:
+                state.first_logits = logits
                 token = int(sample(state.sampling.warp(logits), state.generator))
                 state.out.extend([token])
                 state.pending = [token]
@@ -151,41 +167,79 @@ class DecodeEngine:
                 state.width = max(1, self.max_step_tokens // len(active))
         try:
             proposals = strategy.propose(active)
-            span = 1 + max(state.row for state in active)
+            trees = any(proposal.tree is not None for proposal in proposals)
+            span = 1 + max(state.row for state in active)  # rows after the last busy one sit out
             feeds: list[list[int] | None] = [None] * span
             wanted: list[range | None] = [None] * span
+            row_trees: list[DraftTree | None] = [None] * span
+            lazy = trees and strategy.lazy_tree_rows
             for state, proposal in zip(active, proposals):
                 feeds[state.row] = state.pending + proposal.tokens
                 wanted[state.row] = range(len(state.pending) - 1, len(feeds[state.row]))
+                if proposal.tree is not None:
+                    row_trees[state.row] = proposal.tree
+                    wanted[state.row] = range(0) if lazy else wanted[state.row]
+            verdict: list[_Verdict] = []
+
+            def walk(scored: RowsOutput) -> list[list[int]]:
+                """Trees: verify inside the forward's row view, which then commits each row's kept indices."""
+                verdict.append(self._verify(active, proposals, scored, span))
+                return verdict[0].kept
+
             scored = forward_rows(self.target, feeds, wanted, capture_layers=strategy.capture_layers,
-                                  return_last_hidden=strategy.wants_last_hidden)
+                                  return_last_hidden=strategy.wants_last_hidden or lazy,
+                                  trees=row_trees if trees else None, commit=walk if trees else None)
             self.forwards += 1
         except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
             return [self._end(state, exc) for state in active]
-        return self._accept(active, proposals, scored)
+        if not trees:
+            verdict.append(self._verify(active, proposals, scored, span))
+            self.target.truncate(verdict[0].keep)
+        return self._accept(active, proposals, verdict[0])
 
-    def _accept(self, active: list[RowState], proposals, scored) -> list[Event]:
-        strategy, events, results = self.strategy, [], []
-        keep = self.target.cache_lens.clone()
+    def _row_logits(self, state: RowState, proposal, scored: RowsOutput):
+        """What ``verify`` reads for ``state``'s row: its logits, or a tree's rows (``RowLogits``)."""
+        if proposal.tree is None:
+            return scored.logits[state.row]
+        width = len(state.pending) + len(proposal.tokens)
+        if self.strategy.lazy_tree_rows:
+            return RowLogits(scored.forward.last_hidden[state.row, len(state.pending) - 1:width],
+                             self.target.logits_from_hidden)
+        return RowLogits.computed(scored.logits[state.row])
+
+    def _verify(self, active: list[RowState], proposals, scored: RowsOutput, span: int) -> _Verdict:
+        """Verify every row and emit its tokens; a row that fails ends alone (its event)."""
+        strategy = self.strategy
+        verdict = _Verdict([], [], self.target.cache_lens.clone(), [[] for _ in range(span)])
         for state, proposal in zip(active, proposals):
             state.stats.target_forwards += 1
+            pending = len(state.pending)
+            verdict.kept[state.row] = list(range(pending + len(proposal.tokens)))  # a failed row: freed at release
             try:
-                result = strategy.verify(state, proposal, scored.logits[state.row])
+                result = strategy.verify(state, proposal, self._row_logits(state, proposal, scored))
                 if proposal.tokens:
-                    state.stats.record_round(len(proposal.tokens), result.num_accepted)
+                    state.stats.record_round(proposal.drafted, result.num_accepted)
+                    state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted  # a tree's other nodes
                 strategy.verified(state, proposal, result, scored.forward, state.row)
                 emitted = [int(t) for t in result.tokens]
                 # the pending tokens and the accepted drafts stay cached; the last emitted token is pending
-                keep[state.row] -= len(proposal.tokens) - result.num_accepted
+                verdict.keep[state.row] -= len(proposal.tokens) - result.num_accepted
+                verdict.kept[state.row] = list(range(pending)) + (
+                    [pending + node for node in result.path] if proposal.tree is not None
+                    else list(range(pending, pending + result.num_accepted)))
                 state.out.extend(emitted)
                 state.pending = [emitted[-1]]
             except Exception as exc:  # noqa: BLE001 - this row's verification or callback: it ends alone
                 result = None
-                events.append(Failed(state.request.key, exc))
-            results.append(result)
-        self.target.truncate(keep)
+                verdict.events.append(Failed(state.request.key, exc))
+            verdict.results.append(result)
+        return verdict
+
+    def _accept(self, active: list[RowState], proposals, verdict: _Verdict) -> list[Event]:
+        """After the target's rows are rolled back: the drafter's rollback, then the rows that ended."""
+        events, results = verdict.events, verdict.results
         try:
-            strategy.accepted(active, proposals, results)
+            self.strategy.accepted(active, proposals, results)
         except Exception as exc:  # noqa: BLE001 - the drafter's rollback failed: its rows cannot go on
             return events + [self._end(state, exc) for state, r in zip(active, results) if r is not None]
         for state, result in zip(active, results):

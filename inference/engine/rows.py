@@ -13,13 +13,14 @@ is the forward's own lm_head path (``inference.runner_contract``) and costs only
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from core.errors import UserError
 from inference.runner_contract import RunnerOutput
+from inference.tree import DraftTree
 
 PAD_ID = 0  # any valid id: a pad is rolled back before anything that counts reads it
 
@@ -36,10 +37,17 @@ class RowsOutput:
 
 
 def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] | None], *,
-                 capture_layers: Sequence[int] = (), return_last_hidden: bool = False) -> RowsOutput:
+                 capture_layers: Sequence[int] = (), return_last_hidden: bool = False,
+                 trees: Sequence[DraftTree | None] | None = None,
+                 commit: Callable[[RowsOutput], Sequence[Sequence[int]]] | None = None) -> RowsOutput:
     """Feed rows ``0..len(feeds)-1`` of ``runner``'s batch their tokens in one forward; ``wanted[b]`` lists the
     positions (into row b's feed) whose logits row b needs. Rows after ``len(feeds)`` sit out; each row ends holding
-    its cached tokens plus its feed (an idle row: nothing)."""
+    its cached tokens plus its feed (an idle row: nothing).
+
+    ``trees[b]`` (a draft tree, or None for a chain): row b's feed is its pending tokens then the tree's nodes,
+    scored under the row's ancestor mask at positions ``committed + depth`` (:func:`tree_feed`). ``commit``
+    (trees) is called with the output inside the forward's row view and returns the indices of its feed each row
+    keeps (idle rows: none), which ``runner.commit`` keeps; without it each row keeps its whole feed."""
     n = len(feeds)
     busy = [b for b, feed in enumerate(feeds) if feed]
     if not busy:
@@ -55,27 +63,75 @@ def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] |
         if bool(idle.any()):  # an idle row's stale cache must not grow past its room
             runner.truncate(torch.where(idle, 0, runner.cache_lens))
         before = runner.cache_lens.clone()
+        shape = {}
+        if trees is not None and any(tree is not None for tree in trees):
+            shape = dict(zip(("positions", "attention_mask"), _tree_shape(feeds, trees, before, width)))
+            shape = {key: value.to(runner.device) for key, value in shape.items()}
         uniform = all(len(feeds[b]) == width for b in busy)
         if uniform and all(list(wanted[b]) == [width - 1] for b in busy):
             out = runner.forward(ids.to(runner.device), only_last_logits=True, capture_layers=capture_layers,
-                                 return_last_hidden=return_last_hidden)
+                                 return_last_hidden=return_last_hidden, **shape)
             logits = [out.logits[b].float() if feeds[b] else None for b in range(n)]
         elif runner.scores_every_row or (uniform and all(list(wanted[b]) == list(range(width)) for b in busy)):
             out = runner.forward(ids.to(runner.device), capture_layers=capture_layers,
-                                 return_last_hidden=return_last_hidden)
+                                 return_last_hidden=return_last_hidden, **shape)
             logits = [out.logits[b, list(wanted[b])].float() if feeds[b] else None for b in range(n)]
         else:
             out = runner.forward(ids.to(runner.device), logit_rows=slice(0, 0), capture_layers=capture_layers,
-                                 return_last_hidden=True)
+                                 return_last_hidden=True, **shape)
             logits = _score_rows(runner, out.last_hidden, feeds, wanted)
-        runner.truncate(before + fed)
-    return RowsOutput(logits, out)
+        result = RowsOutput(logits, out)
+        if commit is None:
+            runner.truncate(before + fed)
+        else:
+            runner.commit([list(kept) for kept in commit(result)])
+    return result
+
+
+def tree_feed(pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row fed ``pending`` tokens then ``tree``'s nodes: each token's offset from the row's cache length
+    (LongTensor [pending + N]: pending token i at i, a node at ``pending - 1 + depth``) and its short-form mask
+    (bool [pending + N, pending + N]: the pending tokens causally; a node sees them, its ancestors and itself)."""
+    size = pending + len(tree)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    mask[pending:, :pending] = True
+    for node, parent in enumerate(tree.parents):
+        row = pending + node
+        mask[row, row] = True
+        if parent >= 0:  # parents come first, so their rows are already complete
+            mask[row, pending:row] |= mask[pending + parent, pending:row]
+    offsets = torch.tensor([*range(pending), *(pending - 1 + d for d in tree.depths)], dtype=torch.long)
+    return offsets, mask
+
+
+def _tree_shape(feeds: Sequence[Feed], trees: Sequence[DraftTree | None], before: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, W] and short-form mask [B, W, W] of a forward where some rows feed trees: chains read
+    causally, a tree row as :func:`tree_feed` says, and pads see only themselves (their outputs are never read)."""
+    batch = len(feeds)
+    positions = before.cpu()[:, None] + torch.arange(width)[None]
+    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
+    for b, feed in enumerate(feeds):
+        if not feed:
+            continue
+        size = len(feed)
+        tree = trees[b] if b < len(trees) else None
+        if tree is None:
+            mask[b, :size, :size] = torch.ones(size, size, dtype=torch.bool).tril()
+            continue
+        offsets, row_mask = tree_feed(size - len(tree), tree)
+        positions[b, :size] = before[b].item() + offsets
+        mask[b, :size, :size] = row_mask
+    return positions, mask
 
 
 def _score_rows(runner, last_hidden: torch.Tensor, feeds: Sequence[Feed],
                 wanted: Sequence[Sequence[int] | None]) -> list[torch.Tensor | None]:
     """The wanted rows of every busy row, scored in one ``logits_from_hidden`` call and split back per row."""
     picks = [(b, t) for b, feed in enumerate(feeds) if feed for t in wanted[b]]
+    if not picks:  # every row's logits are read later, from the forward's last hidden states
+        return [None if not feed else last_hidden.new_zeros(0, 0) for feed in feeds]
     rows = torch.tensor([b for b, _ in picks], device=last_hidden.device)
     cols = torch.tensor([t for _, t in picks], device=last_hidden.device)
     scored = runner.logits_from_hidden(last_hidden[rows, cols]).float()

@@ -155,6 +155,7 @@ class RowState:
     pending: list[int] = field(default_factory=list)
     draft: Any = None
     width: int = 0  # target rows this row may be scored on this step (0 = no cap); 1 = an AR step
+    first_logits: torch.Tensor | None = None  # the target's logits the first token was drawn from (float32 [V])
 
     @property
     def sampling(self) -> SamplingParams:

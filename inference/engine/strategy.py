@@ -6,7 +6,8 @@ and never a decode loop. The loop (``inference.engine.loop``) calls, per step:
 
 1. ``propose(states)``: one :class:`Proposal` per running row (its drafted chain, and the law it was drawn from);
 2. the target forward over ``[pending, *drafts]`` of every row, right-padded;
-3. ``verify(state, proposal, logits)`` per row: how much of the chain the target keeps, plus one token;
+3. ``verify(state, proposal, logits)`` per row: how much of the chain the target keeps, plus one token (a tree:
+   the accepted path, which the loop commits per row with ``runner.commit``);
 4. ``verified(state, proposal, result, forward, row)`` per row, before the tokens are emitted (round hooks);
 5. ``accepted(states, proposals, results)`` once: the drafter's per-row rollback.
 
@@ -26,6 +27,7 @@ import torch
 from inference.engine.state import RowState
 from inference.runner_contract import RunnerOutput
 from inference.sampling import sample
+from inference.tree import DraftTree
 from inference.verify import ChainVerifier, VerifyResult
 
 
@@ -37,6 +39,12 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None
     extra: Any = None  # what the strategy keeps for its hooks (a draft LM's raw logits)
+    tree: DraftTree | None = None  # a draft tree below the pending token (``tokens`` = its nodes); None: a chain
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens the row's counters see as its chain: a tree's depth (its other nodes are counted apart)."""
+        return self.tree.max_depth if self.tree is not None else len(self.tokens)
 
     @property
     def width(self) -> int:
@@ -53,6 +61,9 @@ class Strategy:
     capture_layers: tuple[int, ...] = ()  # target layers the forward must capture for ``verified``
     wants_last_hidden = False
     verifier: ChainVerifier | None = None
+    # Tree proposals: the loop hands ``verify`` an ``inference.row_logits.RowLogits`` of the row's forward, whose
+    # rows are scored when read (True: from the final hidden states, a CPU's cheaper way) or with the forward.
+    lazy_tree_rows = False
 
     def lookahead(self) -> int:
         """Cache slots needed beyond a row's committed tokens during one step."""
@@ -69,7 +80,8 @@ class Strategy:
         return [Proposal() for _ in states]
 
     def verify(self, state: RowState, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
-        """``logits`` [width, V]: the target's at the pending token and after each draft. Width 1 samples as AR
+        """``logits`` [width, V]: the target's at the pending token and after each draft (a tree proposal: a
+        ``RowLogits`` of its rows, the strategy's own ``verify`` walks it and returns the walk, with its ``path``). Width 1 samples as AR
         does (not through a zero-draft plan, whose float64 residuals could draw differently with one generator)."""
         if not proposal.tokens:
             token = sample(state.sampling.warp(logits[0]), state.generator)

@@ -149,6 +149,11 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     device = pick_device(cfg.device)
     dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
     batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)), device)
+    if batch > 1 and getattr(cfg, "adapt", "none") != "none":  # the adapter watches one query at a time
+        if cfg.batch_size > 1:
+            raise UserError(f"batch_size={cfg.batch_size} with adapt={cfg.adapt}: the adapter learns from one "
+                            "request at a time; set batch_size=1")
+        batch = 1
     if target is None:
         target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
                          max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)

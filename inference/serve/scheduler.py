@@ -2,8 +2,9 @@
 
 One worker thread owns the engine (its runners and KV caches are not thread-safe). Requests wait in a queue of
 at most ``max_queue``; one more is refused (the app answers 429). An algorithm that runs on the engine loop (AR,
-SpS/HSD, DFlash, P-EAGLE) with ``batch_size`` > 1 decodes up to that many requests side by side (``inference.engine.loop``: a
-finished or cancelled row is refilled from the queue at once); every other algorithm serves one request at a time. A
+SpS/HSD, DFlash, P-EAGLE, EAGLE-3 trees) with ``batch_size`` > 1 decodes up to that many requests side by side
+(``inference.engine.loop``: a finished or cancelled row is refilled from the queue at once); every other algorithm
+serves one request at a time. A
 cancelled request (its client went away, or a stop string was met) leaves the queue at once, or its row at its next
 tokens: the engine's token callback returns False, so the request ends through its normal path. A batched row that
 fails ends alone, with its error; the other rows go on.
