@@ -29,8 +29,11 @@ def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: f
     return model
 
 
-def runner(model, max_seq_len: int = 192, exact: bool | None = None) -> ModelRunner:
-    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len, exact=exact)
+def runner(model, max_seq_len: int = 192, exact: bool | None = None, rows: int = 1) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len, exact=exact, max_batch_size=rows)
+
+
+LAW_ROWS = 64  # requests side by side in a Monte Carlo law test of an algorithm on the engine loop
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +139,20 @@ def exact_target_law(model, prompt: list[int], n: int, vocab: int) -> dict[tuple
 
 
 def sampled_law(algorithm, prompt: list[int], n: int, runs: int, seed: int = 1234) -> tuple[dict, int]:
-    """Empirical law of the first ``n`` tokens over ``runs`` T=1 generations, and the draft tokens accepted."""
+    """Empirical law of the first ``n`` tokens over ``runs`` T=1 generations, and the draft tokens accepted. An
+    algorithm on the engine loop whose runners hold ``2 * LAW_ROWS`` rows answers ``LAW_ROWS`` requests side by side
+    (``generate_batch``): then the law checked is that of a row in a batch."""
     generator = torch.Generator().manual_seed(seed)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
-    for _ in range(runs):
-        result = algorithm.generate(prompt, max_new_tokens=n, sampling=SamplingParams(1.0), generator=generator)
-        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-        accepted += result.stats.accepted_draft_tokens
+    rows = LAW_ROWS if algorithm.batchable and algorithm.target.max_batch_size >= 2 * LAW_ROWS else 1
+    for start in range(0, runs, rows):
+        kw = {"max_new_tokens": n, "sampling": SamplingParams(1.0), "generator": generator}
+        results = (algorithm.generate_batch([prompt] * min(rows, runs - start), **kw) if rows > 1 else
+                   [algorithm.generate(prompt, **kw)])
+        for result in results:
+            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+            accepted += result.stats.accepted_draft_tokens
     return counts, accepted
 
 
@@ -198,7 +207,8 @@ def test_a_vocabulary_limited_draft_stays_greedy_equal(pair, name):
 
 
 def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
-    """Monte Carlo: a draft that can only propose ids {0, 1} of 4 still yields exactly the target's law."""
+    """Monte Carlo: a draft that can only propose ids {0, 1} of 4 still yields exactly the target's law, for a
+    request among 64 side by side."""
     from inference.runner_loading import with_logit_vocab
 
     vocab, n, runs = 4, 2, 4000
@@ -206,7 +216,8 @@ def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
     draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    sps = build_algorithm("sps", runner(target, 16), with_logit_vocab(runner(draft, 16), 2), gamma=2)
+    sps = build_algorithm("sps", runner(target, 16, rows=2 * LAW_ROWS),
+                          with_logit_vocab(runner(draft, 16, rows=2 * LAW_ROWS), 2), gamma=2)
     counts, accepted = sampled_law(sps, prompt, n, runs)
     assert accepted > 0
     assert_follows_law(counts, law, runs, max_tv=0.06)

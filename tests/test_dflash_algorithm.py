@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 from test_dflash import AUX, make_drafter
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -120,7 +120,7 @@ def test_sampling_follows_the_target_law():
     drafter.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    algorithm = build_algorithm("dflash", runner(target, 16), drafter.eval())
+    algorithm = build_algorithm("dflash", runner(target, 16, rows=2 * LAW_ROWS), drafter.eval())
     counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # drafted tokens are really accepted, not just the bonus token
     assert_follows_law(counts, law, runs, max_tv=0.07)

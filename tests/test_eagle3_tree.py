@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 from tiny_targets import set_random_vocab_map
 
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -146,7 +146,7 @@ def test_sampling_follows_the_target_law():
     drafter.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    algorithm = build_algorithm("eagle3_tree", runner(target, 16), drafter, tree_depth=2, tree_topk=2,
+    algorithm = build_algorithm("eagle3_tree", runner(target, 16, rows=2 * LAW_ROWS), drafter, tree_depth=2, tree_topk=2,
                                 tree_total=4)
     counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # the tree paths are really exercised, not just the bonus token

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from inference.algorithms import build_algorithm
@@ -122,7 +122,8 @@ def test_sampling_follows_the_target_law():
     drafter.set_vocab_map(torch.tensor([0, 1]), torch.tensor([True, False, True]))  # ids 0 and 2
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    counts, accepted = sampled_law(build_algorithm("peagle", runner(target, 16), drafter.eval()), prompt, n, runs)
+    algorithm = build_algorithm("peagle", runner(target, 16, rows=2 * LAW_ROWS), drafter.eval())
+    counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # drafted tokens are really accepted, not just the bonus token
     assert_follows_law(counts, law, runs, max_tv=0.1)
 
