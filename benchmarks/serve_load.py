@@ -62,19 +62,28 @@ class Run:
 
     def record(self, direct: Run | None) -> dict:
         """The run's figures as ``results.json`` keeps them."""
-        equal = sum(direct.answers.get(i) == a for i, a in self.answers.items()) if direct else len(self.answers)
+        equal, compared = self.equal_to(direct)
         return {"label": self.label, "requests": len(self.answers), "tokens": self.tokens, "wall_s": self.wall_s,
                 "tokens_per_s": self.tokens / self.wall_s, "latencies_s": self.latencies,
-                "equal_to_direct": equal, "answers": {str(i): a for i, a in sorted(self.answers.items())}}
+                "equal_to_direct": equal, "compared_with_direct": compared,
+                "answers": {str(i): a for i, a in sorted(self.answers.items())}}
+
+    def equal_to(self, direct: Run | None) -> tuple[int, int]:
+        """(answers equal to the direct engine's, answers that have a direct one to compare with): the direct run
+        stops at ``time_limit``, so the later requests may have none."""
+        if direct is None:
+            return len(self.answers), len(self.answers)
+        compared = [i for i in self.answers if i in direct.answers]
+        return sum(direct.answers[i] == self.answers[i] for i in compared), len(compared)
 
     def row(self, direct: Run | None) -> str:
         rate = self.tokens / self.wall_s
         q = statistics.quantiles(self.latencies, n=100, method="inclusive") if len(self.latencies) > 1 else \
             self.latencies * 99
         overhead = f"{100 * (direct.tokens / direct.wall_s / rate - 1):+.1f} %" if direct else "–"
-        equal = sum(direct.answers.get(i) == a for i, a in self.answers.items()) if direct else len(self.answers)
+        equal, compared = self.equal_to(direct)
         return (f"| {self.label} | {len(self.answers)} | {self.tokens} | {rate:.1f} | {q[49]:.2f} | {q[89]:.2f} | "
-                f"{max(self.latencies):.2f} | {overhead} | {equal}/{len(self.answers)} |")
+                f"{max(self.latencies):.2f} | {overhead} | {equal}/{compared} |")
 
 
 def direct(model, ids: list[int], cfg) -> list[int]:
