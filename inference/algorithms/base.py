@@ -87,11 +87,15 @@ class Algorithm(ABC):
                        generator: torch.Generator | None = None, eos_ids: Sequence[int] = ()) -> list[GenerationResult]:
         """``prompts`` side by side on the engine loop, one row each (a ``batchable`` algorithm), sharing
         ``generator``: greedy answers are each prompt's answer alone; sampled ones follow the target's law. Each
-        result's ``wall_s`` is the batch's wall time split evenly, so summed stats give the batch's tokens/s."""
+        result's ``wall_s`` is the batch's wall time split evenly, so summed stats give the batch's tokens/s. A
+        target runner without row views (the transformers fallback) answers them one at a time."""
         if not self.batchable:
             raise UserError(f"{self.name} answers one prompt at a time; use batch_size=1")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise UserError("generate_batch needs at least one prompt and no empty prompt")
+        kw = {"max_new_tokens": max_new_tokens, "sampling": sampling, "generator": generator, "eos_ids": eos_ids}
+        if not hasattr(self.target, "row_block"):  # a runner without row views (the fallback): one at a time
+            return [self.generate(prompt, **kw) for prompt in prompts]
         for prompt in prompts:
             self.check_fits(len(prompt), max_new_tokens)
         engine = DecodeEngine(self.target, self.strategy(), rows=len(prompts), eos_ids=eos_ids,
