@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_helpers import admitted_alone
 from safetensors.torch import load_file, save_file
 
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
@@ -32,7 +34,6 @@ from core.assets import target_record
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.dflash_layouts import save_native
 from inference.algorithms import build_algorithm
-from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.drafters import LoadedModel, load_dflash
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
@@ -190,10 +191,11 @@ def our_block(target: LoadedModel, drafter: DFlashDrafter,
               prompt: list[int] = PROMPT) -> tuple[list[int], torch.Tensor, object]:
     """The block our engine drafts after the prompt (target ids), its draft-vocabulary logits and the prefill."""
     algo = build_algorithm("dflash", target.runner, drafter)
-    start = algo._prefill(prompt, OutputBuffer(32, []), GREEDY, None, GenerationStats())
+    engine, row = admitted_alone(algo, prompt)
+    start = SimpleNamespace(features=row.draft.features[None], root=row.pending[0])
     logits = drafter.draft(drafter.new_cache(max(64, len(prompt) + 2 * drafter.config.block_size)), start.features,
                            start.root)[0]
-    drafts, _ = algo._draft(logits, GREEDY, None)
+    drafts, _ = engine.strategy._draft(logits, GREEDY, None)
     return drafts.tolist(), logits, start
 
 

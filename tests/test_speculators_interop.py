@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_helpers import admitted_alone
 from safetensors.torch import load_file
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.models import Eagle3DraftModel
@@ -37,7 +39,6 @@ from benchmarks.speculators_peer import (features, full_accuracy, load_theirs, o
 from core.assets import portable_model_reference, target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
-from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.drafters import LoadedModel, load_eagle3
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
@@ -124,9 +125,9 @@ def our_chain(target: LoadedModel, drafter: Eagle3Drafter, prompt: list[int], ga
     """The γ tokens our engine drafts after the prompt (eagle3_tree with one child per node = a greedy chain),
     with the features and next tokens it read."""
     algo = build_algorithm("eagle3_tree", target.runner, drafter, tree_depth=gamma, tree_topk=1, tree_total=gamma + 1)
-    out, stats = OutputBuffer(64, []), GenerationStats()
-    start = algo._prefill(prompt, out, SamplingParams(0.0), None, stats)
-    tree = algo._draft_tree(start.features, start.next_tokens, len(prompt), drafter.new_cache(64), out, stats, None)
+    engine, row = admitted_alone(algo, prompt, max_new_tokens=64)
+    start = SimpleNamespace(features=row.draft.features[None], next_tokens=list(row.draft.next_tokens))
+    (tree,) = algo.draft_trees([row], algo.new_drafter_cache(1), [None])
     assert tree.parents == list(range(-1, gamma - 1))  # a chain
     return tree.tokens, start
 
