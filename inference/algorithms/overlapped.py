@@ -57,7 +57,7 @@ class OverlappedDraftAlgorithm(Algorithm):
         return self._executor
 
     def close(self) -> None:
-        if self._executor is not None:
+        if getattr(self, "_executor", None) is not None:  # none on an object whose constructor refused an option
             self._executor.close()
             self._executor = None
 
