@@ -49,13 +49,13 @@ def algorithm(name: str, models, rows: int = 1, spare: bool = True):
                            None if base == "ar" else runner_of(draft, rows, spare), **VARIANTS[name])
 
 
-def jobs(eos: int | None = None) -> list[tuple[list[int], int, SamplingParams, int]]:
+def jobs(vocab: int = VOCAB) -> list[tuple[list[int], int, SamplingParams, int]]:
     """(prompt, budget, sampling, seed): mixed prompt lengths, budgets and settings."""
     generator = torch.Generator().manual_seed(3)
     lengths = (5, 1, 23, 9, 40, 2, 14)
     budgets = (24, 7, 31, 1, 18, 26, 12)
     settings = (GREEDY, SAMPLED, WARPED, SAMPLED, GREEDY, WARPED, SAMPLED)
-    return [(torch.randint(0, VOCAB, (n,), generator=generator).tolist(), budget, sampling, 100 + k)
+    return [(torch.randint(0, vocab, (n,), generator=generator).tolist(), budget, sampling, 100 + k)
             for k, (n, budget, sampling) in enumerate(zip(lengths, budgets, settings))]
 
 
@@ -76,25 +76,44 @@ def side_by_side(alg, all_jobs, rows: int, eos_ids=(), on_tokens=None) -> dict:
     return events
 
 
+def stream_consumer(fails: int, stops: int | None = None):
+    """Each request's stream consumer: request ``fails``'s raises at its third token; request ``stops``'s returns
+    False at its fifth (its client went away); the others take everything."""
+    seen: dict[int, int] = {}
+
+    def on_tokens(key, new) -> bool:
+        seen[key] = seen.get(key, 0) + len(new)
+        if key == fails and seen[key] >= 3:
+            raise RuntimeError("consumer gone")
+        return not (key == stops and seen[key] >= 5)
+
+    return on_tokens
+
+
 def counters(stats) -> tuple:
     return (stats.new_tokens, stats.target_forwards, stats.draft_forwards, stats.drafted_tokens,
             stats.accepted_draft_tokens, stats.rounds, stats.accepted_hist, stats.accepted_at, stats.attempted_at)
 
 
+def alone_and_side_by_side(lone, batched, all_jobs) -> list:
+    """Each job run alone on ``lone``, then all of them side by side on ``batched`` (3 rows), with an EOS id that
+    some rows meet early, inside accepted drafts: every request's tokens and counters must be its run alone's.
+    Returns the runs alone."""
+    eos = solo(lone, all_jobs[0]).tokens[9]
+    expected = [solo(lone, job, eos_ids=[eos]) for job in all_jobs]
+    assert any(eos in r.tokens for r in expected)
+    events = side_by_side(batched, all_jobs, rows=3, eos_ids=[eos])
+    for k, want in enumerate(expected):
+        assert isinstance(events[k], Finished), events[k]
+        assert events[k].result.tokens == want.tokens, f"request {k}"
+        assert counters(events[k].result.stats) == counters(want.stats), f"request {k}"
+    return expected
+
+
 @pytest.mark.parametrize("spare", [True, False], ids=["prefill-apart", "prefill-in-place"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_each_request_gets_the_tokens_and_counters_of_its_run_alone(models, name, spare):
-    lone = algorithm(name, models)
-    all_jobs = jobs()
-    eos = solo(lone, all_jobs[0]).tokens[9]  # met early by some rows, inside accepted drafts
-    expected = [solo(lone, job, eos_ids=[eos]) for job in all_jobs]
-    assert any(eos in r.tokens[:-1] or r.tokens[-1] == eos for r in expected)
-    events = side_by_side(algorithm(name, models, rows=3, spare=spare), all_jobs, rows=3, eos_ids=[eos])
-    for k, want in enumerate(expected):
-        event = events[k]
-        assert isinstance(event, Finished), event
-        assert event.result.tokens == want.tokens, f"request {k}"
-        assert counters(event.result.stats) == counters(want.stats), f"request {k}"
+    expected = alone_and_side_by_side(algorithm(name, models), algorithm(name, models, rows=3, spare=spare), jobs())
     if name != "ar":
         assert sum(r.stats.accepted_draft_tokens for r in expected) > 20  # drafts really are accepted
 
@@ -114,15 +133,8 @@ def test_a_failing_callback_ends_its_request_alone(models):
     lone = algorithm("sps", models)
     all_jobs = jobs()
     expected = [solo(lone, job) for job in all_jobs]
-    seen: dict[int, int] = {}
-
-    def on_tokens(key, new):
-        seen[key] = seen.get(key, 0) + len(new)
-        if key == 2 and seen[key] >= 3:
-            raise RuntimeError("consumer gone")
-        return not (key == 4 and seen[key] >= 5)
-
-    events = side_by_side(algorithm("sps", models, rows=3), all_jobs, rows=3, on_tokens=on_tokens)
+    events = side_by_side(algorithm("sps", models, rows=3), all_jobs, rows=3,
+                          on_tokens=stream_consumer(fails=2, stops=4))
     assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
     assert isinstance(events[4], Finished) and 5 <= len(events[4].result.tokens) < len(expected[4].tokens)
     assert events[4].result.tokens == expected[4].tokens[:len(events[4].result.tokens)]
@@ -130,24 +142,28 @@ def test_a_failing_callback_ends_its_request_alone(models):
         assert events[k].result.tokens == expected[k].tokens
 
 
-def test_a_failing_forward_fails_the_rows_in_flight_and_the_engine_goes_on(models):
-    alg = algorithm("sps", models, rows=2)
+def after_a_failing_forward(alg, all_jobs) -> list[list[int]]:
+    """Requests 0 and 1 in flight on a 2-row engine when the target's forward fails: both fail, and nothing else;
+    then requests 2 and 3 run on the same engine. Returns the tokens those two got."""
     engine = DecodeEngine(alg.target, alg.strategy(), rows=2)
-    all_jobs = jobs()[:4]
     requests = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in
-                enumerate(all_jobs)]
+                enumerate(all_jobs[:4])]
     assert engine.admit(requests[:2]) == []
     forward = alg.target.forward
     alg.target.forward = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
-    events = engine.step()
-    assert sorted(e.key for e in events) == [0, 1] and all(isinstance(e, Failed) for e in events)
+    failed = engine.step()
     alg.target.forward = forward
-    events = []
-    queue = requests[2:]
-    engine.run(lambda: queue.pop(0) if queue else None, events.append)
+    assert sorted(e.key for e in failed) == [0, 1] and all(isinstance(e, Failed) for e in failed)
+    done, queue = [], requests[2:]
+    engine.run(lambda: queue.pop(0) if queue else None, done.append)
+    return [e.result.tokens for e in sorted(done, key=lambda e: e.key)]
+
+
+def test_a_failing_forward_fails_the_rows_in_flight_and_the_engine_goes_on(models):
+    all_jobs = jobs()
     lone = algorithm("sps", models)
-    assert [e.result.tokens for e in sorted(events, key=lambda e: e.key)] == [
-        solo(lone, job).tokens for job in all_jobs[2:]]
+    assert after_a_failing_forward(algorithm("sps", models, rows=2), all_jobs) == [
+        solo(lone, job).tokens for job in all_jobs[2:4]]
 
 
 def test_rows_must_fit_the_runner(models):

@@ -12,11 +12,12 @@ import pytest
 import torch
 from test_algorithms import tiny_llama
 from test_eagle3_tree import random_drafter
-from test_engine_loop import GREEDY, SAMPLED, WARPED, counters, runner_of, side_by_side, solo
+from test_engine_loop import (after_a_failing_forward, alone_and_side_by_side, counters, runner_of, side_by_side, solo,
+                              stream_consumer)
+from test_engine_loop import jobs as loop_jobs
 
 from inference.algorithms import build_algorithm
-from inference.engine.loop import DecodeEngine
-from inference.engine.state import Failed, RowRequest
+from inference.engine.state import Failed
 from inference.runner import ModelRunner
 
 VOCAB = 16
@@ -42,25 +43,13 @@ def algorithm(name: str, models, rows: int = 1, spare: bool = True):
 
 
 def jobs() -> list[tuple[list[int], int, object, int]]:
-    generator = torch.Generator().manual_seed(3)
-    lengths = (5, 1, 23, 9, 40, 2, 14)
-    budgets = (24, 7, 31, 1, 18, 26, 12)
-    settings = (GREEDY, SAMPLED, WARPED, SAMPLED, GREEDY, WARPED, SAMPLED)
-    return [(torch.randint(0, VOCAB, (n,), generator=generator).tolist(), budget, sampling, 100 + k)
-            for k, (n, budget, sampling) in enumerate(zip(lengths, budgets, settings))]
+    return loop_jobs(VOCAB)
 
 
 @pytest.mark.parametrize("spare", [True, False], ids=["prefill-apart", "prefill-in-place"])
 @pytest.mark.parametrize("name", list(TREES))
 def test_each_tree_request_gets_the_tokens_and_counters_of_its_run_alone(models, name, spare):
-    lone = algorithm(name, models)
-    all_jobs = jobs()
-    eos = solo(lone, all_jobs[0]).tokens[9]  # met early by some rows, inside accepted paths
-    expected = [solo(lone, job, eos_ids=[eos]) for job in all_jobs]
-    events = side_by_side(algorithm(name, models, rows=3, spare=spare), all_jobs, rows=3, eos_ids=[eos])
-    for k, want in enumerate(expected):
-        assert events[k].result.tokens == want.tokens, f"request {k}"
-        assert counters(events[k].result.stats) == counters(want.stats), f"request {k}"
+    expected = alone_and_side_by_side(algorithm(name, models), algorithm(name, models, rows=3, spare=spare), jobs())
     accepted = sum(r.stats.accepted_draft_tokens for r in expected)
     assert accepted >= {"eagle3_tree": 10, "eagle3_chain": 4}[name]  # paths really are accepted (EOS comes early)
 
@@ -71,31 +60,13 @@ def test_a_failing_tree_row_ends_alone_and_a_failing_forward_fails_the_rows_in_f
     lone = algorithm("eagle3_tree", models)
     all_jobs = jobs()
     expected = [solo(lone, job) for job in all_jobs]
-    seen: dict[int, int] = {}
-
-    def on_tokens(key, new):
-        seen[key] = seen.get(key, 0) + len(new)
-        if key == 2 and seen[key] >= 3:
-            raise RuntimeError("consumer gone")
-
-    events = side_by_side(algorithm("eagle3_tree", models, rows=3), all_jobs, rows=3, on_tokens=on_tokens)
+    events = side_by_side(algorithm("eagle3_tree", models, rows=3), all_jobs, rows=3,
+                          on_tokens=stream_consumer(fails=2))
     assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
     assert all(events[k].result.tokens == expected[k].tokens for k in (0, 1, 3, 4, 5, 6))
 
-    alg = algorithm("eagle3_tree", models, rows=2)
-    engine = DecodeEngine(alg.target, alg.strategy(), rows=2)
-    requests = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed))
-                for k, (p, b, s, seed) in enumerate(all_jobs[:4])]
-    assert engine.admit(requests[:2]) == []
-    forward = alg.target.forward
-    alg.target.forward = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
-    failed = engine.step()
-    assert sorted(e.key for e in failed) == [0, 1] and all(isinstance(e, Failed) for e in failed)
-    alg.target.forward = forward
-    done = []
-    queue = requests[2:]
-    engine.run(lambda: queue.pop(0) if queue else None, done.append)
-    assert [e.result.tokens for e in sorted(done, key=lambda e: e.key)] == [r.tokens for r in expected[2:4]]
+    assert after_a_failing_forward(algorithm("eagle3_tree", models, rows=2), all_jobs) == [
+        r.tokens for r in expected[2:4]]
 
 
 def test_bf16_tree_rows_equal_their_runs_alone(models):
