@@ -19,7 +19,7 @@ import torch
 from core.errors import UserError
 from inference.engine.loop import DecodeEngine
 from inference.engine.state import (GenerationResult, GenerationStats, OutputBuffer, RowRequest,  # noqa: F401
-                                    TokenCallback)
+                                    TokenCallback, fit_problem)
 from inference.engine.strategy import Strategy
 from inference.sampling import SamplingParams
 
@@ -52,13 +52,9 @@ class Algorithm(ABC):
         return 1
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        needed = prompt_len + max_new_tokens + self.lookahead()
-        if needed > self.max_seq_len:
-            raise UserError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{self.lookahead()} lookahead) "
-                f"needs {needed} cache slots but max_seq_len={self.max_seq_len}; shorten the prompt, lower "
-                "max_new_tokens or raise max_seq_len"
-            )
+        problem = fit_problem(prompt_len, max_new_tokens, self.lookahead(), self.max_seq_len)
+        if problem:
+            raise UserError(problem)
 
     @torch.no_grad()
     def generate(

@@ -27,7 +27,7 @@ import torch
 from core.errors import UserError
 from inference.engine.rows import RowsOutput, forward_rows, prefill_rows
 from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
-                                    RowState)
+                                    RowState, fit_problem)
 from inference.engine.strategy import Strategy
 from inference.row_logits import RowLogits
 from inference.sampling import sample
@@ -146,12 +146,7 @@ class DecodeEngine:
             return "empty prompt: give at least one token"
         if request.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {request.max_new_tokens}"
-        needed = len(request.prompt) + request.max_new_tokens + self.strategy.lookahead()
-        if needed > self.max_seq_len:
-            return (f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} "
-                    f"(+{self.strategy.lookahead()} lookahead) needs {needed} cache slots but "
-                    f"max_seq_len={self.max_seq_len}; shorten the prompt or lower max_new_tokens")
-        return ""
+        return fit_problem(len(request.prompt), request.max_new_tokens, self.strategy.lookahead(), self.max_seq_len)
 
     # -- one step --------------------------------------------------------------------------------------------
 

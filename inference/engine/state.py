@@ -186,3 +186,14 @@ class Failed:
 
     key: Hashable
     error: BaseException
+
+
+def fit_problem(prompt_len: int, max_new_tokens: int, lookahead: int, max_seq_len: int) -> str:
+    """Why a prompt and its budget do not fit a cache of ``max_seq_len`` slots with ``lookahead`` spare ('' if
+    they do): the one check both a request run alone and a request admitted beside others go through."""
+    needed = prompt_len + max_new_tokens + lookahead
+    if needed <= max_seq_len:
+        return ""
+    return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} lookahead) needs "
+            f"{needed} cache slots but max_seq_len={max_seq_len}; shorten the prompt, lower max_new_tokens or "
+            "raise max_seq_len")
