@@ -347,7 +347,7 @@ class Scheduler:
         model, waiting, started = self.model, [first], set()
         engine = DecodeEngine(model.algorithm.target, model.algorithm.strategy(), rows=model.batch_size,
                               eos_ids=model.eos_ids, max_seq_len=model.max_seq_len,
-                              max_step_tokens=model.max_step_tokens)
+                              width_policy=model.widths)
 
         def next_request() -> RowRequest | None:
             while True:
