@@ -18,6 +18,18 @@ exact for greedy and for sampling. The argmax at every grid token feeds the grid
 (§7). The context cache lives as long as the algorithm instance (so it carries over between prompts) and is
 trimmed every ``flush_interval`` prompts.
 
+On the engine loop (:class:`SelfDraftSteps`; ``generate`` is a one-row run), each request is a row with its own
+grid, text and grid vocabulary (:class:`DraftRow`); the grid and the candidate trie are one draft tree below the
+row's root, scored in the step's one target forward with every other row's, and the first step reads the prompt
+as the head (``Strategy.reads_prompt``), so a row's forwards are those of the request run alone. The context cache
+is shared by requests, but a row never reads its neighbours' grams while they run: it reads a copy of the shared
+cache taken at its admission plus its own grams (``ngram_cache.LoggedContextCache``), and when it ends its grams
+are inserted into the shared cache in order (then the periodic trim). So a request's drafts, and so its counters,
+are those of its run alone from the cache it was admitted with, whoever runs beside it; run one at a time, each
+request reads everything the previous ones left, as before. The tokens never depend on the cache: greedy they are
+the target's argmax, seeded each is one draw from the target's row with the row's generator. The cost: the step
+that admits a request is as wide as its prompt plus its tree for every running row.
+
 Differences from the original code, all lossless (they change speed, never the output):
 
 * a fully matched candidate also emits the bonus token (the original stops at G tokens, §6);

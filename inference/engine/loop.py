@@ -2,7 +2,9 @@
 
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
-are not stalled by a padded prefill) and samples each new row's first token. A step asks the strategy for every
+are not stalled by a padded prefill) and samples each new row's first token; for a strategy that ``reads_prompt``
+(Self-Draft, whose prefill verifies its first drafts) the prompt is the row's pending tokens, read by its first
+step. A step asks the strategy for every
 row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree under its row's
 ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it kept (a chain:
 truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that ended.
