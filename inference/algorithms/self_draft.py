@@ -200,9 +200,9 @@ def attention_inputs(layout: StepLayout, head_len: int, start: int) -> tuple[tor
 
 
 class NodeLogits(RowLogits):
-    """One step's logits by row (0 = root, i + 1 = node i; ``inference.row_logits``). The root row always comes
-    with the forward (it is always verified), and on a GPU every row does. On a CPU the other rows are computed
-    on demand: the grid rows need only their argmax (grid update, context cache), which :meth:`grid_argmax`
+    """One step's logits by row (0 = root, i + 1 = node i; ``inference.row_logits``). On a GPU every row comes
+    with the forward. On a CPU the rows are computed on demand (the root's always, it is always verified): the
+    grid rows need only their argmax (grid update, context cache), which :meth:`grid_argmax`
     takes in one call over the full vocabulary or over a :class:`GridVocab`, and a candidate row is computed
     when the walk visits it. Which tokens the grid proposes changes speed only; every emitted token comes
     from full-vocabulary rows, computed by the runner's ``logits_from_hidden`` (its forward's own path).
