@@ -27,7 +27,7 @@ import pytest
 import torch
 from law_helpers import (PooledChiSquare, batched_counts, enumerated_law, inject_resample_from_p,
                          law_resampling_from_p, sampled_counts, temperature_changed)
-from test_algorithms import tiny_llama
+from test_algorithms import LAW_ROWS, tiny_llama
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -129,7 +129,8 @@ def build(name: str, target) -> object:
         rows = CASES[name][1]
         return build_algorithm("ssd", runner(target, rows), runner(draft_model(), rows), gamma=2, budget=4, seed=3)
     if name == "self_draft":
-        return build_algorithm("self_draft", runner(target, max_seq_len=48), branch_len=3, branch_num=2)
+        # LAW_ROWS requests side by side (law_helpers.sampled_counts)
+        return build_algorithm("self_draft", runner(target, 2 * LAW_ROWS, max_seq_len=48), branch_len=3, branch_num=2)
     if name == "eagle3_tree":
         drafter = tied(Eagle3Drafter, Eagle3Config, target, DRAFTER_SEEDS[name])
         return build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=2, tree_topk=2, tree_total=4)

@@ -2,7 +2,9 @@
 
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
-are not stalled by a padded prefill) and samples each new row's first token. A step asks the strategy for every
+are not stalled by a padded prefill) and samples each new row's first token; for a strategy that ``reads_prompt``
+(Self-Draft, whose prefill verifies its first drafts) the prompt is the row's pending tokens, read by its first
+step. A step asks the strategy for every
 row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree under its row's
 ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it kept (a chain:
 truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that ended.
@@ -118,6 +120,8 @@ class DecodeEngine:
                   for k, (req, row) in enumerate(zip(requests, free))]
         for state in states:
             self.slots[state.row] = state
+        if self.strategy.reads_prompt:
+            return self._admit_unread(states)
         try:
             prefill = prefill_rows(self.target, [s.row for s in states], [list(s.request.prompt) for s in states],
                                    capture_layers=self.strategy.capture_layers)
@@ -145,6 +149,21 @@ class DecodeEngine:
             except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
                 events += [self._end(state, exc) for state in going]
         return events
+
+    def _admit_unread(self, states: list[RowState]) -> list[Event]:
+        """Admission for a strategy whose first step reads the prompt: the rows are emptied and their pending tokens
+        are their prompts (their first step counts as their prefill)."""
+        try:
+            if hasattr(self.target, "row_block"):
+                prefill_rows(self.target, [s.row for s in states], [[] for _ in states])  # empties the rows
+            else:  # one row, no row views
+                self.target.reset(1)
+            for state in states:
+                state.pending = list(state.request.prompt)
+            self.strategy.admit(states, [{} for _ in states])
+        except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
+            return [self._end(state, exc) for state in states]
+        return []
 
     def _misfit(self, request: RowRequest) -> str:
         """Why ``request`` cannot run here ('' when it can)."""
@@ -216,9 +235,7 @@ class DecodeEngine:
             verdict.kept[state.row] = list(range(pending + len(proposal.tokens)))  # a failed row: freed at release
             try:
                 result = strategy.verify(state, proposal, self._row_logits(state, proposal, scored))
-                if proposal.tokens:
-                    state.stats.record_round(proposal.drafted, result.num_accepted)
-                    state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted  # a tree's other nodes
+                strategy.count_round(state, proposal, result)
                 strategy.verified(state, proposal, result, scored.forward, state.row)
                 emitted = [int(t) for t in result.tokens]
                 # the pending tokens and the accepted drafts stay cached; the last emitted token is pending

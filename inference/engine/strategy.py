@@ -65,6 +65,9 @@ class Strategy:
     # Tree proposals: the loop hands ``verify`` an ``inference.row_logits.RowLogits`` of the row's forward, whose
     # rows are scored when read (True: from the final hidden states, a CPU's cheaper way) or with the forward.
     lazy_tree_rows = False
+    # True: admission prefills nothing and samples nothing; a new row's pending tokens are its whole prompt, which its
+    # first step's forward reads together with its first drafts (Self-Draft verifies candidates from the prefill on).
+    reads_prompt = False
 
     def lookahead(self) -> int:
         """Cache slots needed beyond a row's committed tokens during one step."""
@@ -89,6 +92,13 @@ class Strategy:
             return VerifyResult(0, token.view(1))
         drafts = torch.tensor(proposal.tokens, dtype=torch.long, device=logits.device)
         return self.verifier(drafts, proposal.q, state.sampling.warp(logits), state.generator)
+
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+        """A row's counters after its verification: a chain's drafts, or a tree's depth as its chain and its other
+        nodes as drafted tokens too."""
+        if proposal.tokens:
+            state.stats.record_round(proposal.drafted, result.num_accepted)
+            state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted
 
     def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
                  row: int) -> None:
