@@ -17,7 +17,7 @@ from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.drafters.row_kv import RowKV
-from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.drafters.specblock import BlockKV, SpecBlockConfig, SpecBlockDrafter
 
 VOCAB, DRAFT_VOCAB, HIDDEN, TARGET_HIDDEN = 61, 47, 32, 24
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -231,6 +231,49 @@ def test_specblock_rows_equal_their_solo_calls(exact):
             row_out = drafter.forward_leaves(cond, leaf, cache.row(b), current_valid=torch.tensor([2]))
             solo_out = drafter.forward_leaves(cond, leaf, alone, current_valid=torch.tensor([2]))
             same(row_out.logits, solo_out.logits, exact)
+
+
+@pytest.mark.parametrize("exact", EXACT)
+def test_specblock_later_blocks_of_rows_equal_their_solo_calls(exact):
+    """``forward_leaves`` over ragged rows (2, 0 and 3 leaves; 6, 0 and 3 TTT entries, each leaf seeing some):
+    each row's leaves get what the row's one-row call against its own cache gets."""
+    drafter = specblock(exact)
+    k, heads, dim = 3, 2, HIDDEN // 4
+    call = Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1)
+    cache = drafter.new_cache(16, batch_size=3)
+    generator = torch.Generator().manual_seed(4)
+    leaves, entries = [2, 0, 3], [2 * k, 0, k]
+    cond = [torch.randn(n, HIDDEN, generator=generator) for n in leaves]
+    tokens = [torch.randint(0, VOCAB - 1, (n,), generator=generator) for n in leaves]
+    valid = [torch.randint(1, k + 1, (n,), generator=generator) for n in leaves]
+    ttt = [BlockKV([torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)],
+                   [torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)]) for e in entries]
+    visible = [torch.rand(n, e, generator=generator) < 0.5 for n, e in zip(leaves, entries)]
+    width, most = max(leaves), max(entries)
+    padded_ttt = BlockKV([torch.zeros(3, heads, most, dim) for _ in range(2)],
+                         [torch.zeros(3, heads, most, dim) for _ in range(2)])
+    padded_visible = torch.zeros(3, width, most, dtype=torch.bool)
+    for b, (n, e) in enumerate(zip(leaves, entries)):
+        for layer in range(2):
+            padded_ttt.k[layer][b, :, :e], padded_ttt.v[layer][b, :, :e] = ttt[b].k[layer][0], ttt[b].v[layer][0]
+        padded_visible[b, :n, :e] = visible[b]
+    with torch.no_grad():
+        batch_tokens, batch_features, counts = call.batch()
+        drafter.extend_and_draft(batch_features, batch_tokens, cache, counts=counts.tolist())
+        out = drafter.forward_leaves(padded(cond), padded(tokens), cache, current_valid=padded(valid), ttt=padded_ttt,
+                                     ttt_visible=padded_visible, counts=leaves, ttt_counts=entries)
+        for b, (n, e) in enumerate(zip(leaves, entries)):
+            if n == 0:
+                continue
+            alone = drafter.new_cache(16)
+            drafter.extend_and_draft(call.features[b][None], call.tokens[b][None], alone)
+            solo = drafter.forward_leaves(cond[b][None], tokens[b][None], alone, current_valid=valid[b],
+                                          ttt=ttt[b] if e else None, ttt_visible=visible[b] if e else None)
+            for got, want in [(out.logits, solo.logits), (out.rank_logits, solo.rank_logits),
+                              (out.hidden, solo.hidden)]:
+                same(got[b, :n], want[0], exact)
+            for got, want in [*zip(out.kv.k, solo.kv.k), *zip(out.kv.v, solo.kv.v)]:
+                same(got[b, :, :n * k], want[0], exact)
 
 
 def test_specblock_bad_calls_name_the_fix():

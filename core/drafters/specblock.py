@@ -390,15 +390,22 @@ class SpecBlockDrafter(TargetTiedDrafter):
             self.__dict__["_fuse_packs"] = packed
         return packed[1]
 
-    def _heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """G [B, ..., H] -> (draft logits [B, ..., Vd], rank logits [B, ..., buckets]); the rank head reads no
-        gradient path into the trunk (detached hidden, no-grad features). Row-exact: one call per row (the rank
-        features' and SiLU's vectorised kernels treat a tensor's tail apart, so a row's bits could depend on its
-        neighbours)."""
-        if self.row_exact and hidden.shape[0] > 1:
-            rows = [self._row_heads(hidden[b:b + 1]) for b in range(hidden.shape[0])]
-            return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-        return self._row_heads(hidden)
+    def _heads(self, hidden: torch.Tensor,
+               counts: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """G [B, A, ..., H] -> (draft logits [B, A, ..., Vd], rank logits [B, A, ..., buckets]); the rank head
+        reads no gradient path into the trunk (detached hidden, no-grad features). Row-exact: one call per row
+        over its ``counts[b]`` real anchors (None: all A), the rest zero (the rank features' and SiLU's vectorised
+        kernels treat a tensor's tail apart, so a row's bits could depend on its neighbours and pads)."""
+        batch, count = hidden.shape[:2]
+        if not self.row_exact or (batch == 1 and (counts is None or counts[0] == count)):
+            return self._row_heads(hidden)
+        counts = [count] * batch if counts is None else counts
+        logits = hidden.new_zeros(*hidden.shape[:-1], self.config.draft_vocab_size)
+        rank = hidden.new_zeros(*hidden.shape[:-1], self.config.rank_buckets)
+        for b, n in enumerate(counts):
+            if n:
+                logits[b:b + 1, :n], rank[b:b + 1, :n] = self._row_heads(hidden[b:b + 1, :n])
+        return logits, rank
 
     def _row_heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.norm(hidden)
@@ -512,14 +519,22 @@ class SpecBlockDrafter(TargetTiedDrafter):
     @torch.no_grad()
     def forward_leaves(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache, *,
                        current_valid: torch.Tensor, ttt: BlockKV | None = None,
-                       ttt_visible: torch.Tensor | None = None) -> BlockOutput:
+                       ttt_visible: torch.Tensor | None = None, counts: list[int] | None = None,
+                       ttt_counts: list[int] | None = None) -> BlockOutput:
         """Later blocks of L pending tree leaves of the CURRENT anchor (the last one in ``cache``), in one forward.
 
         ``cond`` [B, L, H]: the pre-norm hidden G of each leaf's source slot; ``tokens`` [B, L]: the leaf tokens
         (target ids). Each leaf sees the cross cache of earlier anchors, the current anchor's first-block slots
         ``< current_valid[l]`` (LongTensor [L]), the TTT entries ``ttt`` where ``ttt_visible`` [L, entries] is
         True (its lineage's earlier later-blocks, slot < source slot + 1), and its own slots causally. Positions
-        are the current anchor's (§4)."""
+        are the current anchor's (§4).
+
+        Ragged rows (``counts`` [B]: row ``b``'s first ``counts[b]`` leaves are real): each row's leaves belong to
+        its own current anchor (its last in ``cache``), ``current_valid`` is [B, L], ``ttt_visible`` [B, L, E]
+        and ``ttt_counts`` [B] the TTT entries each row holds (the first of ``ttt``'s E); a row reads only its own
+        cache entries, TTT entries and real leaves. Pad leaves' outputs are meaningless."""
+        if counts is not None:
+            return self._leaves_of_rows(cond, tokens, cache, current_valid, ttt, ttt_visible, counts, ttt_counts)
         batch, count = tokens.shape
         k = self.config.block_size
         device = tokens.device
@@ -542,6 +557,68 @@ class SpecBlockDrafter(TargetTiedDrafter):
         hidden, kv = self._trunk(cond, tokens, anchors, parts, mask)
         logits, rank = self._heads(hidden)
         return BlockOutput(logits, rank, hidden, kv)
+
+    def _leaves_of_rows(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache,
+                        current_valid: torch.Tensor, ttt: BlockKV | None, ttt_visible: torch.Tensor | None,
+                        counts: list[int], ttt_counts: list[int] | None) -> BlockOutput:
+        """:meth:`forward_leaves` over ragged rows (see there)."""
+        batch, count = tokens.shape
+        k, device = self.config.block_size, tokens.device
+        if cache.batch != batch or len(counts) != batch or any(not 0 <= n <= count for n in counts):
+            raise ValueError(f"forward_leaves got {batch} rows and counts {list(counts)} for a cross cache of "
+                             f"{cache.batch} rows; give one count in 0..{count} per cache row")
+        held = cache.held
+        if any(n and h < k for n, h in zip(counts, held)):
+            raise ValueError("forward_leaves needs each row's current anchor's first block in the cache: call "
+                             "extend_and_draft first")
+        past, entries = cache.longest, (0 if ttt is None else ttt.entries)
+        current = torch.tensor([max(h // k - 1, 0) for h in held], device=device)  # [B]
+        column = torch.arange(past, device=device)
+        start = (current * k)[:, None, None]  # the current anchor's first entry
+        slot = (column[None, None, :] - start)  # [B, 1, P]: slot of the current anchor, < 0 for earlier anchors
+        valid = current_valid.to(device).repeat_interleave(k, dim=1)[:, :, None]  # [B, L·K, 1]
+        groups = [(slot < 0) | ((slot < k) & (slot < valid))]  # [B, L·K, P]
+        parts = [cache.view()]
+        if ttt is not None:
+            if ttt_visible is None or tuple(ttt_visible.shape) != (batch, count, entries):
+                raise ValueError(f"ttt_visible must be [{batch}, {count}, {entries}] when ttt entries are given")
+            groups.append(ttt_visible.to(device).repeat_interleave(k, dim=1))
+            parts.append(ttt)
+        own = first_block_mask(count, k, device) & ~_earlier_anchors(count, k, device)
+        real = torch.arange(count * k, device=device) < torch.tensor([n * k for n in counts], device=device)[:, None]
+        own = (own & real[:, None, :]) | torch.eye(count * k, dtype=torch.bool, device=device)
+        mask = torch.cat(groups + [own], dim=-1)
+        anchors = current[:, None].expand(batch, count)
+        attention = mask
+        if self.row_exact:
+            ttt_held = list(ttt_counts) if ttt_counts is not None else [entries] * batch
+            spans = [[(0, h), (past, e), (past + entries, n * k)] for h, e, n in zip(held, ttt_held, counts)]
+            attention = span_attention(mask, spans)
+        hidden, kv = self._trunk(cond, tokens, anchors, parts, attention)
+        logits, rank = self._heads(hidden, counts)
+        return BlockOutput(logits, rank, hidden, kv)
+
+
+def span_attention(mask: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]]):
+    """An attention function (``Attend``) that runs one SDPA per row over exactly its keys: row ``b``'s key
+    columns are its ``spans[b]`` (start, length) in order, its queries the first ``spans[b][-1][1]`` (its own new
+    entries, the last span), under ``mask`` [B, T, keys]: the call the row gets alone, so its result does not
+    depend on the other rows (row-exact serving). Pad queries come out zero."""
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = q.new_zeros(q.shape)
+        gqa = q.shape[1] != keys.shape[1]
+        for b, row in enumerate(spans):
+            queries = row[-1][1]
+            if queries == 0:
+                continue
+            cols = torch.cat([torch.arange(start, start + n) for start, n in row]).to(mask.device)
+            out[b:b + 1, :, :queries] = F.scaled_dot_product_attention(
+                q[b:b + 1, :, :queries], keys[b:b + 1, :, cols], values[b:b + 1, :, cols],
+                attn_mask=mask[b:b + 1, :queries, cols][:, None], enable_gqa=gqa)
+        return out
+
+    return attend
 
 
 # ----------------------------------------------------------------------------------------------------------

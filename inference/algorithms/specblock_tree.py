@@ -18,9 +18,9 @@ Per iteration, with ``n`` committed tokens and the root ``r`` (last emitted, not
 ``draft_forwards`` counts drafter calls: ``specblock_blocks`` per iteration (block 1 merged with the cache
 update), vs ``1 + depth`` for EAGLE-3.
 
-It runs on the engine loop (``inference.algorithms.feature_drafting.FeatureTrees``): step 1 runs for every running
-row at once (ONE drafter call a step, each row in its own cross-cache row with its own anchor count), step 2 runs
-per row against that row of the cache, step 3 scores every row's tree in the engine's one target forward, and
+It runs on the engine loop (``inference.algorithms.feature_drafting.FeatureTrees``): steps 1 and 2 run for every
+running row at once (one drafter call for step 1 and one per later block, each row in its own cross-cache row with
+its own anchor count), step 3 scores every row's tree in the engine's one target forward, and
 step 4 commits per row.
 
 ``adapt=bandit`` (``spectrain.adapt``), as in ``eagle3_tree``: after every verification the adapter receives the
@@ -86,8 +86,8 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
     def draft_trees(self, states: Sequence[RowState], cache,
                     expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
         """Every running row's draft tree below its root: ONE drafter call commits each row's new anchors (the
-        rows its last verification committed) and drafts its block 1 (step 1), then each row's tree is built
-        against its own row of the cross cache (step 2). ``expanded[k]`` (a dict, for the adapter) receives row
+        rows its last verification committed) and drafts its block 1 (step 1), then every row's tree grows in
+        one later-block call a round, each row against its own row of the cross cache (step 2). ``expanded[k]`` (a dict, for the adapter) receives row
         k's drafter logits its tree's children were drawn from, by tree index (-1: root)."""
         device = self.target.device
         counts = [0] * cache.batch
@@ -104,13 +104,12 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
             first = self.drafter.extend_and_draft(features, tokens, cache)
         else:
             first = self.drafter.extend_and_draft(features, tokens, cache, counts=counts)
+        built = self.builder.build_rows([_row_of(first, s.row) for s in states], cache, [s.row for s in states],
+                                        [max(1, s.out.remaining - 1) for s in states],  # never past the budget
+                                        expanded)
         trees = []
-        for state, into in zip(states, expanded):
-            state.stats.draft_forwards += 1
-            # never draft past the token budget
-            tree, later = self.builder.build(_row_of(first, state.row), cache.row(state.row),
-                                             max_depth=max(1, state.out.remaining - 1), child_logits=into)
-            state.stats.draft_forwards += later
+        for state, (tree, later) in zip(states, built):
+            state.stats.draft_forwards += 1 + later
             trees.append(tree)
         return trees
 
