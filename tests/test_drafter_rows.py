@@ -203,8 +203,8 @@ def specblock(exact: bool) -> SpecBlockDrafter:
 @pytest.mark.parametrize("exact", EXACT)
 def test_specblock_rows_equal_their_solo_calls(exact):
     """``extend_and_draft`` over ragged rows (a row with no new anchor in the third call): each row's last block
-    (logits, rank logits, hidden, its K/V), anchor count and cross-cache entries equal the same row's B = 1 calls,
-    and a later-block forward over a row of the cache (``cache.row``) equals it over the solo cache."""
+    (logits, rank logits, hidden, its K/V), anchor count and cross-cache entries equal the same row's B = 1
+    calls."""
     drafter = specblock(exact)
     calls = [Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
              Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3)]
@@ -227,10 +227,6 @@ def test_specblock_rows_equal_their_solo_calls(exact):
             for layer in range(2):
                 same(cache.k[layer][b, :, :held], alone.k[layer][0, :, :held], exact)
                 same(cache.v[layer][b, :, :held], alone.v[layer][0, :, :held], exact)
-            cond, leaf = batched[0].hidden[b:b + 1, :, 1], call.tokens[b][None, :1] if n else torch.ones(1, 1).long()
-            row_out = drafter.forward_leaves(cond, leaf, cache.row(b), current_valid=torch.tensor([2]))
-            solo_out = drafter.forward_leaves(cond, leaf, alone, current_valid=torch.tensor([2]))
-            same(row_out.logits, solo_out.logits, exact)
 
 
 @pytest.mark.parametrize("exact", EXACT)
@@ -289,6 +285,9 @@ def test_specblock_bad_calls_name_the_fix():
         drafter.extend_and_draft(features[:, :2], tokens[:, :2], cache)
     with pytest.raises(ValueError, match=r"rows hold different lengths \[9, 3\]; read .lengths"):
         assert cache.anchors is None  # raises first
+    with pytest.raises(ValueError, match=r"got 2 rows and counts \[1\] for a cross cache of 2 rows; give one count"):
+        drafter.forward_leaves(torch.zeros(2, 1, HIDDEN), tokens[:, :1], cache, current_valid=torch.ones(2, 1),
+                               counts=[1])
 
 
 # -- the cache itself ----------------------------------------------------------------------------------------------

@@ -283,12 +283,6 @@ class SpecBlockCache(RowKV):
         layers = super().view()
         return BlockKV([k for k, _ in layers], [v for _, v in layers])
 
-    def row(self, b: int) -> SpecBlockCache:
-        """Row ``b`` as a one-row cache sharing its storage (read it; appends go through the whole cache)."""
-        one = SpecBlockCache([k[b:b + 1] for k in self.k], [v[b:b + 1] for v in self.v], self.block_size)
-        one.held = [self.held[b]]
-        return one
-
 
 class SpecBlockDrafter(TargetTiedDrafter):
     """The SpecBlock drafter; see the module docstring for the architecture, positions and masks."""

@@ -87,8 +87,9 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
                     expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
         """Every running row's draft tree below its root: ONE drafter call commits each row's new anchors (the
         rows its last verification committed) and drafts its block 1 (step 1), then every row's tree grows in
-        one later-block call a round, each row against its own row of the cross cache (step 2). ``expanded[k]`` (a dict, for the adapter) receives row
-        k's drafter logits its tree's children were drawn from, by tree index (-1: root)."""
+        one later-block call a round, each row against its own row of the cross cache (step 2). ``expanded[k]``
+        (a dict, for the adapter) receives row k's drafter logits its tree's children were drawn from, by tree
+        index (-1: root)."""
         device = self.target.device
         counts = [0] * cache.batch
         for state in states:
