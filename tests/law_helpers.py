@@ -70,11 +70,14 @@ def sampled_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling
 
 
 def batched_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling: SamplingParams,
-                   seed: int = 1234) -> tuple[dict[tuple[int, ...], int], int]:
-    """``sampled_counts`` for an algorithm with ``generate_batch`` (SSD): the ``runs`` generations as one batch."""
+                   seed: int = 1234, rows: int | None = None) -> tuple[dict[tuple[int, ...], int], int]:
+    """``sampled_counts`` for an algorithm with ``generate_batch`` (SSD, the engine loop's): the ``runs``
+    generations side by side, ``rows`` at a time (None: all in one batch)."""
     generator = torch.Generator().manual_seed(seed)
-    results = algorithm.generate_batch([list(prompt)] * runs, max_new_tokens=n, sampling=sampling,
-                                       generator=generator)
+    rows = rows or runs
+    results = [result for start in range(0, runs, rows)
+               for result in algorithm.generate_batch([list(prompt)] * min(rows, runs - start), max_new_tokens=n,
+                                                      sampling=sampling, generator=generator)]
     counts: dict[tuple[int, ...], int] = {}
     for result in results:
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1

@@ -136,7 +136,8 @@ def build(name: str, target) -> object:
         return build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=2, tree_topk=2, tree_total=4)
     if name == "specblock_tree":
         # one block: the window's depth-1 trees never keep a later block's nodes
-        return build_algorithm("specblock_tree", runner(target), specblock_drafter_knowing_the_target(target),
+        return build_algorithm("specblock_tree", runner(target, 2 * LAW_ROWS),
+                               specblock_drafter_knowing_the_target(target),
                                width=SPECBLOCK_WIDTH, budget=4, widths=[2, 2, 2, 2], blocks=1)
     if name == "dflash":
         drafter = tied(DFlashDrafter, DFlashConfig, target, DRAFTER_SEEDS[name], block_size=3, num_layers=1, mask_token_id=7)
@@ -178,6 +179,8 @@ def algorithms(target):
 
 def counts_of(algorithm, name: str, sampling: SamplingParams, seed: int) -> tuple[dict, int]:
     n, runs = CASES[name]
+    if name == "specblock_tree":  # LAW_ROWS requests side by side: the law checked is that of a row in a batch
+        return batched_counts(algorithm, PROMPT, n, runs, sampling, seed=seed, rows=LAW_ROWS)
     sampler = batched_counts if name == "ssd" else sampled_counts
     return sampler(algorithm, PROMPT, n, runs, sampling, seed=seed)
 
