@@ -131,7 +131,7 @@ class FeatureTrees(Strategy):
                                      len(prompt), state.pending[-1])
             lens[state.row] = 0
             if self.adapter is not None:
-                self.adapter.begin_query(prompt, state.draft.features, state.first_logits,
+                self.adapter.begin_query(state.request.key, prompt, state.draft.features, state.first_logits,
                                          max_accept=self.max_accept)
         self.cache.truncate(lens)
 
@@ -160,23 +160,23 @@ class FeatureTrees(Strategy):
         draft.features, draft.next_tokens = self.features(row_hidden, kept), state.pending[1:] + emitted
         draft.committed += len(kept)
         if self.adapter is not None:
-            self._observe(draft.root, proposal, result, draft.features)
+            self._observe(state.request.key, draft.root, proposal, result, draft.features)
         draft.root = emitted[-1]
 
-    def _observe(self, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor) -> None:
+    def _observe(self, query, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor) -> None:
         """The adapter's view of a round: the committed rows and, where the walk stopped at a node with drafted
         children, the drafter's distribution there with the target's token (the rejected position)."""
         tree, child_logits = proposal.tree, proposal.extra.child_logits
         end = walk.path[-1] if walk.path else -1
         drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
         rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
-        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], features,
+        self.adapter.observe_round(query, [root] + [tree.tokens[n] for n in walk.path], features,
                                    proposal.extra.rows.stack([0] + [node + 1 for node in walk.path]),
                                    walk.num_accepted, rejected)
 
     def release(self, state: RowState) -> None:
         if self.adapter is not None and isinstance(state.draft, FeatureRow):
-            self.adapter.end_query(state.draft.root)
+            self.adapter.end_query(state.request.key, state.draft.root)
 
     def close(self) -> None:
         self.cache = None
