@@ -70,14 +70,20 @@ def counts_from_dataset(directory: str | Path) -> tuple[np.ndarray, dict[str, st
                     "tokenizer_vocab_hash": manifest["tokenizer"]["vocab_hash"]}
 
 
-def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
-    identity = model_identity(cfg.target)
-    tokenizer = load_tokenizer(cfg.target, cfg.get("chat_template", "auto"))
+def source_token_counts(cfg: Any, tokenizer: Any, vocab_size: int) -> np.ndarray:
+    """Frequencies [V] of the assistant tokens of ``cfg.source`` (n_samples, max_len, split, seed) as ``tokenizer``
+    renders them (the target's, with the run's chat template)."""
     conversations = load_source(cfg.source, cfg.n_samples, cfg.seed, cfg.split)
     require_answers(conversations, False, cfg.source)
     build = SampleBuilder(tokenizer, cfg.max_len)
     samples = (s for i, c in enumerate(conversations) if (s := build(i, c)) is not None)
-    counts = count_tokens(((s.input_ids, s.loss_mask) for s in samples), int(identity["vocab_size"]))
+    return count_tokens(((s.input_ids, s.loss_mask) for s in samples), vocab_size)
+
+
+def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
+    identity = model_identity(cfg.target)
+    tokenizer = load_tokenizer(cfg.target, cfg.get("chat_template", "auto"))
+    counts = source_token_counts(cfg, tokenizer, int(identity["vocab_size"]))
     return counts, {"counted": f"source {cfg.source} (n_samples={cfg.n_samples}, max_len={cfg.max_len}, "
                                f"split={cfg.split})", "target_config_hash": identity["config_hash"],
                     "tokenizer_vocab_hash": tokenizer_identity(tokenizer)["vocab_hash"]}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from core.assets import load_tokenizer
 
 SMOLLM2_VOCAB = 49152
 
@@ -18,9 +21,7 @@ def save_tiny_target(directory: Path, *, seed: int = 0, layers: int = 8, hidden:
     ``noise`` > 0 perturbs every weight (after seeding the same init): a draft that partly agrees with the
     unperturbed model of the same seed. ``logit_scale`` multiplies the lm_head: sharper logits keep greedy choices
     far from ties, so kernel rounding (e.g. a batched forward's) cannot flip them."""
-    from core.assets import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = smollm2_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=SMOLLM2_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -38,6 +39,12 @@ def save_tiny_target(directory: Path, *, seed: int = 0, layers: int = 8, hidden:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@functools.cache
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer, loaded once per process (a load takes most of a second; it is only read and saved)."""
+    return load_tokenizer("smollm2")
 
 
 def write_jsonl(path: Path, n: int, *, prompt_only_every: int = 0) -> Path:

@@ -19,14 +19,14 @@ from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.errors import UserError
 from core.layer_ids import resolve_layers
 from core.vocab import build_vocab_map, load_vocab_map
-from data_prep.vocab import counts_from_source
+from data_prep.vocab import source_token_counts
 from spectrain.checkpoint_contract import checkpoint_metadata
 from spectrain.eagle3_losses import scored_rows, teacher_rows, ttt_loss
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
 from spectrain.modules.base import DrafterModule, build_datamodule
 from spectrain.registry import DrafterKind, register_kind
-from spectrain.targets import trained_template
+from spectrain.targets import loaded_target, trained_template
 
 
 @dataclass
@@ -55,10 +55,12 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
         return d2t, t2d
     if not model.draft_vocab_size or model.draft_vocab_size >= vocab_size:
         return None
-    counting = OmegaConf.create({"target": cfg.target, "source": cfg.data.source, "n_samples": cfg.data.n_samples,
-                                 "max_len": cfg.data.max_len, "split": "train", "seed": cfg.seed,
-                                 "chat_template": cfg.data.chat_template})
-    counts, _ = counts_from_source(counting)
+    counting = OmegaConf.create({"source": cfg.data.source, "n_samples": cfg.data.n_samples,
+                                 "max_len": cfg.data.max_len, "split": "train", "seed": cfg.seed})
+    # the target's tokenizer as loaded for this run (same chat template): no second load
+    tokenizer = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size,
+                              chat_template=cfg.data.chat_template).tokenizer
+    counts = source_token_counts(counting, tokenizer, vocab_size)
     return build_vocab_map(counts, model.draft_vocab_size)
 
 
