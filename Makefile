@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m inference.demo
+	$(PY) -m spectrain.demo
 
 # The suite on TEST_WORKERS processes (pytest-xdist); each module's tests stay on one worker, so a module's fixtures
 # are built once. test-fast leaves out the real model and the tests marked slow (the multi-process ones among them).

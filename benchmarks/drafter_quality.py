@@ -1,7 +1,7 @@
 """``python -m benchmarks.drafter_quality [setting=gsm|general] [out=runs/drafter_quality] [stages=all] ...``
 
 Does what spectrain trains draft well? One resumable pipeline per setting, every stage a project command
-(``inference.pipeline``: printed before it runs, skipped once done, resumed after a kill):
+(``spectrain.pipeline``: printed before it runs, skipped once done, resumed after a kill):
 
 ``gsm`` (one domain, GSM-symbolic; evaluation prompts from seeds disjoint from the training prompts'):
   regenerate the target's own greedy answers to ``n_samples`` training prompts -> train the draft LM
@@ -39,7 +39,7 @@ from benchmarks.hsd_block_efficiency import GOAL as HSD_GOAL
 from benchmarks.scaling import answer_tokens_per_sample, run_series, tau_at_tokens
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.drafters import serving_dtype
-from inference.pipeline import Stage, run_pipeline, select
+from spectrain.pipeline import Stage, run_pipeline, select
 from inference.device import cpu_has_native_bf16
 
 USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"

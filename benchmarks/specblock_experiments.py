@@ -14,7 +14,7 @@ same data, seed and steps, one arm per hypothesis, each ending in one validation
 * ``slot0_norm``: ``model.valid_prefix=slot0_norm`` (every slot's loss over slot 0's row count);
 * ``valid``: ``model.valid_prefix=valid`` (no valid-prefix chain: every valid row counts at every slot).
 
-Every arm is one ``python -m spectrain.fit`` stage (``inference.pipeline``: printed before it runs, skipped once
+Every arm is one ``python -m spectrain.fit`` stage (``spectrain.pipeline``: printed before it runs, skipped once
 done, resumed after a kill), run one after the other with one thread. The table is printed at the end and
 written to ``OUT/results.md``; each arm's wall minutes are in its marker under ``OUT/.done/``.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.overrides import OverrideError, parse_cli, run_cli
-from inference.pipeline import Stage, run_pipeline, select
+from spectrain.pipeline import Stage, run_pipeline, select
 
 USAGE = "python -m benchmarks.specblock_experiments out=runs/specblock_experiments arms=all steps=60"
 SOURCE = "runs/drafter_quality/gsm/regenerated.jsonl"

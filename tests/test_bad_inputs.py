@@ -245,7 +245,7 @@ CASES = [
      "{B}/afile is a file where a directory is needed; choose another path"),
     ("spectrain.export", ("ckpt={B}/e3.ckpt", "out={B}/afile"), None,
      "out={B}/afile is an existing file, not a directory; choose a directory path (or remove the file)"),
-    ("inference.demo", ("out={B}/afile",), None,
+    ("spectrain.demo", ("out={B}/afile",), None,
      "out={B}/afile is an existing file, not a directory; choose a directory path (or remove the file)"),
     ("spectrain.export", ("ckpt={B}/e3.ckpt", "out={B}/e3"), None,
      "out={B}/e3 already exists; choose a new directory (exports are never overwritten)"),

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from core.overrides import parse_cli
-from inference import demo, pipeline
+from spectrain import demo, pipeline
 from inference.algorithms import ALGORITHMS
 from inference.drafters import DRAFTER_KINDS
 from inference.evaluate import parse_args as parse_evaluate, select_algorithms
-from inference.pipeline import Stage, measured_pace, minutes_left, run_pipeline, stage_minutes
+from spectrain.pipeline import Stage, measured_pace, minutes_left, run_pipeline, stage_minutes
 
 PARSERS = {  # module -> how that CLI validates its arguments without doing the work
     "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),
@@ -137,7 +137,7 @@ def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path
         return Stage(name, 1.0, name, ("x", name), tmp_path / name, tmp_path / ".done" / name, group)
 
     monkeypatch.setattr(subprocess, "Popen", Recording)
-    monkeypatch.setattr("inference.pipeline.POLL_S", 0.0)
+    monkeypatch.setattr("spectrain.pipeline.POLL_S", 0.0)
     stages = [stage("a"), stage("b", "train"), stage("c", "train"), stage("d")]
     assert run_pipeline(stages, label="t", rerun_hint="it") == ["a", "c", "b", "d"]  # in the order they ended
     assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("start", "c"), ("polled", "b"), ("end", "c"),

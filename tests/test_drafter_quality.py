@@ -13,7 +13,7 @@ from tiny_targets import save_tiny_target
 from benchmarks import drafter_quality as dq
 from benchmarks.draft_agreement import AgreementConfig, agreement
 from core.overrides import parse_cli
-from inference.pipeline import Stage
+from spectrain.pipeline import Stage
 
 CLIS = {
     **PARSERS,

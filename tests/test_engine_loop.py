@@ -27,6 +27,10 @@ VARIANTS = {"ar": {}, "sps": {"gamma": 4}, "sps@hsd": {"gamma": 3, "verifier": "
 
 @pytest.fixture(scope="module")
 def models():
+    return target_and_draft()
+
+
+def target_and_draft():
     """A target with sharp distributions and a draft close to it (its weights perturbed), so drafts are accepted
     often but not always."""
     target = tiny_llama(0, vocab=VOCAB, layers=2, temperature_scale=6.0)

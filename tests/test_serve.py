@@ -500,6 +500,23 @@ def test_a_step_budget_where_it_does_nothing_is_refused(tiny):
             start(tiny, *keys)
 
 
+def test_the_server_measures_its_costs_reports_the_policy_and_answers_as_ar(tiny):
+    with start(tiny, "algorithm=sps", "gamma=3", "width_policy=cost") as server:
+        batching = httpx.get(f"{server.url}/health").json()["batching"]
+        assert batching["width_policy"] == "cost" and "measured" in batching["policy"]
+        assert set(batching["target_s_by_rows"]) >= {"1", str(8 * 4)} and batching["draft_s"] > 0
+        for content, n in (("Count to 3.", 9), ("Name a colour.", 6)):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": n,
+                    "temperature": 0, "return_token_ids": True}
+            answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+            assert answer["choices"][0]["token_ids"] == reference(tiny, chat_ids(tiny, content), n)
+    for keys, match in ((["algorithm=sps", "width_policy=widest"], "width_policy=widest is unknown"),
+                        (["algorithm=sps", "width_policy=cost", "max_step_tokens=4"], "drop max_step_tokens"),
+                        (["width_policy=cost"], "width_policy=cost does nothing here.*sps")):
+        with pytest.raises(UserError, match=match):
+            start(tiny, *keys)
+
+
 @pytest.mark.parametrize("name", ["dflash", "peagle"])
 def test_concurrent_clients_of_a_parallel_drafter_get_their_answers_alone(tiny, name):
     """8 clients at once on 8 rows (every running row's chain drafted in one drafter call), greedy and seeded

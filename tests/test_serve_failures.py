@@ -5,6 +5,8 @@ request a correct answer."""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 
 import httpx
@@ -110,7 +112,7 @@ def test_oversized_bodies_are_refused_with_413(tiny):
 
 
 @pytest.mark.timeout(300)
-def test_target_and_draft_process_failures_leave_the_next_request_correct(tiny):
+def test_target_and_draft_process_failures_leave_the_next_request_correct(tiny, caplog):
     """PEARL with its draft side in a second process. A target forward that fails mid-round leaves the draft's
     reply to that round unread: it is drained, so the next request does not read it as its own. A killed draft
     process fails the request that meets it; the next one starts a new draft process."""
@@ -118,7 +120,7 @@ def test_target_and_draft_process_failures_leave_the_next_request_correct(tiny):
     expected = reference(tiny, ids, n)
     body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "temperature": 0,
             "return_token_ids": True}
-    with start(tiny, "algorithm=pearl", "gamma=3", "executor=multiprocess") as server:
+    with start(tiny, "algorithm=pearl", "gamma=3", "executor=multiprocess") as server, caplog.at_level(logging.ERROR):
         url = f"{server.url}/v1/chat/completions"
         runner = runner_of(server)
 
@@ -134,7 +136,11 @@ def test_target_and_draft_process_failures_leave_the_next_request_correct(tiny):
         executor.process.join(30)
         lost = httpx.post(url, json=body, timeout=120)
         after_draft = httpx.post(url, json=body, timeout=120)
-    assert failed.status_code == 500 and "injected target failure" in error_of(failed)["message"]
+    # The client hears the failure's type and its request's id; the log has its text under that id.
+    for answer, text in ((failed, "injected target failure"), (lost, "draft process is gone")):
+        message = error_of(answer)["message"]
+        assert answer.status_code == 500 and "RuntimeError" in message and text not in message
+        request_id = re.search(r"(chat)?cmpl-[0-9a-f]+", message).group()
+        assert any(request_id in r.getMessage() and text in str(r.exc_info[1]) for r in caplog.records)
     assert after_target.status_code == 200 and after_target.json()["choices"][0]["token_ids"] == expected
-    assert lost.status_code == 500 and "draft process is gone" in error_of(lost)["message"]
     assert after_draft.status_code == 200 and after_draft.json()["choices"][0]["token_ids"] == expected

@@ -2,13 +2,18 @@
 request (503) and refuses new ones; a request waits at most ``max_queue_wait_s``; every 429 and 503 says when to
 retry; a queued stream hears keep-alive comments; ``/health`` reports a stalled engine; a draft process that hangs
 fails its call within ``draft_timeout_s``; shutdown answers the queue 503 before it drains connections, within a
-bound; and a prompt is tokenised off the event loop, an over-long one refused before it is tokenised."""
+bound; a prompt is tokenised off the event loop, an over-long one refused before it is tokenised; a failure's text
+stays in the log (the client hears its type and an id); and a stream whose client leaves before its body starts
+still leaves the engine and is counted."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import importlib
+import json
+import logging
+import re
 import threading
 import time
 
@@ -17,6 +22,7 @@ import pytest
 from test_serve import Paced, error_of, metric, own_target, runner_of, serve_config, start, tiny_models, wait_for
 
 import inference.serve.app as serve_app
+from core.errors import UserError
 from inference.executors import make_executor
 from inference.serve.server import build_server, uvicorn_config
 
@@ -58,7 +64,8 @@ def test_a_dead_engine_fails_its_requests_and_refuses_new_ones(tiny, monkeypatch
         queued.join(10)
         for key in ("running", "queued"):
             assert answers[key].status_code == 503 and answers[key].headers["retry-after"].isdigit()
-            assert "EngineDeath" in error_of(answers[key])["message"]
+            message = error_of(answers[key])["message"]
+            assert "EngineDeath" in message and "loop is gone" not in message and "incident-" in message
         later = httpx.post(url, json={**BODY, "max_tokens": 4}, timeout=5)
         assert later.status_code == 503 and "engine stopped" in error_of(later)["message"]
         health = httpx.get(f"{server.url}/health", timeout=5)
@@ -207,3 +214,82 @@ def test_tokenising_runs_off_the_event_loop_and_over_long_text_is_refused_before
             assert error_of(answer)["code"] == "context_length_exceeded" and error_of(answer)["param"] == param
     finally:
         server.close()
+
+
+def test_a_failure_tells_the_client_its_type_and_id_and_the_log_its_text(tiny, monkeypatch, caplog):
+    """An engine failure (a bug) answers 500 with the exception's type and the answer's id, not its text (paths,
+    shapes), which the log has under that id; a UserError's line, written for users, reaches them whole. A route
+    that fails (outside the engine) answers the same way."""
+    with start(tiny, "batch_size=1") as server, caplog.at_level(logging.ERROR):
+        algorithm, url = server.server.model.algorithm, f"{server.url}/v1/completions"
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("cannot read /srv/models/secret.bin: shape [3, 4] != [4, 3]")
+
+        monkeypatch.setattr(algorithm, "generate", failing)
+        for answer in (httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=10), _stream_error(url)):
+            message = answer if isinstance(answer, str) else error_of(answer)["message"]
+            assert "RuntimeError" in message and "secret" not in message and "shape" not in message
+            request_id = re.search(r"cmpl-[0-9a-f]+", message).group()
+            assert any(request_id in r.getMessage() and "secret.bin" in str(r.exc_info[1]) for r in caplog.records)
+
+        def refused(*args, **kwargs):
+            raise UserError("max_new_tokens=3 leaves no room: lower it")
+
+        monkeypatch.setattr(algorithm, "generate", refused)
+        answer = httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=10)
+        assert answer.status_code == 500 and error_of(answer)["message"] == "max_new_tokens=3 leaves no room: lower it"
+
+        def broken_route(*args, **kwargs):
+            raise ValueError("template at /srv/templates/chat.jinja line 3")
+
+        monkeypatch.setattr(serve_app, "_completion_prompt", broken_route)
+        answer = httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=10)
+        message = error_of(answer)["message"]
+        assert answer.status_code == 500 and "ValueError" in message and "/srv" not in message
+        incident = re.search(r"incident-[0-9a-f]+", message).group()
+        assert any(incident in r.getMessage() and "/srv/templates" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def _stream_error(url: str) -> str:
+    """A streamed request's error event's message."""
+    with httpx.stream("POST", url, json={**BODY, "max_tokens": 3, "stream": True}, timeout=10) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    return json.loads(events[-1][len("data: "):])["error"]["message"]
+
+
+def test_a_stream_whose_client_leaves_before_its_body_starts_leaves_the_engine_and_is_counted(tiny):
+    """The client is gone when the response's headers go out (sending them fails), so the body never starts: the
+    request must still be cancelled (it would generate all its tokens for nobody) and counted as 499."""
+
+    async def leave_at_the_headers(app) -> None:
+        body = (b'{"model": "tiny", "prompt": [5, 6, 7], "temperature": 0, "max_tokens": 200, "stream": true}')
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                  (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("tiny", 80)}
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("the client closed the connection")
+
+        try:
+            await app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - how the framework reports the lost client is not what this test checks
+            pass
+
+    gate = threading.Event()
+    with start(tiny, "batch_size=1") as server, Paced(runner_of(server), gate) as paced:
+        asyncio.run(leave_at_the_headers(server.server.app))
+        wait_for(lambda: metric(server, "spectrain_requests_total", status="499") == 1, timeout=5)
+        gate.set()
+        wait_for(lambda: metric(server, "spectrain_running") == 0, timeout=5)
+        assert metric(server, "spectrain_cancelled_total") == 1 and paced.calls < 20

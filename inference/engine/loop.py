@@ -2,10 +2,12 @@
 
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
-are not stalled by a padded prefill) and takes each new row's first token (``Strategy.first``). A step asks the strategy for every
-row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree under its row's
-ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it kept (a chain:
-truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that ended.
+are not stalled by a padded prefill) and takes each new row's first token (``Strategy.first``). A step asks the
+strategy for every row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree
+under its row's ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it
+kept (a chain: truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that
+ended. A strategy whose draft work runs beside the target (an executor) runs the target forwards through
+``Strategy.beside``.
 
 ``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
 served beside others and the same request run alone share one code path. On a CPU in exact mode
@@ -29,6 +31,7 @@ from inference.engine.rows import RowsOutput, forward_rows, prefill_rows
 from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
                                     RowState, fit_problem)
 from inference.engine.strategy import Strategy
+from inference.engine.widths import StepBudget, WidthPolicy
 from inference.row_logits import RowLogits
 from inference.tree import DraftTree
 
@@ -51,12 +54,15 @@ class DecodeEngine:
     twice that lets new prompts prefill apart)."""
 
     def __init__(self, target, strategy: Strategy, *, rows: int = 1, eos_ids: Sequence[int] = (),
-                 max_seq_len: int | None = None, max_step_tokens: int = 0):
+                 max_seq_len: int | None = None, max_step_tokens: int = 0, width_policy: WidthPolicy | None = None):
         """``max_seq_len``: the context a request must fit in (default the target's; an algorithm's can be less,
-        its draft LM's). ``max_step_tokens`` (0 = no cap): one step scores at most this many target rows, so the
-        more requests run, the fewer tokens each drafts, down to none (an AR step, still lossless)."""
+        its draft LM's). ``width_policy`` (``inference.engine.widths``) sets each row's width before a step;
+        ``max_step_tokens=N`` is short for ``StepBudget(N)``: one step scores at most N target rows, so the more
+        requests run, the fewer tokens each drafts, down to none (an AR step, still lossless)."""
         if max_step_tokens < 0:
             raise UserError(f"max_step_tokens must be >= 0 (0 = no cap), got {max_step_tokens}")
+        if max_step_tokens and width_policy is not None:
+            raise UserError("give max_step_tokens or a width policy, not both")
         if not 1 <= rows <= target.max_batch_size:
             raise UserError(f"the engine needs 1..{target.max_batch_size} rows (the target runner's max_batch_size), "
                             f"got {rows}; load the target with max_batch_size >= {max(rows, 1)}")
@@ -66,7 +72,7 @@ class DecodeEngine:
         self.target, self.strategy, self.rows = target, strategy, rows
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = min(max_seq_len or target.max_seq_len, target.max_seq_len)
-        self.max_step_tokens = max_step_tokens
+        self.width_policy = width_policy or (StepBudget(max_step_tokens) if max_step_tokens else WidthPolicy())
         self.forwards = 0  # target forwards so far: prefills and steps
         self.slots: list[RowState | None] = [None] * rows
         self._open = False
@@ -82,6 +88,8 @@ class DecodeEngine:
 
     def open(self) -> None:
         """Empty caches, every row free (a running request is dropped)."""
+        self.width_policy.prepare(self.target, self.strategy.draft, self.rows,
+                                  self.strategy.lookahead())
         self.target.reset(self.rows)
         self.strategy.open(self.rows)
         self.slots = [None] * self.rows
@@ -158,9 +166,7 @@ class DecodeEngine:
         if not active:
             return []
         strategy = self.strategy
-        if self.max_step_tokens:  # the same width for every row: each gets its share of the budget
-            for state in active:
-                state.width = max(1, self.max_step_tokens // len(active))
+        self.width_policy.assign(active, strategy.lookahead())
         try:
             proposals = strategy.propose(active)
             trees = any(proposal.tree is not None for proposal in proposals)
@@ -250,6 +256,7 @@ class DecodeEngine:
         if self.slots[state.row] is state:
             self.slots[state.row] = None
             self.strategy.release(state)
+            self.width_policy.forget(state)
 
     def _end(self, state: RowState, error: BaseException | None = None) -> Event:
         self._release(state)

@@ -215,28 +215,14 @@ def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], 
 def _prefill_block(runner, prompts: Sequence[Sequence[int]], logits: bool, capture_layers: Sequence[int],
                    results: Prefill, slots: Sequence[int], last_hidden: bool = False) -> None:
     """One forward over ``prompts`` (rows 0.. of the runner's current view), results written at ``slots``."""
+    # no logits (a draft LM's prefill): no row is scored, the lm_head does not run
     wanted = [[len(p) - 1] if logits else [] for p in prompts]
-    if logits:
-        out = forward_rows(runner, prompts, wanted, capture_layers=capture_layers, return_last_hidden=last_hidden)
-    else:  # no logits: no lm_head at all (a draft LM's prefill)
-        out = _forward_no_logits(runner, prompts, capture_layers)
+    out = forward_rows(runner, prompts, wanted, capture_layers=capture_layers, return_last_hidden=last_hidden)
     for i, k in enumerate(slots):
         results.logits[k] = out.logits[i][0] if logits else None
         results.hidden[k] = {layer: h[i, :len(prompts[i])] for layer, h in out.forward.hidden.items()}
         if last_hidden:
             results.last_hidden[k] = out.forward.last_hidden[i, :len(prompts[i])]
-
-
-def _forward_no_logits(runner, prompts: Sequence[Sequence[int]], capture_layers: Sequence[int]) -> RowsOutput:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
-    with _first_rows(runner, len(prompts)):
-        before = runner.cache_lens.clone()
-        out = runner.forward(ids.to(runner.device), only_last_logits=True, capture_layers=capture_layers)
-        runner.truncate(before + torch.tensor([len(p) for p in prompts], device=runner.device))
-    return RowsOutput([None] * len(prompts), out)
 
 
 def _empty(runner, rows: Sequence[int]) -> None:

@@ -64,6 +64,7 @@ class Strategy:
     1: that row takes an AR step."""
 
     name = "ar"
+    draft = None  # a draft LM's runner, where the strategy has one (a width policy measures its forward's cost)
     capture_layers: tuple[int, ...] = ()  # target layers the forward must capture for ``verified``
     wants_last_hidden = False
     verifier: ChainVerifier | None = None

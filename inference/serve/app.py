@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,8 +37,10 @@ from inference.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from inference.serve.metrics import ServeMetrics
 from inference.serve.scheduler import Chunk, Closed, Failed, Finished, Generation, QueueFull, Scheduler
 from inference.serve.schemas import (APIError, ChatRequest, CompletionRequest, GenerationRequest, ResponseShape,
-                                     error_body, usage_body)
+                                     error_body, new_id, usage_body)
 from inference.serve.text import TextAssembler
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0  # a stream with nothing to send for this long sends an SSE comment
 
@@ -116,7 +119,10 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
-        return answer(request, 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        incident = new_id("incident")  # its text (paths, shapes) stays in the log, found by this id
+        log.error("%s %s failed (%s)", request.method, request.url.path, incident, exc_info=exc)
+        return answer(request, 500, error_body(f"internal error ({type(exc).__name__}; {incident}: the server's log "
+                                               "has the details)", "server_error"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -180,8 +186,9 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
     send = event_sender(asyncio.get_running_loop(), events)
 
     seed = body.seed if body.seed is not None else model.request_seed()
+    shape = ResponseShape(chat, model.name, body.return_token_ids)
     gen = Generation(prompt_ids, max_tokens, sampling, seed, TextAssembler(model.tokenizer, body.stop_list()), send,
-                     model.eos_ids, stream=body.stream)
+                     model.eos_ids, stream=body.stream, request_id=shape.id)
     try:
         scheduler.submit(gen)
     except QueueFull as full:
@@ -189,7 +196,6 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
                           full.retry_after, type="rate_limit_error", code="queue_full") from None
     except Closed as closed:
         raise Unavailable(503, closed.message, closed.retry_after, type="server_error", code=closed.code) from None
-    shape = ResponseShape(chat, model.name, body.return_token_ids)
     usage = _usage_builder(model, len(prompt_ids))
 
     def count(status: int) -> None:
@@ -197,8 +203,8 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(scheduler, gen, events, shape, usage, include_usage, count),
-                                 media_type="text/event-stream")
+        return EndingStream(_stream(scheduler, gen, events, shape, usage, include_usage, count),
+                            media_type="text/event-stream", on_unstarted=lambda: _client_gone(scheduler, gen, count))
     return await _collect(scheduler, gen, events, shape, usage, request, count)
 
 
@@ -221,6 +227,37 @@ def _usage_builder(model: ServedModel, prompt_tokens: int):
 
 
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection; nobody reads it
+
+
+def _client_gone(scheduler: Scheduler, gen: Generation, count: Callable[[int], None]) -> None:
+    scheduler.cancel(gen)  # a no-op (nothing counted) if the engine had ended it already
+    count(CLIENT_GONE)
+
+
+class EndingStream(StreamingResponse):
+    """A stream whose request ends whatever happens to the response: ``_stream``'s ``finally`` cancels and counts
+    it, but runs only once its body has started; a client that leaves before (sending the headers fails, or the
+    server stops the response first) would leave its request generating and uncounted. ``on_unstarted`` ends it
+    then."""
+
+    def __init__(self, body, *, on_unstarted: Callable[[], None], **kwargs: Any):
+        self.started = False
+
+        async def watched():
+            self.started = True
+            async for chunk in body:
+                yield chunk
+
+        super().__init__(watched(), **kwargs)
+        self._body, self._on_unstarted = body, on_unstarted
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.started:
+                self._on_unstarted()
+                await self._body.aclose()
 
 
 async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
@@ -252,8 +289,9 @@ async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, 
             return
     finally:  # also when the client went away and the stream was cancelled
         if status == CLIENT_GONE:
-            scheduler.cancel(gen)  # a no-op (nothing counted) if the engine had ended it already
-        count(status)
+            _client_gone(scheduler, gen, count)
+        else:
+            count(status)
 
 
 async def _disconnected(request: Request) -> None:

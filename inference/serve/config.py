@@ -42,6 +42,10 @@ class ServeConfig(EngineArgs):
     # batched sps: one engine step scores at most this many target rows (0 = no cap), so as requests join, each
     # drafts fewer tokens, down to none (an AR step, still lossless); refused where it does nothing
     max_step_tokens: int = 0
+    # batched sps: full (every row drafts gamma tokens) | cost (each step's widths maximise expected tokens per
+    # second from this host's measured forward costs, measured at start-up, and each row's acceptance so far; down
+    # to AR steps under load, still lossless)
+    width_policy: str = "full"
     max_queue: int = 64  # requests waiting for the engine; one more is answered 429 (with Retry-After)
     max_queue_wait_s: float = 120.0  # a request not started after waiting this long is answered 503 (Retry-After)
     # /health answers 503 ("stalled") while the engine has work but made no progress (no token) for this long
@@ -72,6 +76,10 @@ def parse_args(argv: Sequence[str]) -> Any:
     for key in ("max_queue_wait_s", "stall_s", "draft_timeout_s", "shutdown_timeout_s"):
         if not cfg[key] > 0:
             raise OverrideError(f"{key}={cfg[key]} must be > 0 seconds")
+    if cfg.width_policy not in ("full", "cost"):
+        raise OverrideError(f"width_policy={cfg.width_policy} is unknown; use width_policy=full or width_policy=cost")
+    if cfg.width_policy == "cost" and cfg.max_step_tokens:
+        raise OverrideError("width_policy=cost chooses every step's widths itself; drop max_step_tokens")
     if cfg.max_body_bytes < 1024:
         raise OverrideError(f"max_body_bytes={cfg.max_body_bytes} leaves no room for a request; use at least 1024")
     if not 0 <= cfg.port <= 65535:

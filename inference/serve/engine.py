@@ -22,6 +22,7 @@ from core.errors import UserError
 from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
+from inference.engine.widths import CostModelWidths, StepBudget, WidthPolicy
 from inference.engine_args import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
                                    resolved_config, sampling_params)
 from inference.round_observers import ObserverTap
@@ -47,7 +48,7 @@ class ServedModel:
     # same unseeded requests, sent in the same order, alike
     seeds: random.Random = field(default_factory=random.Random)
 
-    max_step_tokens: int = 0  # target rows one engine step may score (0 = no cap): widths shrink under load
+    widths: WidthPolicy = field(default_factory=WidthPolicy)  # each step's row widths (inference.engine.widths)
 
     @property
     def batched(self) -> bool:
@@ -56,11 +57,15 @@ class ServedModel:
     @property
     def batching(self) -> dict[str, Any]:
         """How requests share the engine, for ``/health``."""
-        return {"batch_size": self.batch_size, "max_step_tokens": self.max_step_tokens,
+        widths = self.widths.describe()
+        budget = widths.get("max_step_tokens", 0)
+        shrink = {"budget": f"; each step scores at most {budget} target rows, so drafts shrink as requests join, "
+                            "down to AR steps",
+                  "cost": "; each step's drafts are as long as this host's measured forward costs and the rows' "
+                          "acceptance make worth it, down to AR steps"}.get(widths["width_policy"], "")
+        return {"batch_size": self.batch_size, "max_step_tokens": budget, **widths,
                 "policy": ("one request at a time" if not self.batched else
-                           f"up to {self.batch_size} requests side by side" +
-                           (f"; each step scores at most {self.max_step_tokens} target rows, so drafts shrink "
-                            "as requests join, down to AR steps" if self.max_step_tokens else ""))}
+                           f"up to {self.batch_size} requests side by side" + shrink)}
 
     def room(self, prompt_len: int) -> int:
         """New tokens the context leaves after a prompt of ``prompt_len`` tokens (the algorithm's lookahead
@@ -162,10 +167,11 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
             raise UserError(f"batch_size={batch}: this target runs on the transformers fallback, which serves one "
                             "request at a time; set batch_size=1")
         batch = 1
-    if cfg.max_step_tokens and (batch <= 1 or not algorithm_class(name).squeezable):
-        squeezable = ", ".join(n for n in ALGORITHMS if algorithm_class(n).squeezable)
-        raise UserError(f"max_step_tokens={cfg.max_step_tokens} does nothing here: it caps the drafts of batched "
-                        f"speculative serving (batch_size > 1 with {squeezable}); drop it")
+    for key, value, unset in (("max_step_tokens", cfg.max_step_tokens, 0), ("width_policy", cfg.width_policy, "full")):
+        if value != unset and (batch <= 1 or not algorithm_class(name).squeezable):
+            squeezable = ", ".join(n for n in ALGORITHMS if algorithm_class(n).squeezable)
+            raise UserError(f"{key}={value} does nothing here: it sets the drafts of batched speculative serving "
+                            f"(batch_size > 1 with {squeezable}); drop it")
     check_rows(target.runner, batch, "target")
     claim_runner(target.runner)
     try:
@@ -185,7 +191,8 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
                        eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
                        variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
                        target.runner.exactness.as_dict(), random.Random(variant_cfg.seed),
-                       max_step_tokens=cfg.max_step_tokens)
+                       widths=(CostModelWidths() if cfg.width_policy == "cost" else
+                               StepBudget(cfg.max_step_tokens) if cfg.max_step_tokens else WidthPolicy()))
 
 
 def check_rows(runner: Any, batch: int, what: str) -> None:
@@ -204,8 +211,12 @@ def limit_draft_calls(algorithm: Algorithm, seconds: float | None) -> None:
 
 
 def warm_up(model: ServedModel) -> None:
-    """One short greedy generation: allocation and kernel selection happen now, not in the first request."""
+    """One short greedy generation: allocation and kernel selection happen now, not in the first request; then
+    the width policy measures what it needs (``width_policy=cost``: this host's forward costs)."""
     prompt = model.tokenizer("Hello", add_special_tokens=False)["input_ids"] or [0]
     model.algorithm.generate(prompt, max_new_tokens=min(4, max(1, model.room(len(prompt)))),
                              sampling=SamplingParams(0.0), generator=torch.Generator().manual_seed(0),
                              eos_ids=model.eos_ids)
+    if model.batched:
+        strategy = model.algorithm.strategy()
+        model.widths.prepare(model.algorithm.target, strategy.draft, model.batch_size, strategy.lookahead())

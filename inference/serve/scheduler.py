@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.errors import UserError
 from inference.algorithms.base import GenerationStats
 from inference.engine.loop import DecodeEngine
 from inference.engine.state import Failed as RowFailed
@@ -40,6 +41,7 @@ from inference.engine.state import RowRequest
 from inference.sampling import SamplingParams
 from inference.serve.engine import ServedModel
 from inference.serve.metrics import ServeMetrics
+from inference.serve.schemas import new_id
 from inference.serve.text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,22 @@ class Closed(Exception):
     def __init__(self, message: str, retry_after: int, code: str):
         super().__init__(message)
         self.message, self.retry_after, self.code = message, retry_after, code
+
+
+def failure_message(exc: BaseException, request_id: str) -> str:
+    """What a client hears of a failure: a UserError's own line (written for users); for anything else, a bug, only
+    its type and the request's id: its text (paths, shapes) stays in the server's log under that id."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    return f"the engine failed on this request ({type(exc).__name__}; {request_id}: the server's log has the details)"
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A request's sampling stream; a seed torch cannot take is the request's own error, told to its client."""
+    try:
+        return torch.Generator().manual_seed(seed)
+    except (ValueError, RuntimeError) as exc:
+        raise UserError(f"seed {seed}: torch's generator refuses it ({exc}); use a seed in 0..2**63-1") from None
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
@@ -92,8 +110,10 @@ class Generation:
     (thread-safe)."""
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, seed: int,
-                 text: TextAssembler, send: Callable[[object], None], eos_ids: list[int], *, stream: bool = True):
+                 text: TextAssembler, send: Callable[[object], None], eos_ids: list[int], *, stream: bool = True,
+                 request_id: str | None = None):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
+        self.request_id = request_id or new_id("req")  # the answer's id: failures are logged under it
         self.text, self.send, self.eos_ids = text, send, set(eos_ids)
         # A non-streaming client needs its text only at the end: one event instead of one per token spares the
         # event loop a wake-up (and the engine's thread a GIL hand-over) per token.
@@ -275,8 +295,11 @@ class Scheduler:
                 else:
                     self._serve_one(gen)
         except BaseException as exc:  # noqa: BLE001 - the loop itself died: nobody would answer the waiting clients
-            log.critical("the engine's worker stopped", exc_info=exc)
-            self._stopped = f"engine stopped ({type(exc).__name__}: {exc}); restart the server"
+            incident = new_id("incident")
+            log.critical("the engine's worker stopped (%s)", incident, exc_info=exc)
+            # The exception's text (paths, shapes) stays in the log; clients and /health get its type and an id.
+            self._stopped = (f"engine stopped ({type(exc).__name__}; {incident}: the server's log has the details); "
+                             "restart the server")
             self._refuse_all(Failed(self._stopped, status=503, code="engine_stopped", retry_after=RESTART_RETRY_S))
 
     def _accept(self, gen: Generation, new: list[int]) -> bool:
@@ -297,19 +320,19 @@ class Scheduler:
             gen.send(event)
 
     def _fail(self, gen: Generation, exc: BaseException) -> None:
-        log.error("generation failed", exc_info=exc)
+        log.error("generation %s failed", gen.request_id, exc_info=exc)
         self._progress_at = time.perf_counter()
         if not self._end(gen):
             return
         self.metrics.failed.inc()
-        gen.send(Failed(f"the engine failed on this request: {type(exc).__name__}: {exc}"))
+        gen.send(Failed(failure_message(exc, gen.request_id)))
 
     def _serve_one(self, gen: Generation) -> None:
         model = self.model
         self.metrics.running.set(1)
         try:
             result = model.algorithm.generate(gen.prompt_ids, max_new_tokens=gen.max_tokens, sampling=gen.sampling,
-                                              generator=torch.Generator().manual_seed(gen.seed),
+                                              generator=seeded_generator(gen.seed),
                                               eos_ids=model.eos_ids,
                                               on_tokens=lambda new: self._accept(gen, new))
             self._done(gen, result.stats)
@@ -324,7 +347,7 @@ class Scheduler:
         model, waiting, started = self.model, [first], set()
         engine = DecodeEngine(model.algorithm.target, model.algorithm.strategy(), rows=model.batch_size,
                               eos_ids=model.eos_ids, max_seq_len=model.max_seq_len,
-                              max_step_tokens=model.max_step_tokens)
+                              width_policy=model.widths)
 
         def next_request() -> RowRequest | None:
             while True:
@@ -334,7 +357,7 @@ class Scheduler:
                 if gen.cancelled.is_set():
                     continue
                 try:
-                    generator = torch.Generator().manual_seed(gen.seed)
+                    generator = seeded_generator(gen.seed)
                 except Exception as exc:  # noqa: BLE001 - a seed torch cannot take: this request fails alone
                     self._fail(gen, exc)
                     continue

@@ -5,7 +5,7 @@ DFlash and P-EAGLE learn to predict those answers (training on what the target s
 makes drafters accepted), SpecBranch's H-RAD learns from the draft LM's acceptance traces, and one ``inference.evaluate`` run
 compares all ten algorithms with AR on held-out GSM-symbolic prompts (seeds disjoint from the training prompts').
 DFlash and P-EAGLE get a few minutes of training only: enough to serve them losslessly end to end, not to pay.
-Every stage is one of the project's own commands (``inference.pipeline``), printed before it runs, so any stage
+Every stage is one of the project's own commands (``spectrain.pipeline``), printed before it runs, so any stage
 can be re-run by hand or scaled up (the ``demo_*`` recipes are the ``*_smollm2_gsm`` recipes with fewer steps;
 ``benchmarks/drafter_quality.py`` runs the full-size pipeline). A stage whose output is complete is skipped,
 and re-running ``make demo`` after an interruption continues.
@@ -17,7 +17,7 @@ against the same probe on the reference machine; once stages have finished, the 
 On a CPU with native bf16 the target runs in bf16, in exact mode (greedy output equals AR's token for
 token) and verifying a few drafted tokens costs about one decode step, as on a GPU; elsewhere in fp32.
 
-    python -m inference.demo [out=runs/demo] [n_samples=256] [n_prompts=4] [max_new_tokens=96] [stages=all|...]
+    python -m spectrain.demo [out=runs/demo] [n_samples=256] [n_prompts=4] [max_new_tokens=96] [stages=all|...]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from core.atomic import check_output
 from core.overrides import parse_cli, run_cli
 from inference.algorithms import ALGORITHMS
 from inference.drafters import serving_dtype
-from inference.pipeline import Stage, run_pipeline, select, stage_minutes
+from spectrain.pipeline import Stage, run_pipeline, select, stage_minutes
 from inference.device import cpu_has_native_bf16
 
 # trainer.max_steps of the demo_* training recipes
@@ -58,7 +58,7 @@ SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidate
 # Self-Draft's CPU grid, and EAGLE-3 / SpecBlock trees of 16 tokens (one cheap verification on a CPU).
 VARIANTS = ["pearl@executor=multiprocess", "specbranch@executor=multiprocess", SELF_DRAFT_CPU,
             "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree@specblock_budget=16@specblock_width=4"]
-USAGE = "python -m inference.demo out=runs/demo n_samples=256 n_prompts=4 max_new_tokens=96 stages=all"
+USAGE = "python -m spectrain.demo out=runs/demo n_samples=256 n_prompts=4 max_new_tokens=96 stages=all"
 
 
 @dataclass
