@@ -1,7 +1,8 @@
 """The n-gram caches Self-Draft draws its candidates from (docs/algorithms/self_draft.md §2, §7–9).
 
 * :class:`ContextCache` -- token -> up to ``per_key`` distinct grams, in LRU order; filled during decoding from
-  the draft branches and the committed text, and kept across prompts by the algorithm instance.
+  the draft branches and the committed text, and kept across prompts by the algorithm instance
+  (:class:`LoggedContextCache`: a request's copy, whose insertions are replayed into the shared one at its end).
 * :class:`CorpusCache` -- a static table, for key lengths 1..4, of the most frequent 4-grams that follow each
   key in a corpus. Built by ``python -m data_prep.ngram_corpus``; stored as versioned JSON that records the
   tokenizer it was built with, because token ids mean nothing under another tokenizer.
@@ -63,9 +64,35 @@ class ContextCache:
     def clear(self) -> None:
         self._grams.clear()
 
+    def copy(self) -> ContextCache:
+        twin = ContextCache(self.per_key)
+        twin._grams = {key: OrderedDict(grams) for key, grams in self._grams.items()}
+        return twin
+
     def __len__(self) -> int:
         """Number of stored grams over all keys."""
         return sum(len(g) for g in self._grams.values())
+
+
+class LoggedContextCache(ContextCache):
+    """A copy of a :class:`ContextCache` that logs its insertions in order, so they can be replayed into the cache
+    it was copied from (:meth:`replay_into`): a request's own view of a cache that requests running beside it
+    share."""
+
+    def __init__(self, base: ContextCache):
+        super().__init__(base.per_key)
+        self._grams = base.copy()._grams
+        self.log: list[tuple[int, Gram]] = []
+
+    def insert(self, key: int, gram: Sequence[int]) -> None:
+        self.log.append((key, tuple(gram)))
+        super().insert(key, gram)
+
+    def replay_into(self, cache: ContextCache) -> None:
+        """Insert into ``cache`` what was inserted here, in the same order (into the very cache this one copied,
+        unchanged since: it ends equal to this one)."""
+        for key, gram in self.log:
+            cache.insert(key, gram)
 
 
 class CorpusCache:

@@ -12,6 +12,7 @@ pyproject.toml), found when ``adapt=`` asks and imported only then; ``register_o
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 import torch
@@ -22,17 +23,20 @@ _REGISTERED: dict[str, Any] = {}  # name -> ObserverKind added by register_obser
 
 
 class RoundObserver(Protocol):
-    def begin_query(self, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
+    """Every call names its query (the engine's request key, unique among the queries under way), so an observer
+    can tell apart queries whose rounds interleave."""
+
+    def begin_query(self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
                     max_accept: int) -> None:
         """After prefill: the prompt's features [P, F] and the target's logits at its last position [V]."""
 
-    def observe_round(self, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor, accepted: int,
-                      rejected: tuple[torch.Tensor, int] | None) -> None:
+    def observe_round(self, query: Hashable, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor,
+                      accepted: int, rejected: tuple[torch.Tensor, int] | None) -> None:
         """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F], target
         logits [n, V], and (draft logits, the target's token) at the rejected position, if the drafter drafted
         there."""
 
-    def end_query(self, last_token: int) -> Any:
+    def end_query(self, query: Hashable, last_token: int) -> Any:
         """After the last verification of a query."""
 
 
@@ -87,8 +91,8 @@ class ObserverTap:
     def observe_round(self, *args, **kwargs) -> None:
         self.inner.observe_round(*args, **kwargs)
 
-    def end_query(self, last_token: int) -> Any:
-        outcome = self.inner.end_query(last_token)
+    def end_query(self, query: Hashable, last_token: int) -> Any:
+        outcome = self.inner.end_query(query, last_token)
         if outcome:
             self.listener(outcome)
         return outcome

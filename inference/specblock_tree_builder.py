@@ -133,14 +133,25 @@ def prune(nodes: Nodes, budget: int, max_depth: int) -> list[int]:
     return sorted(kept)
 
 
+@dataclass
+class _Growing:
+    """One tree while it is built: its nodes, pending leaves, TTT entries (its later blocks' K/V, one row) and
+    later-block forwards, and the drafter logits its children were drawn from (for the adapter, else None)."""
+
+    nodes: Nodes
+    leaves: list[Leaf]
+    child_logits: dict[int, torch.Tensor] | None
+    ttt: BlockKV | None = None
+    forwards: int = 0
+
+
 class SpecBlockTreeBuilder:
     """Builds one tree per iteration from the current anchor's block-1 outputs; later blocks run through
-    ``drafter.forward_leaves`` against the cross cache (one batched forward per round)."""
+    ``drafter.forward_leaves`` against the cross cache (one batched forward per round, for every row's tree)."""
 
     def __init__(self, drafter: SpecBlockDrafter, shape: TreeShape):
         self.drafter, self.shape = drafter, shape
         self.k = drafter.config.block_size
-        self._child_logits: dict[int, torch.Tensor] | None = None
 
     def build(self, first: BlockOutput, cache: SpecBlockCache, *, max_depth: int | None = None,
               child_logits: dict[int, torch.Tensor] | None = None) -> tuple[DraftTree, int]:
@@ -148,55 +159,115 @@ class SpecBlockTreeBuilder:
         anchor ([1, 1, K, ...]); ``max_depth`` caps node depth (no drafting past the token budget).
         ``child_logits`` (a dict, for the serving-time adapter) receives, by index in the returned tree (-1: the
         root), the draft logits its children were drawn from."""
-        nodes = Nodes()
-        self._child_logits = {} if child_logits is not None else None
-        leaves = self._expand(nodes, first.logits[0, 0], first.rank_logits[0, 0], first.hidden[0, 0], parent=-1,
-                              score=0.0, depth=0, first_block=True, lineage=None, entries=None)
-        forwards, ttt = 0, None
+        return self.build_rows([first], cache, [0], [max_depth], [child_logits])[0]
+
+    def build_rows(self, firsts: Sequence[BlockOutput], cache: SpecBlockCache, rows: Sequence[int],
+                   max_depths: Sequence[int | None],
+                   child_logits: Sequence[dict[int, torch.Tensor] | None]) -> list[tuple[DraftTree, int]]:
+        """:meth:`build` for the trees of cache rows ``rows`` at once (``firsts[t]``: row ``rows[t]``'s block 1,
+        one row): each round's later blocks of every tree's pending leaves run in ONE drafter forward."""
+        trees = []
+        for first, into in zip(firsts, child_logits):
+            tree = _Growing(Nodes(), [], {} if into is not None else None)
+            tree.leaves = self._expand(tree, first.logits[0, 0], first.rank_logits[0, 0], first.hidden[0, 0],
+                                       parent=-1, score=0.0, depth=0, first_block=True, lineage=None, entries=None)
+            trees.append(tree)
         for round_index in range(1, self.shape.blocks):
-            if not leaves:
+            going = [t for t, tree in enumerate(trees) if tree.leaves]
+            if not going:
                 break
-            out = self._forward(leaves, nodes, cache, ttt)
-            forwards += 1
-            base = 0 if ttt is None else ttt.entries
-            ttt = out.kv if ttt is None else BlockKV.cat([ttt, out.kv])
+            outs = self._forward([trees[t] for t in going], [rows[t] for t in going], cache)
             last_round = round_index == self.shape.blocks - 1
-            new_leaves = []
-            for row, leaf in enumerate(leaves):
-                entries = list(range(base + row * self.k, base + (row + 1) * self.k))
-                new_leaves += self._expand(nodes, out.logits[0, row], out.rank_logits[0, row], out.hidden[0, row],
-                                           parent=leaf.node, score=leaf.score, depth=nodes.depths[leaf.node],
-                                           first_block=False, lineage=leaf, entries=entries)
-            if last_round:
-                break
-            beam = min(self.shape.width, max(1, (self.shape.budget - len(nodes.scores)) // self.k))
-            unique = {leaf.node: leaf for leaf in reversed(new_leaves)}  # a merged node starts one block
-            leaves = sorted(unique.values(), key=lambda lf: (-lf.score, lf.node))[:beam]
+            for t, out in zip(going, outs):
+                tree = trees[t]
+                tree.forwards += 1
+                base = 0 if tree.ttt is None else tree.ttt.entries
+                tree.ttt = out.kv if tree.ttt is None else BlockKV.cat([tree.ttt, out.kv])
+                new_leaves = []
+                for row, leaf in enumerate(tree.leaves):
+                    entries = list(range(base + row * self.k, base + (row + 1) * self.k))
+                    new_leaves += self._expand(tree, out.logits[0, row], out.rank_logits[0, row], out.hidden[0, row],
+                                               parent=leaf.node, score=leaf.score, depth=tree.nodes.depths[leaf.node],
+                                               first_block=False, lineage=leaf, entries=entries)
+                if last_round:
+                    continue
+                beam = min(self.shape.width, max(1, (self.shape.budget - len(tree.nodes.scores)) // self.k))
+                unique = {leaf.node: leaf for leaf in reversed(new_leaves)}  # a merged node starts one block
+                tree.leaves = sorted(unique.values(), key=lambda lf: (-lf.score, lf.node))[:beam]
+        return [self._finish(tree, max_depth, into) for tree, max_depth, into in zip(trees, max_depths, child_logits)]
+
+    def _finish(self, tree: _Growing, max_depth: int | None,
+                child_logits: dict[int, torch.Tensor] | None) -> tuple[DraftTree, int]:
+        nodes = tree.nodes
         kept = prune(nodes, self.shape.budget, max_depth if max_depth is not None else 1 << 30)
         if child_logits is not None:  # re-key by index in the kept tree
             index = {node: i for i, node in enumerate(kept)} | {-1: -1}
             child_logits.clear()
-            child_logits.update({index[n]: row for n, row in self._child_logits.items() if n in index})
+            child_logits.update({index[n]: row for n, row in tree.child_logits.items() if n in index})
         draft = torch.tensor(nodes.draft_ids, dtype=torch.long, device=self.drafter.d2t.device)
         target_ids = self.drafter.to_target_ids(draft).tolist()
-        return subtree(target_ids, nodes.parents, nodes.depths, kept), forwards
+        return subtree(target_ids, nodes.parents, nodes.depths, kept), tree.forwards
 
-    def _forward(self, leaves: list[Leaf], nodes: Nodes, cache: SpecBlockCache, ttt: BlockKV | None) -> BlockOutput:
+    def _forward(self, trees: Sequence[_Growing], rows: Sequence[int], cache: SpecBlockCache) -> list[BlockOutput]:
+        """One later-block forward over the pending leaves of ``trees`` (of cache rows ``rows``): each tree's
+        outputs as a one-row :class:`BlockOutput` (its leaves; ``kv`` its entries). A one-row cache gets the
+        one-row call."""
         device = self.drafter.d2t.device
-        draft = torch.tensor([nodes.draft_ids[leaf.node] for leaf in leaves], dtype=torch.long, device=device)
-        visible = None
-        if ttt is not None:
-            visible = torch.zeros(len(leaves), ttt.entries, dtype=torch.bool)
-            for row, leaf in enumerate(leaves):
-                visible[row, leaf.visible] = True
-        return self.drafter.forward_leaves(
-            torch.stack([leaf.hidden for leaf in leaves])[None], self.drafter.to_target_ids(draft)[None], cache,
-            current_valid=torch.tensor([leaf.current_valid for leaf in leaves]), ttt=ttt, ttt_visible=visible)
+        if cache.batch == 1:
+            (tree,) = trees
+            leaves = tree.leaves
+            draft = torch.tensor([tree.nodes.draft_ids[leaf.node] for leaf in leaves], dtype=torch.long, device=device)
+            visible = None
+            if tree.ttt is not None:
+                visible = torch.zeros(len(leaves), tree.ttt.entries, dtype=torch.bool)
+                for row, leaf in enumerate(leaves):
+                    visible[row, leaf.visible] = True
+            return [self.drafter.forward_leaves(
+                torch.stack([leaf.hidden for leaf in leaves])[None], self.drafter.to_target_ids(draft)[None], cache,
+                current_valid=torch.tensor([leaf.current_valid for leaf in leaves]), ttt=tree.ttt,
+                ttt_visible=visible)]
+        batch, width = cache.batch, max(len(tree.leaves) for tree in trees)
+        hidden = trees[0].leaves[0].hidden
+        cond = hidden.new_zeros(batch, width, hidden.shape[-1])
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        valid = torch.zeros(batch, width, dtype=torch.long)
+        counts, ttt_counts = [0] * batch, [0] * batch
+        with_ttt = [tree for tree in trees if tree.ttt is not None]
+        entries = max((tree.ttt.entries for tree in with_ttt), default=0)
+        ttt = visible = None
+        if with_ttt:
+            layers, like = len(with_ttt[0].ttt.k), with_ttt[0].ttt.k[0]
+            shape = (batch, like.shape[1], entries, like.shape[3])
+            ttt = BlockKV([like.new_zeros(shape) for _ in range(layers)], [like.new_zeros(shape) for _ in range(layers)])
+            visible = torch.zeros(batch, width, entries, dtype=torch.bool)
+        for tree, row in zip(trees, rows):
+            n = counts[row] = len(tree.leaves)
+            cond[row, :n] = torch.stack([leaf.hidden for leaf in tree.leaves])
+            draft = torch.tensor([tree.nodes.draft_ids[leaf.node] for leaf in tree.leaves], dtype=torch.long,
+                                 device=device)
+            tokens[row, :n] = self.drafter.to_target_ids(draft)
+            valid[row, :n] = torch.tensor([leaf.current_valid for leaf in tree.leaves])
+            if tree.ttt is not None:
+                e = ttt_counts[row] = tree.ttt.entries
+                for layer in range(len(ttt.k)):
+                    ttt.k[layer][row, :, :e] = tree.ttt.k[layer][0]
+                    ttt.v[layer][row, :, :e] = tree.ttt.v[layer][0]
+                for index, leaf in enumerate(tree.leaves):
+                    visible[row, index, leaf.visible] = True
+        out = self.drafter.forward_leaves(cond, tokens, cache, current_valid=valid, ttt=ttt, ttt_visible=visible,
+                                          counts=counts, ttt_counts=ttt_counts if with_ttt else None)
+        outputs = []
+        for tree, row in zip(trees, rows):
+            n, one = len(tree.leaves), slice(row, row + 1)
+            kv = BlockKV([k[one, :, :n * self.k] for k in out.kv.k], [v[one, :, :n * self.k] for v in out.kv.v])
+            outputs.append(BlockOutput(out.logits[one, :n], out.rank_logits[one, :n], out.hidden[one, :n], kv))
+        return outputs
 
-    def _expand(self, nodes: Nodes, logits: torch.Tensor, rank_logits: torch.Tensor, hidden: torch.Tensor, *,
+    def _expand(self, tree: _Growing, logits: torch.Tensor, rank_logits: torch.Tensor, hidden: torch.Tensor, *,
                 parent: int, score: float, depth: int, first_block: bool, lineage: Leaf | None,
                 entries: list[int] | None) -> list[Leaf]:
         """Append one block's chain and alternatives below ``parent``; return the leaves it makes pending."""
+        nodes = tree.nodes
         # clamp: a child's cumulative score never exceeds its parent's (pruning stays ancestor-closed)
         log_probs = logits.float().log_softmax(dim=-1).clamp_max(0.0)
         greedy = log_probs.argmax(dim=-1)
@@ -209,8 +280,8 @@ class SpecBlockTreeBuilder:
             width = min(widths[k], log_probs.shape[-1])
             candidates = log_probs[k].topk(max(width, 1))
             ids, values = candidates.indices.tolist(), candidates.values.tolist()
-            if self._child_logits is not None:
-                self._child_logits.setdefault(chain_parent, logits[k])
+            if tree.child_logits is not None:
+                tree.child_logits.setdefault(chain_parent, logits[k])
             node = nodes.add(ids[0], chain_parent, depth + 1 + k, chain_score + values[0])
             for alt_id, alt_value in zip(ids[1:], values[1:]):
                 pending.append((nodes.add(alt_id, chain_parent, depth + 1 + k, chain_score + alt_value), k))

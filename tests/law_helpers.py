@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import torch
+from test_algorithms import LAW_ROWS
 
 import inference.algorithms.self_draft as self_draft_module
 import inference.match as match_module
@@ -50,24 +51,33 @@ def enumerated_law(model, prompt: Sequence[int], n: int, sampling: SamplingParam
 
 def sampled_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling: SamplingParams,
                    seed: int = 1234) -> tuple[dict[tuple[int, ...], int], int]:
-    """Counts of the first ``n`` tokens over ``runs`` seeded generations, and the drafted tokens accepted."""
+    """Counts of the first ``n`` tokens over ``runs`` seeded generations, and the drafted tokens accepted. An
+    algorithm on the engine loop whose target runner holds ``2 * LAW_ROWS`` rows answers ``LAW_ROWS`` requests side
+    by side (``generate_batch``): then the law checked is that of a row in a batch."""
     generator = torch.Generator().manual_seed(seed)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
-    for _ in range(runs):
-        result = algorithm.generate(list(prompt), max_new_tokens=n, sampling=sampling, generator=generator)
-        key = tuple(result.tokens)
-        counts[key] = counts.get(key, 0) + 1
-        accepted += result.stats.accepted_draft_tokens
+    rows = LAW_ROWS if algorithm.batchable and algorithm.target.max_batch_size >= 2 * LAW_ROWS else 1
+    for start in range(0, runs, rows):
+        kw = {"max_new_tokens": n, "sampling": sampling, "generator": generator}
+        results = (algorithm.generate_batch([list(prompt)] * min(rows, runs - start), **kw) if rows > 1 else
+                   [algorithm.generate(list(prompt), **kw)])
+        for result in results:
+            key = tuple(result.tokens)
+            counts[key] = counts.get(key, 0) + 1
+            accepted += result.stats.accepted_draft_tokens
     return counts, accepted
 
 
 def batched_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling: SamplingParams,
-                   seed: int = 1234) -> tuple[dict[tuple[int, ...], int], int]:
-    """``sampled_counts`` for an algorithm with ``generate_batch`` (SSD): the ``runs`` generations as one batch."""
+                   seed: int = 1234, rows: int | None = None) -> tuple[dict[tuple[int, ...], int], int]:
+    """``sampled_counts`` for an algorithm with ``generate_batch`` (SSD, the engine loop's): the ``runs``
+    generations side by side, ``rows`` at a time (None: all in one batch)."""
     generator = torch.Generator().manual_seed(seed)
-    results = algorithm.generate_batch([list(prompt)] * runs, max_new_tokens=n, sampling=sampling,
-                                       generator=generator)
+    rows = rows or runs
+    results = [result for start in range(0, runs, rows)
+               for result in algorithm.generate_batch([list(prompt)] * min(rows, runs - start), max_new_tokens=n,
+                                                      sampling=sampling, generator=generator)]
     counts: dict[tuple[int, ...], int] = {}
     for result in results:
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1

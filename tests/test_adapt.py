@@ -168,6 +168,68 @@ def test_the_engine_finds_the_bandit_through_its_entry_point_and_takes_in_proces
     assert round_observers.observer_kind("mine") is BANDIT
 
 
+class RecordingObserver:
+    """An observer kind that is its own observer: it serves the drafter as given and records each call's query."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, object]] = []
+
+    def settings(self, cfg):
+        return None
+
+    def attach(self, target, drafter, settings, *, verify_tokens, max_accept):
+        return drafter, self
+
+    def begin_query(self, query, prompt_ids, features, last_logits, max_accept):
+        self.calls.append(("begin", query))
+
+    def observe_round(self, query, tokens, features, target_logits, accepted, rejected):
+        self.calls.append(("round", query))
+
+    def end_query(self, query, last_token):
+        self.calls.append(("end", query))
+
+
+def test_the_observer_is_told_which_request_each_round_belongs_to(tiny, monkeypatch):
+    from inference import round_observers
+    from inference.engine.loop import DecodeEngine
+    from inference.engine.state import RowRequest
+
+    target, drafter = tiny
+    recorder = RecordingObserver()
+    monkeypatch.setattr(round_observers, "_REGISTERED", {"recording": recorder})
+    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, adapt="recording", tree_depth=3,
+                                tree_topk=3, tree_total=10)
+    queue = [RowRequest(key, prompt, 9, GREEDY, None) for key, prompt in zip("ab", PROMPTS)]
+    DecodeEngine(algorithm.target, algorithm.strategy()).run(lambda: queue.pop(0) if queue else None,
+                                                            lambda event: None)
+    for key in "ab":
+        calls = [call for call, query in recorder.calls if query == key]
+        assert calls[0] == "begin" and calls[-1] == "end" and set(calls[1:-1]) == {"round"}
+    assert [q for _, q in recorder.calls] == sorted(q for _, q in recorder.calls)  # one row: a, then b
+
+
+def test_the_bandit_keeps_interleaved_queries_apart(tiny):
+    """Rounds of two queries that interleave (as rows side by side would) go to each query's own record."""
+    target, drafter = tiny
+    adapter, _ = adapter_for(drafter, min_gap=100)
+    width, vocab = 3 * target.config.hidden_size, target.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    features = {q: torch.randn(5, width, generator=generator) for q in "xy"}
+    adapter.begin_query("x", [1, 2, 3, 4, 5], features["x"], torch.randn(vocab, generator=generator), max_accept=4)
+    adapter.begin_query("y", [6, 7, 8, 9, 10], features["y"], torch.randn(vocab, generator=generator), max_accept=4)
+    for q, n in (("x", 3), ("y", 1), ("x", 2)):
+        adapter.observe_round(q, list(range(n)), torch.randn(n, width, generator=generator),
+                              torch.randn(n, vocab, generator=generator), n - 1, None)
+    x, y = adapter.recorders["x"][0], adapter.recorders["y"][0]
+    assert x.accepted == [2, 1] and x.tokens == [1, 2, 3, 4, 5, 0, 1, 2, 0, 1]
+    assert y.accepted == [0] and y.tokens == [6, 7, 8, 9, 10, 0] and len(y.features) == 2
+    adapter.end_query("x", 7)
+    assert set(adapter.recorders) == {"y"}
+    adapter.end_query("y", 7)
+    assert adapter.recorders == {}
+
+
 def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
     from dataclasses import fields
 

@@ -17,6 +17,7 @@ from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.drafters.row_kv import RowKV
+from core.drafters.specblock import BlockKV, SpecBlockConfig, SpecBlockDrafter
 
 VOCAB, DRAFT_VOCAB, HIDDEN, TARGET_HIDDEN = 61, 47, 32, 24
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -187,6 +188,106 @@ def test_eagle3_bad_calls_name_the_fix():
         assert cache.length is None  # raises first
     with pytest.raises(ValueError, match="truncate drafter cache row 1 to 2 but it holds 1 rows"):
         cache.truncate(2)
+
+
+# -- SpecBlock ---------------------------------------------------------------------------------------------------
+
+
+def specblock(exact: bool) -> SpecBlockDrafter:
+    torch.manual_seed(0)
+    config = SpecBlockConfig(**SHAPE, target_hidden_size=TARGET_HIDDEN, aux_layer_ids=[1, 2, 3], block_size=3,
+                             num_layers=2)
+    return randomised(SpecBlockDrafter(config, embed_weight=torch.randn(VOCAB, HIDDEN)), exact)
+
+
+@pytest.mark.parametrize("exact", EXACT)
+def test_specblock_rows_equal_their_solo_calls(exact):
+    """``extend_and_draft`` over ragged rows (a row with no new anchor in the third call): each row's last block
+    (logits, rank logits, hidden, its K/V), anchor count and cross-cache entries equal the same row's B = 1
+    calls."""
+    drafter = specblock(exact)
+    calls = [Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
+             Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3)]
+    cache = drafter.new_cache(16, batch_size=3)
+    with torch.no_grad():
+        batched = [drafter.extend_and_draft(drafter_features, tokens, cache, counts=counts.tolist())
+                   for tokens, drafter_features, counts in (call.batch() for call in calls)]
+        for b in range(3):
+            alone = drafter.new_cache(16)
+            for call, out in zip(calls, batched):
+                n = call.counts[b]
+                if n == 0:
+                    continue
+                solo = drafter.extend_and_draft(call.features[b][None], call.tokens[b][None], alone)
+                for got, want in [(out.logits, solo.logits), (out.rank_logits, solo.rank_logits),
+                                  (out.hidden, solo.hidden), *zip(out.kv.k, solo.kv.k), *zip(out.kv.v, solo.kv.v)]:
+                    same(got[b], want[0], exact)
+            assert cache.row_anchors[b] == alone.anchors == sum(call.counts[b] for call in calls)
+            held = alone.length
+            for layer in range(2):
+                same(cache.k[layer][b, :, :held], alone.k[layer][0, :, :held], exact)
+                same(cache.v[layer][b, :, :held], alone.v[layer][0, :, :held], exact)
+
+
+@pytest.mark.parametrize("exact", EXACT)
+def test_specblock_later_blocks_of_rows_equal_their_solo_calls(exact):
+    """``forward_leaves`` over ragged rows (2, 0 and 3 leaves; 6, 0 and 3 TTT entries, each leaf seeing some):
+    each row's leaves get what the row's one-row call against its own cache gets."""
+    drafter = specblock(exact)
+    k, heads, dim = 3, 2, HIDDEN // 4
+    call = Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1)
+    cache = drafter.new_cache(16, batch_size=3)
+    generator = torch.Generator().manual_seed(4)
+    leaves, entries = [2, 0, 3], [2 * k, 0, k]
+    cond = [torch.randn(n, HIDDEN, generator=generator) for n in leaves]
+    tokens = [torch.randint(0, VOCAB - 1, (n,), generator=generator) for n in leaves]
+    valid = [torch.randint(1, k + 1, (n,), generator=generator) for n in leaves]
+    ttt = [BlockKV([torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)],
+                   [torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)]) for e in entries]
+    visible = [torch.rand(n, e, generator=generator) < 0.5 for n, e in zip(leaves, entries)]
+    width, most = max(leaves), max(entries)
+    padded_ttt = BlockKV([torch.zeros(3, heads, most, dim) for _ in range(2)],
+                         [torch.zeros(3, heads, most, dim) for _ in range(2)])
+    padded_visible = torch.zeros(3, width, most, dtype=torch.bool)
+    for b, (n, e) in enumerate(zip(leaves, entries)):
+        for layer in range(2):
+            padded_ttt.k[layer][b, :, :e], padded_ttt.v[layer][b, :, :e] = ttt[b].k[layer][0], ttt[b].v[layer][0]
+        padded_visible[b, :n, :e] = visible[b]
+    with torch.no_grad():
+        batch_tokens, batch_features, counts = call.batch()
+        drafter.extend_and_draft(batch_features, batch_tokens, cache, counts=counts.tolist())
+        out = drafter.forward_leaves(padded(cond), padded(tokens), cache, current_valid=padded(valid), ttt=padded_ttt,
+                                     ttt_visible=padded_visible, counts=leaves, ttt_counts=entries)
+        for b, (n, e) in enumerate(zip(leaves, entries)):
+            if n == 0:
+                continue
+            alone = drafter.new_cache(16)
+            drafter.extend_and_draft(call.features[b][None], call.tokens[b][None], alone)
+            solo = drafter.forward_leaves(cond[b][None], tokens[b][None], alone, current_valid=valid[b],
+                                          ttt=ttt[b] if e else None, ttt_visible=visible[b] if e else None)
+            for got, want in [(out.logits, solo.logits), (out.rank_logits, solo.rank_logits),
+                              (out.hidden, solo.hidden)]:
+                same(got[b, :n], want[0], exact)
+            for got, want in [*zip(out.kv.k, solo.kv.k), *zip(out.kv.v, solo.kv.v)]:
+                same(got[b, :, :n * k], want[0], exact)
+
+
+def test_specblock_bad_calls_name_the_fix():
+    drafter = specblock(False)
+    tokens, features = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 3 * TARGET_HIDDEN)
+    with pytest.raises(ValueError, match=r"got 2 rows but the cross cache holds 1; .*batch_size=2"):
+        drafter.extend_and_draft(features, tokens, drafter.new_cache(4))
+    cache = drafter.new_cache(4, batch_size=2)
+    with pytest.raises(ValueError, match=r"counts must be 2 numbers in 0..9"):
+        drafter.extend_and_draft(features, tokens, cache, counts=[4, 1])
+    drafter.extend_and_draft(features, tokens, cache, counts=[3, 1])
+    with pytest.raises(ValueError, match=r"SpecBlock cross cache overflow: 15 entries needed, capacity 12"):
+        drafter.extend_and_draft(features[:, :2], tokens[:, :2], cache)
+    with pytest.raises(ValueError, match=r"rows hold different lengths \[9, 3\]; read .lengths"):
+        assert cache.anchors is None  # raises first
+    with pytest.raises(ValueError, match=r"got 2 rows and counts \[1\] for a cross cache of 2 rows; give one count"):
+        drafter.forward_leaves(torch.zeros(2, 1, HIDDEN), tokens[:, :1], cache, current_valid=torch.ones(2, 1),
+                               counts=[1])
 
 
 # -- the cache itself ----------------------------------------------------------------------------------------------

@@ -222,5 +222,5 @@ def test_generate_batch_answers_each_prompt_as_alone(models, name):
         assert result.tokens == alone.tokens and counters(result.stats) == counters(alone.stats)
     assert len({r.stats.wall_s for r in batched}) == 1
     with pytest.raises(Exception, match="answers one prompt at a time"):
-        build_algorithm("self_draft", lone.target).generate_batch([[1]], max_new_tokens=2,
-                                                                       sampling=GREEDY)
+        build_algorithm("pearl", lone.target, runner_of(models[1])).generate_batch([[1]], max_new_tokens=2,
+                                                                                   sampling=GREEDY)

@@ -114,8 +114,8 @@ GRID_ROWS = 8
 
 def rows_as_the_algorithms_read_them(target, tokens, mask, positions) -> dict[str, torch.Tensor]:
     """Every row's logits of one verification forward, read as the tree algorithms read them (each row computed
-    when read: inference.algorithms.feature_drafting.TreeVerification._verify_tree) and as Self-Draft does (the root
-    with the forward, the grid's rows in one call, the rest when read: SelfDraft._forward, then grid_argmax)."""
+    when read: inference.algorithms.feature_drafting.FeatureTrees.verify) and as Self-Draft does (the root
+    with the forward, the grid's rows in one call, the rest when read: NodeLogits.grid_argmax)."""
     output = target.forward(tokens, positions=positions, attention_mask=mask, return_last_hidden=True,
                             logit_rows=slice(0, 1))
     tree = RowLogits(output.last_hidden[0], target.logits_from_hidden)

@@ -27,7 +27,7 @@ import pytest
 import torch
 from law_helpers import (PooledChiSquare, batched_counts, enumerated_law, inject_resample_from_p,
                          law_resampling_from_p, sampled_counts, temperature_changed)
-from test_algorithms import tiny_llama
+from test_algorithms import LAW_ROWS, tiny_llama
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -129,13 +129,15 @@ def build(name: str, target) -> object:
         rows = CASES[name][1]
         return build_algorithm("ssd", runner(target, rows), runner(draft_model(), rows), gamma=2, budget=4, seed=3)
     if name == "self_draft":
-        return build_algorithm("self_draft", runner(target, max_seq_len=48), branch_len=3, branch_num=2)
+        # LAW_ROWS requests side by side (law_helpers.sampled_counts)
+        return build_algorithm("self_draft", runner(target, 2 * LAW_ROWS, max_seq_len=48), branch_len=3, branch_num=2)
     if name == "eagle3_tree":
         drafter = tied(Eagle3Drafter, Eagle3Config, target, DRAFTER_SEEDS[name])
         return build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=2, tree_topk=2, tree_total=4)
     if name == "specblock_tree":
         # one block: the window's depth-1 trees never keep a later block's nodes
-        return build_algorithm("specblock_tree", runner(target), specblock_drafter_knowing_the_target(target),
+        return build_algorithm("specblock_tree", runner(target, 2 * LAW_ROWS),
+                               specblock_drafter_knowing_the_target(target),
                                width=SPECBLOCK_WIDTH, budget=4, widths=[2, 2, 2, 2], blocks=1)
     if name == "dflash":
         drafter = tied(DFlashDrafter, DFlashConfig, target, DRAFTER_SEEDS[name], block_size=3, num_layers=1, mask_token_id=7)
@@ -177,6 +179,8 @@ def algorithms(target):
 
 def counts_of(algorithm, name: str, sampling: SamplingParams, seed: int) -> tuple[dict, int]:
     n, runs = CASES[name]
+    if name == "specblock_tree":  # LAW_ROWS requests side by side: the law checked is that of a row in a batch
+        return batched_counts(algorithm, PROMPT, n, runs, sampling, seed=seed, rows=LAW_ROWS)
     sampler = batched_counts if name == "ssd" else sampled_counts
     return sampler(algorithm, PROMPT, n, runs, sampling, seed=seed)
 

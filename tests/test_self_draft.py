@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_algorithms import assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_algorithms import LAW_ROWS, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm
@@ -409,16 +409,18 @@ def test_grid_vocab_argmax_is_the_argmax_over_its_tokens():
 
 
 def test_sampling_follows_the_target_law():
-    """Monte Carlo on a 4-token vocabulary: the law of the first 3 tokens equals the target's (chi-square and
-    TV, fixed seed). The context cache carries over between runs, so candidates and branches get accepted."""
+    """Monte Carlo on a 4-token vocabulary: the law of the first 3 tokens of a request among 64 side by side equals
+    the target's (chi-square and TV, fixed seed). The context cache carries over from one batch to the next, so
+    candidates and branches get accepted."""
     vocab, n, runs = 4, 3, 2000
     target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    algorithm = build_algorithm("self_draft", runner(target, 96), branch_len=4, branch_num=2)
+    algorithm = build_algorithm("self_draft", runner(target, 96, rows=2 * LAW_ROWS), branch_len=4, branch_num=2)
     counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # drafts were really accepted, not just AR in disguise
-    assert_follows_law(counts, law, runs, max_tv=0.07)
+    # TV of 2,000 draws of this law over its 64 outcomes exceeds 0.094 once in 10^4 (its median is 0.067)
+    assert_follows_law(counts, law, runs, max_tv=0.094)
 
 
 # ----------------------------------------------------------------------------------------------- real model

@@ -483,14 +483,14 @@ def test_cli_refuses_bad_keys_in_one_line(capsys):
 
 
 def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_exact():
-    for name in ("ar", "sps", "dflash", "peagle", "eagle3_tree"):
+    for name in ("ar", "sps", "dflash", "peagle", "eagle3_tree", "specblock_tree", "self_draft"):
         assert serving_batch(0, name, torch.float32) == 8 and serving_batch(0, name, torch.bfloat16) == 8
         assert serving_batch(0, name, torch.bfloat16, "cuda") == 1
         assert serving_batch(0, name, torch.float32, "cuda") == 8
         assert serving_batch(4, name, torch.bfloat16) == 4
-    assert serving_batch(0, "specblock_tree", torch.float32) == serving_batch(1, "specblock_tree", torch.float32) == 1
-    with pytest.raises(UserError, match="specblock_tree serves one request at a time.*batch_size=1"):
-        serving_batch(4, "specblock_tree", torch.float32)
+    assert serving_batch(0, "pearl", torch.float32) == serving_batch(1, "pearl", torch.float32) == 1
+    with pytest.raises(UserError, match="pearl serves one request at a time.*batch_size=1"):
+        serving_batch(4, "pearl", torch.float32)
 
 
 def test_a_step_budget_where_it_does_nothing_is_refused(tiny):
@@ -517,11 +517,15 @@ def test_the_server_measures_its_costs_reports_the_policy_and_answers_as_ar(tiny
             start(tiny, *keys)
 
 
-@pytest.mark.parametrize("name", ["dflash", "peagle"])
+@pytest.mark.parametrize("name", ["dflash", "peagle", "specblock_tree", "self_draft"])
 def test_concurrent_clients_of_a_parallel_drafter_get_their_answers_alone(tiny, name):
-    """8 clients at once on 8 rows (every running row's chain drafted in one drafter call), greedy and seeded
-    sampling: each gets the tokens of the algorithm's run of its request alone."""
-    alone = build_algorithm(name, load_runner(tiny["target"].model, max_seq_len=MAX_SEQ), tiny[name])
+    """8 clients at once on 8 rows (every running row's chain, or SpecBlock's first blocks, drafted in one drafter
+    call; Self-Draft: each row's grid and candidates), greedy and seeded sampling: each gets the tokens of the
+    algorithm's run of its request alone."""
+    options = {"specblock_tree": {"budget": 16, "width": 4},  # their ALGORITHMS keys
+               "self_draft": {"branch_len": 3, "branch_num": 2}}.get(name, {})
+    alone = build_algorithm(name, load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
+                            tiny.get("specblock" if name == "specblock_tree" else name), **options)
     eos = tiny["target"].tokenizer.eos_token_id
     jobs = [(f"Count to {i}." + " Go on." * (i % 3), 5 + i % 6, 0.0 if i % 2 else 0.9, i) for i in range(ROWS)]
     results: dict[int, list[int]] = {}

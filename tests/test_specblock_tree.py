@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_algorithms import GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
 from tiny_targets import set_random_vocab_map
 
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
@@ -307,9 +307,9 @@ def test_frozen_tree_walk_is_exact(setup):
 
 
 def test_sampling_follows_the_target_law():
-    """Monte Carlo end to end: the law of the first 3 tokens equals the target's (chi-square and TV), with a
-    reduced draft vocabulary (Vd=3 < V=4) and K=1, so tokens 2 and 3 come from block 1 and from a later block
-    (or their alternatives) of the first tree."""
+    """Monte Carlo end to end, LAW_ROWS requests side by side: the law of the first 3 tokens of a row in a batch
+    equals the target's (chi-square and TV), with a reduced draft vocabulary (Vd=3 < V=4) and K=1, so tokens 2 and
+    3 come from block 1 and from a later block (or their alternatives) of the first tree."""
     vocab, n, runs = 4, 3, 1000
     target = tiny_llama(10, vocab=vocab, layers=3, temperature_scale=3.0)
     config = SpecBlockConfig.for_target(target.config, draft_vocab_size=3, aux_layer_ids=AUX, block_size=1)
@@ -318,7 +318,7 @@ def test_sampling_follows_the_target_law():
     drafter.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    algorithm = build_algorithm("specblock_tree", runner(target, 16), drafter, width=2, budget=6,
+    algorithm = build_algorithm("specblock_tree", runner(target, 16, rows=2 * LAW_ROWS), drafter, width=2, budget=6,
                                 widths=[2, 2, 2, 2])
     counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # tree paths are really exercised, not just the bonus token

@@ -45,11 +45,13 @@ from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
 from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedConfig, check_drafter_config,
-                                  layer_llama_config, target_layer_shape)
+                                  layer_llama_config, per_row_attention, target_layer_shape)
+from core.drafters.row_kv import RowKV
 from core.drafters.specblock_attention import (ATTENTION_KINDS, CHUNK_ANCHORS, CHUNK_ANCHORS_CUDA, BlockLayout,
                                                 block_sparse_attention)
 from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.drafters.target_tied import TargetTiedDrafter
+from core.kernels import exact_cpu
 from core.layer_ids import LAYER_CONVENTION
 
 NUM_RANK_FEATURES = 15
@@ -179,17 +181,23 @@ def later_block_mask(anchors: int, k: int, *, first_block: bool, ttt_valid: Sequ
 
 class SpecBlockAttention(Eagle3Attention):
     """Llama attention over this block's keys after the past K/V groups (``past_k``, ``past_v``: per group
-    [B, kv_heads, entries, D]). ``attention``: a dense bool mask [B, T, P + T] over the groups concatenated, or
-    the :class:`BlockLayout` of a training block (block-sparse, same result)."""
+    [B, kv_heads, entries, D]). ``attention``: a dense bool mask [B, T, P + T] over the groups concatenated, an
+    ``Attend`` function over them (row-exact serving: one call per row), or the :class:`BlockLayout` of a
+    training block (block-sparse, same result)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: Sequence[torch.Tensor],
                 past_v: Sequence[torch.Tensor],
-                attention: torch.Tensor | BlockLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if isinstance(attention, torch.Tensor):
+                attention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not isinstance(attention, BlockLayout):
             return super().forward(x, cos, sin, _joined(past_k), _joined(past_v), attention)
         q, k, v = self.project(x, cos, sin)
         out = block_sparse_attention(q, k, v, past_k, past_v, attention, expand_kv=q.is_cuda)
         return self.merge(out), k, v
+
+
+def _exact_linear(x: torch.Tensor, weight_t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` by ``core.kernels.exact_cpu.linear`` (fp32; bf16 values computed in fp32, rounded back)."""
+    return exact_cpu.linear(x.float(), weight_t, out_features).to(x.dtype)
 
 
 def _joined(groups: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -247,43 +255,39 @@ class BlockOutput:
     kv: BlockKV  # this block's K/V for its B·S·K entries
 
 
-class SpecBlockCache:
+class SpecBlockCache(RowKV):
     """The serving CROSS cache (§4): per layer K/V [B, kv_heads, capacity, D] holding all K slots of every
-    committed anchor (first-block entries computed from target features), ``length`` entries in use."""
+    committed anchor (first-block entries computed from target features), one length per row in entries
+    (:class:`core.drafters.row_kv.RowKV`; row ``b`` holds ``held[b] // K`` anchors)."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], block_size: int):
-        self.k, self.v, self.block_size = k, v, block_size
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
+        super().__init__(k, v, name="SpecBlock cross cache", unit="entries")
+        self.block_size = block_size
 
     @property
     def anchors(self) -> int:
+        """The anchors every row holds (the one-row API); refuses rows of different lengths."""
         return self.length // self.block_size
 
-    def append(self, kv: BlockKV) -> None:
-        end = self.length + kv.entries
-        if end > self.capacity:
-            raise ValueError(f"SpecBlock cross cache overflow: {end} entries needed, capacity {self.capacity}; "
-                             "build it with a larger max_anchors")
-        for layer in range(len(self.k)):
-            self.k[layer][:, :, self.length:end] = kv.k[layer]
-            self.v[layer][:, :, self.length:end] = kv.v[layer]
-        self.length = end
+    @property
+    def row_anchors(self) -> list[int]:
+        """The anchors each row holds."""
+        return [n // self.block_size for n in self.held]
+
+    def append(self, kv: BlockKV, counts: list[int] | None = None) -> None:
+        """Row ``b`` appends the first ``counts[b]`` entries of ``kv`` (None: all of them)."""
+        super().append(list(zip(kv.k, kv.v)), counts)
 
     def view(self) -> BlockKV:
-        return BlockKV([k[:, :, : self.length] for k in self.k], [v[:, :, : self.length] for v in self.v])
-
-    def truncate(self, anchors: int) -> None:
-        if not 0 <= anchors <= self.anchors:
-            raise ValueError(f"truncate the cross cache to {anchors} anchors but it holds {self.anchors}")
-        self.length = anchors * self.block_size
+        """Every row's entries up to the longest row's (a row alone: exactly its entries)."""
+        layers = super().view()
+        return BlockKV([k for k, _ in layers], [v for _, v in layers])
 
 
 class SpecBlockDrafter(TargetTiedDrafter):
     """The SpecBlock drafter; see the module docstring for the architecture, positions and masks."""
+
+    ROW_EXACT_SERVING = True
 
     def __init__(self, config: SpecBlockConfig, embed_weight: torch.Tensor | None = None):
         """``embed_weight`` [V, H]: the target's token embedding, shared (not copied) and frozen."""
@@ -350,7 +354,12 @@ class SpecBlockDrafter(TargetTiedDrafter):
         q = self.query_norm(self.position_queries).to(dtype)
         # W_f · [c ; e ; q_k] split by input block: c and e are projected once per anchor (prefix broadcast).
         w_c, w_e, w_q = self.fuse.weight.split(hidden, dim=1)
-        z = (F.linear(c, w_c) + F.linear(e, w_e))[:, :, None, :] + F.linear(q, w_q)  # [B, A, K, H]
+        if self.row_exact:  # rows whose bits do not depend on the call's other rows
+            w_c_t, w_e_t = self._fuse_packed()
+            prefix = _exact_linear(c, w_c_t, hidden) + _exact_linear(e, w_e_t, hidden)
+        else:
+            prefix = F.linear(c, w_c) + F.linear(e, w_e)
+        z = prefix[:, :, None, :] + F.linear(q, w_q)  # [B, A, K, H]
         positions = (anchors[..., None] + 1 + torch.arange(k, device=anchors.device)).reshape(batch, count * k)
         cos, sin = self._rope(positions, dtype)
         ks, vs = [], []
@@ -364,9 +373,35 @@ class SpecBlockDrafter(TargetTiedDrafter):
             vs.append(value)
         return z, BlockKV(ks, vs)
 
-    def _heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """G [..., H] -> (draft logits [..., Vd], rank logits [..., buckets]); the rank head reads no gradient
-        path into the trunk (detached hidden, no-grad features)."""
+    def _fuse_packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The condition and token blocks of W_f as the exact linear takes them (made again when W_f changes)."""
+        weight = self.fuse.weight
+        stamp = (weight.data_ptr(), weight._version)
+        packed = self.__dict__.get("_fuse_packs")
+        if packed is None or packed[0] != stamp:
+            hidden = self.config.hidden_size
+            packed = (stamp, tuple(exact_cpu.transposed_weight(w.float()) for w in weight.split(hidden, dim=1)[:2]))
+            self.__dict__["_fuse_packs"] = packed
+        return packed[1]
+
+    def _heads(self, hidden: torch.Tensor,
+               counts: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """G [B, A, ..., H] -> (draft logits [B, A, ..., Vd], rank logits [B, A, ..., buckets]); the rank head
+        reads no gradient path into the trunk (detached hidden, no-grad features). Row-exact: one call per row
+        over its ``counts[b]`` real anchors (None: all A), the rest zero (the rank features' and SiLU's vectorised
+        kernels treat a tensor's tail apart, so a row's bits could depend on its neighbours and pads)."""
+        batch, count = hidden.shape[:2]
+        if not self.row_exact or (batch == 1 and (counts is None or counts[0] == count)):
+            return self._row_heads(hidden)
+        counts = [count] * batch if counts is None else counts
+        logits = hidden.new_zeros(*hidden.shape[:-1], self.config.draft_vocab_size)
+        rank = hidden.new_zeros(*hidden.shape[:-1], self.config.rank_buckets)
+        for b, n in enumerate(counts):
+            if n:
+                logits[b:b + 1, :n], rank[b:b + 1, :n] = self._row_heads(hidden[b:b + 1, :n])
+        return logits, rank
+
+    def _row_heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.norm(hidden)
         logits = self.lm_head(normed)
         features = rank_features(logits, self.config.rank_topk).to(normed.dtype)
@@ -421,38 +456,79 @@ class SpecBlockDrafter(TargetTiedDrafter):
     # -- serving ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def extend_and_draft(self, features: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache) -> BlockOutput:
-        """Commit new anchors and draft the first block of the last one.
+    def extend_and_draft(self, features: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache,
+                         counts: list[int] | None = None) -> BlockOutput:
+        """Commit new anchors and draft the first block of the last one, for the B rows of ``cache`` at once.
 
-        ``features`` [B, T, 3·H_t]: the target's aux features of positions ``n .. n + T - 1`` (``n`` = anchors
-        already in ``cache``), ``tokens`` [B, T]: the token that follows each. Every new anchor's K slots see the
-        whole cross cache plus earlier new anchors and their own slots causally (= the training first-block mask);
-        all K entries of every new anchor are appended to ``cache``. Returns the LAST anchor's block
-        ([B, 1, K, ...]; ``kv`` = its entries)."""
+        ``features`` [B, T, 3·H_t]: the target's aux features of positions ``n_b .. n_b + T - 1`` (``n_b`` =
+        anchors row ``b`` holds), ``tokens`` [B, T]: the token that follows each. ``counts`` [B]: row ``b``'s
+        first ``counts[b]`` anchors are real, the rest pads that are never kept (None: all T of every row). Every
+        new anchor's K slots see its row's cross cache plus the row's earlier new anchors and their own slots
+        causally (= the training first-block mask); all K entries of every real new anchor are appended to
+        ``cache``. Returns each row's LAST real anchor's block ([B, 1, K, ...]; ``kv`` = its entries; a row with
+        no new anchor: meaningless)."""
         batch, count = tokens.shape
         k = self.config.block_size
-        first = cache.anchors
-        past = [cache.view()] if cache.length else []
+        if cache.batch != batch:
+            raise ValueError(f"extend_and_draft got {batch} rows but the cross cache holds {cache.batch}; build it "
+                             f"with new_cache(max_anchors, batch_size={batch})")
+        entries = cache.counts(count * k, None if counts is None else [int(n) * k for n in counts])
+        ragged = not cache.uniform or any(n != count * k for n in entries)
+        past = [cache.view()] if cache.longest else []
         own = first_block_mask(count, k, tokens.device)
-        mask = torch.cat([own.new_ones(count * k, cache.length), own], dim=-1).expand(batch, -1, -1)
-        anchors = (first + torch.arange(count, device=tokens.device)).expand(batch, count)
-        hidden, kv = self._trunk(self.fc(features), tokens, anchors, past, mask)
-        cache.append(kv)
-        last = hidden[:, -1:]
-        logits, rank = self._heads(last)
-        return BlockOutput(logits, rank, last, kv.select(torch.arange((count - 1) * k, count * k, device=tokens.device)))
+        if ragged:
+            mask = self._ragged_mask(own, cache, entries)
+            firsts = torch.tensor(cache.row_anchors, device=tokens.device)[:, None]
+        else:
+            mask = torch.cat([own.new_ones(count * k, cache.length), own], dim=-1).expand(batch, -1, -1)
+            firsts = cache.anchors
+        anchors = (firsts + torch.arange(count, device=tokens.device)).expand(batch, count)
+        attention = per_row_attention(mask, cache.held, entries) if self.row_exact else mask
+        hidden, kv = self._trunk(self.fc(features), tokens, anchors, past, attention)
+        cache.append(kv, entries if ragged else None)
+        last = [max(n // k, 1) - 1 for n in entries]
+        if not ragged:
+            logits, rank = self._heads(hidden[:, -1:])
+            return BlockOutput(logits, rank, hidden[:, -1:],
+                               kv.select(torch.arange((count - 1) * k, count * k, device=tokens.device)))
+        rows = torch.arange(batch, device=tokens.device)
+        at = torch.tensor(last, device=tokens.device)
+        hidden = hidden[rows, at][:, None]  # [B, 1, K, H]
+        logits, rank = self._heads(hidden)
+        slots = at[:, None] * k + torch.arange(k, device=tokens.device)  # [B, K]
+        select = [(t[rows[:, None], :, slots].transpose(1, 2)) for t in (*kv.k, *kv.v)]
+        layers = len(kv.k)
+        return BlockOutput(logits, rank, hidden, BlockKV(select[:layers], select[layers:]))
+
+    @staticmethod
+    def _ragged_mask(own: torch.Tensor, cache: SpecBlockCache, entries: list[int]) -> torch.Tensor:
+        """bool [B, T·K, P + T·K] of a ragged :meth:`extend_and_draft`: row ``b``'s held entries, then its real new
+        entries under the first-block mask; a pad entry sees itself (no empty softmax row)."""
+        batch, new = cache.batch, own.shape[0]
+        real = torch.arange(new, device=own.device) < torch.tensor(entries, device=own.device)[:, None]  # [B, T·K]
+        mine = own & real[:, None, :]
+        mine = mine | torch.eye(new, dtype=torch.bool, device=own.device)
+        return torch.cat([cache.key_mask(new).to(own.device), mine], dim=-1).expand(batch, new, -1)
 
     @torch.no_grad()
     def forward_leaves(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache, *,
                        current_valid: torch.Tensor, ttt: BlockKV | None = None,
-                       ttt_visible: torch.Tensor | None = None) -> BlockOutput:
+                       ttt_visible: torch.Tensor | None = None, counts: list[int] | None = None,
+                       ttt_counts: list[int] | None = None) -> BlockOutput:
         """Later blocks of L pending tree leaves of the CURRENT anchor (the last one in ``cache``), in one forward.
 
         ``cond`` [B, L, H]: the pre-norm hidden G of each leaf's source slot; ``tokens`` [B, L]: the leaf tokens
         (target ids). Each leaf sees the cross cache of earlier anchors, the current anchor's first-block slots
         ``< current_valid[l]`` (LongTensor [L]), the TTT entries ``ttt`` where ``ttt_visible`` [L, entries] is
         True (its lineage's earlier later-blocks, slot < source slot + 1), and its own slots causally. Positions
-        are the current anchor's (§4)."""
+        are the current anchor's (§4).
+
+        Ragged rows (``counts`` [B]: row ``b``'s first ``counts[b]`` leaves are real): each row's leaves belong to
+        its own current anchor (its last in ``cache``), ``current_valid`` is [B, L], ``ttt_visible`` [B, L, E]
+        and ``ttt_counts`` [B] the TTT entries each row holds (the first of ``ttt``'s E); a row reads only its own
+        cache entries, TTT entries and real leaves. Pad leaves' outputs are meaningless."""
+        if counts is not None:
+            return self._leaves_of_rows(cond, tokens, cache, current_valid, ttt, ttt_visible, counts, ttt_counts)
         batch, count = tokens.shape
         k = self.config.block_size
         device = tokens.device
@@ -475,6 +551,68 @@ class SpecBlockDrafter(TargetTiedDrafter):
         hidden, kv = self._trunk(cond, tokens, anchors, parts, mask)
         logits, rank = self._heads(hidden)
         return BlockOutput(logits, rank, hidden, kv)
+
+    def _leaves_of_rows(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache,
+                        current_valid: torch.Tensor, ttt: BlockKV | None, ttt_visible: torch.Tensor | None,
+                        counts: list[int], ttt_counts: list[int] | None) -> BlockOutput:
+        """:meth:`forward_leaves` over ragged rows (see there)."""
+        batch, count = tokens.shape
+        k, device = self.config.block_size, tokens.device
+        if cache.batch != batch or len(counts) != batch or any(not 0 <= n <= count for n in counts):
+            raise ValueError(f"forward_leaves got {batch} rows and counts {list(counts)} for a cross cache of "
+                             f"{cache.batch} rows; give one count in 0..{count} per cache row")
+        held = cache.held
+        if any(n and h < k for n, h in zip(counts, held)):
+            raise ValueError("forward_leaves needs each row's current anchor's first block in the cache: call "
+                             "extend_and_draft first")
+        past, entries = cache.longest, (0 if ttt is None else ttt.entries)
+        current = torch.tensor([max(h // k - 1, 0) for h in held], device=device)  # [B]
+        column = torch.arange(past, device=device)
+        start = (current * k)[:, None, None]  # the current anchor's first entry
+        slot = (column[None, None, :] - start)  # [B, 1, P]: slot of the current anchor, < 0 for earlier anchors
+        valid = current_valid.to(device).repeat_interleave(k, dim=1)[:, :, None]  # [B, L·K, 1]
+        groups = [(slot < 0) | ((slot < k) & (slot < valid))]  # [B, L·K, P]
+        parts = [cache.view()]
+        if ttt is not None:
+            if ttt_visible is None or tuple(ttt_visible.shape) != (batch, count, entries):
+                raise ValueError(f"ttt_visible must be [{batch}, {count}, {entries}] when ttt entries are given")
+            groups.append(ttt_visible.to(device).repeat_interleave(k, dim=1))
+            parts.append(ttt)
+        own = first_block_mask(count, k, device) & ~_earlier_anchors(count, k, device)
+        real = torch.arange(count * k, device=device) < torch.tensor([n * k for n in counts], device=device)[:, None]
+        own = (own & real[:, None, :]) | torch.eye(count * k, dtype=torch.bool, device=device)
+        mask = torch.cat(groups + [own], dim=-1)
+        anchors = current[:, None].expand(batch, count)
+        attention = mask
+        if self.row_exact:
+            ttt_held = list(ttt_counts) if ttt_counts is not None else [entries] * batch
+            spans = [[(0, h), (past, e), (past + entries, n * k)] for h, e, n in zip(held, ttt_held, counts)]
+            attention = span_attention(mask, spans)
+        hidden, kv = self._trunk(cond, tokens, anchors, parts, attention)
+        logits, rank = self._heads(hidden, counts)
+        return BlockOutput(logits, rank, hidden, kv)
+
+
+def span_attention(mask: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]]):
+    """An attention function (``Attend``) that runs one SDPA per row over exactly its keys: row ``b``'s key
+    columns are its ``spans[b]`` (start, length) in order, its queries the first ``spans[b][-1][1]`` (its own new
+    entries, the last span), under ``mask`` [B, T, keys]: the call the row gets alone, so its result does not
+    depend on the other rows (row-exact serving). Pad queries come out zero."""
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = q.new_zeros(q.shape)
+        gqa = q.shape[1] != keys.shape[1]
+        for b, row in enumerate(spans):
+            queries = row[-1][1]
+            if queries == 0:
+                continue
+            cols = torch.cat([torch.arange(start, start + n) for start, n in row]).to(mask.device)
+            out[b:b + 1, :, :queries] = F.scaled_dot_product_attention(
+                q[b:b + 1, :, :queries], keys[b:b + 1, :, cols], values[b:b + 1, :, cols],
+                attn_mask=mask[b:b + 1, :queries, cols][:, None], enable_gqa=gqa)
+        return out
+
+    return attend
 
 
 # ----------------------------------------------------------------------------------------------------------

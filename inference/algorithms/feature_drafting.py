@@ -1,9 +1,8 @@
 """What tree algorithms over feature-conditioned drafters (``eagle3_tree``, ``specblock_tree``) share: the checks
 that a drafter fits the target, reading its input features from the target's captured hidden states, the
-serving-time adapter's set-up and what it is told after each round, and two ways to run rounds (draft a tree,
-verify it in one target forward, commit): :class:`FeatureTrees`, a strategy of the engine loop (``eagle3_tree``:
-every running row drafts at once), and the one-request query loop ``_generate_trees`` (``specblock_tree``, which
-supplies ``_draft_tree``)."""
+serving-time adapter's set-up and what it is told after each round, and :class:`FeatureTrees`, the strategy of the
+engine loop that runs their rounds (draft a tree for every running row, verify every row's tree in one target
+forward, commit per row)."""
 
 from __future__ import annotations
 
@@ -14,22 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from core.kernels.exact_cpu import KernelUnavailable
-from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, Strategy
 from inference.round_observers import observer_kind, observer_names
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
-from inference.runner_contract import as_batch
-from inference.sampling import SamplingParams, sample
 from inference.verify import TreeWalkResult, tree_walk
-
-
-@dataclass
-class FeaturePrefill:
-    root: int  # the first generated token (not yet in the target's cache)
-    output: object  # the target's prefill RunnerOutput (last-position logits, captured layers)
-    features: torch.Tensor  # [1, P, 3·H_t] features of the prompt positions
-    next_tokens: list[int]  # the token after each of those positions (the prompt shifted, then the root)
 
 
 def check_drafter_fits(target, config, what: str) -> None:
@@ -67,7 +55,7 @@ def adapt_options(cfg) -> dict:
 
 class FeatureDrafting:
     """Mixin for algorithms whose drafter reads the target's aux layers (``self.drafter``, ``self.aux_layers``,
-    ``self.adapter``); they implement ``_draft_tree`` and call ``_generate_trees``."""
+    ``self.adapter``); they implement ``new_drafter_cache`` and ``draft_trees`` for :class:`FeatureTrees`."""
 
     def _build_adapter(self, adapt: str, settings, *, verify_tokens: int, max_accept: int) -> None:
         """``self.adapter``: None, or the round observer ``adapt=`` names (:mod:`inference.round_observers`; for
@@ -80,96 +68,9 @@ class FeatureDrafting:
                                                                      verify_tokens=verify_tokens,
                                                                      max_accept=max_accept)
 
-    def _draft_tree(self, features: torch.Tensor, next_tokens: list[int], committed: int, cache, out: OutputBuffer,
-                    stats: GenerationStats, child_logits: dict[int, torch.Tensor] | None):
-        """The draft tree below the root: the drafter reads ``features`` paired with ``next_tokens`` (the rows the
-        last verification committed), with ``committed`` tokens in the target's cache. ``child_logits`` (for the
-        adapter) receives the drafter's logits of every expanded node by its index in the tree (-1: the root)."""
-        raise NotImplementedError
-
-    def _generate_trees(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                        generator: torch.Generator | None, stats: GenerationStats, *, cache, max_accept: int) -> None:
-        """One query: prefill, then rounds of draft tree -> one verification forward -> commit, until done."""
-        start = self._prefill(prompt_ids, out, sampling, generator, stats)
-        root, features, next_tokens = start.root, start.features, start.next_tokens
-        committed = len(prompt_ids)
-        adapter = self.adapter
-        if adapter is not None:
-            adapter.begin_query(prompt_ids, features[0], start.output.logits[0, -1], max_accept=max_accept)
-        while not out.done:
-            child_logits: dict[int, torch.Tensor] | None = None if adapter is None else {}
-            started = time.perf_counter()
-            tree = self._draft_tree(features, next_tokens, committed, cache, out, stats, child_logits)
-            stats.draft_s += time.perf_counter() - started  # the drafter's cost per round (CPU work is synchronous)
-            verified = self._verify_tree(root, tree, committed, sampling, generator, stats, out)
-            if adapter is not None:
-                self._observe_round(root, tree, verified, child_logits)
-            features, next_tokens = verified.features, verified.emitted
-            committed += len(verified.kept_rows)
-            root = verified.emitted[-1]
-        if adapter is not None:
-            adapter.end_query(root)
-
     def _features(self, output) -> torch.Tensor:
         """[1, T, 3·H_t]: the aux layers concatenated in the drafter's order, in the drafter's dtype."""
         return torch.cat([output.hidden[i] for i in self.aux_layers], dim=-1).to(self.drafter.fc.weight.dtype)
-
-    def _prefill(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                 generator: torch.Generator | None, stats: GenerationStats) -> FeaturePrefill:
-        """Reset and prefill the target, sample the first token, and return what the drafter reads next."""
-        target = self.target
-        target.reset(1)
-        output = target.forward(as_batch(prompt_ids, target.device), capture_layers=self.aux_layers,
-                                only_last_logits=True)
-        stats.target_forwards += 1
-        root = int(sample(sampling.warp(output.logits[0, -1]), generator))
-        out.extend([root])
-        return FeaturePrefill(root, output, self._features(output), prompt_ids[1:] + [root])
-
-
-@dataclass
-class TreeRound:
-    output: object  # the target's verification RunnerOutput (captured layers; logits: see ``logits``)
-    logits: RowLogits  # the verification logits by row (on a CPU computed only for the rows the walk read)
-    walk: object  # inference.verify.TreeWalk: accepted path and emitted tokens
-    kept_rows: list[int]  # verification rows committed to the target's cache: the root and the accepted path
-    emitted: list[int]
-    features: torch.Tensor  # [1, len(kept_rows), 3·H_t] features of the committed rows (the next anchors)
-
-
-class TreeVerification:
-    """Mixin: verify a draft tree below ``root`` in ONE target forward and commit the accepted path."""
-
-    def _verify_tree(self, root: int, tree, committed: int, sampling: SamplingParams,
-                     generator: torch.Generator | None, stats: GenerationStats, out: OutputBuffer) -> TreeRound:
-        target, device = self.target, self.target.device
-        tokens = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=device)
-        lazy = lazy_rows_on(target)  # the walk reads ~τ rows of the tree's: on a CPU compute only those
-        output = target.forward(tokens, positions=tree.positions(committed, device)[None],
-                                attention_mask=tree.ancestor_mask(device), capture_layers=self.aux_layers,
-                                return_last_hidden=lazy, logit_rows=slice(0, 0) if lazy else None)
-        stats.target_forwards += 1
-        logits = (RowLogits(output.last_hidden[0], target.logits_from_hidden) if lazy
-                  else RowLogits.computed(output.logits[0]))
-        walk = tree_walk(tree.tokens, tree.parents, WarpedRows(logits, sampling.warp), generator)
-        kept_rows = [0] + [node + 1 for node in walk.path]
-        target.commit([kept_rows])
-        # Every tree node was drafted; acceptance by position follows the walked path.
-        stats.record_round(tree.max_depth, walk.num_accepted)
-        stats.drafted_tokens += len(tree) - tree.max_depth
-        emitted = walk.tokens.tolist()
-        out.extend(emitted)
-        return TreeRound(output, logits, walk, kept_rows, emitted, self._features(output)[:, kept_rows])
-
-    def _observe_round(self, root: int, tree, verified: TreeRound, child_logits: dict[int, torch.Tensor]) -> None:
-        """Hand the serving-time adapter this round's committed rows and, where the walk stopped at a node with
-        drafted children, the drafter's distribution there with the target's token (the rejected position)."""
-        walk = verified.walk
-        end = walk.path[-1] if walk.path else -1
-        drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
-        rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
-        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], verified.features[0],
-                                   verified.logits.stack(verified.kept_rows), walk.num_accepted, rejected)
 
 
 @dataclass
@@ -230,7 +131,7 @@ class FeatureTrees(Strategy):
                                      len(prompt), state.pending[-1])
             lens[state.row] = 0
             if self.adapter is not None:
-                self.adapter.begin_query(prompt, state.draft.features, state.first_logits,
+                self.adapter.begin_query(state.request.key, prompt, state.draft.features, state.first_logits,
                                          max_accept=self.max_accept)
         self.cache.truncate(lens)
 
@@ -259,24 +160,23 @@ class FeatureTrees(Strategy):
         draft.features, draft.next_tokens = self.features(row_hidden, kept), state.pending[1:] + emitted
         draft.committed += len(kept)
         if self.adapter is not None:
-            self._observe(draft.root, proposal, result, draft.features)
+            self._observe(state.request.key, draft.root, proposal, result, draft.features)
         draft.root = emitted[-1]
 
-    def _observe(self, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor) -> None:
-        """The adapter's view of a round (as ``TreeVerification._observe_round``): the committed rows and, where
-        the walk stopped at a node with drafted children, the drafter's distribution there with the target's
-        token."""
+    def _observe(self, query, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor) -> None:
+        """The adapter's view of a round: the committed rows and, where the walk stopped at a node with drafted
+        children, the drafter's distribution there with the target's token (the rejected position)."""
         tree, child_logits = proposal.tree, proposal.extra.child_logits
         end = walk.path[-1] if walk.path else -1
         drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
         rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
-        self.adapter.observe_round([root] + [tree.tokens[n] for n in walk.path], features,
+        self.adapter.observe_round(query, [root] + [tree.tokens[n] for n in walk.path], features,
                                    proposal.extra.rows.stack([0] + [node + 1 for node in walk.path]),
                                    walk.num_accepted, rejected)
 
     def release(self, state: RowState) -> None:
         if self.adapter is not None and isinstance(state.draft, FeatureRow):
-            self.adapter.end_query(state.draft.root)
+            self.adapter.end_query(state.request.key, state.draft.root)
 
     def close(self) -> None:
         self.cache = None

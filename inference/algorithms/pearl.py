@@ -115,7 +115,7 @@ class PearlRows(Strategy):
     def first(self, state: RowState, logits: torch.Tensor) -> list[int]:
         """The prefill's round: d_1 judged at the prompt's last row (U is empty)."""
         result = self._judge(state, logits[None])
-        self.count(state, Proposal(), result)
+        self.count_round(state, Proposal(), result)
         return result.tokens.tolist()
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
@@ -144,7 +144,7 @@ class PearlRows(Strategy):
         row.committed += new
         return VerifyResult(min(accepted, len(judged) - 1), torch.tensor(new, dtype=torch.long))
 
-    def count(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
         """Every round judges U + [d_1]; γ tokens were drafted (counted when drafted, whatever is judged)."""
         row, stats = state.draft, state.stats
         stats.draft_forwards += row.draft.forwards

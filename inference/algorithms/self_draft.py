@@ -18,6 +18,18 @@ exact for greedy and for sampling. The argmax at every grid token feeds the grid
 (§7). The context cache lives as long as the algorithm instance (so it carries over between prompts) and is
 trimmed every ``flush_interval`` prompts.
 
+On the engine loop (:class:`SelfDraftSteps`; ``generate`` is a one-row run), each request is a row with its own
+grid, text and grid vocabulary (:class:`DraftRow`); the grid and the candidate trie are one draft tree below the
+row's root, scored in the step's one target forward with every other row's, and the first step reads the prompt
+as the head (``Strategy.reads_prompt``), so a row's forwards are those of the request run alone. The context cache
+is shared by requests, but a row never reads its neighbours' grams while they run: it reads a copy of the shared
+cache taken at its admission plus its own grams (``ngram_cache.LoggedContextCache``), and when it ends its grams
+are inserted into the shared cache in order (then the periodic trim). So a request's drafts, and so its counters,
+are those of its run alone from the cache it was admitted with, whoever runs beside it; run one at a time, each
+request reads everything the previous ones left, as before. The tokens never depend on the cache: greedy they are
+the target's argmax, seeded each is one draw from the target's row with the row's generator. The cost: the step
+that admits a request is as wide as its prompt plus its tree for every running row.
+
 Differences from the original code, all lossless (they change speed, never the output):
 
 * a fully matched candidate also emits the bonus token (the original stops at G tokens, §6);
@@ -40,15 +52,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from core import assets
 from core.assets import tokenizer_fingerprint
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
-from inference.ngram_cache import ContextCache, CorpusCache
+from inference.algorithms.base import Algorithm
+from inference.engine.rows import tree_feed
+from inference.engine.state import RowState
+from inference.engine.strategy import Proposal, Strategy
+from inference.ngram_cache import ContextCache, CorpusCache, LoggedContextCache
 from inference.row_logits import LogitsFromHidden, RowLogits, lazy_rows_on
 from inference.sampling import SamplingParams
+from inference.tree import DraftTree
 from inference.verify import multi_candidate
 
 PAD_SEED = 10  # the original reseeds its padding RNG with 10 at every generate call (§3)
@@ -129,6 +144,11 @@ class StepLayout:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def tree(self) -> DraftTree:
+        """The nodes as a draft tree below the root (the engine scores it under its ancestor mask)."""
+        return DraftTree(self.tokens, self.parents, self.depths)
+
 
 def layout_step(columns: Sequence[Column], candidates: Sequence[Sequence[int]]) -> StepLayout:
     """Grid tokens in the original's order (every column's padding, column by column, then the draft levels
@@ -170,38 +190,33 @@ def layout_step(columns: Sequence[Column], candidates: Sequence[Sequence[int]]) 
 def attention_inputs(layout: StepLayout, head_len: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [T] and the new-token mask [T, T] (True = may attend; the KV cache is visible to all) for
     the head (``head_len`` tokens from position ``start``, causal) followed by the layout's nodes: a node at
-    depth d sits at root position + d and sees the whole head, its ancestors and itself."""
-    n = len(layout)
-    total = head_len + n
-    mask = np.zeros((total, total), dtype=bool)
-    mask[:head_len, :head_len] = np.tri(head_len, dtype=bool)
-    mask[head_len:, :head_len] = True
-    nodes = mask[head_len:, head_len:]
-    for node, parent in enumerate(layout.parents):  # parents precede children, so one pass suffices
-        if parent >= 0:
-            nodes[node] = nodes[parent]
-        nodes[node, node] = True
-    root = start + head_len - 1
-    positions = np.concatenate([np.arange(start, start + head_len), root + np.asarray(layout.depths, dtype=np.int64)])
-    return torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(mask)
+    depth d sits at root position + d and sees the whole head, its ancestors and itself (what the engine's
+    forward feeds a row: ``inference.engine.rows.tree_feed``)."""
+    offsets, mask = tree_feed(head_len, layout.tree)
+    return start + offsets, mask
 
 
 # ----------------------------------------------------------------------------------------------------------
 
 
 class NodeLogits(RowLogits):
-    """One step's logits by row (0 = root, i + 1 = node i; ``inference.row_logits``). The root row always comes
-    with the forward (it is always verified), and on a GPU every row does. On a CPU the other rows are computed
-    on demand: the grid rows need only their argmax (grid update, context cache), which :meth:`grid_argmax`
+    """One step's logits by row (0 = root, i + 1 = node i; ``inference.row_logits``). On a GPU every row comes
+    with the forward. On a CPU the rows are computed on demand (the root's always, it is always verified): the
+    grid rows need only their argmax (grid update, context cache), which :meth:`grid_argmax`
     takes in one call over the full vocabulary or over a :class:`GridVocab`, and a candidate row is computed
     when the walk visits it. Which tokens the grid proposes changes speed only; every emitted token comes
     from full-vocabulary rows, computed by the runner's ``logits_from_hidden`` (its forward's own path).
     ``head_weight``: the lm_head's weight, for :class:`GridVocab`'s proposals."""
 
-    def __init__(self, hidden: torch.Tensor, logits_from_hidden: LogitsFromHidden, *, known: torch.Tensor,
-                 head_weight: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor | None, logits_from_hidden: LogitsFromHidden | None, *,
+                 known: torch.Tensor | None, head_weight: torch.Tensor):
         super().__init__(hidden, logits_from_hidden, known=known)
         self.head_weight = head_weight
+
+    @classmethod
+    def of(cls, rows: RowLogits, head_weight: torch.Tensor) -> NodeLogits:
+        """The engine's rows of one step (``RowLogits``: read on demand, or computed with the forward)."""
+        return cls(rows.hidden, rows.logits_from_hidden, known=rows.known, head_weight=head_weight)
 
     @torch.no_grad()
     def grid_argmax(self, num_grid: int, vocab: GridVocab | None) -> list[int]:
@@ -209,7 +224,7 @@ class NodeLogits(RowLogits):
         root = [int(self[0].argmax())]
         if not num_grid:
             return root
-        if len(self.known) > num_grid:  # computed with the forward: nothing to save
+        if self.known is not None and len(self.known) > num_grid:  # computed with the forward: nothing to save
             return root + self.known[1:1 + num_grid].argmax(dim=-1).tolist()
         hidden = self.hidden[1:1 + num_grid]
         if vocab is not None:
@@ -263,6 +278,7 @@ class SelfDraft(Algorithm):
 
     name = "self_draft"
     drafter = "none"
+    batchable = True
 
     def __init__(
         self,
@@ -343,68 +359,63 @@ class SelfDraft(Algorithm):
             self.context.clear()
         self._conversations = 0
 
-    # -- generation ------------------------------------------------------------------------------------------
+    def strategy(self) -> SelfDraftSteps:
+        return SelfDraftSteps(self)
 
-    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                  generator: torch.Generator | None, stats: GenerationStats) -> None:
-        try:
-            self._decode(prompt_ids, out, sampling, generator, stats)
-        finally:
-            self._conversations += 1
-            if self.context is not None and self.flush_interval and self._conversations % self.flush_interval == 0:
-                self.context.trim(self.keep_num)
-
-    def _decode(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                generator: torch.Generator | None, stats: GenerationStats) -> None:
-        target = self.target
-        target.reset(1)
-        grid = BranchGrid.initial(prompt_ids, self.branch_len, self.branch_num, self.max_pad_len,
-                                  random.Random(PAD_SEED))
-        text = list(prompt_ids)  # committed tokens; text[-1] is the root of the next forward
+    def new_row(self, prompt: Sequence[int]) -> DraftRow:
+        """A request's own state: its grid (warm-up from the start), its text, its view of the context cache (with
+        the prompt's grams indexed) and its grid vocabulary."""
+        prompt = list(prompt)
+        grid = BranchGrid.initial(prompt, self.branch_len, self.branch_num, self.max_pad_len, random.Random(PAD_SEED))
+        vocab = None
         if self.grid_vocab is not None:
-            self.grid_vocab.reset(prompt_ids)
-        head = list(prompt_ids)
-        indexed = self._index_prompt(text) if self.context is not None and not self.compat else 0
-        while True:
-            live = not self.compat or grid.full  # the original has no candidates before steady state
-            layout = layout_step(grid.columns, self._candidates(text) if live else [])
-            positions, mask = attention_inputs(layout, len(head), target.length())
-            logits = self._forward(head, layout, positions, mask)  # row 0 = root, row i + 1 = node i
-            stats.target_forwards += 1
-            preds = logits.grid_argmax(layout.num_grid, self.grid_vocab)  # root and grid: cache + grid update
-            if self.context is not None and live:
-                indexed = self._update_context(text, indexed, grid, layout, preds)
+            vocab = GridVocab(self.grid_vocab.size)
+            vocab.reset(prompt)
+        context = LoggedContextCache(self.context) if self.context is not None else None
+        indexed = self._index_prompt(prompt, context) if context is not None and not self.compat else 0
+        return DraftRow(grid, prompt, indexed, context, vocab)
 
-            first = 0 if self.verify_branches else layout.num_grid
-            path, bonus, children = self._walk(layout, logits, first, sampling, generator)
-            emitted = [layout.tokens[n] for n in path] + [bonus]
-            kept_nodes = path
-            if self.compat and path and not children[path[-1] + 1]:
-                emitted, kept_nodes = emitted[:-1], path[:-1]  # original: stop at G tokens, no bonus
-            drafted = max(layout.depths[first:], default=0)
-            if drafted:
-                stats.record_round(drafted, len(path))
-            out.extend(emitted)
-            if out.done:
-                return
-            target.commit([list(range(len(head))) + [len(head) + n for n in kept_nodes]])
-            text.extend(emitted)
-            if self.grid_vocab is not None:
-                self.grid_vocab.add(emitted)
-            head = [emitted[-1]]
-            grid.advance([preds[1 + nodes[-1]] for nodes in layout.column_nodes])
+    def end_row(self, row: DraftRow | None) -> None:
+        """A request ended (done, failed or cancelled): its grams go into the shared context cache, which is trimmed
+        every ``flush_interval`` requests."""
+        self._conversations += 1
+        if self.context is None:
+            return
+        if row is not None and row.context is not None:
+            row.context.replay_into(self.context)
+        if self.flush_interval and self._conversations % self.flush_interval == 0:
+            self.context.trim(self.keep_num)
 
-    def _forward(self, head: list[int], layout: StepLayout, positions: torch.Tensor,
-                 mask: torch.Tensor) -> NodeLogits:
-        target = self.target
-        ids = torch.tensor([head + layout.tokens], dtype=torch.long, device=target.device)
-        positions, mask = positions[None].to(target.device), mask.to(target.device)
-        root = len(head) - 1  # rows before the root (the rest of a prompt) need no logits
-        lazy = lazy_rows_on(target)
-        result = target.forward(ids, positions=positions, attention_mask=mask, return_last_hidden=True,
-                                logit_rows=slice(root, root + 1 if lazy else None))
-        return NodeLogits(result.last_hidden[0, root:], target.logits_from_hidden, known=result.logits[0],
-                          head_weight=target.lm_head.weight)
+    def propose(self, row: DraftRow) -> Proposal:
+        """The row's grid and candidate trie as one draft tree below its root (``text[-1]``)."""
+        live = not self.compat or row.grid.full  # the original has no candidates before steady state
+        layout = layout_step(row.grid.columns, self._candidates(row.text, row.context) if live else [])
+        return Proposal(tokens=list(layout.tokens), tree=layout.tree, extra=(layout, live))
+
+    def verify(self, row: DraftRow, proposal: Proposal, rows: RowLogits, sampling: SamplingParams,
+               generator: torch.Generator | None) -> TrieWalk:
+        """The grid's argmax (and the context cache's update from it), then the walk from the root."""
+        layout, live = proposal.extra
+        logits = NodeLogits.of(rows, self.target.lm_head.weight)  # row 0 = root, row i + 1 = node i
+        preds = logits.grid_argmax(layout.num_grid, row.vocab)  # root and grid: cache + grid update
+        if row.context is not None and live:
+            row.indexed = self._update_context(row.text, row.indexed, row.grid, layout, preds, row.context)
+        first = 0 if self.verify_branches else layout.num_grid
+        path, bonus, children = self._walk(layout, logits, first, sampling, generator)
+        emitted = [layout.tokens[n] for n in path] + [bonus]
+        kept = path
+        if self.compat and path and not children[path[-1] + 1]:
+            emitted, kept = emitted[:-1], path[:-1]  # original: stop at G tokens, no bonus
+        return TrieWalk(kept, emitted, len(path), max(layout.depths[first:], default=0), preds)
+
+    def advance(self, row: DraftRow, proposal: Proposal, walk: TrieWalk) -> None:
+        """After a step: the emitted tokens join the text, and the grid moves on by the argmax at each column's
+        end."""
+        layout, _ = proposal.extra
+        row.text.extend(walk.tokens)
+        if row.vocab is not None:
+            row.vocab.add(walk.tokens)
+        row.grid.advance([walk.preds[1 + nodes[-1]] for nodes in layout.column_nodes])
 
     def _walk(self, layout: StepLayout, logits: NodeLogits, first: int, sampling: SamplingParams,
               generator: torch.Generator | None) -> tuple[list[int], int, list[list[int]]]:
@@ -428,11 +439,13 @@ class SelfDraft(Algorithm):
 
     # -- caches ----------------------------------------------------------------------------------------------
 
-    def _candidates(self, text: list[int]) -> list[tuple[int, ...]]:
-        """Context grams keyed by the root token (most recent ones if capped), then corpus grams (§8)."""
+    def _candidates(self, text: list[int], context: ContextCache | None = None) -> list[tuple[int, ...]]:
+        """Context grams keyed by the root token (most recent ones if capped), then corpus grams (§8).
+        ``context``: a request's view of the context cache (default: the shared one)."""
+        context = self.context if context is None else context
         chosen = []
-        if self.context is not None and self.ctx_candidates:
-            chosen = self.context.retrieve(text[-1])[-self.ctx_candidates:]
+        if context is not None and self.ctx_candidates:
+            chosen = context.retrieve(text[-1])[-self.ctx_candidates:]
         if self.corpus is not None and self.corpus_candidates:
             full = len(chosen) >= self.ctx_candidates
             slots = self.corpus_candidates - 1 if full else min(self.corpus_candidates,
@@ -440,20 +453,20 @@ class SelfDraft(Algorithm):
             chosen = chosen + self.corpus.lookup(text[-CORPUS_GRAM_LEN:], slots, exclude=chosen)
         return chosen
 
-    def _index_prompt(self, text: list[int]) -> int:
+    def _index_prompt(self, text: list[int], context: ContextCache) -> int:
         """Insert the prompt's complete grams before the prefill; returns the first position left to index."""
         g = self.gram_len
         for i in range(len(text) - g):
-            self.context.insert(text[i], text[i + 1:i + 1 + g])
+            context.insert(text[i], text[i + 1:i + 1 + g])
         return max(len(text) - g, 0)
 
     def _update_context(self, text: list[int], indexed: int, grid: BranchGrid, layout: StepLayout,
-                        preds: list[int]) -> int:
+                        preds: list[int], context: ContextCache | None = None) -> int:
         """§7: grams from every column (G-1 chain tokens + the fresh argmax after them; the column
         attached to the root also yields the gram after the root), then the committed text since position
-        ``indexed`` (padded with the root-attached column when short), then the freshly decoded gram.
-        Returns the new ``indexed``."""
-        g, cache, t0 = self.gram_len, self.context, preds[0]
+        ``indexed`` (padded with the root-attached column when short), then the freshly decoded gram, into
+        ``context`` (default: the shared cache). Returns the new ``indexed``."""
+        g, cache, t0 = self.gram_len, self.context if context is None else context, preds[0]
         tail: list[int] = []  # the root-attached column's continuation (the text's noisy future)
         order = list(range(1, len(grid.columns))) + [0]  # the original inserts column 0 last
         for j in order:
@@ -472,3 +485,75 @@ class SelfDraft(Algorithm):
         if len(text) >= g:
             cache.insert(text[-g], text[-g + 1:] + [t0])
         return len(text)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On the engine loop
+
+
+@dataclass
+class DraftRow:
+    """A request's Self-Draft state between steps: its grid, its text (``text[-1]`` is the root of the next step),
+    the first text position the context cache has not indexed yet, its view of the context cache (None: no context
+    cache) and its grid vocabulary (None: the full vocabulary)."""
+
+    grid: BranchGrid
+    text: list[int]
+    indexed: int
+    context: LoggedContextCache | None
+    vocab: GridVocab | None
+
+
+@dataclass
+class TrieWalk:
+    """One step's verification: the nodes the target keeps (``path``), the emitted tokens, the nodes the walk
+    accepted (``walked``: the compat mode keeps one fewer after a full match), the deepest walkable node's depth
+    (the round's chain length) and the argmax at the root and at every grid node."""
+
+    path: list[int]
+    tokens: list[int]
+    walked: int
+    drafted: int
+    preds: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+class SelfDraftSteps(Strategy):
+    """Self-Draft as a strategy of the engine loop: each running row's grid and candidate trie are one draft tree
+    below its root, scored in the step's one target forward; the walk, the grid's update and the context cache's
+    update are the row's own. A new row's first step reads its prompt (``reads_prompt``): the prefill verifies
+    candidates and starts the grid, as the algorithm always did."""
+
+    name = "self_draft"
+    reads_prompt = True
+
+    def __init__(self, algorithm: SelfDraft):
+        self.algorithm = algorithm
+        self.lazy_tree_rows = lazy_rows_on(algorithm.target)  # the grid needs only its argmax, the walk ~τ rows
+
+    def lookahead(self) -> int:
+        return self.algorithm.lookahead()
+
+    def admit(self, states: Sequence[RowState], hidden: Sequence[dict[int, torch.Tensor]]) -> None:
+        for state in states:
+            state.draft = self.algorithm.new_row(state.request.prompt)
+
+    def propose(self, states: Sequence[RowState]) -> list[Proposal]:
+        return [self.algorithm.propose(state.draft) for state in states]
+
+    def verify(self, state: RowState, proposal: Proposal, logits: RowLogits) -> TrieWalk:
+        return self.algorithm.verify(state.draft, proposal, logits, state.sampling, state.generator)
+
+    def count_round(self, state: RowState, proposal: Proposal, result: TrieWalk) -> None:
+        """A round per step with walkable nodes: the deepest one's depth drafted, the walked nodes accepted."""
+        if result.drafted:
+            state.stats.record_round(result.drafted, result.walked)
+
+    def verified(self, state: RowState, proposal: Proposal, result: TrieWalk, forward, row: int) -> None:
+        self.algorithm.advance(state.draft, proposal, result)
+
+    def release(self, state: RowState) -> None:
+        self.algorithm.end_row(state.draft)

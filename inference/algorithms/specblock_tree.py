@@ -18,6 +18,11 @@ Per iteration, with ``n`` committed tokens and the root ``r`` (last emitted, not
 ``draft_forwards`` counts drafter calls: ``specblock_blocks`` per iteration (block 1 merged with the cache
 update), vs ``1 + depth`` for EAGLE-3.
 
+It runs on the engine loop (``inference.algorithms.feature_drafting.FeatureTrees``): steps 1 and 2 run for every
+running row at once (one drafter call for step 1 and one per later block, each row in its own cross-cache row with
+its own anchor count), step 3 scores every row's tree in the engine's one target forward, and
+step 4 commits per row.
+
 ``adapt=bandit`` (``spectrain.adapt``), as in ``eagle3_tree``: after every verification the adapter receives the
 committed rows and the drafter's distribution where the walk stopped; after the query it may update the drafter.
 The verifier and the emitted tokens are untouched, so output stays lossless.
@@ -25,20 +30,24 @@ The verifier and the emitted tokens are untouched, so output stays lossless.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from inference.algorithms.base import Algorithm, GenerationStats, OutputBuffer
-from inference.algorithms.feature_drafting import (FeatureDrafting, TreeVerification, adapt_options,
-                                                   check_drafter_fits)
+from core.drafters.specblock import BlockKV, BlockOutput
+from inference.algorithms.base import Algorithm
+from inference.algorithms.feature_drafting import (FeatureDrafting, FeatureTrees, adapt_options, check_drafter_fits,
+                                                   row_exact_drafter)
+from inference.engine.state import RowState
 from inference.round_observers import check_observer
-from inference.runner_contract import as_batch
-from inference.sampling import SamplingParams
 from inference.specblock_tree_builder import SpecBlockTreeBuilder, TreeShape
+from inference.tree import DraftTree
 
 
-class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
+class SpecBlockTree(FeatureDrafting, Algorithm):
     name = "specblock_tree"
     drafter = "specblock"
+    batchable = True  # without an adapter (``adapt=`` watches one query at a time)
 
     def __init__(self, target, drafter, *, width: int = 10, budget: int = 90, widths: list[int] | None = None,
                  blocks: int = 2, prob_caps: bool = True, max_seq_len: int | None = None, adapt: str = "none",
@@ -55,6 +64,8 @@ class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.max_accept = blocks * drafter.config.block_size + 1
         self._build_adapter(adapt, adapt_settings, verify_tokens=budget + 1, max_accept=self.max_accept)
+        if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
+            row_exact_drafter(self.drafter, target)
         self.builder = SpecBlockTreeBuilder(self.drafter, self.shape)  # after: adaptation may copy the drafter
 
     @classmethod
@@ -65,14 +76,47 @@ class SpecBlockTree(FeatureDrafting, TreeVerification, Algorithm):
     def lookahead(self) -> int:
         return self.shape.budget + 1
 
-    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                  generator: torch.Generator | None, stats: GenerationStats) -> None:
-        self._generate_trees(prompt_ids, out, sampling, generator, stats,
-                             cache=self.drafter.new_cache(self.max_seq_len + 1), max_accept=self.max_accept)
+    def strategy(self) -> FeatureTrees:
+        return FeatureTrees(self, max_accept=self.max_accept)
 
-    def _draft_tree(self, features, next_tokens, committed, cache, out, stats, child_logits):
-        first = self.drafter.extend_and_draft(features, as_batch(next_tokens, self.target.device), cache)
-        stats.draft_forwards += 1
-        tree, later = self.builder.build(first, cache, max_depth=max(1, out.remaining - 1), child_logits=child_logits)
-        stats.draft_forwards += later
-        return tree
+    def new_drafter_cache(self, rows: int):
+        """The cross cache for ``rows`` engine rows: one anchor per token of a row's target cache."""
+        return self.drafter.new_cache(self.max_seq_len + 1, batch_size=rows)
+
+    def draft_trees(self, states: Sequence[RowState], cache,
+                    expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
+        """Every running row's draft tree below its root: ONE drafter call commits each row's new anchors (the
+        rows its last verification committed) and drafts its block 1 (step 1), then every row's tree grows in
+        one later-block call a round, each row against its own row of the cross cache (step 2). ``expanded[k]``
+        (a dict, for the adapter) receives row k's drafter logits its tree's children were drawn from, by tree
+        index (-1: root)."""
+        device = self.target.device
+        counts = [0] * cache.batch
+        for state in states:
+            counts[state.row] = len(state.draft.next_tokens)
+        width = max(counts)
+        tokens = torch.zeros(cache.batch, width, dtype=torch.long, device=device)
+        features = states[0].draft.features.new_zeros(cache.batch, width, states[0].draft.features.shape[-1])
+        for state in states:
+            n = counts[state.row]
+            tokens[state.row, :n] = torch.tensor(state.draft.next_tokens, dtype=torch.long, device=device)
+            features[state.row, :n] = state.draft.features
+        if all(n == width for n in counts):  # every row real: the one-row call it always was
+            first = self.drafter.extend_and_draft(features, tokens, cache)
+        else:
+            first = self.drafter.extend_and_draft(features, tokens, cache, counts=counts)
+        built = self.builder.build_rows([_row_of(first, s.row) for s in states], cache, [s.row for s in states],
+                                        [max(1, s.out.remaining - 1) for s in states],  # never past the budget
+                                        expanded)
+        trees = []
+        for state, (tree, later) in zip(states, built):
+            state.stats.draft_forwards += 1 + later
+            trees.append(tree)
+        return trees
+
+
+def _row_of(block: BlockOutput, row: int) -> BlockOutput:
+    """Row ``row`` of a batched block output, as a one-row output."""
+    one = slice(row, row + 1)
+    return BlockOutput(block.logits[one], block.rank_logits[one], block.hidden[one],
+                       BlockKV([k[one] for k in block.kv.k], [v[one] for v in block.kv.v]))

@@ -335,7 +335,7 @@ class BranchRows(Strategy):
         last = prefill.last_hidden[0]
         self._next(state, {layer: h[at] for layer, h in prefill.hidden[0].items()},
                    None if last is None else last[at])
-        self.count(state, Proposal(), result)
+        self.count_round(state, Proposal(), result)
         self._report(state)
         return result.tokens.tolist()
 
@@ -381,7 +381,7 @@ class BranchRows(Strategy):
             row.pending = tokens[1:1 + row.keep]
         row.rounds += 1
 
-    def count(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
         """Every round judges U + the branch point; k·γ tokens were drafted (k - 1 branches discarded whatever
         happens)."""
         row, stats, counts = state.draft, state.stats, self.algorithm.branch_counts

@@ -537,8 +537,8 @@ class SSDRow(Strategy):
         accepted, emitted = self.outcome[0]  # judged beside the speculation, in ``beside``
         return VerifyResult(accepted, torch.tensor(emitted, dtype=torch.long))
 
-    def count(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
-        super().count(state, proposal, result)
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+        super().count_round(state, proposal, result)
         state.stats.draft_forwards += self.draft_forwards + self.spec.draft_forwards
 
     def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],

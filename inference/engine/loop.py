@@ -2,12 +2,13 @@
 
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
-are not stalled by a padded prefill) and takes each new row's first token (``Strategy.first``). A step asks the
-strategy for every row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree
-under its row's ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it
-kept (a chain: truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that
-ended. A strategy whose draft work runs beside the target (an executor) runs the target forwards through
-``Strategy.beside``.
+are not stalled by a padded prefill) and takes each new row's first token (``Strategy.first``); for a
+strategy that ``reads_prompt`` (Self-Draft, whose prefill verifies its first drafts) the prompt is the row's
+pending tokens, read by its first step. A step asks the strategy for every row's drafts, scores all rows in ONE
+target forward (ragged chains right-padded; a draft tree under its row's ancestor mask at positions
+``committed + depth``), verifies per row, rolls each row back to what it kept (a chain: truncate; a tree:
+``runner.commit`` of the root and the walked path), and reports the rows that ended. A strategy whose draft
+work runs beside the target (an executor) runs the target forwards through ``Strategy.beside``.
 
 ``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
 served beside others and the same request run alone share one code path. On a CPU in exact mode
@@ -120,6 +121,8 @@ class DecodeEngine:
         for state in states:
             self.slots[state.row] = state
         strategy = self.strategy
+        if self.strategy.reads_prompt:
+            return self._admit_unread(states)
         try:
             prefill = strategy.beside(states, lambda: prefill_rows(
                 self.target, [s.row for s in states], [list(s.request.prompt) for s in states],
@@ -148,6 +151,21 @@ class DecodeEngine:
             except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
                 events += [self._end(state, exc) for state in going]
         return events
+
+    def _admit_unread(self, states: list[RowState]) -> list[Event]:
+        """Admission for a strategy whose first step reads the prompt: the rows are emptied and their pending tokens
+        are their prompts (their first step counts as their prefill)."""
+        try:
+            if hasattr(self.target, "row_block"):
+                prefill_rows(self.target, [s.row for s in states], [[] for _ in states])  # empties the rows
+            else:  # one row, no row views
+                self.target.reset(1)
+            for state in states:
+                state.pending = list(state.request.prompt)
+            self.strategy.admit(states, [{} for _ in states])
+        except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
+            return [self._end(state, exc) for state in states]
+        return []
 
     def _misfit(self, request: RowRequest) -> str:
         """Why ``request`` cannot run here ('' when it can)."""
@@ -220,7 +238,7 @@ class DecodeEngine:
             verdict.kept[state.row] = list(range(pending + len(proposal.tokens)))  # a failed row: freed at release
             try:
                 result = strategy.verify(state, proposal, self._row_logits(state, proposal, scored))
-                strategy.count(state, proposal, result)
+                strategy.count_round(state, proposal, result)
                 strategy.verified(state, proposal, result, scored.forward, state.row)
                 emitted = [int(t) for t in result.tokens]
                 # the pending tokens and the accepted drafts stay cached; the last emitted token is pending

@@ -94,7 +94,7 @@ def tree_feed(pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor
     (bool [pending + N, pending + N]: the pending tokens causally; a node sees them, its ancestors and itself)."""
     size = pending + len(tree)
     mask = torch.zeros(size, size, dtype=torch.bool)
-    mask[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    mask[:pending, :pending] = _causal(pending)
     mask[pending:, :pending] = True
     for node, parent in enumerate(tree.parents):
         row = pending + node
@@ -103,6 +103,13 @@ def tree_feed(pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor
             mask[row, pending:row] |= mask[pending + parent, pending:row]
     offsets = torch.tensor([*range(pending), *(pending - 1 + d for d in tree.depths)], dtype=torch.long)
     return offsets, mask
+
+
+def _causal(size: int) -> torch.Tensor:
+    """Bool [size, size], lower triangular. Not ``tril``: on a busy CPU its call takes milliseconds (it wakes the
+    intra-op threads even for a 2 x 2 matrix), a comparison of two ranges microseconds."""
+    steps = torch.arange(size)
+    return steps[:, None] >= steps[None, :]
 
 
 def _tree_shape(feeds: Sequence[Feed], trees: Sequence[DraftTree | None], before: torch.Tensor,
@@ -118,7 +125,7 @@ def _tree_shape(feeds: Sequence[Feed], trees: Sequence[DraftTree | None], before
         size = len(feed)
         tree = trees[b] if b < len(trees) else None
         if tree is None:
-            mask[b, :size, :size] = torch.ones(size, size, dtype=torch.bool).tril()
+            mask[b, :size, :size] = _causal(size)
             continue
         offsets, row_mask = tree_feed(size - len(tree), tree)
         positions[b, :size] = before[b].item() + offsets

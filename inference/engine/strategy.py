@@ -8,7 +8,7 @@ and never a decode loop. The loop (``inference.engine.loop``) calls, per step:
 2. the target forward over ``[pending, *drafts]`` of every row, right-padded, run by ``beside`` (a strategy whose
    draft work runs beside the target, through an executor, starts it there);
 3. ``verify(state, proposal, logits)`` per row: how much of the chain the target keeps, plus one token (a tree:
-   the accepted path, which the loop commits per row with ``runner.commit``), and ``count`` of that round;
+   the accepted path, which the loop commits per row with ``runner.commit``), and ``count_round`` of that round;
 4. ``verified(state, proposal, result, forward, row)`` per row, before the tokens are emitted (round hooks);
 5. ``accepted(states, proposals, results)`` once: the drafter's per-row rollback.
 
@@ -71,6 +71,9 @@ class Strategy:
     # Tree proposals: the loop hands ``verify`` an ``inference.row_logits.RowLogits`` of the row's forward, whose
     # rows are scored when read (True: from the final hidden states, a CPU's cheaper way) or with the forward.
     lazy_tree_rows = False
+    # True: admission prefills nothing and samples nothing; a new row's pending tokens are its whole prompt, which its
+    # first step's forward reads together with its first drafts (Self-Draft verifies candidates from the prefill on).
+    reads_prompt = False
 
     def lookahead(self) -> int:
         """Cache slots needed beyond a row's committed tokens during one step."""
@@ -109,12 +112,12 @@ class Strategy:
         drafts = torch.tensor(proposal.tokens, dtype=torch.long, device=logits.device)
         return self.verifier(drafts, proposal.q, state.sampling.warp(logits), state.generator)
 
-    def count(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
-        """A verified round in the row's counters: a chain of ``proposal.drafted`` tokens (a tree's other nodes
-        counted as drafted apart); a row without drafts took an AR step, not a round."""
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+        """A row's counters after its verification: a chain's drafts, or a tree's depth as its chain and its other
+        nodes as drafted tokens too."""
         if proposal.tokens:
             state.stats.record_round(proposal.drafted, result.num_accepted)
-            state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted  # a tree's other nodes
+            state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted
 
     def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
                  row: int) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -183,10 +183,10 @@ class BanditAdapter:
         self.since_check = 0  # queries served on adapted weights since the last origin check
         self.since_update = settings.min_gap  # queries since the last update; the first query may update
         self.undone = 0  # consecutive updates undone by validation (backoff)
-        self.recorder: QueryRecorder | None = None
+        # the queries under way, by the engine's query id: (their recorder, when they started)
+        self.recorders: dict[Hashable, tuple[QueryRecorder, float]] = {}
         self.recent: deque[QueryRecord] = deque(maxlen=settings.buffer)
         self.held_out: QueryRecord | None = None  # the newest query not in ``recent`` (validation)
-        self._started = 0.0
         self.background = None
         if settings.background and serving is not None:
             if serving is adaptable.module:
@@ -324,28 +324,29 @@ class BanditAdapter:
 
     # -- engine hooks ------------------------------------------------------------------------------------------
 
-    def begin_query(self, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
+    def begin_query(self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
                     max_accept: int) -> None:
-        """After prefill: the prompt's features [P, F] and the target's logits at its last position [V]."""
-        self._started = time.perf_counter()
+        """After prefill of query ``query``: the prompt's features [P, F] and the target's logits at its last
+        position [V]."""
         teacher, in_vocab = self.adaptable.teacher_rows(last_logits[None])
-        self.recorder = QueryRecorder(prompt_ids, features, teacher, in_vocab, max_accept)
+        self.recorders[query] = (QueryRecorder(prompt_ids, features, teacher, in_vocab, max_accept),
+                                 time.perf_counter())
 
-    def observe_round(self, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor, accepted: int,
-                      rejected: tuple[torch.Tensor, int] | None) -> None:
+    def observe_round(self, query: Hashable, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor,
+                      accepted: int, rejected: tuple[torch.Tensor, int] | None) -> None:
         """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F] and
         target logits [n, V]; ``rejected`` = (draft logits at the rejected position, the target's token there)
         or None when the walk ended where nothing had been drafted."""
         teacher, in_vocab = self.adaptable.teacher_rows(target_logits)
         q = None if rejected is None else self.adaptable.draft_prob(*rejected)
-        self.recorder.add_round(tokens, features, teacher, in_vocab, accepted, q)
+        self.recorders[query][0].add_round(tokens, features, teacher, in_vocab, accepted, q)
 
-    def end_query(self, last_token: int) -> dict[str, Any]:
+    def end_query(self, query: Hashable, last_token: int) -> dict[str, Any]:
         """After the last verification of a query: decide and maybe update (its time counts in the query's).
         With ``background``: collect the previous query's work (waiting for it if it still runs; its weight
         changes now serve), then start this query's on the worker; returns the collected row."""
-        record = self.recorder.finish(last_token, time.perf_counter() - self._started)
-        self.recorder = None
+        recorder, started = self.recorders.pop(query)
+        record = recorder.finish(last_token, time.perf_counter() - started)
         if record.rounds == 0:  # a one-token answer: nothing was drafted, nothing to learn or judge
             return {}
         iter_s = record.decode_s / max(record.rounds, 1)
