@@ -10,21 +10,29 @@ tokenwise (docs/algorithms/verify.md §2; §3 when greedy) against the target's 
 
 The first round is a pre-verify round whose target call is the prompt prefill, so the draft's prefill
 overlaps it. No bonus token: the target's last row always judges a draft token. Draft length adapts on its own.
+
+It runs on the engine loop (``inference.engine.loop``) as :class:`PearlRows`, one row at a time (its draft side
+holds one sequence): the engine's target forward (the prefill, then each step's ``[last committed, *U]``) runs
+through ``beside``, which drafts beside it on the executor; ``first`` / ``verify`` judge ``U + [d_1]`` at the
+forward's rows. The target cache always holds the committed tokens but the last, as the engine keeps every row.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from inference.algorithms.base import GenerationStats, OutputBuffer
+from core.errors import UserError
 from inference.algorithms.overlapped import OverlappedDraftAlgorithm
-from inference.draft_side import common_prefix
-from inference.runner_contract import as_batch
-from inference.sampling import SamplingParams
-from inference.verify import tokenwise
+from inference.draft_side import ChainDraft
+from inference.engine.state import RowState
+from inference.engine.strategy import Proposal, Strategy, T
+from inference.executors import Executor
+from inference.verify import VerifyResult, tokenwise
 
 
 def verify_without_bonus(tokens: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -58,43 +66,91 @@ class Pearl(OverlappedDraftAlgorithm):
     def lookahead(self) -> int:
         return 2 * self.gamma  # the pending segment plus a fresh draft sit in the draft cache at once
 
-    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                  generator: torch.Generator | None, stats: GenerationStats) -> None:
-        target, executor = self.target, self.executor  # built (a process started) before the clock starts
-        start = time.perf_counter()
-        target.reset(1)
-        self.start_draft(generator)
-        committed = list(prompt_ids)  # S
-        pending: list[int] = []  # U: drafted after S, judged next round
-        pending_q: torch.Tensor | None = None  # their draft distributions (None when greedy)
-        while not out.done:
-            context = committed + pending
-            cached = target.length()
-            feed = context[cached:]
+    def strategy(self) -> PearlRows:
+        return PearlRows(self)
 
-            def target_job(feed=feed):
-                return target.forward(as_batch(feed, target.device)).logits[0]
 
-            logits, draft = executor.overlap(target_job, "chain", context, self.gamma, sampling)
-            stats.target_forwards += 1
-            stats.draft_forwards += draft.forwards
-            stats.drafted_tokens += self.gamma
-            # Rows p(·|S), p(·|S,u_1), .., p(·|S,U): the last len(U)+1 positions of the block.
-            target_probs = sampling.warp(logits[len(feed) - len(pending) - 1:]).float().cpu()
-            judged = pending + draft.tokens[:1]
-            judged_q = None if draft.probs is None else torch.cat(
-                [pending_q if pending_q is not None else draft.probs[:0], draft.probs[:1]])
-            accepted, correction = verify_without_bonus(judged, judged_q, target_probs, generator)
-            stats.record_round(len(judged), accepted)
-            stats.drafted_tokens -= len(judged)  # counted when drafted (above); record_round counts judged ones
-            if correction is None:
-                new = judged
-                pending, pending_q = draft.tokens[1:], None if draft.probs is None else draft.probs[1:]
-            else:
-                new = judged[:accepted] + [correction]
-                pending, pending_q = [], None
-            out.extend(new)
-            committed += new
-            # Target cache: keep the accepted prefix; the last committed token is fed next round.
-            target.truncate(min(common_prefix(context, committed), len(committed) - 1))
-        self.note_generation(time.perf_counter() - start, len(out.tokens))
+@dataclass
+class _PearlRow:
+    """A row's PEARL state: S (prompt and emitted tokens), U and the laws its tokens were drawn from (None when
+    greedy), this round's draft (made beside the target forward) and what its verification judged."""
+
+    committed: list[int]
+    pending: list[int]
+    pending_q: torch.Tensor | None = None
+    draft: ChainDraft | None = None
+    judged: int = 0
+    accepted: int = 0
+
+
+class PearlRows(Strategy):
+    """PEARL as a strategy of the engine loop, one row at a time (its draft side holds one sequence)."""
+
+    name = "pearl"
+
+    def __init__(self, algorithm: Pearl):
+        self.algorithm, self.gamma = algorithm, algorithm.gamma
+        self.executor: Executor | None = None
+
+    def lookahead(self) -> int:
+        return self.algorithm.lookahead()
+
+    def open(self, rows: int) -> None:
+        if rows != 1:
+            raise UserError(f"pearl takes one request at a time (its draft side holds one sequence), got rows={rows}; "
+                            "serve it with batch_size=1")
+        self.executor = self.algorithm.executor  # built (a draft process started) before a request's clock starts
+
+    def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
+        """The target forward, and beside it the draft side drafting γ tokens after S + U as if U were accepted."""
+        (state,) = states
+        if prefill:  # the draft side's seed is the first draw of the row's generator
+            self.algorithm.start_draft(state.generator)
+            state.draft = _PearlRow(list(state.request.prompt), [])
+        row = state.draft
+        result, row.draft = self.executor.overlap(forward, "chain", row.committed + row.pending, self.gamma,
+                                                  state.sampling)
+        return result
+
+    def first(self, state: RowState, logits: torch.Tensor) -> list[int]:
+        """The prefill's round: d_1 judged at the prompt's last row (U is empty)."""
+        result = self._judge(state, logits[None])
+        self.count_round(state, Proposal(), result)
+        return result.tokens.tolist()
+
+    def propose(self, states: Sequence[RowState]) -> list[Proposal]:
+        """U, judged at the forward's rows; the draft's d_1 joins it in ``verify``."""
+        return [Proposal(list(state.draft.pending), state.draft.pending_q) for state in states]
+
+    def verify(self, state: RowState, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
+        return self._judge(state, logits)
+
+    def _judge(self, state: RowState, logits: torch.Tensor) -> VerifyResult:
+        """U + [d_1] verified tokenwise against the rows p(·|S), .., p(·|S,U) of ``logits`` [|U| + 1, V]; the next
+        U is d_2..d_γ when all were accepted, else empty. The result counts the U tokens kept (the forward's)."""
+        row, draft = state.draft, state.draft.draft
+        target_probs = state.sampling.warp(logits).float().cpu()
+        judged = row.pending + draft.tokens[:1]
+        judged_q = None if draft.probs is None else torch.cat(
+            [row.pending_q if row.pending_q is not None else draft.probs[:0], draft.probs[:1]])
+        accepted, correction = verify_without_bonus(judged, judged_q, target_probs, state.generator)
+        row.judged, row.accepted = len(judged), accepted
+        if correction is None:
+            new = judged
+            row.pending, row.pending_q = draft.tokens[1:], None if draft.probs is None else draft.probs[1:]
+        else:
+            new = judged[:accepted] + [correction]
+            row.pending, row.pending_q = [], None
+        row.committed += new
+        return VerifyResult(min(accepted, len(judged) - 1), torch.tensor(new, dtype=torch.long))
+
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+        """Every round judges U + [d_1]; γ tokens were drafted (counted when drafted, whatever is judged)."""
+        row, stats = state.draft, state.stats
+        stats.draft_forwards += row.draft.forwards
+        stats.record_round(row.judged, row.accepted)
+        stats.drafted_tokens += self.gamma - row.judged
+
+    def release(self, state: RowState) -> None:
+        if state.out.done:
+            self.algorithm.note_generation(time.perf_counter() - state.started, len(state.out.tokens))

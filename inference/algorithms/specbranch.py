@@ -25,6 +25,12 @@ target pass.
 
 The public code's survivor rule (best p_b(y) then min(1, p/q)) is biased under sampling (§12 item 2); it is not
 used here. Draft-cache bookkeeping (survivor row, rollback, cached branch-point q) lives in the draft side.
+
+It runs on the engine loop (``inference.engine.loop``) as :class:`BranchRows`, one row at a time (its draft side
+forks one sequence into branches): the engine's target forward (the prefill, then each step's
+``[last committed, *U]``) runs through ``beside``, which drafts the branches beside it on the executor; ``first`` /
+``verify`` run Match at the forward's rows, and H-RAD reads the same forward's hidden states. The oracle policies'
+extra target pass runs inside the strategy, on the one row's cache, which it leaves as it found it.
 """
 
 from __future__ import annotations
@@ -38,14 +44,17 @@ import torch
 
 from core.drafters.hrad import load_hrad, stack_lastk
 from core.errors import UserError
-from inference.algorithms.base import GenerationStats, OutputBuffer
 from inference.algorithms.options import SPECBRANCH_ORACLES as ORACLES
 from inference.algorithms.options import oracle_temperature_error
 from inference.algorithms.overlapped import OverlappedDraftAlgorithm
-from inference.draft_side import common_prefix
+from inference.draft_side import BranchDraft
+from inference.engine.state import RowState
+from inference.engine.strategy import Proposal, Strategy, T
+from inference.executors import Executor
 from inference.match import match_round
-from inference.runner_contract import as_batch
+from inference.runner_contract import RunnerOutput, as_batch
 from inference.sampling import SamplingParams
+from inference.verify import VerifyResult
 
 DEFAULT_EPSILON = 0.3  # §3, when the H-RAD export does not store one
 # hrad= values that are a policy, not an H-RAD export: what each keeps of the survivor's continuation
@@ -183,12 +192,13 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def lookahead(self) -> int:
         return 2 * self.gamma
 
-    def _hrad_class(self, output, position: int, token: int, confidence: list[float]) -> int:
-        """H-RAD's class for the survivor token, from the target's features at ``position`` (the one before it)
-        and, when the H-RAD reads it, the draft's confidence at the first continuation token."""
-        hidden = {layer: h[0, position] for layer, h in output.hidden.items()}
+    def _hrad_class(self, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor, token: int,
+                    confidence: list[float]) -> int:
+        """H-RAD's class for the survivor token, from the target's features at the position before it (``hidden``
+        {layer: [H]}, ``last_hidden`` [H]) and, when the H-RAD reads it, the draft's confidence at the first
+        continuation token."""
         layers = list(self.predictor.capture_layers)
-        lastk = stack_lastk(hidden, output.last_hidden[0, position], layers)[None]
+        lastk = stack_lastk(hidden, last_hidden, layers)[None]
         emb = self.target.embed_tokens(torch.tensor([token], device=self.target.device))
         if getattr(self.predictor, "confidence_feature", False):
             first = confidence[1] if len(confidence) > 1 else confidence[0]
@@ -218,12 +228,13 @@ class SpecBranch(OverlappedDraftAlgorithm):
             accepted += 1
         return accepted
 
-    def _decide(self, output, position: int, survivor: list[int], confidence: list[float], realised: int | None
-                ) -> tuple[int, int]:
-        """(class, continuation tokens to keep) for the surviving branch, by the predictor or the policy."""
+    def _decide(self, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor | None, survivor: list[int],
+                confidence: list[float], realised: int | None) -> tuple[int, int]:
+        """(class, continuation tokens to keep) for the surviving branch, by the predictor (on the target's features
+        before it) or the policy."""
         gamma = len(survivor)
         if self.predictor is not None:
-            cls = self._hrad_class(output, position, survivor[0], confidence)
+            cls = self._hrad_class(hidden, last_hidden, survivor[0], confidence)
         elif self.policy in ORACLES:
             cls = true_class(realised, gamma)
             if self.policy == "oracle_keep":
@@ -232,64 +243,8 @@ class SpecBranch(OverlappedDraftAlgorithm):
             cls = {"none": 1, "class0": 0, "class2": 2}[self.policy]
         return cls, continuation_to_keep(cls, confidence, self.epsilon, self.cut_from)
 
-    def _generate(self, prompt_ids: list[int], out: OutputBuffer, sampling: SamplingParams,
-                  generator: torch.Generator | None, stats: GenerationStats) -> None:
-        if error := oracle_temperature_error(self.policy, sampling.temperature):
-            raise UserError(error)
-        target, executor = self.target, self.executor  # built (a process started) before the clock starts
-        start = time.perf_counter()
-        target.reset(1)
-        self.start_draft(generator)
-        committed, pending = list(prompt_ids), []
-        want_hidden = self.predictor is not None or self.on_branch is not None
-        round_index = 0
-        while not out.done:
-            context = committed + pending
-            feed = context[target.length():]
-
-            def target_job(feed=feed):
-                return target.forward(as_batch(feed, target.device), capture_layers=self.capture,
-                                      return_last_hidden=want_hidden)
-
-            output, branch = executor.overlap(target_job, "branches", context, self.kmax, self.gamma)
-            k = len(branch.tokens)
-            stats.target_forwards += 1
-            stats.draft_forwards += branch.forwards
-            stats.drafted_tokens += k * self.gamma
-            self.branch_counts["siblings"] += (k - 1) * self.gamma  # k-1 branches are discarded whatever happens
-            first = len(feed) - len(pending) - 1  # block index of the last committed token
-            target_probs = sampling.warp(output.logits[0, first:]).float().cpu()  # [|U| + 1, V]
-
-            result = match_round(pending, [b[0] for b in branch.tokens], target_probs, generator)
-            new, accepted, survivor = result.tokens, result.pending_accepted, result.survivor
-            hrad_class, keep = None, 0
-            stats.record_round(len(pending) + 1, accepted + (survivor is not None))
-            self.branch_counts["speculated"] += len(pending) + 1
-            stats.drafted_tokens -= len(pending) + 1  # counted when drafted (above)
-            if survivor is not None:
-                tokens, confidence = list(branch.tokens[survivor]), list(branch.confidence[survivor])
-                position = first + len(pending)  # block index of the position before the survivor token
-                realised = self._realised(tokens, sampling) \
-                    if self.policy in ORACLES or self.on_branch is not None else None
-                hrad_class, keep = self._decide(output, position, tokens, confidence, realised)
-                if self.on_branch is not None:
-                    self.on_branch(BranchPoint(
-                        round_index, len(committed) + len(new) - 1, survivor, tuple(tokens), tuple(confidence),
-                        {layer: h[0, position].clone() for layer, h in output.hidden.items()},
-                        output.last_hidden[0, position].clone(), realised, hrad_class, keep))
-                pending = tokens[1:1 + keep]
-            else:
-                pending = []
-            round_index += 1
-            out.extend(new)
-            committed += new
-            target.truncate(min(common_prefix(context, committed), len(committed) - 1))
-            if self.on_round is not None:
-                self.on_round(SpecBranchRound(len(committed), len(pending), target.length(), k, accepted, survivor,
-                                              hrad_class, keep, tuple(committed + pending)))
-        self.note_generation(time.perf_counter() - start, len(out.tokens))
-        self.branch_counts["drafted"] += stats.drafted_tokens
-        self.branch_counts["accepted"] += stats.accepted_draft_tokens
+    def strategy(self) -> BranchRows:
+        return BranchRows(self)
 
     def extra_metrics(self) -> dict[str, Any]:
         metrics = super().extra_metrics()
@@ -310,3 +265,150 @@ class SpecBranch(OverlappedDraftAlgorithm):
             metrics["oracle_target_forwards"] = counts["oracle"]
         self.branch_counts = dict.fromkeys(counts, 0)
         return metrics
+
+
+@dataclass
+class _BranchRow:
+    """A row's SpecBranch state: S (prompt and emitted tokens), U, this round's branches (drafted beside the target
+    forward), what Match and H-RAD decided, and the prefill's output (for the first round's H-RAD)."""
+
+    committed: list[int]
+    pending: list[int]
+    branch: BranchDraft | None = None
+    rounds: int = 0
+    judged: int = 0  # |U| of this round
+    accepted: int = 0  # of U
+    survivor: int | None = None
+    hrad_class: int | None = None
+    keep: int = 0
+    prefill: Any = None
+
+
+class BranchRows(Strategy):
+    """SpecBranch as a strategy of the engine loop, one row at a time (its draft side forks one sequence)."""
+
+    name = "specbranch"
+
+    def __init__(self, algorithm: SpecBranch):
+        self.algorithm, self.gamma = algorithm, algorithm.gamma
+        self.executor: Executor | None = None
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return tuple(self.algorithm.capture)
+
+    @property
+    def wants_last_hidden(self) -> bool:
+        return self.algorithm.predictor is not None or self.algorithm.on_branch is not None
+
+    def lookahead(self) -> int:
+        return self.algorithm.lookahead()
+
+    def open(self, rows: int) -> None:
+        if rows != 1:
+            raise UserError(f"specbranch takes one request at a time (its draft side forks one sequence), got "
+                            f"rows={rows}; serve it with batch_size=1")
+        self.executor = self.algorithm.executor  # built (a draft process started) before a request's clock starts
+
+    def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
+        """The target forward, and beside it the draft side forking the branches at the point after S + U."""
+        (state,) = states
+        algorithm = self.algorithm
+        if prefill:
+            if error := oracle_temperature_error(algorithm.policy, state.sampling.temperature):
+                raise UserError(error)
+            algorithm.start_draft(state.generator)  # the draft side's seed: the row generator's first draw
+            state.draft = _BranchRow(list(state.request.prompt), [])
+        row = state.draft
+        result, row.branch = self.executor.overlap(forward, "branches", row.committed + row.pending,
+                                                   algorithm.kmax, self.gamma)
+        if prefill:
+            row.prefill = result
+        return result
+
+    def first(self, state: RowState, logits: torch.Tensor) -> list[int]:
+        """The prefill's round: Match at the prompt's last row (U is empty), H-RAD on the prefill's features."""
+        row = state.draft
+        result = self._match(state, logits[None])
+        at = len(state.request.prompt) - 1
+        prefill, row.prefill = row.prefill, None
+        last = prefill.last_hidden[0]
+        self._next(state, {layer: h[at] for layer, h in prefill.hidden[0].items()},
+                   None if last is None else last[at])
+        self.count_round(state, Proposal(), result)
+        self._report(state)
+        return result.tokens.tolist()
+
+    def propose(self, states: Sequence[RowState]) -> list[Proposal]:
+        """U (argmax drafts: point masses), scored with the branch point after it."""
+        return [Proposal(list(state.draft.pending)) for state in states]
+
+    def verify(self, state: RowState, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
+        return self._match(state, logits)
+
+    def _match(self, state: RowState, logits: torch.Tensor) -> VerifyResult:
+        """U verified, then Match at the branch point, against ``logits`` [|U| + 1, V]."""
+        row = state.draft
+        target_probs = state.sampling.warp(logits).float().cpu()
+        result = match_round(row.pending, [b[0] for b in row.branch.tokens], target_probs, state.generator)
+        row.judged, row.accepted, row.survivor = len(row.pending), result.pending_accepted, result.survivor
+        row.committed += result.tokens
+        return VerifyResult(result.pending_accepted, torch.tensor(result.tokens, dtype=torch.long))
+
+    def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
+                 row: int) -> None:
+        """H-RAD (or the policy) on the forward's features before the branch point: the next U."""
+        at = len(state.pending) - 1 + len(proposal.tokens)  # the feed's index of the position before it
+        last = forward.last_hidden
+        self._next(state, {layer: h[row, at] for layer, h in forward.hidden.items()},
+                   None if last is None else last[row, at])
+
+    def _next(self, state: RowState, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor | None) -> None:
+        """How much of the survivor's continuation becomes the next U (none after a rejection)."""
+        row, algorithm = state.draft, self.algorithm
+        row.hrad_class, row.keep, row.pending = None, 0, []
+        if row.survivor is not None:
+            tokens = list(row.branch.tokens[row.survivor])
+            confidence = list(row.branch.confidence[row.survivor])
+            realised = algorithm._realised(tokens, state.sampling) \
+                if algorithm.policy in ORACLES or algorithm.on_branch is not None else None
+            row.hrad_class, row.keep = algorithm._decide(hidden, last_hidden, tokens, confidence, realised)
+            if algorithm.on_branch is not None:
+                algorithm.on_branch(BranchPoint(
+                    row.rounds, len(row.committed) - 1, row.survivor, tuple(tokens), tuple(confidence),
+                    {layer: h.clone() for layer, h in hidden.items()}, last_hidden.clone(), realised,
+                    row.hrad_class, row.keep))
+            row.pending = tokens[1:1 + row.keep]
+        row.rounds += 1
+
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+        """Every round judges U + the branch point; k·γ tokens were drafted (k - 1 branches discarded whatever
+        happens)."""
+        row, stats, counts = state.draft, state.stats, self.algorithm.branch_counts
+        k = len(row.branch.tokens)
+        stats.draft_forwards += row.branch.forwards
+        stats.record_round(row.judged + 1, row.accepted + (row.survivor is not None))
+        stats.drafted_tokens += k * self.gamma - (row.judged + 1)
+        counts["siblings"] += (k - 1) * self.gamma
+        counts["speculated"] += row.judged + 1
+
+    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
+                 results: Sequence[VerifyResult | None]) -> None:
+        for state, result in zip(states, results):
+            if result is not None:
+                self._report(state)
+
+    def _report(self, state: RowState) -> None:
+        """The round to ``on_round``, once the target cache holds S but its last token."""
+        row, algorithm = state.draft, self.algorithm
+        if algorithm.on_round is not None:
+            algorithm.on_round(SpecBranchRound(
+                len(row.committed), len(row.pending), algorithm.target.length(), len(row.branch.tokens),
+                row.accepted, row.survivor, row.hrad_class, row.keep, tuple(row.committed + row.pending)))
+
+    def release(self, state: RowState) -> None:
+        if state.out.done:
+            algorithm = self.algorithm
+            algorithm.note_generation(time.perf_counter() - state.started, len(state.out.tokens))
+            algorithm.branch_counts["drafted"] += state.stats.drafted_tokens
+            algorithm.branch_counts["accepted"] += state.stats.accepted_draft_tokens

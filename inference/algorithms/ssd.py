@@ -17,6 +17,12 @@ F = 3 each, B = 24); ``"geometric"`` is §5's closed form; an explicit vector gi
 
 Round bookkeeping (per row): the target cache holds the committed tokens; the last emitted token (the bonus) is
 pending. The verify forward is ``[bonus, s_1..s_K]``; the row keeps ``1 + k`` of those K+1 slots.
+
+A request alone runs on the engine loop (``inference.engine.loop``) as :class:`SSDRow`, one row at a time.
+``generate_batch`` runs its prompts as one lockstep batch of its own (the same rounds: serve, verify beside
+speculate, advance), because the draft side prefills, serves and speculates for one fixed batch of rows, all
+admitted together, and draws each round's verification for every row at once from one generator; the engine
+admits a request whenever a row frees and gives each its own generator.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from core.errors import UserError
 from inference.algorithms.base import Algorithm, GenerationResult, GenerationStats, OutputBuffer, _synchronize
+from inference.engine.state import RowState
+from inference.engine.strategy import Proposal, Strategy, T
 from inference.executors import EXECUTORS, Executor, make_executor
 from inference.runner_contract import check_same_vocab
 from inference.saguaro import check_c, proposal_probs
@@ -38,7 +46,7 @@ from inference.sampling import SamplingParams, random_device, sample
 from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, largest_remainder_round, parse_fanout
 from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, FORK_VOCABS, HIT, IDLE, JIT, ServeRequest,
                                  SpeculateRequest, Speculation, given_runner, draft_side_factory)
-from inference.verify import LossyVerifierWarning, VerifyPlan, tokenwise_plan
+from inference.verify import LossyVerifierWarning, VerifyPlan, VerifyResult, tokenwise_plan
 
 FAST_VERIFY = ("exact", "reference_greedy")
 
@@ -239,11 +247,13 @@ class SSD(Algorithm):
             s.wall_s, s.new_tokens = wall / len(prompts), len(out.tokens)
         return [GenerationResult(out.tokens, s) for out, s in zip(outs, stats)]
 
-    def _generate(self, prompt_ids, out, sampling, generator, stats) -> None:
-        self._run([prompt_ids], [out], [stats], sampling, generator)
+    def strategy(self) -> SSDRow:
+        return SSDRow(self)
 
     def _run(self, prompts: list[list[int]], outs: list[OutputBuffer], stats: list[GenerationStats],
              sampling: SamplingParams, generator: torch.Generator | None) -> None:
+        """``prompts`` as one lockstep batch (generate_batch): one serve, one verify forward and one speculate call
+        a round for every row, until each has ended; the rounds are those of :class:`SSDRow`."""
         target, executor, k_max, b = self.target, self.executor(), self.k, len(prompts)
         if b > target.max_batch_size:
             raise UserError(f"batch of {b} prompts but the target runner holds {target.max_batch_size} rows; build "
@@ -263,48 +273,17 @@ class SSD(Algorithm):
             active = torch.tensor([not out.done for out in outs])
             if not bool(active.any()):
                 break
-            fallback = self._choose_fallback(int(active.sum()))
-            fan_hit, fan_jit, fan_fast = self._fanouts()
-            request = ServeRequest(keys, lengths, active, torch.tensor([[f + 1 for f in fan_jit[:k_max]]] * b),
-                                   sampling.temperature, sampling.top_k, sampling.top_p, self.c,
-                                   FALLBACKS[fallback], FAST_KINDS[self.fast])
-            served_at = time.perf_counter()
-            spec = Speculation.unpack(*executor.call("serve", request.pack()))
-            serve_s = time.perf_counter() - served_at
-            self._record_lookup(keys, spec.source, active, fallback, serve_s)
-            by_source = {HIT: fan_hit, JIT: fan_jit, FAST: fan_fast, IDLE: [0] * (k_max + 1)}
-            fanout = torch.tensor([by_source[s] for s in spec.source.tolist()])
-            spec_request = SpeculateRequest(fanout, torch.tensor([[f + 1 for f in fan_hit[:k_max]]] * b),
-                                            sampling.temperature, sampling.top_k, sampling.top_p, self.c)
-            timed: dict[str, float] = {}
-            outcome, draft_forwards = executor.overlap(
-                functools.partial(self._verify, keys[:, 1], spec, active, lengths.clone(), sampling, generator, timed),
-                "speculate", spec_request.pack())
-            self.t_verify.update(timed["verify_s"])
-            next_keys = keys.clone()
+            spec, fanout, fan_hit = self._serve(executor, keys, lengths, active, sampling)
+            outcome, draft_forwards = self._overlap_round(
+                executor, functools.partial(self._verify, keys[:, 1], spec, active, lengths.clone(), sampling,
+                                            generator), fanout, fan_hit, sampling)
             for row, (accepted, emitted) in outcome.items():
-                source = int(spec.source[row])
-                (self.ema_fast if source == FAST else self.ema_hit).update(accepted, k_max)
-                if source == FAST:
-                    self.e_fast.update(accepted + 1)
                 stats[row].record_round(k_max, accepted)
                 stats[row].target_forwards += 1
                 stats[row].draft_forwards += draft_forwards + spec.draft_forwards
                 outs[row].extend(emitted)
-                lengths[row] += 1 + accepted
-                next_keys[row] = torch.tensor([accepted, emitted[-1]])
-            self._last_fanout = fanout
-            keys = next_keys
-        ex1 = executor.stats.as_dict()
-        wall = time.perf_counter() - start
-        m = self.metrics
-        m.new_tokens += sum(len(o.tokens) for o in outs)
-        exec_wall = ex1["wall_s"] - ex0["wall_s"]
-        m.simulated_s += wall - exec_wall + (ex1["simulated_s"] - ex0["simulated_s"])
-        m.wall_s += wall
-        m.target_s += ex1["target_s"] - ex0["target_s"]
-        m.draft_s += ex1["draft_s"] - ex0["draft_s"]
-        m.drafter_idle_s += (ex1["simulated_s"] - ex0["simulated_s"]) - (ex1["draft_s"] - ex0["draft_s"])
+            keys = self._advance(outcome, spec, keys, lengths)
+        self._note_run(executor, ex0, start, sum(len(o.tokens) for o in outs))
 
     def _prefill(self, prompts: list[list[int]], lengths: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator | None) -> torch.Tensor:
@@ -319,19 +298,65 @@ class SSD(Algorithm):
         return sample(sampling.warp(last), generator)
 
     def _verify(self, bonus: torch.Tensor, spec: Speculation, active: torch.Tensor, lengths: torch.Tensor,
-                sampling: SamplingParams, generator: torch.Generator | None,
-                timed: dict[str, float]) -> dict[int, tuple[int, list[int]]]:
-        """The target job: one forward over [bonus, s_1..s_K] per row, then tokenwise verification of each active
-        row against the proposal its tokens were drawn from. Returns {row: (accepted, emitted tokens)}."""
-        start = time.perf_counter()
+                sampling: SamplingParams, generator: torch.Generator | None) -> dict[int, tuple[int, list[int]]]:
+        """The lockstep batch's target job: one forward over [bonus, s_1..s_K] per row, each active row judged
+        (:meth:`_judge`), the cache rolled back to what each kept."""
         target = self.target
-        device = target.device
-        block = torch.cat([bonus[:, None], spec.tokens.cpu()], 1).to(device)
+        block = torch.cat([bonus[:, None], spec.tokens.cpu()], 1).to(target.device)
         p = sampling.warp(target.forward(block).logits)  # [b, K+1, V]
+        outcome = self._judge(spec, p, active.nonzero().view(-1).tolist(), sampling, generator)
+        kept = lengths.clone()
+        for row, (accepted, _) in outcome.items():
+            kept[row] += 1 + accepted
+        target.truncate(kept.to(target.device))
+        return outcome
+
+    # -- one round, shared by the lockstep batch and the engine strategy ----------------------------------------
+
+    def _serve(self, executor: Executor, keys: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor,
+               sampling: SamplingParams) -> tuple[Speculation, torch.Tensor, list[int]]:
+        """This round's speculation for every row (a cache hit, or the fallback's), the fan-out its next
+        speculation forks with, and the hit fan-out."""
+        k_max, b = self.k, keys.shape[0]
+        fallback = self._choose_fallback(int(active.sum()))
+        fan_hit, fan_jit, fan_fast = self._fanouts()
+        request = ServeRequest(keys, lengths, active, torch.tensor([[f + 1 for f in fan_jit[:k_max]]] * b),
+                               sampling.temperature, sampling.top_k, sampling.top_p, self.c,
+                               FALLBACKS[fallback], FAST_KINDS[self.fast])
+        served_at = time.perf_counter()
+        spec = Speculation.unpack(*executor.call("serve", request.pack()))
+        self._record_lookup(keys, spec.source, active, fallback, time.perf_counter() - served_at)
+        by_source = {HIT: fan_hit, JIT: fan_jit, FAST: fan_fast, IDLE: [0] * (k_max + 1)}
+        return spec, torch.tensor([by_source[s] for s in spec.source.tolist()]), fan_hit
+
+    def _overlap_round(self, executor: Executor, target_job: Callable[[], Any], fanout: torch.Tensor,
+                       fan_hit: list[int], sampling: SamplingParams) -> tuple[Any, int]:
+        """``target_job()`` (the verification) while the draft side speculates the next round for every outcome;
+        (its result, the draft forwards speculating took). Its time feeds the fallback policy's T_verify."""
+        timed: dict[str, float] = {}
+
+        def verification() -> Any:
+            start = time.perf_counter()
+            result = target_job()
+            _synchronize(self.target)
+            timed["verify_s"] = time.perf_counter() - start
+            return result
+
+        spec_request = SpeculateRequest(fanout, torch.tensor([[f + 1 for f in fan_hit[:self.k]]] * fanout.shape[0]),
+                                        sampling.temperature, sampling.top_k, sampling.top_p, self.c)
+        result, draft_forwards = executor.overlap(verification, "speculate", spec_request.pack())
+        self.t_verify.update(timed["verify_s"])
+        self._last_fanout = fanout
+        return result, draft_forwards
+
+    def _judge(self, spec: Speculation, p: torch.Tensor, rows: list[int], sampling: SamplingParams,
+               generator: torch.Generator | None) -> dict[int, tuple[int, list[int]]]:
+        """Tokenwise verification of each row of ``rows`` against the proposal its tokens were drawn from; ``p``
+        [b, K+1, V]: the warped target rows of the speculation's rows. Returns {row: (accepted, emitted tokens)}."""
+        device = p.device
         q = proposal_probs(spec.tokens.to(device), spec.logits.to(device), spec.kinds.to(device),
                            spec.tops.to(device), self.c, sampling)
         outcome: dict[int, tuple[int, list[int]]] = {}
-        rows = active.nonzero().view(-1).tolist()
         if self.fast_verify == "reference_greedy":  # the lossy rule, for the regression test only
             for row in [r for r in rows if int(spec.source[r]) == FAST]:
                 outcome[row] = _reference_greedy(spec.tokens[row].to(device), p[row], generator)
@@ -343,13 +368,34 @@ class SSD(Algorithm):
             for i, row in enumerate(rows):
                 tau = int(taus[i])
                 outcome[row] = (tau, tokens[i, :tau].tolist() + [int(bonus_tokens[i])])
-        kept = lengths.clone()
-        for row, (accepted, _) in outcome.items():
-            kept[row] += 1 + accepted
-        target.truncate(kept.to(device))
-        _synchronize(target)
-        timed["verify_s"] = time.perf_counter() - start
         return outcome
+
+    def _advance(self, outcome: dict[int, tuple[int, list[int]]], spec: Speculation, keys: torch.Tensor,
+                 lengths: torch.Tensor) -> torch.Tensor:
+        """After a round: the acceptance statistics, each row's committed length (``lengths``, in place) and the
+        next round's cache keys (k accepted, bonus token)."""
+        next_keys = keys.clone()
+        for row, (accepted, emitted) in outcome.items():
+            source = int(spec.source[row])
+            (self.ema_fast if source == FAST else self.ema_hit).update(accepted, self.k)
+            if source == FAST:
+                self.e_fast.update(accepted + 1)
+            lengths[row] += 1 + accepted
+            next_keys[row] = torch.tensor([accepted, emitted[-1]])
+        return next_keys
+
+    def _note_run(self, executor: Executor, ex0: dict[str, float], start: float, new_tokens: int) -> None:
+        """A generation's (or a batch's) time split into the metrics: wall, simulated overlap, drafter idle."""
+        ex1 = executor.stats.as_dict()
+        wall = time.perf_counter() - start
+        m = self.metrics
+        m.new_tokens += new_tokens
+        exec_wall = ex1["wall_s"] - ex0["wall_s"]
+        m.simulated_s += wall - exec_wall + (ex1["simulated_s"] - ex0["simulated_s"])
+        m.wall_s += wall
+        m.target_s += ex1["target_s"] - ex0["target_s"]
+        m.draft_s += ex1["draft_s"] - ex0["draft_s"]
+        m.drafter_idle_s += (ex1["simulated_s"] - ex0["simulated_s"]) - (ex1["draft_s"] - ex0["draft_s"])
 
     # -- policy -------------------------------------------------------------------------------------------------
 
@@ -434,3 +480,72 @@ def _reference_greedy(tokens: torch.Tensor, p: torch.Tensor, generator: torch.Ge
         if token != int(p[j].argmax()):
             return j, tokens[:j].tolist() + [int(sample(p[j], generator))]
     return len(tokens), tokens.tolist() + [int(sample(p[-1], generator))]
+
+
+class SSDRow(Strategy):
+    """SSD as a strategy of the engine loop, one row at a time: ``propose`` serves the row's speculation (cache hit
+    or fallback), ``beside`` runs the engine's target forward and the row's verification while the draft side
+    speculates the next round, ``accepted`` moves the row's cache key on. Several prompts at once run as
+    ``SSD.generate_batch``'s lockstep batch instead (its draft side prefills and serves every row together)."""
+
+    name = "ssd"
+
+    def __init__(self, algorithm: SSD):
+        self.algorithm = algorithm
+        self.executor: Executor | None = None
+
+    def lookahead(self) -> int:
+        return self.algorithm.lookahead()
+
+    def open(self, rows: int) -> None:
+        if rows != 1:
+            raise UserError(f"ssd takes one request at a time on the engine loop (its draft side holds one lockstep "
+                            f"batch), got rows={rows}; serve it with batch_size=1, or use SSD.generate_batch")
+        self.executor = self.algorithm.executor()
+        self.started = (self.executor.stats.as_dict(), time.perf_counter())
+
+    def admit(self, states: Sequence[RowState], hidden: Sequence[dict[int, torch.Tensor]]) -> None:
+        (state,) = states
+        self.executor.call("prefill", [list(state.request.prompt)])
+        state.stats.draft_forwards += 1
+        self.keys = torch.tensor([[NO_KEY, state.pending[0]]], dtype=torch.long)
+        self.lengths = torch.tensor([len(state.request.prompt)])
+        self.algorithm.metrics.first_round_misses += 1
+
+    def propose(self, states: Sequence[RowState]) -> list[Proposal]:
+        (state,) = states
+        self.spec, self.fanout, self.fan_hit = self.algorithm._serve(self.executor, self.keys, self.lengths,
+                                                                     torch.tensor([True]), state.sampling)
+        return [Proposal(self.spec.tokens[0].tolist())]
+
+    def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
+        if prefill:
+            return forward()
+        (state,) = states
+
+        def verification() -> T:
+            scored = forward()
+            p = state.sampling.warp(scored.logits[state.row])[None]  # [1, K+1, V]
+            self.outcome = self.algorithm._judge(self.spec, p, [0], state.sampling, state.generator)
+            return scored
+
+        scored, self.draft_forwards = self.algorithm._overlap_round(self.executor, verification, self.fanout,
+                                                                    self.fan_hit, state.sampling)
+        return scored
+
+    def verify(self, state: RowState, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
+        accepted, emitted = self.outcome[0]  # judged beside the speculation, in ``beside``
+        return VerifyResult(accepted, torch.tensor(emitted, dtype=torch.long))
+
+    def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
+        super().count_round(state, proposal, result)
+        state.stats.draft_forwards += self.draft_forwards + self.spec.draft_forwards
+
+    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
+                 results: Sequence[VerifyResult | None]) -> None:
+        if results[0] is not None:
+            self.keys = self.algorithm._advance(self.outcome, self.spec, self.keys, self.lengths)
+
+    def release(self, state: RowState) -> None:
+        if state.out.done:
+            self.algorithm._note_run(self.executor, *self.started, len(state.out.tokens))

@@ -2,12 +2,13 @@
 
 A request gets a row (a slot of the target's KV cache and of every drafter cache) when it is admitted and gives it
 back when it ends. Admission prefills the new prompts (in spare rows where the runner has them, so the running rows
-are not stalled by a padded prefill) and samples each new row's first token; for a strategy that ``reads_prompt``
-(Self-Draft, whose prefill verifies its first drafts) the prompt is the row's pending tokens, read by its first
-step. A step asks the strategy for every
-row's drafts, scores all rows in ONE target forward (ragged chains right-padded; a draft tree under its row's
-ancestor mask at positions ``committed + depth``), verifies per row, rolls each row back to what it kept (a chain:
-truncate; a tree: ``runner.commit`` of the root and the walked path), and reports the rows that ended.
+are not stalled by a padded prefill) and takes each new row's first token (``Strategy.first``); for a
+strategy that ``reads_prompt`` (Self-Draft, whose prefill verifies its first drafts) the prompt is the row's
+pending tokens, read by its first step. A step asks the strategy for every row's drafts, scores all rows in ONE
+target forward (ragged chains right-padded; a draft tree under its row's ancestor mask at positions
+``committed + depth``), verifies per row, rolls each row back to what it kept (a chain: truncate; a tree:
+``runner.commit`` of the root and the walked path), and reports the rows that ended. A strategy whose draft
+work runs beside the target (an executor) runs the target forwards through ``Strategy.beside``.
 
 ``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
 served beside others and the same request run alone share one code path. On a CPU in exact mode
@@ -33,7 +34,6 @@ from inference.engine.state import (Failed, Finished, GenerationResult, Generati
 from inference.engine.strategy import Strategy
 from inference.engine.widths import StepBudget, WidthPolicy
 from inference.row_logits import RowLogits
-from inference.sampling import sample
 from inference.tree import DraftTree
 
 Event = Finished | Failed
@@ -99,7 +99,7 @@ class DecodeEngine:
     @torch.no_grad()
     def admit(self, requests: Sequence[RowRequest], *, outputs: Sequence[OutputBuffer] | None = None,
               stats: Sequence[GenerationStats] | None = None) -> list[Event]:
-        """Prefill ``requests`` in free rows (at most ``free_rows()``) and sample each one's first token. Returns
+        """Prefill ``requests`` in free rows (at most ``free_rows()``) and take each one's first token. Returns
         the events of those that ended at once (a one-token budget, EOS, an error of their own)."""
         if not self._open:
             self.open()
@@ -120,11 +120,13 @@ class DecodeEngine:
                   for k, (req, row) in enumerate(zip(requests, free))]
         for state in states:
             self.slots[state.row] = state
+        strategy = self.strategy
         if self.strategy.reads_prompt:
             return self._admit_unread(states)
         try:
-            prefill = prefill_rows(self.target, [s.row for s in states], [list(s.request.prompt) for s in states],
-                                   capture_layers=self.strategy.capture_layers)
+            prefill = strategy.beside(states, lambda: prefill_rows(
+                self.target, [s.row for s in states], [list(s.request.prompt) for s in states],
+                capture_layers=strategy.capture_layers, return_last_hidden=strategy.wants_last_hidden), prefill=True)
         except Exception as exc:  # noqa: BLE001 - the new rows' batched prefill failed: they end, the rest goes on
             return [self._end(state, exc) for state in states]
         self.forwards += prefill.forwards
@@ -133,9 +135,9 @@ class DecodeEngine:
             state.stats.target_forwards += 1
             try:
                 state.first_logits = logits
-                token = int(sample(state.sampling.warp(logits), state.generator))
-                state.out.extend([token])
-                state.pending = [token]
+                tokens = strategy.first(state, logits)
+                state.out.extend(tokens)
+                state.pending = [tokens[-1]]
             except Exception as exc:  # noqa: BLE001 - this request's own failure (sampling, its callback)
                 events.append(self._end(state, exc))
                 continue
@@ -145,7 +147,7 @@ class DecodeEngine:
                 going.append(state)
         if going:
             try:  # the drafter's prefill, once the first tokens are known (a feature drafter reads them)
-                self.strategy.admit(going, [prefill.hidden[states.index(s)] for s in going])
+                strategy.admit(going, [prefill.hidden[states.index(s)] for s in going])
             except Exception as exc:  # noqa: BLE001 - a batched drafter call: the new rows end
                 events += [self._end(state, exc) for state in going]
         return events
@@ -204,9 +206,10 @@ class DecodeEngine:
                 verdict.append(self._verify(active, proposals, scored, span))
                 return verdict[0].kept
 
-            scored = forward_rows(self.target, feeds, wanted, capture_layers=strategy.capture_layers,
-                                  return_last_hidden=strategy.wants_last_hidden or lazy,
-                                  trees=row_trees if trees else None, commit=walk if trees else None)
+            scored = strategy.beside(active, lambda: forward_rows(
+                self.target, feeds, wanted, capture_layers=strategy.capture_layers,
+                return_last_hidden=strategy.wants_last_hidden or lazy, trees=row_trees if trees else None,
+                commit=walk if trees else None))
             self.forwards += 1
         except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
             return [self._end(state, exc) for state in active]

@@ -14,7 +14,7 @@ is the forward's own lm_head path (``inference.runner_contract``) and costs only
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -176,20 +176,22 @@ class _first_rows:
 
 @dataclass
 class Prefill:
-    """Each new row's last-prompt-token logits (float32 [V]; None where not asked) and captured layers
-    {layer: [len_b, H]}."""
+    """Each new row's last-prompt-token logits (float32 [V]; None where not asked), captured layers
+    {layer: [len_b, H]} and, where asked, final-normed hidden states [len_b, H]."""
 
     logits: list[torch.Tensor | None]
     hidden: list[dict[int, torch.Tensor]]
     forwards: int = 0  # runner forwards it took
+    last_hidden: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, logits: bool = True,
-                 capture_layers: Sequence[int] = ()) -> Prefill:
+                 capture_layers: Sequence[int] = (), return_last_hidden: bool = False) -> Prefill:
     """Write each prompt into its row's cache, emptied first; the other rows keep theirs. With spare rows (a runner
     of at least ``batch_size + len(rows)`` rows) the prompts run together in a block of spare rows and are copied
     into place; otherwise each runs in its own row, alone. An empty prompt leaves its row empty."""
-    results = Prefill([None] * len(rows), [{} for _ in rows])
+    results = Prefill([None] * len(rows), [{} for _ in rows], last_hidden=[None] * len(rows))
+    last_hidden = return_last_hidden and logits
     todo = [k for k, prompt in enumerate(prompts) if len(prompt)]
     if len(rows) and hasattr(runner, "row_block"):
         _empty(runner, [rows[k] for k in range(len(rows)) if k not in todo])
@@ -200,32 +202,34 @@ def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], 
         if size != 1 or len(todo) != 1:
             raise UserError(f"{type(runner).__name__} prefills one request at a time; serve with batch_size=1")
         runner.reset(1)
-        _prefill_block(runner, [prompts[todo[0]]], logits, capture_layers, results, todo)
+        _prefill_block(runner, [prompts[todo[0]]], logits, capture_layers, results, todo, last_hidden)
         results.forwards = 1
         return results
     if size + len(todo) <= runner.max_batch_size:
         with runner.row_block(size, size + len(todo)):
-            _prefill_block(runner, [prompts[k] for k in todo], logits, capture_layers, results, todo)
+            _prefill_block(runner, [prompts[k] for k in todo], logits, capture_layers, results, todo, last_hidden)
         runner.copy_rows(range(size, size + len(todo)), [rows[k] for k in todo], [len(prompts[k]) for k in todo])
         results.forwards = 1
         return results
     for k in todo:
         with runner.row_block(rows[k], rows[k] + 1):
-            _prefill_block(runner, [prompts[k]], logits, capture_layers, results, [k])
+            _prefill_block(runner, [prompts[k]], logits, capture_layers, results, [k], last_hidden)
         runner.copy_rows([rows[k]], [rows[k]], [len(prompts[k])])
     results.forwards = len(todo)
     return results
 
 
 def _prefill_block(runner, prompts: Sequence[Sequence[int]], logits: bool, capture_layers: Sequence[int],
-                   results: Prefill, slots: Sequence[int]) -> None:
+                   results: Prefill, slots: Sequence[int], last_hidden: bool = False) -> None:
     """One forward over ``prompts`` (rows 0.. of the runner's current view), results written at ``slots``."""
     # no logits (a draft LM's prefill): no row is scored, the lm_head does not run
     wanted = [[len(p) - 1] if logits else [] for p in prompts]
-    out = forward_rows(runner, prompts, wanted, capture_layers=capture_layers)
+    out = forward_rows(runner, prompts, wanted, capture_layers=capture_layers, return_last_hidden=last_hidden)
     for i, k in enumerate(slots):
         results.logits[k] = out.logits[i][0] if logits else None
         results.hidden[k] = {layer: h[i, :len(prompts[i])] for layer, h in out.forward.hidden.items()}
+        if last_hidden:
+            results.last_hidden[k] = out.forward.last_hidden[i, :len(prompts[i])]
 
 
 def _empty(runner, rows: Sequence[int]) -> None:

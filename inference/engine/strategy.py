@@ -5,11 +5,15 @@ A strategy owns its drafter's state (a draft LM's rows, a drafter cache with one
 and never a decode loop. The loop (``inference.engine.loop``) calls, per step:
 
 1. ``propose(states)``: one :class:`Proposal` per running row (its drafted chain, and the law it was drawn from);
-2. the target forward over ``[pending, *drafts]`` of every row, right-padded;
+2. the target forward over ``[pending, *drafts]`` of every row, right-padded, run by ``beside`` (a strategy whose
+   draft work runs beside the target, through an executor, starts it there);
 3. ``verify(state, proposal, logits)`` per row: how much of the chain the target keeps, plus one token (a tree:
-   the accepted path, which the loop commits per row with ``runner.commit``);
+   the accepted path, which the loop commits per row with ``runner.commit``), and ``count_round`` of that round;
 4. ``verified(state, proposal, result, forward, row)`` per row, before the tokens are emitted (round hooks);
 5. ``accepted(states, proposals, results)`` once: the drafter's per-row rollback.
+
+Admission runs the new rows' prefill through ``beside`` too, and ``first`` turns each row's prefill logits into
+its first token(s).
 
 Lossless per row: each row's drafts are drawn with the row's own generator from a law computed for that row, and the
 row's verifier gets that law and the row's own target probabilities, so the per-row proofs of ``inference.verify``
@@ -18,9 +22,9 @@ hold whatever the neighbours are. A row draws only what its run alone would draw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +33,8 @@ from inference.runner_contract import RunnerOutput
 from inference.sampling import sample
 from inference.tree import DraftTree
 from inference.verify import ChainVerifier, VerifyResult
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -80,8 +86,21 @@ class Strategy:
         """Drafter-side prefill of new rows: their prompts are in the target already, their first token is
         ``state.pending``; ``hidden[k]`` holds the target's captured layers over row k's prompt."""
 
+    def first(self, state: RowState, logits: torch.Tensor) -> list[int]:
+        """The tokens a new row emits after its prefill (``logits``: float32 [V], the target's at its last prompt
+        token): one token sampled from them, as AR. A strategy whose first round judges drafts made beside the
+        prefill (``beside``) verifies them here, and counts that round."""
+        return [int(sample(state.sampling.warp(logits), state.generator))]
+
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
         return [Proposal() for _ in states]
+
+    def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
+        """Run the engine's target forward ``forward()`` for ``states`` (their prefill, or a step's scoring of
+        their proposals) and return its result. A strategy whose draft work runs beside the target forward (an
+        executor, in a thread or another process: PEARL, SpecBranch) runs it here, overlapped, and keeps its
+        result for ``first`` / ``verify``: drafts decided after the forward."""
+        return forward()
 
     def verify(self, state: RowState, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
         """``logits`` [width, V]: the target's at the pending token and after each draft (a tree proposal: a
