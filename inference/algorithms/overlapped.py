@@ -64,7 +64,7 @@ class OverlappedDraftAlgorithm(Algorithm):
     def __del__(self) -> None:
         # at interpreter shutdown the modules close() needs may be gone already; the draft process is a daemon and
         # ends with the interpreter. Otherwise a failure to release is a bug, reported (Python prints it)
-        if not sys.is_finalizing():
+        if sys is not None and not sys.is_finalizing():  # late in shutdown the module global itself is None
             self.close()
 
     def start_draft(self, generator: torch.Generator | None) -> None:
