@@ -10,7 +10,7 @@ is a one-row engine run, the same code that serves requests side by side.
 from __future__ import annotations
 
 import time
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -25,8 +25,8 @@ from inference.sampling import SamplingParams
 
 
 class Algorithm(ABC):
-    """A lossless decoding algorithm. Subclasses declare which drafter they need and either return their
-    ``strategy()`` (they then run on the engine loop) or implement ``_generate`` (a loop of their own)."""
+    """A lossless decoding algorithm. Subclasses declare which drafter they need and return their ``strategy()``:
+    every algorithm runs on the engine loop (a request alone is a one-row run of it)."""
 
     name: ClassVar[str]
     drafter: ClassVar[str] = "none"  # none | draft_lm | features (EAGLE-3) | specblock
@@ -110,9 +110,9 @@ class Algorithm(ABC):
             results.append(events[k].result)
         return results
 
-    def strategy(self) -> Strategy | None:
-        """A new strategy of this algorithm for the engine loop, or None where it keeps a loop of its own."""
-        return None
+    @abstractmethod
+    def strategy(self) -> Strategy:
+        """A new strategy of this algorithm for the engine loop."""
 
     def _generate(
         self,
@@ -125,10 +125,7 @@ class Algorithm(ABC):
         """One request alone: a one-row run of the engine loop."""
         engine = self.__dict__.get("_solo_engine")
         if engine is None:
-            strategy = self.strategy()
-            if strategy is None:
-                raise NotImplementedError(f"{type(self).__name__} has neither a strategy nor a _generate")
-            engine = self.__dict__["_solo_engine"] = DecodeEngine(self.target, strategy, rows=1)
+            engine = self.__dict__["_solo_engine"] = DecodeEngine(self.target, self.strategy(), rows=1)
         engine.run_one(RowRequest(None, prompt_ids, out.max_new_tokens, sampling, generator), out, stats)
 
 
