@@ -1,5 +1,5 @@
 """What PEARL and SpecBranch share: the executor around their draft side (``inference.draft_side``), and the
-figures it adds to a run."""
+figures it adds to a run; and what they and SSD share on the engine loop: one row at a time."""
 
 from __future__ import annotations
 
@@ -9,10 +9,37 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
 from inference.algorithms.base import Algorithm
+from inference.engine.strategy import Strategy
 from inference.draft_side import draft_side_from_path, draft_side_from_runner
 from inference.executors import EXECUTORS, DraftFactory, Executor, OverlapStats, make_executor
 from inference.runner_contract import check_same_vocab
+
+
+class OneRowStrategy(Strategy):
+    """A strategy whose draft side, running beside the target, holds one sequence: it takes one request at a time
+    on the engine loop (``open`` refuses more rows in one line) and has the algorithm's executor while open."""
+
+    one_row_because = "its draft side holds one sequence"
+    other_ways = ""  # what else serves several requests, for the refusal
+
+    def __init__(self, algorithm: Algorithm):
+        self.algorithm = algorithm
+        self.executor: Executor | None = None
+
+    def lookahead(self) -> int:
+        return self.algorithm.lookahead()
+
+    def open(self, rows: int) -> None:
+        if rows != 1:
+            raise UserError(f"{self.name} takes one request at a time ({self.one_row_because}), got rows={rows}; "
+                            f"serve it with batch_size=1{self.other_ways}")
+        self.executor = self.open_executor()
+
+    def open_executor(self) -> Executor:
+        """The algorithm's executor, built (a draft process started) before a request's clock starts."""
+        return self.algorithm.executor
 
 
 class OverlappedDraftAlgorithm(Algorithm):

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.errors import UserError
-from inference.algorithms.overlapped import OverlappedDraftAlgorithm
+from inference.algorithms.overlapped import OneRowStrategy, OverlappedDraftAlgorithm
 from inference.draft_side import ChainDraft
 from inference.engine.state import RowState
-from inference.engine.strategy import Proposal, Strategy, T
-from inference.executors import Executor
+from inference.engine.strategy import Proposal, T
 from inference.verify import VerifyResult, tokenwise
 
 
@@ -83,23 +81,14 @@ class _PearlRow:
     accepted: int = 0
 
 
-class PearlRows(Strategy):
+class PearlRows(OneRowStrategy):
     """PEARL as a strategy of the engine loop, one row at a time (its draft side holds one sequence)."""
 
     name = "pearl"
 
     def __init__(self, algorithm: Pearl):
-        self.algorithm, self.gamma = algorithm, algorithm.gamma
-        self.executor: Executor | None = None
-
-    def lookahead(self) -> int:
-        return self.algorithm.lookahead()
-
-    def open(self, rows: int) -> None:
-        if rows != 1:
-            raise UserError(f"pearl takes one request at a time (its draft side holds one sequence), got rows={rows}; "
-                            "serve it with batch_size=1")
-        self.executor = self.algorithm.executor  # built (a draft process started) before a request's clock starts
+        super().__init__(algorithm)
+        self.gamma = algorithm.gamma
 
     def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
         """The target forward, and beside it the draft side drafting γ tokens after S + U as if U were accepted."""

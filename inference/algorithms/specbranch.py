@@ -46,11 +46,10 @@ from core.drafters.hrad import load_hrad, stack_lastk
 from core.errors import UserError
 from inference.algorithms.options import SPECBRANCH_ORACLES as ORACLES
 from inference.algorithms.options import oracle_temperature_error
-from inference.algorithms.overlapped import OverlappedDraftAlgorithm
+from inference.algorithms.overlapped import OneRowStrategy, OverlappedDraftAlgorithm
 from inference.draft_side import BranchDraft
 from inference.engine.state import RowState
-from inference.engine.strategy import Proposal, Strategy, T
-from inference.executors import Executor
+from inference.engine.strategy import Proposal, T
 from inference.match import match_round
 from inference.runner_contract import RunnerOutput, as_batch
 from inference.sampling import SamplingParams
@@ -284,14 +283,16 @@ class _BranchRow:
     prefill: Any = None
 
 
-class BranchRows(Strategy):
+class BranchRows(OneRowStrategy):
     """SpecBranch as a strategy of the engine loop, one row at a time (its draft side forks one sequence)."""
 
     name = "specbranch"
 
+    one_row_because = "its draft side forks one sequence"
+
     def __init__(self, algorithm: SpecBranch):
-        self.algorithm, self.gamma = algorithm, algorithm.gamma
-        self.executor: Executor | None = None
+        super().__init__(algorithm)
+        self.gamma = algorithm.gamma
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -301,14 +302,6 @@ class BranchRows(Strategy):
     def wants_last_hidden(self) -> bool:
         return self.algorithm.predictor is not None or self.algorithm.on_branch is not None
 
-    def lookahead(self) -> int:
-        return self.algorithm.lookahead()
-
-    def open(self, rows: int) -> None:
-        if rows != 1:
-            raise UserError(f"specbranch takes one request at a time (its draft side forks one sequence), got "
-                            f"rows={rows}; serve it with batch_size=1")
-        self.executor = self.algorithm.executor  # built (a draft process started) before a request's clock starts
 
     def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
         """The target forward, and beside it the draft side forking the branches at the point after S + U."""

@@ -37,8 +37,9 @@ import torch
 
 from core.errors import UserError
 from inference.algorithms.base import Algorithm, GenerationResult, GenerationStats, OutputBuffer, _synchronize
+from inference.algorithms.overlapped import OneRowStrategy
 from inference.engine.state import RowState
-from inference.engine.strategy import Proposal, Strategy, T
+from inference.engine.strategy import Proposal, T
 from inference.executors import EXECUTORS, Executor, make_executor
 from inference.runner_contract import check_same_vocab
 from inference.saguaro import check_c, proposal_probs
@@ -482,27 +483,20 @@ def _reference_greedy(tokens: torch.Tensor, p: torch.Tensor, generator: torch.Ge
     return len(tokens), tokens.tolist() + [int(sample(p[-1], generator))]
 
 
-class SSDRow(Strategy):
+class SSDRow(OneRowStrategy):
     """SSD as a strategy of the engine loop, one row at a time: ``propose`` serves the row's speculation (cache hit
     or fallback), ``beside`` runs the engine's target forward and the row's verification while the draft side
     speculates the next round, ``accepted`` moves the row's cache key on. Several prompts at once run as
     ``SSD.generate_batch``'s lockstep batch instead (its draft side prefills and serves every row together)."""
 
     name = "ssd"
+    one_row_because = "its draft side holds one lockstep batch"
+    other_ways = ", or use SSD.generate_batch"
 
-    def __init__(self, algorithm: SSD):
-        self.algorithm = algorithm
-        self.executor: Executor | None = None
-
-    def lookahead(self) -> int:
-        return self.algorithm.lookahead()
-
-    def open(self, rows: int) -> None:
-        if rows != 1:
-            raise UserError(f"ssd takes one request at a time on the engine loop (its draft side holds one lockstep "
-                            f"batch), got rows={rows}; serve it with batch_size=1, or use SSD.generate_batch")
-        self.executor = self.algorithm.executor()
-        self.started = (self.executor.stats.as_dict(), time.perf_counter())
+    def open_executor(self) -> Executor:
+        executor = self.algorithm.executor()
+        self.started = (executor.stats.as_dict(), time.perf_counter())
+        return executor
 
     def admit(self, states: Sequence[RowState], hidden: Sequence[dict[int, torch.Tensor]]) -> None:
         (state,) = states
