@@ -25,12 +25,14 @@ from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Drafter
 from core.drafters.eagle3_layouts import FC_NORM_TENSORS, expected_names, read_checkpoint
+from core.drafters.peagle import PEagleConfig
 from inference.algorithms import build_algorithm
 from inference.drafters import LoadedModel, load_eagle3
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli
 from spectrain import fit as fit_cli
+from spectrain.adapt.drafters import Eagle3Adaptable
 
 FLAGS = {"fc_norm": True, "norm_output": True}
 GREEDY = SamplingParams(0.0)
@@ -63,6 +65,8 @@ def test_flags_off_add_nothing_and_each_flag_changes_only_its_part(tiny):
     assert set(base.state_dict()) - {"embed_tokens.weight"} == expected_names(base.config)
     assert expected_names(make_drafter(tiny.model.config, **FLAGS).config) == \
         expected_names(base.config) | set(FC_NORM_TENSORS)
+    with pytest.raises(ValueError, match="P-EAGLE runs without EAGLE-3.1's fc_norm and norm_output"):
+        PEagleConfig(**base.config.to_dict(), mask_token_id=0, norm_output=True)  # its layouts carry neither
     ids, aux = torch.randint(0, VOCAB, (1, 9)), torch.randn(1, 9, 96)
     with torch.no_grad():
         off = base(ids, aux, steps=3)
@@ -225,3 +229,14 @@ def test_fit_trains_the_flags_and_exports_them(tmp_path):
     exported = read_checkpoint(tmp_path / "native")
     assert exported.config.fc_norm and exported.config.norm_output
     assert all((exported.tensors[n] != 1).any() for n in FC_NORM_TENSORS)  # trained from their ones
+
+
+def test_serving_time_adapter_scores_the_drafter_as_it_drafts(tiny):
+    """``adapt=bandit``'s head arm reuses the drafter's hidden states: with norm_output they are already normed, so
+    its loss must equal the full arm's at the same weights (the final norm applied once)."""
+    drafter = make_drafter(tiny.model.config, **FLAGS)
+    adaptable = Eagle3Adaptable(drafter)
+    record = adaptable.synthetic_record(24, prompt_len=6)
+    with torch.no_grad():
+        full = float(adaptable.loss_closure(record, "full")())
+        assert float(adaptable.loss_closure(record, "head")()) == pytest.approx(full, rel=1e-5)
