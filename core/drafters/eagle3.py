@@ -22,12 +22,12 @@ levels below committed row ``i``) reads ``g'`` of its parent row instead of targ
 
 Training (:meth:`Eagle3Drafter.forward`): whole sequences, ``steps`` unrolled training-time-test steps; step ``j``
 feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys plus the same row's keys of steps
-``1..j`` (the "diagonal" keys).
-
-EAGLE-3.1 (docs/algorithms/eagle3.md §EAGLE-3.1): ``fc_norm`` adds one RMSNorm per aux layer before ``fc``
-(tensors ``fc_norm.{0,1,2}.weight``); ``norm_output`` feeds the final norm's output, not the pre-norm state, to the
-next drafted row (no new tensor). Both off: EAGLE-3 exactly as before (no module, no op added). Serving (:meth:`Eagle3Drafter.step`): new rows of B ragged rows against a small KV cache
+``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows of B ragged rows against a small KV cache
 (:class:`Eagle3Cache`, one length per row) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
+
+EAGLE-3.1 (docs/algorithms/eagle3.md §7): ``fc_norm`` adds one RMSNorm per aux layer before ``fc`` (tensors
+``fc_norm.{0,1,2}.weight``); ``norm_output`` feeds the final norm's output, not the pre-norm state, to the next
+drafted row (no new tensor). Both off: EAGLE-3 exactly as before (no module, no op added).
 """
 
 from __future__ import annotations
