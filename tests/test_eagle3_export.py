@@ -421,7 +421,10 @@ def test_import_reads_foreign_sglang_and_speculators_checkpoints(tmp_path, targe
     ("missing_key", "lacks ['midlayer.hidden_norm.weight']"),
     ("sglang_norm_before_residual", "norm_before_residual=true, which SGLang ignores"),
     ("inconsistent_ids", "name different layers"),
-    ("eagle31_flag", "sets fc_norm=true (EAGLE 3.1)"),
+    ("fc_norm_without_weights", "config.json sets fc_norm=true but the weights lack fc_norm.0.weight"),
+    ("fc_norm_weights_without_flag", "config.json leaves fc_norm off but the weights hold fc_norm.0.weight"),
+    ("norm_before_fc", "sets norm_before_fc=true (one norm over the concatenated aux layers)"),
+    ("sglang_eagle31_flag", "sglang-layout config sets norm_output=true"),
     ("bad_vocab_map", "d2t + arange != nonzero(t2d)"),
     ("no_target", "does not record its target: give target=NAME_OR_DIR"),
     ("no_ids_no_target", "does not name its aux layers; give target=NAME_OR_DIR"),
@@ -441,8 +444,14 @@ def test_import_refuses_what_an_engine_would_load_wrong(tmp_path, target_dir, ca
         kw = {"config_edit": {"norm_before_residual": True}}
     elif case == "inconsistent_ids":
         kw = {"config_edit": {"eagle_aux_hidden_state_layer_ids": AUX}}  # output ids written where input ids belong
-    elif case == "eagle31_flag":
+    elif case == "fc_norm_without_weights":
         layout, kw = "speculators", {"config_edit": {"fc_norm": True}}
+    elif case == "fc_norm_weights_without_flag":
+        layout, kw = "speculators", {"add": {f"fc_norm.{i}.weight": torch.ones(32) for i in range(3)}}
+    elif case == "norm_before_fc":
+        layout, kw = "speculators", {"config_edit": {"norm_before_fc": True}}
+    elif case == "sglang_eagle31_flag":
+        kw = {"config_edit": {"norm_output": True}}
     elif case == "bad_vocab_map":
         kw = {"add": {"d2t": torch.zeros(DRAFT_VOCAB, dtype=torch.long)}}
     elif case == "wrong_target_vocab":

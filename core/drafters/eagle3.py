@@ -4,12 +4,14 @@ Architecture. Parameter names are SGLang's (``fc``, ``midlayer.*``, ``norm``, ``
 the module's state dict *is* the SGLang weight layout::
 
     g      = fc(concat(aux_0, aux_1, aux_2))                # target features 3·H_t -> H (no bias), or a drafted g'
+                                                            # (fc_norm: each aux_k through its own RMSNorm first)
     e      = embed_tokens(token)                            # the target's embedding, frozen
     x      = concat(input_layernorm(e), hidden_norm(g))     # 2H: the attention input (embeddings FIRST)
     r      = hidden_norm(g) if norm_before_residual else g  # residual stream (SGLang: False; speculators: True)
     r      = r + self_attn(x)                               # q/k/v read 2H, o_proj writes H
     g'     = r + mlp(post_attention_layernorm(r))           # the next hidden state (pre-norm)
     logits = lm_head(norm(g'))                              # over the draft vocabulary (Vd rows)
+    (norm_output: g' := norm(g'), logits = lm_head(g'): the normed state is what a drafted row reads next)
     draft id i -> target id i + d2t[i]                      # EAGLE-3 offsets; t2d[v]: v is in the draft vocab
 
 Rows (the "EAGLE shift", §1). Row ``i`` pairs the target's features at position ``i`` with the token at
@@ -22,6 +24,10 @@ Training (:meth:`Eagle3Drafter.forward`): whole sequences, ``steps`` unrolled tr
 feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys plus the same row's keys of steps
 ``1..j`` (the "diagonal" keys). Serving (:meth:`Eagle3Drafter.step`): new rows of B ragged rows against a small KV cache
 (:class:`Eagle3Cache`, one length per row) with an explicit mask; both call :meth:`Eagle3Drafter._rows`.
+
+EAGLE-3.1 (docs/algorithms/eagle3.md §7): ``fc_norm`` adds one RMSNorm per aux layer before ``fc`` (tensors
+``fc_norm.{0,1,2}.weight``); ``norm_output`` feeds the final norm's output, not the pre-norm state, to the next
+drafted row (no new tensor). Both off: EAGLE-3 exactly as before (no module, no op added).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from core.drafters.row_kv import RowKV
 from core.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
+EAGLE31_FLAGS = ("fc_norm", "norm_output")  # Eagle3Config fields of EAGLE-3.1, off by default
 # (q [B, heads, T, D], keys, values [B, kv_heads, P + T, D]) -> attention output [B, heads, T, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -96,9 +103,20 @@ class Eagle3Config(TargetShapedConfig):
 
     norm_before_residual: bool = False
     own_embedding: bool = False  # True: the drafter carries its own embed_tokens (exported); False: the target's
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc
+    norm_output: bool = False  # EAGLE-3.1: drafted rows read the final norm's output (post-norm g')
 
     def __post_init__(self) -> None:
         check_drafter_config(self, self.KIND)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields; the EAGLE-3.1 flags only when set, so an EAGLE-3 drafter's record (exports, checkpoints)
+        stays what it was before the flags existed and older readers still accept it."""
+        values = asdict(self)
+        for flag in EAGLE31_FLAGS:
+            if not values[flag]:
+                del values[flag]
+        return values
 
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int],
@@ -265,8 +283,8 @@ class Eagle3DecoderLayer(nn.Module):
 
 @dataclass
 class Eagle3Output:
-    """``logits`` over the draft vocabulary [B, T, Vd] and the next hidden states ``hidden`` (pre-norm) [B, T, H]
-    per step (training: one entry per training-time-test step)."""
+    """``logits`` over the draft vocabulary [B, T, Vd] and the next hidden states ``hidden`` (pre-norm; post-norm
+    under ``norm_output``) [B, T, H] per step (training: one entry per training-time-test step)."""
 
     logits: list[torch.Tensor]
     hidden: list[torch.Tensor]
@@ -299,6 +317,9 @@ class Eagle3Drafter(TargetTiedDrafter):
         self._init_target_tied(config, embed_weight)
         hidden = config.hidden_size
         self.fc = Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)
+        if config.fc_norm:  # absent when off: an EAGLE-3 drafter's modules and state dict are unchanged
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in range(NUM_AUX_LAYERS))
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
@@ -321,11 +342,14 @@ class Eagle3Drafter(TargetTiedDrafter):
         cos, sin = self._rope(positions, dtype)
         embeds = self.embed_tokens(tokens).to(dtype)
         out, k, v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
+        if self.config.norm_output:
+            out = self.norm(out)
         return (self.head(out) if heads else None), out, k, v
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next hidden states (pre-norm) [..., H] -> logits over the draft vocabulary [..., Vd]."""
-        return self.lm_head(self.norm(hidden))
+        """Next hidden states [..., H] (pre-norm; post-norm under ``norm_output``) -> logits over the draft
+        vocabulary [..., Vd]."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     # -- training --------------------------------------------------------------------------------------------
 
@@ -353,7 +377,7 @@ class Eagle3Drafter(TargetTiedDrafter):
         causal = causal | diagonal  # padded rows still see themselves: no empty softmax row
         positions = rows.expand(batch, length)
 
-        hidden = self.fc(aux_hidden)
+        hidden = self.project(aux_hidden)
         past_k = past_v = None
         logits_steps, hidden_steps = [], []
         for j in range(steps):
@@ -371,7 +395,11 @@ class Eagle3Drafter(TargetTiedDrafter):
     # -- serving ---------------------------------------------------------------------------------------------
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """Target features [..., 3·H_t] -> the drafter's hidden input [..., H]."""
+        """Target features [..., 3·H_t] -> the drafter's hidden input [..., H] (``fc_norm``: each aux layer's
+        H_t-wide slice through its own norm first)."""
+        if self.config.fc_norm:
+            slices = aux_hidden.chunk(NUM_AUX_LAYERS, dim=-1)
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, slices, strict=True)], dim=-1)
         return self.fc(aux_hidden)
 
     @torch.no_grad()

@@ -18,7 +18,12 @@ Every layout also carries our ``spectrain`` block (target identity, layer conven
 The speculators layout names its verifier so that speculators/vLLM can load it (the target's local directory or a
 hub id, never our alias) and ships the target's ``embed_tokens.weight`` (``target_embedding``); reading drops that
 copy again when the ``spectrain`` block says the embedding is the target's.
-Reading is strict: an unknown or missing tensor, or an EAGLE-3.1 feature we do not run, is a one-line error.
+EAGLE-3.1 (``fc_norm``, ``norm_output``; docs/algorithms/eagle3.md): native and speculators carry both flags
+(speculators' top-level fields of the same names; ``fc_norm``'s tensors ``fc_norm.{0,1,2}.weight`` in every
+layout); the sglang layout has no such fields, so a drafter with either flag is refused for it, and an sglang
+config setting one is refused on reading. speculators' ``norm_before_fc`` (one norm over the concatenation) is not
+run here and is refused.
+Reading is strict: an unknown or missing tensor, or a flag we do not run, is a one-line error.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 
 from core.assets import AssetError, load_safetensors, model_tensor, portable_model_reference, read_json
-from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_of
+from core.drafters.eagle3 import EAGLE31_FLAGS, NUM_AUX_LAYERS, Eagle3Config, Eagle3Drafter, rope_of
 from core.drafters.native_export import REEXPORT
 from core.errors import UserError
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers
@@ -48,8 +53,9 @@ LAYER_TENSORS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
     f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
 TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 EMBED = "embed_tokens.weight"
-# speculators flags for EAGLE-3.1 extras; we do not run them, so reading refuses them rather than drop them.
-UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+# speculators flags we do not run: reading refuses them rather than drop them.
+UNSUPPORTED_FLAGS = ("norm_before_fc",)
+FC_NORM_TENSORS = tuple(f"fc_norm.{i}.weight" for i in range(NUM_AUX_LAYERS))
 
 
 class CheckpointError(UserError):
@@ -107,6 +113,7 @@ def drafter_tensors(state_dict: dict[str, torch.Tensor], config: Eagle3Config) -
 
 def expected_names(config: Eagle3Config, layout: str = "native") -> set[str]:
     names = {LAYER_PREFIX[layout] + n for n in LAYER_TENSORS} | set(TOP_TENSORS)
+    names |= set(FC_NORM_TENSORS) if config.fc_norm else set()
     return names | ({EMBED} if config.own_embedding else set())
 
 
@@ -156,6 +163,10 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
         raise CheckpointError(f"the {layout} layout names the verifier: this checkpoint has no target record; "
                               "give target=NAME_OR_DIR")
     if layout == "sglang":
+        flags = [flag for flag in EAGLE31_FLAGS if getattr(config, flag)]
+        if flags:
+            raise CheckpointError(f"the sglang layout has no EAGLE-3.1 fields but this drafter was trained with "
+                                  f"{flags[0]}=true: export format=speculators (or native)")
         if config.norm_before_residual:
             raise CheckpointError("SGLang's llama_eagle3 takes the residual before hidden_norm "
                                   "(norm_before_residual=false) but this drafter was trained with true: export "
@@ -181,7 +192,7 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
             "norm_before_residual": bool(config.norm_before_residual),  # always explicit: vLLM defaults to True
             "target_hidden_size": config.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(config.aux_layer_ids),
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "norm_before_fc": False, "fc_norm": bool(config.fc_norm), "norm_output": bool(config.norm_output),
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
@@ -381,8 +392,9 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
             raise CheckpointError("speculators config has no transformer_layer_config")
         for flag in UNSUPPORTED_FLAGS:
             if raw.get(flag):
-                raise CheckpointError(f"speculators checkpoint sets {flag}=true (EAGLE 3.1), which spectrain does "
-                                      "not run; export it without that option")
+                raise CheckpointError(f"speculators checkpoint sets {flag}=true (one norm over the concatenated aux "
+                                      "layers), which spectrain does not run; export it with fc_norm (a norm per "
+                                      "layer) or without that option")
         norm_before_residual = raw.get("norm_before_residual", True)  # vLLM's default when absent
         output_ids = _from_vllm_ids(raw.get("eagle_aux_hidden_state_layer_ids"))
     else:
@@ -397,6 +409,10 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
         if (raw.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state=false is an EAGLE(-2) drafter, not EAGLE-3")
         norm_before_residual = False  # SGLang runs it this way whatever the config says
+        for flag in EAGLE31_FLAGS:
+            if raw.get(flag):
+                raise CheckpointError(f"sglang-layout config sets {flag}=true, a field that layout does not carry; "
+                                      "convert it to the speculators layout instead")
         if raw.get("norm_before_residual"):
             raise CheckpointError("sglang-layout config sets norm_before_residual=true, which SGLang ignores; "
                                   "convert it to the speculators layout instead")
@@ -419,6 +435,7 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
         rms_norm_eps=fields.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=fields.get("max_position_embeddings", 2048),
         hidden_act=fields.get("hidden_act", "silu"), norm_before_residual=bool(norm_before_residual),
+        **{flag: True for flag in EAGLE31_FLAGS if layout == "speculators" and raw.get(flag)},
     )
 
 
@@ -435,6 +452,11 @@ def tensors_from_layout(weights: dict[str, torch.Tensor], layout: str, config: E
     if layout != "native" and "t2d" not in weights and "d2t" in weights:
         weights = {**weights, "t2d": _t2d_from_d2t(weights["d2t"], config.vocab_size)}  # engines never need it
     unknown, missing = sorted(set(weights) - names), sorted(names - set(weights))
+    if set(FC_NORM_TENSORS) & set(missing if config.fc_norm else unknown):
+        said, holds = ("sets fc_norm=true", "lack") if config.fc_norm else ("leaves fc_norm off", "hold")
+        raise CheckpointError(f"{directory}: config.json {said} but the weights {holds} "
+                              f"{', '.join(FC_NORM_TENSORS)}; re-export the drafter with its config and weights "
+                              "together")
     if unknown or missing:
         raise CheckpointError(f"{directory}: {layout} layout has unknown tensors {unknown[:4]} and lacks "
                               f"{missing[:4]}; refusing to skip or invent weights")

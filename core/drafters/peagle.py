@@ -45,6 +45,9 @@ class PEagleConfig(Eagle3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fc_norm or self.norm_output:  # its layouts carry neither: refused rather than dropped on export
+            raise ValueError("P-EAGLE runs without EAGLE-3.1's fc_norm and norm_output; set both false (they are "
+                             "options of kind=eagle3)")
         if self.num_depths < 1:
             raise ValueError(f"P-EAGLE num_depths must be >= 1 (tokens one forward drafts), got {self.num_depths}")
         if not 0 <= self.mask_token_id < self.vocab_size:

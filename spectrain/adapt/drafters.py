@@ -177,7 +177,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
         if arm in ("full", "lora"):  # lora: the same loss, only the adapters are trainable (Updater)
             return lambda: ttt_loss(forward(), teachers, masks, step_weight=self.step_weight)[0]
         if arm == "head":
-            with torch.no_grad():  # the frozen decoder runs once; steps reuse its pre-norm hidden states
+            with torch.no_grad():  # the frozen decoder runs once; steps reuse its hidden states (``head`` reads them)
                 hidden = drafter(batch["input_ids"], batch["aux_hidden"], steps=self.ttt_steps).hidden
             # only supervised rows reach lm_head (same loss value: the loss is a mean over masked rows)
             hidden = [h[m] for h, m in zip(hidden, masks)]
@@ -185,7 +185,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
             everywhere = [torch.ones(len(h), dtype=torch.bool, device=h.device) for h in hidden]
 
             def head_loss() -> torch.Tensor:
-                students = [drafter.lm_head(drafter.norm(h)) for h in hidden]
+                students = [drafter.head(h) for h in hidden]
                 return ttt_loss(students, picked, everywhere, step_weight=self.step_weight)[0]
 
             return head_loss
