@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core.errors import UserError
+
 from spectrain.specblock_losses import (VALID_PREFIX, block_losses, frequency_weights, rank_labels, rank_of,
                                         smoothing_table, total_loss, unroll_blocks)
 
@@ -353,6 +355,10 @@ def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
     wrong, _ = tiny_drafter(draft_vocab=32)
     with pytest.raises(ValueError, match="draft_vocab_size=64 but this SpecBlock drafter has 32"):
         warm_start_from_eagle3(wrong, ckpt)
+    eagle31 = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4],
+                                                    fc_norm=True), embed_weight=drafter.embed_tokens.weight)
+    with pytest.raises(UserError, match="EAGLE-3.1 drafter \\(fc_norm\\).*plain EAGLE-3 export"):
+        warm_start_from_eagle3(drafter, Eagle3Checkpoint.from_drafter(eagle31, None))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from core.drafters.eagle3 import EAGLE31_FLAGS
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
+from core.errors import UserError
 from core.layer_ids import eagle3_layers
 
 # The reference release (SpecForge-based SpecBlock): its tensor names -> ours. Its config.json is a LlamaConfig with
@@ -67,6 +69,11 @@ def warm_start_from_eagle3(drafter: SpecBlockDrafter, eagle: Any) -> list[str]:
     blocks, layer 0's input_layernorm and the rank head."""
     src, cfg = eagle.tensors, drafter.config
     e_cfg = eagle.config
+    flags = [flag for flag in EAGLE31_FLAGS if getattr(e_cfg, flag, False)]
+    if flags:  # its fc was trained on normed aux layers, and SpecBlock has no per-layer norms to carry them
+        raise UserError(f"warm start: the EAGLE-3 checkpoint is an EAGLE-3.1 drafter ({', '.join(flags)}), whose fc "
+                        "reads per-layer normed features SpecBlock does not compute; warm-start from a plain EAGLE-3 "
+                        "export or drop warm_start")
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "target_hidden_size", "draft_vocab_size", "aux_layer_ids"):
         if getattr(e_cfg, name) != getattr(cfg, name):
