@@ -7,7 +7,6 @@ is imported and served losslessly) and the engine honouring what the export says
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
 from test_drafter_rows import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
+from test_eagle3_training import eagle3_fit_setup
 from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, lightning_ckpt, make_drafter, tiny_target
 from test_speculators_interop import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
                                       our_chain, their_chain)
-from tiny_targets import save_tiny_target, write_jsonl
-from transformers import AutoConfig, LlamaForCausalLM
+from transformers import AutoConfig
 
 from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record
@@ -208,18 +207,8 @@ def test_library_eagle31_checkpoint_imports_and_serves_losslessly(tmp_path, tiny
 
 
 def test_fit_trains_the_flags_and_exports_them(tmp_path):
-    target = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
-    model = LlamaForCausalLM.from_pretrained(target)
-    with torch.no_grad():  # a sharper teacher than a random tiny model's near-uniform output
-        model.lm_head.weight.mul_(30.0)
-    model.save_pretrained(target)
-    source = write_jsonl(tmp_path / "chats.jsonl", 40)
-    recipes = tmp_path / "recipes"
-    shutil.copytree(REPO / "recipes", recipes)
-    args = ["recipe=eagle31_smollm2_gsm", f"target={target}", f"source=jsonl:{source}", "n_samples=16",
-            "n_val_samples=4", "max_len=64", "batch_size=4", "draft_vocab_size=512", "ttt_steps=3", "gamma=2",
-            "max_steps=2", "val_check_interval=2", "checkpoint_every_n_steps=2", "warmup_steps=1", "lr=5e-3",
-            f"runs_dir={tmp_path / 'runs'}", "log_every_n_steps=1", "layers=[0,1,2]"]
+    recipes, args, target = eagle3_fit_setup(tmp_path, "eagle31_smollm2_gsm", chats=40, samples=16, steps=2,
+                                             every=2, warmup=1)
     cfg = fit_cli.compose_recipe(args, directory=recipes)
     assert cfg.model.fc_norm and cfg.model.norm_output  # what the recipe sets
     result = fit_cli.fit(cfg)
