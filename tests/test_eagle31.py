@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
 from test_drafter_rows import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
+from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, lightning_ckpt, make_drafter
 from test_eagle3_training import eagle3_fit_setup
-from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, lightning_ckpt, make_drafter, tiny_target
 from test_speculators_interop import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
-                                      our_chain, their_chain)
+                                      our_chain, saved_tiny_target, their_chain)
 from transformers import AutoConfig
 
 from benchmarks.speculators_peer import load_theirs
@@ -26,7 +26,7 @@ from core.drafters.eagle3 import Eagle3Drafter
 from core.drafters.eagle3_layouts import FC_NORM_TENSORS, expected_names, read_checkpoint
 from core.drafters.peagle import PEagleConfig
 from inference.algorithms import build_algorithm
-from inference.drafters import LoadedModel, load_eagle3
+from inference.drafters import load_eagle3
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli
@@ -40,11 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random Llama target (untied head) saved as an HF directory, and its runner."""
-    directory = tmp_path_factory.mktemp("target")
-    model = tiny_target(0)
-    model.save_pretrained(directory)
-    return LoadedModel(str(directory), ModelRunner.from_hf_model(model, max_seq_len=64), None, model)
+    return saved_tiny_target(tmp_path_factory)
 
 
 def with_flags(drafter: Eagle3Drafter, **flags: bool) -> Eagle3Drafter:

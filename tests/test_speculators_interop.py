@@ -50,6 +50,10 @@ STEPS, DECAY = 3, 0.8
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    return saved_tiny_target(tmp_path_factory)
+
+
+def saved_tiny_target(tmp_path_factory) -> LoadedModel:
     """A tiny random Llama target (untied head) saved as an HF directory, and its runner."""
     directory = tmp_path_factory.mktemp("target")
     model = tiny_target(0)
