@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
 from test_drafter_rows import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
-from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, lightning_ckpt, make_drafter
+from test_eagle3_export import VOCAB, lightning_ckpt, make_drafter
 from test_eagle3_training import eagle3_fit_setup
 from test_speculators_interop import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
-                                      our_chain, saved_tiny_target, their_chain)
-from transformers import AutoConfig
+                                      library_drafter, our_chain, saved_tiny_target,
+                                      their_chain)
 
 from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record
@@ -176,15 +176,7 @@ def test_speculators_loads_our_eagle31_export_and_agrees(tmp_path, tiny):
 
 
 def test_library_eagle31_checkpoint_imports_and_serves_losslessly(tmp_path, tiny):
-    layer = AutoConfig.from_pretrained(tiny.name)
-    layer.num_hidden_layers = 1
-    used = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[used] = True
-    theirs = Eagle3DraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(DRAFT_VOCAB),
-                                                 verifier_name_or_path=tiny.name, draft_vocab_size=DRAFT_VOCAB,
-                                                 norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager",
-                                                 target_layer_ids=[i + 1 for i in AUX], **FLAGS)
+    theirs = library_drafter(tiny, **FLAGS)
     with torch.no_grad():  # trained-looking weights: the library initialises its norms to ones
         for name, param in theirs.named_parameters():
             if "norm" in name and not name.startswith("verifier"):

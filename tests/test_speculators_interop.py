@@ -202,17 +202,22 @@ def test_export_names_a_loadable_verifier_or_refuses(tmp_path, tiny, capsys):
         assert needle in err and "\n" not in err, err
 
 
-def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, tiny):
-    """A checkpoint speculators itself writes -> import= -> lossless eagle3_tree -> format=speculators again."""
+def library_drafter(tiny, **flags) -> Eagle3DraftModel:
+    """An EAGLE-3 drafter as speculators itself builds one for ``tiny`` (``flags``: its EAGLE-3.1 options)."""
     layer = AutoConfig.from_pretrained(tiny.name)
     layer.num_hidden_layers = 1  # the draft's own decoder: one layer shaped like the target's
     used = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[used] = True
-    theirs = Eagle3DraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(DRAFT_VOCAB),
-                                                 verifier_name_or_path=tiny.name, draft_vocab_size=DRAFT_VOCAB,
-                                                 norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager",
-                                                 target_layer_ids=[i + 1 for i in AUX])
+    return Eagle3DraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(DRAFT_VOCAB),
+                                               verifier_name_or_path=tiny.name, draft_vocab_size=DRAFT_VOCAB,
+                                               norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager",
+                                               target_layer_ids=[i + 1 for i in AUX], **flags)
+
+
+def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, tiny):
+    """A checkpoint speculators itself writes -> import= -> lossless eagle3_tree -> format=speculators again."""
+    theirs = library_drafter(tiny)
     with torch.no_grad():  # trained-looking weights: the library initialises its norms to ones
         for name, param in theirs.named_parameters():
             if "norm" in name and not name.startswith("verifier"):
