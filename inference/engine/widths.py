@@ -144,28 +144,30 @@ class CostModelWidths(WidthPolicy):
 
 def choose_widths(costs: StepCosts, acceptance: Sequence[float], caps: Sequence[int]) -> list[int]:
     """Greedy: from width 1 everywhere, add one drafted token at a time to the row where it raises the step's
-    expected tokens per second most; stop when no addition raises it. A row never exceeds its cap."""
+    expected tokens per second most; stop when no addition raises it. A row never exceeds its cap. Each addition
+    is scored in O(1) (row i's next token adds ``α_i^w_i`` expected tokens and one target row), so a step of n rows
+    costs O(n · added tokens), not a full re-sum per candidate."""
     widths = [1] * len(acceptance)
+    expected, rows, widest = float(len(widths)), len(widths), 1  # sum of expected tokens, target rows, max width
 
-    def rate(ws: list[int]) -> float:
-        drafts = max(ws) - 1  # a batched draft forward per drafted position
-        seconds = costs.target(sum(ws)) + costs.draft_s * drafts
-        return sum(expected_tokens(a, w) for a, w in zip(acceptance, ws)) / max(seconds, 1e-12)
+    def rate(tokens: float, scored: int, wide: int) -> float:
+        seconds = costs.target(scored) + costs.draft_s * (wide - 1)  # a batched draft forward per drafted position
+        return tokens / max(seconds, 1e-12)
 
-    best = rate(widths)
+    best = rate(expected, rows, widest)
     while True:
-        candidates = []
-        for i, (w, cap) in enumerate(zip(widths, caps)):
+        choice = None
+        for i, (a, w, cap) in enumerate(zip(acceptance, widths, caps)):
             if w < cap:
-                trial = widths.copy()
-                trial[i] += 1
-                candidates.append((rate(trial), -i, trial))
-        if not candidates:
+                value = rate(expected + a ** w, rows + 1, max(widest, w + 1))
+                if choice is None or value > choice[0]:  # ties go to the earlier row
+                    choice = (value, i)
+        if choice is None or choice[0] <= best:
             return widths
-        value, _, trial = max(candidates)
-        if value <= best:
-            return widths
-        best, widths = value, trial
+        best, i = choice
+        expected += acceptance[i] ** widths[i]
+        widths[i] += 1
+        rows, widest = rows + 1, max(widest, widths[i])
 
 
 def measure_step_costs(target, draft, rows: int, max_width: int, *, context: int = 64,
