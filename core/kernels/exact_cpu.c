@@ -413,6 +413,37 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, l
 static inline __attribute__((always_inline)) void linear_block_avx2(const float *x, long K, const float *wt, long Np,
                                                                     long n0, long k0, long k1, int cols,
                                                                     float *const out[4], const int MB) {
+    if (MB == 1) {
+        /* One row: all (up to) 4 column tiles in one k loop, so 8 independent accumulator chains hide the FMA's
+         * latency (two chains, one tile at a time, left the row latency-bound at ~1/4 of the FMA units). Each
+         * output still starts from the same value and takes one FMA per k in increasing k: the same bits. */
+        __m256 acc[4][2];
+        for (int c = 0; c < cols; c++)
+            for (int h = 0; h < 2; h++)
+                acc[c][h] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out[0] + n0 + c * LANES + 8 * h);
+        if (cols == 4) {
+            for (long k = k0; k < k1; k++) {
+                const float *w = wt + k * Np + n0;
+                const __m256 xv = _mm256_set1_ps(x[k]);
+                for (int c = 0; c < 4; c++) {
+                    acc[c][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES), acc[c][0]);
+                    acc[c][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES + 8), acc[c][1]);
+                }
+            }
+        } else {
+            for (long k = k0; k < k1; k++) {
+                const float *w = wt + k * Np + n0;
+                const __m256 xv = _mm256_set1_ps(x[k]);
+                for (int c = 0; c < cols; c++) {
+                    acc[c][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES), acc[c][0]);
+                    acc[c][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES + 8), acc[c][1]);
+                }
+            }
+        }
+        for (int c = 0; c < cols; c++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[0] + n0 + c * LANES + 8 * h, acc[c][h]);
+        return;
+    }
     for (int c = 0; c < cols; c++) {
         const long n = n0 + c * LANES;
         __m256 acc[4][2];
