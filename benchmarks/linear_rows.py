@@ -1,22 +1,27 @@
-"""``python benchmarks/linear_rows.py [rows=[1,2,3,4,6,8]] [threads=1] [repeats=7]``
+"""``python benchmarks/linear_rows.py [rows=[1,2,3,4,6,8]] [threads=1] [repeats=7] [out=DIR]``
 
-Why the engine's ``core.blocks.linear.Linear`` pads 2-3 rows to 4 on a CPU: milliseconds for one pass over
-SmolLM2-135M's decoder matmul shapes (30 layers x q/k/v/o + gate/up/down, fp32, weights streamed from memory
-as in a real forward) and over its 49,152-row lm_head, for a few row counts, with plain ``F.linear`` and with
-the runner's ``Linear``. Prints a table; compare the columns of one run only.
+What a forward's linears cost by row count on this CPU: milliseconds for one pass over SmolLM2-135M's decoder
+matmul shapes (30 layers x q/k/v/o + gate/up/down, fp32, weights streamed from memory as in a real forward) and over
+its 49,152-row lm_head, with plain ``F.linear``, the runner's ``Linear`` (which pads 2-3 rows to 4 for MKL) and the
+runner's ``Linear`` in exact mode (``core.kernels.exact_cpu.linear``: every row's bits fixed whatever the call holds,
+what the engine runs in fp32 on a CPU). Prints a table; compare the columns of one run only. ``out=DIR`` also writes
+``DIR/results.json`` (the config, the CPU and every figure).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from core.blocks.linear import Linear
 from core.overrides import OverrideError, parse_cli
+from inference.device import cpu_description
 
 USAGE = "python benchmarks/linear_rows.py rows=[1,2,3,4,6,8] threads=1 repeats=7"
 HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152  # SmolLM2-135M
@@ -27,13 +32,14 @@ class LinearRowsConfig:
     rows: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
     threads: int = 1
     repeats: int = 7
+    out: str | None = None  # DIR: results.json there
 
 
 def _modules(shapes: list[tuple[int, int]]) -> list[Linear]:
     torch.manual_seed(0)
     modules = []
     for fan_in, fan_out in shapes:
-        module = Linear(fan_in, fan_out, bias=False)
+        module = Linear(fan_in, fan_out, bias=False).requires_grad_(False)
         torch.nn.init.normal_(module.weight, std=0.02)
         modules.append(module)
     return modules
@@ -57,18 +63,19 @@ def measure(cfg: LinearRowsConfig) -> list[dict]:
     decoder, lm_head = _modules(layer_shapes), _modules([(HIDDEN, VOCAB)])[0]
     inputs = {width: {rows: torch.randn(rows, width) for rows in cfg.rows} for width in (HIDDEN, INTERMEDIATE)}
 
-    def run(modules, rows, padded):
+    def run(modules, rows, path):
         for module in modules:
             x = inputs[module.in_features][rows]
-            module(x) if padded else F.linear(x, module.weight)
+            module.exact = path == "exact"
+            F.linear(x, module.weight) if path == "plain" else module(x)
 
     results = []
     for rows in cfg.rows:
         row = {"rows": rows}
         for name, modules in (("decoder", decoder), ("lm_head", [lm_head])):
-            for padded in (False, True):
-                row[f"{name}_{'padded' if padded else 'plain'}_ms"] = _median_ms(
-                    lambda modules=modules, rows=rows, padded=padded: run(modules, rows, padded), cfg.repeats)
+            for path in ("plain", "padded", "exact"):
+                row[f"{name}_{path}_ms"] = _median_ms(
+                    lambda modules=modules, rows=rows, path=path: run(modules, rows, path), cfg.repeats)
         results.append(row)
     return results
 
@@ -79,12 +86,22 @@ def main(argv: list[str]) -> None:
     except OverrideError as error:
         sys.exit(f"error: {error}")
     results = measure(cfg)
-    print(f"SmolLM2-135M matmul shapes, fp32, {cfg.threads} thread(s), median of {cfg.repeats}\n")
-    print("| rows | decoder F.linear ms | decoder runner.Linear ms | lm_head F.linear ms | lm_head runner.Linear ms |")
-    print("|---|---|---|---|---|")
+    cpu = cpu_description()
+    print(f"SmolLM2-135M matmul shapes, fp32, {cfg.threads} thread(s), median of {cfg.repeats}, {cpu}\n")
+    print("| rows | decoder: F.linear | Linear | exact | lm_head: F.linear | Linear | exact | exact ÷ F.linear, "
+          "decoder / lm_head |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in results:
         print(f"| {row['rows']} | {row['decoder_plain_ms']:.1f} | {row['decoder_padded_ms']:.1f} | "
-              f"{row['lm_head_plain_ms']:.1f} | {row['lm_head_padded_ms']:.1f} |")
+              f"{row['decoder_exact_ms']:.1f} | {row['lm_head_plain_ms']:.1f} | {row['lm_head_padded_ms']:.1f} | "
+              f"{row['lm_head_exact_ms']:.1f} | {row['decoder_exact_ms'] / row['decoder_plain_ms']:.2f} / "
+              f"{row['lm_head_exact_ms'] / row['lm_head_plain_ms']:.2f} |")
+    if cfg.out:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"config": asdict(cfg), "cpu": cpu, "torch": torch.__version__, "unit": "ms", "rows": results}
+        (out / "results.json").write_text(json.dumps(record, indent=1))
+        print(f"wrote {out / 'results.json'}")
 
 
 if __name__ == "__main__":

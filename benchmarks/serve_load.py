@@ -18,7 +18,6 @@ every other answer must still succeed and equal the direct engine's. ``out=DIR``
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 import threading
@@ -33,6 +32,7 @@ from omegaconf import OmegaConf
 from core.overrides import OverrideError, parse_cli, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms.options import apply_threads
+from inference.device import cpu_description
 from inference.sampling import SamplingParams
 from inference.serve.config import ServeConfig, parse_args
 from inference.serve.server import RunningServer, build_server
@@ -192,6 +192,7 @@ def _run(argv: list[str]) -> None:
         direct_engine, one_client = paired_runs(running, conversations, prompts, load)
         runs = [direct_engine, one_client] + [server_run(running, conversations, n, load)[0] for n in load.clients
                                               if n > 1]
+        health = httpx.get(f"{running.url}/health").json()  # the width policy and its measured costs, among others
         statuses = {}
         if load.poisoned:
             bodies = poisons(running, conversations[0], load, cfg.max_body_bytes)
@@ -206,7 +207,7 @@ def _run(argv: list[str]) -> None:
     if load.out:
         record = {"config": OmegaConf.to_container(load, resolve=True) if OmegaConf.is_config(load) else vars(load),
                   "argv": argv, "batch_size": server.model.batch_size, "threads": torch.get_num_threads(),
-                  "machine": platform.processor() or platform.machine(), "exactness": server.model.exactness,
+                  "machine": cpu_description(), "health": health, "exactness": server.model.exactness,
                   "runs": [run.record(None if run is direct_engine else direct_engine) for run in runs],
                   "poisoned_statuses": statuses}
         Path(load.out).mkdir(parents=True, exist_ok=True)
