@@ -23,6 +23,7 @@ import inference.verify as verify_module
 from inference.sampling import SamplingParams, sample
 from inference.verify import CandidateMatch
 
+LAW_ROWS = 64  # requests side by side in a Monte Carlo law test of an algorithm on the engine loop
 ALPHA = 1e-3  # small, so a correct algorithm fails about once in 500-1000 seeds (the pooled test's real size)
 MIN_EXPECTED = 5.0  # outcomes expected fewer times are pooled into one cell (the chi-square approximation holds)
 
@@ -205,9 +206,6 @@ def inject_resample_from_p(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 BugInjector = Callable[[pytest.MonkeyPatch], None]
-
-
-LAW_ROWS = 64  # requests side by side in a Monte Carlo law test of an algorithm on the engine loop
 
 
 def exact_target_law(model, prompt: list[int], n: int, vocab: int) -> dict[tuple[int, ...], float]:
