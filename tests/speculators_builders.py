@@ -13,14 +13,7 @@ from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
 from transformers import AutoConfig
 
-from benchmarks.speculators_peer import (
-    features,
-    full_accuracy,
-    our_loss,
-    our_steps,
-    their_forward,
-    their_loss_mask,
-)
+from benchmarks.speculators_peer import features, full_accuracy, our_loss, our_steps, their_forward, their_loss_mask
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Drafter
 from inference.algorithms import build_algorithm

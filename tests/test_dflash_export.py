@@ -19,16 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_export_builders import (
-    GREEDY,
-    PROMPT,
-    assert_loaded_exactly,
-    assert_same_tensors,
-    export,
-    load_theirs,
-    our_block,
-    their_block,
-)
+from dflash_export_builders import (GREEDY, PROMPT, assert_loaded_exactly, assert_same_tensors, export,
+                                    load_theirs, our_block, their_block)
 from eagle3_export_builders import tiny_target
 from safetensors.torch import load_file, save_file
 

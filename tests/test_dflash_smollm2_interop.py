@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from speculators.convert.dflash import DFlashConverter
 from speculators.models.dflash import DFlashDraftModel
 from dflash_export_builders import (GREEDY, assert_loaded_exactly, assert_same_tensors, export, load_theirs,
-    our_block, their_block)
+                                    our_block, their_block)
 from dflash_interop_builders import check_training_forward_agrees
 from tiny_targets import write_jsonl
 from transformers import AutoConfig

@@ -12,21 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from drafter_rows_helpers import (
-    DRAFT_VOCAB,
-    HIDDEN,
-    SHAPE,
-    TARGET_HIDDEN,
-    VOCAB,
-    Rows,
-    eagle3,
-    eagle3_calls,
-    padded,
-    randomised,
-    same,
-    siblings,
-    tree_rows,
-)
+from drafter_rows_helpers import (DRAFT_VOCAB, HIDDEN, SHAPE, TARGET_HIDDEN, VOCAB, Rows, eagle3,
+                                  eagle3_calls, padded, randomised, same, siblings, tree_rows)
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.peagle import PEagleDrafter

@@ -17,7 +17,7 @@ from drafter_rows_helpers import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same
 from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
 from eagle3_training_builders import eagle3_fit_setup
 from speculators_builders import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
-    library_drafter, our_chain, saved_tiny_target, their_chain)
+                                  library_drafter, our_chain, saved_tiny_target, their_chain)
 
 from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record

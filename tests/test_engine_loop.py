@@ -8,20 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import (
-    GREEDY,
-    VARIANTS,
-    after_a_failing_forward,
-    algorithm,
-    alone_and_side_by_side,
-    counters,
-    jobs,
-    runner_of,
-    side_by_side,
-    solo,
-    stream_consumer,
-    target_and_draft,
-)
+from engine_helpers import (GREEDY, VARIANTS, after_a_failing_forward, algorithm, alone_and_side_by_side,
+                            counters, jobs, runner_of, side_by_side, solo, stream_consumer, target_and_draft)
 
 from inference.algorithms import build_algorithm
 from inference.engine.loop import DecodeEngine

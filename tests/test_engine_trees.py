@@ -14,7 +14,7 @@ from tiny_targets import tiny_llama
 from eagle3_tree_builders import random_drafter
 from specblock_tree_builders import random_drafter as specblock_drafter
 from engine_helpers import (after_a_failing_forward, alone_and_side_by_side, counters, runner_of,
-    side_by_side, solo, stream_consumer)
+                            side_by_side, solo, stream_consumer)
 from engine_helpers import jobs as loop_jobs
 
 from inference.algorithms import build_algorithm

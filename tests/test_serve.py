@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from serve_helpers import (ALGORITHMS, MAX_SEQ, PROMPT, Paced, ROWS, chat_ids, error_of, metric, reference,
-    runner_of, start, tiny_models, wait_for)
+                           runner_of, start, tiny_models, wait_for)
 
 from core.errors import UserError
 from inference.algorithms import build_algorithm

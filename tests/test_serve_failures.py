@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from serve_helpers import (MAX_SEQ, PROMPT, Paced, chat_ids, error_of, metric, reference, runner_of, start,
-    submit, tiny_models, wait_for)
+                           submit, tiny_models, wait_for)
 
 from inference.sampling import sample, warp_probs
 from inference.serve.scheduler import Chunk, Failed, Finished

@@ -31,7 +31,8 @@ from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
 from eagle3_export_builders import AUX, VOCAB, lightning_ckpt, make_drafter
 from speculators_builders import (DECAY, STEPS, assert_loaded_exactly, check_training_forward_agrees,
-    export_speculators, library_drafter, our_chain, saved_tiny_target, their_chain)
+                                  export_speculators, library_drafter, our_chain, saved_tiny_target,
+                                  their_chain)
 
 from benchmarks.speculators_peer import (features, load_theirs, our_loss, our_steps)
 from core.assets import portable_model_reference, target_record
