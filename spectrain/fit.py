@@ -14,6 +14,9 @@ spectrain register themselves.
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
 import importlib
 import json
 import os
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from core.assets import EMBEDDED_MODELS, AssetError, model_identity, resolve_model_dir
 from core.distributed import reduce_across_processes
@@ -60,10 +64,6 @@ def _split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, s
 
 def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictConfig:
     """Compose and validate the recipe named in ``argv`` with its overrides; no side effects."""
-    from hydra import compose, initialize_config_dir  # Hydra: a heavy import, deferred to first use
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-
     directory = (directory or recipes_dir()).resolve()
     recipe, pairs = _split_overrides(argv)
     names = available_recipes(directory)
@@ -72,30 +72,79 @@ def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictCo
     if recipe not in names:
         raise RecipeError(f"unknown recipe '{recipe}'; available: {', '.join(names) or '(none)'} (in {directory}/recipe)")
 
-    ConfigStore.instance().store(name="fit_schema", node=FitConfig)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
-        base = compose(config_name="config", overrides=[f"recipe={recipe}"])
-        valid = leaf_keys(base, open_dicts=("model",))  # model fields are kind-specific
-        # The kind's model fields the recipe leaves at their defaults are valid too; Hydra adds them with '+'.
-        unset = [f"model.{k}" for k in _model_fields(dict(pairs).get("kind", OmegaConf.select(base, "kind"))) if k not in base.model]
-        overrides = [("+" if key in unset else "") + f"{key}={v}"
-                     for key, v in ((resolve_key(k, valid + unset), v) for k, v in pairs)]
-        try:
-            cfg = compose(config_name="config", overrides=[f"recipe={recipe}", *overrides])
-        except Exception as exc:  # Hydra's messages are multi-line: name the override that fails, and why
-            def alone(item: str) -> None:
-                try:
-                    compose(config_name="config", overrides=[f"recipe={recipe}", item])
-                except Exception as one:  # the reason is in the cause (e.g. omegaconf's conversion error)
-                    raise (one.__cause__ or one) from None
+    digest = _recipe_files_digest(directory)
+    cfg = _composed(str(directory), recipe, digest)
+    valid = leaf_keys(cfg, open_dicts=("model",))  # model fields are kind-specific
+    # The kind's model fields the recipe leaves at their defaults are valid too; Hydra adds them with '+'.
+    unset = [f"model.{k}" for k in _model_fields(dict(pairs).get("kind", OmegaConf.select(cfg, "kind"))) if k not in cfg.model]
+    overrides = [("+" if key in unset else "") + f"{key}={v}"
+                 for key, v in ((resolve_key(k, valid + unset), v) for k, v in pairs)]
+    # The overrides are applied to the composed recipe as Hydra's compose applies them (every override here names a
+    # value, none a config group): a second composition would cost as much as the first.
+    try:
+        _apply_overrides(cfg, overrides)
+    except Exception as exc:  # Hydra's messages are multi-line: name the override that fails, and why
+        def alone(item: str) -> None:
+            try:
+                _apply_overrides(_composed(str(directory), recipe, digest), [item])
+            except Exception as one:  # the reason is in the cause (e.g. omegaconf's conversion error)
+                raise (one.__cause__ or one) from None
 
-            raise RecipeError(f"bad override: {bad_value(overrides, exc, alone).removeprefix('bad value in ')}"
-                              ) from None
-    GlobalHydra.instance().clear()
+        raise RecipeError(f"bad override: {bad_value(overrides, exc, alone).removeprefix('bad value in ')}"
+                          ) from None
     OmegaConf.set_struct(cfg, True)
     _validate(cfg, recipe)
     return cfg
+
+
+def _recipe_files_digest(directory: Path) -> str:
+    """A digest of every recipe file's name and content: a recipe edited between two compositions is recomposed."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*.yaml")):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _composed(directory: str, recipe: str, digest: str) -> DictConfig:
+    """Recipe ``recipe`` of ``directory`` composed by Hydra without overrides, a copy the caller may change. A
+    composition costs about a second (Hydra reads every option of the recipe group), so it is done once per process
+    for each recipe and digest of the recipe files (a process training several runs composes each recipe once)."""
+    return copy.deepcopy(_composed_once(directory, recipe, digest))
+
+
+@functools.lru_cache(maxsize=32)
+def _composed_once(directory: str, recipe: str, digest: str) -> DictConfig:
+    from hydra import compose, initialize_config_dir  # Hydra: a heavy import, deferred to first use
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    ConfigStore.instance().store(name="fit_schema", node=FitConfig)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=directory, version_base="1.3"):
+            return compose(config_name="config", overrides=[f"recipe={recipe}"])
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Apply value overrides (``key=value``, ``+key=value``) to a composed, struct-mode ``cfg`` in place, parsed by
+    Hydra's grammar and merged as Hydra's own compose merges them after composing the defaults list."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # Hydra: deferred, as above
+
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        try:
+            value = override.value()
+            if override.is_sweep_override():  # Hydra's compose refuses a sweep outside --multirun, so do we
+                raise ValueError(f"Ambiguous value for argument '{override.input_line}': to use it as a list, write "
+                                 "key=[value1,value2]; as a string, quote it")
+            if (override.is_add() and OmegaConf.select(cfg, key, throw_on_missing=False) is not None
+                    and not isinstance(value, (dict, list))):
+                raise ValueError(f"an item is already at '{key}'; remove the + prefix")
+            OmegaConf.update(cfg, key, value, merge=True, force_add=override.is_add())
+        except (OmegaConfBaseException, ValueError) as exc:  # the cause carries the reason; the caller names the key
+            raise RecipeError(f"cannot merge override {override.input_line}") from exc
 
 
 def _model_fields(kind_name: Any) -> list[str]:

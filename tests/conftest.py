@@ -7,8 +7,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path
+
 import pytest
 import torch
+
+# The helper modules beside the tests hold shared checks (law tests, engine comparisons): pytest rewrites their
+# asserts as it does the test modules', so a failing check shows its values.
+pytest.register_assert_rewrite(*sorted(p.stem for p in Path(__file__).parent.glob("*.py")
+                                       if not p.stem.startswith(("test_", "conftest"))))
 
 
 def pytest_collection_modifyitems(config, items):

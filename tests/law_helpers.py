@@ -10,12 +10,12 @@ same number of runs, so every law test can assert that it is able to fail.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 import torch
-from test_algorithms import LAW_ROWS
 
 import inference.algorithms.self_draft as self_draft_module
 import inference.match as match_module
@@ -23,6 +23,7 @@ import inference.verify as verify_module
 from inference.sampling import SamplingParams, sample
 from inference.verify import CandidateMatch
 
+LAW_ROWS = 64  # requests side by side in a Monte Carlo law test of an algorithm on the engine loop
 ALPHA = 1e-3  # small, so a correct algorithm fails about once in 500-1000 seeds (the pooled test's real size)
 MIN_EXPECTED = 5.0  # outcomes expected fewer times are pooled into one cell (the chi-square approximation holds)
 
@@ -205,3 +206,45 @@ def inject_resample_from_p(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 BugInjector = Callable[[pytest.MonkeyPatch], None]
+
+
+def exact_target_law(model, prompt: list[int], n: int, vocab: int) -> dict[tuple[int, ...], float]:
+    """P(first n new tokens = s) under the target at T=1, by enumeration over V^n."""
+    law = {}
+    for seq in itertools.product(range(vocab), repeat=n):
+        ids = torch.tensor([prompt + list(seq)])
+        with torch.no_grad():
+            probs = model(ids).logits[0].double().softmax(-1)
+        p = 1.0
+        for i, token in enumerate(seq):
+            p *= float(probs[len(prompt) - 1 + i, token])
+        law[seq] = p
+    return law
+
+
+def sampled_law(algorithm, prompt: list[int], n: int, runs: int, seed: int = 1234) -> tuple[dict, int]:
+    """Empirical law of the first ``n`` tokens over ``runs`` T=1 generations, and the draft tokens accepted. An
+    algorithm on the engine loop whose runners hold ``2 * LAW_ROWS`` rows answers ``LAW_ROWS`` requests side by side
+    (``generate_batch``): then the law checked is that of a row in a batch."""
+    generator = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    rows = LAW_ROWS if algorithm.batchable and algorithm.target.max_batch_size >= 2 * LAW_ROWS else 1
+    for start in range(0, runs, rows):
+        kw = {"max_new_tokens": n, "sampling": SamplingParams(1.0), "generator": generator}
+        results = (algorithm.generate_batch([prompt] * min(rows, runs - start), **kw) if rows > 1 else
+                   [algorithm.generate(prompt, **kw)])
+        for result in results:
+            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+            accepted += result.stats.accepted_draft_tokens
+    return counts, accepted
+
+
+def assert_follows_law(counts: dict, law: dict, runs: int, max_tv: float) -> None:
+    """Chi-square within 6 sd of its mean (beyond p = 1e-6 for an exact rule; a biased one lands far above) and
+    total variation below ``max_tv``."""
+    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
+    dof = len(law) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
+    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
+    assert tv < max_tv, tv

@@ -8,9 +8,8 @@ import math
 
 import pytest
 import torch
-from test_algorithms import GREEDY, runner, tiny_llama
-from test_eagle3_tree import random_drafter
-from tiny_targets import set_random_vocab_map
+from adapt_helpers import PROMPTS, adapter_for, forcing_settings, tiny_pair
+from tiny_targets import GREEDY, runner, set_random_vocab_map
 
 from inference.algorithms import build_algorithm
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
@@ -91,26 +90,10 @@ def test_signal_and_context_buckets():
 # ------------------------------------------------------------------------------------------------------------
 # the adapter on a tiny EAGLE-3 drafter
 
-PROMPTS = [[7, 1, 8, 2, 8], [3, 14, 15, 9, 2, 6], [5, 3, 5, 8, 9], [2, 7, 1, 8, 2, 8]]
-
-
-def tiny_pair():
-    """A tiny target and a random EAGLE-3 drafter for it."""
-    target = tiny_llama(0, layers=4, temperature_scale=8.0)
-    return target, random_drafter(target, draft_vocab=60)
-
 
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_pair()
-
-
-def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:
-    """Settings under which every allowed query updates (optimistic prior, cheap costs, no rate limit)."""
-    values = dict(prior=5.0, min_gap=1, cost_cache=None, cost_rows=24, head_lr=1e-2, full_lr=1e-2,
-                  validate=False, log=None if tmp_path is None else str(tmp_path))
-    values.update(kw)
-    return AdaptSettings(**values)
 
 
 def assert_adapts_and_stays_greedy_equal(target, drafter, algorithm_name: str, tmp_path, **options) -> list[dict]:
@@ -248,14 +231,6 @@ def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
 def loss_of(adaptable, record, arm: str) -> float:
     """The training loss of ``arm`` on ``record`` as the drafter stands, computed afresh."""
     return float(adaptable.loss_closure(record, arm)())
-
-
-def adapter_for(drafter, costs_per_row: float = 1e-6, **kw) -> tuple[BanditAdapter, Eagle3Adaptable]:
-    adaptable = Eagle3Adaptable(drafter)
-    # refine=0: the policy tests set the costs; learning them from wall-clock update times made the decisions
-    # depend on how busy the machine was.
-    costs = CostModel(1e-3, {"head": costs_per_row, "full": costs_per_row}, refine=0.0)
-    return BanditAdapter(adaptable, costs, forcing_settings(**{"arms": "head", "min_gap": 3, **kw})), adaptable
 
 
 @pytest.mark.parametrize("taus, rolled_back_at", [

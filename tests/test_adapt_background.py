@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from test_adapt import PROMPTS, adapter_for, forcing_settings, tiny_pair
-from test_algorithms import GREEDY, runner
+from adapt_helpers import PROMPTS, adapter_for, forcing_settings, tiny_pair
+from tiny_targets import GREEDY, runner
 
 from inference.algorithms import build_algorithm
 from spectrain.adapt.adapter import AdaptSettings

@@ -2,38 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
+from law_helpers import LAW_ROWS, assert_follows_law, exact_target_law, sampled_law
 from near_ties import near_tie_llama
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_targets import GREEDY, hf_greedy, runner, tiny_llama
 
 from inference.algorithms import build_algorithm
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
-
-GREEDY = SamplingParams(temperature=0)
-
-
-def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: float = 1.0, *, hidden: int = 32,
-               intermediate: int = 64, heads: int = 4, kv_heads: int = 2, max_positions: int = 256) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                         max_position_embeddings=max_positions)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper or flatter output distributions, to vary acceptance
-        model.lm_head.weight.mul_(temperature_scale)
-    return model
-
-
-def runner(model, max_seq_len: int = 192, exact: bool | None = None, rows: int = 1) -> ModelRunner:
-    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len, exact=exact, max_batch_size=rows)
-
-
-LAW_ROWS = 64  # requests side by side in a Monte Carlo law test of an algorithm on the engine loop
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +20,6 @@ def pair():
     target = tiny_llama(0, layers=2, temperature_scale=8.0)
     draft = tiny_llama(1, layers=1, temperature_scale=8.0)
     return target, draft
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_ar_greedy_equals_transformers_generate(pair):
@@ -122,48 +96,6 @@ def test_bad_inputs_are_one_line_errors(pair):
         build_algorithm("sps", runner(target), runner(draft), gamma=0)
     with pytest.raises(ValueError, match="empty prompt"):
         build_algorithm("ar", runner(target)).generate([], max_new_tokens=4, sampling=GREEDY)
-
-
-def exact_target_law(model, prompt: list[int], n: int, vocab: int) -> dict[tuple[int, ...], float]:
-    """P(first n new tokens = s) under the target at T=1, by enumeration over V^n."""
-    law = {}
-    for seq in itertools.product(range(vocab), repeat=n):
-        ids = torch.tensor([prompt + list(seq)])
-        with torch.no_grad():
-            probs = model(ids).logits[0].double().softmax(-1)
-        p = 1.0
-        for i, token in enumerate(seq):
-            p *= float(probs[len(prompt) - 1 + i, token])
-        law[seq] = p
-    return law
-
-
-def sampled_law(algorithm, prompt: list[int], n: int, runs: int, seed: int = 1234) -> tuple[dict, int]:
-    """Empirical law of the first ``n`` tokens over ``runs`` T=1 generations, and the draft tokens accepted. An
-    algorithm on the engine loop whose runners hold ``2 * LAW_ROWS`` rows answers ``LAW_ROWS`` requests side by side
-    (``generate_batch``): then the law checked is that of a row in a batch."""
-    generator = torch.Generator().manual_seed(seed)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    rows = LAW_ROWS if algorithm.batchable and algorithm.target.max_batch_size >= 2 * LAW_ROWS else 1
-    for start in range(0, runs, rows):
-        kw = {"max_new_tokens": n, "sampling": SamplingParams(1.0), "generator": generator}
-        results = (algorithm.generate_batch([prompt] * min(rows, runs - start), **kw) if rows > 1 else
-                   [algorithm.generate(prompt, **kw)])
-        for result in results:
-            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-            accepted += result.stats.accepted_draft_tokens
-    return counts, accepted
-
-
-def assert_follows_law(counts: dict, law: dict, runs: int, max_tv: float) -> None:
-    """Chi-square within 6 sd of its mean (beyond p = 1e-6 for an exact rule; a biased one lands far above) and
-    total variation below ``max_tv``."""
-    chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items() if runs * p > 0)
-    dof = len(law) - 1
-    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
-    tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
-    assert tv < max_tv, tv
 
 
 @pytest.mark.real_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_extract import run_extract
+from extract_helpers import run_extract
 from tiny_targets import save_tiny_target
 
 from core.assets import AssetError, chat_template_hash, load_tokenizer

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from demo_parsers import PARSERS
 
 from core.overrides import parse_cli
 from spectrain import demo, pipeline
@@ -16,16 +16,6 @@ from inference.algorithms import ALGORITHMS
 from inference.drafters import DRAFTER_KINDS
 from inference.evaluate import parse_args as parse_evaluate, select_algorithms
 from spectrain.pipeline import Stage, measured_pace, minutes_left, run_pipeline, stage_minutes
-
-PARSERS = {  # module -> how that CLI validates its arguments without doing the work
-    "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),
-    "data_prep.traces": lambda argv: importlib.import_module("data_prep.traces").parse_args(argv),
-    "spectrain.export": lambda argv: importlib.import_module("spectrain.export").parse_args(argv),
-    "inference.evaluate": lambda argv: importlib.import_module("inference.evaluate").parse_args(argv),
-    "spectrain.fit": lambda argv: importlib.import_module("spectrain.fit").compose_recipe(argv),
-    "data_prep.ngram_corpus": lambda argv: parse_cli(argv, importlib.import_module("data_prep.ngram_corpus")
-                                                     .NgramCorpusConfig, "usage"),
-}
 
 
 def config(tmp_path, *args: str):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
-from test_dflash import AUX, make_drafter
+from law_helpers import LAW_ROWS, assert_follows_law, exact_target_law, sampled_law
+from tiny_targets import GREEDY, runner, tiny_llama
+from dflash_builders import AUX, make_drafter
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from inference.algorithms import build_algorithm

@@ -33,9 +33,9 @@ from safetensors.torch import load_file
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.convert.dflash import DFlashConverter
 from speculators.models.dflash import DFlashDraftModel
-from test_dflash_export import (GREEDY, assert_loaded_exactly, assert_same_tensors, export, load_theirs, our_block,
-                                their_block)
-from test_dflash_speculators import check_training_forward_agrees
+from dflash_export_builders import (GREEDY, assert_loaded_exactly, assert_same_tensors, export, load_theirs,
+                                    our_block, their_block)
+from dflash_interop_builders import check_training_forward_agrees
 from tiny_targets import write_jsonl
 from transformers import AutoConfig
 

@@ -1,12 +1,16 @@
 """Data preparation on several processes: ``torchrun --nproc_per_node=2 -m data_prep.extract`` (and
 ``data_prep.regenerate``, ``data_prep.traces``) gives the single-process dataset (same samples, order aside); kill -9
 of one process, then the same command, resumes every process with no lost or duplicated sample; a run with another
-process count is refused in one line while parts are unfinished."""
+process count is refused in one line while parts are unfinished. The three resumed or uninterrupted runs share one
+torchrun launch; only the two killed runs have launches of their own."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +28,7 @@ from data_prep.manifest import DatasetError, read_manifest
 from data_prep.shards import ShardReader
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 
@@ -36,12 +41,13 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
-def torchrun(module: str, args: list[str]) -> subprocess.Popen:
-    """Two real processes started by torchrun (standalone rendezvous on a free port), one thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def torchrun(command: list[str]) -> subprocess.Popen:
+    """Two real processes started by torchrun (standalone rendezvous on a free port), one thread each, running
+    ``command`` (``-m MODULE ARGS`` or a script and its arguments)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", module, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                             *command], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -82,11 +88,17 @@ def committed_shards(log: Path) -> int:
         return 0
 
 
-def one_line_refusal(main: Callable, argv: list[str], capsys, needle: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2  # a single process (this one) into a 2-process run's unfinished parts
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and needle in err, err
+def refusal(main: Callable, argv: list[str]) -> tuple[int, str]:
+    """What a single process (this one) run into a 2-process run's unfinished parts returns and prints."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue().strip()
+
+
+def assert_one_line_refusal(refused: tuple[int, str], needle: str) -> None:
+    code, err = refused
+    assert code == 2 and err.count("\n") == 0 and needle in err, err
 
 
 def samples(directory: Path) -> list[dict[str, torch.Tensor]]:
@@ -96,21 +108,68 @@ def samples(directory: Path) -> list[dict[str, torch.Tensor]]:
     return sorted(rows, key=lambda r: (r["input_ids"].tolist(), r["loss_mask"].tolist()))
 
 
-def test_torchrun_extract_resumes_a_killed_process_and_equals_one_process(tiny, capsys):
-    args = [f"target={tiny / 'target'}", f"source=jsonl:{tiny / 'chats.jsonl'}", "n_samples=64", "max_len=48",
+def extract_args(tiny: Path) -> list[str]:
+    return [f"target={tiny / 'target'}", f"source=jsonl:{tiny / 'chats.jsonl'}", "n_samples=64", "max_len=48",
             "layers=[1,3]", "dtype=fp32", "batch_size=2", "shard_size=2", "device=cpu"]
-    reference, out = tiny / "feats_1", tiny / "feats_2"
-    assert extract.main([*args, f"out={reference}"]) == 0
-    proc = torchrun("data_prep.extract", [*args, f"out={out}"])
-    kill_rank_when(proc, 1, lambda: committed_shards(out / "ranks" / "rank-1-of-2.json") >= 2)
-    killed = read_manifest(out, "ranks/rank-1-of-2.json")
-    assert not killed["complete"] and not (out / "manifest.json").exists()
-    with pytest.raises(DatasetError, match="is unfinished: its processes' parts are in .*re-run the same torchrun"):
-        FeatureDataset(out)  # no consumer reads a half-written multi-process dataset
-    one_line_refusal(extract.main, [*args, f"out={out}"], capsys,
-                     "holds the unfinished parts of a 2-process run, this is a 1-process run; resume it with "
-                     "torchrun --nproc_per_node=2")
-    finish(torchrun("data_prep.extract", [*args, f"out={out}"]))
+
+
+def regenerate_args(tiny: Path) -> list[str]:
+    return [f"target={tiny / 'target'}", f"source=jsonl:{tiny / 'prompts.jsonl'}", "n_samples=40", "max_len=80",
+            "max_new_tokens=24", "batch_size=2", "device=cpu"]
+
+
+def traces_args(tiny: Path) -> list[str]:
+    return [f"target={tiny / 'target'}", f"drafter={tiny / 'draft'}", f"source=jsonl:{tiny / 'chats.jsonl'}",
+            "n_samples=12", "gamma=4", "max_new_tokens=16", "max_seq_len=128", "device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def launched(tiny) -> dict[str, object]:
+    """The single-process reference runs; a torchrun of extract and one of regenerate, each with process 1 killed
+    mid-run, and what each kill left (what a single process run into the parts says included); then ONE torchrun
+    launch (``tests/run_many.py``) that resumes both and records the traces: interpreter starts are most of a small
+    multi-process run. Returns what the kills left."""
+    (tiny / "prompts.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "prompt": f"Question {i}: " + "why " * (i % 4)}) + "\n" for i in range(40)))
+    extract_out, regen_out = tiny / "feats_2", tiny / "regen_2.jsonl"
+    assert extract.main([*extract_args(tiny), f"out={tiny / 'feats_1'}"]) == 0
+    assert regenerate.main([*regenerate_args(tiny), f"out={tiny / 'regen_1.jsonl'}"]) == 0
+    assert traces.main([*traces_args(tiny), f"out={tiny / 'traces_1'}"]) == 0
+    left: dict[str, object] = {}
+
+    proc = torchrun(["-m", "data_prep.extract", *extract_args(tiny), f"out={extract_out}"])
+    kill_rank_when(proc, 1, lambda: committed_shards(extract_out / "ranks" / "rank-1-of-2.json") >= 2)
+    left["extract_part"] = read_manifest(extract_out, "ranks/rank-1-of-2.json")
+    left["extract_manifest"] = (extract_out / "manifest.json").exists()
+    try:
+        FeatureDataset(extract_out)  # no consumer may read a half-written multi-process dataset
+        left["extract_read"] = None
+    except DatasetError as exc:
+        left["extract_read"] = str(exc)
+    left["extract_refused"] = refusal(extract.main, [*extract_args(tiny), f"out={extract_out}"])
+
+    proc = torchrun(["-m", "data_prep.regenerate", *regenerate_args(tiny), f"out={regen_out}"])
+    part = tiny / "regen_2.jsonl.rank-1-of-2"
+    kill_rank_when(proc, 1, lambda: part.exists() and len(part.read_text().splitlines()) >= 4)
+    left["regen_out"] = regen_out.exists() or (tiny / "regen_2.jsonl.rank-1-of-2.done").exists()
+    left["regen_refused"] = refusal(regenerate.main, [*regenerate_args(tiny), f"out={regen_out}"])
+
+    runs = [["data_prep.extract", [*extract_args(tiny), f"out={extract_out}"]],
+            ["data_prep.regenerate", [*regenerate_args(tiny), f"out={regen_out}"]],
+            ["data_prep.traces", [*traces_args(tiny), f"out={tiny / 'traces_2'}"]]]
+    (tiny / "runs.json").write_text(json.dumps(runs))
+    finish(torchrun([str(TESTS / "run_many.py"), str(tiny / "runs.json")]))
+    return left
+
+
+def test_torchrun_extract_resumes_a_killed_process_and_equals_one_process(tiny, launched):
+    out, reference = tiny / "feats_2", tiny / "feats_1"
+    assert not launched["extract_part"]["complete"] and not launched["extract_manifest"]
+    assert re.search("is unfinished: its processes' parts are in .*re-run the same torchrun",
+                     launched["extract_read"] or "it was read")
+    assert_one_line_refusal(launched["extract_refused"],
+                            "holds the unfinished parts of a 2-process run, this is a 1-process run; resume it with "
+                            "torchrun --nproc_per_node=2")
 
     merged, single = read_manifest(out), read_manifest(reference)
     assert merged["complete"] and merged["processes"] == 2
@@ -125,30 +184,16 @@ def test_torchrun_extract_resumes_a_killed_process_and_equals_one_process(tiny, 
             torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5)
 
 
-def test_torchrun_regenerate_resumes_a_killed_process_and_equals_one_process(tiny, capsys):
-    prompts = tiny / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question {i}: " + "why " * (i % 4)}) + "\n"
-                               for i in range(40)))
-    args = [f"target={tiny / 'target'}", f"source=jsonl:{prompts}", "n_samples=40", "max_len=80",
-            "max_new_tokens=24", "batch_size=2", "device=cpu"]
-    reference, out = tiny / "regen_1.jsonl", tiny / "regen_2.jsonl"
-    assert regenerate.main([*args, f"out={reference}"]) == 0
-    proc = torchrun("data_prep.regenerate", [*args, f"out={out}"])
-    part = tiny / "regen_2.jsonl.rank-1-of-2"
-    kill_rank_when(proc, 1, lambda: part.exists() and len(part.read_text().splitlines()) >= 4)
-    assert not out.exists() and not (tiny / "regen_2.jsonl.rank-1-of-2.done").exists()
-    one_line_refusal(regenerate.main, [*args, f"out={out}"], capsys, "holds the unfinished parts of a 2-process run")
-    finish(torchrun("data_prep.regenerate", [*args, f"out={out}"]))
+def test_torchrun_regenerate_resumes_a_killed_process_and_equals_one_process(tiny, launched):
+    assert not launched["regen_out"]  # neither the merged file nor process 1's done marker
+    assert_one_line_refusal(launched["regen_refused"], "holds the unfinished parts of a 2-process run")
+    out, reference = tiny / "regen_2.jsonl", tiny / "regen_1.jsonl"
     assert out.read_text() == reference.read_text()  # greedy answers do not depend on batching
     assert not list(tiny.glob("regen_2.jsonl.rank-*"))
 
 
-def test_torchrun_traces_equal_one_process(tiny):
-    args = [f"target={tiny / 'target'}", f"drafter={tiny / 'draft'}", f"source=jsonl:{tiny / 'chats.jsonl'}",
-            "n_samples=12", "gamma=4", "max_new_tokens=16", "max_seq_len=128", "device=cpu"]
-    reference, out = tiny / "traces_1", tiny / "traces_2"
-    assert traces.main([*args, f"out={reference}"]) == 0
-    finish(torchrun("data_prep.traces", [*args, f"out={out}"]))
+def test_torchrun_traces_equal_one_process(tiny, launched):
+    out, reference = tiny / "traces_2", tiny / "traces_1"
     merged, single = read_manifest(out), read_manifest(reference)
     assert merged["complete"] and merged["num_rows"] == single["num_rows"] > 0
 

@@ -7,7 +7,7 @@ import importlib
 import json
 
 import pytest
-from test_demo import PARSERS
+from demo_parsers import PARSERS
 from tiny_targets import save_tiny_target
 
 from benchmarks import drafter_quality as dq

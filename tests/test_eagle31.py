@@ -13,12 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
-from test_drafter_rows import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
-from test_eagle3_export import VOCAB, lightning_ckpt, make_drafter
-from test_eagle3_training import eagle3_fit_setup
-from test_speculators_interop import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
-                                      library_drafter, our_chain, saved_tiny_target,
-                                      their_chain)
+from drafter_rows_helpers import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
+from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
+from eagle3_training_builders import eagle3_fit_setup
+from speculators_builders import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
+                                  library_drafter, our_chain, saved_tiny_target, their_chain)
 
 from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record

@@ -6,27 +6,15 @@ import math
 
 import pytest
 import torch
-from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
-from tiny_targets import set_random_vocab_map
+from law_helpers import LAW_ROWS, assert_follows_law, exact_target_law, sampled_law
+from tiny_targets import GREEDY, runner, tiny_llama
+from eagle3_tree_builders import AUX, N_NEW, PROMPT, random_drafter
 
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
 from inference.evaluate import run_record
 from inference.tree import DraftTree, keep_best, subtree
-
-PROMPT, N_NEW = [7, 1, 8, 2, 8], 37
-AUX = [0, 1, 2]
-
-
-def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=Eagle3Drafter, **kw) -> Eagle3Drafter:
-    """A randomly initialised drafter over a random reduced vocabulary, sharing the target's embedding."""
-    config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX)
-    torch.manual_seed(seed)
-    drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
-    vocab = target.config.vocab_size
-    set_random_vocab_map(drafter, vocab, draft_vocab)
-    return drafter.eval()
 
 
 class OracleDrafter(Eagle3Drafter):

@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
-from test_algorithms import tiny_llama
-from test_dflash import make_drafter
-from test_engine_loop import counters, jobs, side_by_side, solo
-from test_peagle_algorithm import make_peagle
+from dflash_builders import make_drafter
+from engine_helpers import counters, jobs, side_by_side, solo
+from peagle_builders import make_peagle
+from tiny_targets import tiny_llama
 
 from inference.algorithms import build_algorithm
 from inference.engine.loop import DecodeEngine

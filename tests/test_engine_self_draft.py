@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import tiny_llama
-from test_engine_loop import after_a_failing_forward, counters, jobs, side_by_side, solo, stream_consumer
+from engine_helpers import after_a_failing_forward, counters, jobs, side_by_side, solo, stream_consumer
+from tiny_targets import tiny_llama
 
 from inference.algorithms import build_algorithm
 from inference.engine.state import Failed, Finished

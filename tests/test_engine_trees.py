@@ -10,12 +10,12 @@ import copy
 
 import pytest
 import torch
-from test_algorithms import tiny_llama
-from test_eagle3_tree import random_drafter
-from test_specblock_tree import random_drafter as specblock_drafter
-from test_engine_loop import (after_a_failing_forward, alone_and_side_by_side, counters, runner_of, side_by_side, solo,
-                              stream_consumer)
-from test_engine_loop import jobs as loop_jobs
+from tiny_targets import tiny_llama
+from eagle3_tree_builders import random_drafter
+from specblock_tree_builders import random_drafter as specblock_drafter
+from engine_helpers import (after_a_failing_forward, alone_and_side_by_side, counters, runner_of,
+                            side_by_side, solo, stream_consumer)
+from engine_helpers import jobs as loop_jobs
 
 from inference.algorithms import build_algorithm
 from inference.engine.state import Failed

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_loop import algorithm, counters, jobs, solo, target_and_draft
+from engine_helpers import algorithm, counters, jobs, solo, target_and_draft
 
 from core.errors import UserError
 from inference.engine.loop import DecodeEngine

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import tiny_llama
-from test_exact_mode import rounds_differently_past
+from exact_helpers import rounds_differently_past
+from tiny_targets import tiny_llama
 
 from core.blocks.linear import Linear
 from inference import exactness

@@ -10,9 +10,10 @@ import warnings
 
 import pytest
 import torch
-from test_algorithms import tiny_llama
-from test_eagle3_tree import random_drafter as random_eagle3
-from test_specblock_tree import random_drafter as random_specblock
+from eagle3_tree_builders import random_drafter as random_eagle3
+from exact_helpers import DTYPES, exact_runner, rounds_differently_past
+from specblock_tree_builders import random_drafter as random_specblock
+from tiny_targets import tiny_llama
 from transformers import LlamaForCausalLM
 
 from core.blocks import linear as linear_module
@@ -22,13 +23,9 @@ from core.kernels.exact_cpu import KeyLists
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference import drafters, exactness
 from inference.algorithms import build_algorithm
-from inference.device import cpu_has_native_bf16
 from inference.exactness import tree_mask
-from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 
-native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16/AMX)")
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=native_bf16)]
 GREEDY = SamplingParams(temperature=0)
 
 
@@ -53,10 +50,6 @@ def noisy_copy(model: LlamaForCausalLM, noise: float) -> LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def target():
     return smollm2_shaped(0, layers=2)
-
-
-def exact_runner(model, dtype=torch.bfloat16, **kw) -> ModelRunner:
-    return ModelRunner.from_hf_model(model, dtype=dtype, max_seq_len=kw.pop("max_seq_len", 640), **kw)
 
 
 @pytest.fixture
@@ -196,20 +189,6 @@ def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smoll
 
 
 # -- a host whose kernels differ, emulated ---------------------------------------------------------------------
-
-
-def rounds_differently_past(rows_limit: int):
-    """Linear.forward as on a host whose GEMM rounds a call of more than ``rows_limit`` rows differently: the
-    last bit of each output of such a call is flipped."""
-    original = Linear.forward
-
-    def forward(self, x, out_features=None):
-        out = original(self, x, out_features)
-        if x.numel() // x.shape[-1] > rows_limit:
-            bits = out.view(torch.int16) if out.dtype == torch.bfloat16 else out.view(torch.int32)
-            out = (bits ^ 1).view(out.dtype)
-        return out
-    return forward
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

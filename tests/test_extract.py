@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extract_helpers import run_extract
 from tiny_targets import save_tiny_target, write_jsonl
 
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers, resolve_layers
@@ -31,10 +32,6 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", 60, prompt_only_every=7)
-
-
-def run_extract(argv: list[str]) -> dict:
-    return extract(parse_args(argv))
 
 
 def rows(directory: Path) -> list[dict[str, torch.Tensor]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from fit_recipes import TOY_RECIPE
 from omegaconf import OmegaConf
 from tiny_targets import save_tiny_target, write_jsonl
 
@@ -78,27 +79,6 @@ register_kind(DrafterKind(
     build_datamodule=lambda cfg: ToyData(cfg.data.batch_size),
     model_schema=ToyModelSchema,
 ))
-
-TOY_RECIPE = """# @package _global_
-kind: toy_regression
-run_name: toy
-model:
-  hidden: 8
-  dropout: 0.0
-  step_seconds: 0.0
-optim:
-  lr: 0.05
-data:
-  batch_size: 16
-trainer:
-  max_steps: 6
-  val_check_interval: 2
-  checkpoint_every_n_steps: 2
-  monitor: val/loss
-  monitor_mode: min
-  accelerator: cpu
-  devices: 1
-"""
 
 
 @pytest.fixture()

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_algorithms import runner, tiny_llama
-from test_pearl import noisy_copy
+from pearl_helpers import noisy_copy
+from tiny_targets import runner, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 try:

@@ -10,61 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_algorithms import GREEDY, hf_greedy
-from test_eagle3_tree import random_drafter
-from test_specblock_tree import random_drafter as random_specblock_drafter
-from test_ssd import tiny_draft_runner
+from eagle3_tree_builders import random_drafter
+from family_models import FAMILIES, MAX_SEQ, VOCAB, tiny_model
+from specblock_tree_builders import random_drafter as random_specblock_drafter
+from ssd_helpers import tiny_draft_runner
+from tiny_targets import GREEDY, hf_greedy
 
 from inference.algorithms import build_algorithm
-from inference.runner import ModelRunner
 from inference.runner_contract import attention_windows
 from inference.runner_loading import load_runner
-from inference.transformers_runner import TransformersRunner
 
-VOCAB, WINDOW, MAX_SEQ = 128, 8, 96
-BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
-
-# family -> (model class, config class, config overrides, runner that serves it)
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", {}, ModelRunner),
-    "mistral (sliding window)": ("MistralForCausalLM", "MistralConfig", {"sliding_window": WINDOW}, TransformersRunner),
-    "mistral (full)": ("MistralForCausalLM", "MistralConfig", {"sliding_window": None}, ModelRunner),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}, ModelRunner),
-    "qwen2 (sliding window)": ("Qwen2ForCausalLM", "Qwen2Config",
-                               {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
-                               TransformersRunner),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}, ModelRunner),
-    "gemma": ("GemmaForCausalLM", "GemmaConfig", {"head_dim": 8}, TransformersRunner),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
-               {"head_dim": 8, "sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL}, TransformersRunner),
-    "gemma3 (text)": ("Gemma3ForCausalLM", "Gemma3TextConfig",
-                      {"head_dim": 8, "sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL}, TransformersRunner),
-    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"sliding_window": WINDOW}, TransformersRunner),
-    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, TransformersRunner),
-    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL},
-              TransformersRunner),
-    "granite": ("GraniteForCausalLM", "GraniteConfig", {}, TransformersRunner),
-    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", {"sliding_window": WINDOW}, TransformersRunner),
-    "stablelm": ("StableLmForCausalLM", "StableLmConfig", {}, TransformersRunner),
-    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", {"sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL},
-                TransformersRunner),
-    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}, TransformersRunner),
-    "glm4": ("Glm4ForCausalLM", "Glm4Config", {"head_dim": 8}, TransformersRunner),
-}
 PROMPT, N_NEW = [5, 17, 33, 9, 71, 40], 40  # 46 tokens: far past the window of 8
-
-
-def tiny_model(family: str):
-    model_class, config_class, overrides, _ = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**BASE, **overrides})
-    config._attn_implementation = "sdpa" if "gemma" not in family and "cohere" not in family else "eager"
-    model = getattr(transformers, model_class)(config).eval()
-    with torch.no_grad():  # sharper logits: greedy choices far from ties, so kernel rounding cannot flip them
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -7,8 +7,8 @@ test_specbranch.py and test_ssd.py."""
 from __future__ import annotations
 
 import pytest
-from test_algorithms import GREEDY, runner
-from test_pearl import PROMPT, ar_tokens, tiny_pair
+from pearl_helpers import PROMPT, ar_tokens, tiny_pair
+from tiny_targets import GREEDY, runner
 
 from core.errors import UserError
 from inference.algorithms import build_algorithm

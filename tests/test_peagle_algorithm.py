@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from law_helpers import LAW_ROWS, assert_follows_law, exact_target_law, sampled_law
+from tiny_targets import GREEDY, runner, tiny_llama
+from peagle_builders import AUX3, N_NEW, PROMPT, make_peagle
 
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from inference.algorithms import build_algorithm
-
-PROMPT, N_NEW, AUX3 = [7, 1, 8, 2, 8], 37, [0, 1, 2]
 
 
 class OracleDrafter(PEagleDrafter):
@@ -36,19 +36,6 @@ class OracleDrafter(PEagleDrafter):
                 missed = self.miss_every and (n + 1 + k) % self.miss_every == 0
                 logits[0, k, self.sequence[n + 1 + k]] = -5.0 if missed else 20.0
         return logits
-
-
-def make_peagle(target, *, depths: int = 4, draft_vocab: int = 40, cls=PEagleDrafter, seed: int = 1,
-                **kw) -> PEagleDrafter:
-    torch.manual_seed(seed)
-    config = PEagleConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX3,
-                                     mask_token_id=3, num_depths=depths)
-    drafter = cls(config, embed_weight=target.model.embed_tokens.weight.detach(), **kw)
-    if draft_vocab < target.config.vocab_size:
-        t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
-        t2d[torch.randperm(target.config.vocab_size)[:draft_vocab]] = True
-        drafter.set_vocab_map(t2d.nonzero().flatten() - torch.arange(draft_vocab), t2d)
-    return drafter.eval()
 
 
 @pytest.fixture(scope="module")

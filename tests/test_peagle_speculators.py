@@ -24,10 +24,10 @@ from speculators.models.eagle3 import Eagle3SpeculatorConfig
 from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 from speculators.models.peagle.data import generate_cod_sample_indices
 from speculators.proposals.greedy import GreedyTokenProposalConfig
-from test_dflash_speculators import target_features
-from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, tiny_target
-from test_peagle import DEPTHS, MASK, make_peagle
-from test_speculators_interop import assert_loaded_exactly
+from dflash_interop_builders import target_features
+from eagle3_export_builders import AUX, DRAFT_VOCAB, VOCAB, tiny_target
+from peagle_export_builders import DEPTHS, MASK, make_peagle
+from speculators_builders import assert_loaded_exactly
 from transformers import AutoConfig, LlamaConfig
 
 from core.assets import target_record

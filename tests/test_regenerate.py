@@ -136,8 +136,8 @@ def test_regenerate_cli_errors(tmp_path, capsys):
 
 def test_regenerate_resumes_after_kill_9(tiny, target, tmp_path):
     """kill -9 mid-run, then the same command: every conversation exactly once, equal to an uninterrupted run."""
-    source = prompts_file(tmp_path / "prompts.jsonl", 30)
-    common = [f"target={tiny}", f"source=jsonl:{source}", "n_samples=30", "max_len=90", "max_new_tokens=32",
+    source = prompts_file(tmp_path / "prompts.jsonl", 16)
+    common = [f"target={tiny}", f"source=jsonl:{source}", "n_samples=16", "max_len=90", "max_new_tokens=32",
               "batch_size=2", "device=cpu"]
     reference = tmp_path / "reference.jsonl"
     regenerate(parse_args([*common, f"out={reference}"]), target=target)
@@ -152,7 +152,7 @@ def test_regenerate_resumes_after_kill_9(tiny, target, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     written = len(out.read_text().splitlines()) - 1
-    assert 3 <= written < 30, f"the kill should land mid-run ({written} conversations written)"
+    assert 3 <= written < 16, f"the kill should land mid-run ({written} conversations written)"
     with open(out, "a") as handle:  # a torn last line, as a kill during a write leaves
         handle.write('{"id": "p9", "source_ind')
     regenerate(parse_args([*common, f"out={out}"]), target=target)

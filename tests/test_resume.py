@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fit_cli import TOY_RECIPE
+from fit_recipes import TOY_RECIPE
 
 from spectrain import fit as fit_cli
 from spectrain import resume

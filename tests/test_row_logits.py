@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import GREEDY, runner, tiny_llama
-from test_eagle3_tree import PROMPT, random_drafter
-from test_exact_mode import DTYPES, exact_runner
-from test_model_families import tiny_model
+from tiny_targets import GREEDY, runner, tiny_llama
+from eagle3_tree_builders import PROMPT, random_drafter
+from exact_helpers import DTYPES, exact_runner
+from family_models import tiny_model
 
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference import row_logits

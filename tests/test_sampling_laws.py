@@ -27,7 +27,8 @@ import pytest
 import torch
 from law_helpers import (PooledChiSquare, batched_counts, enumerated_law, inject_resample_from_p,
                          law_resampling_from_p, sampled_counts, temperature_changed)
-from test_algorithms import LAW_ROWS, tiny_llama
+from law_helpers import LAW_ROWS
+from tiny_targets import tiny_llama
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_algorithms import LAW_ROWS, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
+from law_helpers import LAW_ROWS, assert_follows_law, exact_target_law, sampled_law
+from tiny_targets import runner, tiny_llama
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm

@@ -8,48 +8,21 @@ from __future__ import annotations
 import random
 import re
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from test_eagle3_tree import random_drafter
-from test_dflash import make_drafter as random_dflash_drafter
-from test_peagle_algorithm import make_peagle as random_peagle_drafter
-from test_specblock_tree import random_drafter as random_specblock_drafter
-from tiny_targets import save_tiny_target
+from serve_helpers import (ALGORITHMS, MAX_SEQ, PROMPT, Paced, ROWS, chat_ids, error_of, metric, reference,
+                           runner_of, start, tiny_models, wait_for)
 
 from core.errors import UserError
-from core.prompts import render_prompt
-from inference.algorithms import algorithm_class, build_algorithm
-from inference.drafters import LoadedModel, load_lm
+from inference.algorithms import build_algorithm
+from inference.drafters import load_lm
 from inference.runner_loading import load_runner
 from inference.sampling import SamplingParams
-from inference.serve.config import parse_args
 from inference.serve.engine import serving_batch
-from inference.serve.scheduler import Generation
-from inference.serve.server import RunningServer, build_server, main
-from inference.serve.text import TextAssembler
-
-MAX_SEQ, ROWS = 256, 8
-PROMPT = "Name a prime."
-
-
-def tiny_models(root: Path) -> dict:
-    """The target (its weights and tokenizer: each server gets a runner of its own, ``own_target``), a draft LM
-    directory, and the random feature drafters (EAGLE-3, SpecBlock, DFlash, P-EAGLE); ``ar`` is the reference, on a
-    runner of its own. The other ``test_serve_*`` modules build theirs with it too."""
-    target_dir = save_tiny_target(root / "target", layers=4, logit_scale=8.0)
-    draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
-    target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)
-    ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
-    return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
-            "features": random_drafter(target.model, draft_vocab=2048),
-            "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
-            "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval(),
-            "peagle": random_peagle_drafter(target.model, draft_vocab=2048)}
+from inference.serve.server import RunningServer, main
 
 
 @pytest.fixture(scope="module")
@@ -57,70 +30,8 @@ def tiny(tmp_path_factory):
     return tiny_models(tmp_path_factory.mktemp("serve"))
 
 
-def own_target(tiny) -> LoadedModel:
-    """The tiny target's weights with a runner (KV cache) of their own: every server gets one."""
-    target = tiny["target"]
-    runner = load_runner(target.model, max_seq_len=MAX_SEQ, max_batch_size=2 * ROWS)
-    return LoadedModel(target.name, runner, target.tokenizer, target.model)
-
-
-def serve_config(tiny, *keys: str):
-    """The tiny server's config: ``ROWS`` rows side by side for an algorithm that batches, one otherwise."""
-    name = next((k.split("=", 1)[1].split("@")[0] for k in keys if k.startswith("algorithm=")), "ar")
-    rows = ROWS if algorithm_class(name).batchable and not any(k.startswith("adapt=") for k in keys) else 1
-    return parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
-                       f"max_seq_len={MAX_SEQ}", f"batch_size={rows}", *keys])
-
-
-def start(tiny, *keys: str) -> RunningServer:
-    drafters = {"features": tiny["features"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
-                "peagle": tiny["peagle"]}
-    return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
-
-
-def runner_of(server: RunningServer):
-    """The target runner the server's engine steps."""
-    return server.server.model.algorithm.target
-
-
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def reference(tiny, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
-    """AR's answer in this process, with the server's sampling stream for ``seed``."""
-    eos = tiny["target"].tokenizer.eos_token_id
-    return tiny["ar"].generate(prompt_ids, max_new_tokens=n, sampling=SamplingParams(temperature),
-                               generator=torch.Generator().manual_seed(seed), eos_ids=[eos]).tokens
-
-
-def chat_ids(tiny, content: str) -> list[int]:
-    return render_prompt(tiny["target"].tokenizer, [{"role": "user", "content": content}])
-
-
-def metric(server: RunningServer, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    text = httpx.get(f"{server.url}/metrics").text
-    total = 0.0
-    for found, value in re.findall(rf"^{re.escape(name)}(?:{{(.*)}})? ([0-9.e+-]+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', found))
-        total += float(value) if all(have.get(k) == v for k, v in labels.items()) else 0.0
-    return total
-
-
-ALGORITHMS = {
-    "ar": [],
-    "ar@one_at_a_time": ["batch_size=1"],
-    "sps": ["algorithm=sps", "gamma=3"],
-    "pearl": ["algorithm=pearl", "gamma=3"],
-    "specbranch": ["algorithm=specbranch", "gamma=3"],
-    "eagle3_tree": ["algorithm=eagle3_tree", "tree_depth=3", "tree_topk=2", "tree_total=8"],
-    "specblock_tree": ["algorithm=specblock_tree", "specblock_budget=16", "specblock_width=4"],
-    "self_draft": ["algorithm=self_draft", "self_draft_L=3", "self_draft_N=2"],
-    "dflash": ["algorithm=dflash"],
-    "peagle": ["algorithm=peagle"],
-    "ssd": ["algorithm=ssd@gamma=3@ssd_budget=3@ssd_fallback=fast@ssd_fast=random"],
-}
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
@@ -281,14 +192,6 @@ def test_the_servers_seed_seeds_the_requests_that_set_none(tiny):
     assert answers[0][0] != answers[0][1]
 
 
-
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    assert "\n" not in body["error"]["message"]
-    return body["error"]
-
-
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_server):
     url = f"{ar_server.url}/v1/chat/completions"
     ok = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
@@ -365,46 +268,6 @@ def test_metrics_count_one_request_its_tokens_forwards_and_tau(ar_server):
     assert metric(ar_server, "spectrain_requests_total", **ok) == answered + 1
     assert metric(ar_server, "spectrain_queue_depth") == metric(ar_server, "spectrain_running") == 0
     assert metric(ar_server, "spectrain_info", algorithm="ar") == 1
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-class Paced:
-    """The served target's forwards, counted and slowed to ``delay`` seconds each (5 ms), so that a request of 200
-    tokens still runs when the test acts (a tiny model otherwise finishes before an HTTP round trip); ``gate``
-    holds the first one."""
-
-    def __init__(self, runner, gate: threading.Event | None = None, delay: float = 0.005):
-        self.runner, self.gate, self.delay, self.calls, self.forward = runner, gate, delay, 0, runner.forward
-
-    def __call__(self, *args, **kwargs):
-        if self.gate is not None:
-            self.gate.wait(60)
-        self.calls += 1
-        time.sleep(self.delay)
-        return self.forward(*args, **kwargs)
-
-    def __enter__(self):
-        self.runner.forward = self
-        return self
-
-    def __exit__(self, *exc):
-        del self.runner.forward  # the class's method again
-
-
-def submit(server: RunningServer, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> tuple:
-    """A request handed to the scheduler directly, past the schema: (its Generation, the list its events arrive
-    in)."""
-    model, events = server.server.model, []
-    gen = Generation(prompt_ids, n, SamplingParams(temperature), seed, TextAssembler(model.tokenizer),
-                     events.append, model.eos_ids, stream=False)
-    server.server.scheduler.submit(gen)
-    return gen, events
 
 
 def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):

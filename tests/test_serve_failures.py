@@ -12,8 +12,8 @@ import threading
 import httpx
 import pytest
 import torch
-from test_serve import (MAX_SEQ, PROMPT, Paced, chat_ids, error_of, metric, reference, runner_of, start, submit,
-                        tiny_models, wait_for)
+from serve_helpers import (MAX_SEQ, PROMPT, Paced, chat_ids, error_of, metric, reference, runner_of, start,
+                           submit, tiny_models, wait_for)
 
 from inference.sampling import sample, warp_probs
 from inference.serve.scheduler import Chunk, Failed, Finished

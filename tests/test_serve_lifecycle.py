@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 import torch
-from test_serve import (ALGORITHMS, PROMPT, Paced, chat_ids, metric, own_target, runner_of, serve_config, start,
-                        submit, tiny_models, wait_for)
+from serve_helpers import (ALGORITHMS, PROMPT, Paced, chat_ids, metric, own_target, runner_of, serve_config,
+                           start, submit, tiny_models, wait_for)
 
 from inference.serve.scheduler import Finished
 from inference.serve.server import build_server

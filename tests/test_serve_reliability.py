@@ -19,7 +19,8 @@ import time
 
 import httpx
 import pytest
-from test_serve import Paced, error_of, metric, own_target, runner_of, serve_config, start, tiny_models, wait_for
+from serve_helpers import (Paced, error_of, metric, own_target, runner_of, serve_config, start, tiny_models,
+                           wait_for)
 
 import inference.serve.app as serve_app
 from core.errors import UserError

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from specblock_builders import tiny_drafter
 
 from core.drafters.specblock import first_block_mask, later_block_mask
 from core.drafters.specblock_attention import BlockLayout, block_sparse_attention
 from spectrain.specblock_losses import total_loss, unroll_blocks
-from tests.test_specblock_training import tiny_drafter
 
 K = 4
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from specblock_builders import tiny_drafter
 
 from core.errors import UserError
 
@@ -281,17 +282,6 @@ def test_total_loss_weights_slots_by_point_eight_to_the_k():
 
 # ---------------------------------------------------------------------------------------------------------
 # The real drafter: §10 test 1 (second half) and the EAGLE-3 warm start
-
-
-def tiny_drafter(vocab: int = 96, draft_vocab: int = 64, hidden: int = 32):
-    from transformers import LlamaConfig
-
-    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
-
-    target = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config = SpecBlockConfig.for_target(target, draft_vocab_size=draft_vocab, aux_layer_ids=[1, 3, 4])
-    return SpecBlockDrafter(config, embed_weight=torch.randn(vocab, hidden)), target
 
 
 def test_rank_loss_alone_leaves_the_trunk_without_gradient():

@@ -7,29 +7,16 @@ import math
 
 import pytest
 import torch
-from test_algorithms import LAW_ROWS, GREEDY, assert_follows_law, exact_target_law, runner, sampled_law, tiny_llama
-from tiny_targets import set_random_vocab_map
+from eagle3_tree_builders import random_drafter as eagle3_drafter
+from law_helpers import LAW_ROWS, assert_follows_law, exact_target_law, sampled_law
+from tiny_targets import GREEDY, runner, tiny_llama
+from specblock_tree_builders import AUX, N_NEW, PROMPTS, random_drafter
 
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from inference.algorithms import build_algorithm
 from inference.sampling import SamplingParams
 from inference.specblock_tree_builder import Nodes, TreeShape, gives_up, prune, slot_widths
 from inference.verify import tree_walk, tree_walk_law
-
-PROMPTS, N_NEW, AUX = ([7, 1, 8, 2, 8], [3, 14, 15, 92, 65, 35]), 64, [0, 1, 2]
-
-
-def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=SpecBlockDrafter, block_size: int = 4,
-                   **kw) -> SpecBlockDrafter:
-    """A randomly initialised drafter sharing the target's embedding, over a random reduced vocab if Vd < V."""
-    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX,
-                                        block_size=block_size)
-    torch.manual_seed(seed)
-    drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
-    vocab = target.config.vocab_size
-    if draft_vocab < vocab:
-        set_random_vocab_map(drafter, vocab, draft_vocab)
-    return drafter.eval()
 
 
 class OracleDrafter(SpecBlockDrafter):
@@ -331,8 +318,6 @@ def test_sampling_follows_the_target_law():
 
 def test_bad_drafters_and_options_are_one_line_errors(setup):
     target, _ = setup
-    from test_eagle3_tree import random_drafter as eagle3_drafter
-
     with pytest.raises(ValueError, match="specblock_tree needs a SpecBlock drafter, got Eagle3Drafter"):
         build_algorithm("specblock_tree", runner(target), eagle3_drafter(target, draft_vocab=60))
     with pytest.raises(ValueError, match="SpecBlock drafter vocab_size 50 differs from the target's 97"):

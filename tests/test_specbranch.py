@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_algorithms import GREEDY, runner, tiny_llama
-from test_pearl import PROMPT, ar_tokens, assert_executor_matches_sequential, tiny_pair
+from pearl_helpers import PROMPT, ar_tokens, assert_executor_matches_sequential, tiny_pair
+from tiny_targets import GREEDY, runner, tiny_llama
 
 from core.overrides import OverrideError
 from inference.algorithms import build_algorithm

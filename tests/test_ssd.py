@@ -12,7 +12,9 @@ import random
 
 import pytest
 import torch
-from test_algorithms import assert_follows_law, runner, tiny_llama
+from law_helpers import assert_follows_law
+from tiny_targets import hf_greedy, runner, tiny_llama
+from ssd_helpers import tiny_draft_runner
 
 from benchmarks import ssd_recall
 
@@ -174,12 +176,6 @@ def test_payloads_round_trip_bit_exactly():
 
 
 # -- 4: fork sets ------------------------------------------------------------------------------------------------
-
-
-def tiny_draft_runner(seed: int, vocab: int = 128, max_batch_size: int = 3) -> ModelRunner:
-    """Picklable drafter builder for the executors (the child process builds its own)."""
-    return ModelRunner.from_hf_model(tiny_llama(seed, vocab=vocab, layers=1, temperature_scale=8.0),
-                                     max_seq_len=256, max_batch_size=max_batch_size)
 
 
 def test_fork_excludes_the_drafted_token_and_follows_each_rows_fanout():
@@ -533,7 +529,6 @@ def test_bad_options_are_one_line_errors():
 def test_real_smollm2_ssd_batch_equals_transformers_greedy(smollm2):
     """Real logits, ragged batch of 2 MT-Bench prompts: SSD (JIT and fast) equals the target's greedy tokens. The
     drafter is SmolLM2 cut to its first 6 layers (a poor drafter: many misses and rejections)."""
-    from test_algorithms import hf_greedy
     from transformers import AutoModelForCausalLM
 
     from core.prompts import load_prompts, prompt_turns, render_prompt

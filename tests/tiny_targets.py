@@ -1,4 +1,5 @@
-"""Tiny random Llama targets with SmolLM2's real tokenizer, saved as HF directories (fast, offline)."""
+"""Tiny random Llama targets: in memory (``tiny_llama``, a runner over one, transformers' own greedy tokens) or
+with SmolLM2's real tokenizer, saved as HF directories (fast, offline)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.assets import load_tokenizer
+from inference.runner import ModelRunner
+from inference.sampling import SamplingParams
 
 SMOLLM2_VOCAB = 49152
 
@@ -74,3 +77,27 @@ def set_random_vocab_map(drafter, vocab: int, draft_vocab: int) -> None:
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
     drafter.set_vocab_map(used - torch.arange(draft_vocab), t2d)
+
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def tiny_llama(seed: int, vocab: int = 97, layers: int = 2, temperature_scale: float = 1.0, *, hidden: int = 32,
+               intermediate: int = 64, heads: int = 4, kv_heads: int = 2, max_positions: int = 256) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=max_positions)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper or flatter output distributions, to vary acceptance
+        model.lm_head.weight.mul_(temperature_scale)
+    return model
+
+
+def runner(model, max_seq_len: int = 192, exact: bool | None = None, rows: int = 1) -> ModelRunner:
+    return ModelRunner.from_hf_model(model, max_seq_len=max_seq_len, exact=exact, max_batch_size=rows)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
