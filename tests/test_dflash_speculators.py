@@ -22,7 +22,7 @@ from test_algorithms import tiny_llama
 from test_dflash import make_drafter
 from transformers import Qwen3Config
 
-from spectrain.dflash_losses import scored_slots, slot_weights, weighted_kl
+from spectrain.kinds.dflash.losses import scored_slots, slot_weights, weighted_kl
 
 LENGTH, ANCHORS, GAMMA = 40, 6, 4.0
 

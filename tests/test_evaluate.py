@@ -143,10 +143,10 @@ def test_drafters_dir_is_indexed_by_export_kind_and_explicit_paths_win(tmp_path)
     cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", "algorithms=all"])
     paths = evaluate_cli.drafter_paths(cfg)
     assert {k: p.rsplit("/", 1)[-1] for k, p in paths.items()} == {
-        "draft_lm": "draft_lm", "features": "eagle3", "specblock": "specblock", "hrad": "hrad"}
+        "draft_lm": "draft_lm", "eagle3": "eagle3", "specblock": "specblock", "hrad": "hrad"}
     other = _fake_export(tmp_path / "other_e3", "eagle3")
     cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", f"drafter={other}"])
-    assert evaluate_cli.drafter_paths(cfg)["features"] == str(other)  # drafter=PATH goes by the export's kind
+    assert evaluate_cli.drafter_paths(cfg)["eagle3"] == str(other)  # drafter=PATH goes by the export's kind
 
 
 def test_two_exports_of_one_kind_are_refused(tmp_path):

@@ -10,7 +10,7 @@ from test_eagle3_export import AUX, DRAFT_VOCAB, VOCAB, tiny_target
 from tiny_targets import set_random_vocab_map
 
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
-from core.drafters.peagle_attention import ChainLayout
+from core.drafters.peagle.attention import ChainLayout
 
 MASK, DEPTHS = 7, 4
 

@@ -46,7 +46,7 @@ def tiny_models(root: Path) -> dict:
     target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)
     ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
     return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
-            "features": random_drafter(target.model, draft_vocab=2048),
+            "eagle3": random_drafter(target.model, draft_vocab=2048),
             "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
             "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval(),
             "peagle": random_peagle_drafter(target.model, draft_vocab=2048)}
@@ -73,7 +73,7 @@ def serve_config(tiny, *keys: str):
 
 
 def start(tiny, *keys: str) -> RunningServer:
-    drafters = {"features": tiny["features"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
+    drafters = {"eagle3": tiny["eagle3"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
                 "peagle": tiny["peagle"]}
     return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
 
@@ -454,7 +454,7 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
 def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
     forcing = ["adapt_prior=5", "adapt_min_gap=1", "adapt_cost_cache=null", "adapt_cost_rows=24",
                "adapt_head_lr=1e-2", "adapt_full_lr=1e-2", "adapt_validate=false"]
-    before = {k: v.clone() for k, v in tiny["features"].state_dict().items()}
+    before = {k: v.clone() for k, v in tiny["eagle3"].state_dict().items()}
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         api = client(server)
         for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
@@ -467,7 +467,7 @@ def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
         served = server.server.model.algorithm.drafter.state_dict()
     assert updates >= 1
     assert any(not torch.equal(before[k], served[k]) for k in before)  # the served copy learned
-    assert all(torch.equal(before[k], v) for k, v in tiny["features"].state_dict().items())  # not the loaded one
+    assert all(torch.equal(before[k], v) for k, v in tiny["eagle3"].state_dict().items())  # not the loaded one
 
 
 def test_cli_refuses_bad_keys_in_one_line(capsys):
