@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from core.assets import target_record
-from core.drafters.eagle3.layouts import CheckpointError, same_target
+from core.drafters.checkpoint_files import CheckpointError, same_target
 from spectrain.checkpoint_contract import DRAFTER_PREFIX
 from spectrain.resume import is_sharded_checkpoint
 

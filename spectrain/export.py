@@ -28,7 +28,7 @@ from typing import Any
 
 from core.assets import check_model_reference
 from core.atomic import check_output
-from core.drafters.eagle3.layouts import CheckpointError
+from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.kinds import engine_kinds, kind_of_directory
 from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.checkpoint_contract import DTYPES

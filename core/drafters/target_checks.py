@@ -7,7 +7,7 @@ from typing import Any
 
 from core import assets
 from core.assets import target_record
-from core.drafters.eagle3.layouts import same_target
+from core.drafters.checkpoint_files import same_target
 from core.errors import UserError
 
 

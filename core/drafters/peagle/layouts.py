@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from core.assets import AssetError
-from core.drafters.eagle3.layouts import (EMBED, CheckpointError, Eagle3Checkpoint, check_trained_for, checked_block,
-                                          config_from_engine, config_or_none, read_config, read_weights,
-                                          target_embedding, tensors_from_layout, vllm_layer_ids)
+from core.drafters.checkpoint_files import (CheckpointError, check_trained_for, checked_block, config_or_none,
+                                            read_config, read_weights, vllm_layer_ids)
+from core.drafters.eagle3.layouts import (EMBED, Eagle3Checkpoint, config_from_engine, target_embedding,
+                                          tensors_from_layout)
 from core.drafters.eagle3.layouts import layout_config as eagle3_layout_config
 from core.drafters.eagle3.layouts import layout_tensors as eagle3_layout_tensors
 from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir

@@ -25,7 +25,7 @@ from core import assets
 from core.distributed import process_mean
 from core.drafters.draft_lm import (add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings,
                                     layer_drop_init)
-from core.drafters.eagle3.layouts import CheckpointError
+from core.drafters.checkpoint_files import CheckpointError
 from core.overrides import OverrideError
 from spectrain.data import build_feature_datamodule
 from spectrain.checkpoint_reading import read_lightning_checkpoint

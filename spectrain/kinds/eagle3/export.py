@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 from core.assets import check_model_reference, target_record
 from core.atomic import atomic_directory
 from core.drafters.eagle3 import Eagle3Config
-from core.drafters.eagle3.layouts import (LAYOUTS, CheckpointError, Eagle3Checkpoint, check_against_target,
-                                          drafter_tensors, read_checkpoint, same_target, write_layout)
+from core.drafters.checkpoint_files import CheckpointError, check_against_target, same_target
+from core.drafters.eagle3.layouts import (LAYOUTS, Eagle3Checkpoint, drafter_tensors, read_checkpoint,
+                                          write_layout)
 from core.drafters.kinds import engine_kinds
 from spectrain.checkpoint_contract import DRAFTER_PREFIX, DTYPES
 from spectrain.checkpoint_reading import read_lightning_checkpoint

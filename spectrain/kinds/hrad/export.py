@@ -7,7 +7,7 @@ from typing import Any
 
 
 from core.assets import model_identity
-from core.drafters.eagle3.layouts import CheckpointError
+from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.hrad import HRAD, HRADConfig, save_native
 from core.overrides import OverrideError
 from spectrain.checkpoint_reading import read_lightning_checkpoint

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from core.assets import check_model_reference, target_record
-from core.drafters.eagle3.layouts import CheckpointError
+from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.peagle import PEagleConfig
 from core.drafters.peagle.layouts import LAYOUTS, build_drafter, from_target, read_checkpoint, save_layout
 from spectrain.checkpoint_contract import DTYPES

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from core.assets import load_safetensors, target_record
-from core.drafters.eagle3.layouts import CheckpointError
+from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.specblock import SpecBlockConfig, build_drafter, save_native
 from core.drafters.specblock.layouts import layout_of, reference_config, reference_tensors
 from spectrain.checkpoint_contract import DTYPES
