@@ -35,7 +35,7 @@ from core.prompts import load_prompts, tokenize_conversation
 from core.vocab import build_vocab_map
 from inference.drafters import LoadedModel, load_lm
 from spectrain.kinds.eagle3.losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_loss
-from spectrain.export import write_export
+from spectrain.kinds.eagle3.export import write_export
 
 USAGE = "python -m benchmarks.speculators_peer steps=40 ttt_steps=7 lr=1e-3 n_train=40 n_val=8 max_len=128"
 AUX = [1, 13, 26]  # EAGLE-3's default triple for SmolLM2's 30 layers, as data_prep uses it

@@ -499,7 +499,7 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
     from inference.drafters import load_lm
     from core.drafters.eagle3.kind import load_eagle3
     from spectrain.adapt import replay as replay_cli
-    from spectrain.export import write_export
+    from spectrain.kinds.eagle3.export import write_export
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4)
     target = load_lm(str(target_dir), device="cpu", max_seq_len=128)
