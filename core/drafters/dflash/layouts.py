@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from core.assets import AssetError, model_tensor
-from core.drafters.dflash import KIND, DFlashConfig, DFlashDrafter
-from core.drafters.eagle3 import rope_of
 from core.drafters.checkpoint_files import (CheckpointError, check_trained_for, checked_block, config_or_none,
                                             read_config, read_weights, verifier_reference, vllm_layer_ids)
+from core.drafters.dflash import KIND, DFlashConfig, DFlashDrafter
+from core.drafters.eagle3 import rope_of
 from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.layer_ids import LAYER_CONVENTION
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from core import assets
 from core.assets import target_record
-from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.checkpoint_files import check_against_target, same_target
+from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.eagle3.layouts import LAYOUTS, layout_of, read_checkpoint
 from core.drafters.kinds import EngineKind, register_engine_kind
 from core.drafters.target_checks import export_needs

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from core.drafters.eagle3 import EAGLE31_FLAGS
 from core.drafters.checkpoint_files import config_or_none
+from core.drafters.eagle3 import EAGLE31_FLAGS
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from core.errors import UserError
 from core.layer_ids import eagle3_layers

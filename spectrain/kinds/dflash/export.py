@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from core.assets import check_model_reference, target_record
+from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.dflash.layouts import (FROM_TARGET, LAYOUTS, build_drafter, check_head, full_vocabulary,
                                           read_checkpoint, save_layout, target_head)
-from core.drafters.checkpoint_files import CheckpointError
 from spectrain.checkpoint_contract import DTYPES
 from spectrain.checkpoint_reading import directory_target, export_dir_notes, read_trained_drafter
 from spectrain.resume import is_sharded_checkpoint

@@ -26,12 +26,12 @@ from core.distributed import process_rank
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
-from spectrain.kinds.dflash.export import export_dflash_checkpoint
-from spectrain.kinds.dflash.losses import sample_anchors, scored_slots, slot_weights, weighted_kl
-from spectrain.metrics import SimulatedAcceptance
 from spectrain.kinds.base import (DrafterModule, build_datamodule, build_drafter, chain_hits,
                                     check_mask_token_and_attention)
+from spectrain.kinds.dflash.export import export_dflash_checkpoint
+from spectrain.kinds.dflash.losses import sample_anchors, scored_slots, slot_weights, weighted_kl
 from spectrain.kinds.eagle3.module import draft_vocabulary
+from spectrain.metrics import SimulatedAcceptance
 from spectrain.registry import DrafterKind, register_kind
 
 

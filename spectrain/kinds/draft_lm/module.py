@@ -23,15 +23,15 @@ from omegaconf import OmegaConf
 
 from core import assets
 from core.distributed import process_mean
+from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.draft_lm import (add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings,
                                     layer_drop_init)
-from core.drafters.checkpoint_files import CheckpointError
 from core.overrides import OverrideError
-from spectrain.data import build_feature_datamodule
 from spectrain.checkpoint_reading import read_lightning_checkpoint
+from spectrain.data import build_feature_datamodule
+from spectrain.kinds.base import DrafterModule
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.kinds.base import DrafterModule
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.targets import loaded_target, trained_template
 

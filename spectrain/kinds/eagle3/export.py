@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 
 from core.assets import check_model_reference, target_record
 from core.atomic import atomic_directory
-from core.drafters.eagle3 import Eagle3Config
 from core.drafters.checkpoint_files import CheckpointError, check_against_target, same_target
+from core.drafters.eagle3 import Eagle3Config
 from core.drafters.eagle3.layouts import (LAYOUTS, Eagle3Checkpoint, drafter_tensors, read_checkpoint,
                                           write_layout)
 from core.drafters.kinds import engine_kinds

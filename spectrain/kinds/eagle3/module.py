@@ -21,11 +21,11 @@ from core.layer_ids import resolve_layers
 from core.vocab import build_vocab_map, load_vocab_map
 from data_prep.vocab import source_token_counts
 from spectrain.checkpoint_contract import checkpoint_metadata
+from spectrain.kinds.base import DrafterModule, build_datamodule
 from spectrain.kinds.eagle3.export import export_eagle3_checkpoint
 from spectrain.kinds.eagle3.losses import scored_rows, teacher_rows, ttt_loss
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.kinds.base import DrafterModule, build_datamodule
 from spectrain.registry import DrafterKind, register_kind
 from spectrain.targets import loaded_target, trained_template
 

@@ -11,9 +11,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
+from core.distributed import process_rank
 from core.drafters.hrad import (CLASS_NAMES, NUM_CLASSES, HRADError,
                                 check_boundaries, default_boundaries, embedding_probe)
-from core.distributed import process_rank
 from core.overrides import RecipeError
 from data_prep.datamodules import resumable_loader
 from spectrain.kinds.hrad.traces import last_k_of, load_trace_rows, read_input_embeddings, read_traces_manifest

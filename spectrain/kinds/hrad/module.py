@@ -36,18 +36,18 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from core.assets import AssetError, resolve_model_dir
+from core.distributed import process_mean
 from core.drafters.hrad import (DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
                                 check_boundaries, default_boundaries)
-from core.distributed import process_mean
 from core.overrides import RecipeError
 from data_prep.manifest import DatasetError
 from spectrain.kinds.base import DrafterModule
-from spectrain.registry import DrafterKind, register_kind
 from spectrain.kinds.hrad.calibration import fit_late_fusion, fit_temperature
 from spectrain.kinds.hrad.data import HRADDataModule
 from spectrain.kinds.hrad.export import export_hrad_checkpoint
 from spectrain.kinds.hrad.report import classification_metrics, confusion_png
 from spectrain.kinds.hrad.traces import last_k_of, read_traces_manifest
+from spectrain.registry import DrafterKind, register_kind
 
 BALANCE = ("weights", "sampler", "none")
 

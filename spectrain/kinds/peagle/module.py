@@ -27,14 +27,14 @@ from core.distributed import process_rank
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
-from spectrain.kinds.dflash.losses import weighted_kl
-from spectrain.metrics import SimulatedAcceptance
 from spectrain.kinds.base import (DrafterModule, build_datamodule, build_drafter, chain_hits,
                                     check_mask_token_and_attention)
+from spectrain.kinds.dflash.losses import weighted_kl
 from spectrain.kinds.eagle3.module import draft_vocabulary
 from spectrain.kinds.peagle.export import export_peagle_checkpoint
 from spectrain.kinds.peagle.losses import batch_chains, cod_sample, scored_rows
 from spectrain.kinds.peagle.losses import every_chain as full_chains
+from spectrain.metrics import SimulatedAcceptance
 from spectrain.registry import DrafterKind, register_kind
 
 

@@ -26,13 +26,13 @@ from core.drafters.specblock.attention import ATTENTION_KINDS
 from core.drafters.specblock.layouts import warm_start_from_eagle3
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
-from spectrain.kinds.eagle3.losses import teacher_in_draft_vocab
-from spectrain.metrics import SimulatedAcceptance
 from spectrain.kinds.base import DrafterModule, build_datamodule
+from spectrain.kinds.eagle3.losses import teacher_in_draft_vocab
 from spectrain.kinds.eagle3.module import draft_vocab_size, vocab_map_for
-from spectrain.registry import DrafterKind, register_kind
 from spectrain.kinds.specblock.export import export_specblock_checkpoint
 from spectrain.kinds.specblock.losses import RANK_MASKS, VALID_PREFIX, total_loss, unroll_blocks
+from spectrain.metrics import SimulatedAcceptance
+from spectrain.registry import DrafterKind, register_kind
 
 
 @dataclass
