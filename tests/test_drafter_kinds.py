@@ -1,6 +1,6 @@
 """The table of drafter kinds (``core.drafters.kinds``, docs/drafter_kinds.md): a kind defined in the test folder
 (``toy_kind``) joins by one line of the table, trains with ``spectrain.fit``, exports with ``spectrain.export`` and
-serves losslessly (greedy = AR) through an existing algorithm, without a library file knowing it; every kind of the
+is served by the engine losslessly (greedy = AR) through an existing algorithm, without a library file knowing it; every kind of the
 table has both halves; ``drafter=`` / ``drafter.<kind>=`` route paths by kind, and the old per-kind keys still work
 with a warning naming the new spelling."""
 
@@ -17,7 +17,8 @@ from core.drafters import kinds
 from core.overrides import OverrideError
 from inference import evaluate as evaluate_cli
 from inference.algorithms import serving_algorithms
-from inference.engine_args import build_algorithms, drafter_paths
+from inference.engine_args import build_algorithms, drafter_paths, load_target
+from inference.sampling import SamplingParams
 from spectrain import export as export_cli
 from spectrain import fit as fit_cli
 from spectrain.registry import get_kind
@@ -49,7 +50,7 @@ def toy_kind(monkeypatch):
 
 
 def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_kind, tmp_path):
-    target = save_tiny_target(tmp_path / "target", layers=2, hidden=32)
+    target = save_tiny_target(tmp_path / "target", layers=2, hidden=16)
     recipes = tmp_path / "recipes"
     (recipes / "recipe").mkdir(parents=True)
     shutil.copy(REPO / "recipes" / "config.yaml", recipes / "config.yaml")
@@ -63,17 +64,21 @@ def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_ki
     assert json.loads((tmp_path / "export" / "config.json").read_text())["spectrain"]["kind"] == "toy_head"
     assert serving_algorithms("toy_head") == ["eagle3_tree"]  # it serves as an EAGLE-3 drafter
 
-    argv = [f"target={target}", f"drafter={tmp_path / 'export'}", "algorithms=eagle3_tree", "tree_depth=1",
-            "tree_topk=4", "tree_total=5", "n_prompts=2", "max_new_tokens=12", "warmup=false", "max_seq_len=256",
-            "device=cpu"]
-    cfg = evaluate_cli.parse_args([*argv, f"out={tmp_path / 'unused'}"])
+    cfg = evaluate_cli.parse_args([f"target={target}", f"drafter={tmp_path / 'export'}", "algorithms=eagle3_tree",
+                                   "tree_depth=1", "tree_topk=4", "tree_total=5", "max_seq_len=64", "device=cpu"])
     assert drafter_paths(cfg) == {"toy_head": str(tmp_path / "export")}  # routed by the kind its export records
-    _, built = build_algorithms(cfg, ["eagle3_tree"])
-    drafter = built["eagle3_tree"][0].drafter  # the library imported toy_kind through the table's line
-    assert (type(drafter).__module__, type(drafter).__name__) == ("toy_kind", "ToyHeadDrafter")
-    assert evaluate_cli.main([*argv, f"out={tmp_path / 'eval'}"]) == 0
-    runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
-    assert [r["algorithm"] for r in runs] == ["ar", "eagle3_tree"] and runs[1]["greedy_equal_to_ar"] is True
+    target_lm = load_target(cfg)
+    _, built = build_algorithms(cfg, ["ar", "eagle3_tree"], target_lm)
+    (ar, _), (tree, _) = built["ar"], built["eagle3_tree"]
+    assert (type(tree.drafter).__module__, type(tree.drafter).__name__) == ("toy_kind", "ToyHeadDrafter")
+    drafted = 0
+    for prompt in ("Once upon a time", "The capital of France is"):
+        ids = target_lm.tokenizer(prompt)["input_ids"]
+        want = ar.generate(ids, max_new_tokens=12, sampling=SamplingParams(0.0)).tokens
+        got = tree.generate(ids, max_new_tokens=12, sampling=SamplingParams(0.0))
+        assert got.tokens == want  # greedy: the target's own tokens, whatever the head drafts
+        drafted += got.stats.drafted_tokens
+    assert drafted > 0
 
 
 def test_every_kind_of_the_table_has_both_halves():
