@@ -30,11 +30,13 @@ from pathlib import Path
 
 import torch
 
+from core.drafters.eagle3.kind import load_eagle3
+from core.drafters.specblock.kind import load_specblock
 from core.errors import UserError
 from core.overrides import OverrideError, split_key_values
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
-from inference.drafters import eos_token_ids, load_eagle3, load_lm, load_specblock
+from inference.drafters import eos_token_ids, load_lm
 from inference.sampling import SamplingParams
 from spectrain.adapt.adapter import AdaptSettings
 from spectrain.adapt.log import plot_tau

@@ -1,6 +1,6 @@
 """``python benchmarks/dflash_attention.py [length=640] [anchors=32] [block_size=8] [chunks=[4,8,16,32]] [threads=1] [repeats=3]``
 
-Why DFlash trains with chunked anchor attention on a CPU (``core.drafters.dflash_attention``): milliseconds for one
+Why DFlash trains with chunked anchor attention on a CPU (``core.drafters.dflash.attention``): milliseconds for one
 forward + backward of one layer's anchor attention with SmolLM2-135M's head shapes (9 heads, 3 KV heads, head dim
 64), batch 1, under the dense anchor mask [A·K, T + A·K] (what flex attention's block mask replaces on a GPU) and
 chunked with several anchors per chunk. Also prints the share of the dense mask's entries each computes.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.drafters.dflash_attention import AnchorLayout, anchor_block_attention
+from core.drafters.dflash.attention import AnchorLayout, anchor_block_attention
 from core.overrides import parse_cli
 
 USAGE = ("python benchmarks/dflash_attention.py length=640 anchors=32 block_size=8 chunks=[4,8,16,32] threads=1 "

@@ -330,11 +330,11 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
               out / "exports_raw" / "eagle3"),
         stage("evaluate", 1.5 * 5 * cfg.n_prompts * cfg.max_new_tokens / 1000,
               f"EAGLE-3 (three trees) and DFlash on {cfg.n_prompts} MT-Bench prompts against AR, one timed run",
-              (*evaluate, f"feature_drafter={exports / 'eagle3'}", f"dflash_drafter={exports / 'dflash'}", beside,
+              (*evaluate, f"drafter.eagle3={exports / 'eagle3'}", f"drafter.dflash={exports / 'dflash'}", beside,
                f"out={out / 'eval'}"), out / "eval" / "results.json"),
         stage("evaluate-raw", 0.5 * cfg.n_prompts * cfg.max_new_tokens / 100,
               f"the raw-ShareGPT EAGLE-3 on the same {cfg.n_prompts} MT-Bench prompts (τ only; timings are the other run's)",
-              (*evaluate, f"feature_drafter={out / 'exports_raw' / 'eagle3'}", trees, f"out={out / 'eval_raw'}"),
+              (*evaluate, f"drafter.eagle3={out / 'exports_raw' / 'eagle3'}", trees, f"out={out / 'eval_raw'}"),
               out / "eval_raw" / "results.json"),
     ]
 

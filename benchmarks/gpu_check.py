@@ -92,8 +92,8 @@ from spectrain.adapt.adapter import AdaptSettings
 from spectrain.adapt.engine import BANDIT
 from spectrain.config import FitConfig
 from spectrain.memory import estimate, parameter_counts
-from spectrain.modules.eagle3 import Eagle3Module, Eagle3Schema
-from spectrain.modules.specblock import SpecBlockModule, SpecBlockSchema
+from spectrain.kinds.eagle3.module import Eagle3Module, Eagle3Schema
+from spectrain.kinds.specblock.module import SpecBlockModule, SpecBlockSchema
 
 REPO = Path(__file__).resolve().parents[1]
 USAGE = "python -m benchmarks.gpu_check out=DIR [cpu_dry_run=false] [sections=[lossless,ar_speed,...]] [commit=SHA]"

@@ -39,9 +39,10 @@ from omegaconf import OmegaConf
 from core.atomic import atomic_write_text
 from core.drafters.hrad import HRAD, NUM_CLASSES, HRADConfig, check_boundaries, default_boundaries
 from core.overrides import OverrideError, parse_cli, run_cli
-from spectrain.modules.base import cosine_with_warmup
-from spectrain.modules.hrad import (TraceRows, class_weights, feature_stats, fit_late_fusion, load_trace_rows,
-                                    read_input_embeddings, read_traces_manifest, split_prompts)
+from spectrain.kinds.base import cosine_with_warmup
+from spectrain.kinds.hrad.calibration import fit_late_fusion
+from spectrain.kinds.hrad.data import class_weights, feature_stats, split_prompts
+from spectrain.kinds.hrad.traces import TraceRows, load_trace_rows, read_input_embeddings, read_traces_manifest
 
 USAGE = "python -m benchmarks.hrad_features traces=[DIR,...] target=smollm2 seeds=[0,1,2] out=FILE.json"
 FEATURES = ("hidden", "hidden+conf", "hidden+conf_logit", "conf")

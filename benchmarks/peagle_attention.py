@@ -1,6 +1,6 @@
 """``python benchmarks/peagle_attention.py [length=640] [answer=0.6] [num_depths=6] [chunks=[16,32,64,128,256]] [threads=1] [repeats=3]``
 
-Why P-EAGLE trains with chunked chain attention on a CPU (``core.drafters.peagle_attention``): milliseconds for one
+Why P-EAGLE trains with chunked chain attention on a CPU (``core.drafters.peagle.attention``): milliseconds for one
 forward + backward of one layer's attention with SmolLM2-135M's head shapes (9 heads, 3 KV heads, head dim 64),
 batch 1, over every position's depth-0 row plus the chain rows COD draws (speculators' ratios 0.7 / 0.2) when the
 last ``answer`` share of the sequence is scored: under the dense mask [T + N, T + N] restricted to the chain rows'
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.drafters.peagle_attention import ChainLayout
+from core.drafters.peagle.attention import ChainLayout
 from core.overrides import parse_cli
-from spectrain.peagle_losses import cod_sample
+from spectrain.kinds.peagle.losses import cod_sample
 
 USAGE = ("python benchmarks/peagle_attention.py length=640 answer=0.6 num_depths=6 chunks=[16,32,64,128,256] "
          "threads=1 repeats=3")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from core.drafters.specblock import first_block_mask, later_block_mask
-from core.drafters.specblock_attention import BlockLayout, block_sparse_attention
+from core.drafters.specblock.attention import BlockLayout, block_sparse_attention
 from core.overrides import parse_cli
 from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
 

@@ -4,7 +4,7 @@ Our EAGLE-3 training next to vLLM's ``speculators`` (0.9.0) on the embedded Smol
 
 First it tries the library's own trainer (``speculators.train.trainer.Trainer``) on this CPU and prints the error
 it stops with. Then both training forwards run side by side for ``steps`` steps on identical batches (one
-ShareGPT conversation per step, the target's own features): ours (``Eagle3Drafter`` + ``spectrain.eagle3_losses``)
+ShareGPT conversation per step, the target's own features): ours (``Eagle3Drafter`` + ``spectrain.kinds.eagle3.losses``)
 and the library's ``Eagle3DraftModel.forward`` (its TTT loss), each with its own AdamW (same lr, no weight decay,
 constant schedule), starting from the same weights (ours exported with ``format=speculators`` and loaded by the
 library). Both freeze ``lm_head`` here, as speculators always does (it copies the target's head over the draft
@@ -29,13 +29,13 @@ from speculators.models.eagle3.data import shift_batch
 
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from core.drafters.eagle3_layouts import Eagle3Checkpoint
+from core.drafters.eagle3.layouts import Eagle3Checkpoint
 from core.overrides import parse_cli
 from core.prompts import load_prompts, tokenize_conversation
 from core.vocab import build_vocab_map
 from inference.drafters import LoadedModel, load_lm
-from spectrain.eagle3_losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_loss
-from spectrain.export import write_export
+from spectrain.kinds.eagle3.losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_loss
+from spectrain.kinds.eagle3.export import write_export
 
 USAGE = "python -m benchmarks.speculators_peer steps=40 ttt_steps=7 lr=1e-3 n_train=40 n_val=8 max_len=128"
 AUX = [1, 13, 26]  # EAGLE-3's default triple for SmolLM2's 30 layers, as data_prep uses it
@@ -69,7 +69,7 @@ def features(target: LoadedModel, ids: torch.Tensor, aux: list[int]) -> tuple[to
 
 def our_steps(drafter: Eagle3Drafter, target: LoadedModel, ids: torch.Tensor, aux: torch.Tensor,
               pre_norm: torch.Tensor, supervised: torch.Tensor, steps: int):
-    """Our training forward, as ``spectrain.modules.eagle3`` runs it: per TTT step (student logits, teacher
+    """Our training forward, as ``spectrain.kinds.eagle3.module`` runs it: per TTT step (student logits, teacher
     probs, scored rows)."""
     model = target.model
     normed = model.model.norm(pre_norm).detach()  # our datasets store the final normed state

@@ -359,7 +359,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cp
     if "model_type" not in config and isinstance(config.get("spectrain"), dict):
         kind = config["spectrain"].get("kind", "drafter")
         raise AssetError(f"'{name_or_path}' is a spectrain {kind} export, not a causal LM: pass it as a drafter "
-                         "(drafters=DIR, feature_drafter= or specblock_drafter=) and give the model it drafts for "
+                         "(drafter=PATH or drafters=DIR) and give the model it drafts for "
                          "as target=")
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -9,19 +9,21 @@ An algorithm label is ``NAME`` or a variant ``NAME@key=value[@key=value]`` that 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from core.drafters.kinds import CAUSAL_LM_KIND, KIND_MODULES, engine_kind
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.options import (ALGORITHM_KEYS, ONLY_WITH, AlgorithmOptions, Needs, SamplingOptions,
                                           option_keys, specbranch_option_error)
 from inference.drafter_index import export_kind, find_exports
-from inference.drafters import DRAFTER_KINDS, LoadedModel, load_drafter, load_lm, model_dtype, pick_device
+from inference.drafters import LoadedModel, load_drafter, load_lm, model_dtype, pick_device
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
@@ -34,10 +36,8 @@ class EngineArgs(AlgorithmOptions):
     target: str = "smollm2"
     drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
     drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
-    feature_drafter: str | None = None  # the EAGLE-3 export when draft-LM and feature algorithms run together
-    specblock_drafter: str | None = None  # the SpecBlock export for specblock_tree
-    dflash_drafter: str | None = None  # the DFlash export for dflash
-    peagle_drafter: str | None = None  # the P-EAGLE export for peagle
+    # drafter.<kind>=PATH on the command line (split_drafter_args): one drafter per kind, when several run together
+    drafter_by_kind: dict[str, str] = field(default_factory=dict)
     max_new_tokens: int = 128
 
 
@@ -178,44 +178,85 @@ def check_placement(cfg: Any) -> None:
 # Drafters and the target
 
 
+# The per-kind keys of earlier releases, accepted for one more with a warning naming drafter.<kind>=
+OLD_DRAFTER_KEYS = {"feature_drafter": "eagle3", "specblock_drafter": "specblock", "dflash_drafter": "dflash",
+                    "peagle_drafter": "peagle"}
+
+
+def split_drafter_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``argv`` without its ``drafter.<kind>=PATH`` arguments, and those as {kind: path}. The old per-kind keys
+    (``feature_drafter=`` ...) are read as their ``drafter.<kind>=`` with a warning; an unknown kind is refused in
+    one line."""
+    rest, by_kind = [], {}
+    for arg in argv:
+        key, sep, path = arg.partition("=")
+        key = key.lstrip("+")
+        if sep and key in OLD_DRAFTER_KEYS:
+            new = f"drafter.{OLD_DRAFTER_KEYS[key]}"
+            warnings.warn(f"{key}= is spelt {new}= now; write {new}={path} ({key}= will be refused in the next "
+                          "release)", FutureWarning, stacklevel=2)
+            key = new
+        if not (sep and key.startswith("drafter.")):
+            rest.append(arg)
+            continue
+        kind = key.removeprefix("drafter.")
+        if kind not in KIND_MODULES:
+            raise OverrideError(f"{key}={path}: unknown drafter kind '{kind}'; write drafter.KIND=PATH with KIND one "
+                                f"of {', '.join(KIND_MODULES)} (or drafter=PATH: the kind its export records)")
+        by_kind[kind] = path
+    return rest, by_kind
+
+
+def parse_engine_cli(argv: Sequence[str], schema: type, usage: str) -> tuple[Any, list[str]]:
+    """``parse_cli`` for a schema derived from :class:`EngineArgs`, with ``drafter.<kind>=PATH``: (the config, the
+    arguments left for schema keys, e.g. for :func:`given_keys`)."""
+    rest, by_kind = split_drafter_args(argv)
+    cfg = parse_cli(rest, schema, usage)
+    cfg.drafter_by_kind = by_kind
+    return cfg, rest
+
+
 def drafter_paths(cfg: Any) -> dict[str, str]:
-    """Algorithm drafter kind (draft_lm | features | specblock | dflash | peagle | hrad) -> path: ``drafters=DIR``
-    first, then each explicitly named drafter on top."""
-    by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
+    """Drafter kind (``core.drafters.kinds``) -> path: ``drafters=DIR`` first (each export by the kind it records),
+    then ``drafter=PATH`` (by the kind its export records; a draft LM otherwise), then each ``drafter.<kind>=PATH``
+    on top; H-RAD's ``hrad=PATH`` too."""
     paths: dict[str, str] = {}
     if cfg.drafters:
-        for export, path in find_exports(cfg.drafters).items():
-            paths[by_export.get(export, export)] = str(path)
+        paths.update({kind: str(path) for kind, path in find_exports(cfg.drafters).items()})
     if cfg.drafter:
-        paths[by_export.get(export_kind(Path(cfg.drafter)) or "draft_lm", "draft_lm")] = cfg.drafter
-    if cfg.feature_drafter:
-        paths["features"] = cfg.feature_drafter
-    if cfg.specblock_drafter:
-        paths["specblock"] = cfg.specblock_drafter
-    if cfg.dflash_drafter:
-        paths["dflash"] = cfg.dflash_drafter
-    if cfg.peagle_drafter:
-        paths["peagle"] = cfg.peagle_drafter
+        paths[export_kind(Path(cfg.drafter)) or CAUSAL_LM_KIND] = cfg.drafter
+    paths.update(getattr(cfg, "drafter_by_kind", None) or {})
     if getattr(cfg, "hrad", "auto") not in ("auto", "none"):
         paths["hrad"] = cfg.hrad
     return paths
+
+
+def drafter_kind_for(interface: str, available: Iterable[str]) -> str | None:
+    """Which of the ``available`` drafter kinds an algorithm written for kind ``interface`` runs with: that kind
+    itself, else the first that serves as it (``EngineKind.serves_as``); None when none does."""
+    available = list(available)
+    if interface in available:
+        return interface
+    return next((kind for kind in available if kind in KIND_MODULES and engine_kind(kind).interface == interface),
+                None)
 
 
 def check_drafters(labels: Sequence[str], available: set[str], drafter: str | None = None) -> None:
     """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it;
     ``drafter`` (the ``drafter=`` path, routed by the kind its export records) is named when it is another kind."""
     missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
-    missing = {label: kind for label, kind in missing.items() if kind != "none" and kind not in available}
+    missing = {label: kind for label, kind in missing.items()
+               if kind != "none" and drafter_kind_for(kind, available) is None}
     if missing:
         first, kind = next(iter(missing.items()))
-        option = {"draft_lm": "drafter", "features": "feature_drafter", "specblock": "specblock_drafter",
-                  "dflash": "dflash_drafter", "peagle": "peagle_drafter"}[kind]
+        needs = engine_kind(kind).needs
+        option = "drafter" if kind == CAUSAL_LM_KIND else f"drafter.{kind}"
         given = export_kind(Path(drafter)) if drafter else None
-        if given is not None and given != DRAFTER_KINDS[kind][0]:
-            raise OverrideError(f"'{first}' needs {DRAFTER_KINDS[kind][1]}, but drafter={drafter} is a {given} "
-                                f"export (its config.json says so); give {option}=PATH or choose an algorithm for it")
-        raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {DRAFTER_KINDS[kind][1]}; "
-                            f"add {option}=PATH or drafters=DIR (a directory of exports)")
+        if given is not None and given != kind:
+            raise OverrideError(f"'{first}' needs {needs}, but drafter={drafter} is a {given} export (its config.json "
+                                f"says so); give {option}=PATH or choose an algorithm for it")
+        raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {needs}; add {option}=PATH or "
+                            "drafters=DIR (a directory of exports)")
 
 
 def load_target(cfg: Any, max_batch_size: int = 1) -> LoadedModel:
@@ -225,17 +266,22 @@ def load_target(cfg: Any, max_batch_size: int = 1) -> LoadedModel:
 
 def load_drafters(cfg: Any, paths: dict[str, str], needed: set[str], target: LoadedModel,
                   preloaded: dict[str, Any], max_batch_size: int = 1) -> dict[str, Any]:
-    """The drafter of each ``needed`` kind: the preloaded one if given, else loaded from its path."""
-    return {kind: preloaded[kind] if preloaded.get(kind) is not None else
+    """The drafter for each ``needed`` algorithm drafter kind (an algorithm's ``drafter``), by the available kind
+    that serves it (:func:`drafter_kind_for`): the preloaded one if given, else loaded from its path."""
+    drafters = {}
+    for interface in needed:
+        kind = drafter_kind_for(interface, [*preloaded, *paths])
+        drafters[interface] = preloaded[kind] if preloaded.get(kind) is not None else \
             load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                         max_batch_size=max_batch_size) for kind in needed}
+                         max_batch_size=max_batch_size)
+    return drafters
 
 
 def resolved_config(cfg: Any, paths: dict[str, str]) -> Any:
     """``cfg`` with the draft LM's path and H-RAD resolved: algorithms that rebuild a drafter elsewhere (a draft
     process) read its path from cfg, and ``hrad=auto`` means the drafters' H-RAD export, if any."""
     return OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
-                           {"drafter": paths.get("draft_lm"),
+                           {"drafter": paths.get(CAUSAL_LM_KIND),
                             "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
 
 
@@ -249,7 +295,7 @@ def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict
         variant_cfg.hrad = resolved.hrad
     kind = algorithm_class(name).drafter
     drafter = drafters.get(kind)
-    if kind == "draft_lm" and variant_cfg.draft_vocab:
+    if kind == CAUSAL_LM_KIND and variant_cfg.draft_vocab:
         vocab = variant_cfg.draft_vocab
         drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
     return build_algorithm(name, target.runner, drafter, **algorithm_class(name).options_from_config(variant_cfg)), \
@@ -260,7 +306,8 @@ def build_algorithms(cfg: Any, labels: Sequence[str], target: LoadedModel | None
                      preloaded: dict[str, Any] | None = None, max_batch_size: int = 1
                      ) -> tuple[LoadedModel, dict[str, tuple[Any, Any]]]:
     """Load (or take) the target and the drafters ``labels`` need, and build each label: ``(target, {label:
-    (algorithm, its config)})``. ``preloaded`` maps a drafter kind to an already loaded drafter."""
+    (algorithm, its config)})``. ``preloaded`` maps a drafter kind (``core.drafters.kinds``) to an already loaded
+    drafter."""
     paths = drafter_paths(cfg)
     preloaded = {kind: obj for kind, obj in (preloaded or {}).items() if obj is not None}
     check_drafters(labels, set(preloaded) | set(paths), cfg.drafter)

@@ -2,8 +2,8 @@
 
 Drafters: ``drafters=DIR`` is a directory of exports (``python -m spectrain.export`` outputs, found by the kind
 their ``config.json`` records: draft_lm, eagle3, specblock, dflash, peagle, hrad). Each can also be named on its own,
-which wins over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``feature_drafter=PATH``
-(EAGLE-3), ``specblock_drafter=PATH``, ``dflash_drafter=PATH``, ``peagle_drafter=PATH``, ``hrad=PATH`` (SpecBranch's
+which wins over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``drafter.KIND=PATH``
+when several kinds run together (e.g. ``drafter.eagle3=DIR drafter.draft_lm=DIR``), ``hrad=PATH`` (SpecBranch's
 H-RAD; ``hrad=none`` for the ablation).
 
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
@@ -31,17 +31,18 @@ import torch
 from omegaconf import OmegaConf
 
 from core.atomic import check_output
+from core.drafters.kinds import CAUSAL_LM_KIND, engine_kind
 from core.errors import UserError
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import Algorithm, GenerationStats
 from inference.algorithms.options import apply_threads
 from inference import exactness
-from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
+from inference.drafters import LoadedModel, eos_token_ids
 from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_drafters,
-                                   check_placement, drafter_paths, given_keys, load_target, parse_variant,
-                                   sampling_params, with_overrides)
+                                   check_placement, drafter_kind_for, drafter_paths, given_keys, load_target,
+                                   parse_engine_cli, parse_variant, sampling_params, with_overrides)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
@@ -64,7 +65,7 @@ class EvalConfig(EngineArgs):
 def parse_args(argv: Sequence[str]) -> Any:
     # Accept the singular forms users type (bench=mt_bench, algorithms=sps) for the list fields.
     argv = [_listify(arg, ("bench", "algorithms")) for arg in argv]
-    cfg = parse_cli(argv, EvalConfig, USAGE)
+    cfg, argv = parse_engine_cli(argv, EvalConfig, USAGE)
     if cfg.n_prompts < 1 or cfg.batch_size < 1:
         raise OverrideError("n_prompts and batch_size must be >= 1")
     check_output(cfg.out)  # results are written after the whole run: a bad out= must fail now
@@ -107,10 +108,10 @@ def select_algorithms(cfg: Any, available: set[str]) -> tuple[list[str], dict[st
         if label == "all":
             for name in ALGORITHMS:
                 kind = algorithm_class(name).drafter
-                if kind == "none" or kind in available:
+                if kind == "none" or drafter_kind_for(kind, available) is not None:
                     labels.append(name)
                 else:
-                    skipped[name] = f"needs {DRAFTER_KINDS[kind][1]}"
+                    skipped[name] = f"needs {engine_kind(kind).needs}"
         else:
             labels.append(label)
     labels = list(dict.fromkeys(labels))
@@ -196,14 +197,13 @@ def greedy_equal(outputs: list, cfg: Any, ar_outputs: list, ar_cfg: Any) -> bool
 
 
 def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
-             features=None, specblock=None, dflash=None) -> dict[str, Any]:
+             drafters: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
-    ``draft`` / ``features`` (an EAGLE-3 drafter module) / ``specblock`` / ``dflash`` replace loading them from
-    ``cfg``."""
+    ``draft`` (a draft LM) and ``drafters`` (drafter kind -> a loaded drafter module, e.g. {"eagle3": drafter})
+    replace loading them from ``cfg``."""
     from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
-    preloaded = {"draft_lm": draft.runner if isinstance(draft, LoadedModel) else draft, "features": features,
-                 "specblock": specblock, "dflash": dflash}
+    preloaded = {CAUSAL_LM_KIND: draft.runner if isinstance(draft, LoadedModel) else draft, **(drafters or {})}
     available = {kind for kind, obj in preloaded.items() if obj is not None} | set(drafter_paths(cfg))
     labels, skipped = select_algorithms(cfg, available)
     for name, why in skipped.items():

@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.drafters.kinds import engine_kind
+from core.overrides import OverrideError, run_cli
 from core.prompts import render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import apply_threads
-from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
+from inference.drafters import LoadedModel, eos_token_ids
 from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement,
-                                   given_keys, load_target, sampling_params)
+                                   given_keys, load_target, parse_engine_cli, sampling_params)
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
 
@@ -71,7 +72,7 @@ def generate_text(cfg: Any, target: LoadedModel | None = None, draft: LoadedMode
 
 
 def _run(args: list[str]) -> tuple[Any, GenerationResult]:
-    cfg = parse_cli(args, GenerateConfig, USAGE)
+    cfg, args = parse_engine_cli(args, GenerateConfig, USAGE)
     if not cfg.prompt:
         raise OverrideError(f"no prompt given; usage: {USAGE}")
     if cfg.max_new_tokens < 1:
@@ -86,9 +87,8 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
     kind = algorithm_class(cfg.algorithm).drafter
-    if kind != "none" and not (cfg.drafter or cfg.drafters or cfg.feature_drafter or cfg.specblock_drafter
-                               or cfg.dflash_drafter or cfg.peagle_drafter):
-        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {DRAFTER_KINDS[kind][1]}: add drafter=PATH")
+    if kind != "none" and not (cfg.drafter or cfg.drafters or cfg.drafter_by_kind):
+        raise OverrideError(f"algorithm '{cfg.algorithm}' needs {engine_kind(kind).needs}: add drafter=PATH")
     apply_threads(cfg)
     target = load_target(cfg)
     return cfg, generate_text(cfg, target, on_tokens=TextStreamer(target.tokenizer))

@@ -87,10 +87,10 @@ def _own_figures(run: dict[str, Any]) -> str:
 
 
 def _drafters(cfg: dict[str, Any]) -> str:
-    keys = ("drafters", "drafter", "feature_drafter", "specblock_drafter", "dflash_drafter", "peagle_drafter",
-            "hrad")
-    named = [f"{k}={cfg[k]}" for k in keys
-             if cfg.get(k) not in (None, "auto", "none")]
+    named = [f"{k}={cfg[k]}" for k in ("drafters", "drafter") if cfg.get(k) not in (None, "auto", "none")]
+    named += [f"drafter.{kind}={path}" for kind, path in (cfg.get("drafter_by_kind") or {}).items()]
+    if cfg.get("hrad") not in (None, "auto", "none"):
+        named.append(f"hrad={cfg['hrad']}")
     return ", ".join(named) or "none"
 
 

@@ -8,7 +8,7 @@ from speculators.losses import resolve_loss_config
 from speculators.models.dflash import DFlashDraftModel
 from speculators.models.dflash.utils import select_anchors
 
-from spectrain.dflash_losses import scored_slots, slot_weights, weighted_kl
+from spectrain.kinds.dflash.losses import scored_slots, slot_weights, weighted_kl
 
 LENGTH, ANCHORS, GAMMA = 40, 6, 4.0
 

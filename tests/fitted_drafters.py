@@ -16,8 +16,8 @@ from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
-from spectrain.peagle_losses import batch_chains, every_chain
-from spectrain.specblock_losses import total_loss, unroll_blocks
+from spectrain.kinds.peagle.losses import batch_chains, every_chain
+from spectrain.kinds.specblock.losses import total_loss, unroll_blocks
 
 AUX = [0, 1, 2]  # the target's layers the drafters read (a 4-layer target: never its last, normed one)
 MASK_TOKEN = 0

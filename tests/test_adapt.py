@@ -337,7 +337,7 @@ def test_undone_updates_back_off_the_update_rate(tiny):
 
 
 def test_update_is_bounded_and_uses_the_training_loss(tiny):
-    """head touches only norm + lm_head; the loss is the TTT loss of spectrain.modules.eagle3 (it decreases)."""
+    """head touches only norm + lm_head; the loss is the TTT loss of spectrain.kinds.eagle3.module (it decreases)."""
     target, drafter = tiny
     drafter = copy.deepcopy(drafter)
     adapter, adaptable = adapter_for(drafter)
@@ -430,7 +430,7 @@ def test_replay_is_deterministic(tiny, tmp_path):
 
 
 def test_specblock_plugs_in_with_its_own_losses(tiny):
-    """A SpecBlock drafter gets its adapter class from adaptable_for; updates use spectrain.specblock_losses."""
+    """A SpecBlock drafter gets its adapter class from adaptable_for; updates use spectrain.kinds.specblock.losses."""
     from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
     from spectrain.adapt.drafters import SpecBlockAdaptable, adaptable_for
     from spectrain.adapt.updater import ArmUpdate, Updater
@@ -447,7 +447,7 @@ def test_specblock_plugs_in_with_its_own_losses(tiny):
     head = {id(p) for p in drafter.head_parameters()}
     before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
     # the closure is the training objective itself (docs/algorithms/specblock.md §5: the total over the unrolled blocks)
-    from spectrain.specblock_losses import total_loss, unroll_blocks
+    from spectrain.kinds.specblock.losses import total_loss, unroll_blocks
 
     with torch.no_grad():
         direct = total_loss(unroll_blocks(drafter, *adaptable._row_frame(record), [2]))
@@ -470,10 +470,11 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
 
     from core.assets import target_record
     from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from core.drafters.eagle3_layouts import Eagle3Checkpoint
-    from inference.drafters import load_eagle3, load_lm
+    from core.drafters.eagle3.layouts import Eagle3Checkpoint
+    from inference.drafters import load_lm
+    from core.drafters.eagle3.kind import load_eagle3
     from spectrain.adapt import replay as replay_cli
-    from spectrain.export import write_export
+    from spectrain.kinds.eagle3.export import write_export
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4)
     target = load_lm(str(target_dir), device="cpu", max_seq_len=128)

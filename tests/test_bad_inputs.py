@@ -157,19 +157,19 @@ FIT = ("recipe=eagle3_smollm2", "target={B}/target", "max_len=32", "batch_size=2
 # (CLI module, argv, setup before the call, the whole line after "error: ")
 CASES = [
     # damaged or unusable exports, wherever a drafter is loaded
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/e3trunc"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/e3trunc"), None,
      "{B}/e3trunc/model.safetensors is damaged (truncated or not a safetensors file: Error while deserializing "
      "header: incomplete metadata, file not fully covered); re-export the drafter (python -m spectrain.export)"),
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/e3rand"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/e3rand"), None,
      "{B}/e3rand/model.safetensors is damaged (truncated or not a safetensors file: Error while deserializing "
      "header: header too large); re-export the drafter (python -m spectrain.export)"),
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/e3nan"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/e3nan"), None,
      "{B}/e3nan/model.safetensors holds NaN/inf values (tensor 'fc.weight'): the weights are unusable; "
      "re-export the drafter (python -m spectrain.export)"),
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/e3noconf"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/e3noconf"), None,
      "{B}/e3noconf has model.safetensors but no config.json: an interrupted or incomplete copy of an export; "
      "re-export it (python -m spectrain.export)"),
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/nowhere"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/nowhere"), None,
      "drafter '{B}/nowhere' does not exist; give an export directory of python -m spectrain.export"),
     ("inference.evaluate", (*EVAL, "algorithms=sps", "drafter={B}/lm_trunc"), None,
      "the weights of '{B}/lm_trunc' are damaged (truncated or corrupt: {B}/lm_trunc/model.safetensors: Error "
@@ -184,32 +184,32 @@ CASES = [
     ("spectrain.export", ("import={B}/e3nan", "out={B}/re_nan"), None,
      "{B}/e3nan/model.safetensors holds NaN/inf values (tensor 'fc.weight'): the weights are unusable; "
      "re-export the drafter (python -m spectrain.export)"),
-    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "feature_drafter={B}/e3trunc"), None,
+    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "drafter.eagle3={B}/e3trunc"), None,
      "{B}/e3trunc/model.safetensors is damaged (truncated or not a safetensors file: Error while deserializing "
      "header: incomplete metadata, file not fully covered); re-export the drafter (python -m spectrain.export)"),
     # a drafter whose recorded kind is not the one the algorithm loads (issue 35)
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/e3kind"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/e3kind"), None,
      "{B}/e3kind/config.json records a 'specblock' drafter, not eagle3: EAGLE-3 algorithms cannot load it; "
      "give an eagle3 export of python -m spectrain.export (or use this one with an algorithm for specblock "
      "drafters)"),
-    ("inference.evaluate", (*EVAL, "algorithms=specblock_tree", "specblock_drafter={B}/e3"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=specblock_tree", "drafter.specblock={B}/e3"), None,
      "{B}/e3/config.json records a 'eagle3' drafter, not specblock: SpecBlock algorithms cannot load it; give "
      "a specblock export of python -m spectrain.export (or use this one with an algorithm for eagle3 drafters)"),
-    ("inference.evaluate", (*EVAL, "algorithms=specblock_tree", "specblock_drafter={B}/e3kind"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=specblock_tree", "drafter.specblock={B}/e3kind"), None,
      "{B}/e3kind/config.json records a specblock drafter, but its architecture is not a SpecBlock's (unknown "
      "specblock config fields ['norm_before_residual', 'own_embedding']); re-export the drafter (python -m "
      "spectrain.export)"),
-    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "feature_drafter={B}/e3kind"), None,
+    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "drafter.eagle3={B}/e3kind"), None,
      "{B}/e3kind/config.json records a 'specblock' drafter, not eagle3: EAGLE-3 algorithms cannot load it; "
      "give an eagle3 export of python -m spectrain.export (or use this one with an algorithm for specblock "
      "drafters)"),
-    ("inference.serve.server", (*SERVE, "algorithm=specblock_tree", "specblock_drafter={B}/e3"), None,
+    ("inference.serve.server", (*SERVE, "algorithm=specblock_tree", "drafter.specblock={B}/e3"), None,
      "{B}/e3/config.json records a 'eagle3' drafter, not specblock: SpecBlock algorithms cannot load it; give "
      "a specblock export of python -m spectrain.export (or use this one with an algorithm for eagle3 drafters)"),
     # drafter= is routed by the kind its export records: another kind's export is named as such
     ("inference.evaluate", (*EVAL, "algorithms=specblock_tree", "drafter={B}/e3"), None,
      "'specblock_tree' needs a SpecBlock export of python -m spectrain.export for this target, but "
-     "drafter={B}/e3 is a eagle3 export (its config.json says so); give specblock_drafter=PATH or choose an "
+     "drafter={B}/e3 is a eagle3 export (its config.json says so); give drafter.specblock=PATH or choose an "
      "algorithm for it"),
     ("inference.generate", (*GEN, "algorithm=sps", "drafter={B}/e3"), None,
      "'sps' needs a draft LM (an exported draft_lm or a HF directory sharing the target's tokenizer), but "
@@ -217,7 +217,7 @@ CASES = [
      "for it"),
     ("inference.serve.server", (*SERVE, "algorithm=specblock_tree", "drafter={B}/e3"), None,
      "'specblock_tree' needs a SpecBlock export of python -m spectrain.export for this target, but "
-     "drafter={B}/e3 is a eagle3 export (its config.json says so); give specblock_drafter=PATH or choose an "
+     "drafter={B}/e3 is a eagle3 export (its config.json says so); give drafter.specblock=PATH or choose an "
      "algorithm for it"),
     ("spectrain.export", ("import={B}/e3kind", "out={B}/y"), None,
      "{B}/e3kind/config.json records a 'specblock' drafter, not eagle3: EAGLE-3 algorithms cannot load it; "
@@ -354,8 +354,8 @@ CASES = [
      "source= needs target= (whose tokenizer and chat template tokenize the prompts)"),
     # models and datasets given in the wrong place, or not there
     ("inference.evaluate", (*EVAL, "target={B}/e3"), None,
-     "'{B}/e3' is a spectrain eagle3 export, not a causal LM: pass it as a drafter (drafters=DIR, "
-     "feature_drafter= or specblock_drafter=) and give the model it drafts for as target="),
+     "'{B}/e3' is a spectrain eagle3 export, not a causal LM: pass it as a drafter (drafter=PATH "
+     "or drafters=DIR) and give the model it drafts for as target="),
     ("inference.evaluate", (*EVAL, "target={B}/nowhere"), None,
      "unknown model '{B}/nowhere': use one of ['smollm2'] or a local HF model directory (nothing is downloaded "
      "from a hub)"),
@@ -374,15 +374,15 @@ CASES = [
     ("spectrain.export", ("import={B}/e3", "target={B}/other", "out={B}/y"), None,
      "{B}/e3 was trained for target '{B}/target', not '{B}/other'; use the target it was trained for"),
     ("data_prep.extract", (*EXTRACT, "target={B}/e3", "out={B}/x"), None,
-     "'{B}/e3' is a spectrain eagle3 export, not a causal LM: pass it as a drafter (drafters=DIR, "
-     "feature_drafter= or specblock_drafter=) and give the model it drafts for as target="),
+     "'{B}/e3' is a spectrain eagle3 export, not a causal LM: pass it as a drafter (drafter=PATH "
+     "or drafters=DIR) and give the model it drafts for as target="),
     ("data_prep.regenerate", (*EXTRACT, "max_new_tokens=2", "target={B}/nowhere", "out={B}/r.jsonl"), None,
      "unknown model '{B}/nowhere': use one of ['smollm2'] or a local HF model directory (nothing is downloaded "
      "from a hub)"),
     ("data_prep.vocab", ("dataset={B}/nowhere", "draft_vocab_size=8", "out={B}/v.st"), None,
      "{B}/nowhere has no manifest.json: not a spectrain dataset (create one with python -m data_prep.extract "
      "or data_prep.traces)"),
-    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "feature_drafter={B}/e3", "target={B}/other"), None,
+    ("inference.evaluate", (*EVAL, "algorithms=eagle3_tree", "drafter.eagle3={B}/e3", "target={B}/other"), None,
      "drafter '{B}/e3' was trained for target '{B}/target' ({TARGET_ID}), not '{B}/other' ({OTHER_ID}): use a "
      "drafter trained for this target"),
     ("inference.generate", (*GEN, "target={B}/nowhere"), None,

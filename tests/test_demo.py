@@ -13,7 +13,6 @@ from demo_parsers import PARSERS
 from core.overrides import parse_cli
 from spectrain import demo, pipeline
 from inference.algorithms import ALGORITHMS
-from inference.drafters import DRAFTER_KINDS
 from inference.evaluate import parse_args as parse_evaluate, select_algorithms
 from spectrain.pipeline import Stage, measured_pace, minutes_left, run_pipeline, stage_minutes
 
@@ -29,14 +28,13 @@ def test_every_stage_is_a_command_its_cli_accepts_and_evaluate_serves_all_ten_al
     assert [s.name for s in stages][:2] == ["regenerate", "ngram-corpus"] and stages[-1].name == "evaluate"
     exported = {s.argv[1].removeprefix("ckpt="): Path(s.argv[-1].removeprefix("out="))
                 for s in stages if s.argv[0] == "spectrain.export"}
-    by_export = {export: kind for kind, (export, _) in DRAFTER_KINDS.items()}
     trained, available = set(), set()
     for stage in stages:
         parsed = PARSERS[stage.argv[0]](list(stage.argv[1:]))
         if stage.argv[0] == "spectrain.fit":
             trained.add(parsed.run_name)
             assert exported[str(stage.output)].parent == tmp_path / "demo" / "exports", stage.name
-            available.add(by_export.get(parsed.kind, parsed.kind))  # hrad is its own kind
+            available.add(parsed.kind)
             if parsed.run_name in demo.DEMO_RECIPE_STEPS:
                 assert parsed.trainer.max_steps == demo.DEMO_RECIPE_STEPS[parsed.run_name]
     assert trained == {"demo_draftlm", "demo_hrad", "demo_eagle3", "demo_specblock", "demo_dflash", "demo_peagle"}

@@ -156,7 +156,7 @@ def test_a_native_export_is_served_by_evaluate_among_all_algorithms(tmp_path):
     from tiny_targets import save_tiny_target
 
     from core.assets import target_record
-    from core.drafters.dflash_layouts import load_native, save_native
+    from core.drafters.dflash.layouts import load_native, save_native
     from inference import evaluate as evaluate_cli
 
     from transformers import AutoModelForCausalLM

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-import spectrain.modules.dflash as dflash_module
-from spectrain.dflash_losses import sample_anchors
-from spectrain.modules.dflash import DFlashModule
+import spectrain.kinds.dflash.module as dflash_module
+from spectrain.kinds.dflash.losses import sample_anchors
+from spectrain.kinds.dflash.module import DFlashModule
 
 BLOCK, MOST = 4, 5
 

@@ -32,9 +32,10 @@ from transformers import AutoConfig
 
 from core.assets import target_record
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
-from core.drafters.dflash_layouts import save_native
+from core.drafters.dflash.layouts import save_native
 from inference.algorithms import build_algorithm
-from inference.drafters import LoadedModel, load_dflash
+from inference.drafters import LoadedModel
+from core.drafters.dflash.kind import load_dflash
 from inference.runner import ModelRunner
 from spectrain import export as export_cli
 

@@ -40,9 +40,10 @@ from tiny_targets import write_jsonl
 from transformers import AutoConfig
 
 from core.assets import portable_model_reference
-from core.drafters.dflash_layouts import build_drafter, read_native
+from core.drafters.dflash.layouts import build_drafter, read_native
 from inference.algorithms import build_algorithm
-from inference.drafters import LoadedModel, load_dflash
+from inference.drafters import LoadedModel
+from core.drafters.dflash.kind import load_dflash
 from inference.runner import ModelRunner
 
 pytestmark = pytest.mark.real_model

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from spectrain.dflash_losses import sample_anchors, scored_slots, slot_weights, weighted_kl
+from spectrain.kinds.dflash.losses import sample_anchors, scored_slots, slot_weights, weighted_kl
 
 
 def test_anchors_are_distinct_sorted_answer_positions_away_from_the_end_and_seeded():
@@ -83,9 +83,10 @@ def test_fit_exports_a_native_dir_that_the_engine_serves_losslessly(tiny_setup):
     import csv
     import json
 
-    from core.drafters.dflash_layouts import load_native
+    from core.drafters.dflash.layouts import load_native
     from inference.algorithms import build_algorithm
-    from inference.drafters import load_dflash, load_lm
+    from inference.drafters import load_lm
+    from core.drafters.dflash.kind import load_dflash
     from inference.sampling import SamplingParams
     from spectrain import export as export_cli
     from spectrain import fit as fit_cli

@@ -138,7 +138,7 @@ def last_weights(runs: Path, name: str = "last.ckpt", step: int = 6) -> dict[str
     sharded (fsdp) or a DeepSpeed directory."""
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
-    from spectrain.export import read_lightning_checkpoint
+    from spectrain.checkpoint_reading import read_lightning_checkpoint
 
     path = checkpoints(runs) / name
     if path.is_dir() and (path / "latest").is_file():  # DeepSpeed's own partitioned layout
@@ -200,7 +200,7 @@ def trained(setup) -> dict[str, object]:
                killed_ddp / "eagle3_smollm2" / "checkpoints" / "step2.ckpt")
     kill_after(launch(["-m", "spectrain.fit", *fsdp_args], recipes),
                killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt")
-    from spectrain.export import read_lightning_checkpoint
+    from spectrain.checkpoint_reading import read_lightning_checkpoint
 
     left = {"ddp_stopped_at": read_lightning_checkpoint(fit_cli.latest_checkpoint(killed_ddp / "eagle3_smollm2"))[
                 "global_step"],

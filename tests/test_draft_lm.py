@@ -161,7 +161,7 @@ def test_token_teacher_trains_the_draft_vocabulary_without_running_the_target(dr
     import torch.nn.functional as F
 
     from data_prep.capture import HiddenCapture
-    from spectrain.modules.draft_lm import DraftLMModule
+    from spectrain.kinds.draft_lm.module import DraftLMModule
 
     recipes, args, _ = draft_recipe
     args = ["recipe=draftlm_smollm2_gsm", *args[1:]]
@@ -201,7 +201,7 @@ def _rare_label_batch():
 
 
 def _draft_lm_modules(draft_recipe, *overrides):
-    from spectrain.modules.draft_lm import DraftLMModule
+    from spectrain.kinds.draft_lm.module import DraftLMModule
 
     recipes, args, _ = draft_recipe
     args = ["recipe=draftlm_smollm2_gsm", *args[1:], "train_vocab=300"]
@@ -257,7 +257,7 @@ def test_train_vocab_labels_adds_the_batchs_rare_label_ids_to_the_trained_logits
 def test_train_vocab_labels_needs_train_vocab_and_the_token_teacher(draft_recipe):
     recipes, args, _ = draft_recipe
     args = ["recipe=draftlm_smollm2_gsm", *args[1:], "train_vocab_labels=true"]
-    from spectrain.modules.draft_lm import DraftLMModule
+    from spectrain.kinds.draft_lm.module import DraftLMModule
 
     for bad in (["train_vocab=0"], ["teacher=target"]):
         with pytest.raises(ValueError, match=r"^model.train_vocab_labels=true needs model.train_vocab=K > 0 and "

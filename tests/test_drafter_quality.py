@@ -91,7 +91,7 @@ def test_general_dflash_gets_eagle3s_wall_time_on_the_same_conversations(tmp_pat
     assert data == [a for a in dflash if a.startswith("data.")] and any("regenerated.jsonl" in a for a in data)
     assert [a for a in stages["probe-step-time"].argv if a.startswith("data.")] == data  # timed on that data
     evaluate = stages["evaluate"].argv
-    assert any(a.startswith("dflash_drafter=") for a in evaluate) and "dflash" in evaluate[-2]
+    assert any(a.startswith("drafter.dflash=") for a in evaluate) and "dflash" in evaluate[-2]
     assert [a for a in stages["evaluate-raw"].argv if a.startswith("algorithms=")] == [
         "algorithms=[eagle3_tree,eagle3_tree@tree_depth=5@tree_topk=1@tree_total=6]"]
 

@@ -22,10 +22,10 @@ from speculators_builders import (assert_loaded_exactly, check_training_forward_
 from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Drafter
-from core.drafters.eagle3_layouts import FC_NORM_TENSORS, expected_names, read_checkpoint
+from core.drafters.eagle3.layouts import FC_NORM_TENSORS, expected_names, read_checkpoint
 from core.drafters.peagle import PEagleConfig
 from inference.algorithms import build_algorithm
-from inference.drafters import load_eagle3
+from core.drafters.eagle3.kind import load_eagle3
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli

@@ -27,8 +27,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Drafter
-from core.drafters.eagle3_layouts import Eagle3Checkpoint, layout_config, layout_tensors, read_checkpoint
-from inference.drafters import LoadedModel, load_eagle3
+from core.drafters.eagle3.layouts import Eagle3Checkpoint, layout_config, layout_tensors, read_checkpoint
+from core.drafters.eagle3.kind import load_eagle3
+from inference.drafters import LoadedModel
 from inference.runner import ModelRunner
 from spectrain import export as export_cli
 

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from spectrain import fit as fit_cli
-from spectrain.eagle3_losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
+from spectrain.kinds.eagle3.losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_targets
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance
 
@@ -38,7 +38,8 @@ def eagle3_recipe(tmp_path: Path):
 
 def test_eagle3_fit_exports_and_serves_losslessly(eagle3_recipe, tmp_path):
     from inference.algorithms import build_algorithm
-    from inference.drafters import load_eagle3, load_lm
+    from inference.drafters import load_lm
+    from core.drafters.eagle3.kind import load_eagle3
     from inference.sampling import SamplingParams
     from spectrain import export as export_cli
 

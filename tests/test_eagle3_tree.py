@@ -230,7 +230,7 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
     cfg = evaluate_cli.parse_args(["algorithms=eagle3_tree", "bench=mt_bench", "n_prompts=2", "max_new_tokens=16",
                                    "tree_depth=3", "tree_topk=3", "tree_total=10", f"out={tmp_path}",
                                    "warmup=false"])
-    results = evaluate_cli.evaluate(cfg, target=target, features=drafter)
+    results = evaluate_cli.evaluate(cfg, target=target, drafters={"eagle3": drafter})
     ar, tree = results["runs"]
     assert (ar["algorithm"], tree["algorithm"]) == ("ar", "eagle3_tree")
     assert tree["greedy_equal_to_ar"] is True and tree["new_tokens"] == ar["new_tokens"]
@@ -239,7 +239,7 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["algorithms=eagle3_tree", "n_prompts=1"], "'eagle3_tree' needs an EAGLE-3 export"),
-    (["algorithms=[sps,eagle3_tree]", "drafter=/some/draft_lm", "n_prompts=1"], "add feature_drafter=PATH or drafters=DIR"),
+    (["algorithms=[sps,eagle3_tree]", "drafter=/some/draft_lm", "n_prompts=1"], "add drafter.eagle3=PATH or drafters=DIR"),
 ])
 def test_evaluate_names_the_missing_eagle3_export(args, needle, capsys, tmp_path):
     from inference import evaluate as evaluate_cli

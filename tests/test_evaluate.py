@@ -100,8 +100,8 @@ def test_drafter_with_another_tokenizer_is_refused(smollm2, tmp_path):
 
 @pytest.mark.real_model
 def test_generate_streams_the_answer(smollm2, capsys):
-    cfg = generate_cli.parse_cli(["prompt=What is the capital of France?", "max_new_tokens=12"],
-                                 generate_cli.GenerateConfig, generate_cli.USAGE)
+    cfg, _ = generate_cli.parse_engine_cli(["prompt=What is the capital of France?", "max_new_tokens=12"],
+                                           generate_cli.GenerateConfig, generate_cli.USAGE)
     streamer = generate_cli.TextStreamer(smollm2[1])
     result = generate_cli.generate_text(cfg, loaded(smollm2), on_tokens=streamer)
     assert capsys.readouterr().out == "The capital of France is Paris."
@@ -110,8 +110,9 @@ def test_generate_streams_the_answer(smollm2, capsys):
 
 @pytest.mark.real_model
 def test_generate_with_a_vocabulary_limited_draft_gives_the_same_answer(smollm2, capsys):
-    cfg = generate_cli.parse_cli(["prompt=What is the capital of France?", "max_new_tokens=12", "algorithm=sps",
-                                  "draft_vocab=1000"], generate_cli.GenerateConfig, generate_cli.USAGE)
+    cfg, _ = generate_cli.parse_engine_cli(["prompt=What is the capital of France?", "max_new_tokens=12",
+                                            "algorithm=sps", "draft_vocab=1000"], generate_cli.GenerateConfig,
+                                           generate_cli.USAGE)
     streamer = generate_cli.TextStreamer(smollm2[1])
     result = generate_cli.generate_text(cfg, loaded(smollm2), loaded(smollm2), on_tokens=streamer)
     assert capsys.readouterr().out == "The capital of France is Paris."
@@ -126,8 +127,8 @@ def test_every_algorithm_reads_its_options_from_both_clis(name):
     cls = algorithm_class(name)
     eval_cfg = evaluate_cli.parse_args(["algorithms=[sps,eagle3_tree,self_draft]", "gamma=3", "tree_depth=2",
                                         "self_draft_L=5"])
-    gen_cfg = generate_cli.parse_cli(["prompt=hi", "gamma=3", "tree_depth=2", "self_draft_L=5"],
-                                     generate_cli.GenerateConfig, generate_cli.USAGE)
+    gen_cfg, _ = generate_cli.parse_engine_cli(["prompt=hi", "gamma=3", "tree_depth=2", "self_draft_L=5"],
+                                               generate_cli.GenerateConfig, generate_cli.USAGE)
     assert cls.options_from_config(eval_cfg) == cls.options_from_config(gen_cfg)
 
 
@@ -143,10 +144,10 @@ def test_drafters_dir_is_indexed_by_export_kind_and_explicit_paths_win(tmp_path)
     cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", "algorithms=all"])
     paths = evaluate_cli.drafter_paths(cfg)
     assert {k: p.rsplit("/", 1)[-1] for k, p in paths.items()} == {
-        "draft_lm": "draft_lm", "features": "eagle3", "specblock": "specblock", "hrad": "hrad"}
+        "draft_lm": "draft_lm", "eagle3": "eagle3", "specblock": "specblock", "hrad": "hrad"}
     other = _fake_export(tmp_path / "other_e3", "eagle3")
     cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", f"drafter={other}"])
-    assert evaluate_cli.drafter_paths(cfg)["features"] == str(other)  # drafter=PATH goes by the export's kind
+    assert evaluate_cli.drafter_paths(cfg)["eagle3"] == str(other)  # drafter=PATH goes by the export's kind
 
 
 def test_two_exports_of_one_kind_are_refused(tmp_path):

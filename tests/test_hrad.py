@@ -17,7 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from core.drafters.hrad import (HRAD, HRADConfig, HRADError, capture_layers, check_boundaries, hrad_labels,
                                 load_hrad, stack_lastk)
 from data_prep.traces import hrad_class
-from spectrain.modules.hrad import class_weights, classification_metrics, confusion_png, fit_temperature
+from spectrain.kinds.hrad.calibration import fit_temperature
+from spectrain.kinds.hrad.data import class_weights
+from spectrain.kinds.hrad.report import classification_metrics, confusion_png
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -214,7 +216,7 @@ def test_traces_fit_export_load_predict_and_refuse_foreign_target(traces, tmp_pa
 
 def test_balanced_sampler_and_prompt_level_split(traces):
     from spectrain import fit as fit_cli
-    from spectrain.modules.hrad import HRADDataModule, split_prompts
+    from spectrain.kinds.hrad.data import HRADDataModule, split_prompts
 
     datamodule = HRADDataModule(fit_cli.compose_recipe(fit_args(traces, "balance=sampler", "boundaries=[2,3]")))
     datamodule.setup("fit")
@@ -240,7 +242,8 @@ def test_confidence_feature_trains_exports_and_serves_and_old_exports_still_load
     from data_prep.shards import ShardReader
     from spectrain import export as export_cli
     from spectrain import fit as fit_cli
-    from spectrain.modules.hrad import HRADDataModule, first_continuation_confidence
+    from spectrain.kinds.hrad.data import HRADDataModule
+    from spectrain.kinds.hrad.traces import first_continuation_confidence
 
     recipe = fit_cli.compose_recipe(fit_args(traces, "run_name=hrad_conf", "confidence_feature=true"))
     datamodule = HRADDataModule(recipe)

@@ -9,7 +9,7 @@ from eagle3_export_builders import VOCAB, tiny_target
 from peagle_export_builders import DEPTHS, make_peagle
 from speculators.models.peagle.attention import create_peagle_mask_mod
 
-from core.drafters.peagle_attention import ChainLayout
+from core.drafters.peagle.attention import ChainLayout
 
 
 def chains_of(rows: list[tuple[int, int]], width: int | None = None) -> ChainLayout:

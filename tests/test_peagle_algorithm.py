@@ -141,7 +141,7 @@ def test_a_native_export_is_served_by_evaluate_among_all_algorithms(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from core.assets import target_record
-    from core.drafters.peagle_layouts import load_native, save_layout
+    from core.drafters.peagle.layouts import load_native, save_layout
     from inference import evaluate as evaluate_cli
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4)

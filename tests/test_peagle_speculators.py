@@ -31,16 +31,17 @@ from speculators_builders import assert_loaded_exactly
 from transformers import AutoConfig, LlamaConfig
 
 from core.assets import target_record
-from core.drafters.eagle3_layouts import CheckpointError
+from core.drafters.eagle3.layouts import CheckpointError
 from core.drafters.peagle import PEagleDrafter
-from core.drafters.peagle_layouts import read_checkpoint
+from core.drafters.peagle.layouts import read_checkpoint
 from inference.algorithms import build_algorithm
-from inference.drafters import LoadedModel, load_peagle
+from inference.drafters import LoadedModel
+from core.drafters.peagle.kind import load_peagle
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli
-from spectrain.dflash_losses import weighted_kl
-from spectrain.peagle_losses import batch_chains, cod_sample, scored_rows
+from spectrain.kinds.dflash.losses import weighted_kl
+from spectrain.kinds.peagle.losses import batch_chains, cod_sample, scored_rows
 
 RATIO, RATIO_MIN = 0.7, 0.2
 

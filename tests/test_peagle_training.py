@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectrain.peagle_losses import batch_chains, cod_sample, every_chain, scored_rows
+from spectrain.kinds.peagle.losses import batch_chains, cod_sample, every_chain, scored_rows
 
 
 def test_scored_rows_predict_supervised_tokens_and_full_chains_cover_every_scored_anchor():
@@ -28,7 +28,7 @@ def test_scored_rows_predict_supervised_tokens_and_full_chains_cover_every_score
 def test_a_rows_chains_do_not_depend_on_world_size_or_its_batch():
     from types import SimpleNamespace
 
-    from spectrain.modules.peagle import PEagleModule
+    from spectrain.kinds.peagle.module import PEagleModule
 
     def stub(seed: int = 7) -> SimpleNamespace:  # what PEagleModule._chains reads of the module
         model = SimpleNamespace(down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=0)
@@ -93,9 +93,10 @@ def test_fit_exports_a_native_dir_that_the_engine_serves_losslessly(tiny_setup):
     import csv
     import json
 
-    from core.drafters.peagle_layouts import load_native
+    from core.drafters.peagle.layouts import load_native
     from inference.algorithms import build_algorithm
-    from inference.drafters import load_lm, load_peagle
+    from inference.drafters import load_lm
+    from core.drafters.peagle.kind import load_peagle
     from inference.sampling import SamplingParams
     from spectrain import export as export_cli
     from spectrain import fit as fit_cli

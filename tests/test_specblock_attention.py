@@ -1,4 +1,4 @@
-"""Block-sparse SpecBlock training attention (core.drafters.specblock_attention) against the dense masks it
+"""Block-sparse SpecBlock training attention (core.drafters.specblock.attention) against the dense masks it
 replaces: the attention itself, and the training loss and every gradient of cross-block training."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from specblock_builders import tiny_drafter
 
 from core.drafters.specblock import first_block_mask, later_block_mask
-from core.drafters.specblock_attention import BlockLayout, block_sparse_attention
-from spectrain.specblock_losses import total_loss, unroll_blocks
+from core.drafters.specblock.attention import BlockLayout, block_sparse_attention
+from spectrain.kinds.specblock.losses import total_loss, unroll_blocks
 
 K = 4
 

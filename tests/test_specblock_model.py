@@ -23,7 +23,8 @@ from core.drafters.specblock import (
     save_native,
     shift_slots,
 )
-from inference.drafters import LoadedModel, load_specblock
+from inference.drafters import LoadedModel
+from core.drafters.specblock.kind import load_specblock
 from inference.runner import ModelRunner
 
 VOCAB, AUX, K = 97, [0, 1, 2], 4

@@ -12,7 +12,7 @@ from specblock_builders import tiny_drafter
 
 from core.errors import UserError
 
-from spectrain.specblock_losses import (VALID_PREFIX, block_losses, frequency_weights, rank_labels, rank_of,
+from spectrain.kinds.specblock.losses import (VALID_PREFIX, block_losses, frequency_weights, rank_labels, rank_of,
                                         smoothing_table, total_loss, unroll_blocks)
 
 
@@ -324,8 +324,8 @@ def test_slot_weight_zero_rank_weight_zero_one_block_trains_slot_zero_alone():
 
 def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
     from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from core.drafters.eagle3_layouts import Eagle3Checkpoint
-    from core.drafters.specblock_layouts import warm_start_from_eagle3
+    from core.drafters.eagle3.layouts import Eagle3Checkpoint
+    from core.drafters.specblock.layouts import warm_start_from_eagle3
 
     drafter, target = tiny_drafter()
     eagle = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4]),
@@ -457,7 +457,8 @@ def test_fit_exports_a_native_dir_that_load_native_reads(tiny_setup):
 
     from core.drafters.specblock import load_native
     from inference.algorithms import build_algorithm
-    from inference.drafters import load_lm, load_specblock
+    from inference.drafters import load_lm
+    from core.drafters.specblock.kind import load_specblock
     from inference.sampling import SamplingParams
     from spectrain import export as export_cli
     from spectrain import fit as fit_cli
@@ -515,7 +516,7 @@ def test_import_of_a_reference_release_checkpoint(tiny_setup, capsys):
 
     from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, load_native
     from spectrain import export as export_cli
-    from core.drafters.specblock_layouts import REFERENCE_NAMES
+    from core.drafters.specblock.layouts import REFERENCE_NAMES
 
     root, target, _ = tiny_setup
     drafter = SpecBlockDrafter(SpecBlockConfig.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=64,

@@ -333,7 +333,7 @@ def test_evaluate_names_the_missing_specblock_export(capsys, tmp_path):
 
     assert evaluate_cli.main(["algorithms=specblock_tree", "n_prompts=1", f"out={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "'specblock_tree' needs a SpecBlock export" in err and "add specblock_drafter=PATH" in err, err
+    assert "'specblock_tree' needs a SpecBlock export" in err and "add drafter.specblock=PATH" in err, err
     assert "\n" not in err
 
 
@@ -357,7 +357,7 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
     cfg = evaluate_cli.parse_args(["algorithms=[eagle3_tree,specblock_tree]", "bench=mt_bench", "n_prompts=2",
                                    "max_new_tokens=12", "tree_depth=3", "tree_topk=3", "tree_total=10",
                                    "specblock_budget=12", f"out={tmp_path}", "warmup=false"])
-    results = evaluate_cli.evaluate(cfg, target=target, features=eagle3, specblock=specblock)
+    results = evaluate_cli.evaluate(cfg, target=target, drafters={"eagle3": eagle3, "specblock": specblock})
     ar, _, block = results["runs"]
     assert block["algorithm"] == "specblock_tree" and block["greedy_equal_to_ar"] is True
     assert block["new_tokens"] == ar["new_tokens"] and block["drafted_tokens"] > 0
@@ -365,7 +365,7 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
 
 
 def test_evaluate_loads_specblock_drafter_from_its_export(tmp_path):
-    """``specblock_drafter=PATH`` through the CLI: loaded with its target check, greedy output equal to AR."""
+    """``drafter.specblock=PATH`` through the CLI: loaded with its target check, greedy output equal to AR."""
     from tiny_targets import save_tiny_target
     from transformers import AutoConfig
 
@@ -383,7 +383,7 @@ def test_evaluate_loads_specblock_drafter_from_its_export(tmp_path):
     t2d[used] = True
     drafter.set_vocab_map(used - torch.arange(500), t2d)
     export = save_native(drafter, tmp_path / "sb", target=target_record(str(target_dir)))
-    assert evaluate_cli.main([f"target={target_dir}", f"specblock_drafter={export}", "algorithms=specblock_tree",
+    assert evaluate_cli.main([f"target={target_dir}", f"drafter.specblock={export}", "algorithms=specblock_tree",
                               "n_prompts=1", "max_new_tokens=12", "specblock_budget=12", "warmup=false",
                               "max_seq_len=256", "device=cpu", f"out={tmp_path / 'eval'}"]) == 0
     import json

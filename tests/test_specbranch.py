@@ -206,7 +206,7 @@ def test_options_come_from_both_clis(name):
 
     args = ["gamma=3", "drafter=/models/draft", "hrad=/exports/hrad", "specbranch_kmax=4", "executor=multiprocess"]
     eval_cfg = evaluate_cli.parse_args(["algorithms=[pearl,specbranch]"] + args)
-    gen_cfg = generate_cli.parse_cli(["prompt=hi"] + args, generate_cli.GenerateConfig, generate_cli.USAGE)
+    gen_cfg, _ = generate_cli.parse_engine_cli(["prompt=hi"] + args, generate_cli.GenerateConfig, generate_cli.USAGE)
     options = algorithm_class(name).options_from_config(eval_cfg)
     assert options == algorithm_class(name).options_from_config(gen_cfg)
     assert options["executor"] == "multiprocess" and options["draft_path"] == "/models/draft"

@@ -38,7 +38,8 @@ from benchmarks.speculators_peer import (features, load_theirs, our_loss, our_st
 from core.assets import portable_model_reference, target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
-from inference.drafters import LoadedModel, load_eagle3
+from inference.drafters import LoadedModel
+from core.drafters.eagle3.kind import load_eagle3
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli

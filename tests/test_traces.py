@@ -217,7 +217,7 @@ def test_traces_at_serving_positions(models, tmp_path):
     from core.drafters.hrad import hrad_labels
     from core.prompts import load_prompts, prompt_turns, render_prompt
     from inference.algorithms.specbranch import continuation_to_keep
-    from spectrain.modules.hrad import load_trace_rows
+    from spectrain.kinds.hrad.traces import load_trace_rows
 
     out = tmp_path / "serving"
     manifest = record_traces(parse_args(traces_args(models, out, positions="specbranch", n_samples=4, gamma=4)),

@@ -1,11 +1,12 @@
-"""Decoding algorithms, one per file; each declares which drafter it needs (none, a draft LM, features)."""
+"""Decoding algorithms, one per file; each declares the drafter kind it is written for (``drafter``: none, or a
+kind of ``core.drafters.kinds``; a kind that serves as that one runs with it too)."""
 
 from __future__ import annotations
 
 import importlib
 
+from core.drafters.kinds import engine_kind
 from core.errors import UserError
-from inference.drafters import DRAFTER_KINDS
 
 # name -> "module:Class"; imported lazily so one algorithm's imports never burden another's users.
 ALGORITHMS: dict[str, str] = {
@@ -29,13 +30,18 @@ def algorithm_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+def serving_algorithms(kind: str) -> list[str]:
+    """The algorithms that serve drafters of ``kind``: those written for it, or for the kind it serves as."""
+    interface = engine_kind(kind).interface
+    return [name for name in ALGORITHMS if algorithm_class(name).drafter == interface]
+
+
 def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock, DFlash or P-EAGLE drafter)
-    refuses to start without one."""
+    """Instantiate an algorithm; one that needs a drafter refuses to start without one."""
     cls = algorithm_class(name)
     if cls.drafter == "none":
         return cls(target, **options)
     if draft is None:
-        raise UserError(f"algorithm '{name}' needs {DRAFTER_KINDS[cls.drafter][1]}: pass drafter=PATH or "
+        raise UserError(f"algorithm '{name}' needs {engine_kind(cls.drafter).needs}: pass drafter=PATH or "
                          "drafters=DIR (a directory of exports)")
     return cls(target, draft, **options)

@@ -29,7 +29,7 @@ class Algorithm(ABC):
     every algorithm runs on the engine loop (a request alone is a one-row run of it)."""
 
     name: ClassVar[str]
-    drafter: ClassVar[str] = "none"  # none | draft_lm | features (EAGLE-3) | specblock
+    drafter: ClassVar[str] = "none"  # none, or the drafter kind it is written for (core.drafters.kinds)
     batchable: ClassVar[bool] = False  # runs requests side by side on the engine loop (its strategy batches rows)
     squeezable: ClassVar[bool] = False  # its strategy drafts fewer tokens for a row whose width the engine caps
 

@@ -33,7 +33,7 @@ class DFlash(ParallelDrafting, Algorithm):
     def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
         super().__init__(target, max_seq_len=max_seq_len)
         if not hasattr(drafter, "draft") or not hasattr(drafter.config, "block_size"):
-            raise ValueError(f"dflash needs a DFlash drafter, got {type(drafter).__name__}: pass dflash_drafter=PATH "
+            raise ValueError(f"dflash needs a DFlash drafter, got {type(drafter).__name__}: pass drafter.dflash=PATH "
                              "(a DFlash export for this target)")
         check_drafter_fits(target, drafter.config, "DFlash")
         most = drafter.config.block_size - 1

@@ -44,7 +44,7 @@ from inference.tree import DraftTree, keep_best, subtree
 
 class Eagle3Tree(FeatureDrafting, Algorithm):
     name = "eagle3_tree"
-    drafter = "features"
+    drafter = "eagle3"
     batchable = True  # without an adapter (``adapt=`` watches one query at a time)
 
     def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,

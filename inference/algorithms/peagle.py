@@ -34,7 +34,7 @@ class PEagle(ParallelDrafting, Algorithm):
     def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
         super().__init__(target, max_seq_len=max_seq_len)
         if not isinstance(drafter, PEagleDrafter):
-            raise ValueError(f"peagle needs a P-EAGLE drafter, got {type(drafter).__name__}: pass peagle_drafter=PATH "
+            raise ValueError(f"peagle needs a P-EAGLE drafter, got {type(drafter).__name__}: pass drafter.peagle=PATH "
                              "(a P-EAGLE export for this target)")
         check_drafter_fits(target, drafter.config, "P-EAGLE")
         most = drafter.config.num_depths

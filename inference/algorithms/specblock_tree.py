@@ -56,7 +56,7 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
         check_observer(adapt)
         if not hasattr(drafter, "forward_leaves"):
             raise ValueError(f"specblock_tree needs a SpecBlock drafter, got {type(drafter).__name__}: pass "
-                             "specblock_drafter=PATH (a SpecBlock export for this target)")
+                             "drafter.specblock=PATH (a SpecBlock export for this target)")
         check_drafter_fits(target, drafter.config, "SpecBlock")
         self.drafter = drafter.eval()
         widths = list(drafter.config.widths if widths is None else widths)

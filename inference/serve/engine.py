@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from core.drafters.kinds import CAUSAL_LM_KIND
 from core.errors import UserError
 from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import Algorithm
@@ -177,7 +178,7 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     try:
         loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded,
                                max_batch_size=2 * batch if batch > 1 else 1)
-        if kind == "draft_lm":
+        if kind == CAUSAL_LM_KIND:
             check_rows(loaded[kind], batch, "draft LM")
         algorithm, variant_cfg = build_variant(cfg.algorithm, resolved_config(cfg, paths), target, loaded, {})
     except BaseException:

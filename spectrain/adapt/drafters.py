@@ -18,9 +18,9 @@ from core.drafters.eagle3 import Eagle3Drafter, shift_left
 from core.errors import UserError
 from spectrain.adapt.record import QueryRecord
 from spectrain.adapt.signal import draft_prob_of
-from spectrain.eagle3_losses import teacher_in_draft_vocab, ttt_loss, ttt_targets
+from spectrain.kinds.eagle3.losses import teacher_in_draft_vocab, ttt_loss, ttt_targets
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
-from spectrain.specblock_losses import block_losses, rows_ahead, total_loss, unroll_blocks
+from spectrain.kinds.specblock.losses import block_losses, rows_ahead, total_loss, unroll_blocks
 
 
 @runtime_checkable
@@ -153,7 +153,7 @@ class FeatureDrafterAdaptable:
 
 
 class Eagle3Adaptable(FeatureDrafterAdaptable):
-    """EAGLE-3: the loss is the training-time-test loss of ``spectrain.modules.eagle3`` over the query's
+    """EAGLE-3: the loss is the training-time-test loss of ``spectrain.kinds.eagle3.module`` over the query's
     committed sequence (prompt rows as attention context only, generated rows supervised)."""
 
     def __init__(self, drafter, *, ttt_steps: int = 3, step_weight: float = 0.8, max_rows: int = 384,
@@ -219,7 +219,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
 
 
 class SpecBlockAdaptable(FeatureDrafterAdaptable):
-    """SpecBlock: docs/algorithms/specblock.md §5's loss, ``spectrain.specblock_losses`` (``unroll_blocks`` +
+    """SpecBlock: docs/algorithms/specblock.md §5's loss, ``spectrain.kinds.specblock.losses`` (``unroll_blocks`` +
     ``total_loss``) over the query's committed sequence; ``head`` = lm_head + rank head (the drafter's
     ``head_parameters``): the trunk is frozen, so its graph is never built. Cuts between blocks are fixed
     (``block_size // 2``), so an update is deterministic."""

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from core.atomic import check_output
-from core.drafters.eagle3_layouts import read_checkpoint
+from core.drafters.eagle3.kind import load_eagle3
+from core.drafters.eagle3.layouts import read_checkpoint
 from core.errors import UserError
 from core.overrides import OverrideError, run_cli, split_key_values
-from inference.drafters import load_eagle3, load_lm
+from inference.drafters import load_lm
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
 from spectrain.adapt.background import Publisher, changed_weights
 from spectrain.adapt.cost import CostModel

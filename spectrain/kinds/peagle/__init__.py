@@ -1,0 +1,2 @@
+"""P-EAGLE's training half: its LightningModule and recipe schema (``module.py``, which registers the kind),
+its losses and its exporter; its engine half is ``core.drafters.peagle``."""
