@@ -237,7 +237,7 @@ class SparseMoe(nn.Module):
         for expert in chosen.unique().tolist():  # increasing, as transformers adds them
             token, slot = (chosen == expert).nonzero(as_tuple=True)
             y = self._expert(expert, flat[token], exact)
-            out.index_add_(0, token, y * weights[token, slot, None])
+            out[token] += y * weights[token, slot, None]  # each token once per expert (index_add_ is slow on a CPU)
         if self.shared_expert is not None:
             if exact:
                 gate = exact_cpu.sigmoid(exact_linear(self.shared_expert_gate, flat[None])[0]).to(x.dtype)

@@ -92,7 +92,7 @@ def moe():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_equal_transformers_forward(variant, exact):
     model = tiny_moe(**VARIANTS[variant])
-    runner = ModelRunner.from_hf_model(model, max_seq_len=64, exact=exact)
+    runner = ModelRunner.from_hf_model(model, max_seq_len=64, exact=exact, probe=False)  # the probe: tests below
     sparse = [isinstance(layer.mlp, SparseMoe) for layer in runner.model.layers]
     assert sparse == [hasattr(layer.mlp, "experts") for layer in model.model.layers] and any(sparse)
     ids = random_ids(1, 1, 30)
@@ -120,8 +120,8 @@ def test_the_native_runner_serves_it_in_exact_mode_and_a_window_goes_to_transfor
 def test_blocks_and_tree_nodes_get_the_logits_of_decoding_alone(variant, dtype):
     """Per-expert gathering gives each expert's linears another row count in every call shape; a token's logits must
     still be bitwise those of decoding it alone."""
-    runner = ModelRunner.from_hf_model(tiny_moe(**VARIANTS[variant]), dtype=dtype, max_seq_len=128)
-    assert runner.exactness.path == exactness.EXACT
+    runner = ModelRunner.from_hf_model(tiny_moe(**VARIANTS[variant]), dtype=dtype, max_seq_len=128, probe=False)
+    assert runner.exactness.path == exactness.EXACT  # what this test checks is the probe's claim, on every layer
     prompt, tokens = random_ids(2, 1, 30), random_ids(3, 1, 40)
     runner.forward(prompt)
     stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(40)])
@@ -192,11 +192,13 @@ def test_the_probe_checks_a_sparse_layer_and_catches_routing_that_depends_on_the
 
 
 @pytest.fixture(scope="module")
-def served(moe):
-    """(AR's greedy tokens, drafters fit to the sequence AR decodes), fp32."""
+def served():
+    """(the target, AR's greedy tokens, drafters fit to the sequence AR decodes), fp32; a vocabulary larger than the
+    drafters' (fitted_drafters.DRAFT_VOCAB)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every test gets (conftest); a module fixture is set up before that applies
     try:
+        moe = tiny_moe(vocab_size=512)
         reference = build_algorithm("ar", ModelRunner.from_hf_model(moe, max_seq_len=192)).generate(
             PROMPT, max_new_tokens=NEW, sampling=GREEDY).tokens
         sequence = PROMPT + reference
@@ -205,18 +207,19 @@ def served(moe):
                                                                ("dflash", fit_dflash), ("peagle", fit_peagle))}
     finally:
         torch.set_num_threads(threads)
-    return reference, drafters
+    return moe, reference, drafters
 
 
-def test_ar_equals_transformers_generate(moe, served):
-    assert served[0] == hf_greedy(moe, PROMPT, NEW)
+def test_ar_equals_transformers_generate(served):
+    moe, reference, _ = served
+    assert reference == hf_greedy(moe, PROMPT, NEW)
 
 
 @pytest.mark.parametrize("name", [name for name in ALGORITHMS if name != "ar"])
-def test_every_algorithm_equals_ar_with_a_drafter_that_accepts(moe, served, name):
+def test_every_algorithm_equals_ar_with_a_drafter_that_accepts(served, name):
     """Draft-LM algorithms draft with the target itself on the approximate path; the feature drafters were fit to
     this prompt's continuation; Self-Draft reuses the n-grams of the continuation."""
-    reference, drafters = served
+    moe, reference, drafters = served
     drafter, options = drafters.get(name), {}
     if name in ("sps", "pearl", "specbranch", "ssd"):
         drafter = ModelRunner.from_hf_model(moe, max_seq_len=192, exact=False)
