@@ -60,6 +60,9 @@ FAMILIES = {
                 TransformersRunner),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}, TransformersRunner),
     "glm4": ("Glm4ForCausalLM", "Glm4Config", {"head_dim": 8}, TransformersRunner),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
+                {"head_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, TransformersRunner),
 }
 PROMPT, N_NEW = [5, 17, 33, 9, 71, 40], 40  # 46 tokens: far past the window of 8
 
@@ -68,7 +71,7 @@ def tiny_model(family: str):
     model_class, config_class, overrides, _ = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**BASE, **overrides})
-    config._attn_implementation = "sdpa" if "gemma" not in family and "cohere" not in family else "eager"
+    config._attn_implementation = "eager" if any(f in family for f in ("gemma", "cohere", "gpt-oss")) else "sdpa"
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # sharper logits: greedy choices far from ties, so kernel rounding cannot flip them
         model.get_output_embeddings().weight.mul_(8.0)
