@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from core.overrides import parse_cli, run_cli
@@ -140,7 +141,8 @@ def measure(cfg: MoeRowsConfig) -> dict:
         base = next(r["ms"] for r in rows if (r["target"], r["path"], r["rows"]) == (row["target"], row["path"], 1))
         row["x_decode"] = round(row["ms"] / base, 3)  # also the break-even τ of a T-row verification
         row["ms_per_token"] = round(row["ms"] / row["rows"], 3)
-    return {"config": asdict(cfg), "active_parameters": active, "rows": rows,
+    return {"config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else asdict(cfg),
+            "active_parameters": active, "rows": rows,
             "expected_experts_uniform": {t: round(cfg.experts * (1 - (1 - cfg.top_k / cfg.experts) ** t), 2)
                                          for t in cfg.rows}}
 
