@@ -1,5 +1,5 @@
-"""``python -m benchmarks.moe_rows [rows=[1,2,4,8,16,64]] [context=256] [paths=[exact,plain]] [threads=1]
-[repeats=7] [out=DIR]``
+"""``python -m benchmarks.moe_rows [rows=[1,2,4,8,16,64]] [context=256] [paths=[exact,plain]] [routing=random]
+[threads=1] [repeats=7] [out=DIR]``
 
 What verifying T rows costs on a mixture-of-experts target, against a dense target of the same active parameters:
 milliseconds of one native-runner forward of T new tokens over ``context`` cached tokens (fp32, median of
@@ -10,9 +10,11 @@ speculation pays only while the accepted tokens per step exceed ``t(T) / t(1)`` 
 drafter cost left out).
 
 The targets are Qwen3-MoE and Qwen3 configs built by transformers (random weights, nothing downloaded): equal
-attention, embeddings and head; the dense MLP is as wide as the ``top_k`` experts a token uses together. Random
-routers spread tokens over the experts about uniformly (E·(1 − (1 − k/E)^T) distinct experts expected), as a
-load-balanced trained router does over a batch; consecutive tokens of real text may share more experts.
+attention, embeddings and head; the dense MLP is as wide as the ``top_k`` experts a token uses together.
+``routing=random`` keeps transformers' random routers, which send most tokens to the same few experts (a random
+model's hidden states share a large common component); ``routing=spread`` makes each router ignore that component
+(``spread_routers``), so tokens spread over the experts about as uniformly as a load-balanced trained router spreads
+a batch (E·(1 − (1 − k/E)^T) distinct experts expected for T independent tokens).
 ``paths``: ``exact`` (the runner's exact mode, ``docs/numerics.md``) and ``plain`` (``exact=false``).
 Writes ``results.json`` to ``out`` when given and prints a table.
 """
@@ -34,8 +36,8 @@ from core.overrides import parse_cli, run_cli
 from inference.llama import SparseMoe
 from inference.runner import ModelRunner
 
-USAGE = ("python -m benchmarks.moe_rows rows=[1,2,4,8,16,64] context=256 paths=[exact,plain] threads=1 repeats=7 "
-         "out=DIR")
+USAGE = ("python -m benchmarks.moe_rows rows=[1,2,4,8,16,64] context=256 paths=[exact,plain] routing=random|spread "
+         "threads=1 repeats=7 out=DIR")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class MoeRowsConfig:
     top_k: int = 8
     expert_width: int = 192
     vocab: int = 8192
+    routing: str = "random"  # random | spread (spread_routers)
     out: str | None = None
 
 
@@ -68,6 +71,32 @@ def targets(cfg: MoeRowsConfig) -> dict[str, torch.nn.Module]:
                                              norm_topk_prob=True)).eval()
     dense = Qwen3ForCausalLM(Qwen3Config(**shared)).eval()
     return {"moe": moe, "dense": dense}
+
+
+@torch.no_grad()
+def spread_routers(model: torch.nn.Module, ids: torch.Tensor, scale: float = 20.0) -> None:
+    """Make each router spread tokens over its experts: a random model's hidden states share a large common
+    component (attention over random keys averages the values), so its routers send most tokens to the same few
+    experts. Each router's rows are made orthogonal to the mean hidden state reaching it over ``ids`` and scaled up,
+    so that the experts a token takes follow what is its own."""
+    means = {}
+
+    def record(index: int):
+        def hook(_module, args):
+            means[index] = args[0].reshape(-1, args[0].shape[-1]).mean(0)
+        return hook
+
+    sparse = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    hooks = [mlp.register_forward_pre_hook(record(i)) for i, mlp in sparse]
+    try:
+        model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i, mlp in sparse:
+        direction = means[i] / means[i].norm()
+        weight = mlp.gate.weight
+        weight.sub_((weight @ direction)[:, None] * direction[None]).mul_(scale)
 
 
 def active_parameters(runner: ModelRunner, top_k: int) -> int:
@@ -117,6 +146,10 @@ def measure(cfg: MoeRowsConfig) -> dict:
     text = torch.randint(0, cfg.vocab, (1, cfg.context), generator=generator)
     continuation = torch.randint(0, cfg.vocab, (1, max(cfg.rows)), generator=generator)
     models = targets(cfg)
+    if cfg.routing not in ("random", "spread"):
+        raise ValueError(f"routing must be random or spread, got {cfg.routing!r}")
+    if cfg.routing == "spread":
+        spread_routers(models["moe"], torch.cat([text, continuation], dim=1))
     rows = []
     for path in cfg.paths:
         runners = {name: ModelRunner.from_hf_model(model, max_seq_len=cfg.context + max(cfg.rows) + 8,
@@ -150,7 +183,8 @@ def measure(cfg: MoeRowsConfig) -> dict:
 def table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"Target forward of T new tokens over {cfg['context']} cached, fp32, {cfg['threads']} thread(s), median "
-             f"of {cfg['repeats']}; MoE: {cfg['experts']} experts, top-{cfg['top_k']} of width {cfg['expert_width']}; "
+             f"of {cfg['repeats']}; MoE: {cfg['experts']} experts, top-{cfg['top_k']} of width {cfg['expert_width']}, "
+             f"{cfg['routing']} routing; "
              f"active parameters {result['active_parameters']}", "",
              "| path | T | dense ms | dense × decode | MoE ms | MoE × decode (break-even τ) | MoE ÷ dense | "
              "experts touched / layer (uniform: expected) |", "|---|---|---|---|---|---|---|---|"]
