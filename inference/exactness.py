@@ -16,6 +16,9 @@ time it checks
   written by one block are read by the next;
 - a tree with gaps against decoding each node's path (full logits).
 
+With sparse mixture-of-experts MLPs the copy holds a sparse layer (the runner picks one if neither end is), so the
+blocks also give each expert's linears every row count they meet and check the router kernel.
+
 If a check differs, the runner verifies token by token (every call then has a decode's shape: bitwise by
 construction, slower), and the probe checks that path too (without the sweeps: its calls have one row each). Results
 are kept per process and per (shapes, dtype, thread count).
@@ -41,7 +44,7 @@ APPROXIMATE = "approximate"  # SDPA and batched GEMMs: greedy equality up to rou
 BATCHED_ROWS = "this CPU's GEMM rows depend on the row count; batched rows run the approximate path"
 # the reason the transformers fallback is not exact (README, "Model families")
 TRANSFORMERS_BACKEND = ("transformers backend: its attention and GEMMs compute a verification's rows together; "
-                        "exact mode needs the native runner (Llama, Qwen2, Qwen3, Mistral families)")
+                        "exact mode needs the native runner (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral families)")
 
 PROBE_PROMPT = 70
 PROBE_TOKENS = EXACT_ROWS  # every call size up to the most a forward's call takes

@@ -1,10 +1,11 @@
-"""Llama-family decoder modules (Llama, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) that
-write into and attend over a static KV cache. Parameter names match transformers, so a ``*ForCausalLM`` state dict
-loads as-is. :class:`inference.runner.ModelRunner` drives them.
+"""Llama-family decoder modules (Llama, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm, Qwen3-MoE
+and Qwen2-MoE with sparse expert MLPs) that write into and attend over a static KV cache. Parameter names match
+transformers, so a ``*ForCausalLM`` state dict loads as-is. :class:`inference.runner.ModelRunner` drives them.
 """
 
 from __future__ import annotations
 
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -142,11 +143,130 @@ class Attention(nn.Module):
         return exact_linear(self.o_proj, out)
 
 
+def sparse_layers(config) -> list[bool]:
+    """Per decoder layer, whether its MLP is a sparse mixture of experts, as transformers' Qwen3-MoE and Qwen2-MoE
+    decide: experts configured, the layer not in ``mlp_only_layers``, its number (from 1) a multiple of
+    ``decoder_sparse_step``."""
+    layers = config.num_hidden_layers
+    if not getattr(config, "num_experts", 0):
+        return [False] * layers
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def _view_linear(weight: torch.Tensor) -> Linear:
+    """A :class:`Linear` over ``weight`` [out, in] (a view, not a copy): it runs what a dense linear runs."""
+    linear = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
+
+
+class Experts(nn.Module):
+    """Qwen3-MoE's and Qwen2-MoE's experts as transformers stores them: ``gate_up_proj`` [E, 2 * I, H] (gate rows,
+    then up rows) and ``down_proj`` [E, H, I]."""
+
+    def __init__(self, config):
+        super().__init__()
+        experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+
+    def linears(self, expert: int) -> tuple[Linear, Linear]:
+        """Expert ``expert``'s two projections as :class:`Linear` views of the stacked weights (made on first use and
+        again when the weights change), so that each runs a dense linear's path: packed bf16 weights, exact kernels."""
+        stamp = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr(), self.gate_up_proj._version,
+                 self.down_proj._version, self.gate_up_proj.dtype)
+        views = self.__dict__.get("_views")  # not submodules: the state dict stays transformers'
+        if views is None or views[0] != stamp:
+            views = (stamp, [(_view_linear(self.gate_up_proj[e]), _view_linear(self.down_proj[e]))
+                             for e in range(self.gate_up_proj.shape[0])])
+            self.__dict__["_views"] = views
+        return views[1][expert]
+
+
+def exact_mlp(mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP over ``h`` [1, N, H] by exact mode's rules (the linears by :func:`exact_linear`)."""
+    gated = exact_cpu.silu(exact_linear(mlp.gate_proj, h)).to(h.dtype) * exact_linear(mlp.up_proj, h)
+    return exact_linear(mlp.down_proj, gated)
+
+
+class SparseMoe(nn.Module):
+    """A sparse mixture-of-experts MLP with transformers' names (``mlp.gate.weight``, ``mlp.experts.*``; Qwen2-MoE's
+    ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight``), computed as transformers computes it: router
+    logits in the model dtype; their softmax over every expert in fp32; the ``num_experts_per_tok`` most probable,
+    their probabilities divided by their sum when ``norm_topk_prob``, cast to the model dtype; each chosen expert's
+    SwiGLU output times its weight, added to zeros in increasing expert order; then, with a shared expert, plus
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.activations import ACT2FN  # transformers is heavy: imported when a model is built
+
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config)
+        self.top_k = config.num_experts_per_tok
+        self.normalize = bool(config.norm_topk_prob)
+        self.inner = config.moe_intermediate_size
+        self.act_fn = ACT2FN[config.hidden_act]
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared:  # Qwen2-MoE: a dense expert every token takes, scaled by its own sigmoid gate
+            shared_config = copy.copy(config)
+            shared_config.intermediate_size = shared
+            self.shared_expert = MLP(shared_config)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """``x`` [B, T, H]. ``exact``: exact mode's rules (x is [1, N, H], a lone bf16 token already doubled): the
+        router's and the shared expert's linears as dense ones, the routing's softmax and top-k in
+        ``core.kernels.exact_cpu.route``, each expert's linears over the rows routed to it as dense linears run (at
+        most EXACT_ROWS rows a call, a lone bf16 row doubled), SiLU and the sigmoid in the exact kernels. A row's sum
+        is over its own experts in a fixed order, and no kernel mixes rows except the linears, whose rows obey exact
+        mode's rules: each row's output depends on that row alone (docs/numerics.md §3.6)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if exact:
+            weights, chosen = exact_cpu.route(exact_linear(self.gate, flat[None])[0], self.top_k, self.normalize)
+        else:
+            probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for expert in chosen.unique().tolist():  # increasing, as transformers adds them
+            token, slot = (chosen == expert).nonzero(as_tuple=True)
+            y = self._expert(expert, flat[token], exact)
+            out[token] += y * weights[token, slot, None]  # each token once per expert (index_add_ is slow on a CPU)
+        if self.shared_expert is not None:
+            if exact:
+                gate = exact_cpu.sigmoid(exact_linear(self.shared_expert_gate, flat[None])[0]).to(x.dtype)
+                out = out + gate * exact_mlp(self.shared_expert, flat[None])[0]
+            else:
+                out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view_as(x)
+
+    def _expert(self, expert: int, rows: torch.Tensor, exact: bool) -> torch.Tensor:
+        """One expert's SwiGLU over ``rows`` [n, H]."""
+        gate_up, down = self.experts.linears(expert)
+        if not exact:
+            gate_up.exact = down.exact = False
+            gate, up = gate_up(rows).split(self.inner, dim=-1)
+            return down(self.act_fn(gate) * up)
+        gate_up.exact = down.exact = True
+        count = rows.shape[0]
+        if count == 1 and rows.dtype != torch.float32:  # a lone bf16 row doubled, as every bf16 call of the mode
+            rows = rows.expand(2, -1)
+        gate, up = exact_linear(gate_up, rows[None].contiguous())[0].split(self.inner, dim=-1)
+        gated = exact_cpu.silu(gate).to(up.dtype) * up
+        return exact_linear(down, gated[None].contiguous())[0, :count]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool, sparse: bool = False):
         super().__init__()
         self.self_attn = Attention(config, qkv_bias, out_bias, qk_norm)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoe(config) if sparse else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -156,8 +276,7 @@ class DecoderLayer(nn.Module):
             return x + self.mlp(self.post_attention_layernorm(x))
         x = x + self.self_attn(self.input_layernorm(x, exact=True), *attn_args, exact=exact)
         mlp, h = self.mlp, self.post_attention_layernorm(x, exact=True)
-        gated = exact_cpu.silu(exact_linear(mlp.gate_proj, h)).to(h.dtype) * exact_linear(mlp.up_proj, h)
-        return x + exact_linear(mlp.down_proj, gated)
+        return x + (mlp(h, exact=True) if isinstance(mlp, SparseMoe) else exact_mlp(mlp, h))
 
 
 class Decoder(nn.Module):
@@ -167,6 +286,6 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, out_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, out_bias, qk_norm, sparse) for sparse in sparse_layers(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,6 +1,6 @@
-"""The native target runner: a Llama-family decoder (``inference.llama``) with a preallocated static KV cache,
-modelled on gpt-fast (plain modules, no per-token Python loops, static cache tensors). CUDA with
-``scaled_dot_product_attention``; CPU rows (fp32 or bf16, one or a batch) run in exact mode
+"""The native target runner: a Llama-family decoder (``inference.llama``, sparse expert MLPs included) with a
+preallocated static KV cache, modelled on gpt-fast (plain modules, no per-token Python loops, static cache tensors).
+CUDA with ``scaled_dot_product_attention``; CPU rows (fp32 or bf16, one or a batch) run in exact mode
 (``inference.llama.EXACT_ROWS``, ``inference.exactness``).
 It implements the forward contract of ``inference.runner_contract``; ``inference.transformers_runner`` implements it
 over any transformers model, and ``inference.runner_loading`` picks one.
@@ -23,7 +23,7 @@ from core.kernels import exact_cpu
 from core.kernels.exact_cpu import KeyLists
 from inference import exactness
 from inference.exactness import Exactness
-from inference.llama import EXACT_ROWS, Decoder
+from inference.llama import EXACT_ROWS, Decoder, sparse_layers
 from inference.runner_contract import (
     SUPPORTED_MODEL_TYPES,
     KeptIndices,
@@ -72,10 +72,11 @@ class ModelRunner(nn.Module):
         self.config = config
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or bool(getattr(config, "qkv_bias", False)) \
+            or bool(getattr(config, "attention_bias", False))  # qkv_bias: Qwen2-MoE's flag
         out_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         with torch.device("meta"):  # weights come from the state dict; don't allocate them twice
-            self.model = Decoder(config, qkv_bias, out_bias, qk_norm=model_type == "qwen3")
+            self.model = Decoder(config, qkv_bias, out_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"))
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
@@ -184,13 +185,22 @@ class ModelRunner(nn.Module):
         c = self.config
         attn = self.model.layers[0].self_attn
         return (c.model_type, self._dtype, c.hidden_size, c.intermediate_size, attn.num_heads, self.num_kv_heads,
-                self.head_dim, c.vocab_size, attn.q_proj.bias is not None, attn.o_proj.bias is not None)
+                self.head_dim, c.vocab_size, attn.q_proj.bias is not None, attn.o_proj.bias is not None,
+                *(getattr(c, name, None) for name in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                                                      "shared_expert_intermediate_size")))
 
     def _probe_runner(self, path: str) -> ModelRunner:
-        """A two-layer copy running ``path``, sharing this runner's first and last layers, embedding and head."""
+        """A two-layer copy running ``path``, sharing this runner's first and last layers, embedding and head (with
+        sparse expert MLPs, its first sparse layer in place of the first if neither is one: the probe checks that
+        path too)."""
         config = copy.deepcopy(self.config)
         config.num_hidden_layers = 2
-        layers = {0: self.model.layers[0], 1: self.model.layers[-1]}
+        sparse = sparse_layers(self.config)
+        first = 0 if sparse[0] or sparse[-1] or not any(sparse) else sparse.index(True)
+        layers = {0: self.model.layers[first], 1: self.model.layers[-1]}
+        if any(sparse):
+            config.decoder_sparse_step = 1
+            config.mlp_only_layers = [i for i, source in enumerate((first, self.num_layers - 1)) if not sparse[source]]
         weights = {f"model.layers.{i}.{name}": t for i, layer in layers.items()
                    for name, t in layer.state_dict().items()}
         weights.update({f"model.{name}": t for name, t in self.model.state_dict().items()

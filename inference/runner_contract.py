@@ -41,7 +41,8 @@ import torch
 
 from core.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the architectures ModelRunner builds natively
+# the architectures ModelRunner builds natively
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 KeptIndices = torch.Tensor | Sequence[Sequence[int]]
 
 

@@ -16,6 +16,9 @@ BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
 
 
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
+# 8 experts of width 16, two a token, layer 0 dense (tests/test_moe_target.py covers the MoE path in depth)
+MOE = {"head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+       "mlp_only_layers": [0]}
 
 
 # family -> (model class, config class, config overrides, runner that serves it)
@@ -28,6 +31,11 @@ FAMILIES = {
                                {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
                                TransformersRunner),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}, ModelRunner),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", MOE, ModelRunner),
+    "qwen3-moe (sliding window)": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                                   {**MOE, "use_sliding_window": True, "sliding_window": WINDOW}, TransformersRunner),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", {**MOE, "shared_expert_intermediate_size": 32},
+                  ModelRunner),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", {"head_dim": 8}, TransformersRunner),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
                {"head_dim": 8, "sliding_window": WINDOW, "layer_types": SLIDING_THEN_FULL}, TransformersRunner),
@@ -44,6 +52,9 @@ FAMILIES = {
                 TransformersRunner),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}, TransformersRunner),
     "glm4": ("Glm4ForCausalLM", "Glm4Config", {"head_dim": 8}, TransformersRunner),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
+                {"head_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, TransformersRunner),
 }
 
 
@@ -51,7 +62,7 @@ def tiny_model(family: str):
     model_class, config_class, overrides, _ = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**BASE, **overrides})
-    config._attn_implementation = "sdpa" if "gemma" not in family and "cohere" not in family else "eager"
+    config._attn_implementation = "eager" if any(f in family for f in ("gemma", "cohere", "gpt-oss")) else "sdpa"
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # sharper logits: greedy choices far from ties, so kernel rounding cannot flip them
         model.get_output_embeddings().weight.mul_(8.0)

@@ -120,6 +120,55 @@ void exact_silu(const void *x, int is_bf16, long n, float *out) {
     }
 }
 
+/* x [n] (bf16 or fp32) -> out [n] fp32: 1 / (1 + exp(-x)), the sigmoid. */
+void exact_sigmoid(const void *x, int is_bf16, long n, float *out) {
+    for (long i = 0; i < n; i += LANES) {
+        const vf y = splat(1.0f) / (splat(1.0f) + vexp(-load16(x, is_bf16, i, n)));
+        if (i + LANES <= n) *(vf_unaligned *)(out + i) = y;
+        else for (int l = 0; i + l < n; l++) out[i + l] = y[l];
+    }
+}
+
+/* The router of a sparse mixture-of-experts MLP, row by row. x [rows, E] router logits (bf16 or fp32) ->
+ *   p_i = exp(x_i - max x) / total (exp by vexp; the total summed in lanes i % 16, then pairwise),
+ *   experts [rows, k]: the k largest p in decreasing order (equal p: the lower index first),
+ *   weights [rows, k]: their p, or with norm each divided by (p_0 + p_1 + ... + p_{k-1}), added in that order.
+ * scratch: at least E + 16 floats. */
+void exact_route(const void *x, int is_bf16, long rows, int E, int k, int norm, float *weights, int64_t *experts,
+                 float *scratch) {
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (long r = 0; r < rows; r++) {
+        const long base = r * E;
+        float m = -INFINITY;
+        for (int i = 0; i < E; i++) {
+            const float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
+            if (v > m) m = v;
+        }
+        vf acc = {0};
+        for (int i = 0; i < E; i += LANES) {
+            const vf e = vselect(lane + i < E, vexp(load16(x, is_bf16, base + i, base + E) - splat(m)), splat(0.0f));
+            *(vf_unaligned *)(scratch + i) = e;
+            acc = acc + e;
+        }
+        const float total = vtotal(acc);
+        for (int i = 0; i < E; i++) scratch[i] = scratch[i] / total;
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int i = 0; i < E; i++) {
+                int taken = 0;
+                for (int t = 0; t < j; t++) taken |= experts[r * k + t] == i;
+                if (!taken && (best < 0 || scratch[i] > scratch[best])) best = i;
+            }
+            experts[r * k + j] = best;
+            weights[r * k + j] = scratch[best];
+            sum = sum + scratch[best];
+        }
+        if (norm)
+            for (int j = 0; j < k; j++) weights[r * k + j] = weights[r * k + j] / sum;
+    }
+}
+
 /* Attention for the new tokens of one cache row, over an fp32 cache.
  * q      [T, H, D], contiguous (after RoPE)
  * kt     the row's keys, transposed: (kv head h, d, slot s) at [h * kt_head + d * kt_dim + s]

@@ -1,7 +1,7 @@
-"""The row-exact CPU kernels (``exact_cpu.c``): attention over each token's own keys, RMSNorm's scale and SiLU,
-computed so that a row's result depends on nothing but its own inputs (the C file says how). Compiled once per
-machine with the system C compiler into ``$SPECTRAIN_CACHE/kernels`` and loaded with ctypes: no torch headers, so
-the build takes about a second.
+"""The row-exact CPU kernels (``exact_cpu.c``): attention over each token's own keys, RMSNorm's scale, SiLU, the
+sigmoid and a mixture-of-experts router, computed so that a row's result depends on nothing but its own inputs (the
+C file says how). Compiled once per machine with the system C compiler into ``$SPECTRAIN_CACHE/kernels`` and loaded
+with ctypes: no torch headers, so the build takes about a second.
 """
 
 from __future__ import annotations
@@ -76,13 +76,15 @@ def library() -> ctypes.CDLL:
             ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
             lib.exact_rms_scale.argtypes = [ptr, i32, i64, i32, f32, ptr]
             lib.exact_silu.argtypes = [ptr, i32, i64, ptr]
+            lib.exact_sigmoid.argtypes = [ptr, i32, i64, ptr]
+            lib.exact_route.argtypes = [ptr, i32, i64, i32, i32, i32, ptr, ptr, ptr]
             lib.exact_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
             lib.exact_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, f32,
                                             ptr, i32]
             lib.exact_attention_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32, i32, i32, i32,
                                                  ptr, ptr, ptr, f32, ptr, i32]
             for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention, lib.exact_attention_rows,
-                       lib.exact_linear_f32):
+                       lib.exact_linear_f32, lib.exact_route, lib.exact_sigmoid):
                 fn.restype = None
             _library = lib
         return _library
@@ -109,6 +111,30 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.float32)
     library().exact_silu(x.data_ptr(), _check(x), x.numel(), out.data_ptr())
     return out
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """The sigmoid of ``x`` as fp32."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    library().exact_sigmoid(x.data_ptr(), _check(x), x.numel(), out.data_ptr())
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse MoE MLP's routing of each row of ``logits`` [N, E] (bf16 or fp32): the softmax over the E experts in
+    fp32, the ``top_k`` most probable in decreasing order (equal probabilities: the lower index first) and their
+    probabilities, divided by their sum when ``normalize``; fp32 weights [N, k] and int64 experts [N, k]."""
+    logits = logits.contiguous()
+    rows, experts = logits.numel() // logits.shape[-1], logits.shape[-1]
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must lie in 1..{experts} (the experts), got {top_k}")
+    weights = torch.empty(*logits.shape[:-1], top_k, dtype=torch.float32)
+    chosen = torch.empty(*logits.shape[:-1], top_k, dtype=torch.int64)
+    scratch = torch.empty(experts + 16, dtype=torch.float32)
+    library().exact_route(logits.data_ptr(), _check(logits), rows, experts, top_k, int(normalize), weights.data_ptr(),
+                          chosen.data_ptr(), scratch.data_ptr())
+    return weights, chosen
 
 
 def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
