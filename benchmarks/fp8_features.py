@@ -2,7 +2,8 @@
 
 FP8 against bf16 feature storage (``data_prep.extract dtype=fp8`` / ``dtype=bf16``) on SmolLM2-135M-Instruct and
 GSM-symbolic (``gsm_symbolic_train``: the dataset's worked solutions; train split for training, eval split for
-validation), in one process, one stage after the other:
+validation), in one process, one stage after the other (the target on the runner's approximate path: extraction
+verifies nothing):
 
 1. error: the first ``n_error`` validation samples' fp32 features stored as bf16 and as e4m3 under three scalings
    (one power-of-two scale per sample, per token, per token and layer): relative RMS error per column, and the
@@ -43,7 +44,7 @@ RECIPE = "eagle3_smollm2_gsm"
 class Fp8BenchConfig:
     n_train: int = 256  # source conversations of the train split
     n_val: int = 32  # of the eval split
-    n_error: int = 8  # validation samples whose quantization error is measured
+    n_error: int = 4  # validation samples whose quantization error is measured
     max_len: int = 384
     batch_size: int = 8  # extraction batch
     steps: int = 60
@@ -66,16 +67,11 @@ def per_block(x: torch.Tensor, blocks: int) -> torch.Tensor:
     return dequantize(codes, scales, torch.float32)
 
 
-def teacher_error(approx: torch.Tensor, exact: torch.Tensor, head: torch.Tensor) -> dict[str, float]:
+def teacher_error(approx: torch.Tensor, exact_logp: torch.Tensor, head: torch.Tensor) -> dict[str, float]:
     """Mean KL(p_exact || p_approx) and top-1 agreement of ``softmax(last_hidden @ head.T)``."""
-    kl, agree, rows = 0.0, 0, 0
-    for start in range(0, len(exact), 256):
-        p = (exact[start:start + 256] @ head.T).log_softmax(-1)
-        q = (approx[start:start + 256].float() @ head.T).log_softmax(-1)
-        kl += float((p.exp() * (p - q)).sum())
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-        rows += len(p)
-    return {"kl_mean": kl / rows, "top1_agreement": agree / rows}
+    q = (approx.float() @ head.T).log_softmax(-1)
+    kl = (exact_logp.exp() * (exact_logp - q)).sum(-1)
+    return {"kl_mean": float(kl.mean()), "top1_agreement": float((exact_logp.argmax(-1) == q.argmax(-1)).float().mean())}
 
 
 def quantization_error(cfg: Any, target) -> dict[str, Any]:
@@ -90,6 +86,7 @@ def quantization_error(cfg: Any, target) -> dict[str, Any]:
     aux = torch.cat([r["aux_hidden"] for r in rows]).float()
     last = torch.cat([r["last_hidden"] for r in rows]).float()
     head = target.model.lm_head.weight.detach().float()
+    exact_logp = (last @ head.T).log_softmax(-1)
     hidden = last.shape[1]
     stored = {
         "bf16": (aux.bfloat16(), last.bfloat16()),
@@ -105,7 +102,7 @@ def quantization_error(cfg: Any, target) -> dict[str, Any]:
                   for j, layer in enumerate(layers)}
         errors["last_hidden"] = relative_rms(stored_last, last)
         result["rel_rms"][name] = errors
-        result["teacher"][name] = teacher_error(stored_last, last, head)
+        result["teacher"][name] = teacher_error(stored_last, exact_logp, head)
         print(f"[fp8_features] {name}: {errors}, teacher {result['teacher'][name]}", file=sys.stderr, flush=True)
     # What the per-token scales must span: the largest magnitude of each layer block, across tokens.
     peaks = aux.abs().reshape(len(aux), len(layers), hidden).amax(-1)
@@ -156,7 +153,10 @@ def train(cfg: Any, dtype: str) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     cfg = parse_cli(argv, Fp8BenchConfig, USAGE)
     torch.manual_seed(cfg.seed)
-    target = load_lm("smollm2", device="cpu", max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size)
+    # The approximate path: extraction verifies nothing, and on a CPU the exact one (load_lm's default there) costs
+    # several times more for [B, T] forwards. Both datasets come from this one runner.
+    target = load_lm("smollm2", device="cpu", max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size,
+                     exact=False)
     results: dict[str, Any] = {"settings": {k: cfg[k] for k in Fp8BenchConfig.__dataclass_fields__},
                                "source": SOURCE, "recipe": RECIPE}
     results["error"] = quantization_error(cfg, target)
