@@ -19,8 +19,9 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from core.distributed import process_rank
+from core.errors import UserError
 from core.layer_ids import resolve_layers
-from data_prep.capture import HiddenCapture
+from data_prep.capture import FP8, HiddenCapture, storage_dtype
 from data_prep.features import FeatureDataset, collate_features
 from data_prep.rank_sampler import RankSlicedSampler, check_fills_global_batch
 from data_prep.samples import SampleBuilder, TokenSample, load_source, require_answers
@@ -116,6 +117,9 @@ class OnlineFeatureDataModule(L.LightningDataModule):
     ``features=False`` yields token batches only (``input_ids``, ``loss_mask``, ``attention_mask``) and never
     runs the target: for a drafter trained on the target's own greedy answers, the next token IS the target's
     argmax, so the hidden states (a full target forward per batch) are not needed.
+
+    ``dtype=fp8`` is refused: it is a storage format, and online features are never stored, so it would only add
+    e4m3 rounding to tensors that live for one step.
     """
 
     def __init__(self, target: Any, *, source: str, n_samples: int, max_len: int, layers: Any = "eagle3",
@@ -123,6 +127,10 @@ class OnlineFeatureDataModule(L.LightningDataModule):
                  split: str = "all", device: str = "auto", window: str = "start", features: bool = True,
                  bucket_by_length: bool = False):
         super().__init__()
+        if dtype == FP8:
+            raise UserError("data.dtype=fp8 stores extracted features (python -m data_prep.extract ... dtype=fp8, then "
+                            "data.dataset_dir=DIR); online features are never stored: use data.dtype=bf16")
+        storage_dtype(dtype)
         self.target_arg = target
         self.features, self.bucket_by_length = features, bucket_by_length
         self.source, self.n_samples, self.max_len, self.split = source, n_samples, max_len, split

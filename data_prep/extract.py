@@ -6,13 +6,14 @@ Writes a hidden-state feature dataset: Arrow shards plus ``manifest.json`` (docs
 training time instead of storing logits).
 
 Keys: ``layers`` = eagle3 | lastK | [i,j,...] (output-of-layer ids, 0-based; ``core.layer_ids``),
-``dtype`` = bf16 | fp16 | fp32 (storage), ``regenerate=true`` answers the prompts with the target itself
+``dtype`` = bf16 | fp16 | fp32 | fp8 (storage; fp8: float8_e4m3fn with a power-of-two scale per token and layer,
+read back as bf16, ``data_prep.fp8``), ``regenerate=true`` answers the prompts with the target itself
 (engine ``ar``; ``max_new_tokens``, ``temperature``: refused without it), ``split`` = all | train | eval,
 ``batch_size``, ``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``.
 
 Re-running the same command after an interruption (even kill -9) resumes without losing or duplicating a
-sample; other arguments into an existing DIR are refused. Before starting it prints the estimated disk size
-and refuses if free disk is short.
+sample; other arguments into an existing DIR are refused (another dtype in one line: one dataset holds one storage
+dtype). Before starting it prints the estimated disk size and refuses if free disk is short.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from omegaconf import OmegaConf
 from core.atomic import check_output
 from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, run_cli, split_key_values
-from data_prep.capture import DTYPE_NAMES, HiddenCapture, storage_dtype
-from data_prep.manifest import DatasetError, new_header, refuse_other_args, target_identity, tokenizer_identity
+from data_prep.capture import DTYPE_NAMES, FP8, HiddenCapture, check_feature_dtype
+from data_prep.features import DEQUANTIZED_DTYPE
+from data_prep.manifest import (MANIFEST_NAME, RANKS_DIR, DatasetError, new_header, read_manifest, refuse_other_args,
+                                target_identity, tokenizer_identity)
 from data_prep.ranks import dataset_part, my_items
 from data_prep.regenerate import Regenerator
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
@@ -44,8 +47,9 @@ USAGE = ("python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N
 ESTIMATE_SAMPLES = 256  # conversations tokenized up front to estimate the dataset size
 DISK_MARGIN = 1.10  # refuse unless free disk exceeds the estimate by this factor
 SHARD_BYTES = 1 << 30  # auto shard size: a kill loses at most about this much work
-# Arrow list offsets: 4 bytes per token for each of the two [T, W] columns' rows, plus per-sample overhead.
-OFFSET_BYTES_PER_TOKEN = 8
+# Arrow list offsets: 4 bytes per token for each [T, W] column's rows, plus per-sample overhead.
+OFFSET_BYTES_PER_TOKEN = 4
+FP8_STORAGE = "float8_e4m3fn"
 
 
 @dataclass
@@ -57,7 +61,7 @@ class ExtractConfig:
     max_len: int = 2048
     window: str = "start"  # start | answer: where a long conversation's max_len window sits (data_prep.samples)
     layers: Any = "eagle3"  # eagle3 | lastK | [i, j, ...]
-    dtype: str = "bf16"  # storage dtype: bf16 | fp16 | fp32
+    dtype: str = "bf16"  # storage dtype: bf16 | fp16 | fp32 | fp8 (per-token, per-layer scales; reads as bf16)
     batch_size: int = 8
     shard_size: int = 0  # samples per shard (committed atomically); 0 = auto, about SHARD_BYTES per shard
     seed: int = 0
@@ -79,7 +83,7 @@ def parse_args(argv: Sequence[str]) -> Any:
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
     check_output(cfg.out)
-    storage_dtype(cfg.dtype)
+    check_feature_dtype(cfg.dtype)
     for key in ("n_samples", "max_len", "batch_size"):
         if cfg[key] < 1:
             raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
@@ -111,22 +115,55 @@ def content_args(cfg: Any) -> dict[str, Any]:
 
 
 def feature_columns(layers: list[int], hidden: int, dtype: str) -> dict[str, dict[str, Any]]:
-    logical = DTYPE_NAMES[dtype]
-    return {
+    fp8 = dtype == FP8
+    logical = FP8_STORAGE if fp8 else DTYPE_NAMES[dtype]
+    aux_meaning = f"outputs of decoder layers {layers} (0-based), concatenated in that order"
+    columns = {
         "input_ids": column("int32", ["T"], "token ids (chat template applied)"),
         "loss_mask": column("int8", ["T"], "1 on assistant tokens (trained on), 0 elsewhere"),
-        "aux_hidden": column(logical, ["T", len(layers) * hidden],
-                             f"outputs of decoder layers {layers} (0-based), concatenated in that order"),
-        "last_hidden": column(logical, ["T", hidden], "final hidden state after the final norm"),
+        "aux_hidden": column(logical, ["T", len(layers) * hidden], aux_meaning,
+                             scale="aux_hidden_scale" if fp8 else None),
+        "last_hidden": column(logical, ["T", hidden], "final hidden state after the final norm",
+                              scale="last_hidden_scale" if fp8 else None),
     }
+    if fp8:
+        columns["aux_hidden_scale"] = column(
+            "float32", ["T", len(layers)], f"power-of-two scale of aux_hidden per token and per layer block of "
+            f"{hidden} values: value = code x scale")
+        columns["last_hidden_scale"] = column("float32", ["T", 1], "power-of-two scale of last_hidden per token")
+    return columns
+
+
+def feature_storage(dtype: str) -> dict[str, Any]:
+    """The manifest's ``feature_storage`` block of an fp8 dataset (absent otherwise, as in datasets made before
+    fp8 existed: their column dtypes say everything)."""
+    if dtype != FP8:
+        return {}
+    return {"feature_storage": {"dtype": FP8_STORAGE, "scaling": "power of two per token and per layer block",
+                                "scale_dtype": "float32",
+                                "reads_as": str(DEQUANTIZED_DTYPE).removeprefix("torch.")}}
 
 
 def bytes_per_token(columns: dict[str, dict[str, Any]]) -> int:
-    total = OFFSET_BYTES_PER_TOKEN
+    total = 0
     for spec in columns.values():
         width = spec["shape"][1] if len(spec["shape"]) == 2 else 1
         total += width * np.dtype(STORAGE_DTYPE[spec["dtype"]]).itemsize
+        total += OFFSET_BYTES_PER_TOKEN if len(spec["shape"]) == 2 else 0
     return total
+
+
+def refuse_mixed_dtype(out: Path, dtype: str) -> None:
+    """Before anything else on a resume: one dataset holds one storage dtype (its readers decode every shard
+    alike), so a run with another ``dtype`` into an existing DIR is refused naming both."""
+    logs = [out / MANIFEST_NAME, *sorted((out / RANKS_DIR).glob("*.json"))]
+    for log in logs:
+        if log.is_file():
+            stored = read_manifest(out, str(log.relative_to(out))).get("args", {}).get("dtype")
+            if stored is not None and stored != dtype:
+                raise DatasetError(f"{out} stores dtype={stored} features; dtype={dtype} would mix two storage dtypes "
+                                   f"in one dataset: re-run with dtype={stored} to resume, or choose a new out=DIR")
+            return
 
 
 def auto_shard_size(per_token: int, max_len: int, batch_size: int) -> int:
@@ -153,7 +190,8 @@ def check_disk(out: Path, remaining_tokens: int, per_token: int, basis: str) -> 
           f"{basis}); free on {probe}: {_human(free)}", file=sys.stderr, flush=True)
     if free < estimate * DISK_MARGIN:
         raise DatasetError(f"not enough free disk in {probe}: the dataset needs ~{_human(estimate)} (+10% margin) "
-                           f"but {_human(free)} is free; free space, lower n_samples/max_len or use dtype=bf16")
+                           f"but {_human(free)} is free; free space or lower n_samples/max_len (dtype=fp8 stores about "
+                           "half of bf16)")
     return estimate
 
 
@@ -195,6 +233,7 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
 
     Under torchrun each process extracts its slice of the source items (``data_prep.ranks``)."""
     out = Path(cfg.out)
+    refuse_mixed_dtype(out, cfg.dtype)
     refuse_other_args(out, content_args(cfg))
     process = dataset_part(out, content_args(cfg), "data_prep.extract ...")
     if (finished := process.finished()) is not None:
@@ -211,6 +250,7 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
         "features", content_args(cfg), target_identity(cfg.target, config), tokenizer_identity(tokenizer), columns,
         layers={"spec": spec_name(cfg.layers), "ids": layers, "convention": LAYER_CONVENTION},
         compute={"device": runner.device.type, "dtype": str(runner.dtype).removeprefix("torch.")},
+        **feature_storage(cfg.dtype),
     )
     per_token = bytes_per_token(columns)
     shard_size = cfg.shard_size or auto_shard_size(per_token, cfg.max_len, cfg.batch_size)

@@ -9,6 +9,10 @@ Batch format (``collate_features``; the one place where samples are padded), a d
   (``manifest["layers"]["ids"]``; block j is the output of decoder layer ids[j]), zero on padding
 - ``last_hidden``    [B, T, H] storage dtype, after the target's final norm, zero on padding
 
+An fp8 dataset (``dtype=fp8``) reads as bf16: ``FeatureDataset`` multiplies each column's codes by the scales the
+column spec names and drops the scale columns, so its batches have the keys, shapes and dtype of a bf16 dataset's
+(the products are exact in bf16: ``data_prep.fp8``).
+
 Positions are NOT shifted: row t holds token t and the target's features at t. The EAGLE shift
 (docs/algorithms/eagle3.md §1) is the training recipe's business.
 """
@@ -24,8 +28,11 @@ from torch.utils.data import Dataset
 
 from core.assets import model_identity
 from core.layer_ids import LAYER_CONVENTION, resolve_layers
+from data_prep.fp8 import dequantize
 from data_prep.manifest import DatasetError, read_manifest, tokenizer_identity
 from data_prep.shards import ShardReader, to_tensor
+
+DEQUANTIZED_DTYPE = torch.bfloat16  # what fp8 features read as: exact, and what a bf16 dataset yields
 
 
 def collate_features(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -53,7 +60,8 @@ def check_features(dataset: str | Path | dict[str, Any], *, target: str | None =
 
     ``target``: a target name/dir, compared by config hash and weights hash; ``layers``: a layer spec
     (eagle3 | lastK | ids), resolved for the dataset's target; ``tokenizer``: compared by vocabulary and chat
-    template hashes; ``dtype``: bf16 | fp16 | fp32; ``max_len``: the dataset's max_len must not be smaller.
+    template hashes; ``dtype``: bf16 | fp16 | fp32 | fp8 (storage); ``max_len``: the dataset's max_len must not be
+    smaller.
     Returns the manifest.
     """
     manifest = dataset if isinstance(dataset, dict) else read_manifest(dataset)
@@ -120,6 +128,9 @@ class FeatureDataset(Dataset):
             self.reader = ShardReader(self.directory, self.manifest)
         row = self.reader.row(index)
         sample = {name: to_tensor(value, self.columns[name]) for name, value in row.items()}
+        for name, spec in self.columns.items():
+            if "scale" in spec:  # fp8 codes: dequantized here, the scale column dropped
+                sample[name] = dequantize(sample[name], sample.pop(spec["scale"]), DEQUANTIZED_DTYPE)
         # Token columns are stored narrow (int32 / int8); training code indexes with int64.
         sample["input_ids"] = sample["input_ids"].long()
         sample["loss_mask"] = sample["loss_mask"].long()

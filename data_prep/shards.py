@@ -16,8 +16,9 @@ manifest update never happened); a resumed run deletes the leftovers and restart
 So no row is lost or written twice, provided items are produced deterministically from their index.
 
 Column specs (stored in the manifest under ``columns``): ``{"dtype": D, "shape": S}`` with ``S`` one of ``[]``,
-``["T"]``, ``[W]`` or ``["T", W]`` (``T`` = the sample's token count). ``bfloat16`` has no Arrow type, so it is
-stored as its int16 bit pattern and viewed back as bfloat16 on load (lossless).
+``["T"]``, ``[W]`` or ``["T", W]`` (``T`` = the sample's token count). ``bfloat16`` and ``float8_e4m3fn`` have no
+Arrow type, so they are stored as their int16 / int8 bit patterns and viewed back on load (lossless). A spec may
+name the column holding its scales (``"scale": "aux_hidden_scale"``: fp8 features, ``data_prep.fp8``).
 """
 
 from __future__ import annotations
@@ -38,20 +39,25 @@ from data_prep.manifest import (RANKS_DIR, DatasetError, commit_log, header_diff
 
 SHARDS_DIR = "shards"
 SHARD_FILE = "data.arrow"
-STORAGE_DTYPE = {"bfloat16": "int16", "float16": "float16", "float32": "float32", "int64": "int64",
-                 "int32": "int32", "int16": "int16", "int8": "int8", "bool": "bool"}
-TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-               "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-               "bool": torch.bool}
+STORAGE_DTYPE = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float16": "float16", "float32": "float32",
+                 "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "bool": "bool"}
+TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float16": torch.float16,
+               "float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+               "int8": torch.int8, "bool": torch.bool}
+BIT_PATTERN = {"bfloat16": torch.int16, "float8_e4m3fn": torch.int8}  # dtypes Arrow lacks: stored as their bits
 
 
 # ------------------------------------------------------------------------------------------- column specs
 
 
-def column(dtype: str, shape: list, meaning: str) -> dict[str, Any]:
+def column(dtype: str, shape: list, meaning: str, scale: str | None = None) -> dict[str, Any]:
+    """A column spec; ``scale``: the column holding this one's dequantization scales (fp8)."""
     if dtype not in STORAGE_DTYPE:
         raise ValueError(f"unsupported column dtype {dtype}; use one of {', '.join(STORAGE_DTYPE)}")
-    return {"dtype": dtype, "shape": list(shape), "meaning": meaning}
+    spec = {"dtype": dtype, "shape": list(shape), "meaning": meaning}
+    if scale is not None:
+        spec["scale"] = scale
+    return spec
 
 
 def arrow_features(columns: dict[str, dict[str, Any]]):
@@ -73,13 +79,13 @@ def arrow_features(columns: dict[str, dict[str, Any]]):
 
 
 def to_storage(value: torch.Tensor | np.ndarray | list | int | float, spec: dict[str, Any]):
-    """One row's value in its Arrow storage form (numpy; bfloat16 as its int16 bit pattern)."""
+    """One row's value in its Arrow storage form (numpy; bfloat16 / float8 as their int16 / int8 bit patterns)."""
     if not spec["shape"]:
         return value.item() if isinstance(value, (torch.Tensor, np.ndarray)) else value
     if isinstance(value, torch.Tensor):
         value = value.detach().to("cpu", TORCH_DTYPE[spec["dtype"]]).contiguous()
-        if spec["dtype"] == "bfloat16":
-            value = value.view(torch.int16)
+        if spec["dtype"] in BIT_PATTERN:
+            value = value.view(BIT_PATTERN[spec["dtype"]])
         return value.numpy()
     return np.asarray(value, dtype=STORAGE_DTYPE[spec["dtype"]])
 
@@ -91,7 +97,7 @@ def to_tensor(array: np.ndarray | int | float, spec: dict[str, Any]) -> torch.Te
     if not array.flags.writeable:  # Arrow buffers are read-only; torch wants writable memory, so copy once
         array = array.copy()
     tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if spec["dtype"] == "bfloat16" else tensor
+    return tensor.view(TORCH_DTYPE[spec["dtype"]]) if spec["dtype"] in BIT_PATTERN else tensor
 
 
 # ------------------------------------------------------------------------------------------------ writer

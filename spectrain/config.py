@@ -21,7 +21,7 @@ class DataConfig:
     #                                None = the eval split of source
     val_dataset_dir: str | None = None  # extracted validation features; online: the source's eval split
     layers: Any = "eagle3"  # target layers captured as features: eagle3 | lastK | [i, j, k]
-    dtype: str = "bf16"  # feature dtype (online capture uses the same rounding as stored datasets)
+    dtype: str = "bf16"  # online feature dtype: bf16 | fp16 | fp32 (the rounding stored datasets use; fp8 is offline only)
     n_val_samples: int = 16
     n_samples: int = 1000
     max_len: int = 512

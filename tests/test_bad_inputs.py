@@ -281,8 +281,8 @@ CASES = [
     ("inference.generate", (*GEN, "algorithm=sps"), None,
      "algorithm 'sps' needs a draft LM (an exported draft_lm or a HF directory sharing the target's "
      "tokenizer): add drafter=PATH"),
-    ("data_prep.extract", (*EXTRACT, "dtype=fp8", "out={B}/x"), None,
-     "dtype=fp8 is not a storage dtype; use one of bf16, fp16, fp32"),
+    ("data_prep.extract", (*EXTRACT, "dtype=fp4", "out={B}/x"), None,
+     "dtype=fp4 is not a feature storage dtype; use one of bf16, fp16, fp32, fp8"),
     ("data_prep.extract", (*EXTRACT, "n_samples=abc", "out={B}/x"), None,
      "bad value in n_samples=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     ("spectrain.export", ("ckpt={B}/e3.ckpt", "format=unknown", "out={B}/y"), None,

@@ -172,7 +172,7 @@ def test_refusals_are_one_line(tiny, chats, tmp_path, capsys, monkeypatch):
     base = [f"target={tiny}", f"source=jsonl:{chats}", "n_samples=4", "max_len=32", "layers=[0,1]"]
     assert "out=DIR is required" in error_of(base)
     assert "did you mean 'layers'" in error_of(base + ["layer=[0]", f"out={tmp_path / 'a'}"])
-    assert "dtype=fp8" in error_of(base + ["dtype=fp8", f"out={tmp_path / 'a'}"])
+    assert "dtype=fp4 is not a feature storage dtype" in error_of(base + ["dtype=fp4", f"out={tmp_path / 'a'}"])
     assert "window must be one of start, answer" in error_of(base + ["window=middle", f"out={tmp_path / 'a'}"])
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
