@@ -28,6 +28,11 @@ feeds its own step ``j - 1`` hidden states and attends causally to step-0 keys p
 EAGLE-3.1 (docs/algorithms/eagle3.md §7): ``fc_norm`` adds one RMSNorm per aux layer before ``fc`` (tensors
 ``fc_norm.{0,1,2}.weight``); ``norm_output`` feeds the final norm's output, not the pre-norm state, to the next
 drafted row (no new tensor). Both off: EAGLE-3 exactly as before (no module, no op added).
+
+Sliding window (docs/algorithms/eagle3.md §8): ``attention_window = W`` lets a row at position ``p`` read only
+the rows at positions ``> p - W`` (training: step-0 keys and training-time-test keys by their positions; serving:
+a cached row's position is its slot, as committed rows sit at slot = position and a round's drafted rows after
+them). 0 = off: no op added.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from core.drafters.target_tied import TargetTiedDrafter
 
 NUM_AUX_LAYERS = 3  # the fc input is three target layers wide in every engine's EAGLE-3
 EAGLE31_FLAGS = ("fc_norm", "norm_output")  # Eagle3Config fields of EAGLE-3.1, off by default
+# The narrowest sliding window: the rows one round drafts (training-time-test steps, tree levels, P-EAGLE's chains;
+# never this deep) then always lie inside it, so training and serving count the window alike.
+MIN_WINDOW = 32
 # (q [B, heads, T, D], keys, values [B, kv_heads, P + T, D]) -> attention output [B, heads, T, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -105,15 +113,20 @@ class Eagle3Config(TargetShapedConfig):
     own_embedding: bool = False  # True: the drafter carries its own embed_tokens (exported); False: the target's
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc
     norm_output: bool = False  # EAGLE-3.1: drafted rows read the final norm's output (post-norm g')
+    attention_window: int = 0  # sliding window: a row at position p reads positions > p - window (0: all of them)
 
     def __post_init__(self) -> None:
         check_drafter_config(self, self.KIND)
+        self.attention_window = window = int(self.attention_window)
+        if window and window < MIN_WINDOW:
+            raise UserError(f"{self.KIND} attention_window={window} is narrower than a round's drafted rows may "
+                            f"reach; give attention_window=0 (every position) or attention_window >= {MIN_WINDOW}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; the EAGLE-3.1 flags only when set, so an EAGLE-3 drafter's record (exports, checkpoints)
-        stays what it was before the flags existed and older readers still accept it."""
+        """The fields; the EAGLE-3.1 flags and the window only when set, so an EAGLE-3 drafter's record (exports,
+        checkpoints) stays what it was before they existed and older readers still accept it."""
         values = asdict(self)
-        for flag in EAGLE31_FLAGS:
+        for flag in (*EAGLE31_FLAGS, "attention_window"):
             if not values[flag]:
                 del values[flag]
         return values
@@ -382,7 +395,7 @@ class Eagle3Drafter(TargetTiedDrafter):
         logits_steps, hidden_steps = [], []
         for j in range(steps):
             # step-0 keys causally, then the same row's keys of steps 1..j (diagonal blocks)
-            mask = torch.cat([causal] + [diagonal] * j, dim=-1)
+            mask = self._step_mask(causal, diagonal, j)
             logits, hidden, k, v = self._rows(shift_left(input_ids, j + 1), hidden, positions + j, past_k, past_v,
                                               mask, heads)
             past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
@@ -391,6 +404,18 @@ class Eagle3Drafter(TargetTiedDrafter):
                 logits_steps.append(logits)
             hidden_steps.append(hidden)
         return Eagle3Output(logits_steps, hidden_steps)
+
+    def _step_mask(self, causal: torch.Tensor, diagonal: torch.Tensor, j: int) -> torch.Tensor:
+        """Training-time-test step ``j``'s mask [B, T, (j + 1)·T]: step-0 keys ``causal``, then the row's own keys of
+        steps 1..j. Under a window the row (at position i + j) reads step-0 rows k > i + j - W and its step-j' key
+        (at i + j') while j - j' < W."""
+        window = self.config.attention_window
+        if not window:
+            return torch.cat([causal] + [diagonal] * j, dim=-1)
+        rows = torch.arange(causal.shape[-1], device=causal.device)
+        first = causal & (rows[None, :] > rows[:, None] + j - window)
+        return torch.cat([first] + [diagonal if j - earlier < window else torch.zeros_like(diagonal)
+                                    for earlier in range(1, j + 1)], dim=-1)
 
     # -- serving ---------------------------------------------------------------------------------------------
 
@@ -419,10 +444,13 @@ class Eagle3Drafter(TargetTiedDrafter):
             raise ValueError(f"step got {batch} rows but the drafter cache holds {cache.batch}; build the cache with "
                              f"new_cache(max_len, batch_size={batch})")
         counts = cache.counts(new, counts)
+        positions = positions.expand(batch, new)
         mask = self._serving_mask(cache, new, counts, attention_mask)
+        if self.config.attention_window:
+            mask = mask & in_window(positions, mask.shape[-1] - new, self.config.attention_window)
         past_k, past_v = cache.view()[0] if mask.shape[-1] > new else (None, None)
         attend = per_row_attention(mask, cache.held, counts) if self.row_exact else mask
-        logits, out, k, v = self._rows(tokens, hidden, positions.expand(batch, new), past_k, past_v, attend)
+        logits, out, k, v = self._rows(tokens, hidden, positions, past_k, past_v, attend)
         cache.append([(k, v)], counts)
         return Eagle3Step(logits, out)
 
@@ -450,6 +478,15 @@ class Eagle3Drafter(TargetTiedDrafter):
         own = torch.zeros(new, past + new, dtype=torch.bool, device=device)
         own[:, past:] = torch.eye(new, dtype=torch.bool, device=device)
         return mask | own
+
+
+def in_window(positions: torch.Tensor, past: int, window: int) -> torch.Tensor:
+    """bool [B, T, past + T]: which keys of a serving call the rows at ``positions`` [B, T] read under a sliding
+    ``window``: cache slot s counts as position s (committed rows sit at slot = position; rows a round drafts sit
+    after them, inside any window of at least ``MIN_WINDOW``), a new row as its own position."""
+    slots = torch.arange(past, device=positions.device).expand(positions.shape[0], past)
+    keys = torch.cat([slots, positions], dim=-1)
+    return keys[:, None, :] > positions[:, :, None] - window
 
 
 def per_row_attention(mask: torch.Tensor, lengths: list[int], counts: list[int]) -> Attend:

@@ -23,6 +23,10 @@ EAGLE-3.1 (``fc_norm``, ``norm_output``; docs/algorithms/eagle3.md): native and 
 layout); the sglang layout has no such fields, so a drafter with either flag is refused for it, and an sglang
 config setting one is refused on reading. speculators' ``norm_before_fc`` (one norm over the concatenation) is not
 run here and is refused.
+Sliding window (``attention_window``, docs/algorithms/eagle3.md §8): native records it in the architecture;
+speculators in its ``transformer_layer_config`` (``sliding_window``, ``use_sliding_window``, ``layer_types:
+[sliding_attention]``, what the library's EAGLE-3 model reads); the sglang layout has no such field, so a windowed
+drafter is refused for it.
 Reading is strict: an unknown or missing tensor, or a flag we do not run, is a one-line error.
 """
 
@@ -158,6 +162,10 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
         if flags:
             raise CheckpointError(f"the sglang layout has no EAGLE-3.1 fields but this drafter was trained with "
                                   f"{flags[0]}=true: export format=speculators (or native)")
+        if config.attention_window:
+            raise CheckpointError(f"the sglang layout has no sliding-window field but this drafter attends over a "
+                                  f"window of {config.attention_window} positions: export format=speculators "
+                                  "(or native)")
         if config.norm_before_residual:
             raise CheckpointError("SGLang's llama_eagle3 takes the residual before hidden_norm "
                                   "(norm_before_residual=false) but this drafter was trained with true: export "
@@ -176,6 +184,9 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
             raise CheckpointError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
         layer = _llama_fields(config, dtype)
         layer.pop("torch_dtype")
+        if config.attention_window:  # the fields speculators' Eagle3DraftModel reads (one layer, a sliding one)
+            layer.update(sliding_window=config.attention_window, use_sliding_window=True,
+                         layer_types=["sliding_attention"])
         return {
             "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
             "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
@@ -346,6 +357,7 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
         output_ids = eagle3_layers(int(target["num_hidden_layers"]))
     theta, scaling = rope_of(fields)
     draft_vocab = raw.get("draft_vocab_size") or fields["vocab_size"]
+    window = engine_window(fields) if layout == "speculators" else 0
     return Eagle3Config(
         hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
         num_attention_heads=fields["num_attention_heads"],
@@ -355,8 +367,20 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
         rms_norm_eps=fields.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=fields.get("max_position_embeddings", 2048),
         hidden_act=fields.get("hidden_act", "silu"), norm_before_residual=bool(norm_before_residual),
-        **{flag: True for flag in EAGLE31_FLAGS if layout == "speculators" and raw.get(flag)},
+        **{flag: True for flag in EAGLE31_FLAGS if layout == "speculators" and raw.get(flag)}, attention_window=window,
     )
+
+
+def engine_window(layer: dict[str, Any]) -> int:
+    """The sliding window of a speculators ``transformer_layer_config`` (0: full attention). Its layer is sliding
+    where ``layer_types`` says ``sliding_attention`` (the library's rule) and then needs ``sliding_window``."""
+    types = layer.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return 0
+    if not layer.get("sliding_window"):
+        raise CheckpointError("speculators config marks its layer sliding_attention but gives no sliding_window; "
+                              "set transformer_layer_config.sliding_window to the window it was trained with")
+    return int(layer["sliding_window"])
 
 
 def _from_vllm_ids(ids: list[int] | None) -> list[int] | None:

@@ -39,6 +39,7 @@ class Eagle3Schema:
     norm_before_residual: bool = False
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc
     norm_output: bool = False  # EAGLE-3.1: drafted rows read the final norm's output (core.drafters.eagle3)
+    attention_window: int = 0  # sliding-window drafter attention: a row reads its last positions (0: all)
     gamma: int = 4  # draft length the simulated acceptance assumes (<= ttt_steps)
 
 
@@ -94,7 +95,8 @@ class Eagle3Module(DrafterModule):
         draft_vocab = target.config.vocab_size if vocab_map is None else int(vocab_map[0].numel())
         config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
                                          norm_before_residual=model_cfg.norm_before_residual,
-                                         fc_norm=model_cfg.fc_norm, norm_output=model_cfg.norm_output)
+                                         fc_norm=model_cfg.fc_norm, norm_output=model_cfg.norm_output,
+                                         attention_window=model_cfg.attention_window)
         self.drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach())
         if vocab_map is not None:
             self.drafter.set_vocab_map(*vocab_map)
