@@ -12,23 +12,24 @@ from dataclasses import replace
 import pytest
 import torch
 from speculators.models import Eagle3DraftModel
-from test_drafter_rows import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
-from test_eagle3_export import VOCAB, lightning_ckpt, make_drafter
-from test_peagle import make_peagle
+from drafter_rows_helpers import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
+from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
+from peagle_export_builders import make_peagle
 from engine_helpers import admitted_alone
-from test_speculators_interop import export_speculators, saved_tiny_target
+from speculators_builders import export_speculators, saved_tiny_target
 from tiny_targets import SMOLLM2_VOCAB, save_tiny_target, set_random_vocab_map, smollm2_tokenizer
 from transformers import AutoConfig
 
 from benchmarks import tau_context
 from core.assets import target_record
 from core.drafters.eagle3 import MIN_WINDOW, Eagle3Config, Eagle3Drafter
-from core.drafters.eagle3_layouts import read_checkpoint
-from core.drafters.peagle_attention import ChainLayout
+from core.drafters.eagle3.layouts import read_checkpoint
+from core.drafters.peagle.attention import ChainLayout
 from core.errors import UserError
 from core.prompts import render_prompt
 from inference.algorithms import build_algorithm
-from inference.drafters import LoadedModel, load_eagle3
+from core.drafters.eagle3.kind import load_eagle3
+from inference.drafters import LoadedModel
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 from spectrain import export as export_cli

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_eagle3_training import eagle3_fit_setup
+from eagle3_training_builders import eagle3_fit_setup
 from tiny_targets import save_tiny_target, write_jsonl
 
 from data_prep.datamodules import OnlineFeatureDataModule

@@ -23,6 +23,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from core.drafters.eagle3.kind import load_eagle3
 from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 from core.kernels import exact_cpu
 from data_prep.capture import HiddenCapture
@@ -31,11 +32,14 @@ from data_prep.features import FeatureDataset
 from data_prep.samples import TokenSample
 from inference import exactness
 from inference.algorithms import ALGORITHMS, build_algorithm
+from inference.drafters import load_lm
 from inference.exactness import tree_mask
 from inference.llama import SparseMoe
 from inference.runner import ModelRunner
 from inference.runner_loading import load_runner
 from inference.sampling import SamplingParams
+from spectrain import export as export_cli
+from spectrain import fit as fit_cli
 
 GREEDY = SamplingParams(temperature=0)
 VOCAB = 128
@@ -277,10 +281,6 @@ def test_feature_extraction_captures_the_moe_targets_layers(moe_recipe):
 
 
 def test_eagle3_fits_on_the_moe_target_and_its_export_serves_losslessly(moe_recipe):
-    from inference.drafters import load_eagle3, load_lm
-    from spectrain import export as export_cli
-    from spectrain import fit as fit_cli
-
     tmp, recipes, args, target = moe_recipe
     result = fit_cli.fit(fit_cli.compose_recipe(args, directory=recipes))
     assert result["trained"] and result["global_step"] == 4

@@ -86,7 +86,7 @@ class PEagleDrafter(Eagle3Drafter):
         ``input_ids`` [B, T] and ``aux_hidden`` [B, T, 3·H_t] are unshifted (as ``data_prep.features`` stores them;
         right-padded: causal rows never read the padding). Row i of depth 0 predicts token i + 2; chain row n
         (anchor a, depth d) predicts token a + d + 2."""
-        if self.config.attention_window:  # its chain attention (core.drafters.peagle_attention) has none: refused
+        if self.config.attention_window:  # its chain attention (core.drafters.peagle.attention) has none: refused
             raise ValueError(f"P-EAGLE trains without a sliding window; this drafter sets attention_window="
                              f"{self.config.attention_window} (serving honours it): train with attention_window=0")
         batch, length = input_ids.shape
