@@ -4,13 +4,14 @@ Drafters: ``drafters=DIR`` is a directory of exports (``python -m spectrain.expo
 their ``config.json`` records: draft_lm, eagle3, specblock, dflash, peagle, hrad). Each can also be named on its own,
 which wins over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``feature_drafter=PATH``
 (EAGLE-3), ``specblock_drafter=PATH``, ``dflash_drafter=PATH``, ``peagle_drafter=PATH``, ``hrad=PATH`` (SpecBranch's
-H-RAD; ``hrad=none`` for the ablation).
+H-RAD; ``specbranch.hrad=none`` for the ablation).
 
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
 skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other
 options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,sps@temperature=1@seed=3]``.
-A variant may set its algorithm's options, sampling (temperature, top_k, top_p), seed and max_new_tokens; the other
-keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's algorithms reads
+An algorithm's options are keys under its name (``ssd.budget=8``; in a variant by their names, ``ssd@budget=8``).
+A variant may set its algorithm's options, ``adapt``, sampling (temperature, top_k, top_p), seed and max_new_tokens;
+the other keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's algorithms reads
 is refused (``inference.engine_args``), so nothing is accepted and ignored.
 
 Runs every algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so speedups
@@ -32,7 +33,7 @@ from omegaconf import OmegaConf
 
 from core.atomic import check_output
 from core.errors import UserError
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import Algorithm, GenerationStats
@@ -40,7 +41,7 @@ from inference.algorithms.options import apply_threads
 from inference import exactness
 from inference.drafters import DRAFTER_KINDS, LoadedModel, eos_token_ids
 from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_drafters,
-                                   check_placement, drafter_paths, given_keys, load_target, parse_variant,
+                                   check_placement, drafter_paths, load_target, parse_engine_cli, parse_variant,
                                    sampling_params, with_overrides)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 
@@ -64,14 +65,14 @@ class EvalConfig(EngineArgs):
 def parse_args(argv: Sequence[str]) -> Any:
     # Accept the singular forms users type (bench=mt_bench, algorithms=sps) for the list fields.
     argv = [_listify(arg, ("bench", "algorithms")) for arg in argv]
-    cfg = parse_cli(argv, EvalConfig, USAGE)
+    cfg, given = parse_engine_cli(argv, EvalConfig, USAGE)
     if cfg.n_prompts < 1 or cfg.batch_size < 1:
         raise OverrideError("n_prompts and batch_size must be >= 1")
     check_output(cfg.out)  # results are written after the whole run: a bad out= must fail now
     check_placement(cfg)
     _check_generation(cfg, "")
     # unknown algorithms, and options none of them reads, fail here, before any model loads
-    check_algorithm_options(cfg, given_keys(argv, EvalConfig, USAGE), cfg.algorithms)
+    check_algorithm_options(cfg, given, cfg.algorithms)
     for label in cfg.algorithms:
         if label != "all":
             _check_generation(with_overrides(cfg, parse_variant(label)[1], label), f"algorithm variant '{label}': ")

@@ -29,13 +29,14 @@ def algorithm_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock, DFlash or P-EAGLE drafter)
-    refuses to start without one."""
+def build_algorithm(name: str, target, draft=None, options=None, **keywords):
+    """Instantiate an algorithm with its options dataclass (None: the defaults) and keywords (fields of it, or what
+    the engine hands it: ``context``); one that needs a drafter (a draft LM, an EAGLE-3, SpecBlock, DFlash or P-EAGLE
+    drafter) refuses to start without one."""
     cls = algorithm_class(name)
     if cls.drafter == "none":
-        return cls(target, **options)
+        return cls(target, options, **keywords)
     if draft is None:
         raise UserError(f"algorithm '{name}' needs {DRAFTER_KINDS[cls.drafter][1]}: pass drafter=PATH or "
                          "drafters=DIR (a directory of exports)")
-    return cls(target, draft, **options)
+    return cls(target, draft, options, **keywords)
