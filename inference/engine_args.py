@@ -20,7 +20,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from core.errors import UserError
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.options import (ADAPTABLE, ALGORITHM_KEYS, FLAT_ADAPT_PREFIX, FLAT_SPELLINGS, ONLY_WITH,
@@ -112,10 +111,11 @@ def parse_engine_cli(argv: Sequence[str], schema: type, usage: str) -> tuple[Any
     return cfg, given
 
 
-def variant_items(name: str, overrides: Sequence[str], label: str) -> list[tuple[Given, str]]:
+def variant_items(name: str, overrides: Sequence[str], label: str, *, warn: bool = False) -> list[tuple[Given, str]]:
     """A variant's ``key=value`` items as (what each sets, its value): a name of the algorithm's own options is
     scoped to it (``ssd@budget=8`` sets ``ssd.budget``); a flat spelling of the previous release is read as before
-    (with a warning); any other key as on the command line (``temperature``, ``adapt.horizon``)."""
+    (``warn``: with a warning, given once, when the run's options are checked); any other key as on the command
+    line (``temperature``, ``adapt.horizon``)."""
     own = option_keys(name) if name in OPTIONS_BY_ALGORITHM else []
     items = []
     for item in overrides:
@@ -124,7 +124,8 @@ def variant_items(name: str, overrides: Sequence[str], label: str) -> list[tuple
             keys: tuple[str, ...] = (f"{name}.{key}",)
         elif (flat := _flat(key)) is not None:
             keys = tuple(k for k in flat if k.startswith(f"{name}.")) or flat
-            _warn_flat(key, value, [k.removeprefix(f"{name}.") for k in keys], f"algorithm variant '{label}': ")
+            if warn:
+                _warn_flat(key, value, [k.removeprefix(f"{name}.") for k in keys], f"algorithm variant '{label}': ")
         else:
             try:
                 keys = (key if key.startswith(ADAPT_PREFIX) else resolve_key(key, _engine_keys()),)
@@ -248,7 +249,7 @@ def _check_observer(name: str, cfg: Any, where: str) -> None:
         return
     try:
         observer_kind(cfg.adapt).settings(dict(cfg.adapt_settings))
-    except (ValueError, UserError) as exc:
+    except ValueError as exc:  # core.errors.UserError included
         raise OverrideError(f"{where}{exc}") from None
 
 
@@ -269,7 +270,7 @@ def check_algorithm_options(cfg: Any, given: Iterable[Given], labels: Sequence[s
         except ValueError as exc:
             raise OverrideError(str(exc)) from None
         variant = with_overrides(cfg, overrides, label)
-        own = [item for item, _ in variant_items(name, overrides, label)] if overrides else []
+        own = [item for item, _ in variant_items(name, overrides, label, warn=True)]
         where = f"algorithm variant '{label}': "
         _check_read(own, [(name, variant)], where)
         if not sampling_defaults:

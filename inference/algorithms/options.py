@@ -186,7 +186,7 @@ def oracle_temperature_error(hrad: object, temperature: float) -> str | None:
     """One line if ``hrad`` is an oracle policy and ``temperature`` > 0 (the oracles read the greedy target)."""
     name = str(hrad or "").strip().lower()
     if name in SPECBRANCH_ORACLES and float(temperature) != 0:
-        return (f"specbranch.hrad={name} needs temperature=0 (the true class is the greedy target's), got "
+        return (f"hrad={name} needs temperature=0 (the true class is the greedy target's), got "
                 f"temperature={temperature}; use an H-RAD export, none, class0 or class2 at temperature > 0")
     return None
 
