@@ -5,8 +5,9 @@
 Algorithm options are scoped by algorithm (``ssd.budget=8``; :func:`parse_engine_cli` still reads the flat
 spellings of the previous release, ``ssd_budget=8``, with a warning). An algorithm label is ``NAME`` or a variant
 ``NAME@key=value[@key=value]`` that changes only what a variant may: its own options by their names
-(``ssd@budget=8``), ``adapt``, sampling and the answer's length (``RUN_VARIANT_KEYS``). :func:`check_algorithm_options` refuses an option none of the chosen algorithms reads, and
-:func:`build_variant` builds a label over a loaded target and drafters.
+(``ssd@budget=8``), ``adapt``, sampling and the answer's length (``RUN_VARIANT_KEYS``).
+:func:`check_algorithm_options` refuses an option none of the chosen algorithms reads, and :func:`build_variant`
+builds a label over a loaded target and drafters.
 """
 
 from __future__ import annotations
@@ -211,8 +212,8 @@ def _check_read(given: Iterable[Given], runs: Sequence[tuple[str, Any]], where: 
             names = list(dict.fromkeys(name for name, _ in runs))
             own = "; ".join(f"{name} reads {', '.join(_read_keys(name)) or 'no algorithm option'}" for name in names)
             owners = ", ".join(dict.fromkeys(name for key in keys for name in ALGORITHMS if _reads(name, key)))
-            raise OverrideError(f"{where}{item.spelled} is not read by {', '.join(names)} ({own}); it is an option of "
-                                f"{owners}: drop it or choose an algorithm that reads it")
+            raise OverrideError(f"{where}{item.spelled} is not read by {', '.join(names)} ({own}); it is an option "
+                                f"of {owners}: drop it or choose an algorithm that reads it")
         if keys[0].startswith(ADAPT_PREFIX):
             if all(cfg.adapt == "none" for _, _, cfg in readers):
                 raise OverrideError(f"{where}{keys[0]} does nothing with adapt=none; set adapt=NAME (e.g. "
@@ -394,8 +395,8 @@ def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict
     if cls.drafter == "draft_lm" and options.draft_vocab:
         vocab = options.draft_vocab
         drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
-    return build_algorithm(name, target.runner, drafter, options, **engine_context(variant_cfg, target, cls.context)), \
-        variant_cfg
+    context = engine_context(variant_cfg, target, cls.context)
+    return build_algorithm(name, target.runner, drafter, options, **context), variant_cfg
 
 
 def build_algorithms(cfg: Any, labels: Sequence[str], target: LoadedModel | None = None,

@@ -11,8 +11,8 @@ skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run a
 options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,sps@temperature=1@seed=3]``.
 An algorithm's options are keys under its name (``ssd.budget=8``; in a variant by their names, ``ssd@budget=8``).
 A variant may set its algorithm's options, ``adapt``, sampling (temperature, top_k, top_p), seed and max_new_tokens;
-the other keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's algorithms reads
-is refused (``inference.engine_args``), so nothing is accepted and ignored.
+the other keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's
+algorithms reads is refused (``inference.engine_args``), so nothing is accepted and ignored.
 
 Runs every algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so speedups
 compare like with like) and writes ``out/results.json``, ``out/report.md`` and PNGs (acceptance by position,

@@ -77,8 +77,8 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     if cfg.max_new_tokens < 1:
         raise OverrideError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if "@" in cfg.algorithm:
-        raise OverrideError(f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as NAME.key=value "
-                            "(variants NAME@key=value are for inference.evaluate and inference.serve)")
+        raise OverrideError(f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as "
+                            "NAME.key=value (variants NAME@key=value are for inference.evaluate and inference.serve)")
     check_algorithm_options(cfg, given, [cfg.algorithm])
     check_placement(cfg)
     try:

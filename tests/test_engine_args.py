@@ -53,7 +53,8 @@ def test_keys_are_scoped_by_algorithm_and_a_variant_names_its_own(tmp_path, caps
     variant = with_overrides(cfg, ["budget=4", "fallback=fast"], "ssd@budget=4@fallback=fast")
     assert (variant.ssd.budget, variant.ssd.fallback, variant.specblock_tree.budget) == (4, "fast", 20)
     assert capsys.readouterr().err == ""  # no old spelling, no warning
-    with pytest.raises(OverrideError, match="^key 'budget' is ambiguous: write one of ssd.budget, specblock_tree.budget"):
+    with pytest.raises(OverrideError, match="^key 'budget' is ambiguous: write one of ssd.budget, "
+                                            "specblock_tree.budget"):
         evaluate_cli.parse_args(["algorithms=[ssd]", "budget=16", f"out={tmp_path}"])
     with pytest.raises(OverrideError, match=r"^unknown key 'ssd\.nope'"):
         evaluate_cli.parse_args(["algorithms=[ssd]", "ssd.nope=1", f"out={tmp_path}"])
@@ -69,8 +70,8 @@ def test_the_old_flat_spellings_work_for_one_release_with_a_one_line_warning(tmp
     assert warnings[0] == f"warning: ssd_budget=16 is the old spelling; write ssd.budget=16 {note}"
     assert warnings[1] == (f"warning: gamma=3 is the old spelling; write sps.gamma=3 pearl.gamma=3 specbranch.gamma=3 "
                            f"ssd.gamma=3 {note}")
-    assert warnings[2] == (f"warning: algorithm variant 'ssd@ssd_fallback=fast': ssd_fallback=fast is the old spelling; "
-                           f"write fallback=fast {note}")
+    assert warnings[2] == (f"warning: algorithm variant 'ssd@ssd_fallback=fast': ssd_fallback=fast is the old "
+                           f"spelling; write fallback=fast {note}")
     cfg = serve_args(["algorithm=self_draft", "self_draft_L=4", "ngram_corpus=c.pt"])
     assert (cfg.self_draft.branch_len, cfg.self_draft.corpus) == (4, "c.pt")
     assert "write self_draft.branch_len=4 " in capsys.readouterr().err

@@ -100,8 +100,8 @@ def test_drafter_with_another_tokenizer_is_refused(smollm2, tmp_path):
 
 @pytest.mark.real_model
 def test_generate_streams_the_answer(smollm2, capsys):
-    cfg = generate_cli.parse_cli(["prompt=What is the capital of France?", "max_new_tokens=12"],
-                                 generate_cli.GenerateConfig, generate_cli.USAGE)
+    cfg, _ = generate_cli.parse_engine_cli(["prompt=What is the capital of France?", "max_new_tokens=12"],
+                                           generate_cli.GenerateConfig, generate_cli.USAGE)
     streamer = generate_cli.TextStreamer(smollm2[1])
     result = generate_cli.generate_text(cfg, loaded(smollm2), on_tokens=streamer)
     assert capsys.readouterr().out == "The capital of France is Paris."

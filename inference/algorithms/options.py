@@ -162,19 +162,22 @@ ALGORITHM_KEYS = frozenset(f"{name}.{key}" for name in OPTIONS_BY_ALGORITHM for 
 # a shared name sets that option of every algorithm that has it.
 _SHARED_FLAT = ("gamma", "draft_vocab", "executor", "verifier", "hrad", "tree_depth", "tree_topk", "tree_total")
 _RENAMED_FLAT = {
-    "hsd_final_ratio": "sps.final_ratio", "specbranch_kmax": "specbranch.kmax", "specbranch_eps": "specbranch.epsilon",
+    "hsd_final_ratio": "sps.final_ratio",
+    "specbranch_kmax": "specbranch.kmax", "specbranch_eps": "specbranch.epsilon",
     "specbranch_cut_from": "specbranch.cut_from",
     **{f"ssd_{key}": f"ssd.{key}" for key in ("budget", "fanout", "fanout_miss", "fanout_r", "fallback", "fast",
                                               "saguaro_c", "fork_vocab")},
     **{f"specblock_{key}": f"specblock_tree.{key}" for key in ("width", "budget", "widths", "blocks", "prob_caps")},
-    "self_draft_L": "self_draft.branch_len", "self_draft_N": "self_draft.branch_num", "self_draft_G": "self_draft.gram_len",
-    "self_draft_candidates": "self_draft.ctx_candidates", "self_draft_corpus_candidates": "self_draft.corpus_candidates",
+    "self_draft_L": "self_draft.branch_len", "self_draft_N": "self_draft.branch_num",
+    "self_draft_G": "self_draft.gram_len", "self_draft_candidates": "self_draft.ctx_candidates",
+    "self_draft_corpus_candidates": "self_draft.corpus_candidates",
     "self_draft_verify_branches": "self_draft.verify_branches", "self_draft_grid_vocab": "self_draft.grid_vocab",
     "ngram_corpus": "self_draft.corpus", "compat_original_cap": "self_draft.compat_original_cap",
     "dflash_draft_tokens": "dflash.draft_tokens", "peagle_draft_tokens": "peagle.draft_tokens",
 }
 FLAT_SPELLINGS: dict[str, tuple[str, ...]] = {
-    **{key: tuple(f"{name}.{key}" for name in OPTIONS_BY_ALGORITHM if key in option_keys(name)) for key in _SHARED_FLAT},
+    **{key: tuple(f"{name}.{key}" for name in OPTIONS_BY_ALGORITHM if key in option_keys(name))
+       for key in _SHARED_FLAT},
     **{old: (new,) for old, new in _RENAMED_FLAT.items()},
 }
 FLAT_ADAPT_PREFIX = "adapt_"  # adapt_NAME=VALUE, now adapt.NAME=VALUE

@@ -118,8 +118,8 @@ class AdaptSettings:
             arm = name.split("_", 1)[0]
             if arm in UPDATE_ARMS and arm not in settings.arm_list():
                 example = " (e.g. adapt.arms=head,full,lora)" if arm == "lora" else ""
-                raise UserError(f"adapt.{name} does nothing with adapt.arms={settings.arms}; set adapt.arms with {arm} "
-                                f"in it{example} or drop adapt.{name}")
+                raise UserError(f"adapt.{name} does nothing with adapt.arms={settings.arms}; set adapt.arms with "
+                                f"{arm} in it{example} or drop adapt.{name}")
         return settings
 
     @classmethod
