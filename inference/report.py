@@ -32,11 +32,12 @@ def _exactness(results: dict[str, Any]) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     cfg = results.get("config", {})
+    sps = cfg.get("sps", cfg)  # SpS's options (a results file from before scoped options holds them at the top)
     lines = [
         f"# Evaluation: target `{cfg.get('target')}`, drafters `{_drafters(cfg)}`",
         "",
         f"temperature {cfg.get('temperature')}, max_new_tokens {cfg.get('max_new_tokens')}, "
-        f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}"
+        f"verifier {sps.get('verifier')}, gamma {sps.get('gamma')}, device {results.get('device')}"
         + (f", {results['dtype']}" if results.get("dtype") else ""),
         "",
         f"exactness: {_exactness(results)}",
@@ -89,6 +90,7 @@ def _own_figures(run: dict[str, Any]) -> str:
 def _drafters(cfg: dict[str, Any]) -> str:
     keys = ("drafters", "drafter", "feature_drafter", "specblock_drafter", "dflash_drafter", "peagle_drafter",
             "hrad")
+    cfg = {**cfg, "hrad": cfg.get("specbranch", {}).get("hrad", cfg.get("hrad"))}  # SpecBranch's option now
     named = [f"{k}={cfg[k]}" for k in keys
              if cfg.get(k) not in (None, "auto", "none")]
     return ", ".join(named) or "none"
