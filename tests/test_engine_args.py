@@ -42,7 +42,7 @@ def test_an_algorithm_takes_its_options_dataclass_and_states_no_default_of_its_o
 def test_options_given_whole_or_as_fields_are_the_same_and_unknown_fields_fail():
     assert with_fields(SSDOptions, None, {"budget": 4}) == SSDOptions(budget=4)
     assert with_fields(SSDOptions, SSDOptions(gamma=3), {"budget": 4}) == SSDOptions(gamma=3, budget=4)
-    with pytest.raises(TypeError, match="^SSDOptions has no option ssd_budget; its options: gamma, "):
+    with pytest.raises(TypeError, match="^SSDOptions has no option ssd_budget; its options: executor, gamma, "):
         with_fields(SSDOptions, None, {"ssd_budget": 4})
 
 
