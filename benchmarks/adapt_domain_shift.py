@@ -167,8 +167,8 @@ def main(argv: list[str]) -> int:
     for key, value in split_key_values(argv, __doc__.splitlines()[2]):
         if key in known:
             cfg_values[key] = value
-        elif key.removeprefix("adapt_") in adapt_fields:
-            adapt_values[key.removeprefix("adapt_")] = value
+        elif key.removeprefix("adapt.").removeprefix("adapt_") in adapt_fields:  # adapt.NAME (adapt_NAME: as before)
+            adapt_values[key.removeprefix("adapt.").removeprefix("adapt_")] = value
         else:
             raise OverrideError(f"unknown key '{key}'")
     defaults = ShiftConfig()

@@ -178,7 +178,7 @@ def server_run(running: RunningServer, conversations: list, clients: int, cfg,
 
 
 def _run(argv: list[str]) -> None:
-    load = parse_cli(argv, LoadConfig, USAGE)
+    load = parse_cli([a for a in argv if a.partition("=")[0] in LOAD_KEYS], LoadConfig, USAGE)  # the server's: below
     if load.requests < 1 or load.max_tokens < 1 or min(load.clients, default=0) < 1:
         raise OverrideError("requests, max_tokens and every clients entry must be >= 1")
     cfg = parse_args([a for a in argv if a.partition("=")[0] not in LOAD_KEYS])

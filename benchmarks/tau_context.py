@@ -35,13 +35,13 @@ from omegaconf import OmegaConf
 from core.atomic import atomic_write_text, check_output
 from core.drafters.eagle3 import Eagle3Drafter
 from core.errors import UserError
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
 from core.prompts import Conversation, load_prompts, render_prompt
 from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device
 from inference.engine.state import GenerationStats
-from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement, given_keys,
-                                   load_target, sampling_params)
+from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement, load_target,
+                                   parse_engine_cli, sampling_params)
 from inference.evaluate import generation_settings, greedy_equal, run_record
 
 USAGE = ("python -m benchmarks.tau_context drafters=DIR algorithms=[eagle3_tree,peagle,dflash] "
@@ -82,7 +82,7 @@ def as_list(arg: str) -> str:
 
 def parse_args(argv: Sequence[str]) -> Any:
     argv = [as_list(arg) for arg in argv]
-    cfg = parse_cli(argv, TauContextConfig, USAGE)
+    cfg, given = parse_engine_cli(argv, TauContextConfig, USAGE)
     if cfg.n_prompts < 1 or cfg.max_new_tokens < 1 or not cfg.contexts or min(cfg.contexts) < 1:
         raise OverrideError("n_prompts, max_new_tokens and every context length must be >= 1")
     if cfg.temperature != 0:
@@ -92,7 +92,7 @@ def parse_args(argv: Sequence[str]) -> Any:
         raise OverrideError("ar always runs (the baseline); list only the speculative algorithms in algorithms=")
     check_output(cfg.out)
     check_placement(cfg)
-    check_algorithm_options(cfg, given_keys(argv, TauContextConfig, USAGE), cfg.algorithms)
+    check_algorithm_options(cfg, given, cfg.algorithms)
     return cfg
 
 

@@ -2,13 +2,18 @@
 ``inference.serve`` share (vLLM's ``EngineArgs`` -> engine is the shape).
 
 :class:`EngineArgs` is the target, where its drafters come from, every algorithm's options, sampling and placement.
-An algorithm label is ``NAME`` or a variant ``NAME@key=value[@key=value]`` that changes only what a variant may
-(``VARIANT_KEYS``). :func:`check_algorithm_options` refuses an option none of the chosen algorithms reads, and
-:func:`build_variant` builds a label over a loaded target and drafters.
+Algorithm options are scoped by algorithm (``ssd.budget=8``; :func:`parse_engine_cli` still reads the flat
+spellings of the previous release, ``ssd_budget=8``, with a warning). An algorithm label is ``NAME`` or a variant
+``NAME@key=value[@key=value]`` that changes only what a variant may: its own options by their names
+(``ssd@budget=8``), ``adapt``, sampling and the answer's length (``RUN_VARIANT_KEYS``).
+:func:`check_algorithm_options` refuses an option none of the chosen algorithms reads, and :func:`build_variant`
+builds a label over a loaded target and drafters.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
@@ -20,10 +25,12 @@ from omegaconf import OmegaConf
 from core.drafters.kinds import CAUSAL_LM_KIND, KIND_MODULES, engine_kind
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
-from inference.algorithms.options import (ALGORITHM_KEYS, ONLY_WITH, AlgorithmOptions, Needs, SamplingOptions,
+from inference.algorithms.options import (ADAPTABLE, ALGORITHM_KEYS, FLAT_ADAPT_PREFIX, FLAT_SPELLINGS, ONLY_WITH,
+                                          OPTIONS_BY_ALGORITHM, AlgorithmOptions, Needs, SamplingOptions,
                                           option_keys, specbranch_option_error)
 from inference.drafter_index import export_kind, find_exports
 from inference.drafters import LoadedModel, load_drafter, load_lm, model_dtype, pick_device
+from inference.round_observers import observer_kind
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
@@ -41,10 +48,21 @@ class EngineArgs(AlgorithmOptions):
     max_new_tokens: int = 128
 
 
-# What a variant NAME@key=value may change: its algorithm's options, sampling and the answer's length. The rest
-# (models, placement, and each CLI's own keys) is fixed for the whole run: models load once.
+# What a variant NAME@key=value may change: its algorithm's options, the observer (adapt=, adapt.NAME=), sampling and
+# the answer's length. The rest (models, placement, and each CLI's own keys) is fixed for the whole run: models load
+# once.
 SAMPLING_FILTERS = ("top_k", "top_p", "seed")  # do nothing at temperature 0 (but see _sampling_unmet)
-VARIANT_KEYS = ALGORITHM_KEYS | {f.name for f in fields(SamplingOptions)} | {"max_new_tokens"}
+RUN_VARIANT_KEYS = frozenset({f.name for f in fields(SamplingOptions)} | {"max_new_tokens", "adapt"})
+ADAPT_PREFIX = "adapt."  # adapt.NAME=VALUE: a setting of the observer adapt= names, passed through as written
+
+
+@dataclass(frozen=True)
+class Given:
+    """A key the command line (or a variant) set: as ``spelled``, and the schema keys it sets (several for a flat
+    spelling of the previous release that more than one algorithm reads, e.g. ``gamma``)."""
+
+    spelled: str
+    keys: tuple[str, ...]
 
 
 def parse_variant(label: str) -> tuple[str, list[str]]:
@@ -56,10 +74,74 @@ def parse_variant(label: str) -> tuple[str, list[str]]:
     return base, overrides
 
 
-def given_keys(argv: Sequence[str], schema: type, usage: str) -> list[str]:
-    """The schema keys the ``key=value`` args set (abbreviated keys resolved)."""
+def _warn_flat(spelled: str, value: str, new: Sequence[str], where: str = "") -> None:
+    """One line on stderr: the flat spelling of the previous release and the scoped one to write instead."""
+    print(f"warning: {where}{spelled}={value} is the old spelling; write {' '.join(f'{k}={value}' for k in new)} "
+          "(options are scoped by algorithm; the old spelling is accepted until the next release)", file=sys.stderr)
+
+
+def _flat(key: str) -> tuple[str, ...] | None:
+    """The scoped keys a flat spelling of the previous release stands for, or None."""
+    if key in FLAT_SPELLINGS:
+        return FLAT_SPELLINGS[key]
+    if key.startswith(FLAT_ADAPT_PREFIX) and key != "adapt_settings":
+        return (ADAPT_PREFIX + key.removeprefix(FLAT_ADAPT_PREFIX),)
+    return None
+
+
+def parse_engine_cli(argv: Sequence[str], schema: type, usage: str) -> tuple[Any, list[Given]]:
+    """``key=value`` args parsed into ``schema`` (an :class:`EngineArgs`), and what they set: algorithm options are
+    ``ALGORITHM.NAME`` (``ssd.budget=8``), the observer's settings ``adapt.NAME`` (kept as written, for the
+    observer to parse), one drafter per kind ``drafter.KIND=PATH`` (:func:`split_drafter_args`); a flat spelling of
+    the previous release (``ssd_budget=8``, ``gamma=3``, ``adapt_horizon=7``, ``feature_drafter=``) still works,
+    with a one-line warning naming the new one."""
     valid = leaf_keys(OmegaConf.structured(schema))
-    return [resolve_key(key, valid) for key, _ in split_key_values(argv, usage)]
+    argv, by_kind = split_drafter_args(argv)
+    rest, adapt, given = [], {}, []
+    for key, value in split_key_values(argv, usage):
+        keys = _flat(key) or (key,)
+        if keys != (key,):
+            _warn_flat(key, value, keys)
+        for scoped in keys:
+            if scoped.startswith(ADAPT_PREFIX):
+                adapt[scoped.removeprefix(ADAPT_PREFIX)] = value
+            else:
+                rest.append(f"{scoped}={value}")
+        given.append(Given(key, tuple(k if k.startswith(ADAPT_PREFIX) else resolve_key(k, valid) for k in keys)))
+    cfg = parse_cli(rest, schema, usage)
+    if adapt:
+        cfg = OmegaConf.merge(cfg, {"adapt_settings": adapt})
+    cfg.drafter_by_kind = by_kind
+    return cfg, given
+
+
+def variant_items(name: str, overrides: Sequence[str], label: str, *, warn: bool = False) -> list[tuple[Given, str]]:
+    """A variant's ``key=value`` items as (what each sets, its value): a name of the algorithm's own options is
+    scoped to it (``ssd@budget=8`` sets ``ssd.budget``); a flat spelling of the previous release is read as before
+    (``warn``: with a warning, given once, when the run's options are checked); any other key as on the command
+    line (``temperature``, ``adapt.horizon``)."""
+    own = option_keys(name) if name in OPTIONS_BY_ALGORITHM else []
+    items = []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if key in own:
+            keys: tuple[str, ...] = (f"{name}.{key}",)
+        elif (flat := _flat(key)) is not None:
+            keys = tuple(k for k in flat if k.startswith(f"{name}.")) or flat
+            if warn:
+                _warn_flat(key, value, [k.removeprefix(f"{name}.") for k in keys], f"algorithm variant '{label}': ")
+        else:
+            try:
+                keys = (key if key.startswith(ADAPT_PREFIX) else resolve_key(key, _engine_keys()),)
+            except OverrideError as exc:
+                raise OverrideError(f"algorithm variant '{label}': {exc}") from None
+        items.append((Given(key, keys), value))
+    return items
+
+
+@functools.cache
+def _engine_keys() -> list[str]:
+    return leaf_keys(OmegaConf.structured(EngineArgs))
 
 
 def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
@@ -68,23 +150,34 @@ def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
         return cfg
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.structured(cfg)
-    keys = [k.split("=", 1)[0] for k in overrides]
-    for key, item in zip(keys, overrides):
+    for item in overrides:
         # a key of the run's schema that a variant may not change; before parsing: a list key's value would fail
         # there with a vaguer message (an unknown key fails in parsing, with the closest valid one)
-        if key in cfg and key not in VARIANT_KEYS:
+        key = item.split("=", 1)[0]
+        if key in cfg and key not in RUN_VARIANT_KEYS and not OmegaConf.is_dict(cfg[key]):
             raise OverrideError(f"algorithm variant '{label}': '{key}' cannot differ per variant; "
                                 f"set {item} for the whole run instead")
+    dotlist, adapt = [], {}
+    for given, value in variant_items(parse_variant(label)[0], overrides, label):
+        for key in given.keys:
+            if key.startswith(ADAPT_PREFIX):
+                adapt[key.removeprefix(ADAPT_PREFIX)] = value
+            else:
+                dotlist.append(f"{key}={value}")
     try:
-        variant = parse_cli(list(overrides), EngineArgs, "NAME@key=value[@key=value]")
+        variant = parse_cli(dotlist, EngineArgs, "NAME@key=value[@key=value]")
     except OverrideError as exc:
         raise OverrideError(f"algorithm variant '{label}': {exc}") from None
-    return OmegaConf.merge(cfg, {key: OmegaConf.select(variant, key) for key in keys})
+    merged = OmegaConf.merge(cfg, {"adapt_settings": adapt})  # a copy, with the variant's observer settings
+    for key in (item.split("=", 1)[0] for item in dotlist):
+        OmegaConf.update(merged, key, OmegaConf.select(variant, key), merge=False)
+    return merged
 
 
 def _first_unmet(key: str, cfg: Any) -> Needs | None:
     """The first condition of ``key`` (``ONLY_WITH``) that ``cfg`` does not meet, or None: it takes effect."""
-    return next((need for need in ONLY_WITH.get(key, ()) if not need.holds(getattr(cfg, need.other))), None)
+    section = cfg[key.split(".", 1)[0]]
+    return next((need for need in ONLY_WITH.get(key, ()) if not need.holds(section[need.other])), None)
 
 
 def _sampling_unmet(key: str, name: str, cfg: Any) -> str | None:
@@ -94,35 +187,58 @@ def _sampling_unmet(key: str, name: str, cfg: Any) -> str | None:
     from the run's generator; only SSD's fast fallback draws (its random tokens) from a generator seeded by seed."""
     if float(cfg.temperature) != 0 or (key == "top_k" and cfg.top_k == 0) or (key == "top_p" and cfg.top_p == 1):
         return None  # sampling, or a filter left off
-    if key == "seed" and name == "ssd" and str(cfg.ssd_fallback) != "jit":
+    if key == "seed" and name == "ssd" and str(cfg.ssd.fallback) != "jit":
         return None
     return "temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random draw)"
 
 
-def _check_read(given: Iterable[str], runs: Sequence[tuple[str, Any]], where: str) -> None:
+def _reads(name: str, key: str) -> bool:
+    """Whether algorithm ``name`` reads schema key ``key`` (its own options; adapt= and adapt.* if adaptable)."""
+    if key == "adapt" or key.startswith(ADAPT_PREFIX):
+        return name in ADAPTABLE
+    return key.startswith(f"{name}.")
+
+
+def _is_algorithm_key(key: str) -> bool:
+    return key in ALGORITHM_KEYS or key == "adapt" or key.startswith(ADAPT_PREFIX)
+
+
+def _check_read(given: Iterable[Given], runs: Sequence[tuple[str, Any]], where: str) -> None:
     """Refuse an algorithm option in ``given`` that none of ``runs`` ((algorithm, its config) pairs) reads, or that
-    does nothing in every run that reads it (``ONLY_WITH``)."""
-    for key in given:
-        if key not in ALGORITHM_KEYS:
+    does nothing in every run that reads it (``ONLY_WITH``; an observer setting under adapt=none)."""
+    for item in given:
+        keys = [key for key in item.keys if _is_algorithm_key(key)]
+        if not keys:
             continue
-        readers = [(name, cfg) for name, cfg in runs if key in option_keys(name)]
+        readers = [(key, name, cfg) for key in keys for name, cfg in runs if _reads(name, key)]
         if not readers:
             names = list(dict.fromkeys(name for name, _ in runs))
-            own = "; ".join(f"{name} reads {', '.join(option_keys(name)) or 'no algorithm option'}" for name in names)
-            owners = ", ".join(name for name in ALGORITHMS if key in option_keys(name))
-            raise OverrideError(f"{where}{key} is not read by {', '.join(names)} ({own}); it is an option of "
-                                f"{owners}: drop it or choose an algorithm that reads it")
-        unmet = [_first_unmet(key, cfg) for _, cfg in readers]
-        if all(need is not None for need in unmet):
-            need = unmet[0]
-            raise OverrideError(f"{where}{key} does nothing with {need.other}={getattr(readers[0][1], need.other)}; "
-                                f"set {need.fix} or drop {key}")
+            own = "; ".join(f"{name} reads {', '.join(_read_keys(name)) or 'no algorithm option'}" for name in names)
+            owners = ", ".join(dict.fromkeys(name for key in keys for name in ALGORITHMS if _reads(name, key)))
+            raise OverrideError(f"{where}{item.spelled} is not read by {', '.join(names)} ({own}); it is an option "
+                                f"of {owners}: drop it or choose an algorithm that reads it")
+        if keys[0].startswith(ADAPT_PREFIX):
+            if all(cfg.adapt == "none" for _, _, cfg in readers):
+                raise OverrideError(f"{where}{keys[0]} does nothing with adapt=none; set adapt=NAME (e.g. "
+                                    f"adapt=bandit) or drop {keys[0]}")
+            continue
+        unmet = [(key, _first_unmet(key, cfg), cfg) for key, _, cfg in readers]
+        if all(need is not None for _, need, _ in unmet):
+            key, need, cfg = unmet[0]
+            name = key.split(".", 1)[0]
+            raise OverrideError(f"{where}{key} does nothing with {name}.{need.other}={cfg[name][need.other]}; "
+                                f"set {name}.{need.fix} or drop {key}")
 
 
-def _check_sampling(given: Iterable[str], runs: Sequence[tuple[str, Any]], where: str) -> None:
+def _read_keys(name: str) -> list[str]:
+    return option_keys(name) + (["adapt", "adapt.*"] if name in ADAPTABLE else [])
+
+
+def _check_sampling(given: Iterable[Given], runs: Sequence[tuple[str, Any]], where: str) -> None:
     """Refuse top_k, top_p (set on) or seed in ``given`` where every run samples greedily (they would do
     nothing)."""
-    for key in given:
+    for item in given:
+        key = item.keys[0]
         if key not in SAMPLING_FILTERS or not runs:
             continue
         reasons = [_sampling_unmet(key, name, cfg) for name, cfg in runs]
@@ -131,12 +247,22 @@ def _check_sampling(given: Iterable[str], runs: Sequence[tuple[str, Any]], where
                                 f"drop {key}")
 
 
-def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str], *,
+def _check_observer(name: str, cfg: Any, where: str) -> None:
+    """Refuse (one line) an unknown observer, or a setting it refuses, before any model loads."""
+    if name not in ADAPTABLE or cfg.adapt == "none":
+        return
+    try:
+        observer_kind(cfg.adapt).settings(dict(cfg.adapt_settings))
+    except ValueError as exc:  # core.errors.UserError included
+        raise OverrideError(f"{where}{exc}") from None
+
+
+def check_algorithm_options(cfg: Any, given: Iterable[Given], labels: Sequence[str], *,
                             sampling_defaults: bool = False) -> None:
     """Refuse (one line) an unknown algorithm, and an algorithm option that the run's algorithms do not read: a
-    key the command line set (``given``) and each variant's own keys. ``all`` admits every option. Sampling
-    filters and seed at temperature 0 are refused too, unless ``sampling_defaults`` (a server's: defaults for
-    requests, which may set a temperature of their own)."""
+    key the command line set (``given``, from :func:`parse_engine_cli`) and each variant's own keys. ``all`` admits
+    every option. Sampling filters and seed at temperature 0 are refused too, unless ``sampling_defaults`` (a
+    server's: defaults for requests, which may set a temperature of their own)."""
     given = list(given)
     runs = []
     for label in labels:
@@ -148,18 +274,20 @@ def check_algorithm_options(cfg: Any, given: Iterable[str], labels: Sequence[str
         except ValueError as exc:
             raise OverrideError(str(exc)) from None
         variant = with_overrides(cfg, overrides, label)
-        own = [item.split("=", 1)[0] for item in overrides]
-        _check_read(own, [(name, variant)], f"algorithm variant '{label}': ")
+        own = [item for item, _ in variant_items(name, overrides, label, warn=True)]
+        where = f"algorithm variant '{label}': "
+        _check_read(own, [(name, variant)], where)
         if not sampling_defaults:
-            _check_sampling(own, [(name, variant)], f"algorithm variant '{label}': ")
+            _check_sampling(own, [(name, variant)], where)
         if name == "specbranch" and (error := specbranch_option_error(variant)):
-            raise OverrideError(f"algorithm variant '{label}': {error}" if overrides else error)
+            raise OverrideError(f"{where}{error}" if overrides else error)
+        _check_observer(name, variant, where if overrides else "")
         runs.append((name, variant))
     if "all" not in labels:
         _check_read(given, runs, "")
     if not sampling_defaults:
         # a run-level key is refused only if no run samples (each variant inherits it unless it sets its own)
-        _check_sampling([key for key in given if key in SAMPLING_FILTERS], runs, "")
+        _check_sampling([item for item in given if item.keys[0] in SAMPLING_FILTERS], runs, "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
@@ -207,15 +335,6 @@ def split_drafter_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return rest, by_kind
 
 
-def parse_engine_cli(argv: Sequence[str], schema: type, usage: str) -> tuple[Any, list[str]]:
-    """``parse_cli`` for a schema derived from :class:`EngineArgs`, with ``drafter.<kind>=PATH``: (the config, the
-    arguments left for schema keys, e.g. for :func:`given_keys`)."""
-    rest, by_kind = split_drafter_args(argv)
-    cfg = parse_cli(rest, schema, usage)
-    cfg.drafter_by_kind = by_kind
-    return cfg, rest
-
-
 def drafter_paths(cfg: Any) -> dict[str, str]:
     """Drafter kind (``core.drafters.kinds``) -> path: ``drafters=DIR`` first (each export by the kind it records),
     then ``drafter=PATH`` (by the kind its export records; a draft LM otherwise), then each ``drafter.<kind>=PATH``
@@ -226,8 +345,8 @@ def drafter_paths(cfg: Any) -> dict[str, str]:
     if cfg.drafter:
         paths[export_kind(Path(cfg.drafter)) or CAUSAL_LM_KIND] = cfg.drafter
     paths.update(getattr(cfg, "drafter_by_kind", None) or {})
-    if getattr(cfg, "hrad", "auto") not in ("auto", "none"):
-        paths["hrad"] = cfg.hrad
+    if cfg.specbranch.hrad not in ("auto", "none"):
+        paths["hrad"] = cfg.specbranch.hrad
     return paths
 
 
@@ -279,10 +398,27 @@ def load_drafters(cfg: Any, paths: dict[str, str], needed: set[str], target: Loa
 
 def resolved_config(cfg: Any, paths: dict[str, str]) -> Any:
     """``cfg`` with the draft LM's path and H-RAD resolved: algorithms that rebuild a drafter elsewhere (a draft
-    process) read its path from cfg, and ``hrad=auto`` means the drafters' H-RAD export, if any."""
+    process) read its path from cfg, and ``specbranch.hrad=auto`` means the drafters' H-RAD export, if any."""
+    hrad = cfg.specbranch.hrad
     return OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
                            {"drafter": paths.get(CAUSAL_LM_KIND),
-                            "hrad": paths.get("hrad", "none") if cfg.hrad == "auto" else cfg.hrad})
+                            "specbranch": {"hrad": paths.get("hrad", "none") if hrad == "auto" else hrad}})
+
+
+def engine_context(cfg: Any, target: LoadedModel, names: Iterable[str]) -> dict[str, Any]:
+    """What the engine hands an algorithm besides its options, by the names its ``context`` lists: the draft LM's
+    path (a draft process reloads it), the run's seed and threads, the target's tokenizer (Self-Draft checks its
+    corpus against it), and the round observer ``adapt=`` names with its settings (parsed by the observer)."""
+    sources = {
+        "draft_path": lambda: cfg.drafter,
+        "seed": lambda: 0 if cfg.seed is None else cfg.seed,  # a server may leave seed unset
+        "threads": lambda: cfg.threads,
+        "tokenizer": lambda: target.tokenizer,
+        "adapt": lambda: cfg.adapt,
+        "adapt_settings": lambda: (observer_kind(cfg.adapt).settings(dict(cfg.adapt_settings))
+                                   if cfg.adapt != "none" else None),
+    }
+    return {name: sources[name]() for name in names}
 
 
 def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict[str, Any],
@@ -291,15 +427,16 @@ def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict
     caches one vocabulary-limited draft runner (shared weights) per ``draft_vocab``."""
     name, overrides = parse_variant(label)
     variant_cfg = with_overrides(resolved, overrides, label)
-    if variant_cfg.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
-        variant_cfg.hrad = resolved.hrad
-    kind = algorithm_class(name).drafter
-    drafter = drafters.get(kind)
-    if kind == CAUSAL_LM_KIND and variant_cfg.draft_vocab:
-        vocab = variant_cfg.draft_vocab
+    if variant_cfg.specbranch.hrad == "auto":  # as for the run: the drafters' H-RAD export, if any
+        variant_cfg.specbranch.hrad = resolved.specbranch.hrad
+    cls = algorithm_class(name)
+    options = OmegaConf.to_object(variant_cfg[name])
+    drafter = drafters.get(cls.drafter)
+    if cls.drafter == CAUSAL_LM_KIND and options.draft_vocab:
+        vocab = options.draft_vocab
         drafter = limited.setdefault(vocab, with_logit_vocab(drafter, vocab))
-    return build_algorithm(name, target.runner, drafter, **algorithm_class(name).options_from_config(variant_cfg)), \
-        variant_cfg
+    context = engine_context(variant_cfg, target, cls.context)
+    return build_algorithm(name, target.runner, drafter, options, **context), variant_cfg
 
 
 def build_algorithms(cfg: Any, labels: Sequence[str], target: LoadedModel | None = None,

@@ -3,15 +3,16 @@
 Drafters: ``drafters=DIR`` is a directory of exports (``python -m spectrain.export`` outputs, found by the kind
 their ``config.json`` records: draft_lm, eagle3, specblock, dflash, peagle, hrad). Each can also be named on its own,
 which wins over the directory: ``drafter=PATH`` (a draft LM, or any export: its kind decides), ``drafter.KIND=PATH``
-when several kinds run together (e.g. ``drafter.eagle3=DIR drafter.draft_lm=DIR``), ``hrad=PATH`` (SpecBranch's
-H-RAD; ``hrad=none`` for the ablation).
+when several kinds run together (e.g. ``drafter.eagle3=DIR drafter.draft_lm=DIR``), ``specbranch.hrad=PATH``
+(SpecBranch's H-RAD; ``specbranch.hrad=none`` for the ablation).
 
 Algorithms: a list of names, ``all`` (every algorithm whose drafter is available; the others are listed as
 skipped with the reason), and variants ``NAME@key=value[@key=value]`` that run an algorithm again with other
 options in the same run, e.g. ``algorithms=[sps,sps@verifier=hsd,specbranch@hrad=none,sps@temperature=1@seed=3]``.
-A variant may set its algorithm's options, sampling (temperature, top_k, top_p), seed and max_new_tokens; the other
-keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's algorithms reads
-is refused (``inference.engine_args``), so nothing is accepted and ignored.
+An algorithm's options are keys under its name (``ssd.budget=8``; in a variant by their names, ``ssd@budget=8``).
+A variant may set its algorithm's options, ``adapt``, sampling (temperature, top_k, top_p), seed and max_new_tokens;
+the other keys (models, prompts, placement, outputs) are fixed for the run. An option that none of the run's
+algorithms reads is refused (``inference.engine_args``), so nothing is accepted and ignored.
 
 Runs every algorithm on the same prompts in ONE process (an ``ar`` baseline is always included, so speedups
 compare like with like) and writes ``out/results.json``, ``out/report.md`` and PNGs (acceptance by position,
@@ -41,8 +42,8 @@ from inference.algorithms.options import apply_threads
 from inference import exactness
 from inference.drafters import LoadedModel, eos_token_ids
 from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_drafters,
-                                   check_placement, drafter_kind_for, drafter_paths, given_keys, load_target,
-                                   parse_engine_cli, parse_variant, sampling_params, with_overrides)
+                                   check_placement, drafter_kind_for, drafter_paths, load_target, parse_engine_cli,
+                                   parse_variant, sampling_params, with_overrides)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 
 USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
@@ -65,14 +66,14 @@ class EvalConfig(EngineArgs):
 def parse_args(argv: Sequence[str]) -> Any:
     # Accept the singular forms users type (bench=mt_bench, algorithms=sps) for the list fields.
     argv = [_listify(arg, ("bench", "algorithms")) for arg in argv]
-    cfg, argv = parse_engine_cli(argv, EvalConfig, USAGE)
+    cfg, given = parse_engine_cli(argv, EvalConfig, USAGE)
     if cfg.n_prompts < 1 or cfg.batch_size < 1:
         raise OverrideError("n_prompts and batch_size must be >= 1")
     check_output(cfg.out)  # results are written after the whole run: a bad out= must fail now
     check_placement(cfg)
     _check_generation(cfg, "")
     # unknown algorithms, and options none of them reads, fail here, before any model loads
-    check_algorithm_options(cfg, given_keys(argv, EvalConfig, USAGE), cfg.algorithms)
+    check_algorithm_options(cfg, given, cfg.algorithms)
     for label in cfg.algorithms:
         if label != "all":
             _check_generation(with_overrides(cfg, parse_variant(label)[1], label), f"algorithm variant '{label}': ")

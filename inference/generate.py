@@ -23,7 +23,7 @@ from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import apply_threads
 from inference.drafters import LoadedModel, eos_token_ids
 from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement,
-                                   given_keys, load_target, parse_engine_cli, sampling_params)
+                                   load_target, parse_engine_cli, sampling_params)
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
 
@@ -72,15 +72,15 @@ def generate_text(cfg: Any, target: LoadedModel | None = None, draft: LoadedMode
 
 
 def _run(args: list[str]) -> tuple[Any, GenerationResult]:
-    cfg, args = parse_engine_cli(args, GenerateConfig, USAGE)
+    cfg, given = parse_engine_cli(args, GenerateConfig, USAGE)
     if not cfg.prompt:
         raise OverrideError(f"no prompt given; usage: {USAGE}")
     if cfg.max_new_tokens < 1:
         raise OverrideError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if "@" in cfg.algorithm:
-        raise OverrideError(f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as key=value "
-                            "(variants NAME@key=value are for inference.evaluate and inference.serve)")
-    check_algorithm_options(cfg, given_keys(args, GenerateConfig, USAGE), [cfg.algorithm])
+        raise OverrideError(f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as "
+                            "NAME.key=value (variants NAME@key=value are for inference.evaluate and inference.serve)")
+    check_algorithm_options(cfg, given, [cfg.algorithm])
     check_placement(cfg)
     try:
         sampling_params(cfg)

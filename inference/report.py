@@ -32,11 +32,12 @@ def _exactness(results: dict[str, Any]) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     cfg = results.get("config", {})
+    sps = cfg.get("sps", cfg)  # SpS's options (a results file from before scoped options holds them at the top)
     lines = [
         f"# Evaluation: target `{cfg.get('target')}`, drafters `{_drafters(cfg)}`",
         "",
         f"temperature {cfg.get('temperature')}, max_new_tokens {cfg.get('max_new_tokens')}, "
-        f"verifier {cfg.get('verifier')}, gamma {cfg.get('gamma')}, device {results.get('device')}"
+        f"verifier {sps.get('verifier')}, gamma {sps.get('gamma')}, device {results.get('device')}"
         + (f", {results['dtype']}" if results.get("dtype") else ""),
         "",
         f"exactness: {_exactness(results)}",
@@ -89,8 +90,9 @@ def _own_figures(run: dict[str, Any]) -> str:
 def _drafters(cfg: dict[str, Any]) -> str:
     named = [f"{k}={cfg[k]}" for k in ("drafters", "drafter") if cfg.get(k) not in (None, "auto", "none")]
     named += [f"drafter.{kind}={path}" for kind, path in (cfg.get("drafter_by_kind") or {}).items()]
-    if cfg.get("hrad") not in (None, "auto", "none"):
-        named.append(f"hrad={cfg['hrad']}")
+    hrad = (cfg.get("specbranch") or {}).get("hrad", cfg.get("hrad"))  # SpecBranch's option (a top-level key before)
+    if hrad not in (None, "auto", "none"):
+        named.append(f"specbranch.hrad={hrad}")
     return ", ".join(named) or "none"
 
 

@@ -41,8 +41,9 @@ class RoundObserver(Protocol):
 
 
 class ObserverKind(Protocol):
-    def settings(self, cfg: Any) -> Any:
-        """The observer's settings from an options object (``adapt_<field>`` attributes)."""
+    def settings(self, given: dict[str, str]) -> Any:
+        """The observer's settings from ``adapt.NAME=VALUE`` (NAME -> VALUE as written); refuses (one line, a
+        ``ValueError`` or ``core.errors.UserError``) a name or value it does not take."""
 
     def attach(self, target: Any, drafter: nn.Module, settings: Any, *, verify_tokens: int,
                max_accept: int) -> tuple[nn.Module, RoundObserver]:

@@ -52,12 +52,11 @@ PROBE_BATCH = (2, 64)  # the forward of a small training batch: the regeneration
 PROBE_DECODE_STEPS = 16  # one-token decode steps: what evaluation and the traces mostly do
 DRAFT_VOCAB = 8192  # the draft LM is trained on (and drafts from) the 8,192 lowest ids (draftlm_smollm2_gsm)
 # Self-Draft's small grid, the setting that beat AR in wall-clock on the 2-core CPU (BENCHMARKS.md, "Self-Draft")
-SELF_DRAFT_CPU = ("self_draft@self_draft_L=3@self_draft_N=1@self_draft_candidates=2@self_draft_corpus_candidates=1"
-                  "@self_draft_grid_vocab=8192")
+SELF_DRAFT_CPU = "self_draft@branch_len=3@branch_num=1@ctx_candidates=2@corpus_candidates=1@grid_vocab=8192"
 # Beside every algorithm at its defaults: PEARL and SpecBranch drafting in a second process (the second core),
 # Self-Draft's CPU grid, and EAGLE-3 / SpecBlock trees of 16 tokens (one cheap verification on a CPU).
 VARIANTS = ["pearl@executor=multiprocess", "specbranch@executor=multiprocess", SELF_DRAFT_CPU,
-            "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree@specblock_budget=16@specblock_width=4"]
+            "eagle3_tree@tree_depth=5@tree_topk=4@tree_total=16", "specblock_tree@budget=16@width=4"]
 USAGE = "python -m spectrain.demo out=runs/demo n_samples=256 n_prompts=4 max_new_tokens=96 stages=all"
 
 
@@ -159,7 +158,8 @@ def build_stages(cfg: DemoConfig) -> list[Stage]:
               f"every algorithm on {cfg.n_prompts} held-out prompts of {', '.join(cfg.bench)} against AR in one run "
               f"({dtype}, one thread; the multiprocess variants draft on the second core)",
               ("inference.evaluate", "target=smollm2", f"drafters={exports}", f"algorithms=[all,{','.join(VARIANTS)}]",
-               f"draft_vocab={DRAFT_VOCAB}", f"ngram_corpus={out / 'ngram_corpus.pt'}", f"bench=[{','.join(cfg.bench)}]",
+               *(f"{name}.draft_vocab={DRAFT_VOCAB}" for name in ("sps", "pearl", "specbranch", "ssd")),
+               f"self_draft.corpus={out / 'ngram_corpus.pt'}", f"bench=[{','.join(cfg.bench)}]",
                f"n_prompts={cfg.n_prompts}", f"max_new_tokens={cfg.max_new_tokens}", f"dtype={dtype}", "threads=1",
                f"out={out / 'eval'}"), out / "eval"),
     ]

@@ -40,7 +40,7 @@ def tiny_models(root: Path) -> dict:
     target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)
     ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
     return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
-            "features": random_drafter(target.model, draft_vocab=2048),
+            "eagle3": random_drafter(target.model, draft_vocab=2048),
             "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
             "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval(),
             "peagle": random_peagle_drafter(target.model, draft_vocab=2048)}
@@ -62,7 +62,7 @@ def serve_config(tiny, *keys: str):
 
 
 def start(tiny, *keys: str) -> RunningServer:
-    drafters = {"features": tiny["features"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
+    drafters = {"eagle3": tiny["eagle3"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
                 "peagle": tiny["peagle"]}
     return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
 

@@ -131,7 +131,7 @@ def test_bad_adapt_options_are_one_line_errors(tiny):
     target, drafter = tiny
     with pytest.raises(ValueError, match="adapt=sometimes is unknown"):
         build_algorithm("eagle3_tree", runner(target), drafter, adapt="sometimes")
-    with pytest.raises(ValueError, match="adapt_arms must be a non-empty subset"):
+    with pytest.raises(ValueError, match="adapt.arms must be a non-empty subset"):
         BanditAdapter(Eagle3Adaptable(drafter), CostModel(1.0, {"head": 0.0}), AdaptSettings(arms="head,adam"))
     with pytest.raises(ValueError, match="the lora arm needs LoRA adapters"):
         Eagle3Adaptable(drafter).lora_parameters()
@@ -211,20 +211,6 @@ def test_the_bandit_keeps_interleaved_queries_apart(tiny):
     assert set(adapter.recorders) == {"y"}
     adapter.end_query("y", 7)
     assert adapter.recorders == {}
-
-
-def test_every_adapt_setting_is_an_engine_option_with_the_same_default():
-    from dataclasses import fields
-
-    from inference.algorithms.eagle3_tree import Eagle3Tree
-    from inference.algorithms.options import AlgorithmOptions
-
-    options = AlgorithmOptions()
-    for field in fields(AdaptSettings):
-        assert getattr(options, f"adapt_{field.name}") == getattr(AdaptSettings(), field.name), field.name
-    assert Eagle3Tree.options_from_config(options) == {"tree_depth": 6, "tree_topk": 8, "tree_total": 48}
-    chosen = Eagle3Tree.options_from_config(AlgorithmOptions(adapt="bandit", adapt_horizon=7))
-    assert chosen["adapt"] == "bandit" and chosen["adapt_settings"] == AdaptSettings(horizon=7)
 
 
 @torch.no_grad()
@@ -539,7 +525,7 @@ def test_validation_on_tau_keeps_an_update_only_if_the_held_out_accept_length_ri
     assert (rows[1]["val_tau_before"], rows[1]["val_tau_after"]) == taus
     assert (adapter.log.rows[1]["val_tau_before"], adapter.log.rows[1]["val_tau_after"]) == taus  # logged too
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items()) is not kept
-    with pytest.raises(ValueError, match="adapt_validate_on must be loss or tau"):
+    with pytest.raises(ValueError, match="adapt.validate_on must be loss or tau"):
         adapter_for(drafter, validate_on="accuracy")
 
 
@@ -567,7 +553,7 @@ def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, arm,
     assert standing == pytest.approx(rows[1]["check_loss_origin" if reset else "check_loss_adapted"], rel=1e-5)
     later = adapter.process(checked, tau=2.0, signal=1.0, iter_ratio=1.0)  # checked again only while adapted
     assert ("check_s" in later) is not reset
-    with pytest.raises(ValueError, match="adapt_origin_check must be >= 0"):
+    with pytest.raises(ValueError, match="adapt.origin_check must be >= 0"):
         adapter_for(drafter, origin_check=-1)
 
 
@@ -595,5 +581,5 @@ def test_teacher_temperature_sharpens_the_update_target_without_moving_its_argma
     if temperature == 1.0:
         assert loss_of(sharp, record, "full") == loss_of(plain, record, "full")
     assert sharp.simulate(record, 2) == plain.simulate(record, 2)
-    with pytest.raises(ValueError, match="adapt_teacher_temperature must be >= 0"):
+    with pytest.raises(ValueError, match="adapt.teacher_temperature must be >= 0"):
         Eagle3Adaptable(drafter, teacher_temperature=-1.0)

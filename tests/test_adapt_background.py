@@ -166,7 +166,7 @@ def test_settings_parse_from_command_line_strings():
                                                  "background": "true", "min_gap": "2"})
     assert parsed == AdaptSettings(horizon=7, validate=False, log=None, head_lr=3e-3, background=True, min_gap=2)
     assert AdaptSettings.with_overrides({"horizon": 9, "not_a_setting": 1}, {}) == AdaptSettings(horizon=9)
-    with pytest.raises(ValueError, match="bad setting adapt_min_gap: .*'often'"):
+    with pytest.raises(ValueError, match="bad setting adapt.min_gap: .*'often'"):
         AdaptSettings.with_overrides(base, {"min_gap": "often"})
 
 

@@ -314,9 +314,9 @@ CASES = [
      "max_new_tokens=-1 must be >= 1"),
     ("inference.evaluate", (*EVAL, "top_p=2"), None,
      "top_p must be in (0, 1] (1 = off), got 2.0"),
-    ("inference.evaluate", (*EVAL, "algorithms=ar", "gamma=3"), None,
-     "gamma is not read by ar (ar reads no algorithm option); it is an option of sps, pearl, specbranch, ssd: "
-     "drop it or choose an algorithm that reads it"),
+    ("inference.evaluate", (*EVAL, "algorithms=ar", "sps.gamma=3"), None,
+     "sps.gamma is not read by ar (ar reads no algorithm option); it is an option of sps: drop it or choose an "
+     "algorithm that reads it"),
     ("inference.generate", (*GEN, "max_new_tokens=-1"), None,
      "max_new_tokens=-1 must be >= 1"),
     ("inference.generate", (*GEN, "algorithm=nope"), None,
@@ -330,9 +330,9 @@ CASES = [
      "max_queue=0 must be >= 1"),
     ("inference.serve.server", (*SERVE, "batch_size=-1"), None,
      "batch_size=-1 must be >= 0 (0 = auto)"),
-    ("inference.serve.server", (*SERVE, "algorithm=ar", "tree_depth=3"), None,
-     "tree_depth is not read by ar (ar reads no algorithm option); it is an option of eagle3_tree: drop it or "
-     "choose an algorithm that reads it"),
+    ("inference.serve.server", (*SERVE, "algorithm=ar", "eagle3_tree.tree_depth=3"), None,
+     "eagle3_tree.tree_depth is not read by ar (ar reads no algorithm option); it is an option of eagle3_tree: "
+     "drop it or choose an algorithm that reads it"),
     # required keys, and keys that exclude each other
     ("spectrain.export", ("ckpt={B}/e3.ckpt",), None,
      "out=DIR is required; usage: {EXPORT_USAGE}"),
@@ -458,21 +458,21 @@ CASES = [
      "{B}/exports_broken/eagle3/config.json is damaged (not JSON: Expecting value, line 3 column 22); re-export "
      "it (python -m spectrain.export) or remove the directory"),
     # options that do nothing in this setting (refused naming the option, why, and the fix)
-    ("inference.evaluate", (*EVAL, "algorithms=ssd", "drafter={B}/other", "ssd_fast=random"), None,
-     "ssd_fast does nothing with ssd_fallback=jit; set ssd_fallback=fast or auto or drop ssd_fast"),
-    ("inference.evaluate", (*EVAL, "algorithms=ssd", "drafter={B}/other", "ssd_fork_vocab=draft"), None,
-     "ssd_fork_vocab does nothing with draft_vocab=0; set draft_vocab=N (a vocabulary-limited drafter) or drop "
-     "ssd_fork_vocab"),
-    ("inference.generate", (*GEN, "algorithm=self_draft", "self_draft_corpus_candidates=2"), None,
-     "self_draft_corpus_candidates does nothing with ngram_corpus=None; set ngram_corpus=FILE (python -m "
-     "data_prep.ngram_corpus) or drop self_draft_corpus_candidates"),
-    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "adapt=bandit", "adapt_lora_rank=4"), None,
-     "adapt_lora_rank does nothing with adapt_arms=head,full; set adapt_arms with lora in it (e.g. "
-     "adapt_arms=head,full,lora) or drop adapt_lora_rank"),
-    ("inference.evaluate", (*EVAL, "algorithms=specbranch@hrad=class0@specbranch_eps=0.5"), None,
-     "algorithm variant 'specbranch@hrad=class0@specbranch_eps=0.5': specbranch_eps does nothing with "
-     "hrad=class0; set hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep never cut by "
-     "confidence) or drop specbranch_eps"),
+    ("inference.evaluate", (*EVAL, "algorithms=ssd", "drafter={B}/other", "ssd.fast=random"), None,
+     "ssd.fast does nothing with ssd.fallback=jit; set ssd.fallback=fast or auto or drop ssd.fast"),
+    ("inference.evaluate", (*EVAL, "algorithms=ssd", "drafter={B}/other", "ssd.fork_vocab=draft"), None,
+     "ssd.fork_vocab does nothing with ssd.draft_vocab=0; set ssd.draft_vocab=N (a vocabulary-limited drafter) or "
+     "drop ssd.fork_vocab"),
+    ("inference.generate", (*GEN, "algorithm=self_draft", "self_draft.corpus_candidates=2"), None,
+     "self_draft.corpus_candidates does nothing with self_draft.corpus=None; set self_draft.corpus=FILE (python -m "
+     "data_prep.ngram_corpus) or drop self_draft.corpus_candidates"),
+    ("inference.serve.server", (*SERVE, "algorithm=eagle3_tree", "adapt=bandit", "adapt.lora_rank=4"), None,
+     "adapt.lora_rank does nothing with adapt.arms=head,full; set adapt.arms with lora in it (e.g. "
+     "adapt.arms=head,full,lora) or drop adapt.lora_rank"),
+    ("inference.evaluate", (*EVAL, "algorithms=specbranch@hrad=class0@epsilon=0.5"), None,
+     "algorithm variant 'specbranch@hrad=class0@epsilon=0.5': specbranch.epsilon does nothing with "
+     "specbranch.hrad=class0; set specbranch.hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep "
+     "never cut by confidence) or drop specbranch.epsilon"),
     ("inference.evaluate", (*EVAL, "top_k=5"), None,
      "top_k does nothing at temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random "
      "draw); set temperature > 0 to sample, or drop top_k"),

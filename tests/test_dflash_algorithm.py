@@ -143,7 +143,7 @@ def test_bad_drafters_and_options_are_one_line_errors(setup):
                                                  block_size=4, num_layers=1, mask_token_id=3))
     with pytest.raises(ValueError, match=r"aux layers \[1, 9\] do not exist in a 3-layer target"):
         build_algorithm("dflash", runner(target), deep)
-    with pytest.raises(ValueError, match="dflash_draft_tokens=4 but this drafter's block drafts 3 tokens; give 1..3"):
+    with pytest.raises(ValueError, match=r"dflash\.draft_tokens=4 but this drafter's block drafts 3 tokens; give 1..3"):
         build_algorithm("dflash", runner(target), make_drafter(target), draft_tokens=4)
     algorithm = build_algorithm("dflash", runner(target), make_drafter(target))
     with pytest.raises(ValueError, match=r"\(\+4 lookahead\) needs 200 cache slots but max_seq_len=192"):

@@ -111,7 +111,7 @@ def test_generate_streams_the_answer(smollm2, capsys):
 @pytest.mark.real_model
 def test_generate_with_a_vocabulary_limited_draft_gives_the_same_answer(smollm2, capsys):
     cfg, _ = generate_cli.parse_engine_cli(["prompt=What is the capital of France?", "max_new_tokens=12",
-                                            "algorithm=sps", "draft_vocab=1000"], generate_cli.GenerateConfig,
+                                            "algorithm=sps", "sps.draft_vocab=1000"], generate_cli.GenerateConfig,
                                            generate_cli.USAGE)
     streamer = generate_cli.TextStreamer(smollm2[1])
     result = generate_cli.generate_text(cfg, loaded(smollm2), loaded(smollm2), on_tokens=streamer)
@@ -120,16 +120,13 @@ def test_generate_with_a_vocabulary_limited_draft_gives_the_same_answer(smollm2,
     assert 0 < result.stats.accepted_draft_tokens < result.stats.drafted_tokens
 
 
-@pytest.mark.parametrize("name", ["ar", "sps", "eagle3_tree", "self_draft"])
-def test_every_algorithm_reads_its_options_from_both_clis(name):
-    from inference.algorithms import algorithm_class
-
-    cls = algorithm_class(name)
-    eval_cfg = evaluate_cli.parse_args(["algorithms=[sps,eagle3_tree,self_draft]", "gamma=3", "tree_depth=2",
-                                        "self_draft_L=5"])
-    gen_cfg, _ = generate_cli.parse_engine_cli(["prompt=hi", "gamma=3", "tree_depth=2", "self_draft_L=5"],
-                                               generate_cli.GenerateConfig, generate_cli.USAGE)
-    assert cls.options_from_config(eval_cfg) == cls.options_from_config(gen_cfg)
+def test_every_algorithm_reads_its_options_alike_from_both_clis():
+    args = ["sps.gamma=3", "eagle3_tree.tree_depth=2", "self_draft.branch_len=5"]
+    eval_cfg = evaluate_cli.parse_args(["algorithms=[sps,eagle3_tree,self_draft]", *args])
+    gen_cfg, _ = generate_cli.parse_engine_cli(["prompt=hi", *args], generate_cli.GenerateConfig, generate_cli.USAGE)
+    for name in ("ar", "sps", "eagle3_tree", "self_draft"):
+        assert eval_cfg[name] == gen_cfg[name], name
+    assert (eval_cfg.sps.gamma, eval_cfg.eagle3_tree.tree_depth, eval_cfg.self_draft.branch_len) == (3, 2, 5)
 
 
 def _fake_export(path, kind: str):

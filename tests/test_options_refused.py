@@ -12,36 +12,36 @@ from inference.serve.config import parse_args as serve_args
 
 # (argv, the whole refusal, an argv where the same option takes effect)
 REFUSED = [
-    (["algorithms=[ssd]", "ssd_fast=random"],
-     "ssd_fast does nothing with ssd_fallback=jit; set ssd_fallback=fast or auto or drop ssd_fast",
-     ["algorithms=[ssd]", "ssd_fast=random", "ssd_fallback=auto"]),
-    (["algorithms=[ssd]", "ssd_fork_vocab=draft"],
-     "ssd_fork_vocab does nothing with draft_vocab=0; set draft_vocab=N (a vocabulary-limited drafter) or drop "
-     "ssd_fork_vocab",
-     ["algorithms=[ssd@draft_vocab=64]", "ssd_fork_vocab=draft"]),
-    (["algorithms=[self_draft]", "self_draft_corpus_candidates=1"],
-     "self_draft_corpus_candidates does nothing with ngram_corpus=None; set ngram_corpus=FILE (python -m "
-     "data_prep.ngram_corpus) or drop self_draft_corpus_candidates",
-     ["algorithms=[self_draft]", "self_draft_corpus_candidates=1", "ngram_corpus=corpus.pt"]),
-    (["algorithms=[eagle3_tree@adapt=bandit]", "adapt_lora_rank=4"],
-     "adapt_lora_rank does nothing with adapt_arms=head,full; set adapt_arms with lora in it (e.g. "
-     "adapt_arms=head,full,lora) or drop adapt_lora_rank",
-     ["algorithms=[eagle3_tree@adapt=bandit]", "adapt_lora_rank=4", "adapt_arms=head,full,lora"]),
-    (["algorithms=[eagle3_tree]", "adapt_lora_lr=0.1"],
-     "adapt_lora_lr does nothing with adapt=none; set adapt other than none or drop adapt_lora_lr",
-     ["algorithms=[eagle3_tree]", "adapt=bandit", "adapt_arms=lora", "adapt_lora_lr=0.1"]),
-    (["algorithms=[eagle3_tree]", "adapt=bandit", "adapt_arms=lora", "adapt_head_lr=0.1"],
-     "adapt_head_lr does nothing with adapt_arms=lora; set adapt_arms with head in it or drop adapt_head_lr",
-     ["algorithms=[eagle3_tree]", "adapt=bandit", "adapt_arms=head", "adapt_head_lr=0.1"]),
-    (["algorithms=[specbranch]", "hrad=class2", "specbranch_eps=0.5"],
-     "specbranch_eps does nothing with hrad=class2; set hrad=none, oracle or an H-RAD export (class0, class2 and "
-     "oracle_keep never cut by confidence) or drop specbranch_eps",
-     ["algorithms=[specbranch]", "hrad=none", "specbranch_eps=0.5"]),
-    (["algorithms=[specbranch@hrad=oracle_keep@specbranch_cut_from=1]"],
-     "algorithm variant 'specbranch@hrad=oracle_keep@specbranch_cut_from=1': specbranch_cut_from does nothing "
-     "with hrad=oracle_keep; set hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep never cut by "
-     "confidence) or drop specbranch_cut_from",
-     ["algorithms=[specbranch@hrad=oracle@specbranch_cut_from=1]"]),
+    (["algorithms=[ssd]", "ssd.fast=random"],
+     "ssd.fast does nothing with ssd.fallback=jit; set ssd.fallback=fast or auto or drop ssd.fast",
+     ["algorithms=[ssd]", "ssd.fast=random", "ssd.fallback=auto"]),
+    (["algorithms=[ssd]", "ssd.fork_vocab=draft"],
+     "ssd.fork_vocab does nothing with ssd.draft_vocab=0; set ssd.draft_vocab=N (a vocabulary-limited drafter) or "
+     "drop ssd.fork_vocab",
+     ["algorithms=[ssd@draft_vocab=64]", "ssd.fork_vocab=draft"]),
+    (["algorithms=[self_draft]", "self_draft.corpus_candidates=1"],
+     "self_draft.corpus_candidates does nothing with self_draft.corpus=None; set self_draft.corpus=FILE (python -m "
+     "data_prep.ngram_corpus) or drop self_draft.corpus_candidates",
+     ["algorithms=[self_draft]", "self_draft.corpus_candidates=1", "self_draft.corpus=corpus.pt"]),
+    (["algorithms=[eagle3_tree@adapt=bandit]", "adapt.lora_rank=4"],
+     "algorithm variant 'eagle3_tree@adapt=bandit': adapt.lora_rank does nothing with adapt.arms=head,full; set "
+     "adapt.arms with lora in it (e.g. adapt.arms=head,full,lora) or drop adapt.lora_rank",
+     ["algorithms=[eagle3_tree@adapt=bandit]", "adapt.lora_rank=4", "adapt.arms=head,full,lora"]),
+    (["algorithms=[eagle3_tree]", "adapt.lora_lr=0.1"],
+     "adapt.lora_lr does nothing with adapt=none; set adapt=NAME (e.g. adapt=bandit) or drop adapt.lora_lr",
+     ["algorithms=[eagle3_tree]", "adapt=bandit", "adapt.arms=lora", "adapt.lora_lr=0.1"]),
+    (["algorithms=[eagle3_tree]", "adapt=bandit", "adapt.arms=lora", "adapt.head_lr=0.1"],
+     "adapt.head_lr does nothing with adapt.arms=lora; set adapt.arms with head in it or drop adapt.head_lr",
+     ["algorithms=[eagle3_tree]", "adapt=bandit", "adapt.arms=head", "adapt.head_lr=0.1"]),
+    (["algorithms=[specbranch]", "specbranch.hrad=class2", "specbranch.epsilon=0.5"],
+     "specbranch.epsilon does nothing with specbranch.hrad=class2; set specbranch.hrad=none, oracle or an H-RAD "
+     "export (class0, class2 and oracle_keep never cut by confidence) or drop specbranch.epsilon",
+     ["algorithms=[specbranch]", "specbranch.hrad=none", "specbranch.epsilon=0.5"]),
+    (["algorithms=[specbranch@hrad=oracle_keep@cut_from=1]"],
+     "algorithm variant 'specbranch@hrad=oracle_keep@cut_from=1': specbranch.cut_from does nothing with "
+     "specbranch.hrad=oracle_keep; set specbranch.hrad=none, oracle or an H-RAD export (class0, class2 and "
+     "oracle_keep never cut by confidence) or drop specbranch.cut_from",
+     ["algorithms=[specbranch@hrad=oracle@cut_from=1]"]),
     # sampling filters and the seed at temperature 0
     (["algorithms=[sps]", "top_k=5"],
      "top_k does nothing at temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random "
@@ -58,7 +58,7 @@ REFUSED = [
     (["algorithms=[ssd]", "seed=3"],
      "seed does nothing at temperature=0 (greedy: the argmax, which no top_k or top_p removes, and no random "
      "draw); set temperature > 0 to sample, or drop seed",
-     ["algorithms=[ssd]", "seed=3", "ssd_fallback=fast"]),  # greedy, but the fast fallback draws random tokens
+     ["algorithms=[ssd]", "seed=3", "ssd.fallback=fast"]),  # greedy, but the fast fallback draws random tokens
 ]
 
 
@@ -85,5 +85,5 @@ def test_a_servers_sampling_settings_are_request_defaults_and_not_refused():
     # a request may set temperature > 0 and then samples with the server's top_k, top_p and seed stream
     cfg = serve_args(["algorithm=ar", "temperature=0", "top_k=5", "top_p=0.9", "seed=3"])
     assert (cfg.top_k, cfg.top_p, cfg.seed) == (5, 0.9, 3)
-    with pytest.raises(OverrideError, match="^ssd_fast does nothing with ssd_fallback=jit; "):
-        serve_args(["algorithm=ssd", "ssd_fast=random"])
+    with pytest.raises(OverrideError, match=r"^ssd\.fast does nothing with ssd\.fallback=jit; "):
+        serve_args(["algorithm=ssd", "ssd.fast=random"])

@@ -129,7 +129,7 @@ def test_bad_drafters_and_options_are_one_line_errors(setup):
         build_algorithm("dflash", runner(target), make_peagle(target))
     with pytest.raises(ValueError, match="drafter vocab_size 50 differs from the target's 97"):
         build_algorithm("peagle", runner(target), make_peagle(tiny_llama(2, vocab=50, layers=3), draft_vocab=20))
-    with pytest.raises(ValueError, match="peagle_draft_tokens=5 but this drafter drafts 4 tokens per forward; give "
+    with pytest.raises(ValueError, match=r"peagle\.draft_tokens=5 but this drafter drafts 4 tokens per forward; give "
                                          "1..4"):
         build_algorithm("peagle", runner(target), make_peagle(target), draft_tokens=5)
 

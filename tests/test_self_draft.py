@@ -376,15 +376,16 @@ def test_bad_options_are_one_line_errors(model):
 
 
 def test_options_from_the_evaluate_cli(model):
+    from omegaconf import OmegaConf
+
+    from inference.algorithms.options import SelfDraftOptions
     from inference.evaluate import parse_args
 
-    cfg = parse_args(["algorithms=[ar,self_draft]", "self_draft_L=4", "self_draft_N=2", "self_draft_candidates=3",
-                      "compat_original_cap=true"])
-    options = SelfDraft.options_from_config(cfg)
-    assert options == {"branch_len": 4, "branch_num": 2, "gram_len": 4, "ctx_candidates": 3,
-                       "corpus_candidates": 3, "verify_branches": True, "compat_original_cap": True,
-                       "grid_vocab": 0}
-    algorithm = SelfDraft(runner(model), **options)
+    cfg = parse_args(["algorithms=[ar,self_draft]", "self_draft.branch_len=4", "self_draft.branch_num=2",
+                      "self_draft.ctx_candidates=3", "self_draft.compat_original_cap=true"])
+    options = OmegaConf.to_object(cfg.self_draft)
+    assert options == SelfDraftOptions(branch_len=4, branch_num=2, ctx_candidates=3, compat_original_cap=True)
+    algorithm = SelfDraft(runner(model), options)
     assert algorithm.gram_len == 3 and not algorithm.verify_branches  # G capped at L - 1; compat: candidates only
 
 

@@ -317,7 +317,7 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
 def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
     forcing = ["adapt_prior=5", "adapt_min_gap=1", "adapt_cost_cache=null", "adapt_cost_rows=24",
                "adapt_head_lr=1e-2", "adapt_full_lr=1e-2", "adapt_validate=false"]
-    before = {k: v.clone() for k, v in tiny["features"].state_dict().items()}
+    before = {k: v.clone() for k, v in tiny["eagle3"].state_dict().items()}
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         api = client(server)
         for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
@@ -330,7 +330,7 @@ def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
         served = server.server.model.algorithm.drafter.state_dict()
     assert updates >= 1
     assert any(not torch.equal(before[k], served[k]) for k in before)  # the served copy learned
-    assert all(torch.equal(before[k], v) for k, v in tiny["features"].state_dict().items())  # not the loaded one
+    assert all(torch.equal(before[k], v) for k, v in tiny["eagle3"].state_dict().items())  # not the loaded one
 
 
 def test_cli_refuses_bad_keys_in_one_line(capsys):

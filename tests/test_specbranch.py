@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from pearl_helpers import PROMPT, ar_tokens, assert_executor_matches_sequential, tiny_pair
 from tiny_targets import GREEDY, runner, tiny_llama
 
 from core.overrides import OverrideError
-from inference.algorithms import build_algorithm
+from inference.algorithms import algorithm_class, build_algorithm
 from inference.algorithms.specbranch import continuation_to_keep, true_class
 from inference.draft_side import draft_side_from_runner
+from inference.engine_args import engine_context
 from inference.runner import ModelRunner
 from inference.sampling import SamplingParams
 
@@ -172,7 +174,7 @@ def test_bad_options_are_one_line_errors(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="gamma and kmax must be >= 1"):
         specbranch(target, draft, kmax=0)
-    with pytest.raises(ValueError, match="specbranch_cut_from must be 1 .* or 2"):
+    with pytest.raises(ValueError, match=r"specbranch\.cut_from must be 1 .* or 2"):
         specbranch(target, draft, cut_from=3)
     with pytest.raises(ValueError, match="is not an H-RAD export"):
         specbranch(target, draft, hrad="/nonexistent/hrad")
@@ -202,15 +204,16 @@ def test_cuda_streams_on_gpu_gives_the_sequential_tokens():
 def test_options_come_from_both_clis(name):
     from inference import evaluate as evaluate_cli
     from inference import generate as generate_cli
-    from inference.algorithms import algorithm_class
 
-    args = ["gamma=3", "drafter=/models/draft", "hrad=/exports/hrad", "specbranch_kmax=4", "executor=multiprocess"]
-    eval_cfg = evaluate_cli.parse_args(["algorithms=[pearl,specbranch]"] + args)
+    args = [f"{name}.gamma=3", "drafter=/models/draft", f"{name}.executor=multiprocess"]
+    args += ["specbranch.hrad=/exports/hrad", "specbranch.kmax=4"] if name == "specbranch" else []
+    eval_cfg = evaluate_cli.parse_args([f"algorithms=[{name}]"] + args)
     gen_cfg, _ = generate_cli.parse_engine_cli(["prompt=hi"] + args, generate_cli.GenerateConfig, generate_cli.USAGE)
-    options = algorithm_class(name).options_from_config(eval_cfg)
-    assert options == algorithm_class(name).options_from_config(gen_cfg)
-    assert options["executor"] == "multiprocess" and options["draft_path"] == "/models/draft"
-    assert name == "pearl" or (options["kmax"], options["hrad"]) == (4, "/exports/hrad")
+    assert eval_cfg[name] == gen_cfg[name]
+    options = OmegaConf.to_object(eval_cfg[name])
+    assert (options.gamma, options.executor) == (3, "multiprocess")
+    assert engine_context(eval_cfg, None, algorithm_class(name).context) == {"draft_path": "/models/draft"}
+    assert name == "pearl" or (options.kmax, options.hrad) == (4, "/exports/hrad")
 
 
 # ------------------------------------------------------------------------------------- measurement policies
@@ -323,7 +326,8 @@ def test_oracle_policies_refuse_sampling_in_one_line(pair):
     with pytest.raises(OverrideError, match=r"'specbranch@hrad=oracle_keep@temperature=1': hrad=oracle_keep needs"):
         check_algorithm_options(cfg, [], ["specbranch@hrad=oracle_keep@temperature=1"])
     with pytest.raises(OverrideError, match="hrad=oracle needs temperature=0") as info:  # refused while parsing
-        evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "temperature=0.7", "hrad=oracle"])
+        evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "temperature=0.7",
+                                 "specbranch.hrad=oracle"])
     assert "\n" not in str(info.value)
 
 
@@ -331,7 +335,6 @@ def test_sps_gamma_7_runs_beside_gamma_4(pair):
     """``sps@gamma=7`` is a variant of its own beside ``sps`` (γ = 4): both pass the option checks, build with
     their own γ, and give AR's greedy tokens."""
     from inference import evaluate as evaluate_cli
-    from inference.algorithms import algorithm_class
     from inference.engine_args import check_algorithm_options, with_overrides
 
     labels = ["sps@draft_vocab=64", "sps@draft_vocab=64@gamma=7"]
@@ -339,9 +342,9 @@ def test_sps_gamma_7_runs_beside_gamma_4(pair):
     check_algorithm_options(cfg, [], labels)
     target, draft = pair
     for label, gamma in zip(labels, (4, 7)):
-        options = algorithm_class("sps").options_from_config(with_overrides(cfg, label.split("@")[1:], label))
-        assert options["gamma"] == gamma
-        algo = build_algorithm("sps", runner(target), runner(draft), **options)
+        options = OmegaConf.to_object(with_overrides(cfg, label.split("@")[1:], label).sps)
+        assert options.gamma == gamma
+        algo = build_algorithm("sps", runner(target), runner(draft), options)
         result = algo.generate(PROMPT, max_new_tokens=30, sampling=GREEDY)
         assert result.tokens == ar_tokens(target, 30) and len(result.stats.attempted_at) == gamma
 
@@ -359,7 +362,5 @@ def test_cut_from_the_first_continuation_token_is_lossless_and_keeps_less(pair):
             assert point.keep <= continuation_to_keep(1, list(point.confidence), eps)
     assert any(p.keep == 0 for p in points)  # ε = 0.9: some first continuation tokens are below it
     from inference import evaluate as evaluate_cli
-    from inference.algorithms import algorithm_class
-
-    cfg = evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "specbranch_cut_from=1"])
-    assert algorithm_class("specbranch").options_from_config(cfg)["cut_from"] == 1
+    cfg = evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "specbranch.cut_from=1"])
+    assert cfg.specbranch.cut_from == 1

@@ -36,12 +36,13 @@ def serving_algorithms(kind: str) -> list[str]:
     return [name for name in ALGORITHMS if algorithm_class(name).drafter == interface]
 
 
-def build_algorithm(name: str, target, draft=None, **options):
-    """Instantiate an algorithm; one that needs a drafter refuses to start without one."""
+def build_algorithm(name: str, target, draft=None, options=None, **keywords):
+    """Instantiate an algorithm with its options dataclass (None: the defaults) and keywords (fields of it, or what
+    the engine hands it: ``context``); one that needs a drafter refuses to start without one."""
     cls = algorithm_class(name)
     if cls.drafter == "none":
-        return cls(target, **options)
+        return cls(target, options, **keywords)
     if draft is None:
         raise UserError(f"algorithm '{name}' needs {engine_kind(cls.drafter).needs}: pass drafter=PATH or "
                          "drafters=DIR (a directory of exports)")
-    return cls(target, draft, **options)
+    return cls(target, draft, options, **keywords)

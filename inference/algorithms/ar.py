@@ -7,6 +7,7 @@ engine loop's width-1 strategy (``inference.engine.strategy.Strategy``): no draf
 from __future__ import annotations
 
 from inference.algorithms.base import Algorithm
+from inference.algorithms.options import AROptions, with_fields
 from inference.engine.strategy import Strategy
 
 
@@ -14,6 +15,10 @@ class Autoregressive(Algorithm):
     name = "ar"
     drafter = "none"
     batchable = True
+
+    def __init__(self, target, options: AROptions | None = None, *, max_seq_len: int | None = None):
+        super().__init__(target, max_seq_len=max_seq_len)
+        self.options = with_fields(AROptions, options, {})
 
     def strategy(self) -> Strategy:
         return Strategy()

@@ -26,21 +26,19 @@ from inference.sampling import SamplingParams
 
 class Algorithm(ABC):
     """A lossless decoding algorithm. Subclasses declare which drafter they need and return their ``strategy()``:
-    every algorithm runs on the engine loop (a request alone is a one-row run of it)."""
+    every algorithm runs on the engine loop (a request alone is a one-row run of it). Each takes its options
+    dataclass (``inference.algorithms.options``) whole, or its fields as keywords: the dataclass holds the defaults."""
 
     name: ClassVar[str]
     drafter: ClassVar[str] = "none"  # none, or the drafter kind it is written for (core.drafters.kinds)
+    # what the engine hands the constructor besides the options (inference.engine_args.engine_context names them)
+    context: ClassVar[tuple[str, ...]] = ()
     batchable: ClassVar[bool] = False  # runs requests side by side on the engine loop (its strategy batches rows)
     squeezable: ClassVar[bool] = False  # its strategy drafts fewer tokens for a row whose width the engine caps
 
     def __init__(self, target, *, max_seq_len: int | None = None):
         self.target = target
         self.max_seq_len = max_seq_len or target.max_seq_len
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        """Constructor keyword arguments taken from an evaluate/generate config (override per algorithm)."""
-        return {}
 
     def extra_metrics(self) -> dict:
         """Algorithm-specific figures for the evaluation record of the runs since the previous call (e.g. an

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from inference.algorithms.base import Algorithm
+from inference.algorithms.options import DFlashOptions, with_fields
 from inference.algorithms.feature_drafting import check_drafter_fits
 from inference.algorithms.parallel_drafting import ParallelDrafting
 
@@ -30,18 +31,16 @@ class DFlash(ParallelDrafting, Algorithm):
     drafter = "dflash"
     batchable = True
 
-    def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
+    def __init__(self, target, drafter, options: DFlashOptions | None = None, *, max_seq_len: int | None = None,
+                 **fields):
         super().__init__(target, max_seq_len=max_seq_len)
+        self.options = options = with_fields(DFlashOptions, options, fields)
         if not hasattr(drafter, "draft") or not hasattr(drafter.config, "block_size"):
             raise ValueError(f"dflash needs a DFlash drafter, got {type(drafter).__name__}: pass drafter.dflash=PATH "
                              "(a DFlash export for this target)")
         check_drafter_fits(target, drafter.config, "DFlash")
         most = drafter.config.block_size - 1
-        self._init_parallel(drafter, draft_tokens, most, f"this drafter's block drafts {most} tokens")
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        return {"draft_tokens": cfg.dflash_draft_tokens}
+        self._init_parallel(drafter, options.draft_tokens, most, f"this drafter's block drafts {most} tokens")
 
     def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None,
                       gamma: int) -> torch.Tensor:

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from inference.algorithms.base import Algorithm, GenerationStats
-from inference.algorithms.feature_drafting import (FeatureDrafting, FeatureTrees, adapt_options, check_drafter_fits,
-                                                   row_exact_drafter)
+from inference.algorithms.feature_drafting import FeatureDrafting, FeatureTrees, check_drafter_fits, row_exact_drafter
+from inference.algorithms.options import Eagle3TreeOptions, with_fields
 from inference.engine.state import RowState
 from inference.round_observers import check_observer
 from inference.tree import DraftTree, keep_best, subtree
@@ -47,10 +47,16 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
     drafter = "eagle3"
     batchable = True  # without an adapter (``adapt=`` watches one query at a time)
 
-    def __init__(self, target, drafter, *, tree_depth: int = 6, tree_topk: int = 8, tree_total: int = 48,
-                 max_seq_len: int | None = None, adapt: str = "none", adapt_settings=None):
+    context = ("adapt", "adapt_settings")
+
+    def __init__(self, target, drafter, options: Eagle3TreeOptions | None = None, *, max_seq_len: int | None = None,
+                 adapt: str = "none", adapt_settings=None, **fields):
+        """``adapt``: a round observer's name (``inference.round_observers``; none = no adaptation), with its
+        ``adapt_settings`` (None: its defaults)."""
         super().__init__(target, max_seq_len=max_seq_len)
         check_observer(adapt)
+        self.options = options = with_fields(Eagle3TreeOptions, options, fields)
+        tree_depth, tree_topk, tree_total = options.tree_depth, options.tree_topk, options.tree_total
         if tree_depth < 1 or tree_topk < 1 or tree_total < 2:
             raise ValueError(f"need tree_depth >= 1, tree_topk >= 1 and tree_total >= 2 (root + one node), got "
                              f"{tree_depth}, {tree_topk}, {tree_total}")
@@ -61,11 +67,6 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
         self._build_adapter(adapt, adapt_settings, verify_tokens=tree_total, max_accept=tree_depth + 1)
         if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
             row_exact_drafter(self.drafter, target)
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        return {"tree_depth": cfg.tree_depth, "tree_topk": cfg.tree_topk, "tree_total": cfg.tree_total,
-                **adapt_options(cfg)}
 
     def lookahead(self) -> int:
         return self.tree_total

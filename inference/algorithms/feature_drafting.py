@@ -15,7 +15,7 @@ import torch
 from core.kernels.exact_cpu import KernelUnavailable
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, Strategy
-from inference.round_observers import observer_kind, observer_names
+from inference.round_observers import observer_kind
 from inference.row_logits import RowLogits, WarpedRows, lazy_rows_on
 from inference.verify import TreeWalkResult, tree_walk
 
@@ -43,14 +43,6 @@ def row_exact_drafter(drafter, target) -> None:
             drafter.set_row_exact(True)
         except KernelUnavailable:
             pass
-
-
-def adapt_options(cfg) -> dict:
-    """The ``adapt=`` keywords of an evaluate/generate config (none when adaptation is off)."""
-    if getattr(cfg, "adapt", "none") == "none":
-        return {}
-    known = cfg.adapt in observer_names()  # an unknown name is refused when the algorithm is built
-    return {"adapt": cfg.adapt, "adapt_settings": observer_kind(cfg.adapt).settings(cfg) if known else None}
 
 
 class FeatureDrafting:

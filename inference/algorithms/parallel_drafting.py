@@ -42,10 +42,11 @@ class ParallelDrafting:
     depth_sensitive = False
 
     def _init_parallel(self, drafter, draft_tokens: int, most: int, why_most: str) -> None:
-        """``draft_tokens``: the ``{name}_draft_tokens`` option, 1..``most`` (0: ``most``, what one drafter forward
+        """``draft_tokens``: the ``{name}.draft_tokens`` option, 1..``most`` (0: ``most``, what one drafter forward
         drafts); ``why_most`` says in the error what limits it, e.g. "this drafter's block drafts 7 tokens"."""
         if not 0 <= draft_tokens <= most:
-            raise ValueError(f"{self.name}_draft_tokens={draft_tokens} but {why_most}; give 1..{most} (0 = all of them)")
+            raise ValueError(f"{self.name}.draft_tokens={draft_tokens} but {why_most}; give 1..{most} "
+                             "(0 = all of them)")
         self.drafter = drafter.eval()
         self.draft_tokens = draft_tokens or most
         self.aux_layers = tuple(drafter.config.aux_layer_ids)

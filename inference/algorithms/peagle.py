@@ -21,6 +21,7 @@ import torch
 
 from core.drafters.peagle import PEagleDrafter
 from inference.algorithms.base import Algorithm
+from inference.algorithms.options import PEagleOptions, with_fields
 from inference.algorithms.feature_drafting import check_drafter_fits
 from inference.algorithms.parallel_drafting import ParallelDrafting
 
@@ -31,18 +32,16 @@ class PEagle(ParallelDrafting, Algorithm):
     batchable = True
     depth_sensitive = True  # the mask rows of a call: rows drafting fewer tokens get a call of their own
 
-    def __init__(self, target, drafter, *, draft_tokens: int = 0, max_seq_len: int | None = None):
+    def __init__(self, target, drafter, options: PEagleOptions | None = None, *, max_seq_len: int | None = None,
+                 **fields):
         super().__init__(target, max_seq_len=max_seq_len)
+        self.options = options = with_fields(PEagleOptions, options, fields)
         if not isinstance(drafter, PEagleDrafter):
             raise ValueError(f"peagle needs a P-EAGLE drafter, got {type(drafter).__name__}: pass drafter.peagle=PATH "
                              "(a P-EAGLE export for this target)")
         check_drafter_fits(target, drafter.config, "P-EAGLE")
         most = drafter.config.num_depths
-        self._init_parallel(drafter, draft_tokens, most, f"this drafter drafts {most} tokens per forward")
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        return {"draft_tokens": cfg.peagle_draft_tokens}
+        self._init_parallel(drafter, options.draft_tokens, most, f"this drafter drafts {most} tokens per forward")
 
     def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None,
                       gamma: int) -> torch.Tensor:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inference.algorithms.overlapped import OneRowStrategy, OverlappedDraftAlgorithm
+from inference.algorithms.options import PearlOptions, with_fields
+from inference.algorithms.overlapped import DraftFactory, OneRowStrategy, OverlappedDraftAlgorithm
 from inference.draft_side import ChainDraft
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, T
@@ -51,15 +52,18 @@ def verify_without_bonus(tokens: list[int], draft_probs: torch.Tensor | None, ta
 class Pearl(OverlappedDraftAlgorithm):
     name = "pearl"
 
-    def __init__(self, target, draft, *, gamma: int = 4, executor: str = "sequential", **kwargs):
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {gamma}")
-        super().__init__(target, draft, executor=executor, max_batch=1, **kwargs)
-        self.gamma = gamma
+    context = ("draft_path",)
 
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        return {"gamma": cfg.gamma, "executor": cfg.executor, "draft_path": cfg.drafter}
+    def __init__(self, target, draft, options: PearlOptions | None = None, *, draft_path: str | None = None,
+                 draft_factory: DraftFactory | None = None, max_seq_len: int | None = None,
+                 executor_kwargs: dict | None = None, **fields):
+        """``draft_path`` / ``draft_factory`` / ``executor_kwargs``: :class:`OverlappedDraftAlgorithm`'s."""
+        self.options = options = with_fields(PearlOptions, options, fields)
+        if options.gamma < 1:
+            raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {options.gamma}")
+        super().__init__(target, draft, executor=options.executor, draft_path=draft_path, draft_factory=draft_factory,
+                         max_batch=1, max_seq_len=max_seq_len, executor_kwargs=executor_kwargs)
+        self.gamma = options.gamma
 
     def lookahead(self) -> int:
         return 2 * self.gamma  # the pending segment plus a fresh draft sit in the draft cache at once

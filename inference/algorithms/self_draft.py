@@ -54,9 +54,9 @@ from pathlib import Path
 
 import torch
 
-from core import assets
 from core.assets import tokenizer_fingerprint
 from inference.algorithms.base import Algorithm
+from inference.algorithms.options import SelfDraftOptions, with_fields
 from inference.engine.rows import tree_feed
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, Strategy
@@ -267,39 +267,28 @@ class GridVocab:
 
 
 class SelfDraft(Algorithm):
-    """Self-Draft; defaults are the paper's (L = N = 6, G = 4, 10 context + 2-3 corpus candidates, §10).
+    """Self-Draft; its options (:class:`SelfDraftOptions`) default to the paper's (§10).
 
-    ``corpus``: a :class:`CorpusCache` or the path of one (``python -m data_prep.ngram_corpus``); None = no
-    corpus cache. ``grid_vocab=K`` takes the grid's argmax over the K lowest ids plus the text's tokens
-    (:class:`GridVocab`; a CPU speed-up, lossless like every grid choice); 0 = the full vocabulary.
-    ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``: also accept tokens
-    from the grid columns (lossless; off under ``compat_original_cap``).
+    ``options.corpus``: a :class:`CorpusCache` or the path of one (``python -m data_prep.ngram_corpus``), checked
+    against ``tokenizer`` when given; None = no corpus cache. ``grid_vocab=K`` takes the grid's argmax over the K
+    lowest ids plus the text's tokens (:class:`GridVocab`; a CPU speed-up, lossless like every grid choice); 0 = the
+    full vocabulary. ``context_cache=False`` switches the context cache off (ablation). ``verify_branches``: also
+    accept tokens from the grid columns (lossless; off under ``compat_original_cap``).
     """
 
     name = "self_draft"
     drafter = "none"
     batchable = True
+    context = ("tokenizer",)
 
-    def __init__(
-        self,
-        target,
-        *,
-        branch_len: int = 6,
-        branch_num: int = 6,
-        gram_len: int = 4,
-        corpus: CorpusCache | str | Path | None = None,
-        context_cache: bool = True,
-        ctx_candidates: int = 10,
-        corpus_candidates: int = 3,
-        max_pad_len: int = 2,
-        flush_interval: int = 2,
-        keep_num: int = 2,
-        verify_branches: bool = True,
-        compat_original_cap: bool = False,
-        grid_vocab: int = 0,
-        max_seq_len: int | None = None,
-    ):
+    def __init__(self, target, options: SelfDraftOptions | None = None, *, tokenizer=None, context_cache: bool = True,
+                 max_pad_len: int = 2, flush_interval: int = 2, keep_num: int = 2, max_seq_len: int | None = None,
+                 **fields):
         super().__init__(target, max_seq_len=max_seq_len)
+        self.options = options = with_fields(SelfDraftOptions, options, fields)
+        branch_len, branch_num, gram_len = options.branch_len, options.branch_num, options.gram_len
+        ctx_candidates, corpus_candidates = options.ctx_candidates, options.corpus_candidates
+        grid_vocab, compat_original_cap = options.grid_vocab, options.compat_original_cap
         checks = [
             (branch_len >= 3, f"branch_len (L) must be >= 3, got {branch_len}"),
             (branch_num >= 1, f"branch_num (N) must be >= 1, got {branch_num}"),
@@ -319,33 +308,18 @@ class SelfDraft(Algorithm):
         self.ctx_candidates, self.corpus_candidates = ctx_candidates, corpus_candidates
         self.flush_interval, self.keep_num = flush_interval, keep_num
         self.compat = compat_original_cap
-        self.verify_branches = verify_branches and not compat_original_cap
+        self.verify_branches = options.verify_branches and not compat_original_cap
         self.context = ContextCache() if context_cache else None
-        self.corpus = CorpusCache.load(corpus) if isinstance(corpus, (str, Path)) else corpus
+        self.corpus = options.corpus
+        if isinstance(self.corpus, (str, Path)):
+            fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+            self.corpus = CorpusCache.load(self.corpus, tokenizer_fingerprint=fingerprint)
         vocab = getattr(target.config, "vocab_size", None)
         if self.corpus is not None and vocab is not None and self.corpus.max_token_id >= vocab:
             raise ValueError(f"n-gram corpus holds token id {self.corpus.max_token_id} >= the target's vocab_size "
                              f"{vocab}: it was built for another tokenizer")
         self.grid_vocab = GridVocab(grid_vocab) if 0 < grid_vocab < (vocab or grid_vocab + 1) else None
         self._conversations = 0
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        options = {
-            "branch_len": getattr(cfg, "self_draft_L", 6),
-            "branch_num": getattr(cfg, "self_draft_N", 6),
-            "gram_len": getattr(cfg, "self_draft_G", 4),
-            "ctx_candidates": getattr(cfg, "self_draft_candidates", 10),
-            "corpus_candidates": getattr(cfg, "self_draft_corpus_candidates", 3),
-            "verify_branches": getattr(cfg, "self_draft_verify_branches", True),
-            "compat_original_cap": getattr(cfg, "compat_original_cap", False),
-            "grid_vocab": getattr(cfg, "self_draft_grid_vocab", 0),
-        }
-        corpus_path = getattr(cfg, "ngram_corpus", None)
-        if corpus_path:
-            fingerprint = tokenizer_fingerprint(assets.load_tokenizer(cfg.target))
-            options["corpus"] = CorpusCache.load(corpus_path, tokenizer_fingerprint=fingerprint)
-        return options
 
     def lookahead(self) -> int:
         """Root + the largest grid (warm-up included) + every candidate token, an upper bound."""

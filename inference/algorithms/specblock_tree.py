@@ -36,8 +36,8 @@ import torch
 
 from core.drafters.specblock import BlockKV, BlockOutput
 from inference.algorithms.base import Algorithm
-from inference.algorithms.feature_drafting import (FeatureDrafting, FeatureTrees, adapt_options, check_drafter_fits,
-                                                   row_exact_drafter)
+from inference.algorithms.feature_drafting import FeatureDrafting, FeatureTrees, check_drafter_fits, row_exact_drafter
+from inference.algorithms.options import SpecBlockTreeOptions, with_fields
 from inference.engine.state import RowState
 from inference.round_observers import check_observer
 from inference.specblock_tree_builder import SpecBlockTreeBuilder, TreeShape
@@ -49,11 +49,17 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
     drafter = "specblock"
     batchable = True  # without an adapter (``adapt=`` watches one query at a time)
 
-    def __init__(self, target, drafter, *, width: int = 10, budget: int = 90, widths: list[int] | None = None,
-                 blocks: int = 2, prob_caps: bool = True, max_seq_len: int | None = None, adapt: str = "none",
-                 adapt_settings=None):
+    context = ("adapt", "adapt_settings")
+
+    def __init__(self, target, drafter, options: SpecBlockTreeOptions | None = None, *, max_seq_len: int | None = None,
+                 adapt: str = "none", adapt_settings=None, **fields):
+        """``adapt``: a round observer's name (``inference.round_observers``; none = no adaptation), with its
+        ``adapt_settings`` (None: its defaults)."""
         super().__init__(target, max_seq_len=max_seq_len)
         check_observer(adapt)
+        self.options = options = with_fields(SpecBlockTreeOptions, options, fields)
+        width, budget, widths, blocks, prob_caps = (options.width, options.budget, options.widths, options.blocks,
+                                                    options.prob_caps)
         if not hasattr(drafter, "forward_leaves"):
             raise ValueError(f"specblock_tree needs a SpecBlock drafter, got {type(drafter).__name__}: pass "
                              "drafter.specblock=PATH (a SpecBlock export for this target)")
@@ -67,11 +73,6 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
         if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
             row_exact_drafter(self.drafter, target)
         self.builder = SpecBlockTreeBuilder(self.drafter, self.shape)  # after: adaptation may copy the drafter
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        return {"width": cfg.specblock_width, "budget": cfg.specblock_budget, "widths": cfg.specblock_widths,
-                "blocks": cfg.specblock_blocks, "prob_caps": cfg.specblock_prob_caps, **adapt_options(cfg)}
 
     def lookahead(self) -> int:
         return self.shape.budget + 1

@@ -45,8 +45,8 @@ import torch
 from core.drafters.hrad import load_hrad, stack_lastk
 from core.errors import UserError
 from inference.algorithms.options import SPECBRANCH_ORACLES as ORACLES
-from inference.algorithms.options import oracle_temperature_error
-from inference.algorithms.overlapped import OneRowStrategy, OverlappedDraftAlgorithm
+from inference.algorithms.options import SpecBranchOptions, oracle_temperature_error, with_fields
+from inference.algorithms.overlapped import DraftFactory, OneRowStrategy, OverlappedDraftAlgorithm
 from inference.draft_side import BranchDraft
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, T
@@ -156,21 +156,28 @@ def load_predictor(hrad: str | ClassPredictor | None, target) -> ClassPredictor 
 class SpecBranch(OverlappedDraftAlgorithm):
     name = "specbranch"
 
-    def __init__(self, target, draft, *, gamma: int = 4, kmax: int = 3, hrad: str | ClassPredictor | None = None,
-                 epsilon: float | None = None, executor: str = "sequential", on_round: RoundHook | None = None,
+    context = ("draft_path",)
+
+    def __init__(self, target, draft, options: SpecBranchOptions | None = None, *, on_round: RoundHook | None = None,
                  on_branch: BranchHook | None = None, branch_capture_layers: Sequence[int] = (),
-                 branch_seed: int = 0, cut_from: int = 2, **kwargs: Any):
-        """``hrad``: an H-RAD export path or predictor object, or a policy of :data:`POLICIES` (None = "none").
-        ``on_branch`` receives a :class:`BranchPoint` with the target's hidden states of ``branch_capture_layers``
-        at every surviving branch; at T > 0 its realised count draws on its own generator (``branch_seed``), never
-        on the generation's."""
+                 branch_seed: int = 0, draft_path: str | None = None, draft_factory: DraftFactory | None = None,
+                 max_seq_len: int | None = None, executor_kwargs: dict | None = None, **fields: Any):
+        """``options.hrad``: an H-RAD export path or predictor object, or a policy of :data:`POLICIES` (None =
+        "none"). ``on_branch`` receives a :class:`BranchPoint` with the target's hidden states of
+        ``branch_capture_layers`` at every surviving branch; at T > 0 its realised count draws on its own generator
+        (``branch_seed``), never on the generation's. ``draft_path`` / ``draft_factory`` / ``executor_kwargs``:
+        :class:`OverlappedDraftAlgorithm`'s."""
+        self.options = options = with_fields(SpecBranchOptions, options, fields)
+        gamma, kmax, hrad, epsilon, cut_from = (options.gamma, options.kmax, options.hrad, options.epsilon,
+                                                options.cut_from)
         if gamma < 1 or kmax < 1:
             raise UserError(f"gamma and kmax must be >= 1 (branch length, most branches), got {gamma} and {kmax}")
         if cut_from not in (1, 2):
-            raise UserError(f"specbranch_cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
+            raise UserError(f"specbranch.cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
                              f"(it keeps at least one, as the authors' code), got {cut_from}")
         self.cut_from = cut_from
-        super().__init__(target, draft, executor=executor, max_batch=kmax, **kwargs)
+        super().__init__(target, draft, executor=options.executor, draft_path=draft_path, draft_factory=draft_factory,
+                         max_batch=kmax, max_seq_len=max_seq_len, executor_kwargs=executor_kwargs)
         self.gamma, self.kmax = gamma, kmax
         self.policy = policy_name(hrad)
         self.predictor = load_predictor(hrad, target)
@@ -182,11 +189,6 @@ class SpecBranch(OverlappedDraftAlgorithm):
         self.branch_generator = torch.Generator().manual_seed(branch_seed)
         # since extra_metrics(); oracle: target forwards of the extra pass, not in the run's target_forwards
         self.branch_counts = {"drafted": 0, "accepted": 0, "siblings": 0, "speculated": 0, "oracle": 0}
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        return {"gamma": cfg.gamma, "kmax": cfg.specbranch_kmax, "hrad": cfg.hrad, "epsilon": cfg.specbranch_eps,
-                "cut_from": cfg.specbranch_cut_from, "executor": cfg.executor, "draft_path": cfg.drafter}
 
     def lookahead(self) -> int:
         return 2 * self.gamma

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.algorithms.base import Algorithm
+from inference.algorithms.options import SpsOptions, with_fields
 from inference.engine.rows import forward_rows, prefill_rows
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, Strategy
@@ -55,28 +56,25 @@ class SpeculativeSampling(Algorithm):
     batchable = True
     squeezable = True
 
-    def __init__(self, target, draft, *, gamma: int = 4, verifier: str | ChainVerifier = "tokenwise",
-                 max_seq_len: int | None = None, on_round: RoundHook | None = None,
-                 round_capture_layers: Sequence[int] = (), **verifier_kwargs):
-        """``on_round`` (optional) receives a :class:`RoundInfo` after every verification, with the target's
-        hidden states of ``round_capture_layers``; without it nothing extra is computed or kept."""
+    def __init__(self, target, draft, options: SpsOptions | None = None, *, max_seq_len: int | None = None,
+                 on_round: RoundHook | None = None, round_capture_layers: Sequence[int] = (), **fields):
+        """``options.verifier`` may be a verifier's name or a :class:`ChainVerifier`. ``on_round`` (optional)
+        receives a :class:`RoundInfo` after every verification, with the target's hidden states of
+        ``round_capture_layers``; without it nothing extra is computed or kept. ``options.draft_vocab`` is the
+        engine's (it limits the draft runner it passes)."""
         super().__init__(target, max_seq_len=max_seq_len)
+        self.options = options = with_fields(SpsOptions, options, fields)
+        gamma, verifier = options.gamma, options.verifier
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {gamma}")
         check_same_vocab(target, draft)
         self.draft = draft
         self.gamma = gamma
         self.max_seq_len = min(self.max_seq_len, draft.max_seq_len)
+        verifier_kwargs = {"final_ratio": options.final_ratio} if verifier == "hsd" else {}
         self.verifier = get_verifier(verifier, **verifier_kwargs) if isinstance(verifier, str) else verifier
         self.on_round = on_round
         self.round_capture_layers = tuple(round_capture_layers)
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        options = {"gamma": cfg.gamma, "verifier": cfg.verifier}
-        if cfg.verifier == "hsd":
-            options["final_ratio"] = cfg.hsd_final_ratio
-        return options
 
     def lookahead(self) -> int:
         return self.gamma + 1

@@ -37,6 +37,7 @@ import torch
 
 from core.errors import UserError
 from inference.algorithms.base import Algorithm, GenerationResult, GenerationStats, OutputBuffer, _synchronize
+from inference.algorithms.options import SSDOptions, with_fields
 from inference.algorithms.overlapped import OneRowStrategy
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, T
@@ -123,15 +124,26 @@ class SSD(Algorithm):
     name = "ssd"
     drafter = "draft_lm"
 
-    def __init__(self, target, draft=None, *, gamma: int = 4, budget: int = 8, fanout: str | Sequence[int] = "geometric",
-                 fanout_miss: str | Sequence[int] = "auto", fanout_r: float = 1.0, fallback: str = "jit",
-                 fast: str = "ngram", saguaro_c: float = 1.0, ema: float = 0.2, executor: str = "sequential",
-                 executor_kwargs: dict | None = None, draft_source: Any = None, seed: int = 0,
-                 fast_verify: str = "exact", max_seq_len: int | None = None, max_batch_size: int | None = None,
-                 fork_vocab: str = "full"):
+    context = ("draft_path", "seed", "threads")
+
+    def __init__(self, target, draft=None, options: SSDOptions | None = None, *, ema: float = 0.2,
+                 executor_kwargs: dict | None = None, draft_source: Any = None, draft_path: str | None = None,
+                 seed: int = 0, threads: int = 0, fast_verify: str = "exact", max_seq_len: int | None = None,
+                 max_batch_size: int | None = None, **fields: Any):
         """``draft`` is an in-process drafter runner; ``draft_source`` (a draft LM path or a picklable callable
-        building one) is needed instead for ``executor=multiprocess``, where the drafter lives in another process."""
+        building one; default ``draft_path``) is needed instead for ``executor=multiprocess``, where the drafter
+        lives in another process, with ``threads`` CPU threads (0: torch's default) unless ``executor_kwargs`` says
+        otherwise. ``seed`` seeds the fast fallback's random tokens. ``options.fanout`` / ``fanout_miss`` may also
+        be sequences of K+1 ints."""
         super().__init__(target, max_seq_len=max_seq_len)
+        self.options = options = with_fields(SSDOptions, options, fields)
+        gamma, budget, fanout, fanout_miss, fanout_r = (options.gamma, options.budget, options.fanout,
+                                                        options.fanout_miss, options.fanout_r)
+        fallback, fast, saguaro_c, executor, fork_vocab = (options.fallback, options.fast, options.saguaro_c,
+                                                           options.executor, options.fork_vocab)
+        if executor == "multiprocess":
+            draft_source = draft_source if draft_source is not None else draft_path
+            executor_kwargs = {"threads": threads or None} if executor_kwargs is None else executor_kwargs
         if gamma < 1:
             raise UserError(f"gamma (lookahead K) must be >= 1, got {gamma}")
         if fallback not in ("jit", "fast", "auto"):
@@ -180,18 +192,6 @@ class SSD(Algorithm):
         self.t_verify, self.t_jit, self.t_fast = _Ema(ema), _Ema(ema), _Ema(ema, prior=0.0)
         self.e_fast = _Ema(ema, prior=1.0)
         self.metrics = SSDMetrics(gamma)
-
-    @classmethod
-    def options_from_config(cls, cfg) -> dict:
-        options = {"gamma": cfg.gamma, "budget": cfg.ssd_budget, "fanout": cfg.ssd_fanout,
-                   "fanout_miss": cfg.ssd_fanout_miss, "fanout_r": cfg.ssd_fanout_r, "fallback": cfg.ssd_fallback,
-                   "fast": cfg.ssd_fast, "saguaro_c": cfg.ssd_saguaro_c, "fork_vocab": cfg.ssd_fork_vocab,
-                   "executor": cfg.executor,
-                   "seed": 0 if cfg.seed is None else cfg.seed}  # a server without seed= leaves it None
-        if cfg.executor == "multiprocess":
-            options["draft_source"] = getattr(cfg, "drafter", None)
-            options["executor_kwargs"] = {"threads": cfg.threads or None}
-        return options
 
     def lookahead(self) -> int:
         return self.k + 1 + self.k * self.budget  # the drafter's glue + tree slots (the target needs K+1)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.overrides import OverrideError
-from inference.engine_args import (EngineArgs, check_algorithm_options, check_placement, given_keys,
-                                   parse_engine_cli, parse_variant, with_overrides)
+from inference.engine_args import (EngineArgs, check_algorithm_options, check_placement, parse_engine_cli,
+                                   parse_variant, with_overrides)
 from inference.round_observers import check_observer
 from inference.serve.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str]) -> Any:
         if key == "algorithms" or (key == "algorithm" and ("," in value or value.startswith("["))):
             raise OverrideError(f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per "
                                 "algorithm")
-    cfg, argv = parse_engine_cli(argv, ServeConfig, USAGE)
+    cfg, given = parse_engine_cli(argv, ServeConfig, USAGE)
     for key, low in (("max_new_tokens", 1), ("max_queue", 1), ("batch_size", 0), ("max_step_tokens", 0)):
         if cfg[key] < low:
             auto = " (0 = auto)" if key == "batch_size" else ""
@@ -86,7 +86,7 @@ def parse_args(argv: Sequence[str]) -> Any:
         raise OverrideError(f"port={cfg.port} is not a TCP port; use 1-65535 (or 0 for any free port)")
     # an unknown algorithm, a bad variant key and an option the algorithm does not read fail now; the sampling
     # settings are defaults for requests (which may sample), so top_k/top_p/seed are refused per request instead
-    check_algorithm_options(cfg, given_keys(argv, ServeConfig, USAGE), [cfg.algorithm], sampling_defaults=True)
+    check_algorithm_options(cfg, given, [cfg.algorithm], sampling_defaults=True)
     check_placement(cfg)
     variant = with_overrides(cfg, parse_variant(cfg.algorithm)[1], cfg.algorithm)
     try:

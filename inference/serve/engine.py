@@ -83,7 +83,7 @@ class ServedModel:
         return self.seeds.getrandbits(63)
 
     def close(self) -> None:
-        """The algorithm first (its draft process or threads), then the adapter (with ``adapt_background``: its
+        """The algorithm first (its draft process or threads), then the adapter (with ``adapt.background``: its
         last update is collected and published; its log and wandb run are finished), then the target runner is
         free for another server. Call it once the engine's worker has stopped."""
         try:

@@ -55,7 +55,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from core.errors import UserError
 from spectrain.adapt.background import BackgroundRunner, Publisher
-from spectrain.adapt.bandit import CostAwareUCB, Decision
+from spectrain.adapt.bandit import UPDATE_ARMS, CostAwareUCB, Decision
 from spectrain.adapt.cost import CostModel, saving
 from spectrain.adapt.drafters import AdaptableDrafter
 from spectrain.adapt.log import DecisionLog
@@ -66,7 +66,8 @@ from spectrain.adapt.updater import ArmUpdate, Snapshot, Updater
 
 @dataclass
 class AdaptSettings:
-    """Every constant of the adapter; the engine reads them from ``adapt_<name>`` options."""
+    """Every constant of the adapter, declared here only: the engine passes ``adapt.NAME=VALUE`` through
+    (:meth:`from_given`)."""
 
     arms: str = "head,full"  # update arms the bandit may play (skip is always available)
     horizon: int = 1024  # H: tokens an update is expected to serve
@@ -100,14 +101,26 @@ class AdaptSettings:
     signal_floor: float = 1e-6
     cost_rows: int = 256  # rows of the synthetic record the start-up measurement times
     cost_cache: str | None = "~/.cache/spectrain/adapt_costs.json"  # None: measure every start-up
-    log: str | None = None  # adapt_log=DIR: decisions.csv + per-query trace records for replay
+    log: str | None = None  # adapt.log=DIR: decisions.csv + per-query trace records for replay
     wandb: str | None = None  # wandb project for the decision log (None: CSV only)
 
     @classmethod
-    def from_options(cls, cfg: Any) -> AdaptSettings:
-        """Read ``adapt_<field>`` attributes of an options object (missing ones keep their defaults)."""
-        values = {f.name: getattr(cfg, f"adapt_{f.name}") for f in fields(cls) if hasattr(cfg, f"adapt_{f.name}")}
-        return cls(**values)
+    def from_given(cls, given: dict[str, str]) -> AdaptSettings:
+        """The settings ``adapt.NAME=VALUE`` gives (NAME -> the value as written; the rest keep their defaults),
+        refusing (one line) an unknown NAME, a bad value, and an arm's setting (``lora_rank``, ``head_lr``, ...)
+        whose arm ``arms`` leaves out: it would do nothing."""
+        names = [f.name for f in fields(cls)]
+        for name in given:
+            if name not in names:
+                raise UserError(f"adapt.{name} is not a setting of adapt=bandit; its settings: {', '.join(names)}")
+        settings = cls.with_overrides(cls(), given)
+        for name in given:
+            arm = name.split("_", 1)[0]
+            if arm in UPDATE_ARMS and arm not in settings.arm_list():
+                example = " (e.g. adapt.arms=head,full,lora)" if arm == "lora" else ""
+                raise UserError(f"adapt.{name} does nothing with adapt.arms={settings.arms}; set adapt.arms with "
+                                f"{arm} in it{example} or drop adapt.{name}")
+        return settings
 
     @classmethod
     def with_overrides(cls, base: AdaptSettings | dict[str, Any], overrides: dict[str, str]) -> AdaptSettings:
@@ -120,7 +133,7 @@ class AdaptSettings:
                                      OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
         except OmegaConfBaseException as error:
             key = getattr(error, "full_key", None) or "*"
-            raise UserError(f"bad setting adapt_{key}: {str(error).splitlines()[0]}") from None
+            raise UserError(f"bad setting adapt.{key}: {str(error).splitlines()[0]}") from None
         return OmegaConf.to_object(merged)
 
     def arm_list(self) -> list[str]:
@@ -146,21 +159,21 @@ class BanditAdapter:
         itself."""
         self.settings = settings = settings or AdaptSettings()
         if settings.min_gap < 1 or settings.patience < 1 or settings.watch < settings.patience:
-            raise UserError(f"need adapt_min_gap >= 1 and adapt_watch >= adapt_patience >= 1, got "
+            raise UserError(f"need adapt.min_gap >= 1 and adapt.watch >= adapt.patience >= 1, got "
                              f"{settings.min_gap}, {settings.watch}, {settings.patience}")
         if settings.rollback_to not in ("last", "origin"):
-            raise UserError(f"adapt_rollback_to must be last or origin, got {settings.rollback_to}")
+            raise UserError(f"adapt.rollback_to must be last or origin, got {settings.rollback_to}")
         if settings.origin_check < 0:
-            raise UserError(f"adapt_origin_check must be >= 0 (queries between checks; 0 = off), got "
+            raise UserError(f"adapt.origin_check must be >= 0 (queries between checks; 0 = off), got "
                              f"{settings.origin_check}")
         if settings.backoff < 0:
-            raise UserError(f"adapt_backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
+            raise UserError(f"adapt.backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
         if settings.buffer < 1:
-            raise UserError(f"adapt_buffer must be >= 1 (queries per update), got {settings.buffer}")
+            raise UserError(f"adapt.buffer must be >= 1 (queries per update), got {settings.buffer}")
         if settings.validate_on not in ("loss", "tau"):
-            raise UserError(f"adapt_validate_on must be loss or tau, got {settings.validate_on}")
+            raise UserError(f"adapt.validate_on must be loss or tau, got {settings.validate_on}")
         if not 0 < settings.ema <= 1 or settings.horizon < 1:
-            raise UserError(f"need 0 < adapt_ema <= 1 and adapt_horizon >= 1, got {settings.ema}, {settings.horizon}")
+            raise UserError(f"need 0 < adapt.ema <= 1 and adapt.horizon >= 1, got {settings.ema}, {settings.horizon}")
         self.adaptable, self.costs = adaptable, costs
         self.bandit = CostAwareUCB(settings.arm_list(), ucb_c=settings.ucb_c, prior=settings.prior)
         self.updater = self.updater_for(adaptable, settings)
@@ -190,7 +203,7 @@ class BanditAdapter:
         self.background = None
         if settings.background and serving is not None:
             if serving is adaptable.module:
-                raise ValueError("adapt_background needs a training copy of the drafter, not the serving one")
+                raise ValueError("adapt.background needs a training copy of the drafter, not the serving one")
             publisher = Publisher(adaptable.module, serving, self.updater.parameters("full"))
             self.background = BackgroundRunner(publisher, next(serving.parameters()).device)
 
@@ -353,7 +366,7 @@ class BanditAdapter:
         observed = dict(tau=record.tau, iter_ratio=iter_s / self.costs.target_forward_s,
                         signal=query_signal(record.rejection_q, record.rounds, self.settings.signal_floor))
         if self.settings.background and self.background is None:
-            raise RuntimeError("adapt_background: this adapter was built without the serving drafter "
+            raise RuntimeError("adapt.background: this adapter was built without the serving drafter "
                                "(spectrain.adapt.engine.build_adapter passes it)")
         collected = self.background.collect() if self.background else None  # before self.query is read
         if self.write_traces:

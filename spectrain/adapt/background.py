@@ -1,4 +1,4 @@
-"""Background adaptation (``adapt_background=true``): the adapter's work after a query runs off the serving path.
+"""Background adaptation (``adapt.background=true``): the adapter's work after a query runs off the serving path.
 
 The adapter trains a private TRAINING copy of the drafter on a worker thread (and, on a GPU, a side CUDA stream)
 while the engine serves the next query from the SERVING drafter, which no one else writes. At the end of that next

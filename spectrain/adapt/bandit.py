@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from core.errors import UserError
 from spectrain.adapt.cost import saving
 
-UPDATE_ARMS = ("head", "full", "lora")  # lora is opt-in (adapt_arms=head,full,lora): it adds adapters
+UPDATE_ARMS = ("head", "full", "lora")  # lora is opt-in (adapt.arms=head,full,lora): it adds adapters
 DEFAULT_ARMS = ("head", "full")
 
 
@@ -43,9 +43,9 @@ class CostAwareUCB:
     def __init__(self, arms: Sequence[str] = DEFAULT_ARMS, *, ucb_c: float = 0.5, prior: float = 0.3):
         unknown = sorted(set(arms) - set(UPDATE_ARMS))
         if unknown or not arms:
-            raise UserError(f"adapt_arms must be a non-empty subset of {list(UPDATE_ARMS)}, got {list(arms)}")
+            raise UserError(f"adapt.arms must be a non-empty subset of {list(UPDATE_ARMS)}, got {list(arms)}")
         if ucb_c < 0:
-            raise UserError(f"adapt_ucb_c must be >= 0, got {ucb_c}")
+            raise UserError(f"adapt.ucb_c must be >= 0, got {ucb_c}")
         self.arms, self.ucb_c, self.prior = tuple(arms), ucb_c, prior
         self.stats: dict[tuple[int, str], ArmStats] = {}
 

@@ -74,9 +74,9 @@ class FeatureDrafterAdaptable:
 
     def __init__(self, drafter, *, max_rows: int = 384, teacher_temperature: float = 1.0):
         if max_rows < 2:
-            raise UserError(f"adapt_max_rows must be >= 2, got {max_rows}")
+            raise UserError(f"adapt.max_rows must be >= 2, got {max_rows}")
         if teacher_temperature < 0:
-            raise UserError(f"adapt_teacher_temperature must be >= 0 (0: the target's greedy token), got "
+            raise UserError(f"adapt.teacher_temperature must be >= 0 (0: the target's greedy token), got "
                              f"{teacher_temperature}")
         self.module, self.max_rows, self.teacher_temperature = drafter, max_rows, teacher_temperature
         self.lora = self._lora_parameters()  # adapters already on the module (a copy of one with them)
@@ -94,7 +94,7 @@ class FeatureDrafterAdaptable:
         from peft import LoraConfig, inject_adapter_in_model  # peft: a heavy import, deferred to first use
 
         if rank < 1:
-            raise UserError(f"adapt_lora_rank must be >= 1, got {rank}")
+            raise UserError(f"adapt.lora_rank must be >= 1, got {rank}")
         flags = {name: p.requires_grad for name, p in self.module.named_parameters()}
         config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
         inject_adapter_in_model(config, self.module)
@@ -109,7 +109,7 @@ class FeatureDrafterAdaptable:
     def lora_parameters(self) -> list[nn.Parameter]:
         lora = self.lora
         if not lora:
-            raise ValueError("the lora arm needs LoRA adapters on the drafter: include lora in adapt_arms")
+            raise ValueError("the lora arm needs LoRA adapters on the drafter: include lora in adapt.arms")
         return lora
 
     def teacher_rows(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +159,7 @@ class Eagle3Adaptable(FeatureDrafterAdaptable):
     def __init__(self, drafter, *, ttt_steps: int = 3, step_weight: float = 0.8, max_rows: int = 384,
                  teacher_temperature: float = 1.0):
         if ttt_steps < 1:
-            raise UserError(f"adapt_ttt_steps must be >= 1, got {ttt_steps}")
+            raise UserError(f"adapt.ttt_steps must be >= 1, got {ttt_steps}")
         super().__init__(drafter, max_rows=max_rows, teacher_temperature=teacher_temperature)
         self.ttt_steps, self.step_weight = ttt_steps, step_weight
 

@@ -63,13 +63,13 @@ def private_copy(drafter):
 
 def training_copy(adaptable: AdaptableDrafter, settings: AdaptSettings) -> AdaptableDrafter:
     """The same adapter class over a private copy of ``adaptable``'s drafter (LoRA adapters included): what
-    ``adapt_background`` trains while the original serves, and what replay measures τ on."""
+    ``adapt.background`` trains while the original serves, and what replay measures τ on."""
     return adaptable_for(private_copy(adaptable.module), **adaptable_options(settings))
 
 
 def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: int, max_accept: int) -> BanditAdapter:
     """A :class:`BanditAdapter` for ``drafter`` served with ``target``; measures (or loads cached) costs. With
-    ``adapt_background`` it trains a copy of ``drafter`` and publishes into ``drafter`` between queries."""
+    ``adapt.background`` it trains a copy of ``drafter`` and publishes into ``drafter`` between queries."""
     adaptable = adaptable_with_settings(drafter, settings)
     if settings.background:
         adaptable = training_copy(adaptable, settings)
@@ -96,8 +96,8 @@ def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: in
 class BanditObservers:
     """``adapt=bandit`` for :mod:`inference.round_observers`: a :class:`BanditAdapter` over a private copy."""
 
-    def settings(self, cfg: Any) -> AdaptSettings:
-        return AdaptSettings.from_options(cfg)
+    def settings(self, given: dict[str, str]) -> AdaptSettings:
+        return AdaptSettings.from_given(given)
 
     def attach(self, target, drafter, settings: AdaptSettings | None, *, verify_tokens: int,
                max_accept: int) -> tuple[Any, BanditAdapter]:

@@ -1,4 +1,4 @@
-"""One served query as the adapter sees it, and the on-disk trace format (``adapt_log=DIR``) replay reads.
+"""One served query as the adapter sees it, and the on-disk trace format (``adapt.log=DIR``) replay reads.
 
 A :class:`QueryRecord` holds what verification gave for free:
 
@@ -12,7 +12,7 @@ A :class:`QueryRecord` holds what verification gave for free:
   position), ``accepted`` (accepted draft tokens per verification round), ``decode_s`` (wall time without any
   update), ``max_accept`` (the longest possible accept length per round, tree depth + 1).
 
-Trace directory (written by the engine hook when ``adapt_log=DIR``; read by ``python -m spectrain.adapt.replay``)::
+Trace directory (written by the engine hook when ``adapt.log=DIR``; read by ``python -m spectrain.adapt.replay``)::
 
     DIR/manifest.json          {"format": "spectrain-adapt-trace", "version": 1, "costs": {...}, "settings": {...}}
     DIR/queries/q00000.pt      torch.save of QueryRecord.to_dict() (fp16 features / teacher), one per query
@@ -115,12 +115,12 @@ def write_record(directory: Path, index: int, record: QueryRecord) -> Path:
 
 
 def read_trace(directory: str | Path) -> tuple[dict[str, Any], list[QueryRecord]]:
-    """(manifest, records in query order) of an ``adapt_log`` directory; one-line errors for anything else."""
+    """(manifest, records in query order) of an ``adapt.log`` directory; one-line errors for anything else."""
     directory = Path(directory)
     manifest_path = directory / "manifest.json"
     if not manifest_path.is_file():
         raise FileNotFoundError(f"traces={directory} has no manifest.json: record traces with adapt=bandit "
-                                "adapt_log=DIR on eagle3_tree first")
+                                "adapt.log=DIR on eagle3_tree first")
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != TRACE_FORMAT or manifest.get("version") != TRACE_VERSION:
         raise UserError(f"{manifest_path} is not a {TRACE_FORMAT} v{TRACE_VERSION} manifest (got "

@@ -1,7 +1,7 @@
 """``python -m spectrain.adapt.replay traces=DIR drafter=PATH [out=DIR] [gamma=N] [key=value ...]``
 
 Runs the bandit policy (:meth:`spectrain.adapt.adapter.BanditAdapter.process`, the code the engine runs) over the
-queries recorded by ``eagle3_tree adapt=bandit adapt_log=DIR`` (format: :mod:`spectrain.adapt.record`), in
+queries recorded by ``eagle3_tree adapt=bandit adapt.log=DIR`` (format: :mod:`spectrain.adapt.record`), in
 order, starting from the drafter at ``drafter=PATH``. The environment is simulated from the records, so the run
 is deterministic: τ of a query is the greedy chain acceptance τ_sim of the CURRENT drafter (chains of ``gamma``
 drafts from every generated row, teacher-forced on the recorded sequence), the signal uses each chain's first
@@ -10,8 +10,8 @@ really train the drafter on the recorded rows, and rollbacks really restore it.
 
 Writes ``out/decisions.csv`` (every decision and reward, and ``tau_none``: τ_sim of the drafter as loaded, the
 no-adaptation baseline; ``logger=wandb`` also logs to wandb) and ``out/tau.png`` (τ over queries with the chosen
-arms, and the baseline). Any ``adapt_*`` setting can be overridden by its short name
-(``horizon=512``); the rest come from the trace manifest.
+arms, and the baseline). Any ``adapt.*`` setting can be overridden, as ``adapt.horizon=512`` or by its short
+name (``horizon=512``); the rest come from the trace manifest.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ReplayConfig, dict[str, str]]:
     settings = {f.name for f in fields(AdaptSettings)}
     cfg, overrides = {}, {}
     for key, value in split_key_values(argv, USAGE):
-        short = key.removeprefix("adapt_")
+        short = key.removeprefix("adapt.").removeprefix("adapt_")
         if key in known:
             cfg[key] = value
         elif short in settings:

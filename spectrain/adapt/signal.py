@@ -35,7 +35,7 @@ class ContextBuckets:
 
     def __init__(self, bins: int = 4):
         if bins < 1:
-            raise UserError(f"adapt_bins must be >= 1, got {bins}")
+            raise UserError(f"adapt.bins must be >= 1, got {bins}")
         self.bins = bins
         self.history: list[float] = []
 

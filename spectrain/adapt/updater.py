@@ -44,7 +44,7 @@ class Updater:
                 raise UserError(f"adapt_{arm}_steps must be >= 1 and adapt_{arm}_lr > 0, got {spec.steps}, "
                                  f"{spec.lr}")
         if clip <= 0:
-            raise UserError(f"adapt_clip (gradient-norm bound) must be > 0, got {clip}")
+            raise UserError(f"adapt.clip (gradient-norm bound) must be > 0, got {clip}")
         self.adaptable, self.arms, self.clip = adaptable, arms, clip
 
     def parameters(self, arm: str) -> list[torch.nn.Parameter]:
