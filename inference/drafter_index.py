@@ -1,8 +1,8 @@
 """Find the exported drafters in a directory, by kind, so one evaluate run can use all of them.
 
-``python -m spectrain.export`` writes a ``config.json`` whose ``spectrain`` block names the drafter kind
-(draft_lm, eagle3, specblock, dflash, peagle, hrad). ``drafters=DIR`` points at such an export or at a directory of
-them (one level deep, e.g. ``runs/demo/exports/{draft_lm,eagle3,...}``).
+``python -m spectrain.export`` writes a ``config.json`` whose ``spectrain`` block names the drafter kind (a row of
+``core.drafters.kinds``). ``drafters=DIR`` points at such an export or at a directory of them (one level deep, e.g.
+``runs/demo/exports/<kind>``).
 """
 
 from __future__ import annotations
