@@ -273,18 +273,17 @@ def plot(results: dict[str, Any], paths: Sequence[Path]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (tau_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, points in series(results["runs"]).items():
+    for index, (name, points) in enumerate(series(results["runs"]).items()):
         x = [sum(r["prompt_tokens"]) / len(r["prompt_tokens"]) for r in points]
-        style = "--" if "window" in name else "-"
-        if not name.startswith("ar"):
-            tau_ax.plot(x, [r["tau"] for r in points], style, marker="o", label=name)
-        speed_ax.plot(x, [r["decode_speedup_vs_ar"] or 0 for r in points], style, marker="o", label=name)
+        style = dict(linestyle="--" if "window" in name else "-", marker="o", label=name, color=f"C{index}")
+        tau_ax.plot(x, [r["tau"] for r in points], **style)
+        speed_ax.plot(x, [r["decode_speedup_vs_ar"] or 0 for r in points], **style)
     for ax, label in ((tau_ax, "τ (new tokens per target forward)"), (speed_ax, "decoding tokens/s ÷ AR")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens (held-out GSM problem after k solved ones)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    tau_ax.legend(fontsize=8)
+    speed_ax.legend(fontsize=8)
     fig.suptitle(f"τ against context: {results['config'].get('target')}, {results['dtype']}, "
                  f"{results['threads']} thread(s), {len(results['questions'])} problems per length, greedy")
     fig.tight_layout()
