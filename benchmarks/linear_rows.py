@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from core.blocks.linear import Linear
 from core.overrides import OverrideError, parse_cli
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> None:
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        record = {"config": asdict(cfg), "cpu": cpu, "torch": torch.__version__, "unit": "ms", "rows": results}
+        record = {"config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else vars(cfg), "cpu": cpu, "torch": torch.__version__, "unit": "ms", "rows": results}
         (out / "results.json").write_text(json.dumps(record, indent=1))
         print(f"wrote {out / 'results.json'}")
 
