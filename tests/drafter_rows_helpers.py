@@ -106,3 +106,18 @@ def tree_rows(held: int, n: int) -> torch.Tensor:
 def siblings(n: int) -> torch.Tensor:
     """Short form: among the new rows each sees itself only (a tree level's siblings); the whole cache."""
     return torch.zeros(n, n, dtype=torch.bool)
+
+
+def check_batched_rows_equal_solo(drafter: Eagle3Drafter, first_tokens: list[int], exact: bool, length: int) -> None:
+    """Three calls (a first chain, then sibling rows under a short mask, then tree rows under a full one) on three
+    ragged rows at once give each row what the same calls give it alone: bitwise in row-exact mode."""
+    calls = [Rows(first_tokens, 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
+             Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3)]
+    masks = [None, ("short", siblings), ("full", tree_rows)]
+    batched = eagle3_calls(drafter, drafter.new_cache(length, batch_size=3), calls, masks, None)
+    for b in range(3):
+        solo = eagle3_calls(drafter, drafter.new_cache(length), calls, masks, b)
+        for (logits, hidden), (solo_logits, solo_hidden), rows_in in zip(batched, solo, calls):
+            n = rows_in.counts[b]
+            same(logits[b, :n], solo_logits[0], exact)
+            same(hidden[b, :n], solo_hidden[0], exact)

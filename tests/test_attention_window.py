@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from speculators.models import Eagle3DraftModel
-from drafter_rows_helpers import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
+from drafter_rows_helpers import check_batched_rows_equal_solo, eagle3
 from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
 from peagle_export_builders import make_peagle
 from engine_helpers import admitted_alone
@@ -109,16 +109,7 @@ def test_drafts_differ_only_where_the_context_passes_the_window(tiny):
 @pytest.mark.parametrize("exact", [pytest.param(True, id="row_exact"), pytest.param(False, id="padded")])
 def test_batched_rows_equal_their_solo_calls_under_a_window(exact):
     drafter = eagle3(exact, attention_window=W)
-    calls = [Rows([40, 9, 33], 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
-             Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3)]
-    masks = [None, ("short", siblings), ("full", tree_rows)]
-    batched = eagle3_calls(drafter, drafter.new_cache(64, batch_size=3), calls, masks, None)
-    for b in range(3):
-        solo = eagle3_calls(drafter, drafter.new_cache(64), calls, masks, b)
-        for (logits, hidden), (solo_logits, solo_hidden), rows_in in zip(batched, solo, calls):
-            n = rows_in.counts[b]
-            same(logits[b, :n], solo_logits[0], exact)
-            same(hidden[b, :n], solo_hidden[0], exact)
+    check_batched_rows_equal_solo(drafter, [40, 9, 33], exact, 64)
 
 
 def test_windowed_drafters_serve_losslessly_and_draft_with_their_window(tiny):

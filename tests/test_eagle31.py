@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
-from drafter_rows_helpers import TARGET_HIDDEN, Rows, eagle3, eagle3_calls, same, siblings, tree_rows
+from drafter_rows_helpers import check_batched_rows_equal_solo, eagle3
 from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
 from eagle3_training_builders import eagle3_fit_setup
 from speculators_builders import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
@@ -101,16 +101,7 @@ def test_training_time_test_equals_serving_a_chain_with_the_flags(tiny):
 def test_batched_rows_equal_their_solo_calls_with_the_flags(exact):
     drafter = eagle3(exact, **FLAGS)
     assert all(norm.exact == exact for norm in drafter.fc_norm)  # the new norms follow the mode too
-    calls = [Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
-             Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3)]
-    masks = [None, ("short", siblings), ("full", tree_rows)]
-    batched = eagle3_calls(drafter, drafter.new_cache(32, batch_size=3), calls, masks, None)
-    for b in range(3):
-        solo = eagle3_calls(drafter, drafter.new_cache(32), calls, masks, b)
-        for (logits, hidden), (solo_logits, solo_hidden), rows_in in zip(batched, solo, calls):
-            n = rows_in.counts[b]
-            same(logits[b, :n], solo_logits[0], exact)
-            same(hidden[b, :n], solo_hidden[0], exact)
+    check_batched_rows_equal_solo(drafter, [5, 2, 7], exact, 32)
 
 
 def test_export_loads_in_the_engine_losslessly_and_honours_the_flags(tmp_path, tiny, capsys):
