@@ -60,3 +60,12 @@ def with_logit_vocab(runner: ModelRunner | TransformersRunner, vocab: int | None
         view = TransformersRunner(runner.model, max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
     view.logit_vocab = vocab
     return view
+
+
+def limited_draft(draft, vocab: int | None):
+    """``draft`` scoring only the ``vocab`` lowest ids (:func:`with_logit_vocab`) when ``vocab`` is set and it does
+    not already: an algorithm built with ``draft_vocab=N`` drafts from such a runner whoever built it (the engine
+    passes one limited runner, shared by its algorithms, which comes back as it is)."""
+    if not vocab or getattr(draft, "logit_vocab", None) == vocab:
+        return draft
+    return with_logit_vocab(draft, vocab)

@@ -12,6 +12,7 @@ from tiny_targets import GREEDY, hf_greedy, runner, tiny_llama
 
 from inference.algorithms import build_algorithm
 from inference.runner import ModelRunner
+from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 
@@ -127,8 +128,6 @@ def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
 @pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd"])
 def test_a_vocabulary_limited_draft_stays_greedy_equal(pair, name):
     """draft_vocab: the draft proposes only ids < 40 of 97; every draft-LM algorithm still emits the target's tokens."""
-    from inference.runner_loading import with_logit_vocab
-
     target, draft = pair
     prompt = [7, 1, 8, 2, 8]
     reference = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).tokens
@@ -141,8 +140,6 @@ def test_a_vocabulary_limited_draft_stays_greedy_equal(pair, name):
 def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
     """Monte Carlo: a draft that can only propose ids {0, 1} of 4 still yields exactly the target's law, for a
     request among 64 side by side."""
-    from inference.runner_loading import with_logit_vocab
-
     vocab, n, runs = 4, 2, 4000
     target = tiny_llama(10, vocab=vocab, layers=2, temperature_scale=3.0)
     draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
@@ -154,3 +151,21 @@ def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
     assert accepted > 0
     assert_follows_law(counts, law, runs, max_tv=0.06)
 
+
+
+@pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd"])
+def test_draft_vocab_given_to_the_algorithm_limits_its_draft(pair, name):
+    """``draft_vocab=40`` passed to the algorithm itself (not through the engine, which limits the runner it passes)
+    drafts from the limited runner: the same rounds as with a runner limited beforehand, not those of the full one.
+    The draft is the target itself, so every rejection comes from the limit."""
+    target, draft = pair[0], pair[0]
+    prompt = [7, 1, 8, 2, 8]
+
+    def rounds(draft_runner, **options):
+        result = build_algorithm(name, runner(target), draft_runner, **options).generate(
+            prompt, max_new_tokens=30, sampling=GREEDY)
+        return result.tokens, result.stats.rounds, result.stats.drafted_tokens, result.stats.accepted_hist
+
+    given = rounds(runner(draft), draft_vocab=40)
+    assert given == rounds(with_logit_vocab(runner(draft), 40))
+    assert given[1:] != rounds(runner(draft))[1:]

@@ -32,6 +32,7 @@ from inference.draft_side import ChainDraft
 from inference.engine.state import RowState
 from inference.engine.strategy import Proposal, T
 from inference.verify import VerifyResult, tokenwise
+from inference.runner_loading import limited_draft
 
 
 def verify_without_bonus(tokens: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -61,7 +62,8 @@ class Pearl(OverlappedDraftAlgorithm):
         self.options = options = with_fields(PearlOptions, options, fields)
         if options.gamma < 1:
             raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {options.gamma}")
-        super().__init__(target, draft, executor=options.executor, draft_path=draft_path, draft_factory=draft_factory,
+        super().__init__(target, limited_draft(draft, options.draft_vocab), executor=options.executor,
+                         draft_path=draft_path, draft_factory=draft_factory,
                          max_batch=1, max_seq_len=max_seq_len, executor_kwargs=executor_kwargs)
         self.gamma = options.gamma
 

@@ -54,6 +54,7 @@ from inference.match import match_round
 from inference.runner_contract import RunnerOutput, as_batch
 from inference.sampling import SamplingParams
 from inference.verify import VerifyResult
+from inference.runner_loading import limited_draft
 
 DEFAULT_EPSILON = 0.3  # §3, when the H-RAD export does not store one
 # hrad= values that are a policy, not an H-RAD export: what each keeps of the survivor's continuation
@@ -176,7 +177,8 @@ class SpecBranch(OverlappedDraftAlgorithm):
             raise UserError(f"specbranch.cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
                              f"(it keeps at least one, as the authors' code), got {cut_from}")
         self.cut_from = cut_from
-        super().__init__(target, draft, executor=options.executor, draft_path=draft_path, draft_factory=draft_factory,
+        super().__init__(target, limited_draft(draft, options.draft_vocab), executor=options.executor,
+                         draft_path=draft_path, draft_factory=draft_factory,
                          max_batch=kmax, max_seq_len=max_seq_len, executor_kwargs=executor_kwargs)
         self.gamma, self.kmax = gamma, kmax
         self.policy = policy_name(hrad)

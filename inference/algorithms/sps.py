@@ -26,6 +26,7 @@ from inference.engine.strategy import Proposal, Strategy
 from inference.runner_contract import RunnerOutput, check_same_vocab
 from inference.sampling import sample
 from inference.verify import ChainVerifier, VerifyResult, get_verifier
+from inference.runner_loading import limited_draft
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,11 @@ class SpeculativeSampling(Algorithm):
                  on_round: RoundHook | None = None, round_capture_layers: Sequence[int] = (), **fields):
         """``options.verifier`` may be a verifier's name or a :class:`ChainVerifier`. ``on_round`` (optional)
         receives a :class:`RoundInfo` after every verification, with the target's hidden states of
-        ``round_capture_layers``; without it nothing extra is computed or kept. ``options.draft_vocab`` is the
-        engine's (it limits the draft runner it passes)."""
+        ``round_capture_layers``; without it nothing extra is computed or kept. ``options.draft_vocab`` limits the
+        draft runner (:func:`inference.runner_loading.limited_draft`)."""
         super().__init__(target, max_seq_len=max_seq_len)
         self.options = options = with_fields(SpsOptions, options, fields)
+        draft = limited_draft(draft, options.draft_vocab)
         gamma, verifier = options.gamma, options.verifier
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {gamma}")

@@ -49,6 +49,7 @@ from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, largest
 from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, FORK_VOCABS, HIT, IDLE, JIT, ServeRequest,
                                  SpeculateRequest, Speculation, given_runner, draft_side_factory)
 from inference.verify import LossyVerifierWarning, VerifyPlan, VerifyResult, tokenwise_plan
+from inference.runner_loading import limited_draft
 
 FAST_VERIFY = ("exact", "reference_greedy")
 
@@ -164,6 +165,7 @@ class SSD(Algorithm):
         if draft is None and draft_source is None:
             raise UserError("ssd needs a drafter: pass a draft runner or draft_source=PATH")
         if draft is not None:
+            draft = limited_draft(draft, options.draft_vocab)
             check_same_vocab(target, draft)
             self.max_seq_len = min(self.max_seq_len, draft.max_seq_len)
         if executor == "multiprocess" and draft_source is None:
