@@ -121,3 +121,21 @@ def check_batched_rows_equal_solo(drafter: Eagle3Drafter, first_tokens: list[int
             n = rows_in.counts[b]
             same(logits[b, :n], solo_logits[0], exact)
             same(hidden[b, :n], solo_hidden[0], exact)
+
+
+@torch.no_grad()
+def check_serving_chain_equals_training(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, trained,
+                                        row: int, steps: int, cache_len: int) -> None:
+    """Serving rows 0..``row``, then j drafted rows each fed its own hidden state, gives step j of the training
+    forward (``trained``) at ``row``: training-time test and serving are one computation."""
+    cache = drafter.new_cache(cache_len)
+    out = drafter.step(ids[:, 1:row + 2], drafter.project(aux[:, :row + 1]), torch.arange(row + 1)[None], cache)
+    logits, hidden = out.logits[:, -1:], out.hidden[:, -1:]
+    torch.testing.assert_close(logits[0, 0], trained.logits[0][0, row], rtol=1e-5, atol=1e-5)
+    for j in range(1, steps):
+        if row + 1 + j >= ids.shape[1]:
+            break
+        out = drafter.step(ids[:, row + 1 + j: row + 2 + j], hidden, torch.tensor([[row + j]]), cache)
+        logits, hidden = out.logits, out.hidden
+        torch.testing.assert_close(logits[0, 0], trained.logits[j][0, row], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden[0, 0], trained.hidden[j][0, row], rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from speculators.models import Eagle3DraftModel
-from drafter_rows_helpers import check_batched_rows_equal_solo, eagle3
+from drafter_rows_helpers import check_batched_rows_equal_solo, check_serving_chain_equals_training, eagle3
 from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
 from peagle_export_builders import make_peagle
 from engine_helpers import admitted_alone
@@ -84,18 +84,11 @@ def test_training_time_test_equals_serving_a_chain_past_the_window(tiny):
     with torch.no_grad():
         trained = model(ids, aux, steps=steps)
         full = windowed(model, 0)(ids, aux, steps=steps)
-        cache = model.new_cache(64)
-        out = model.step(ids[:, 1:row + 2], model.project(aux[:, :row + 1]), torch.arange(row + 1)[None], cache)
-        logits, hidden = out.logits[:, -1:], out.hidden[:, -1:]
-        torch.testing.assert_close(logits[0, 0], trained.logits[0][0, row], rtol=1e-5, atol=1e-5)
-        for j in range(1, steps):
-            out = model.step(ids[:, row + 1 + j: row + 2 + j], hidden, torch.tensor([[row + j]]), cache)
-            logits, hidden = out.logits, out.hidden
-            torch.testing.assert_close(logits[0, 0], trained.logits[j][0, row], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(hidden[0, 0], trained.hidden[j][0, row], rtol=1e-5, atol=1e-5)
-            assert not torch.allclose(trained.logits[j][0, row], full.logits[j][0, row], atol=1e-4)
-        # rows whose every position stays inside the window are the full attention's, bitwise
-        assert torch.equal(trained.logits[0][:, :W], full.logits[0][:, :W])
+    check_serving_chain_equals_training(model, ids, aux, trained, row, steps, cache_len=64)
+    for j in range(1, steps):  # past the window, the window changes what is drafted
+        assert not torch.allclose(trained.logits[j][0, row], full.logits[j][0, row], atol=1e-4)
+    # rows whose every position stays inside the window are the full attention's, bitwise
+    assert torch.equal(trained.logits[0][:, :W], full.logits[0][:, :W])
 
 
 def test_drafts_differ_only_where_the_context_passes_the_window(tiny):

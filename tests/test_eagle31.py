@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from speculators.models import Eagle3DraftModel
-from drafter_rows_helpers import check_batched_rows_equal_solo, eagle3
+from drafter_rows_helpers import check_batched_rows_equal_solo, check_serving_chain_equals_training, eagle3
 from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
 from eagle3_training_builders import eagle3_fit_setup
 from speculators_builders import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
@@ -86,15 +86,7 @@ def test_training_time_test_equals_serving_a_chain_with_the_flags(tiny):
     ids, aux = torch.randint(0, VOCAB, (1, length)), torch.randn(1, length, 96)
     with torch.no_grad():
         trained = model(ids, aux, steps=steps)
-        cache = model.new_cache(32)
-        out = model.step(ids[:, 1:row + 2], model.project(aux[:, :row + 1]), torch.arange(row + 1)[None], cache)
-        logits, hidden = out.logits[:, -1:], out.hidden[:, -1:]
-        torch.testing.assert_close(logits[0, 0], trained.logits[0][0, row], rtol=1e-5, atol=1e-5)
-        for j in range(1, steps):
-            out = model.step(ids[:, row + 1 + j: row + 2 + j], hidden, torch.tensor([[row + j]]), cache)
-            logits, hidden = out.logits, out.hidden
-            torch.testing.assert_close(logits[0, 0], trained.logits[j][0, row], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(hidden[0, 0], trained.hidden[j][0, row], rtol=1e-5, atol=1e-5)
+    check_serving_chain_equals_training(model, ids, aux, trained, row, steps, cache_len=32)
 
 
 @pytest.mark.parametrize("exact", [pytest.param(True, id="row_exact"), pytest.param(False, id="padded")])

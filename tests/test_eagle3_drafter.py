@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from drafter_rows_helpers import check_serving_chain_equals_training
 
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 
@@ -30,17 +31,7 @@ def test_training_time_test_equals_serving_a_chain(norm_before_residual):
     with torch.no_grad():
         trained = model(ids, aux, steps=steps)
     for row in (0, 3, 4):
-        cache = model.new_cache(32)
-        out = model.step(ids[:, 1:row + 2], model.project(aux[:, : row + 1]), torch.arange(row + 1)[None], cache)
-        logits, hidden = out.logits[:, -1:], out.hidden[:, -1:]
-        torch.testing.assert_close(logits[0, 0], trained.logits[0][0, row], rtol=1e-5, atol=1e-5)
-        for j in range(1, steps):
-            if row + 1 + j >= length:
-                break
-            out = model.step(ids[:, row + 1 + j: row + 2 + j], hidden, torch.tensor([[row + j]]), cache)
-            logits, hidden = out.logits, out.hidden
-            torch.testing.assert_close(logits[0, 0], trained.logits[j][0, row], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(hidden[0, 0], trained.hidden[j][0, row], rtol=1e-5, atol=1e-5)
+        check_serving_chain_equals_training(model, ids, aux, trained, row, steps, cache_len=32)
 
 
 def test_padding_does_not_change_real_rows():
