@@ -19,7 +19,7 @@ export WANDB_MODE ?= offline
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast lint clean-cache
+.PHONY: install demo test test-fast lint format clean-cache
 
 install: $(STAMP)
 
@@ -46,5 +46,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -rs $(PYTEST_PARALLEL) -m "not real_model and not slow" $(PYTEST_ARGS)
 
+SOURCES := core spectrain data_prep inference tests benchmarks
+
 lint: $(STAMP)
-	$(PY) -m ruff check core spectrain data_prep inference tests benchmarks
+	$(PY) -m ruff check $(SOURCES)
+	$(PY) -m ruff format --check $(SOURCES)
+
+format: $(STAMP)
+	$(PY) -m ruff format $(SOURCES)

@@ -104,7 +104,7 @@ def interleaved(n: int, block: int) -> list[tuple[int, str]]:
     schedule = []
     for b, first in enumerate(range(0, n, block)):
         indices = range(first, min(first + block, n))
-        for adapt in (("none", "bandit") if b % 2 == 0 else ("bandit", "none")):
+        for adapt in ("none", "bandit") if b % 2 == 0 else ("bandit", "none"):
             schedule += [(i, adapt) for i in indices]
     return schedule
 
@@ -121,21 +121,32 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
     background = algorithms["bandit"].adapter.background
     for step, (i, adapt) in enumerate(schedule):
         source, ids = prompts[i]
-        result = algorithms[adapt].generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=greedy,
-                                            eos_ids=eos)
+        result = algorithms[adapt].generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=greedy, eos_ids=eos)
         s = result.stats
         wall, drain = s.wall_s, 0.0
-        if background is not None and adapt == "bandit" and step + 1 < len(schedule) and \
-                schedule[step + 1][1] == "none":
+        if (
+            background is not None
+            and adapt == "bandit"
+            and step + 1 < len(schedule)
+            and schedule[step + 1][1] == "none"
+        ):
             # adapt_background: the work this query started must not run during adapt=none's next query; waiting
             # for it is charged to this query (conservative: in a real stream it overlaps the next bandit query)
             started = time.perf_counter()
             background.wait()
             drain = time.perf_counter() - started
-        runs[adapt]["per_query"].append({
-            "source": source, "new_tokens": s.new_tokens, "target_forwards": s.target_forwards,
-            "rounds": s.rounds, "accepted": s.accepted_draft_tokens, "wall_s": wall + drain, "drain_s": drain,
-            "accept_len": (s.accepted_draft_tokens + s.rounds) / max(s.rounds, 1)})
+        runs[adapt]["per_query"].append(
+            {
+                "source": source,
+                "new_tokens": s.new_tokens,
+                "target_forwards": s.target_forwards,
+                "rounds": s.rounds,
+                "accepted": s.accepted_draft_tokens,
+                "wall_s": wall + drain,
+                "drain_s": drain,
+                "accept_len": (s.accepted_draft_tokens + s.rounds) / max(s.rounds, 1),
+            }
+        )
         runs[adapt]["outputs"].append(result.tokens)
     for adapt, run in runs.items():
         queries = run["per_query"]
@@ -148,15 +159,21 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
             adapter.close()
             close_s = time.perf_counter() - started
         rows = adapter.log.rows if adapter else []
-        run.update(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-                   tau=tokens / sum(q["target_forwards"] for q in queries),
-                   accept_len=(sum(q["accepted"] for q in queries) + rounds) / max(rounds, 1),
-                   updates=sum(r.get("arm") not in (None, "skip") for r in rows),
-                   rollbacks=sum(bool(r.get("rolled_back")) for r in rows),
-                   resets=sum(bool(r.get("reset")) for r in rows),
-                   update_s=sum(float(r["update_s"]) for r in rows if r.get("update_s") not in (None, "")),
-                   drain_s=sum(q.get("drain_s", 0.0) for q in queries),
-                   close_s=close_s, arms=[r.get("arm") for r in rows], log=rows)
+        run.update(
+            tokens=tokens,
+            wall_s=wall,
+            tokens_per_s=tokens / wall,
+            tau=tokens / sum(q["target_forwards"] for q in queries),
+            accept_len=(sum(q["accepted"] for q in queries) + rounds) / max(rounds, 1),
+            updates=sum(r.get("arm") not in (None, "skip") for r in rows),
+            rollbacks=sum(bool(r.get("rolled_back")) for r in rows),
+            resets=sum(bool(r.get("reset")) for r in rows),
+            update_s=sum(float(r["update_s"]) for r in rows if r.get("update_s") not in (None, "")),
+            drain_s=sum(q.get("drain_s", 0.0) for q in queries),
+            close_s=close_s,
+            arms=[r.get("arm") for r in rows],
+            log=rows,
+        )
     return runs
 
 
@@ -192,14 +209,21 @@ def main(argv: list[str]) -> int:
         lossless = none["outputs"] == bandit["outputs"]
         plot_tau(bandit["log"], out / stream / "tau.png", title=f"{stream}: τ per query, adapt=bandit")
         gain = bandit["tokens_per_s"] / none["tokens_per_s"] - 1
-        summary["streams"][stream] = {"prompts": [s for s, _ in prompts], "none": none, "bandit": bandit,
-                                      "lossless": lossless, "tokens_per_s_gain": gain}
+        summary["streams"][stream] = {
+            "prompts": [s for s, _ in prompts],
+            "none": none,
+            "bandit": bandit,
+            "lossless": lossless,
+            "tokens_per_s_gain": gain,
+        }
         print(f"[{stream}] {len(prompts)} prompts, {none['tokens']} tokens; identical outputs: {lossless}")
         for run in (none, bandit):
-            print(f"  adapt={run['adapt']:6s} tau={run['tau']:.3f} accept_len={run['accept_len']:.3f} "
-                  f"tok/s={run['tokens_per_s']:.2f} wall={run['wall_s']:.1f}s updates={run['updates']} "
-                  f"rollbacks={run['rollbacks']} resets={run['resets']} update_s={run['update_s']:.1f} "
-                  f"setup_s={run['setup_s']:.1f} drain_s={run['drain_s']:.1f} close_s={run['close_s']:.1f}")
+            print(
+                f"  adapt={run['adapt']:6s} tau={run['tau']:.3f} accept_len={run['accept_len']:.3f} "
+                f"tok/s={run['tokens_per_s']:.2f} wall={run['wall_s']:.1f}s updates={run['updates']} "
+                f"rollbacks={run['rollbacks']} resets={run['resets']} update_s={run['update_s']:.1f} "
+                f"setup_s={run['setup_s']:.1f} drain_s={run['drain_s']:.1f} close_s={run['close_s']:.1f}"
+            )
         print(f"  tokens/s bandit vs none: {100 * gain:+.1f} %   arms: {bandit['arms']}")
         print("  per-query accept length none  :", [round(q["accept_len"], 2) for q in none["per_query"]])
         print("  per-query accept length bandit:", [round(q["accept_len"], 2) for q in bandit["per_query"]])

@@ -18,8 +18,9 @@ import torch
 from core.drafters.dflash.attention import AnchorLayout, anchor_block_attention
 from core.overrides import parse_cli
 
-USAGE = ("python benchmarks/dflash_attention.py length=640 anchors=32 block_size=8 chunks=[4,8,16,32] threads=1 "
-         "repeats=3")
+USAGE = (
+    "python benchmarks/dflash_attention.py length=640 anchors=32 block_size=8 chunks=[4,8,16,32] threads=1 repeats=3"
+)
 
 
 @dataclass
@@ -48,10 +49,15 @@ def run(cfg: AttentionBenchConfig) -> None:
     torch.manual_seed(0)
     heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2-135M
     queries = cfg.anchors * cfg.block_size
-    shapes = [(1, heads, queries), (1, kv_heads, queries), (1, kv_heads, queries), (1, kv_heads, cfg.length),
-              (1, kv_heads, cfg.length)]
+    shapes = [
+        (1, heads, queries),
+        (1, kv_heads, queries),
+        (1, kv_heads, queries),
+        (1, kv_heads, cfg.length),
+        (1, kv_heads, cfg.length),
+    ]
     tensors = [torch.randn(*shape, head_dim, requires_grad=True) for shape in shapes]
-    anchors = torch.sort(torch.randperm(cfg.length - cfg.block_size)[:cfg.anchors]).values[None]
+    anchors = torch.sort(torch.randperm(cfg.length - cfg.block_size)[: cfg.anchors]).values[None]
     dense = AnchorLayout(anchors, cfg.block_size, dense=True)
     dense_entries = queries * (cfg.length + queries)
     print(f"T={cfg.length}, {cfg.anchors} anchors of {cfg.block_size}, {cfg.threads} thread(s)")

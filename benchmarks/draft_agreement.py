@@ -28,8 +28,10 @@ from inference.evaluate import load_bench_prompts
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
-USAGE = ("python -m benchmarks.draft_agreement drafter=DIR bench=gsm_symbolic n_prompts=6 max_new_tokens=192 "
-         "draft_vocab=8192 dtype=auto out=FILE.json")
+USAGE = (
+    "python -m benchmarks.draft_agreement drafter=DIR bench=gsm_symbolic n_prompts=6 max_new_tokens=192 "
+    "draft_vocab=8192 dtype=auto out=FILE.json"
+)
 TOP_K = (1, 2, 4, 8)
 
 
@@ -52,8 +54,9 @@ def agreement(cfg: AgreementConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     dtype = serving_dtype(cfg.dtype)
     target = load_lm(cfg.target, device="cpu", max_seq_len=2048, dtype=model_dtype(dtype, "cpu"))
-    draft = with_logit_vocab(load_drafter("draft_lm", cfg.drafter, target, device="cpu", max_seq_len=2048),
-                             cfg.draft_vocab)
+    draft = with_logit_vocab(
+        load_drafter("draft_lm", cfg.drafter, target, device="cpu", max_seq_len=2048), cfg.draft_vocab
+    )
     prompts = load_bench_prompts(cfg.bench, target.tokenizer, cfg.n_prompts)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     ar = build_algorithm("ar", target.runner)
@@ -63,16 +66,22 @@ def agreement(cfg: AgreementConfig) -> dict:
         answer = ar.generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(0.0), eos_ids=eos).tokens
         draft.reset(1)
         # Row i of the answer part predicts answer[i]: the rows from the prompt's last token on.
-        logits = draft.forward(torch.tensor([ids + answer[:-1]])).logits[0, len(ids) - 1:]
+        logits = draft.forward(torch.tensor([ids + answer[:-1]])).logits[0, len(ids) - 1 :]
         ranked = logits.topk(max(TOP_K), dim=-1).indices
         truth = torch.tensor(answer)[:, None]
         for k in TOP_K:
             hits[k] += int((ranked[:, :k] == truth).any(-1).sum())
         positions += len(answer)
-    result = {"bench": cfg.bench, "n_prompts": len(prompts.ids), "positions": positions, "dtype": dtype,
-              "draft_vocab": cfg.draft_vocab, "drafter": cfg.drafter,
-              "top1_agreement": hits[1] / positions,
-              "top_k_recall": {str(k): hits[k] / positions for k in TOP_K}}
+    result = {
+        "bench": cfg.bench,
+        "n_prompts": len(prompts.ids),
+        "positions": positions,
+        "dtype": dtype,
+        "draft_vocab": cfg.draft_vocab,
+        "drafter": cfg.drafter,
+        "top1_agreement": hits[1] / positions,
+        "top_k_recall": {str(k): hits[k] / positions for k in TOP_K},
+    }
     if cfg.out:
         atomic_write_text(Path(cfg.out), json.dumps(result, indent=2) + "\n")
     return result
@@ -80,13 +89,20 @@ def agreement(cfg: AgreementConfig) -> dict:
 
 def report(result: dict) -> None:
     recall = ", ".join(f"top-{k} {v:.3f}" for k, v in result["top_k_recall"].items())
-    print(f"{result['bench']}: {result['positions']} answer tokens of {result['n_prompts']} prompts ({result['dtype']}, "
-          f"draft_vocab={result['draft_vocab']}): top-1 agreement {result['top1_agreement']:.3f}; recall {recall}")
+    print(
+        f"{result['bench']}: {result['positions']} answer tokens of {result['n_prompts']} prompts ({result['dtype']}, "
+        f"draft_vocab={result['draft_vocab']}): top-1 agreement {result['top1_agreement']:.3f}; recall {recall}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(argv, lambda args: agreement(parse_cli(args, AgreementConfig, USAGE)), doc=__doc__,
-                   schema=AgreementConfig, report=report)
+    return run_cli(
+        argv,
+        lambda args: agreement(parse_cli(args, AgreementConfig, USAGE)),
+        doc=__doc__,
+        schema=AgreementConfig,
+        report=report,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,17 @@ from core.overrides import parse_cli, run_cli
 
 USAGE = "python benchmarks/drafter_rows.py rows=[1,8] threads=1 repeats=7 context=200"
 HIDDEN, VOCAB = 576, 49152
-SHAPE = dict(hidden_size=HIDDEN, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-             vocab_size=VOCAB, draft_vocab_size=8192, rope_theta=100000.0, max_position_embeddings=8192)
+SHAPE = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=VOCAB,
+    draft_vocab_size=8192,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+)
 CALLS_PER_BLOCK = 5
 
 
@@ -52,11 +61,14 @@ def _drafters() -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     embed = torch.randn(VOCAB, HIDDEN)
     aux = dict(target_hidden_size=HIDDEN, aux_layer_ids=[1, 2, 3])
-    dflash = DFlashConfig(**SHAPE, target_hidden_size=HIDDEN, aux_layer_ids=[1, 2], block_size=8, num_layers=2,
-                          mask_token_id=7)
-    drafters = {"eagle3": Eagle3Drafter(Eagle3Config(**SHAPE, **aux), embed),
-                "peagle": PEagleDrafter(PEagleConfig(**SHAPE, **aux, mask_token_id=7, num_depths=4), embed),
-                "dflash": DFlashDrafter(dflash, embed)}
+    dflash = DFlashConfig(
+        **SHAPE, target_hidden_size=HIDDEN, aux_layer_ids=[1, 2], block_size=8, num_layers=2, mask_token_id=7
+    )
+    drafters = {
+        "eagle3": Eagle3Drafter(Eagle3Config(**SHAPE, **aux), embed),
+        "peagle": PEagleDrafter(PEagleConfig(**SHAPE, **aux, mask_token_id=7, num_depths=4), embed),
+        "dflash": DFlashDrafter(dflash, embed),
+    }
     return {name: drafter.eval().requires_grad_(False) for name, drafter in drafters.items()}
 
 
@@ -80,6 +92,7 @@ def _call(name: str, drafter, rows: int, context: int, new: int) -> Callable[[],
     def call() -> None:
         run()
         cache.truncate(held)
+
     return call
 
 
@@ -87,8 +100,12 @@ def _call(name: str, drafter, rows: int, context: int, new: int) -> Callable[[],
 def measure(cfg: DrafterRowsConfig) -> list[dict]:
     torch.set_num_threads(cfg.threads)
     drafters = _drafters()
-    cases = [("eagle3", 1, "EAGLE-3 step, 1 new row"), ("eagle3", 4, "EAGLE-3 step, 4 new rows"),
-             ("peagle", 0, "P-EAGLE draft, K = 4"), ("dflash", 0, "DFlash draft, block 8")]
+    cases = [
+        ("eagle3", 1, "EAGLE-3 step, 1 new row"),
+        ("eagle3", 4, "EAGLE-3 step, 4 new rows"),
+        ("peagle", 0, "P-EAGLE draft, K = 4"),
+        ("dflash", 0, "DFlash draft, block 8"),
+    ]
     results = []
     for name, new, label in cases:
         row = {"call": label}
@@ -105,8 +122,10 @@ def measure(cfg: DrafterRowsConfig) -> list[dict]:
 def _run(argv: list[str]) -> None:
     cfg = parse_cli(argv, DrafterRowsConfig, usage=USAGE)
     results = measure(cfg)
-    print(f"SmolLM2-135M-shaped drafters, fp32, {cfg.threads} thread(s), ~{cfg.context} cached rows, "
-          f"median of {cfg.repeats}\n")
+    print(
+        f"SmolLM2-135M-shaped drafters, fp32, {cfg.threads} thread(s), ~{cfg.context} cached rows, "
+        f"median of {cfg.repeats}\n"
+    )
     heads = [f"{rows} rows {'row-exact' if exact else 'padded'} ms" for rows in cfg.rows for exact in (False, True)]
     print("| call | " + " | ".join(heads) + " |")
     print("|---" * (len(heads) + 1) + "|")

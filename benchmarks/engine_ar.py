@@ -64,11 +64,12 @@ def main(argv: list[str]) -> int:
             _sync(device)
             start = time.perf_counter()
             with torch.no_grad():
-                out = target.model.generate(x, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                                            eos_token_id=eos, pad_token_id=eos[0])
+                out = target.model.generate(
+                    x, max_new_tokens=cfg.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+                )
             _sync(device)
             wall += time.perf_counter() - start
-            new = out[0, len(ids):].tolist()
+            new = out[0, len(ids) :].tolist()
             tokens += len(new)
             outs.append(new)
         return tokens, wall, outs
@@ -84,15 +85,19 @@ def main(argv: list[str]) -> int:
             best[name] = max(best[name], tokens / wall)
             outputs[name] = outs
     same = outputs["engine"] == outputs["transformers"]
-    print(f"device={device} dtype={cfg.dtype} prompts={len(prompts)} max_new_tokens={cfg.max_new_tokens} "
-          f"threads={torch.get_num_threads()}")
+    print(
+        f"device={device} dtype={cfg.dtype} prompts={len(prompts)} max_new_tokens={cfg.max_new_tokens} "
+        f"threads={torch.get_num_threads()}"
+    )
     print(f"engine AR          : {best['engine']:.1f} tokens/s")
     print(f"transformers generate: {best['transformers']:.1f} tokens/s")
     print(f"ratio engine/transformers: {best['engine'] / best['transformers']:.2f}x   same tokens: {same}")
     if device.type == "cuda":
         weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-        print(f"weights: {weight_bytes / 1e9:.3f} GB; at B GB/s HBM the bandwidth bound is B/{weight_bytes / 1e9:.3f} "
-              "tokens/s")
+        print(
+            f"weights: {weight_bytes / 1e9:.3f} GB; at B GB/s HBM the bandwidth bound is B/{weight_bytes / 1e9:.3f} "
+            "tokens/s"
+        )
     return 0
 
 

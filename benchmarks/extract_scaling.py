@@ -35,13 +35,37 @@ class ScalingConfig:
 
 def run(cfg: ScalingConfig, processes: int, out: Path) -> tuple[float, int]:
     """(wall seconds, tokens written) of one extraction by ``processes`` processes."""
-    args = [f"target={cfg.target}", f"source={cfg.source}", f"n_samples={cfg.n_samples}", f"max_len={cfg.max_len}",
-            "layers=eagle3", "dtype=bf16", f"batch_size={cfg.batch_size}", "device=cpu", f"out={out}"]
-    launcher = [sys.executable, "-m", "data_prep.extract"] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-         "-m", "data_prep.extract"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    args = [
+        f"target={cfg.target}",
+        f"source={cfg.source}",
+        f"n_samples={cfg.n_samples}",
+        f"max_len={cfg.max_len}",
+        "layers=eagle3",
+        "dtype=bf16",
+        f"batch_size={cfg.batch_size}",
+        "device=cpu",
+        f"out={out}",
+    ]
+    launcher = (
+        [sys.executable, "-m", "data_prep.extract"]
+        if processes == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={processes}",
+            "-m",
+            "data_prep.extract",
+        ]
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     start = time.perf_counter()
     subprocess.run([*launcher, *args], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start

@@ -29,8 +29,10 @@ import torch
 from core.overrides import parse_cli, run_cli
 from inference.drafters import load_lm, model_dtype
 
-USAGE = ("python -m benchmarks.forward_cost tokens=[1,2,5,16,48,64] trees=[16,48] contexts=[300,1000,2000] "
-         "dtypes=[fp32,bf16] paths=[exact,plain] threads=1")
+USAGE = (
+    "python -m benchmarks.forward_cost tokens=[1,2,5,16,48,64] trees=[16,48] contexts=[300,1000,2000] "
+    "dtypes=[fp32,bf16] paths=[exact,plain] threads=1"
+)
 
 
 @dataclass
@@ -52,7 +54,7 @@ def chains_tree(nodes: int, depth: int, context: int) -> tuple[torch.Tensor, tor
     mask = torch.zeros(nodes, nodes, dtype=torch.bool)
     for i in range(nodes):
         first = i - i % depth  # the chain's first node
-        mask[i, first:i + 1] = True
+        mask[i, first : i + 1] = True
     return mask[None], (context + torch.arange(nodes) % depth)[None]
 
 
@@ -72,12 +74,11 @@ def equal_rows(runner, context: torch.Tensor, tokens: torch.Tensor) -> dict[int,
     runner.reset(1)
     runner.forward(context)
     start = runner.length()
-    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(tokens.shape[1])])
+    stepwise = torch.cat([runner.forward(tokens[:, j : j + 1]).logits[0] for j in range(tokens.shape[1])])
     equal = {}
     for block in (5, 16, 48):
         runner.truncate(start)
-        rows = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0]
-                          for j in range(0, tokens.shape[1], block)])
+        rows = torch.cat([runner.forward(tokens[:, j : j + block]).logits[0] for j in range(0, tokens.shape[1], block)])
         equal[block] = int((rows == stepwise).all(dim=-1).sum())
     return equal
 
@@ -85,8 +86,10 @@ def equal_rows(runner, context: torch.Tensor, tokens: torch.Tensor) -> dict[int,
 def decode_ratio(target: str, dtype: torch.dtype, context: torch.Tensor, pairs: int) -> tuple[float, float, float]:
     """(exact ms, plain ms, median of the per-pair ratios): one decode step of each path in turn over the same
     cached text, so that a change in the machine's load hits both alike."""
-    runners = [load_lm(target, device="cpu", max_seq_len=context.shape[1] + 8, dtype=dtype, exact=exact).runner
-               for exact in (True, False)]
+    runners = [
+        load_lm(target, device="cpu", max_seq_len=context.shape[1] + 8, dtype=dtype, exact=exact).runner
+        for exact in (True, False)
+    ]
     token = context[:, -1:]
     for runner in runners:
         runner.reset(1)
@@ -106,16 +109,29 @@ def run(cfg: ForwardCostConfig) -> str:
     longest = max(cfg.contexts)
     text = torch.randint(0, 8192, (1, longest), generator=generator)
     continuation = torch.randint(0, 8192, (1, 64), generator=generator)
-    header = ("| dtype | path | context | " + " | ".join(f"T={t}" for t in cfg.tokens)
-              + "".join(f" | tree T={t}" for t in cfg.trees) + " | tree 48 ÷ chain 48 | rows equal to one-at-a-time "
-              "(blocks 5 / 16 / 48, of 64) |")
-    lines = [f"SmolLM2 target forward of T new tokens, {cfg.threads} thread(s), median of {cfg.repeats}; "
-             "in brackets: × that path's decode step", "", header,
-             "|---|---|---|" + "---|" * (len(cfg.tokens) + len(cfg.trees)) + "---|---|"]
+    header = (
+        "| dtype | path | context | "
+        + " | ".join(f"T={t}" for t in cfg.tokens)
+        + "".join(f" | tree T={t}" for t in cfg.trees)
+        + " | tree 48 ÷ chain 48 | rows equal to one-at-a-time "
+        "(blocks 5 / 16 / 48, of 64) |"
+    )
+    lines = [
+        f"SmolLM2 target forward of T new tokens, {cfg.threads} thread(s), median of {cfg.repeats}; "
+        "in brackets: × that path's decode step",
+        "",
+        header,
+        "|---|---|---|" + "---|" * (len(cfg.tokens) + len(cfg.trees)) + "---|---|",
+    ]
     for name in cfg.dtypes:
         for path in cfg.paths:
-            target = load_lm(cfg.target, device="cpu", max_seq_len=longest + 128, dtype=model_dtype(name, "cpu"),
-                             exact=path == "exact")
+            target = load_lm(
+                cfg.target,
+                device="cpu",
+                max_seq_len=longest + 128,
+                dtype=model_dtype(name, "cpu"),
+                exact=path == "exact",
+            )
             runner = target.runner
             for context in cfg.contexts:
                 runner.reset(1)
@@ -124,29 +140,47 @@ def run(cfg: ForwardCostConfig) -> str:
                 trees = {}
                 for t in cfg.trees:
                     mask, positions = chains_tree(t, cfg.tree_depth, context)
-                    trees[t] = step_ms(runner, continuation[:, :t], cfg.repeats, attention_mask=mask,
-                                       positions=positions)
+                    trees[t] = step_ms(
+                        runner, continuation[:, :t], cfg.repeats, attention_mask=mask, positions=positions
+                    )
                 base = costs.get(1)
-                cells = [f"{ms:.1f} ms" + (f" ({ms / base:.2f}×)" if base else "")
-                         for ms in [*costs.values(), *trees.values()]]
+                cells = [
+                    f"{ms:.1f} ms" + (f" ({ms / base:.2f}×)" if base else "")
+                    for ms in [*costs.values(), *trees.values()]
+                ]
                 ratio = f"{trees[48] / costs[48]:.2f}" if 48 in trees and 48 in costs else "–"
                 equal = equal_rows(runner, text[:, :context], continuation)
-                lines.append(f"| {name} | {runner.exactness.path} | {context} | " + " | ".join(cells)
-                             + f" | {ratio} | {equal[5]} / {equal[16]} / {equal[48]} |")
+                lines.append(
+                    f"| {name} | {runner.exactness.path} | {context} | "
+                    + " | ".join(cells)
+                    + f" | {ratio} | {equal[5]} / {equal[16]} / {equal[48]} |"
+                )
             del target, runner
     if "exact" in cfg.paths and "plain" in cfg.paths:
-        lines += ["", f"Decode step, exact ÷ plain: {cfg.decode_pairs} alternating steps of each, medians",
-                  "", "| dtype | context | exact | plain | exact ÷ plain (median of pairs) |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Decode step, exact ÷ plain: {cfg.decode_pairs} alternating steps of each, medians",
+            "",
+            "| dtype | context | exact | plain | exact ÷ plain (median of pairs) |",
+            "|---|---|---|---|---|",
+        ]
         for name in cfg.dtypes:
             for context in cfg.contexts:
-                exact, plain, ratio = decode_ratio(cfg.target, model_dtype(name, "cpu"), text[:, :context],
-                                                   cfg.decode_pairs)
+                exact, plain, ratio = decode_ratio(
+                    cfg.target, model_dtype(name, "cpu"), text[:, :context], cfg.decode_pairs
+                )
                 lines.append(f"| {name} | {context} | {exact:.1f} ms | {plain:.1f} ms | {ratio:.3f} |")
     return "\n".join(lines)
 
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(argv, lambda args: run(parse_cli(args, ForwardCostConfig, USAGE)), doc=__doc__,
-                   schema=ForwardCostConfig, report=print)
+    return run_cli(
+        argv,
+        lambda args: run(parse_cli(args, ForwardCostConfig, USAGE)),
+        doc=__doc__,
+        schema=ForwardCostConfig,
+        report=print,
+    )
 
 
 if __name__ == "__main__":

@@ -71,7 +71,10 @@ def teacher_error(approx: torch.Tensor, exact_logp: torch.Tensor, head: torch.Te
     """Mean KL(p_exact || p_approx) and top-1 agreement of ``softmax(last_hidden @ head.T)``."""
     q = (approx.float() @ head.T).log_softmax(-1)
     kl = (exact_logp.exp() * (exact_logp - q)).sum(-1)
-    return {"kl_mean": float(kl.mean()), "top1_agreement": float((exact_logp.argmax(-1) == q.argmax(-1)).float().mean())}
+    return {
+        "kl_mean": float(kl.mean()),
+        "top1_agreement": float((exact_logp.argmax(-1) == q.argmax(-1)).float().mean()),
+    }
 
 
 def quantization_error(cfg: Any, target) -> dict[str, Any]:
@@ -81,8 +84,11 @@ def quantization_error(cfg: Any, target) -> dict[str, Any]:
     samples = [s for i, c in enumerate(conversations) if (s := build(i, c)) is not None]
     layers = [1, 14, 26]
     capture = HiddenCapture(target.runner, layers, "fp32")
-    rows = [row for start in range(0, len(samples), cfg.batch_size)
-            for row in capture(samples[start:start + cfg.batch_size])]
+    rows = [
+        row
+        for start in range(0, len(samples), cfg.batch_size)
+        for row in capture(samples[start : start + cfg.batch_size])
+    ]
     aux = torch.cat([r["aux_hidden"] for r in rows]).float()
     last = torch.cat([r["last_hidden"] for r in rows]).float()
     head = target.model.lm_head.weight.detach().float()
@@ -90,24 +96,30 @@ def quantization_error(cfg: Any, target) -> dict[str, Any]:
     hidden = last.shape[1]
     stored = {
         "bf16": (aux.bfloat16(), last.bfloat16()),
-        "fp8 per sample": (torch.cat([per_tensor(r["aux_hidden"]) for r in rows]),
-                           torch.cat([per_tensor(r["last_hidden"]) for r in rows])),
+        "fp8 per sample": (
+            torch.cat([per_tensor(r["aux_hidden"]) for r in rows]),
+            torch.cat([per_tensor(r["last_hidden"]) for r in rows]),
+        ),
         "fp8 per token": (per_block(aux, 1), per_block(last, 1)),
         "fp8 per token and layer": (per_block(aux, len(layers)), per_block(last, 1)),
     }
     result: dict[str, Any] = {"tokens": len(last), "layers": layers, "rel_rms": {}, "teacher": {}}
     for name, (stored_aux, stored_last) in stored.items():
-        errors = {f"aux layer {layer}": relative_rms(stored_aux[:, j * hidden:(j + 1) * hidden],
-                                                     aux[:, j * hidden:(j + 1) * hidden])
-                  for j, layer in enumerate(layers)}
+        errors = {
+            f"aux layer {layer}": relative_rms(
+                stored_aux[:, j * hidden : (j + 1) * hidden], aux[:, j * hidden : (j + 1) * hidden]
+            )
+            for j, layer in enumerate(layers)
+        }
         errors["last_hidden"] = relative_rms(stored_last, last)
         result["rel_rms"][name] = errors
         result["teacher"][name] = teacher_error(stored_last, exact_logp, head)
         print(f"[fp8_features] {name}: {errors}, teacher {result['teacher'][name]}", file=sys.stderr, flush=True)
     # What the per-token scales must span: the largest magnitude of each layer block, across tokens.
     peaks = aux.abs().reshape(len(aux), len(layers), hidden).amax(-1)
-    result["block_peak_range"] = {f"aux layer {layer}": [float(peaks[:, j].min()), float(peaks[:, j].max())]
-                                  for j, layer in enumerate(layers)}
+    result["block_peak_range"] = {
+        f"aux layer {layer}": [float(peaks[:, j].min()), float(peaks[:, j].max())] for j, layer in enumerate(layers)
+    }
     result["block_peak_range"]["last_hidden"] = [float(last.abs().amax(-1).min()), float(last.abs().amax(-1).max())]
     result["format"] = {"dtype": str(FP8).removeprefix("torch."), "max": FP8_MAX, "scales": "powers of two"}
     return result
@@ -116,14 +128,33 @@ def quantization_error(cfg: Any, target) -> dict[str, Any]:
 def extract_dataset(cfg: Any, target, dtype: str, split: str, n: int) -> dict[str, Any]:
     out = Path(cfg.work) / f"{dtype}_{split}"
     start = time.perf_counter()
-    manifest = extract(parse_args(["target=smollm2", f"source={SOURCE}", f"split={split}", f"n_samples={n}",
-                                   f"max_len={cfg.max_len}", "layers=eagle3", f"dtype={dtype}",
-                                   f"batch_size={cfg.batch_size}", "device=cpu", f"seed={cfg.seed}", f"out={out}"]),
-                       target=target)
+    manifest = extract(
+        parse_args(
+            [
+                "target=smollm2",
+                f"source={SOURCE}",
+                f"split={split}",
+                f"n_samples={n}",
+                f"max_len={cfg.max_len}",
+                "layers=eagle3",
+                f"dtype={dtype}",
+                f"batch_size={cfg.batch_size}",
+                "device=cpu",
+                f"seed={cfg.seed}",
+                f"out={out}",
+            ]
+        ),
+        target=target,
+    )
     shard_bytes = sum(s["bytes"] for s in manifest["shards"])
-    return {"dir": str(out), "samples": manifest["num_rows"], "tokens": manifest["num_tokens"],
-            "shard_bytes": shard_bytes, "bytes_per_token": shard_bytes / manifest["num_tokens"],
-            "extract_s": round(time.perf_counter() - start, 1)}
+    return {
+        "dir": str(out),
+        "samples": manifest["num_rows"],
+        "tokens": manifest["num_tokens"],
+        "shard_bytes": shard_bytes,
+        "bytes_per_token": shard_bytes / manifest["num_tokens"],
+        "extract_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def validations(run_dir: Path) -> list[dict[str, float]]:
@@ -139,15 +170,29 @@ def validations(run_dir: Path) -> list[dict[str, float]]:
 
 def train(cfg: Any, dtype: str) -> dict[str, Any]:
     work = Path(cfg.work)
-    args = [f"recipe={RECIPE}", f"run_name={RECIPE}_{dtype}", f"source={SOURCE}", f"n_samples={cfg.n_train}",
-            f"dataset_dir={work / f'{dtype}_train'}", f"val_dataset_dir={work / f'{dtype}_eval'}",
-            "data.bucket_by_length=false", f"max_len={cfg.max_len}", f"max_steps={cfg.steps}",
-            f"val_check_interval={cfg.steps // 2}", f"checkpoint_every_n_steps={cfg.steps}", f"seed={cfg.seed}",
-            f"runs_dir={work / 'runs'}"]
+    args = [
+        f"recipe={RECIPE}",
+        f"run_name={RECIPE}_{dtype}",
+        f"source={SOURCE}",
+        f"n_samples={cfg.n_train}",
+        f"dataset_dir={work / f'{dtype}_train'}",
+        f"val_dataset_dir={work / f'{dtype}_eval'}",
+        "data.bucket_by_length=false",
+        f"max_len={cfg.max_len}",
+        f"max_steps={cfg.steps}",
+        f"val_check_interval={cfg.steps // 2}",
+        f"checkpoint_every_n_steps={cfg.steps}",
+        f"seed={cfg.seed}",
+        f"runs_dir={work / 'runs'}",
+    ]
     start = time.perf_counter()
     result = fit_cli.fit(fit_cli.compose_recipe(args))
-    return {"fit_args": args, "wall_s": round(time.perf_counter() - start, 1), "global_step": result["global_step"],
-            "validations": validations(Path(result["run_dir"]))}
+    return {
+        "fit_args": args,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "global_step": result["global_step"],
+        "validations": validations(Path(result["run_dir"])),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -155,15 +200,19 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.seed)
     # The approximate path: extraction verifies nothing, and on a CPU the exact one (load_lm's default there) costs
     # several times more for [B, T] forwards. Both datasets come from this one runner.
-    target = load_lm("smollm2", device="cpu", max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size,
-                     exact=False)
-    results: dict[str, Any] = {"settings": {k: cfg[k] for k in Fp8BenchConfig.__dataclass_fields__},
-                               "source": SOURCE, "recipe": RECIPE}
+    target = load_lm("smollm2", device="cpu", max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size, exact=False)
+    results: dict[str, Any] = {
+        "settings": {k: cfg[k] for k in Fp8BenchConfig.__dataclass_fields__},
+        "source": SOURCE,
+        "recipe": RECIPE,
+    }
     results["error"] = quantization_error(cfg, target)
     results["datasets"] = {}
     for dtype in ("bf16", "fp8"):
-        results["datasets"][dtype] = {split: extract_dataset(cfg, target, dtype, split, n)
-                                      for split, n in (("train", cfg.n_train), ("eval", cfg.n_val))}
+        results["datasets"][dtype] = {
+            split: extract_dataset(cfg, target, dtype, split, n)
+            for split, n in (("train", cfg.n_train), ("eval", cfg.n_val))
+        }
     bf16, fp8 = (results["datasets"][d]["train"]["bytes_per_token"] for d in ("bf16", "fp8"))
     results["disk_ratio_fp8_to_bf16"] = fp8 / bf16
     print(f"[fp8_features] bytes/token bf16 {bf16:.1f}, fp8 {fp8:.1f}: ratio {fp8 / bf16:.3f}", file=sys.stderr)
@@ -171,8 +220,10 @@ def main(argv: list[str]) -> None:
     results["runs"] = {dtype: train(cfg, dtype) for dtype in ("bf16", "fp8")}
     final = {d: results["runs"][d]["validations"][-1]["val/tau_sim"] for d in ("bf16", "fp8")}
     results["delta_tau_sim"] = final["fp8"] - final["bf16"]
-    print(f"[fp8_features] val tau_sim at step {cfg.steps}: bf16 {final['bf16']:.4f}, fp8 {final['fp8']:.4f}",
-          file=sys.stderr)
+    print(
+        f"[fp8_features] val tau_sim at step {cfg.steps}: bf16 {final['bf16']:.4f}, fp8 {final['fp8']:.4f}",
+        file=sys.stderr,
+    )
     text = json.dumps(results, indent=2)
     if cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)

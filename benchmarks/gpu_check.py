@@ -103,12 +103,33 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DRAFT_LM = ("sps", "pearl", "specbranch", "ssd")  # algorithms whose drafter is a draft LM
 
 # The 1B target (Llama-3.2-1B's shape with a 32k vocabulary) and, for the CPU dry run, a toy of the same layout.
-BIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192)
-TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=512, max_position_embeddings=2048)
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=97, max_position_embeddings=512)
+BIG = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=8192,
+)
+TOY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=2048,
+)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=512,
+)
 
 
 @dataclass
@@ -149,17 +170,38 @@ class Plan:
         if cfg.cpu_dry_run:
             return cls(torch.device("cpu"), True, TOY, ("fp32",), 8, 16, (64,), (1, 4, 16), 2, 40, 10.0, 32)
         if not torch.cuda.is_available():
-            raise UserError("benchmarks.gpu_check measures CUDA: run it on a GPU, or pass cpu_dry_run=true to check "
-                             "the script on a CPU")
-        return cls(torch.device("cuda"), False, BIG, ("fp32", "bf16"), cfg.new_tokens, cfg.speed_tokens,
-                   (1024, 4096), (1, 4, 16, 48, 64), cfg.repeats, cfg.mc_runs, cfg.mc_seconds, None)
+            raise UserError(
+                "benchmarks.gpu_check measures CUDA: run it on a GPU, or pass cpu_dry_run=true to check "
+                "the script on a CPU"
+            )
+        return cls(
+            torch.device("cuda"),
+            False,
+            BIG,
+            ("fp32", "bf16"),
+            cfg.new_tokens,
+            cfg.speed_tokens,
+            (1024, 4096),
+            (1, 4, 16, 48, 64),
+            cfg.repeats,
+            cfg.mc_runs,
+            cfg.mc_seconds,
+            None,
+        )
 
 
 # -- models ------------------------------------------------------------------------------------------------------
 
 
-def random_llama(seed: int, shape: dict, *, logit_scale: float, device: torch.device,
-                 embed_scale: float = 1.0, residual_scale: float = 1.0) -> LlamaForCausalLM:
+def random_llama(
+    seed: int,
+    shape: dict,
+    *,
+    logit_scale: float,
+    device: torch.device,
+    embed_scale: float = 1.0,
+    residual_scale: float = 1.0,
+) -> LlamaForCausalLM:
     """A random Llama (untied lm_head, no EOS: generations always run to their budget) with its lm_head scaled by
     ``logit_scale`` (sharper output distributions: fewer near-ties), its embedding by ``embed_scale`` and what each
     layer writes into the residual stream (o_proj, down_proj) by ``residual_scale``."""
@@ -206,8 +248,9 @@ def random_eagle3(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> 
 
 def random_specblock(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> SpecBlockDrafter:
     """A random SpecBlock drafter (tests/test_specblock_tree.py random_drafter)."""
-    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target),
-                                        block_size=4)
+    config = SpecBlockConfig.for_target(
+        target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target), block_size=4
+    )
     torch.manual_seed(seed)
     drafter = SpecBlockDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu())
     return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
@@ -215,18 +258,28 @@ def random_specblock(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) 
 
 def random_dflash(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> DFlashDrafter:
     """A random DFlash drafter (blocks of 4, one layer) over the target's frozen embedding and head rows."""
-    config = DFlashConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target),
-                                     block_size=4, num_layers=1, mask_token_id=0)
+    config = DFlashConfig.for_target(
+        target.config,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=aux_layers(target),
+        block_size=4,
+        num_layers=1,
+        mask_token_id=0,
+    )
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu(),
-                            head_weight=target.get_output_embeddings().weight.detach().float().cpu())
+    drafter = DFlashDrafter(
+        config,
+        embed_weight=target.get_input_embeddings().weight.detach().float().cpu(),
+        head_weight=target.get_output_embeddings().weight.detach().float().cpu(),
+    )
     return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
 
 
 def random_peagle(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> PEagleDrafter:
     """A random P-EAGLE drafter (4 tokens per forward) over a random reduced vocabulary."""
-    config = PEagleConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target),
-                                     mask_token_id=0, num_depths=4)
+    config = PEagleConfig.for_target(
+        target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target), mask_token_id=0, num_depths=4
+    )
     torch.manual_seed(seed)
     drafter = PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu())
     return vocab_subset(drafter, target.config.vocab_size, draft_vocab).to(target.device, target.dtype)
@@ -263,9 +316,18 @@ class Models:
             elif name.endswith("_draft"):
                 model = first_layers(self.get(name.removesuffix("_draft")), 2)
             else:
-                model = (random_llama(0, self.plan.big, logit_scale=10.0, embed_scale=50.0, residual_scale=0.05,
-                                      device=self.plan.device) if name == "big"
-                         else random_llama(0, TINY, logit_scale=8.0, device=self.plan.device))
+                model = (
+                    random_llama(
+                        0,
+                        self.plan.big,
+                        logit_scale=10.0,
+                        embed_scale=50.0,
+                        residual_scale=0.05,
+                        device=self.plan.device,
+                    )
+                    if name == "big"
+                    else random_llama(0, TINY, logit_scale=8.0, device=self.plan.device)
+                )
             self._cache[key] = model
         return self._cache[key]
 
@@ -314,8 +376,9 @@ def logits_after(runner: ModelRunner, prompt: list[int], prefix: list[int], *, s
     return logits.float()
 
 
-def divergence(runner: ModelRunner, prompt: list[int], reference: list[int], tokens: list[int], index: int,
-               tie: float) -> dict:
+def divergence(
+    runner: ModelRunner, prompt: list[int], reference: list[int], tokens: list[int], index: int, tie: float
+) -> dict:
     """What the target says where an algorithm left AR's tokens: the logit gap between AR's token and the
     algorithm's, the algorithm's token's rank, and the rounding noise there (how much those two logits move between
     the stepwise and the chain computation). A near-tie flip: a gap below ``tie`` or within twice that noise."""
@@ -328,8 +391,13 @@ def divergence(runner: ModelRunner, prompt: list[int], reference: list[int], tok
     noise = float((stepwise - chain)[[ar_token, token]].abs().max())
     rank = int((stepwise > stepwise[token]).sum())  # 0 = the top token
     top = torch.topk(stepwise, 2).values
-    return {"gap": round(gap, 5), "rank": rank, "noise": round(noise, 5), "top2_gap": round(float(top[0] - top[1]), 5),
-            "near_tie_flip": rank <= 1 and gap <= max(tie, 2 * noise)}
+    return {
+        "gap": round(gap, 5),
+        "rank": rank,
+        "noise": round(noise, 5),
+        "top2_gap": round(float(top[0] - top[1]), 5),
+        "near_tie_flip": rank <= 1 and gap <= max(tie, 2 * noise),
+    }
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
@@ -368,8 +436,10 @@ def build_for(name: str, models: Models, model: str, dtype: str, max_seq_len: in
     if name == "specbranch":
         config = target.config
         hrad = HRAD(HRADConfig(hidden_size=config.hidden_size, last_k=4, gamma=4, boundaries=[1, 3]))
-        options.setdefault("hrad", HRADPredictor(hrad, {"layers": {"ids": capture_layers(
-            config.num_hidden_layers, 4)}}).to(target.device))
+        options.setdefault(
+            "hrad",
+            HRADPredictor(hrad, {"layers": {"ids": capture_layers(config.num_hidden_layers, 4)}}).to(target.device),
+        )
     if name == "eagle3_tree":
         drafter = random_eagle3(target, draft_vocab=min(8000, target.config.vocab_size // 2))
         options.setdefault("tree_total", 16)
@@ -382,25 +452,37 @@ def build_for(name: str, models: Models, model: str, dtype: str, max_seq_len: in
     return build_algorithm(name, runner_for(target, max_seq_len), drafter, **options)
 
 
-def greedy_equality(plan: Plan, cfg: GpuCheckConfig, models: Models, model: str, dtype: str,
-                    prompt: list[int], new_tokens: int) -> list[dict]:
+def greedy_equality(
+    plan: Plan, cfg: GpuCheckConfig, models: Models, model: str, dtype: str, prompt: list[int], new_tokens: int
+) -> list[dict]:
     """One row per algorithm: its greedy tokens vs AR's, and at a divergence the target's top-2 gap there."""
     max_seq_len = len(prompt) + new_tokens + 256  # room for the largest lookahead (self_draft's grid: 107)
-    reference = build_for("ar", models, model, dtype, max_seq_len).generate(
-        prompt, max_new_tokens=new_tokens, sampling=GREEDY).tokens
+    reference = (
+        build_for("ar", models, model, dtype, max_seq_len)
+        .generate(prompt, max_new_tokens=new_tokens, sampling=GREEDY)
+        .tokens
+    )
     tie = cfg.tie_bf16 if dtype == "bf16" else cfg.tie_fp32
+
     def compare(name: str) -> dict:
         result = build_for(name, models, model, dtype, max_seq_len).generate(
-            prompt, max_new_tokens=new_tokens, sampling=GREEDY, generator=torch.Generator())
+            prompt, max_new_tokens=new_tokens, sampling=GREEDY, generator=torch.Generator()
+        )
         diverged = first_divergence(result.tokens, reference)
         row = {"equal": diverged is None, "first_divergence": diverged, "tau": round(result.stats.tau, 3)}
         if diverged is not None:
-            row.update(divergence(runner_for(models.get(model, dtype), max_seq_len), prompt, reference,
-                                  result.tokens, diverged, tie))
+            row.update(
+                divergence(
+                    runner_for(models.get(model, dtype), max_seq_len), prompt, reference, result.tokens, diverged, tie
+                )
+            )
         return row
 
-    return [attempt({"model": model, "dtype": dtype, "algorithm": name}, compare, name)
-            for name in ALGORITHMS if name != "ar"]
+    return [
+        attempt({"model": model, "dtype": dtype, "algorithm": name}, compare, name)
+        for name in ALGORITHMS
+        if name != "ar"
+    ]
 
 
 @torch.no_grad()
@@ -414,8 +496,9 @@ def exact_target_law(model: LlamaForCausalLM, prompt: list[int], n: int) -> dict
     return law
 
 
-def sampled_law_check(plan: Plan, name: str, target: LlamaForCausalLM, drafter, prompt: list[int], n: int,
-                      options: dict) -> dict:
+def sampled_law_check(
+    plan: Plan, name: str, target: LlamaForCausalLM, drafter, prompt: list[int], n: int, options: dict
+) -> dict:
     """T=1 generations of ``name`` until ``mc_runs`` or ``mc_seconds``: the first ``n`` tokens' empirical law vs the
     exact one (TV distance, chi-square p-value; TV of direct sampling with as many draws, for scale)."""
     law = exact_target_law(target, prompt, n)
@@ -432,10 +515,17 @@ def sampled_law_check(plan: Plan, name: str, target: LlamaForCausalLM, drafter, 
     chi2, dof = chi_square(counts, law, runs)
     tv = 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items())
     direct_tv = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * runs)) for p in law.values())  # E|N(0, p(1-p)/N)|
-    return {"tokens": n, "runs": runs, "seconds": round(time.perf_counter() - start, 1),
-            "accepted_draft_tokens_per_run": round(accepted / runs, 3), "tv": round(tv, 4),
-            "direct_sampling_tv": round(direct_tv, 4), "chi2": round(chi2, 1), "dof": dof,
-            "p_value": round(chi2_p_value(chi2, dof), 4)}
+    return {
+        "tokens": n,
+        "runs": runs,
+        "seconds": round(time.perf_counter() - start, 1),
+        "accepted_draft_tokens_per_run": round(accepted / runs, 3),
+        "tv": round(tv, 4),
+        "direct_sampling_tv": round(direct_tv, 4),
+        "chi2": round(chi2, 1),
+        "dof": dof,
+        "p_value": round(chi2_p_value(chi2, dof), 4),
+    }
 
 
 def chi_square(counts: dict, law: dict, runs: int, min_expected: float = 5.0) -> tuple[float, int]:
@@ -462,10 +552,14 @@ def exact_law(plan: Plan) -> list[dict]:
     eagle = Eagle3Drafter(config, embed_weight=target.model.embed_tokens.weight.detach())
     eagle.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
-    cases = [("sps", runner_for(draft, 16), {"gamma": 2}),
-             ("eagle3_tree", eagle.eval().to(plan.device), {"tree_depth": 2, "tree_topk": 2, "tree_total": 4})]
-    return [attempt({"algorithm": name}, sampled_law_check, plan, name, target, drafter, prompt, 3, options)
-            for name, drafter, options in cases]
+    cases = [
+        ("sps", runner_for(draft, 16), {"gamma": 2}),
+        ("eagle3_tree", eagle.eval().to(plan.device), {"tree_depth": 2, "tree_topk": 2, "tree_total": 4}),
+    ]
+    return [
+        attempt({"algorithm": name}, sampled_law_check, plan, name, target, drafter, prompt, 3, options)
+        for name, drafter, options in cases
+    ]
 
 
 def executor_equality(plan: Plan, models: Models) -> list[dict]:
@@ -482,33 +576,53 @@ def executor_equality(plan: Plan, models: Models) -> list[dict]:
             algorithm = build_for(name, models, model, dtype, 24 + plan.new_tokens + 32, executor=executor)
             generator = torch.Generator(device="cpu" if sampling.greedy else plan.device).manual_seed(99)
             try:
-                outputs[executor] = algorithm.generate(prompt, max_new_tokens=plan.new_tokens, sampling=sampling,
-                                                       generator=generator).tokens
+                outputs[executor] = algorithm.generate(
+                    prompt, max_new_tokens=plan.new_tokens, sampling=sampling, generator=generator
+                ).tokens
             finally:
                 algorithm.close()
-        return {"equal": outputs["sequential"] == outputs["cuda_streams"],
-                "first_divergence": first_divergence(outputs["sequential"], outputs["cuda_streams"])}
+        return {
+            "equal": outputs["sequential"] == outputs["cuda_streams"],
+            "first_divergence": first_divergence(outputs["sequential"], outputs["cuda_streams"]),
+        }
 
-    return [attempt({"algorithm": name, "model": model, "dtype": dtype, "temperature": sampling.temperature},
-                    compare, name, model, dtype, sampling)
-            for name in ("pearl", "specbranch") for model, dtype, sampling in cases]
+    return [
+        attempt(
+            {"algorithm": name, "model": model, "dtype": dtype, "temperature": sampling.temperature},
+            compare,
+            name,
+            model,
+            dtype,
+            sampling,
+        )
+        for name in ("pearl", "specbranch")
+        for model, dtype, sampling in cases
+    ]
 
 
 def generator_devices(plan: Plan, models: Models) -> list[dict]:
     """Which generator device T=1 generation accepts on this device: ``inference.evaluate`` passes a CPU one, the
     engine samples on the target's device, and a draft side seeds itself from the generator on the CPU
     (``inference.draft_side``). On CUDA one of the two may fail; on the CPU both must work."""
+
     def generate(name: str, device: str) -> dict:
         algorithm = build_for(name, models, "tiny", "fp32", 96)
         try:
-            tokens = algorithm.generate([1, 2, 3], max_new_tokens=8, sampling=SamplingParams(1.0),
-                                        generator=torch.Generator(device=device).manual_seed(0)).tokens
+            tokens = algorithm.generate(
+                [1, 2, 3],
+                max_new_tokens=8,
+                sampling=SamplingParams(1.0),
+                generator=torch.Generator(device=device).manual_seed(0),
+            ).tokens
         finally:
             getattr(algorithm, "close", lambda: None)()
         return {"ok": len(tokens) == 8}
 
-    return [attempt({"algorithm": name, "generator": device}, generate, name, device)
-            for name in ("ar", "pearl") for device in dict.fromkeys(("cpu", plan.device.type))]
+    return [
+        attempt({"algorithm": name, "generator": device}, generate, name, device)
+        for name in ("ar", "pearl")
+        for device in dict.fromkeys(("cpu", plan.device.type))
+    ]
 
 
 def lossless(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
@@ -518,11 +632,18 @@ def lossless(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
         for dtype in plan.dtypes:
             rows += greedy_equality(plan, cfg, models, model, dtype, prompt, new_tokens)
     flips = [r for r in rows if r.get("equal") is False and not r.get("near_tie_flip")]
-    return {"greedy": rows, "summary": {"comparisons": len(rows), "equal": sum(bool(r.get("equal")) for r in rows),
-                                        "near_tie_flips": sum(bool(r.get("near_tie_flip")) for r in rows),
-                                        "other_differences": len(flips)},
-            "exact_law": exact_law(plan), "executors": executor_equality(plan, models),
-            "generator_devices": generator_devices(plan, models)}
+    return {
+        "greedy": rows,
+        "summary": {
+            "comparisons": len(rows),
+            "equal": sum(bool(r.get("equal")) for r in rows),
+            "near_tie_flips": sum(bool(r.get("near_tie_flip")) for r in rows),
+            "other_differences": len(flips),
+        },
+        "exact_law": exact_law(plan),
+        "executors": executor_equality(plan, models),
+        "generator_devices": generator_devices(plan, models),
+    }
 
 
 # -- section 2: AR speed -----------------------------------------------------------------------------------------
@@ -554,8 +675,7 @@ def engine_ar(runner: ModelRunner, prompt: list[int], new_tokens: int, repeats: 
     return best, tokens
 
 
-def hf_generate(model: LlamaForCausalLM, prompt: list[int], new_tokens: int, repeats: int = 2,
-                **options) -> dict:
+def hf_generate(model: LlamaForCausalLM, prompt: list[int], new_tokens: int, repeats: int = 2, **options) -> dict:
     """transformers ``generate``, greedy, exactly ``new_tokens`` tokens: first-call seconds (with any compile),
     then the best tokens/s of ``repeats`` calls."""
     ids = torch.tensor([prompt], device=model.device)
@@ -566,7 +686,7 @@ def hf_generate(model: LlamaForCausalLM, prompt: list[int], new_tokens: int, rep
         for _ in range(repeats):
             out, seconds = timed(lambda: model.generate(ids, **kwargs), model.device)
             best = max(best, (out.shape[1] - len(prompt)) / seconds)
-    return {"first_call_s": round(first_s, 2), "tokens_per_s": round(best, 1), "tokens": out[0, len(prompt):].tolist()}
+    return {"first_call_s": round(first_s, 2), "tokens_per_s": round(best, 1), "tokens": out[0, len(prompt) :].tolist()}
 
 
 def ar_speed(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
@@ -578,20 +698,32 @@ def ar_speed(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
     step_bytes = decode_bytes(model)
     roofline = bandwidth / step_bytes
     result: dict[str, Any] = {
-        "dtype": plan.dtypes[-1], "new_tokens": plan.speed_tokens, "prompt_tokens": len(prompt),
-        "engine_tokens_per_s": round(engine_tps, 1), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "decode_weight_gb": round(step_bytes / 1e9, 3), "roofline_tokens_per_s": round(roofline, 1),
-        "engine_pct_of_roofline": round(100 * engine_tps / roofline, 1)}
-    variants = {"dynamic cache": {}, "static cache, eager": {"cache_implementation": "static", "disable_compile": True},
-                "static cache, auto-compiled": {"cache_implementation": "static"}}
+        "dtype": plan.dtypes[-1],
+        "new_tokens": plan.speed_tokens,
+        "prompt_tokens": len(prompt),
+        "engine_tokens_per_s": round(engine_tps, 1),
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "decode_weight_gb": round(step_bytes / 1e9, 3),
+        "roofline_tokens_per_s": round(roofline, 1),
+        "engine_pct_of_roofline": round(100 * engine_tps / roofline, 1),
+    }
+    variants = {
+        "dynamic cache": {},
+        "static cache, eager": {"cache_implementation": "static", "disable_compile": True},
+        "static cache, auto-compiled": {"cache_implementation": "static"},
+    }
     if plan.dry:  # transformers compiles only on accelerators; on the CPU it would be the eager run again
         variants.pop("static cache, auto-compiled")
+
     def compare(options: dict) -> dict:
         out = hf_generate(model, prompt, plan.speed_tokens, **options)
-        return {"first_call_s": out["first_call_s"], "tokens_per_s": out["tokens_per_s"],
-                "engine_ratio": round(engine_tps / out["tokens_per_s"], 2),
-                "same_tokens_as_engine": out["tokens"] == engine_tokens,
-                "first_divergence": first_divergence(out["tokens"], engine_tokens)}
+        return {
+            "first_call_s": out["first_call_s"],
+            "tokens_per_s": out["tokens_per_s"],
+            "engine_ratio": round(engine_tps / out["tokens_per_s"], 2),
+            "same_tokens_as_engine": out["tokens"] == engine_tokens,
+            "first_divergence": first_divergence(out["tokens"], engine_tokens),
+        }
 
     result["generate"] = [attempt({"variant": name}, compare, options) for name, options in variants.items()]
     return result
@@ -611,10 +743,14 @@ def ar_compiled(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
     ar = build_algorithm("ar", compiled)
     _, compile_s = timed(lambda: ar.generate(prompt, max_new_tokens=plan.speed_tokens, sampling=GREEDY), plan.device)
     tps, tokens = engine_ar(compiled, prompt, plan.speed_tokens)
-    return {"compile_and_first_run_s": round(compile_s, 1), "eager_tokens_per_s": round(eager_tps, 1),
-            "compiled_tokens_per_s": round(tps, 1), "speedup": round(tps / eager_tps, 2),
-            "same_tokens_as_eager": tokens == eager_tokens,
-            "first_divergence": first_divergence(tokens, eager_tokens)}
+    return {
+        "compile_and_first_run_s": round(compile_s, 1),
+        "eager_tokens_per_s": round(eager_tps, 1),
+        "compiled_tokens_per_s": round(tps, 1),
+        "speedup": round(tps / eager_tps, 2),
+        "same_tokens_as_eager": tokens == eager_tokens,
+        "first_divergence": first_divergence(tokens, eager_tokens),
+    }
 
 
 # -- section 3: verification cost --------------------------------------------------------------------------------
@@ -638,18 +774,28 @@ def verify_cost(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
     rows = []
     for context in plan.contexts:
         runner.reset(1)
-        runner.forward(torch.tensor([random_ids(context, vocab, cfg.seed + 3)], device=plan.device),
-                       only_last_logits=True)
+        runner.forward(
+            torch.tensor([random_ids(context, vocab, cfg.seed + 3)], device=plan.device), only_last_logits=True
+        )
         decode = forward_ms(runner, new[:, :1], plan.repeats)
         for tokens in plan.verify_tokens:
             mask, depth = tree_mask(random_tree(tokens, tokens))
             chain = forward_ms(runner, new[:, :tokens], plan.repeats)
-            tree = forward_ms(runner, new[:, :tokens], plan.repeats, attention_mask=mask,
-                              positions=torch.tensor([depth]) + context)
-            rows.append({"context": context, "tokens": tokens, "decode_ms": round(decode, 3),
-                         "chain_ms": round(chain, 3), "chain_x_decode": round(chain / decode, 2),
-                         "tree_ms": round(tree, 3), "tree_x_decode": round(tree / decode, 2),
-                         "tree_depth": max(depth) + 1})
+            tree = forward_ms(
+                runner, new[:, :tokens], plan.repeats, attention_mask=mask, positions=torch.tensor([depth]) + context
+            )
+            rows.append(
+                {
+                    "context": context,
+                    "tokens": tokens,
+                    "decode_ms": round(decode, 3),
+                    "chain_ms": round(chain, 3),
+                    "chain_x_decode": round(chain / decode, 2),
+                    "tree_ms": round(tree, 3),
+                    "tree_x_decode": round(tree / decode, 2),
+                    "tree_depth": max(depth) + 1,
+                }
+            )
     return {"dtype": plan.dtypes[-1], "repeats": plan.repeats, "forwards": rows}
 
 
@@ -669,12 +815,19 @@ def recipe_config(name: str, plan: Plan, target: LlamaForCausalLM, schema: type)
     return cfg
 
 
-def feature_batch(target: LlamaForCausalLM, layers: list[int], batch_size: int, max_len: int,
-                  seed: int) -> dict[str, torch.Tensor]:
+def feature_batch(
+    target: LlamaForCausalLM, layers: list[int], batch_size: int, max_len: int, seed: int
+) -> dict[str, torch.Tensor]:
     """A training batch as the online DataModule makes it (data_prep.capture + collate_features): random token
     sequences of ``max_len`` tokens, the last three quarters supervised, the target's real features."""
-    samples = [TokenSample(i, random_ids(max_len, target.config.vocab_size, seed + i),
-                           [0] * (max_len // 4) + [1] * (max_len - max_len // 4)) for i in range(batch_size)]
+    samples = [
+        TokenSample(
+            i,
+            random_ids(max_len, target.config.vocab_size, seed + i),
+            [0] * (max_len // 4) + [1] * (max_len - max_len // 4),
+        )
+        for i in range(batch_size)
+    ]
     runner = runner_for(target, max_len, max_batch_size=batch_size)
     rows = HiddenCapture(runner, layers, dtype="bf16")(samples)
     return {k: v.to(target.device) for k, v in collate_features(rows).items()}
@@ -685,8 +838,9 @@ def with_target(module_class: type, target: LlamaForCausalLM) -> type:
     return type(module_class.__name__, (module_class,), {"target_model": lambda self: target})
 
 
-def train_step(plan: Plan, recipe: str, target: LlamaForCausalLM, module_class: type, schema: type,
-               steps: int = 3) -> dict:
+def train_step(
+    plan: Plan, recipe: str, target: LlamaForCausalLM, module_class: type, schema: type, steps: int = 3
+) -> dict:
     """Seconds per training step (forward, backward, AdamW; the batch is made beforehand) and peak memory."""
     cfg = recipe_config(recipe, plan, target, schema)
     before = torch.cuda.memory_allocated(plan.device) if plan.device.type == "cuda" else 0  # the target and the rest
@@ -721,11 +875,17 @@ def train_step(plan: Plan, recipe: str, target: LlamaForCausalLM, module_class: 
         added = torch.cuda.max_memory_allocated(plan.device) - before
         peak = (added + target_params * target.dtype.itemsize) / 2**30
     est = estimate(trainable, frozen, target_params, strategy="auto", devices=1, precision=cfg.trainer.precision)
-    return {"precision": cfg.trainer.precision, "batch_size": cfg.data.batch_size,
-            "max_len": cfg.data.max_len, "drafter_params_m": round(trainable / 1e6, 1),
-            "step_s": round(statistics.median(seconds), 3), "losses": losses,
-            "peak_gib": None if peak is None else round(peak, 2),
-            "estimated_gib": round(est.total_gib, 2), "estimate": est.line("one device, no sharding")}
+    return {
+        "precision": cfg.trainer.precision,
+        "batch_size": cfg.data.batch_size,
+        "max_len": cfg.data.max_len,
+        "drafter_params_m": round(trainable / 1e6, 1),
+        "step_s": round(statistics.median(seconds), 3),
+        "losses": losses,
+        "peak_gib": None if peak is None else round(peak, 2),
+        "estimated_gib": round(est.total_gib, 2),
+        "estimate": est.line("one device, no sharding"),
+    }
 
 
 def background_adapter(plan: Plan, models: Models) -> dict:
@@ -734,13 +894,30 @@ def background_adapter(plan: Plan, models: Models) -> dict:
     if "bandit" not in observer_names():  # the device's tree is not pip-installed: no entry point there
         register_observer("bandit", BANDIT)
     target = models.get("tiny")
-    settings = AdaptSettings(prior=5.0, min_gap=1, cost_cache=None, cost_rows=24, head_lr=1e-2, full_lr=1e-2,
-                             validate=False, log=None, background=True)  # every allowed query updates
+    settings = AdaptSettings(
+        prior=5.0,
+        min_gap=1,
+        cost_cache=None,
+        cost_rows=24,
+        head_lr=1e-2,
+        full_lr=1e-2,
+        validate=False,
+        log=None,
+        background=True,
+    )  # every allowed query updates
     drafter = random_eagle3(target, draft_vocab=60)
     loaded = {k: v.clone() for k, v in drafter.state_dict().items()}
     ar = build_algorithm("ar", runner_for(target, 128))
-    algorithm = build_algorithm("eagle3_tree", runner_for(target, 128), drafter, tree_depth=3, tree_topk=3,
-                                tree_total=10, adapt="bandit", adapt_settings=settings)
+    algorithm = build_algorithm(
+        "eagle3_tree",
+        runner_for(target, 128),
+        drafter,
+        tree_depth=3,
+        tree_topk=3,
+        tree_total=10,
+        adapt="bandit",
+        adapt_settings=settings,
+    )
     prompts = [random_ids(6, target.config.vocab_size, 40 + i) for i in range(5)]
     equal = []
     for prompt in prompts:
@@ -750,11 +927,19 @@ def background_adapter(plan: Plan, models: Models) -> dict:
     side_stream = getattr(getattr(adapter, "background", None), "stream", None)
     adapter.close()
     serving = algorithm.drafter.state_dict()
-    changed = any(not torch.equal(loaded[k], serving[k.replace(".base_layer.", ".")]) for k in loaded
-                  if k.replace(".base_layer.", ".") in serving)
-    return {"queries": len(prompts), "all_equal_to_ar": all(equal), "equal_per_query": equal,
-            "arms": [row["arm"] for row in adapter.log.rows], "serving_weights_changed": changed,
-            "side_stream": side_stream is not None}
+    changed = any(
+        not torch.equal(loaded[k], serving[k.replace(".base_layer.", ".")])
+        for k in loaded
+        if k.replace(".base_layer.", ".") in serving
+    )
+    return {
+        "queries": len(prompts),
+        "all_equal_to_ar": all(equal),
+        "equal_per_query": equal,
+        "arms": [row["arm"] for row in adapter.log.rows],
+        "serving_weights_changed": changed,
+        "side_stream": side_stream is not None,
+    }
 
 
 def training(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
@@ -762,8 +947,10 @@ def training(plan: Plan, cfg: GpuCheckConfig, models: Models) -> dict:
     target = models.get("big", dtype)
     models.keep_only(("big", dtype), ("tiny", "fp32"))
     rows = []
-    for recipe, module_class, schema in (("eagle3_llama8b", Eagle3Module, Eagle3Schema),
-                                         ("specblock_llama8b", SpecBlockModule, SpecBlockSchema)):
+    for recipe, module_class, schema in (
+        ("eagle3_llama8b", Eagle3Module, Eagle3Schema),
+        ("specblock_llama8b", SpecBlockModule, SpecBlockSchema),
+    ):
         rows.append(attempt({"recipe": recipe}, train_step, plan, recipe, target, module_class, schema))
         free_memory(plan.device)
     return {"steps": rows, "background_adapter": attempt({}, background_adapter, plan, models)}
@@ -804,12 +991,18 @@ def git_commit(given: str) -> str:
 
 def environment(plan: Plan, cfg: GpuCheckConfig, argv: Sequence[str]) -> dict:
     device = torch.cuda.get_device_name() if plan.device.type == "cuda" else f"CPU ({platform.processor() or '?'})"
-    return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version(),
-            "tf32_matmul": bool(getattr(torch.backends.cuda.matmul, "allow_tf32", False)),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "commit": git_commit(cfg.commit), "command": "python -m benchmarks.gpu_check " + " ".join(argv),
-            "cpu_dry_run": plan.dry}
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "tf32_matmul": bool(getattr(torch.backends.cuda.matmul, "allow_tf32", False)),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(cfg.commit),
+        "command": "python -m benchmarks.gpu_check " + " ".join(argv),
+        "cpu_dry_run": plan.dry,
+    }
 
 
 @contextmanager
@@ -868,8 +1061,12 @@ def write_report(path: Path, results: dict) -> None:
 
 
 SECTION_FUNCTIONS: dict[str, Callable[[Plan, GpuCheckConfig, Models], dict]] = {
-    "lossless": lossless, "ar_speed": ar_speed, "verify_cost": verify_cost, "training": training,
-    "ar_compiled": ar_compiled}
+    "lossless": lossless,
+    "ar_speed": ar_speed,
+    "verify_cost": verify_cost,
+    "training": training,
+    "ar_compiled": ar_compiled,
+}
 
 
 def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
@@ -887,12 +1084,12 @@ def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
     try:
         for name in [s for s in SECTIONS if s in cfg.sections]:
             # inference sections under no_grad; training needs autograd
-            with section_record(results, name, out) as record, \
-                    nullcontext() if name == "training" else torch.no_grad():
+            with section_record(results, name, out) as record, nullcontext() if name == "training" else torch.no_grad():
                 record.update(SECTION_FUNCTIONS[name](plan, cfg, models))
             free_memory(plan.device)
-            print(f"[gpu_check] {name}: {'ok' if record['ok'] else record['error']} ({record['seconds']} s)",
-                  flush=True)
+            print(
+                f"[gpu_check] {name}: {'ok' if record['ok'] else record['error']} ({record['seconds']} s)", flush=True
+            )
     finally:
         torch.set_num_threads(threads)
     return f"wrote {out / 'results.json'} and {out / 'report.md'}"
@@ -900,8 +1097,13 @@ def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_cli(argv, lambda args: run(parse_cli(args, GpuCheckConfig, USAGE), args), doc=__doc__,
-                   schema=GpuCheckConfig, report=print)
+    return run_cli(
+        argv,
+        lambda args: run(parse_cli(args, GpuCheckConfig, USAGE), args),
+        doc=__doc__,
+        schema=GpuCheckConfig,
+        report=print,
+    )
 
 
 if __name__ == "__main__":

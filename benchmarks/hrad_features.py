@@ -88,13 +88,14 @@ def auc(scores: torch.Tensor, positive: torch.Tensor) -> float:
         while end + 1 < len(scores) and sorted_scores[end + 1] == sorted_scores[start]:
             end += 1
         if end > start:
-            ranks[order[start:end + 1]] = (start + end) / 2 + 1
+            ranks[order[start : end + 1]] = (start + end) / 2 + 1
         start = end + 1
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def bootstrap_auc(scores: torch.Tensor, positive: torch.Tensor, prompts: torch.Tensor, n: int,
-                  seed: int = 0) -> list[float]:
+def bootstrap_auc(
+    scores: torch.Tensor, positive: torch.Tensor, prompts: torch.Tensor, n: int, seed: int = 0
+) -> list[float]:
     """95 % CI of :func:`auc` over resampled prompts (rows of one prompt stay together)."""
     unique = prompts.unique()
     members = [torch.nonzero(prompts == p).squeeze(1) for p in unique]
@@ -132,8 +133,9 @@ class Split:
         return Split(self.hidden[mask], self.emb[mask], self.confidence[mask], self.labels[mask], self.prompts[mask])
 
 
-def train_hrad(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamma: int,
-               boundaries: list[int]) -> HRAD:
+def train_hrad(
+    train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamma: int, boundaries: list[int]
+) -> HRAD:
     """The recipe's H-RAD (class-weighted CE, AdamW, warm-up + cosine) on ``train``, with or without the
     confidence feature (as an MLP input or on its own path to the logits; the latter trained on a seeded
     ``1 - fusion_val_fraction`` of the prompts and its fusion refitted on the others, as the recipe does)."""
@@ -154,21 +156,28 @@ def train_hrad(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, 
     return _train(train, features, cfg, seed, gamma, boundaries)
 
 
-def _train(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamma: int,
-           boundaries: list[int]) -> HRAD:
+def _train(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamma: int, boundaries: list[int]) -> HRAD:
     torch.manual_seed(seed)
     use_conf = features != "hidden"
     hidden_size = train.hidden.shape[-1]
-    model = HRAD(HRADConfig(hidden_size=hidden_size, last_k=train.hidden.shape[1], gamma=gamma, boundaries=boundaries,
-                            confidence_feature=use_conf,
-                            confidence_path="logit" if features == "hidden+conf_logit" else "input"))
+    model = HRAD(
+        HRADConfig(
+            hidden_size=hidden_size,
+            last_k=train.hidden.shape[1],
+            gamma=gamma,
+            boundaries=boundaries,
+            confidence_feature=use_conf,
+            confidence_path="logit" if features == "hidden+conf_logit" else "input",
+        )
+    )
     mean, std = feature_stats(train.hidden, train.emb, train.confidence if use_conf else None)
     model.feature_mean.copy_(mean)
     model.feature_std.copy_(std)
     weights = class_weights(train.labels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_with_warmup(step, cfg.warmup_steps, cfg.steps, "cosine"))
+        optimizer, lambda step: cosine_with_warmup(step, cfg.warmup_steps, cfg.steps, "cosine")
+    )
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(train.labels), generator=generator)
     cursor = 0
@@ -176,7 +185,7 @@ def _train(train: Split, features: str, cfg: HRADFeaturesConfig, seed: int, gamm
     for _ in range(cfg.steps):
         if cursor + cfg.batch_size > len(order):
             order, cursor = torch.randperm(len(train.labels), generator=generator), 0
-        batch = order[cursor:cursor + cfg.batch_size]
+        batch = order[cursor : cursor + cfg.batch_size]
         cursor += cfg.batch_size
         logits = model(train.hidden[batch], train.emb[batch], train.confidence[batch] if use_conf else None)
         loss = F.cross_entropy(logits, train.labels[batch], weight=weights)
@@ -196,8 +205,9 @@ def class_probs(model: HRAD, rows: Split) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- the run
 
 
-def load_split(directory: str, target: str, boundaries: list[int] | None, embeddings: torch.Tensor
-               ) -> tuple[Split, dict[str, Any], list[int]]:
+def load_split(
+    directory: str, target: str, boundaries: list[int] | None, embeddings: torch.Tensor
+) -> tuple[Split, dict[str, Any], list[int]]:
     manifest = read_traces_manifest(directory, target, 4)
     gamma = int(manifest["args"]["gamma"])
     bounds = check_boundaries(boundaries or default_boundaries(gamma), gamma)
@@ -229,19 +239,31 @@ def run(cfg: HRADFeaturesConfig) -> dict[str, Any]:
         raise OverrideError(f"the traces were recorded with different gamma {sorted(gammas)}: compare one gamma")
     prompts = torch.cat([split.prompts for split, _, _ in data.values()]).unique()
     order = prompts[torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.split_seed))]
-    held_out = order[:max(1, round(cfg.val_fraction * len(prompts)))]
-    parts = {name: (split.rows(~torch.isin(split.prompts, held_out)), split.rows(torch.isin(split.prompts, held_out)))
-             for name, (split, _, _) in data.items()}
+    held_out = order[: max(1, round(cfg.val_fraction * len(prompts)))]
+    parts = {
+        name: (split.rows(~torch.isin(split.prompts, held_out)), split.rows(torch.isin(split.prompts, held_out)))
+        for name, (split, _, _) in data.items()
+    }
     results: list[dict[str, Any]] = []
-    counts = {name: {"train": torch.bincount(train.labels, minlength=NUM_CLASSES).tolist(),
-                     "held_out": torch.bincount(test.labels, minlength=NUM_CLASSES).tolist()}
-              for name, (train, test) in parts.items()}
+    counts = {
+        name: {
+            "train": torch.bincount(train.labels, minlength=NUM_CLASSES).tolist(),
+            "held_out": torch.bincount(test.labels, minlength=NUM_CLASSES).tolist(),
+        }
+        for name, (train, test) in parts.items()
+    }
     for eval_name, (_, test) in parts.items():  # confidence alone: no training
         positive = test.labels == 0
         score = 1 - test.confidence
-        results.append({"trained_on": None, "evaluated_on": eval_name, "features": "conf",
-                        "auc": auc(score, positive), "auc_ci95": bootstrap_auc(score, positive, test.prompts,
-                                                                                cfg.bootstrap)})
+        results.append(
+            {
+                "trained_on": None,
+                "evaluated_on": eval_name,
+                "features": "conf",
+                "auc": auc(score, positive),
+                "auc_ci95": bootstrap_auc(score, positive, test.prompts, cfg.bootstrap),
+            }
+        )
     for train_name, (train, _) in parts.items():
         gamma, bounds = data[train_name][1], data[train_name][2]
         for features in TRAINED:
@@ -250,16 +272,24 @@ def run(cfg: HRADFeaturesConfig) -> dict[str, Any]:
                 positive = test.labels == 0
                 probs = [class_probs(model, test) for model in models]
                 mean = torch.stack(probs).mean(0)
-                results.append({
-                    "trained_on": train_name, "evaluated_on": eval_name, "features": features,
-                    "auc_per_seed": [auc(p[:, 0], positive) for p in probs],
-                    "auc": auc(mean[:, 0], positive),
-                    "auc_ci95": bootstrap_auc(mean[:, 0], positive, test.prompts, cfg.bootstrap),
-                    "balanced_accuracy_per_seed": [balanced_accuracy(p.argmax(-1), test.labels) for p in probs],
-                })
+                results.append(
+                    {
+                        "trained_on": train_name,
+                        "evaluated_on": eval_name,
+                        "features": features,
+                        "auc_per_seed": [auc(p[:, 0], positive) for p in probs],
+                        "auc": auc(mean[:, 0], positive),
+                        "auc_ci95": bootstrap_auc(mean[:, 0], positive, test.prompts, cfg.bootstrap),
+                        "balanced_accuracy_per_seed": [balanced_accuracy(p.argmax(-1), test.labels) for p in probs],
+                    }
+                )
     settings = OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else asdict(cfg)
-    summary = {"config": settings, "class_counts": counts,
-               "held_out_prompts": sorted(int(p) for p in held_out), "results": results}
+    summary = {
+        "config": settings,
+        "class_counts": counts,
+        "held_out_prompts": sorted(int(p) for p in held_out),
+        "results": results,
+    }
     if cfg.out:
         atomic_write_text(Path(cfg.out), json.dumps(summary, indent=2) + "\n")
     return summary
@@ -270,22 +300,33 @@ def _fmt(x: float) -> str:
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| trained on | evaluated on (held-out prompts) | features | AUC class 0 vs rest [95 % CI] | "
-             "AUC per seed | balanced acc. per seed |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| trained on | evaluated on (held-out prompts) | features | AUC class 0 vs rest [95 % CI] | "
+        "AUC per seed | balanced acc. per seed |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in summary["results"]:
         low, high = r["auc_ci95"]
-        lines.append(f"| {r['trained_on'] or '– (no training)'} | {r['evaluated_on']} | {r['features']} | "
-                     f"{_fmt(r['auc'])} [{_fmt(low)}, {_fmt(high)}] | "
-                     f"{' / '.join(_fmt(a) for a in r.get('auc_per_seed', [])) or '–'} | "
-                     f"{' / '.join(_fmt(a) for a in r.get('balanced_accuracy_per_seed', [])) or '–'} |")
-    counts = "; ".join(f"{name}: train {c['train']}, held-out {c['held_out']}"
-                       for name, c in summary["class_counts"].items())
+        lines.append(
+            f"| {r['trained_on'] or '– (no training)'} | {r['evaluated_on']} | {r['features']} | "
+            f"{_fmt(r['auc'])} [{_fmt(low)}, {_fmt(high)}] | "
+            f"{' / '.join(_fmt(a) for a in r.get('auc_per_seed', [])) or '–'} | "
+            f"{' / '.join(_fmt(a) for a in r.get('balanced_accuracy_per_seed', [])) or '–'} |"
+        )
+    counts = "; ".join(
+        f"{name}: train {c['train']}, held-out {c['held_out']}" for name, c in summary["class_counts"].items()
+    )
     return "\n".join(lines) + f"\n\nRows per class (0 / 1 / 2): {counts}\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(argv, lambda args: table(run(parse_cli(args, HRADFeaturesConfig, USAGE))), doc=__doc__,
-                   schema=HRADFeaturesConfig, report=print)
+    return run_cli(
+        argv,
+        lambda args: table(run(parse_cli(args, HRADFeaturesConfig, USAGE))),
+        doc=__doc__,
+        schema=HRADFeaturesConfig,
+        report=print,
+    )
 
 
 if __name__ == "__main__":

@@ -75,15 +75,27 @@ from inference.drafters import eos_token_ids, load_drafter, load_lm
 from inference.evaluate import load_bench_prompts
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
-from inference.verify import (BlockVerifier, ChainVerifier, HSDVerifier, LossyVerifierWarning, TokenwiseVerifier,
-                              VerifyResult)
+from inference.verify import (
+    BlockVerifier,
+    ChainVerifier,
+    HSDVerifier,
+    LossyVerifierWarning,
+    TokenwiseVerifier,
+    VerifyResult,
+)
 
-USAGE = ("python benchmarks/hsd_block_efficiency.py target=smollm2 drafter=PATH bench=[gsm_symbolic] n_prompts=8 "
-         "max_new_tokens=128 gamma=4 temperature=1.0 seed=0 min_rounds=1000 draft_vocab=0 threads=1")
+USAGE = (
+    "python benchmarks/hsd_block_efficiency.py target=smollm2 drafter=PATH bench=[gsm_symbolic] n_prompts=8 "
+    "max_new_tokens=128 gamma=4 temperature=1.0 seed=0 min_rounds=1000 draft_vocab=0 threads=1"
+)
 VERIFIERS = ("tokenwise", "hsd")  # the verifiers that act (generate)
 JUDGES = ("tokenwise", "hsd", "block", "uncapped")  # the rules whose exact expectation every round records
-JUDGE_LABELS = {"tokenwise": "tokenwise", "hsd": "hsd (capped)", "block": "block (BlockVerifier)",
-                "uncapped": "hsd uncapped (lossy)"}
+JUDGE_LABELS = {
+    "tokenwise": "tokenwise",
+    "hsd": "hsd (capped)",
+    "block": "block (BlockVerifier)",
+    "uncapped": "hsd uncapped (lossy)",
+}
 # The HSD paper's lossless Blockwise ÷ Tokenwise block efficiency on GSM8K (γ = 10, T = 1, Qwen2.5-0.5B drafting
 # for 72B / 32B / 14B): 6.53 / 6.44, 6.26 / 6.14, 6.13 / 5.99.
 PAPER_BLOCKWISE_GAIN = (1.014, 1.023)
@@ -126,8 +138,12 @@ def make_judges() -> dict[str, ChainVerifier]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossyVerifierWarning)
         uncapped = HSDVerifier("uncapped")
-    return {"tokenwise": TokenwiseVerifier(), "hsd": HSDVerifier("capped"), "block": BlockVerifier(),
-            "uncapped": uncapped}
+    return {
+        "tokenwise": TokenwiseVerifier(),
+        "hsd": HSDVerifier("capped"),
+        "block": BlockVerifier(),
+        "uncapped": uncapped,
+    }
 
 
 class RecordingVerifier(ChainVerifier):
@@ -145,11 +161,15 @@ class RecordingVerifier(ChainVerifier):
         return self.acting.plan(draft_tokens, draft_probs, target_probs)
 
     def __call__(self, draft_tokens, draft_probs, target_probs, generator=None) -> VerifyResult:
-        expected = {name: _expected_tokens(judge, draft_tokens, draft_probs, target_probs)
-                    for name, judge in self.judges.items()}
+        expected = {
+            name: _expected_tokens(judge, draft_tokens, draft_probs, target_probs)
+            for name, judge in self.judges.items()
+        }
         if "block" in expected and "hsd" in expected and abs(expected["block"] - expected["hsd"]) > BLOCK_TOLERANCE:
-            raise RuntimeError(f"BlockVerifier expects {expected['block']!r} tokens but capped HSD "
-                               f"{expected['hsd']!r} on the same draft: the two rules must be identical")
+            raise RuntimeError(
+                f"BlockVerifier expects {expected['block']!r} tokens but capped HSD "
+                f"{expected['hsd']!r} on the same draft: the two rules must be identical"
+            )
         result = self.acting(draft_tokens, draft_probs, target_probs, generator)
         self.rounds.append((int(draft_tokens.shape[-1]), result.num_accepted, expected))
         return result
@@ -197,13 +217,25 @@ class Comparison:
 
 def check_sampled(temperature: float) -> None:
     if not temperature > 0:
-        raise UserError(f"temperature={temperature}: greedy decoding makes tokenwise and HSD identical (both emit "
-                         "the target's argmax path, ratio 1 by construction); measure at temperature > 0, e.g. 1.0")
+        raise UserError(
+            f"temperature={temperature}: greedy decoding makes tokenwise and HSD identical (both emit "
+            "the target's argmax path, ratio 1 by construction); measure at temperature > 0, e.g. 1.0"
+        )
 
 
-def run_paired(target, draft, prompts: Sequence[Sequence[int]], *, gamma: int = 4, temperature: float = 1.0,
-               seed: int = 0, min_rounds: int = 1000, max_new_tokens: int = 128, eos_ids: Sequence[int] = (),
-               progress=None) -> Comparison:
+def run_paired(
+    target,
+    draft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    gamma: int = 4,
+    temperature: float = 1.0,
+    seed: int = 0,
+    min_rounds: int = 1000,
+    max_new_tokens: int = 128,
+    eos_ids: Sequence[int] = (),
+    progress=None,
+) -> Comparison:
     """Generate with sps + tokenwise and sps + HSD (capped) on the same (prompt, seed) generations, interleaved,
     until every prompt was used and each verifier has >= ``min_rounds`` rounds. ``target`` / ``draft`` are
     runners."""
@@ -212,13 +244,16 @@ def run_paired(target, draft, prompts: Sequence[Sequence[int]], *, gamma: int = 
     if not prompts:
         raise UserError("no prompts")
     if max_new_tokens < 2:
-        raise UserError(f"max_new_tokens={max_new_tokens}: the prefill emits the first token, so no verification "
-                         "round happens below 2")
+        raise UserError(
+            f"max_new_tokens={max_new_tokens}: the prefill emits the first token, so no verification "
+            "round happens below 2"
+        )
     sampling = SamplingParams(temperature)
     judges = make_judges()
     recorders = {name: RecordingVerifier(judges[name], judges) for name in VERIFIERS}
-    algorithms = {name: build_algorithm("sps", target, draft, gamma=gamma, verifier=recorders[name])
-                  for name in VERIFIERS}
+    algorithms = {
+        name: build_algorithm("sps", target, draft, gamma=gamma, verifier=recorders[name]) for name in VERIFIERS
+    }
     rounds = dict.fromkeys(VERIFIERS, 0)
     generations: list[Generation] = []
     idle = 0  # consecutive generations without a round (each ended at the prefill's EOS)
@@ -229,13 +264,22 @@ def run_paired(target, draft, prompts: Sequence[Sequence[int]], *, gamma: int = 
         runs = {}
         for name in order:
             generator = torch.Generator().manual_seed(seed + i)
-            result = algorithms[name].generate(list(prompts[prompt]), max_new_tokens=max_new_tokens,
-                                               sampling=sampling, generator=generator, eos_ids=eos_ids)
+            result = algorithms[name].generate(
+                list(prompts[prompt]),
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                generator=generator,
+                eos_ids=eos_ids,
+            )
             records = recorders[name].take()
             _check_records(name, result.stats, records)
-            runs[name] = Run(result.stats, result.tokens, sampling.temperature,
-                             {j: sum(e[j] for _, _, e in records) for j in JUDGES},
-                             sum(g < gamma for g, _, _ in records))
+            runs[name] = Run(
+                result.stats,
+                result.tokens,
+                sampling.temperature,
+                {j: sum(e[j] for _, _, e in records) for j in JUDGES},
+                sum(g < gamma for g, _, _ in records),
+            )
             rounds[name] += result.stats.rounds
         generations.append(Generation(prompt, seed + i, {name: runs[name] for name in VERIFIERS}))
         idle = idle + 1 if all(run.stats.rounds == 0 for run in runs.values()) else 0
@@ -252,8 +296,9 @@ def _check_records(name: str, stats: GenerationStats, records) -> None:
     for _, acc, _ in records:
         hist[acc] += 1
     if len(records) != stats.rounds or hist != stats.accepted_hist:
-        raise RuntimeError(f"{name}: recorded rounds {hist} disagree with the engine's accepted_hist "
-                           f"{stats.accepted_hist}")
+        raise RuntimeError(
+            f"{name}: recorded rounds {hist} disagree with the engine's accepted_hist {stats.accepted_hist}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -283,8 +328,12 @@ def _ratio(weights: np.ndarray, num: np.ndarray, den: np.ndarray, num_ref: np.nd
 def _interval(point: float, samples: np.ndarray) -> dict:
     samples = samples[np.isfinite(samples)]
     low, high = np.percentile(samples, [2.5, 97.5])
-    return {"ratio": point, "ci95": [float(low), float(high)], "se": float(samples.std(ddof=1)),
-            "resamples": int(samples.size)}
+    return {
+        "ratio": point,
+        "ci95": [float(low), float(high)],
+        "se": float(samples.std(ddof=1)),
+        "resamples": int(samples.size),
+    }
 
 
 def _excess(weights: np.ndarray, pooled: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -310,9 +359,14 @@ def summarize(comparison: Comparison, *, resamples: int = 10000, seed: int = 0) 
     ones = np.ones((1, len(gens)))
     measured = _ratio(ones, emitted["hsd"], rounds["hsd"], emitted["tokenwise"], rounds["tokenwise"])[0]
     boot = _ratio(weights, emitted["hsd"], rounds["hsd"], emitted["tokenwise"], rounds["tokenwise"])
-    by_judge = {j: _interval(float(_ratio(ones, pooled[j], pooled_rounds, pooled["tokenwise"], pooled_rounds)[0]),
-                             _ratio(weights, pooled[j], pooled_rounds, pooled["tokenwise"], pooled_rounds))
-                for j in JUDGES if j != "tokenwise"}
+    by_judge = {
+        j: _interval(
+            float(_ratio(ones, pooled[j], pooled_rounds, pooled["tokenwise"], pooled_rounds)[0]),
+            _ratio(weights, pooled[j], pooled_rounds, pooled["tokenwise"], pooled_rounds),
+        )
+        for j in JUDGES
+        if j != "tokenwise"
+    }
     (excess,), (share,) = _excess(ones, pooled)
     excess_boot, share_boot = _excess(weights, pooled)
 
@@ -321,26 +375,35 @@ def summarize(comparison: Comparison, *, resamples: int = 10000, seed: int = 0) 
         total = comparison.total(name)
         own_expected = sum(g.runs[name].expected[name] for g in gens)
         verifiers[name] = {
-            "generations": len(gens), "rounds": total.rounds, "trimmed_rounds": sum(g.runs[name].trimmed_rounds
-                                                                                 for g in gens),
+            "generations": len(gens),
+            "rounds": total.rounds,
+            "trimmed_rounds": sum(g.runs[name].trimmed_rounds for g in gens),
             "block_efficiency": (total.accepted_draft_tokens + total.rounds) / max(total.rounds, 1),
             "block_efficiency_exact_e": own_expected / max(total.rounds, 1),
-            "tau_engine": total.tau, "new_tokens": total.new_tokens,
-            "acceptance_by_position": total.acceptance_by_position, "accepted_hist": list(total.accepted_hist),
+            "tau_engine": total.tau,
+            "new_tokens": total.new_tokens,
+            "acceptance_by_position": total.acceptance_by_position,
+            "accepted_hist": list(total.accepted_hist),
             "temperature": comparison.temperature,
         }
     return {
-        "gamma": comparison.gamma, "temperature": comparison.temperature, "prompts": int(np.unique(prompt_of).size),
-        "generations": len(gens), "verifiers": verifiers,
-        "measured": _interval(float(measured), boot), "same_draft_exact": by_judge["hsd"],
+        "gamma": comparison.gamma,
+        "temperature": comparison.temperature,
+        "prompts": int(np.unique(prompt_of).size),
+        "generations": len(gens),
+        "verifiers": verifiers,
+        "measured": _interval(float(measured), boot),
+        "same_draft_exact": by_judge["hsd"],
         "same_draft_exact_by_judge": by_judge,
         "pooled_rounds": int(pooled_rounds.sum()),
         "pooled_block_efficiency_exact_e": {j: float(pooled[j].sum() / max(pooled_rounds.sum(), 1)) for j in JUDGES},
         "lossy_excess": _interval(float(excess), excess_boot),
         "lossy_share_of_uncapped_gain": _interval(float(share), share_boot),
-        "method": (f"percentile 95 % CI of a two-stage cluster bootstrap ({resamples} resamples, numpy seed {seed}): "
-                   "prompts with replacement, then each drawn prompt's generations with replacement; a generation "
-                   "carries both verifiers' runs (paired) and all its rounds"),
+        "method": (
+            f"percentile 95 % CI of a two-stage cluster bootstrap ({resamples} resamples, numpy seed {seed}): "
+            "prompts with replacement, then each drawn prompt's generations with replacement; a generation "
+            "carries both verifiers' runs (paired) and all its rounds"
+        ),
     }
 
 
@@ -355,49 +418,71 @@ def verdict(interval: dict, goal: float = GOAL) -> str:
 
 
 def report(summary: dict, header: str, goal: float = GOAL) -> str:
-    lines = [header, "",
-             "| verifier | generations | rounds | BE (tokens/round) | BE exact-E | τ engine (incl. prefill) "
-             "| γ-trimmed rounds | T |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| verifier | generations | rounds | BE (tokens/round) | BE exact-E | τ engine (incl. prefill) "
+        "| γ-trimmed rounds | T |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     label = JUDGE_LABELS
     for name, v in summary["verifiers"].items():
-        lines.append(f"| {label[name]} | {v['generations']} | {v['rounds']} | {v['block_efficiency']:.4f} "
-                     f"| {v['block_efficiency_exact_e']:.4f} | {v['tau_engine']:.4f} | {v['trimmed_rounds']} "
-                     f"| {v['temperature']:g} |")
+        lines.append(
+            f"| {label[name]} | {v['generations']} | {v['rounds']} | {v['block_efficiency']:.4f} "
+            f"| {v['block_efficiency_exact_e']:.4f} | {v['tau_engine']:.4f} | {v['trimmed_rounds']} "
+            f"| {v['temperature']:g} |"
+        )
     m = summary["measured"]
     low, high = PAPER_BLOCKWISE_GAIN
-    lines += ["",
-              f"| HSD / tokenwise block efficiency | ratio | 95 % CI | bootstrap SE | goal >= {goal:g} |",
-              "|---|---|---|---|---|",
-              f"| measured (primary) | {m['ratio']:.4f} | [{m['ci95'][0]:.4f}, {m['ci95'][1]:.4f}] | {m['se']:.4f} "
-              f"| {verdict(m, goal)} |"]
+    lines += [
+        "",
+        f"| HSD / tokenwise block efficiency | ratio | 95 % CI | bootstrap SE | goal >= {goal:g} |",
+        "|---|---|---|---|---|",
+        f"| measured (primary) | {m['ratio']:.4f} | [{m['ci95'][0]:.4f}, {m['ci95'][1]:.4f}] | {m['se']:.4f} "
+        f"| {verdict(m, goal)} |",
+    ]
     for judge, e in summary["same_draft_exact_by_judge"].items():
         note = verdict(e, goal) if judge != "uncapped" else "lossy: not a lossless figure"
-        lines.append(f"| same-draft exact expectation, {JUDGE_LABELS[judge]} | {e['ratio']:.4f} | "
-                     f"[{e['ci95'][0]:.4f}, {e['ci95'][1]:.4f}] | {e['se']:.4f} | {note} |")
+        lines.append(
+            f"| same-draft exact expectation, {JUDGE_LABELS[judge]} | {e['ratio']:.4f} | "
+            f"[{e['ci95'][0]:.4f}, {e['ci95'][1]:.4f}] | {e['se']:.4f} | {note} |"
+        )
     x, share = summary["lossy_excess"], summary["lossy_share_of_uncapped_gain"]
-    lines += ["", f"Paper (HSD, GSM8K, γ = 10): lossless Blockwise ÷ tokenwise {low:.3f}–{high:.3f}.",
-              f"Lossy part of the uncapped rule on the same drafts ({summary['pooled_rounds']} rounds judged): "
-              f"(E_uncapped − E_capped) / E_tokenwise = {x['ratio']:+.4f} [{x['ci95'][0]:+.4f}, {x['ci95'][1]:+.4f}]; "
-              f"share of uncapped's gain over tokenwise = {share['ratio']:.3f} [{share['ci95'][0]:.3f}, "
-              f"{share['ci95'][1]:.3f}]. Block = capped on every round (checked).",
-              "Exact expected tokens per round over the same rounds: " + ", ".join(
-                  f"{JUDGE_LABELS[j]} {be:.4f}" for j, be in summary["pooled_block_efficiency_exact_e"].items()) + ".",
-              "", f"CI method: {summary['method']}."]
+    lines += [
+        "",
+        f"Paper (HSD, GSM8K, γ = 10): lossless Blockwise ÷ tokenwise {low:.3f}–{high:.3f}.",
+        f"Lossy part of the uncapped rule on the same drafts ({summary['pooled_rounds']} rounds judged): "
+        f"(E_uncapped − E_capped) / E_tokenwise = {x['ratio']:+.4f} [{x['ci95'][0]:+.4f}, {x['ci95'][1]:+.4f}]; "
+        f"share of uncapped's gain over tokenwise = {share['ratio']:.3f} [{share['ci95'][0]:.3f}, "
+        f"{share['ci95'][1]:.3f}]. Block = capped on every round (checked).",
+        "Exact expected tokens per round over the same rounds: "
+        + ", ".join(f"{JUDGE_LABELS[j]} {be:.4f}" for j, be in summary["pooled_block_efficiency_exact_e"].items())
+        + ".",
+        "",
+        f"CI method: {summary['method']}.",
+    ]
     if summary["prompts"] < 10:
         lines.append(f"Note: only {summary['prompts']} prompt(s): the between-prompt variance is poorly estimated.")
     gamma = summary["gamma"]
-    lines += ["", "Acceptance by draft position (accepted / judged):", "",
-              "| verifier | " + " | ".join(f"pos {k + 1}" for k in range(gamma)) + " |",
-              "|---|" + "---|" * gamma]
+    lines += [
+        "",
+        "Acceptance by draft position (accepted / judged):",
+        "",
+        "| verifier | " + " | ".join(f"pos {k + 1}" for k in range(gamma)) + " |",
+        "|---|" + "---|" * gamma,
+    ]
     for name, v in summary["verifiers"].items():
         acc = (v["acceptance_by_position"] + [0.0] * gamma)[:gamma]
         lines.append(f"| {label[name]} | " + " | ".join(f"{a:.3f}" for a in acc) + " |")
-    lines += ["", "Accepted-count histogram (rounds keeping n drafted tokens; share in brackets):", "",
-              "| verifier | " + " | ".join(f"n={n}" for n in range(gamma + 1)) + " |",
-              "|---|" + "---|" * (gamma + 1)]
+    lines += [
+        "",
+        "Accepted-count histogram (rounds keeping n drafted tokens; share in brackets):",
+        "",
+        "| verifier | " + " | ".join(f"n={n}" for n in range(gamma + 1)) + " |",
+        "|---|" + "---|" * (gamma + 1),
+    ]
     for name, v in summary["verifiers"].items():
-        hist = (v["accepted_hist"] + [0] * (gamma + 1))[:gamma + 1]
+        hist = (v["accepted_hist"] + [0] * (gamma + 1))[: gamma + 1]
         total = max(sum(hist), 1)
         lines.append(f"| {label[name]} | " + " | ".join(f"{h} ({h / total:.3f})" for h in hist) + " |")
     return "\n".join(lines)
@@ -433,21 +518,47 @@ def run(argv: Sequence[str]) -> str:
             print(f"[hsd_block_efficiency] {done} generations, rounds {rounds}", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    comparison = run_paired(target.runner, draft, prompts, gamma=cfg.gamma, temperature=cfg.temperature,
-                            seed=cfg.seed, min_rounds=cfg.min_rounds, max_new_tokens=cfg.max_new_tokens,
-                            eos_ids=eos, progress=progress)
+    comparison = run_paired(
+        target.runner,
+        draft,
+        prompts,
+        gamma=cfg.gamma,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        min_rounds=cfg.min_rounds,
+        max_new_tokens=cfg.max_new_tokens,
+        eos_ids=eos,
+        progress=progress,
+    )
     summary = summarize(comparison, resamples=cfg.resamples, seed=cfg.seed)
-    header = (f"{','.join(cfg.bench)}: {len(prompts)} prompts cycled over {summary['generations']} generations "
-              f"(seeds {cfg.seed}..{cfg.seed + summary['generations'] - 1}), max_new_tokens={cfg.max_new_tokens}, "
-              f"γ={cfg.gamma}, T={cfg.temperature:g}, target {cfg.target}, drafter {cfg.drafter}, "
-              f"draft_vocab={cfg.draft_vocab or 'all'}, CPU {torch.get_num_threads()} thread(s), "
-              f"{time.perf_counter() - start:.0f} s")
+    header = (
+        f"{','.join(cfg.bench)}: {len(prompts)} prompts cycled over {summary['generations']} generations "
+        f"(seeds {cfg.seed}..{cfg.seed + summary['generations'] - 1}), max_new_tokens={cfg.max_new_tokens}, "
+        f"γ={cfg.gamma}, T={cfg.temperature:g}, target {cfg.target}, drafter {cfg.drafter}, "
+        f"draft_vocab={cfg.draft_vocab or 'all'}, CPU {torch.get_num_threads()} thread(s), "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     if cfg.out:
-        record = {"config": OmegaConf.to_container(cfg), "summary": summary,
-                  "generations": [{"prompt": g.prompt, "seed": g.seed,
-                                   **{n: {"rounds": r.stats.rounds, "emitted": r.emitted, "new_tokens":
-                                          r.stats.new_tokens, "expected": r.expected} for n, r in g.runs.items()}}
-                                  for g in comparison.generations]}
+        record = {
+            "config": OmegaConf.to_container(cfg),
+            "summary": summary,
+            "generations": [
+                {
+                    "prompt": g.prompt,
+                    "seed": g.seed,
+                    **{
+                        n: {
+                            "rounds": r.stats.rounds,
+                            "emitted": r.emitted,
+                            "new_tokens": r.stats.new_tokens,
+                            "expected": r.expected,
+                        }
+                        for n, r in g.runs.items()
+                    },
+                }
+                for g in comparison.generations
+            ],
+        }
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(record, indent=2, default=list) + "\n")
     return report(summary, header, cfg.goal)

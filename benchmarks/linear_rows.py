@@ -59,8 +59,15 @@ def _median_ms(fn, repeats: int) -> float:
 @torch.no_grad()
 def measure(cfg: LinearRowsConfig) -> list[dict]:
     torch.set_num_threads(cfg.threads)
-    layer_shapes = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN),
-                    (HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)] * LAYERS
+    layer_shapes = [
+        (HIDDEN, HIDDEN),
+        (HIDDEN, KV),
+        (HIDDEN, KV),
+        (HIDDEN, HIDDEN),
+        (HIDDEN, INTERMEDIATE),
+        (HIDDEN, INTERMEDIATE),
+        (INTERMEDIATE, HIDDEN),
+    ] * LAYERS
     decoder, lm_head = _modules(layer_shapes), _modules([(HIDDEN, VOCAB)])[0]
     inputs = {width: {rows: torch.randn(rows, width) for rows in cfg.rows} for width in (HIDDEN, INTERMEDIATE)}
 
@@ -76,7 +83,8 @@ def measure(cfg: LinearRowsConfig) -> list[dict]:
         for name, modules in (("decoder", decoder), ("lm_head", [lm_head])):
             for path in ("plain", "padded", "exact"):
                 row[f"{name}_{path}_ms"] = _median_ms(
-                    lambda modules=modules, rows=rows, path=path: run(modules, rows, path), cfg.repeats)
+                    lambda modules=modules, rows=rows, path=path: run(modules, rows, path), cfg.repeats
+                )
         results.append(row)
     return results
 
@@ -89,18 +97,28 @@ def main(argv: list[str]) -> None:
     results = measure(cfg)
     cpu = cpu_description()
     print(f"SmolLM2-135M matmul shapes, fp32, {cfg.threads} thread(s), median of {cfg.repeats}, {cpu}\n")
-    print("| rows | decoder: F.linear | Linear | exact | lm_head: F.linear | Linear | exact | exact ÷ F.linear, "
-          "decoder / lm_head |")
+    print(
+        "| rows | decoder: F.linear | Linear | exact | lm_head: F.linear | Linear | exact | exact ÷ F.linear, "
+        "decoder / lm_head |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in results:
-        print(f"| {row['rows']} | {row['decoder_plain_ms']:.1f} | {row['decoder_padded_ms']:.1f} | "
-              f"{row['decoder_exact_ms']:.1f} | {row['lm_head_plain_ms']:.1f} | {row['lm_head_padded_ms']:.1f} | "
-              f"{row['lm_head_exact_ms']:.1f} | {row['decoder_exact_ms'] / row['decoder_plain_ms']:.2f} / "
-              f"{row['lm_head_exact_ms'] / row['lm_head_plain_ms']:.2f} |")
+        print(
+            f"| {row['rows']} | {row['decoder_plain_ms']:.1f} | {row['decoder_padded_ms']:.1f} | "
+            f"{row['decoder_exact_ms']:.1f} | {row['lm_head_plain_ms']:.1f} | {row['lm_head_padded_ms']:.1f} | "
+            f"{row['lm_head_exact_ms']:.1f} | {row['decoder_exact_ms'] / row['decoder_plain_ms']:.2f} / "
+            f"{row['lm_head_exact_ms'] / row['lm_head_plain_ms']:.2f} |"
+        )
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        record = {"config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else vars(cfg), "cpu": cpu, "torch": torch.__version__, "unit": "ms", "rows": results}
+        record = {
+            "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else vars(cfg),
+            "cpu": cpu,
+            "torch": torch.__version__,
+            "unit": "ms",
+            "rows": results,
+        }
         (out / "results.json").write_text(json.dumps(record, indent=1))
         print(f"wrote {out / 'results.json'}")
 

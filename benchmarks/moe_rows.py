@@ -36,8 +36,10 @@ from core.overrides import parse_cli, run_cli
 from inference.llama import SparseMoe
 from inference.runner import ModelRunner
 
-USAGE = ("python -m benchmarks.moe_rows rows=[1,2,4,8,16,64] context=256 paths=[exact,plain] routing=random|spread "
-         "threads=1 repeats=7 out=DIR")
+USAGE = (
+    "python -m benchmarks.moe_rows rows=[1,2,4,8,16,64] context=256 paths=[exact,plain] routing=random|spread "
+    "threads=1 repeats=7 out=DIR"
+)
 
 
 @dataclass
@@ -61,14 +63,27 @@ class MoeRowsConfig:
 
 def targets(cfg: MoeRowsConfig) -> dict[str, torch.nn.Module]:
     """name -> a random transformers model: the MoE target and the dense one of the same active parameters."""
-    shared = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.hidden // cfg.heads,
-                  intermediate_size=cfg.top_k * cfg.expert_width, max_position_embeddings=4096,
-                  tie_word_embeddings=False)
+    shared = dict(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.hidden // cfg.heads,
+        intermediate_size=cfg.top_k * cfg.expert_width,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shared, moe_intermediate_size=cfg.expert_width,
-                                             num_experts=cfg.experts, num_experts_per_tok=cfg.top_k,
-                                             norm_topk_prob=True)).eval()
+    moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **shared,
+            moe_intermediate_size=cfg.expert_width,
+            num_experts=cfg.experts,
+            num_experts_per_tok=cfg.top_k,
+            norm_topk_prob=True,
+        )
+    ).eval()
     dense = Qwen3ForCausalLM(Qwen3Config(**shared)).eval()
     return {"moe": moe, "dense": dense}
 
@@ -84,6 +99,7 @@ def spread_routers(model: torch.nn.Module, ids: torch.Tensor, scale: float = 20.
     def record(index: int):
         def hook(_module, args):
             means[index] = args[0].reshape(-1, args[0].shape[-1]).mean(0)
+
         return hook
 
     sparse = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -116,11 +132,12 @@ def experts_touched(runner: ModelRunner, ids: torch.Tensor) -> float:
 
     def count(module: SparseMoe, args: tuple, _output: torch.Tensor) -> None:
         hidden = args[0].reshape(-1, args[0].shape[-1])
-        logits = module.gate(hidden[:ids.shape[1]])
+        logits = module.gate(hidden[: ids.shape[1]])
         counts.append(len(torch.topk(logits, module.top_k, dim=-1).indices.unique()))
 
-    hooks = [layer.mlp.register_forward_hook(count) for layer in runner.model.layers
-             if isinstance(layer.mlp, SparseMoe)]
+    hooks = [
+        layer.mlp.register_forward_hook(count) for layer in runner.model.layers if isinstance(layer.mlp, SparseMoe)
+    ]
     start = runner.length()
     try:
         runner.forward(ids)
@@ -152,8 +169,10 @@ def measure(cfg: MoeRowsConfig) -> dict:
         spread_routers(models["moe"], torch.cat([text, continuation], dim=1))
     rows = []
     for path in cfg.paths:
-        runners = {name: ModelRunner.from_hf_model(model, max_seq_len=cfg.context + max(cfg.rows) + 8,
-                                                   exact=path == "exact") for name, model in models.items()}
+        runners = {
+            name: ModelRunner.from_hf_model(model, max_seq_len=cfg.context + max(cfg.rows) + 8, exact=path == "exact")
+            for name, model in models.items()
+        }
         for runner in runners.values():
             runner.forward(text)
             for t in cfg.rows:  # first calls pay for packing weights and choosing kernels
@@ -164,37 +183,54 @@ def measure(cfg: MoeRowsConfig) -> dict:
                 for name, runner in runners.items():
                     times[name].append(forward_ms(runner, continuation[:, :t]))
             for name, runner in runners.items():
-                rows.append({"target": name, "path": runner.exactness.path, "rows": t,
-                             "ms": round(statistics.median(times[name]), 3),
-                             "experts_touched": round(experts_touched(runner, continuation[:, :t]), 2)
-                             if name == "moe" else None})
+                rows.append(
+                    {
+                        "target": name,
+                        "path": runner.exactness.path,
+                        "rows": t,
+                        "ms": round(statistics.median(times[name]), 3),
+                        "experts_touched": round(experts_touched(runner, continuation[:, :t]), 2)
+                        if name == "moe"
+                        else None,
+                    }
+                )
         active = {name: active_parameters(runner, cfg.top_k) for name, runner in runners.items()}
         del runners
     for row in rows:
         base = next(r["ms"] for r in rows if (r["target"], r["path"], r["rows"]) == (row["target"], row["path"], 1))
         row["x_decode"] = round(row["ms"] / base, 3)  # also the break-even τ of a T-row verification
         row["ms_per_token"] = round(row["ms"] / row["rows"], 3)
-    return {"config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else asdict(cfg),
-            "active_parameters": active, "rows": rows,
-            "expected_experts_uniform": {t: round(cfg.experts * (1 - (1 - cfg.top_k / cfg.experts) ** t), 2)
-                                         for t in cfg.rows}}
+    return {
+        "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else asdict(cfg),
+        "active_parameters": active,
+        "rows": rows,
+        "expected_experts_uniform": {
+            t: round(cfg.experts * (1 - (1 - cfg.top_k / cfg.experts) ** t), 2) for t in cfg.rows
+        },
+    }
 
 
 def table(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"Target forward of T new tokens over {cfg['context']} cached, fp32, {cfg['threads']} thread(s), median "
-             f"of {cfg['repeats']}; MoE: {cfg['experts']} experts, top-{cfg['top_k']} of width {cfg['expert_width']}, "
-             f"{cfg['routing']} routing; "
-             f"active parameters {result['active_parameters']}", "",
-             "| path | T | dense ms | dense × decode | MoE ms | MoE × decode (break-even τ) | MoE ÷ dense | "
-             "experts touched / layer (uniform: expected) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Target forward of T new tokens over {cfg['context']} cached, fp32, {cfg['threads']} thread(s), median "
+        f"of {cfg['repeats']}; MoE: {cfg['experts']} experts, top-{cfg['top_k']} of width {cfg['expert_width']}, "
+        f"{cfg['routing']} routing; "
+        f"active parameters {result['active_parameters']}",
+        "",
+        "| path | T | dense ms | dense × decode | MoE ms | MoE × decode (break-even τ) | MoE ÷ dense | "
+        "experts touched / layer (uniform: expected) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     by = {(r["target"], r["path"], r["rows"]): r for r in result["rows"]}
     for path in dict.fromkeys(r["path"] for r in result["rows"]):
         for t in cfg["rows"]:
             dense, moe = by[("dense", path, t)], by[("moe", path, t)]
-            lines.append(f"| {path} | {t} | {dense['ms']:.1f} | {dense['x_decode']:.2f} | {moe['ms']:.1f} | "
-                         f"{moe['x_decode']:.2f} | {moe['ms'] / dense['ms']:.2f} | {moe['experts_touched']:.1f} "
-                         f"({result['expected_experts_uniform'][t]:.1f}) |")
+            lines.append(
+                f"| {path} | {t} | {dense['ms']:.1f} | {dense['x_decode']:.2f} | {moe['ms']:.1f} | "
+                f"{moe['x_decode']:.2f} | {moe['ms'] / dense['ms']:.2f} | {moe['experts_touched']:.1f} "
+                f"({result['expected_experts_uniform'][t]:.1f}) |"
+            )
     return "\n".join(lines)
 
 
@@ -208,8 +244,9 @@ def run(cfg: MoeRowsConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(argv, lambda args: run(parse_cli(args, MoeRowsConfig, USAGE)), doc=__doc__,
-                   schema=MoeRowsConfig, report=print)
+    return run_cli(
+        argv, lambda args: run(parse_cli(args, MoeRowsConfig, USAGE)), doc=__doc__, schema=MoeRowsConfig, report=print
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ from core.drafters.peagle.attention import ChainLayout
 from core.overrides import parse_cli
 from spectrain.kinds.peagle.losses import cod_sample
 
-USAGE = ("python benchmarks/peagle_attention.py length=640 answer=0.6 num_depths=6 chunks=[16,32,64,128,256] "
-         "threads=1 repeats=3")
+USAGE = (
+    "python benchmarks/peagle_attention.py length=640 answer=0.6 num_depths=6 chunks=[16,32,64,128,256] "
+    "threads=1 repeats=3"
+)
 
 
 @dataclass
@@ -49,7 +51,7 @@ def run(cfg: ChainBenchConfig) -> None:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
     scored = torch.zeros(cfg.length, dtype=torch.bool)
-    scored[int(cfg.length * (1 - cfg.answer)): cfg.length - 2] = True
+    scored[int(cfg.length * (1 - cfg.answer)) : cfg.length - 2] = True
     anchors, depths = cod_sample(scored, cfg.num_depths, 0.7, 0.2, None, torch.Generator().manual_seed(0))
     rows = cfg.length + len(anchors)
     heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2-135M

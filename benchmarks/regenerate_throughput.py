@@ -45,8 +45,14 @@ def main(argv: list[str]) -> None:
     cfg = parse_cli(argv, ThroughputConfig, USAGE)
     torch.set_num_threads(cfg.threads)
     largest = max(cfg.batch_sizes)
-    target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=2 * largest,
-                     dtype=model_dtype(cfg.dtype, "cpu"), exact=cfg.exact)
+    target = load_lm(
+        cfg.target,
+        device="cpu",
+        max_seq_len=1024,
+        max_batch_size=2 * largest,
+        dtype=model_dtype(cfg.dtype, "cpu"),
+        exact=cfg.exact,
+    )
     eos = eos_token_ids(target.tokenizer, target.model.config)
     prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts("gsm_symbolic", n=cfg.n_prompts)]
     greedy = SamplingParams(0.0)
@@ -54,7 +60,9 @@ def main(argv: list[str]) -> None:
     ar = build_algorithm("ar", target.runner)
     ar.generate(prompts[0], max_new_tokens=8, sampling=greedy)  # warm-up
     start = time.perf_counter()
-    reference = [ar.generate(p, max_new_tokens=cfg.max_new_tokens, sampling=greedy, eos_ids=eos).tokens for p in prompts]
+    reference = [
+        ar.generate(p, max_new_tokens=cfg.max_new_tokens, sampling=greedy, eos_ids=eos).tokens for p in prompts
+    ]
     ar_s = time.perf_counter() - start
     ar_tokens = sum(len(t) for t in reference)
     rows = [("ar (one prompt at a time)", ar_tokens, ar_s, len(prompts))]
@@ -63,25 +71,42 @@ def main(argv: list[str]) -> None:
         answers: dict[int, list[int]] = {}
         batcher = ContinuousBatcher(target.runner, batch_size=size, eos_ids=eos, sampling=greedy)
         start = time.perf_counter()
-        batcher.run(lambda q=queue: q.pop(0) if q else None,
-                    lambda job, tokens, a=answers: a.__setitem__(job.key, tokens))
+        batcher.run(
+            lambda q=queue: q.pop(0) if q else None, lambda job, tokens, a=answers: a.__setitem__(job.key, tokens)
+        )
         seconds = time.perf_counter() - start
         same = sum(answers[i] == reference[i] for i in range(len(prompts)))
         rows.append((f"batched, {size} rows", batcher.new_tokens, seconds, same))
     dtype = str(target.runner.dtype).removeprefix("torch.")
-    print(f"{cfg.n_prompts} held-out GSM-symbolic prompts, greedy, max_new_tokens={cfg.max_new_tokens}, "
-          f"{cfg.threads} thread(s), target {cfg.target}, {dtype}; {target.runner.exactness.summary()}")
+    print(
+        f"{cfg.n_prompts} held-out GSM-symbolic prompts, greedy, max_new_tokens={cfg.max_new_tokens}, "
+        f"{cfg.threads} thread(s), target {cfg.target}, {dtype}; {target.runner.exactness.summary()}"
+    )
     print("| mode | tokens | seconds | tokens/s | × AR | answers equal to AR's |")
     print("|---|---|---|---|---|---|")
     for name, tokens, seconds, same in rows:
-        print(f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} | {tokens / seconds / (ar_tokens / ar_s):.2f} "
-              f"| {same}/{len(prompts)} |")
+        print(
+            f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} | {tokens / seconds / (ar_tokens / ar_s):.2f} "
+            f"| {same}/{len(prompts)} |"
+        )
     if cfg.out:
-        results = {"config": OmegaConf.to_container(cfg, resolve=True), "dtype": dtype, "exactness": target.runner.exactness.as_dict(),
-                   "rows": [{"mode": name, "tokens": tokens, "seconds": round(seconds, 3),
-                             "tokens_per_s": round(tokens / seconds, 2),
-                             "x_ar": round(tokens / seconds / (ar_tokens / ar_s), 3),
-                             "equal_to_ar": same, "prompts": len(prompts)} for name, tokens, seconds, same in rows]}
+        results = {
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "dtype": dtype,
+            "exactness": target.runner.exactness.as_dict(),
+            "rows": [
+                {
+                    "mode": name,
+                    "tokens": tokens,
+                    "seconds": round(seconds, 3),
+                    "tokens_per_s": round(tokens / seconds, 2),
+                    "x_ar": round(tokens / seconds / (ar_tokens / ar_s), 3),
+                    "equal_to_ar": same,
+                    "prompts": len(prompts),
+                }
+                for name, tokens, seconds, same in rows
+            ],
+        }
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 

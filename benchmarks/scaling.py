@@ -62,8 +62,12 @@ def run_series(run_dir: Path) -> tuple[str, list[int], np.ndarray, np.ndarray]:
     per_step = recipe.data.batch_size * answer_tokens_per_sample(recipe)
     points = validation_points(run_dir)
     steps = [step for step, _ in points]
-    return (recipe.run_name, steps, np.array([step * per_step for step in steps], dtype=float),
-            np.array([t for _, t in points], dtype=float))
+    return (
+        recipe.run_name,
+        steps,
+        np.array([step * per_step for step in steps], dtype=float),
+        np.array([t for _, t in points], dtype=float),
+    )
 
 
 def tau_at_tokens(tokens: np.ndarray, tau: np.ndarray, at: float) -> float | None:
@@ -93,13 +97,19 @@ def main(argv: list[str]) -> None:
         for step, t, value in zip(steps, tokens, tau):
             print(f"| {name} | {step} | {t:,.0f} | {value:.3f} |")
         print()
-    print("| run | fit τ = a + b·log10(tokens) | span measured | EXTRAPOLATED τ at " +
-          " | ".join(f"{x:g}× the largest budget" for x in cfg.extrapolate) + " |")
+    print(
+        "| run | fit τ = a + b·log10(tokens) | span measured | EXTRAPOLATED τ at "
+        + " | ".join(f"{x:g}× the largest budget" for x in cfg.extrapolate)
+        + " |"
+    )
     print("|---|---|---|" + "---|" * len(cfg.extrapolate))
     for name, (tokens, _, (a, b)) in series.items():
         guesses = [a + b * math.log10(tokens.max() * x) for x in cfg.extrapolate]
-        print(f"| {name} | a = {a:.3f}, b = {b:.3f} | {tokens.min():,.0f}–{tokens.max():,.0f} ({tokens.max() / tokens.min():.0f}×) | "
-              + " | ".join(f"{g:.2f}" for g in guesses) + " |")
+        print(
+            f"| {name} | a = {a:.3f}, b = {b:.3f} | {tokens.min():,.0f}–{tokens.max():,.0f} ({tokens.max() / tokens.min():.0f}×) | "
+            + " | ".join(f"{g:.2f}" for g in guesses)
+            + " |"
+        )
     if cfg.out:
         import matplotlib  # optional and slow to import: only when a plot is asked for
 
@@ -110,8 +120,14 @@ def main(argv: list[str]) -> None:
         for name, (tokens, tau, (a, b)) in series.items():
             line = ax.plot(tokens, tau, "o", label=f"{name} (measured)")[0]
             grid = np.logspace(math.log10(tokens.min()), math.log10(tokens.max() * max(cfg.extrapolate)), 50)
-            ax.plot(grid, a + b * np.log10(grid), "--", color=line.get_color(), alpha=0.7,
-                    label=f"{name}: fit, extrapolated past {tokens.max():,.0f}")
+            ax.plot(
+                grid,
+                a + b * np.log10(grid),
+                "--",
+                color=line.get_color(),
+                alpha=0.7,
+                label=f"{name}: fit, extrapolated past {tokens.max():,.0f}",
+            )
         ax.set_xscale("log")
         ax.set_xlabel("answer tokens trained on")
         ax.set_ylabel("val τ_sim (greedy, γ = 4)")

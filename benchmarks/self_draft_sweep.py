@@ -25,8 +25,10 @@ from inference.evaluate import load_bench_prompts
 from inference.ngram_cache import CorpusCache
 from inference.sampling import SamplingParams
 
-USAGE = ("python benchmarks/self_draft_sweep.py target=smollm2 bench=humaneval n_prompts=3 max_new_tokens=96 "
-         "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 grid_vocab=0 threads=0")
+USAGE = (
+    "python benchmarks/self_draft_sweep.py target=smollm2 bench=humaneval n_prompts=3 max_new_tokens=96 "
+    "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 grid_vocab=0 threads=0"
+)
 
 
 @dataclass
@@ -52,8 +54,12 @@ def settings(cfg) -> dict[str, dict]:
             raise OverrideError(f"grid entries are [L, N] pairs, got {list(pair)}")
         for candidates in cfg.candidates:
             out[f"self_draft L={pair[0]} N={pair[1]} ctx={candidates}"] = {
-                "branch_len": int(pair[0]), "branch_num": int(pair[1]), "ctx_candidates": int(candidates),
-                "corpus_candidates": cfg.corpus_candidates, "grid_vocab": cfg.grid_vocab}
+                "branch_len": int(pair[0]),
+                "branch_num": int(pair[1]),
+                "ctx_candidates": int(candidates),
+                "corpus_candidates": cfg.corpus_candidates,
+                "grid_vocab": cfg.grid_vocab,
+            }
     return out
 
 
@@ -102,15 +108,27 @@ def sweep(cfg) -> tuple[list[dict], dict[int, float]]:
             row["forwards"] += result.stats.target_forwards
             row["wall_s"] += result.stats.wall_s
             row["equal"] &= result.tokens == reference
-            print(f"prompt {index}: {name}: {result.stats.new_tokens} tokens, tau {result.stats.tau:.2f}, "
-                  f"{result.stats.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"prompt {index}: {name}: {result.stats.new_tokens} tokens, tau {result.stats.tau:.2f}, "
+                f"{result.stats.tokens_per_s:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     costs = forward_costs(target.runner, cfg.forward_cost) if cfg.forward_cost else {}
     ar_rate = totals["ar"]["tokens"] / totals["ar"]["wall_s"]
     rows = []
     for name, row in totals.items():
         rate = row["tokens"] / row["wall_s"]
-        rows.append({"setting": name, "tau": row["tokens"] / row["forwards"], "tokens_per_s": rate,
-                     "ratio_vs_ar": rate / ar_rate, "greedy_equal_to_ar": row["equal"], **row})
+        rows.append(
+            {
+                "setting": name,
+                "tau": row["tokens"] / row["forwards"],
+                "tokens_per_s": rate,
+                "ratio_vs_ar": rate / ar_rate,
+                "greedy_equal_to_ar": row["equal"],
+                **row,
+            }
+        )
     return rows, costs
 
 
@@ -128,16 +146,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(f"\n{cfg.bench}, {cfg.n_prompts} prompts x {cfg.max_new_tokens} new tokens, greedy, CPU, "
-          f"{torch.get_num_threads()} threads, corpus {cfg.ngram_corpus or 'none'}\n")
+    print(
+        f"\n{cfg.bench}, {cfg.n_prompts} prompts x {cfg.max_new_tokens} new tokens, greedy, CPU, "
+        f"{torch.get_num_threads()} threads, corpus {cfg.ngram_corpus or 'none'}\n"
+    )
     print("| setting | τ (tokens/forward) | tokens/s | ratio vs ar | greedy = ar |")
     print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['setting']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | {row['ratio_vs_ar']:.2f} "
-              f"| {'yes' if row['greedy_equal_to_ar'] else 'NO'} |")
+        print(
+            f"| {row['setting']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | {row['ratio_vs_ar']:.2f} "
+            f"| {'yes' if row['greedy_equal_to_ar'] else 'NO'} |"
+        )
     if costs:
-        print("\nforward cost vs new tokens T (300 cached, median): "
-              + ", ".join(f"T={t}: {1000 * c:.0f} ms ({c / costs[min(costs)]:.2f}x)" for t, c in costs.items()))
+        print(
+            "\nforward cost vs new tokens T (300 cached, median): "
+            + ", ".join(f"T={t}: {1000 * c:.0f} ms ({c / costs[min(costs)]:.2f}x)" for t, c in costs.items())
+        )
     return 0 if all(row["greedy_equal_to_ar"] for row in rows) else 1
 
 

@@ -63,10 +63,17 @@ class Run:
     def record(self, direct: Run | None) -> dict:
         """The run's figures as ``results.json`` keeps them."""
         equal, compared = self.equal_to(direct)
-        return {"label": self.label, "requests": len(self.answers), "tokens": self.tokens, "wall_s": self.wall_s,
-                "tokens_per_s": self.tokens / self.wall_s, "latencies_s": self.latencies,
-                "equal_to_direct": equal, "compared_with_direct": compared,
-                "answers": {str(i): a for i, a in sorted(self.answers.items())}}
+        return {
+            "label": self.label,
+            "requests": len(self.answers),
+            "tokens": self.tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens / self.wall_s,
+            "latencies_s": self.latencies,
+            "equal_to_direct": equal,
+            "compared_with_direct": compared,
+            "answers": {str(i): a for i, a in sorted(self.answers.items())},
+        }
 
     def equal_to(self, direct: Run | None) -> tuple[int, int]:
         """(answers equal to the direct engine's, answers that have a direct one to compare with): the direct run
@@ -78,22 +85,37 @@ class Run:
 
     def row(self, direct: Run | None) -> str:
         rate = self.tokens / self.wall_s
-        q = statistics.quantiles(self.latencies, n=100, method="inclusive") if len(self.latencies) > 1 else \
-            self.latencies * 99
+        q = (
+            statistics.quantiles(self.latencies, n=100, method="inclusive")
+            if len(self.latencies) > 1
+            else self.latencies * 99
+        )
         overhead = f"{100 * (direct.tokens / direct.wall_s / rate - 1):+.1f} %" if direct else "–"
         equal, compared = self.equal_to(direct)
-        return (f"| {self.label} | {len(self.answers)} | {self.tokens} | {rate:.1f} | {q[49]:.2f} | {q[89]:.2f} | "
-                f"{max(self.latencies):.2f} | {overhead} | {equal}/{compared} |")
+        return (
+            f"| {self.label} | {len(self.answers)} | {self.tokens} | {rate:.1f} | {q[49]:.2f} | {q[89]:.2f} | "
+            f"{max(self.latencies):.2f} | {overhead} | {equal}/{compared} |"
+        )
 
 
 def direct(model, ids: list[int], cfg) -> list[int]:
-    return model.algorithm.generate(ids, max_new_tokens=cfg.max_tokens, sampling=SamplingParams(0.0),
-                                    generator=torch.Generator().manual_seed(0), eos_ids=model.eos_ids).tokens
+    return model.algorithm.generate(
+        ids,
+        max_new_tokens=cfg.max_tokens,
+        sampling=SamplingParams(0.0),
+        generator=torch.Generator().manual_seed(0),
+        eos_ids=model.eos_ids,
+    ).tokens
 
 
 def chat_body(running: RunningServer, turns, cfg) -> dict:
-    return {"model": running.server.model.name, "messages": turns, "max_tokens": cfg.max_tokens, "temperature": 0,
-            "return_token_ids": True}
+    return {
+        "model": running.server.model.name,
+        "messages": turns,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
 
 
 def ask(http: httpx.Client, running: RunningServer, turns, cfg) -> list[int]:
@@ -112,38 +134,48 @@ def paired_runs(running: RunningServer, conversations: list, prompts: list[list[
         for i, (turns, ids) in enumerate(zip(conversations, prompts)):
             if time.perf_counter() - start > cfg.time_limit:
                 break
-            for key, call in (("direct", lambda ids=ids: direct(running.server.model, ids, cfg)),
-                              ("server", lambda turns=turns: ask(http, running, turns, cfg))):
+            for key, call in (
+                ("direct", lambda ids=ids: direct(running.server.model, ids, cfg)),
+                ("server", lambda turns=turns: ask(http, running, turns, cfg)),
+            ):
                 latencies, answers, wall = runs[key]
                 t0 = time.perf_counter()
                 answers[i] = call()
                 latencies.append(time.perf_counter() - t0)
                 wall[0] += latencies[-1]
-    return tuple(Run(label, lat, sum(map(len, ans.values())), wall[0], ans)
-                 for label, (lat, ans, wall) in zip(("engine, direct", "server, 1 client"), runs.values()))
+    return tuple(
+        Run(label, lat, sum(map(len, ans.values())), wall[0], ans)
+        for label, (lat, ans, wall) in zip(("engine, direct", "server, 1 client"), runs.values())
+    )
 
 
 def poisons(running: RunningServer, turns, cfg, max_body_bytes: int) -> list[tuple[str, dict]]:
     """Requests the server must refuse, each a good request with one field made unservable."""
     good = chat_body(running, turns, cfg)
-    return [("seed=2^64", {**good, "seed": 2**64}), ("temperature=1e-45", {**good, "temperature": 1e-45}),
-            ("stop of 257 characters", {**good, "stop": ["x" * 257]}),
-            ("5 stop strings", {**good, "stop": ["a", "b", "c", "d", "e"]}),
-            ("body over max_body_bytes", {**good, "messages": [{"role": "user", "content": "x" * max_body_bytes}]})]
+    return [
+        ("seed=2^64", {**good, "seed": 2**64}),
+        ("temperature=1e-45", {**good, "temperature": 1e-45}),
+        ("stop of 257 characters", {**good, "stop": ["x" * 257]}),
+        ("5 stop strings", {**good, "stop": ["a", "b", "c", "d", "e"]}),
+        ("body over max_body_bytes", {**good, "messages": [{"role": "user", "content": "x" * max_body_bytes}]}),
+    ]
 
 
-def poisoner(running: RunningServer, bodies: list[tuple[str, dict]], done: threading.Event,
-             statuses: dict[str, list[int]]) -> None:
+def poisoner(
+    running: RunningServer, bodies: list[tuple[str, dict]], done: threading.Event, statuses: dict[str, list[int]]
+) -> None:
     """Send ``bodies`` in turn until ``done``; the statuses they got, by kind."""
     with httpx.Client(timeout=None) as http:
         while not done.is_set():
             for kind, body in bodies:
-                statuses.setdefault(kind, []).append(http.post(f"{running.url}/v1/chat/completions",
-                                                               json=body).status_code)
+                statuses.setdefault(kind, []).append(
+                    http.post(f"{running.url}/v1/chat/completions", json=body).status_code
+                )
 
 
-def server_run(running: RunningServer, conversations: list, clients: int, cfg,
-               poisoned: list[tuple[str, dict]] | None = None) -> tuple[Run, dict[str, list[int]]]:
+def server_run(
+    running: RunningServer, conversations: list, clients: int, cfg, poisoned: list[tuple[str, dict]] | None = None
+) -> tuple[Run, dict[str, list[int]]]:
     """``clients`` clients share the requests; with ``poisoned``, one more client sends those bodies meanwhile.
     The run, and the statuses the poisoned requests got by kind."""
     pending, lock = list(enumerate(conversations)), threading.Lock()
@@ -190,31 +222,42 @@ def _run(argv: list[str]) -> None:
     with RunningServer(server) as running:
         server_run(running, conversations[:1], 1, load)  # the HTTP path's first call pays for imports and sockets
         direct_engine, one_client = paired_runs(running, conversations, prompts, load)
-        runs = [direct_engine, one_client] + [server_run(running, conversations, n, load)[0] for n in load.clients
-                                              if n > 1]
+        runs = [direct_engine, one_client] + [
+            server_run(running, conversations, n, load)[0] for n in load.clients if n > 1
+        ]
         health = httpx.get(f"{running.url}/health").json()  # the width policy and its measured costs, among others
         statuses = {}
         if load.poisoned:
             bodies = poisons(running, conversations[0], load, cfg.max_body_bytes)
             run, statuses = server_run(running, conversations, max(load.clients), load, bodies)
             runs.append(run)
-    print(f"\n{cfg.algorithm} on {cfg.target}, {len(prompts)} requests of up to {load.max_tokens} tokens, greedy, "
-          f"batch_size={server.model.batch_size}, threads={torch.get_num_threads()}\n")
+    print(
+        f"\n{cfg.algorithm} on {cfg.target}, {len(prompts)} requests of up to {load.max_tokens} tokens, greedy, "
+        f"batch_size={server.model.batch_size}, threads={torch.get_num_threads()}\n"
+    )
     print("| run | requests | tokens | tokens/s | p50 s | p90 s | max s | overhead vs direct | equal to direct |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         print(run.row(None if run is direct_engine else direct_engine))
     if load.out:
-        record = {"config": OmegaConf.to_container(load, resolve=True) if OmegaConf.is_config(load) else vars(load),
-                  "argv": argv, "batch_size": server.model.batch_size, "threads": torch.get_num_threads(),
-                  "machine": cpu_description(), "health": health, "exactness": server.model.exactness,
-                  "runs": [run.record(None if run is direct_engine else direct_engine) for run in runs],
-                  "poisoned_statuses": statuses}
+        record = {
+            "config": OmegaConf.to_container(load, resolve=True) if OmegaConf.is_config(load) else vars(load),
+            "argv": argv,
+            "batch_size": server.model.batch_size,
+            "threads": torch.get_num_threads(),
+            "machine": cpu_description(),
+            "health": health,
+            "exactness": server.model.exactness,
+            "runs": [run.record(None if run is direct_engine else direct_engine) for run in runs],
+            "poisoned_statuses": statuses,
+        }
         Path(load.out).mkdir(parents=True, exist_ok=True)
         (Path(load.out) / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     if statuses:
         refused = all(400 <= code < 500 for codes in statuses.values() for code in codes)
-        print(f"\npoisoned requests beside the last run, HTTP statuses by kind (all 4xx: {'yes' if refused else 'NO'}):")
+        print(
+            f"\npoisoned requests beside the last run, HTTP statuses by kind (all 4xx: {'yes' if refused else 'NO'}):"
+        )
         for kind, codes in statuses.items():
             print(f"- {kind}: {len(codes)} sent, " + ", ".join(f"{c} x{codes.count(c)}" for c in sorted(set(codes))))
 

@@ -54,8 +54,7 @@ def kernel_table(anchors: int, chunks: list[int], dtype: torch.dtype, k: int = 4
         return torch.randn(*shape, dtype=dtype, requires_grad=True)
 
     q = leaf(batch, heads, entries, dim)
-    own, first, second = ((leaf(batch, kv_heads, entries, dim), leaf(batch, kv_heads, entries, dim))
-                          for _ in range(3))
+    own, first, second = ((leaf(batch, kv_heads, entries, dim), leaf(batch, kv_heads, entries, dim)) for _ in range(3))
     print(f"attention forward + backward, CPU s, {anchors} anchors, {dtype}")
     print("| block | dense mask | " + " | ".join(f"block-sparse, chunk {c}" for c in chunks) + " |")
     print("|---" * (2 + len(chunks)) + "|")
@@ -63,8 +62,9 @@ def kernel_table(anchors: int, chunks: list[int], dtype: torch.dtype, k: int = 4
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in _block_seconds(q, own, groups, cuts, chunks, k)) + " |")
 
 
-def _block_seconds(q: torch.Tensor, own: tuple, groups: list[tuple], cuts: tuple[int, ...], chunks: list[int],
-                   k: int) -> list[float]:
+def _block_seconds(
+    q: torch.Tensor, own: tuple, groups: list[tuple], cuts: tuple[int, ...], chunks: list[int], k: int
+) -> list[float]:
     """[dense, block-sparse at each chunk size] CPU seconds of one block's attention forward + backward."""
     anchors = q.shape[2] // k
     mask = later_block_mask(anchors, k, first_block=True, ttt_valid=cuts) if cuts else first_block_mask(anchors, k)
@@ -75,8 +75,9 @@ def _block_seconds(q: torch.Tensor, own: tuple, groups: list[tuple], cuts: tuple
         F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True).sum().backward()
 
     def sparse(chunk: int) -> None:
-        layout = BlockLayout(anchors, k, first_block=bool(cuts), ttt_valid=cuts, own_sees_earlier=not cuts,
-                             chunk_anchors=chunk)
+        layout = BlockLayout(
+            anchors, k, first_block=bool(cuts), ttt_valid=cuts, own_sees_earlier=not cuts, chunk_anchors=chunk
+        )
         block_sparse_attention(q, *own, past_k, past_v, layout).sum().backward()
 
     return [_seconds(dense)] + [_seconds(lambda c=c: sparse(c)) for c in chunks]
@@ -99,8 +100,10 @@ def step_table(cfg: AttentionBenchConfig, overrides: list[str]) -> None:
         loss.backward()
         module.zero_grad(set_to_none=True)
 
-    print(f"\nforward + backward per step, profiled, {cfg.precision}, batches "
-          f"{[tuple(b['input_ids'].shape) for b in timed]}")
+    print(
+        f"\nforward + backward per step, profiled, {cfg.precision}, batches "
+        f"{[tuple(b['input_ids'].shape) for b in timed]}"
+    )
     print("| attention | total s | attention kernels | lm_head matmuls | other matmuls | rest |")
     print("|---|---|---|---|---|---|")
     for attention in ("dense", "block_sparse"):
@@ -119,9 +122,13 @@ def step_table(cfg: AttentionBenchConfig, overrides: list[str]) -> None:
             else:
                 parts["rest"] += seconds
         total = sum(parts.values())
-        print(f"| {attention} | {total:.2f} | " + " | ".join(
-            f"{parts[p]:.2f} ({100 * parts[p] / total:.0f} %)" for p in ("attention", "lm_head", "matmul", "rest"))
-            + " |")
+        print(
+            f"| {attention} | {total:.2f} | "
+            + " | ".join(
+                f"{parts[p]:.2f} ({100 * parts[p] / total:.0f} %)" for p in ("attention", "lm_head", "matmul", "rest")
+            )
+            + " |"
+        )
 
 
 def main(argv: list[str]) -> None:

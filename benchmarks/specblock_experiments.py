@@ -48,19 +48,48 @@ class Arm:
 
 ARMS = (
     Arm("eagle3", "eagle3_smollm2_gsm", (), "EAGLE-3 (6 TTT steps)", 0.05),
-    Arm("specblock", "specblock_smollm2_gsm", ("model.valid_prefix=chain",),
-        "SpecBlock as the reference trains it (3 blocks, slot + rank losses)", 0.22),
-    Arm("slot0", "specblock_smollm2_gsm", ("model.train_blocks=1", "model.slot_weight=0", "model.rank_weight=0"),
-        "SpecBlock, one block, slot 0's loss only", 0.1),
-    Arm("slot0_1layer", "specblock_smollm2_gsm",
+    Arm(
+        "specblock",
+        "specblock_smollm2_gsm",
+        ("model.valid_prefix=chain",),
+        "SpecBlock as the reference trains it (3 blocks, slot + rank losses)",
+        0.22,
+    ),
+    Arm(
+        "slot0",
+        "specblock_smollm2_gsm",
+        ("model.train_blocks=1", "model.slot_weight=0", "model.rank_weight=0"),
+        "SpecBlock, one block, slot 0's loss only",
+        0.1,
+    ),
+    Arm(
+        "slot0_1layer",
+        "specblock_smollm2_gsm",
         ("model.train_blocks=1", "model.slot_weight=0", "model.rank_weight=0", "model.num_layers=1"),
-        "that with one layer (no shift)", 0.07),
-    Arm("identity", "specblock_smollm2_gsm", ("model.init=identity", "model.valid_prefix=chain"),
-        "SpecBlock, identity-style init (shift [I, 0], fusion condition block I)", 0.22),
-    Arm("slot0_norm", "specblock_smollm2_gsm", ("model.valid_prefix=slot0_norm",),
-        "SpecBlock, each slot's loss over slot 0's row count", 0.22),
-    Arm("valid", "specblock_smollm2_gsm", ("model.valid_prefix=valid",),
-        "SpecBlock, no valid-prefix chain (w = valid)", 0.22),
+        "that with one layer (no shift)",
+        0.07,
+    ),
+    Arm(
+        "identity",
+        "specblock_smollm2_gsm",
+        ("model.init=identity", "model.valid_prefix=chain"),
+        "SpecBlock, identity-style init (shift [I, 0], fusion condition block I)",
+        0.22,
+    ),
+    Arm(
+        "slot0_norm",
+        "specblock_smollm2_gsm",
+        ("model.valid_prefix=slot0_norm",),
+        "SpecBlock, each slot's loss over slot 0's row count",
+        0.22,
+    ),
+    Arm(
+        "valid",
+        "specblock_smollm2_gsm",
+        ("model.valid_prefix=valid",),
+        "SpecBlock, no valid-prefix chain (w = valid)",
+        0.22,
+    ),
 )
 
 
@@ -78,15 +107,34 @@ class ExperimentsConfig:
 def stages(cfg: ExperimentsConfig) -> list[Stage]:
     out = Path(cfg.out)
     runs = out / "runs"
-    common = (f"data.source=jsonl:{cfg.source}", f"trainer.precision={cfg.precision}",
-              f"data.n_val_samples={cfg.n_val_samples}", f"seed={cfg.seed}", f"trainer.max_steps={cfg.steps}",
-              f"trainer.val_check_interval={cfg.steps}",  # one validation, at the end
-              f"trainer.checkpoint_every_n_steps={max(1, cfg.steps // 4)}")
-    return [Stage(arm.name, arm.minutes_per_step * cfg.steps, arm.what,
-                  ("spectrain.fit", f"recipe={arm.recipe}", f"run_name={arm.name}", f"runs_dir={runs}",
-                   "resume=auto", *common, *arm.overrides),
-                  runs / arm.name / "checkpoints" / "last.ckpt", out / ".done" / arm.name)
-            for arm in ARMS]
+    common = (
+        f"data.source=jsonl:{cfg.source}",
+        f"trainer.precision={cfg.precision}",
+        f"data.n_val_samples={cfg.n_val_samples}",
+        f"seed={cfg.seed}",
+        f"trainer.max_steps={cfg.steps}",
+        f"trainer.val_check_interval={cfg.steps}",  # one validation, at the end
+        f"trainer.checkpoint_every_n_steps={max(1, cfg.steps // 4)}",
+    )
+    return [
+        Stage(
+            arm.name,
+            arm.minutes_per_step * cfg.steps,
+            arm.what,
+            (
+                "spectrain.fit",
+                f"recipe={arm.recipe}",
+                f"run_name={arm.name}",
+                f"runs_dir={runs}",
+                "resume=auto",
+                *common,
+                *arm.overrides,
+            ),
+            runs / arm.name / "checkpoints" / "last.ckpt",
+            out / ".done" / arm.name,
+        )
+        for arm in ARMS
+    ]
 
 
 def final_validation(run_dir: Path) -> dict[str, float]:
@@ -117,10 +165,13 @@ def sha256(path: Path) -> str:
 def table(cfg: ExperimentsConfig) -> str:
     """Markdown table of every finished arm's final validation."""
     out = Path(cfg.out)
-    lines = [f"data: {cfg.source} (sha256 {sha256(Path(cfg.source))[:16]}), {cfg.steps} steps, seed {cfg.seed}, "
-             f"{cfg.precision}, {cfg.n_val_samples} validation conversations",
-             "", "| arm | what | acc_1 | acc_2 | acc_3 | acc_4 | τ_sim | τ_sim 2 blocks | step | minutes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"data: {cfg.source} (sha256 {sha256(Path(cfg.source))[:16]}), {cfg.steps} steps, seed {cfg.seed}, "
+        f"{cfg.precision}, {cfg.n_val_samples} validation conversations",
+        "",
+        "| arm | what | acc_1 | acc_2 | acc_3 | acc_4 | τ_sim | τ_sim 2 blocks | step | minutes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for arm, stage in zip(ARMS, stages(cfg)):
         if not stage.done():
             lines.append(f"| {arm.name} | {arm.what} | not run | | | | | | | |")
@@ -128,8 +179,10 @@ def table(cfg: ExperimentsConfig) -> str:
         val = final_validation(out / "runs" / arm.name)
         cells = [f"{val[key]:.3f}" if key in val else "–" for key in (*METRICS, "val/tau_sim_2blocks")]
         minutes = stage.measured_minutes()
-        lines.append(f"| {arm.name} | {arm.what} | {' | '.join(cells)} | {int(val['step'])} | "
-                     f"{'–' if minutes is None else f'{minutes:.1f}'} |")
+        lines.append(
+            f"| {arm.name} | {arm.what} | {' | '.join(cells)} | {int(val['step'])} | "
+            f"{'–' if minutes is None else f'{minutes:.1f}'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -137,8 +190,10 @@ def run(cfg: ExperimentsConfig) -> str:
     if cfg.steps < 1:
         raise OverrideError(f"steps={cfg.steps} must be >= 1")
     if not Path(cfg.source).is_file():
-        raise OverrideError(f"source={cfg.source} is not a file; make it with python -m benchmarks.drafter_quality "
-                            "setting=gsm stages=[regenerate]")
+        raise OverrideError(
+            f"source={cfg.source} is not a file; make it with python -m benchmarks.drafter_quality "
+            "setting=gsm stages=[regenerate]"
+        )
     todo = select(stages(cfg), cfg.arms)
     out = Path(cfg.out)
     # one arm at a time, one thread each: arms never share the machine with each other
@@ -146,15 +201,28 @@ def run(cfg: ExperimentsConfig) -> str:
     result = table(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(result)
-    (out / "results.json").write_text(json.dumps(
-        {arm.name: final_validation(out / "runs" / arm.name) for arm, stage in zip(ARMS, stages(cfg))
-         if stage.done()}, indent=2) + "\n")
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                arm.name: final_validation(out / "runs" / arm.name)
+                for arm, stage in zip(ARMS, stages(cfg))
+                if stage.done()
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(argv, lambda args: run(parse_cli(args, ExperimentsConfig, USAGE)), doc=__doc__,
-                   schema=ExperimentsConfig, report=print)
+    return run_cli(
+        argv,
+        lambda args: run(parse_cli(args, ExperimentsConfig, USAGE)),
+        doc=__doc__,
+        schema=ExperimentsConfig,
+        report=print,
+    )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,15 @@ def features(target: LoadedModel, ids: torch.Tensor, aux: list[int]) -> tuple[to
     return torch.cat([out.hidden[i] for i in aux], -1), out.hidden[last]
 
 
-def our_steps(drafter: Eagle3Drafter, target: LoadedModel, ids: torch.Tensor, aux: torch.Tensor,
-              pre_norm: torch.Tensor, supervised: torch.Tensor, steps: int):
+def our_steps(
+    drafter: Eagle3Drafter,
+    target: LoadedModel,
+    ids: torch.Tensor,
+    aux: torch.Tensor,
+    pre_norm: torch.Tensor,
+    supervised: torch.Tensor,
+    steps: int,
+):
     """Our training forward, as ``spectrain.kinds.eagle3.module`` runs it: per TTT step (student logits, teacher
     probs, scored rows)."""
     model = target.model
@@ -85,14 +92,16 @@ def our_steps(drafter: Eagle3Drafter, target: LoadedModel, ids: torch.Tensor, au
 def our_loss(steps, decay: float) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """Σ_j decay^j soft-CE_j, the per-step losses, and Σ_j decay^j H(teacher_j) (soft-CE - KL)."""
     students, teachers, _ = zip(*steps)
-    loss, per_step = ttt_loss(students, teachers, [torch.ones(len(s), dtype=torch.bool) for s in students],
-                              step_weight=decay)
+    loss, per_step = ttt_loss(
+        students, teachers, [torch.ones(len(s), dtype=torch.bool) for s in students], step_weight=decay
+    )
     entropy = sum(decay**j * -(t * t.clamp_min(1e-30).log()).sum(-1).mean() for j, t in enumerate(teachers))
     return loss, per_step, entropy
 
 
-def their_loss_mask(target: LoadedModel, pre_norm: torch.Tensor, supervised: torch.Tensor,
-                    t2d: torch.Tensor) -> torch.Tensor:
+def their_loss_mask(
+    target: LoadedModel, pre_norm: torch.Tensor, supervised: torch.Tensor, t2d: torch.Tensor
+) -> torch.Tensor:
     """speculators' ``loss_mask`` that scores exactly our rows: it reads ``loss_mask[p]`` as "the target's
     distribution at p is scored", we score p when token p+1 is supervised and the target's argmax is drafted."""
     with torch.no_grad():
@@ -102,18 +111,37 @@ def their_loss_mask(target: LoadedModel, pre_norm: torch.Tensor, supervised: tor
     return mask
 
 
-def their_forward(theirs: Eagle3DraftModel, ids: torch.Tensor, aux: torch.Tensor, pre_norm: torch.Tensor,
-                  loss_mask: torch.Tensor, steps: int, decay: float):
+def their_forward(
+    theirs: Eagle3DraftModel,
+    ids: torch.Tensor,
+    aux: torch.Tensor,
+    pre_norm: torch.Tensor,
+    loss_mask: torch.Tensor,
+    steps: int,
+    decay: float,
+):
     """The library's training forward on one sequence, shifted by its own ``shift_batch``: (drafted ids per step,
     loss, metrics)."""
-    sample = {"input_ids": ids[0], "hidden_states": aux[0], "verifier_last_hidden_states": pre_norm[0],
-              "loss_mask": loss_mask[0], "lengths": torch.tensor([ids.shape[1]]),
-              "position_ids": torch.arange(ids.shape[1])}
+    sample = {
+        "input_ids": ids[0],
+        "hidden_states": aux[0],
+        "verifier_last_hidden_states": pre_norm[0],
+        "loss_mask": loss_mask[0],
+        "lengths": torch.tensor([ids.shape[1]]),
+        "position_ids": torch.arange(ids.shape[1]),
+    }
     batch = {k: v if k == "lengths" else v[None] for k, v in shift_batch(sample).items()}
-    return theirs(batch["hidden_states"], batch["input_ids"], torch.zeros_like(batch["input_ids"]),
-                  loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
-                  verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=steps,
-                  ttt_step_loss_decay=decay, loss_config=resolve_loss_config("kl_div", "eager"))
+    return theirs(
+        batch["hidden_states"],
+        batch["input_ids"],
+        torch.zeros_like(batch["input_ids"]),
+        loss_mask=batch["loss_mask"],
+        position_ids=batch["position_ids"],
+        verifier_last_hidden_states=batch["verifier_last_hidden_states"],
+        ttt_steps=steps,
+        ttt_step_loss_decay=decay,
+        loss_config=resolve_loss_config("kl_div", "eager"),
+    )
 
 
 def load_theirs(directory: Path) -> Eagle3DraftModel:
@@ -200,21 +228,29 @@ def run(cfg: PeerConfig) -> None:
             optimizer.step()
         if step % 5 == 0 or step == cfg.steps - 1:
             kl = float((loss - entropy).detach())
-            print(f"| {step + 1} | {float(loss):.4f} | {kl:.4f} | {float(their_loss):.4f} | "
-                  f"{abs(kl - float(their_loss)):.1e} |")
+            print(
+                f"| {step + 1} | {float(loss):.4f} | {kl:.4f} | {float(their_loss):.4f} | "
+                f"{abs(kl - float(their_loss)):.1e} |"
+            )
     report_validation(cfg, target, ours, theirs, val)
 
 
 @torch.no_grad()
-def report_validation(cfg: PeerConfig, target: LoadedModel, ours: Eagle3Drafter, theirs: Eagle3DraftModel,
-                      val) -> None:
+def report_validation(cfg: PeerConfig, target: LoadedModel, ours: Eagle3Drafter, theirs: Eagle3DraftModel, val) -> None:
     """speculators' full_acc_j on held-out conversations, for both drafters, each from its own forward."""
     mine, library, rows = np.zeros(cfg.ttt_steps), np.zeros(cfg.ttt_steps), np.zeros(cfg.ttt_steps)
     for ids, supervised in val:
         aux, pre_norm = features(target, ids, AUX)
         steps = our_steps(ours, target, ids, aux, pre_norm, supervised, cfg.ttt_steps)
-        _, _, metrics = their_forward(theirs, ids, aux, pre_norm, their_loss_mask(target, pre_norm, supervised,
-                                                                                 ours.t2d), cfg.ttt_steps, cfg.decay)
+        _, _, metrics = their_forward(
+            theirs,
+            ids,
+            aux,
+            pre_norm,
+            their_loss_mask(target, pre_norm, supervised, ours.t2d),
+            cfg.ttt_steps,
+            cfg.decay,
+        )
         for j, acc in enumerate(full_accuracy(steps, ids.shape[1])):
             mine[j] += acc * len(steps[j][2])
             library[j] += float(metrics[f"full_acc_{j}_sum"])

@@ -93,9 +93,15 @@ def position_ranks(scores: torch.Tensor, answer: Sequence[int], draft_vocab: int
     capped[:, limit:] = float("-inf")
     y = torch.tensor(list(answer), dtype=torch.long)
     a = capped.argmax(-1)
-    return {"y": y, "a": a, "outside": y >= limit,
-            "excl_full": _rank(scores, y, a), "excl_draft": _rank(capped, y, a),
-            "incl_full": _rank(scores, y, None), "incl_draft": _rank(capped, y, None)}
+    return {
+        "y": y,
+        "a": a,
+        "outside": y >= limit,
+        "excl_full": _rank(scores, y, a),
+        "excl_draft": _rank(capped, y, a),
+        "incl_full": _rank(scores, y, None),
+        "incl_draft": _rank(capped, y, None),
+    }
 
 
 def replay_lookups(match: Sequence[bool], k_max: int) -> list[tuple[int, int]]:
@@ -124,8 +130,9 @@ def _recall(ranks: torch.Tensor, fans: dict[int, int]) -> float:
     return sum(count * float((ranks < f).double().mean()) for f, count in fans.items()) / total
 
 
-def predict(ranks: list[dict[str, torch.Tensor]], k_max: int, fork_vocab: str,
-            fanout_by_k: Sequence[dict[int, int]]) -> dict:
+def predict(
+    ranks: list[dict[str, torch.Tensor]], k_max: int, fork_vocab: str, fanout_by_k: Sequence[dict[int, int]]
+) -> dict:
     """Teacher-forced hit-rate predictions per k for one SSD configuration over every prompt's ranks."""
     mode = "full" if fork_vocab == "full" else "draft"
     cat = {key: torch.cat([r[key][1:] for r in ranks]) for key in ranks[0]}  # position 0 is the prefill's token
@@ -146,17 +153,27 @@ def predict(ranks: list[dict[str, torch.Tensor]], k_max: int, fork_vocab: str,
         outside_at_lookups += sum(bool(r["outside"][i]) for _, i in lookups)
     # the replay's overall prediction: every replayed lookup weighed alike
     overall = sum(p * n for p, n in zip(at_lookups, lookups_by_k) if n) / max(n_lookups, 1)
-    return {"fork_vocab": fork_vocab, "all_misses_by_k": all_misses, "replayed_by_k": at_lookups,
-            "replayed_lookups_by_k": lookups_by_k, "replayed_hit_rate": overall,
-            "replayed_lookups_outside_draft_vocab": outside_at_lookups}
+    return {
+        "fork_vocab": fork_vocab,
+        "all_misses_by_k": all_misses,
+        "replayed_by_k": at_lookups,
+        "replayed_lookups_by_k": lookups_by_k,
+        "replayed_hit_rate": overall,
+        "replayed_lookups_outside_draft_vocab": outside_at_lookups,
+    }
 
 
 def recall_curve(ranks: list[dict[str, torch.Tensor]], max_f: int) -> dict[str, list[float]]:
     """P(y in the top F fork guesses | the drafter's top-1 missed), F = 1..max_f, for both fork vocabularies."""
     cat = {key: torch.cat([r[key][1:] for r in ranks]) for key in ranks[0]}
     miss = cat["y"] != cat["a"]
-    return {mode: [float((cat[f"excl_{mode}"][miss] < f).double().mean()) if bool(miss.any()) else float("nan")
-                   for f in range(1, max_f + 1)] for mode in ("full", "draft")}
+    return {
+        mode: [
+            float((cat[f"excl_{mode}"][miss] < f).double().mean()) if bool(miss.any()) else float("nan")
+            for f in range(1, max_f + 1)
+        ]
+        for mode in ("full", "draft")
+    }
 
 
 def vocab_shares(ranks: list[dict[str, torch.Tensor]], max_f: int = 8) -> dict:
@@ -166,15 +183,19 @@ def vocab_shares(ranks: list[dict[str, torch.Tensor]], max_f: int = 8) -> dict:
     cat = {key: torch.cat([r[key][1:] for r in ranks]) for key in ranks[0]}
     miss = cat["y"] != cat["a"]
     out_ranks = cat["excl_full"][miss & cat["outside"]]
-    return {"positions": int(cat["y"].numel()), "rank1_misses": int(miss.sum()),
-            "outside_positions": int(cat["outside"].sum()),
-            "outside_share_all": float(cat["outside"].double().mean()),
-            "outside_share_of_misses": float(cat["outside"][miss].double().mean()) if bool(miss.any()) else 0.0,
-            "outside_full_recall_given_miss": [float((out_ranks < f).double().mean()) if out_ranks.numel() else
-                                               float("nan") for f in range(1, max_f + 1)],
-            # the fan-out a fork at that position would need to guess it (1 = the first guess)
-            "outside_full_median_f_needed": int(out_ranks.median()) + 1 if out_ranks.numel() else None,
-            "top1_agreement": float((~miss).double().mean())}
+    return {
+        "positions": int(cat["y"].numel()),
+        "rank1_misses": int(miss.sum()),
+        "outside_positions": int(cat["outside"].sum()),
+        "outside_share_all": float(cat["outside"].double().mean()),
+        "outside_share_of_misses": float(cat["outside"][miss].double().mean()) if bool(miss.any()) else 0.0,
+        "outside_full_recall_given_miss": [
+            float((out_ranks < f).double().mean()) if out_ranks.numel() else float("nan") for f in range(1, max_f + 1)
+        ],
+        # the fan-out a fork at that position would need to guess it (1 = the first guess)
+        "outside_full_median_f_needed": int(out_ranks.median()) + 1 if out_ranks.numel() else None,
+        "top1_agreement": float((~miss).double().mean()),
+    }
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -187,22 +208,34 @@ def teacher_forced_scores(draft, prompt: Sequence[int], answer: Sequence[int]) -
     """The drafter's whole-vocabulary scores [len(answer), V]: row i predicts answer[i] from prompt + answer[:i]."""
     draft.reset(1)
     ids = torch.tensor([list(prompt) + list(answer[:-1])], device=draft.device)
-    return draft.forward(ids).logits[0, len(prompt) - 1:].float().cpu()
+    return draft.forward(ids).logits[0, len(prompt) - 1 :].float().cpu()
 
 
-def greedy_answers(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Sequence[int]) -> list[list[int]]:
+def greedy_answers(
+    target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Sequence[int]
+) -> list[list[int]]:
     ar = build_algorithm("ar", target)
-    return [ar.generate(list(p), max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0), eos_ids=eos).tokens
-            for p in prompts]
+    return [
+        ar.generate(list(p), max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0), eos_ids=eos).tokens
+        for p in prompts
+    ]
 
 
 def ssd_runs(results: dict, labels: Sequence[str] = ()) -> list[dict]:
     """The greedy SSD runs of an evaluate results dict that carry the lookup fan-out counters."""
-    runs = [r for r in results["runs"] if r["algorithm"].split("@")[0] == "ssd" and r.get("temperature", 0) == 0
-            and "cache_lookup_fanout_by_k" in r and (not labels or r["algorithm"] in labels)]
+    runs = [
+        r
+        for r in results["runs"]
+        if r["algorithm"].split("@")[0] == "ssd"
+        and r.get("temperature", 0) == 0
+        and "cache_lookup_fanout_by_k" in r
+        and (not labels or r["algorithm"] in labels)
+    ]
     if not runs:
-        raise UserError("no greedy ssd run with cache_lookup_fanout_by_k in the results (evaluate an ssd variant "
-                         "at temperature=0 with this code)")
+        raise UserError(
+            "no greedy ssd run with cache_lookup_fanout_by_k in the results (evaluate an ssd variant "
+            "at temperature=0 with this code)"
+        )
     return runs
 
 
@@ -217,17 +250,29 @@ def compare(run: dict, ranks_by_vocab: dict[int, list[dict[str, torch.Tensor]]])
     weighted = [abs(g) * n for g, n in zip(gaps, lookups) if g is not None]
     hits = sum(round((rate or 0.0) * n) for rate, n in zip(engine, lookups))
     outside, outside_hits = run.get("cache_lookups_outside_draft_vocab"), run.get("cache_hits_outside_draft_vocab")
-    return {"algorithm": run["algorithm"], "lookahead": k_max, "budget": run["ssd_budget"], "draft_vocab": vocab,
-            "fork_vocab": fork, "fanout_hit": run.get("fanout_hit"), "greedy_equal_to_ar": run.get("greedy_equal_to_ar"),
-            "tau": run.get("tau"), "engine_hit_rate": run["cache_hit_rate"], "engine_hit_rate_by_k": engine,
-            "engine_lookups_by_k": lookups, "engine_lookup_fanout_by_k": run["cache_lookup_fanout_by_k"],
-            "engine_lookups_outside_draft_vocab": run.get("cache_lookups_outside_draft_vocab"),
-            "engine_hits_outside_draft_vocab": outside_hits,
-            # the hit rate over the lookups whose bonus the drafter can propose (id < draft_vocab)
-            "engine_hit_rate_inside_draft_vocab": None if outside is None or sum(lookups) == outside else
-            (hits - outside_hits) / (sum(lookups) - outside),
-            **pred, "engine_minus_replayed_by_k": gaps,
-            "mean_abs_gap_per_lookup": sum(weighted) / max(sum(n for g, n in zip(gaps, lookups) if g is not None), 1)}
+    return {
+        "algorithm": run["algorithm"],
+        "lookahead": k_max,
+        "budget": run["ssd_budget"],
+        "draft_vocab": vocab,
+        "fork_vocab": fork,
+        "fanout_hit": run.get("fanout_hit"),
+        "greedy_equal_to_ar": run.get("greedy_equal_to_ar"),
+        "tau": run.get("tau"),
+        "engine_hit_rate": run["cache_hit_rate"],
+        "engine_hit_rate_by_k": engine,
+        "engine_lookups_by_k": lookups,
+        "engine_lookup_fanout_by_k": run["cache_lookup_fanout_by_k"],
+        "engine_lookups_outside_draft_vocab": run.get("cache_lookups_outside_draft_vocab"),
+        "engine_hits_outside_draft_vocab": outside_hits,
+        # the hit rate over the lookups whose bonus the drafter can propose (id < draft_vocab)
+        "engine_hit_rate_inside_draft_vocab": None
+        if outside is None or sum(lookups) == outside
+        else (hits - outside_hits) / (sum(lookups) - outside),
+        **pred,
+        "engine_minus_replayed_by_k": gaps,
+        "mean_abs_gap_per_lookup": sum(weighted) / max(sum(n for g, n in zip(gaps, lookups) if g is not None), 1),
+    }
 
 
 def measure(cfg) -> dict:
@@ -249,15 +294,26 @@ def measure(cfg) -> dict:
     prompts = load_bench_prompts(benches[0], target.tokenizer, ecfg["n_prompts"]).ids
     answers = greedy_answers(target.runner, prompts, ecfg["max_new_tokens"], eos)
     scores = [teacher_forced_scores(draft, p, a) for p, a in zip(prompts, answers)]
-    ranks_by_vocab = {v: [position_ranks(s, a, v) for s, a in zip(scores, answers)]
-                      for v in sorted({r["draft_vocab"] for r in runs})}
+    ranks_by_vocab = {
+        v: [position_ranks(s, a, v) for s, a in zip(scores, answers)] for v in sorted({r["draft_vocab"] for r in runs})
+    }
     max_f = max([1] + [int(f) for r in runs for fans in r["cache_lookup_fanout_by_k"] for f in fans])
-    return {"eval": cfg.eval, "drafter": cfg.drafter, "target": target_name, "dtype": dtype, "bench": benches[0],
-            "n_prompts": len(prompts), "max_new_tokens": ecfg["max_new_tokens"],
-            "answer_tokens": sum(len(a) for a in answers), "seconds": round(time.perf_counter() - start, 1),
-            "by_draft_vocab": {str(v): {**vocab_shares(r, max_f), "recall_given_miss": recall_curve(r, max_f)}
-                               for v, r in ranks_by_vocab.items()},
-            "runs": [compare(r, ranks_by_vocab) for r in runs]}
+    return {
+        "eval": cfg.eval,
+        "drafter": cfg.drafter,
+        "target": target_name,
+        "dtype": dtype,
+        "bench": benches[0],
+        "n_prompts": len(prompts),
+        "max_new_tokens": ecfg["max_new_tokens"],
+        "answer_tokens": sum(len(a) for a in answers),
+        "seconds": round(time.perf_counter() - start, 1),
+        "by_draft_vocab": {
+            str(v): {**vocab_shares(r, max_f), "recall_given_miss": recall_curve(r, max_f)}
+            for v, r in ranks_by_vocab.items()
+        },
+        "runs": [compare(r, ranks_by_vocab) for r in runs],
+    }
 
 
 def _fmt(x) -> str:
@@ -265,39 +321,54 @@ def _fmt(x) -> str:
 
 
 def report(result: dict) -> str:
-    lines = [f"{result['bench']}: {result['n_prompts']} prompts, {result['answer_tokens']} greedy answer tokens of "
-             f"{result['target']} ({result['dtype']}), drafter {result['drafter']}, {result['seconds']} s", ""]
+    lines = [
+        f"{result['bench']}: {result['n_prompts']} prompts, {result['answer_tokens']} greedy answer tokens of "
+        f"{result['target']} ({result['dtype']}), drafter {result['drafter']}, {result['seconds']} s",
+        "",
+    ]
     for vocab, v in result["by_draft_vocab"].items():
-        lines.append(f"draft_vocab={vocab}: top-1 agreement {v['top1_agreement']:.3f}; target ids >= draft_vocab: "
-                     f"{v['outside_share_all']:.3f} of {v['positions']} positions, {v['outside_share_of_misses']:.3f} "
-                     f"of {v['rank1_misses']} rank-1 misses")
+        lines.append(
+            f"draft_vocab={vocab}: top-1 agreement {v['top1_agreement']:.3f}; target ids >= draft_vocab: "
+            f"{v['outside_share_all']:.3f} of {v['positions']} positions, {v['outside_share_of_misses']:.3f} "
+            f"of {v['rank1_misses']} rank-1 misses"
+        )
         if v["outside_positions"]:
-            lines.append(f"  the drafter's whole head on the {v['outside_positions']} target ids >= draft_vocab where "
-                         f"its top-1 missed: in ranks 2..F+1 for F = 1..{len(v['outside_full_recall_given_miss'])}: "
-                         + " ".join(f"{c:.3f}" for c in v["outside_full_recall_given_miss"])
-                         + f"; median F needed {v['outside_full_median_f_needed']}")
+            lines.append(
+                f"  the drafter's whole head on the {v['outside_positions']} target ids >= draft_vocab where "
+                f"its top-1 missed: in ranks 2..F+1 for F = 1..{len(v['outside_full_recall_given_miss'])}: "
+                + " ".join(f"{c:.3f}" for c in v["outside_full_recall_given_miss"])
+                + f"; median F needed {v['outside_full_median_f_needed']}"
+            )
         for mode, curve in v["recall_given_miss"].items():
-            lines.append(f"  P(target in ranks 2..F+1 | rank-1 miss), {mode} vocab, F = 1..{len(curve)}: "
-                         + " ".join(f"{c:.3f}" for c in curve))
+            lines.append(
+                f"  P(target in ranks 2..F+1 | rank-1 miss), {mode} vocab, F = 1..{len(curve)}: "
+                + " ".join(f"{c:.3f}" for c in curve)
+            )
     for run in result["runs"]:
         k_max = run["lookahead"]
-        lines += ["", f"{run['algorithm']} (K = {k_max}, B = {run['budget']}, fork_vocab={run['fork_vocab']}, "
-                  f"final fan-out {run['fanout_hit']}; greedy = AR: {run['greedy_equal_to_ar']}): engine hit rate "
-                  f"{_fmt(run['engine_hit_rate'])}, replayed prediction {_fmt(run['replayed_hit_rate'])}; lookups of "
-                  f"a bonus id >= draft_vocab: engine {run['engine_lookups_outside_draft_vocab']} "
-                  f"({run['engine_hits_outside_draft_vocab']} hits), replay "
-                  f"{run['replayed_lookups_outside_draft_vocab']}; engine hit rate on the other lookups "
-                  f"{_fmt(run['engine_hit_rate_inside_draft_vocab'])}", "",
-                  "| k | engine lookups | replayed lookups | F_k at lookup (F: count) | engine hit rate | "
-                  "teacher-forced, SSD's lookups | teacher-forced, all misses | engine − replayed |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"{run['algorithm']} (K = {k_max}, B = {run['budget']}, fork_vocab={run['fork_vocab']}, "
+            f"final fan-out {run['fanout_hit']}; greedy = AR: {run['greedy_equal_to_ar']}): engine hit rate "
+            f"{_fmt(run['engine_hit_rate'])}, replayed prediction {_fmt(run['replayed_hit_rate'])}; lookups of "
+            f"a bonus id >= draft_vocab: engine {run['engine_lookups_outside_draft_vocab']} "
+            f"({run['engine_hits_outside_draft_vocab']} hits), replay "
+            f"{run['replayed_lookups_outside_draft_vocab']}; engine hit rate on the other lookups "
+            f"{_fmt(run['engine_hit_rate_inside_draft_vocab'])}",
+            "",
+            "| k | engine lookups | replayed lookups | F_k at lookup (F: count) | engine hit rate | "
+            "teacher-forced, SSD's lookups | teacher-forced, all misses | engine − replayed |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for k in range(k_max + 1):
             fans = ", ".join(f"{f}: {c}" for f, c in run["engine_lookup_fanout_by_k"][k].items())
             gap = run["engine_minus_replayed_by_k"][k]
-            lines.append(f"| {k}{' (= K)' if k == k_max else ''} | {run['engine_lookups_by_k'][k]} | "
-                         f"{run['replayed_lookups_by_k'][k]} | {fans} | {_fmt(run['engine_hit_rate_by_k'][k])} | "
-                         f"{_fmt(run['replayed_by_k'][k])} | {_fmt(run['all_misses_by_k'][k])} | "
-                         f"{'–' if gap is None else f'{gap:+.3f}'} |")
+            lines.append(
+                f"| {k}{' (= K)' if k == k_max else ''} | {run['engine_lookups_by_k'][k]} | "
+                f"{run['replayed_lookups_by_k'][k]} | {fans} | {_fmt(run['engine_hit_rate_by_k'][k])} | "
+                f"{_fmt(run['replayed_by_k'][k])} | {_fmt(run['all_misses_by_k'][k])} | "
+                f"{'–' if gap is None else f'{gap:+.3f}'} |"
+            )
         lines.append(f"Mean |engine − replayed| per lookup: {run['mean_abs_gap_per_lookup']:.3f}")
     return "\n".join(lines)
 

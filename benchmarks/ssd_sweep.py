@@ -73,29 +73,53 @@ def run_sps(cfg, target, draft, prompts, eos, sampling) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     outputs, tokens, forwards, start = [], 0, 0, time.perf_counter()
     for ids in prompts:
-        result = sps.generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling, generator=generator,
-                              eos_ids=eos)
+        result = sps.generate(
+            ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling, generator=generator, eos_ids=eos
+        )
         outputs.append(result.tokens)
         tokens += result.stats.new_tokens
         forwards += result.stats.target_forwards
     wall = time.perf_counter() - start
-    return {"algorithm": "sps", "batch": 1, "tokens": tokens, "wall_s": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 3), "tau": round(tokens / forwards, 3), "outputs": outputs}
+    return {
+        "algorithm": "sps",
+        "batch": 1,
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 3),
+        "tau": round(tokens / forwards, 3),
+        "outputs": outputs,
+    }
 
 
 def run_ssd(cfg, target, draft, prompts, eos, sampling, spec: str, batch: int) -> dict:
     fallback, budget, c = spec.split(":")
-    ssd = build_algorithm("ssd", target.runner, draft.runner, gamma=cfg.gamma, budget=int(budget), fallback=fallback,
-                          saguaro_c=float(c), executor=cfg.executor, seed=cfg.seed, max_batch_size=batch,
-                          fanout=cfg.fanout, fork_vocab=cfg.fork_vocab)
+    ssd = build_algorithm(
+        "ssd",
+        target.runner,
+        draft.runner,
+        gamma=cfg.gamma,
+        budget=int(budget),
+        fallback=fallback,
+        saguaro_c=float(c),
+        executor=cfg.executor,
+        seed=cfg.seed,
+        max_batch_size=batch,
+        fanout=cfg.fanout,
+        fork_vocab=cfg.fork_vocab,
+    )
     try:
         ssd.generate_batch(prompts[:batch], max_new_tokens=8, sampling=sampling, eos_ids=eos)  # warm-up
         ssd.extra_metrics()
         generator = torch.Generator().manual_seed(cfg.seed)
         outputs, tokens, forwards, start = [], 0, 0, time.perf_counter()
         for i in range(0, len(prompts), batch):
-            for result in ssd.generate_batch(prompts[i:i + batch], max_new_tokens=cfg.max_new_tokens,
-                                             sampling=sampling, generator=generator, eos_ids=eos):
+            for result in ssd.generate_batch(
+                prompts[i : i + batch],
+                max_new_tokens=cfg.max_new_tokens,
+                sampling=sampling,
+                generator=generator,
+                eos_ids=eos,
+            ):
                 outputs.append(result.tokens)
                 tokens += result.stats.new_tokens
                 forwards += result.stats.target_forwards
@@ -103,9 +127,17 @@ def run_ssd(cfg, target, draft, prompts, eos, sampling, spec: str, batch: int) -
         metrics = ssd.extra_metrics()
     finally:
         ssd.close()
-    return {"algorithm": f"ssd[{spec}]", "batch": batch, "tokens": tokens, "wall_s": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 3), "tau": round(tokens / forwards, 3),
-            "tokens_per_s_sim": metrics["simulated_tokens_per_s"], "outputs": outputs, **metrics}
+    return {
+        "algorithm": f"ssd[{spec}]",
+        "batch": batch,
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 3),
+        "tau": round(tokens / forwards, 3),
+        "tokens_per_s_sim": metrics["simulated_tokens_per_s"],
+        "outputs": outputs,
+        **metrics,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -127,12 +159,15 @@ def main(argv: list[str]) -> int:
             if cfg.temperature == 0:
                 run["greedy_equal_to_sps"] = run["outputs"] == runs[0]["outputs"]
             runs.append(run)
-            print(f"{run['algorithm']:10s} b={batch}  tok/s={run['tokens_per_s']:.2f} "
-                  f"sim={run['tokens_per_s_sim']} tau={run['tau']:.2f} hit={run['cache_hit_rate']} "
-                  f"by_k={run['cache_hit_rate_by_k']} bonus_hit={run['bonus_hit_rate']} "
-                  f"outside_vocab={run['cache_hits_outside_draft_vocab']}/{run['cache_lookups_outside_draft_vocab']} "
-                  f"fallbacks={run['fallback_counts']} idle={run['drafter_idle_s']}s "
-                  f"equal={run.get('greedy_equal_to_sps')}", flush=True)
+            print(
+                f"{run['algorithm']:10s} b={batch}  tok/s={run['tokens_per_s']:.2f} "
+                f"sim={run['tokens_per_s_sim']} tau={run['tau']:.2f} hit={run['cache_hit_rate']} "
+                f"by_k={run['cache_hit_rate_by_k']} bonus_hit={run['bonus_hit_rate']} "
+                f"outside_vocab={run['cache_hits_outside_draft_vocab']}/{run['cache_lookups_outside_draft_vocab']} "
+                f"fallbacks={run['fallback_counts']} idle={run['drafter_idle_s']}s "
+                f"equal={run.get('greedy_equal_to_sps')}",
+                flush=True,
+            )
     for run in runs:
         run.pop("outputs")
     out = Path(cfg.out)

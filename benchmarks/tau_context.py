@@ -40,12 +40,21 @@ from core.prompts import Conversation, load_prompts, render_prompt
 from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device
 from inference.engine.state import GenerationStats
-from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement, load_target,
-                                   parse_engine_cli, sampling_params)
+from inference.engine_args import (
+    EngineArgs,
+    build_algorithms,
+    check_algorithm_options,
+    check_placement,
+    load_target,
+    parse_engine_cli,
+    sampling_params,
+)
 from inference.evaluate import generation_settings, greedy_equal, run_record
 
-USAGE = ("python -m benchmarks.tau_context drafters=DIR algorithms=[eagle3_tree,peagle,dflash] "
-         "contexts=[512,2048,4096,8192] attention_windows=[256] n_prompts=2 max_new_tokens=64 threads=1 out=DIR")
+USAGE = (
+    "python -m benchmarks.tau_context drafters=DIR algorithms=[eagle3_tree,peagle,dflash] "
+    "contexts=[512,2048,4096,8192] attention_windows=[256] n_prompts=2 max_new_tokens=64 threads=1 out=DIR"
+)
 LIST_KEYS = ("algorithms", "contexts", "attention_windows")
 SHOT_POOL = 96  # solved problems a prompt may carry (~250 tokens each with SmolLM2's tokenizer: 8k needs ~32)
 
@@ -86,8 +95,10 @@ def parse_args(argv: Sequence[str]) -> Any:
     if cfg.n_prompts < 1 or cfg.max_new_tokens < 1 or not cfg.contexts or min(cfg.contexts) < 1:
         raise OverrideError("n_prompts, max_new_tokens and every context length must be >= 1")
     if cfg.temperature != 0:
-        raise OverrideError(f"temperature={cfg.temperature}: τ against context is measured greedily (outputs compared "
-                            "with AR's); drop temperature")
+        raise OverrideError(
+            f"temperature={cfg.temperature}: τ against context is measured greedily (outputs compared "
+            "with AR's); drop temperature"
+        )
     if "ar" in cfg.algorithms:
         raise OverrideError("ar always runs (the baseline); list only the speculative algorithms in algorithms=")
     check_output(cfg.out)
@@ -102,8 +113,9 @@ def shots_and_questions(n_prompts: int) -> tuple[list[Conversation], list[Conver
     return items[:n_prompts], items[n_prompts:]
 
 
-def context_prompts(tokenizer, questions: Sequence[Conversation], shots: Sequence[Conversation],
-                    contexts: Sequence[int], limit: int) -> dict[int, list[ContextPrompt]]:
+def context_prompts(
+    tokenizer, questions: Sequence[Conversation], shots: Sequence[Conversation], contexts: Sequence[int], limit: int
+) -> dict[int, list[ContextPrompt]]:
     """Per context length L: each question after the most solved problems (user turn, worked answer) that keep its
     rendered prompt within ``min(L, limit)`` tokens."""
     budgets = {length: min(length, limit) for length in contexts}
@@ -118,12 +130,15 @@ def context_prompts(tokenizer, questions: Sequence[Conversation], shots: Sequenc
                 break
             fits.update({budget: (k, ids) for budget in inside})
         else:
-            raise UserError(f"{len(shots)} solved problems do not fill {max(budgets.values())} tokens; give shorter "
-                            "contexts")
+            raise UserError(
+                f"{len(shots)} solved problems do not fill {max(budgets.values())} tokens; give shorter contexts"
+            )
         for length, budget in budgets.items():
             if budget not in fits:
-                raise UserError(f"context {length}: problem {question.id} alone is longer than {budget} tokens; give "
-                                "longer contexts")
+                raise UserError(
+                    f"context {length}: problem {question.id} alone is longer than {budget} tokens; give "
+                    "longer contexts"
+                )
             out[length].append(ContextPrompt(question.id, *fits[budget]))
     return out
 
@@ -169,8 +184,9 @@ def answer(algorithm: Any, prompts: Sequence[ContextPrompt], cfg: Any, eos: list
             into.append((time.perf_counter(), len(tokens)))
 
         start = time.perf_counter()
-        result = algorithm.generate(prompt.ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling_params(cfg),
-                                    eos_ids=eos, on_tokens=note)
+        result = algorithm.generate(
+            prompt.ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling_params(cfg), eos_ids=eos, on_tokens=note
+        )
         end = time.perf_counter()
         timed.stats.merge(result.stats)
         timed.outputs.append(result.tokens)
@@ -181,42 +197,66 @@ def answer(algorithm: Any, prompts: Sequence[ContextPrompt], cfg: Any, eos: list
     return timed
 
 
-def context_record(label: str, window: int, length: int, prompts: Sequence[ContextPrompt], timed: Timed,
-                   cfg: Any) -> dict[str, Any]:
+def context_record(
+    label: str, window: int, length: int, prompts: Sequence[ContextPrompt], timed: Timed, cfg: Any
+) -> dict[str, Any]:
     stats = timed.stats
     record = run_record(label, f"gsm_symbolic@{length}", len(prompts), stats) | generation_settings(cfg)
     record.update(
-        context=length, attention_window=window, prompt_tokens=[len(p.ids) for p in prompts],
+        context=length,
+        attention_window=window,
+        prompt_tokens=[len(p.ids) for p in prompts],
         shots=[p.shots for p in prompts],
         tokens_per_round=round(1 + stats.accepted_draft_tokens / stats.rounds, 4) if stats.rounds else None,
         first_token_s=round(timed.first_token_s / len(prompts), 3),
-        decode_tokens_per_s=round(timed.decode_tokens / timed.decode_s, 3) if timed.decode_s else None)
+        decode_tokens_per_s=round(timed.decode_tokens / timed.decode_s, 3) if timed.decode_s else None,
+    )
     return record
 
 
 def tau_context(cfg: Any) -> dict[str, Any]:
     labels = ["ar", *cfg.algorithms]
-    target = load_target(cfg) if cfg.exact else \
-        load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, chat_template=cfg.chat_template,
-                dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), exact=False)
+    target = (
+        load_target(cfg)
+        if cfg.exact
+        else load_lm(
+            cfg.target,
+            device=cfg.device,
+            max_seq_len=cfg.max_seq_len,
+            chat_template=cfg.chat_template,
+            dtype=model_dtype(cfg.dtype, pick_device(cfg.device)),
+            exact=False,
+        )
+    )
     target, algorithms = build_algorithms(cfg, labels, target)
     runs = [(label, 0) for label in labels]
     runs += [(label, w) for w in cfg.attention_windows for label in labels if windowable(algorithms[label][0])]
     if cfg.attention_windows and len(runs) == len(labels):
-        raise OverrideError(f"attention_windows={list(cfg.attention_windows)} apply to EAGLE-3 and P-EAGLE drafters, "
-                            f"and none of {list(cfg.algorithms)} drafts with one; add eagle3_tree or peagle")
+        raise OverrideError(
+            f"attention_windows={list(cfg.attention_windows)} apply to EAGLE-3 and P-EAGLE drafters, "
+            f"and none of {list(cfg.algorithms)} drafts with one; add eagle3_tree or peagle"
+        )
     limit = cfg.max_seq_len - cfg.max_new_tokens - max(alg.lookahead() for alg, _ in algorithms.values())
     questions, shots = shots_and_questions(cfg.n_prompts)
     bench = context_prompts(target.tokenizer, questions, shots, cfg.contexts, limit)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     results: dict[str, Any] = {
         "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else dict(vars(cfg)),
-        "device": str(target.runner.device), "dtype": str(target.runner.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(), "exactness": target.runner.exactness.as_dict(),
-        "questions": [q.id for q in questions], "runs": []}
+        "device": str(target.runner.device),
+        "dtype": str(target.runner.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "exactness": target.runner.exactness.as_dict(),
+        "questions": [q.id for q in questions],
+        "runs": [],
+    }
     if cfg.warmup:  # first calls pay for allocation and kernel selection; a short prompt keeps them out
-        short = [ContextPrompt(questions[0].id, 0, render_prompt(target.tokenizer, [
-            {"role": "user", "content": questions[0].first_user_message}]))]
+        short = [
+            ContextPrompt(
+                questions[0].id,
+                0,
+                render_prompt(target.tokenizer, [{"role": "user", "content": questions[0].first_user_message}]),
+            )
+        ]
         for label, window in runs:
             with drafter_window(algorithms[label][0], window):
                 answer(algorithms[label][0], short, replace_tokens(algorithms[label][1], 8), eos)
@@ -233,16 +273,23 @@ def tau_context(cfg: Any) -> dict[str, Any]:
             results["runs"].append(record)
             add_speedups(results["runs"])
             write_json(results, Path(cfg.out))  # after every run: a run cut short keeps what it measured
-            print(f"[tau_context] {length:>5} {label}{f'@window={window}' if window else ''}: tau "
-                  f"{record['tau']:.3f}, decode {record['decode_tokens_per_s']} tok/s, equal to AR "
-                  f"{record['greedy_equal_to_ar']}", file=sys.stderr, flush=True)
+            print(
+                f"[tau_context] {length:>5} {label}{f'@window={window}' if window else ''}: tau "
+                f"{record['tau']:.3f}, decode {record['decode_tokens_per_s']} tok/s, equal to AR "
+                f"{record['greedy_equal_to_ar']}",
+                file=sys.stderr,
+                flush=True,
+            )
     plot(results, [Path(cfg.out) / "tau_context.png"] + ([Path(cfg.figure)] if cfg.figure else []))
     return results
 
 
 def replace_tokens(cfg: Any, max_new_tokens: int) -> Any:
-    return OmegaConf.merge(cfg, {"max_new_tokens": max_new_tokens}) if OmegaConf.is_config(cfg) else \
-        replace(cfg, max_new_tokens=max_new_tokens)
+    return (
+        OmegaConf.merge(cfg, {"max_new_tokens": max_new_tokens})
+        if OmegaConf.is_config(cfg)
+        else replace(cfg, max_new_tokens=max_new_tokens)
+    )
 
 
 def add_speedups(runs: list[dict[str, Any]]) -> None:
@@ -250,10 +297,14 @@ def add_speedups(runs: list[dict[str, Any]]) -> None:
     ar = {r["context"]: r for r in runs if r["algorithm"] == "ar"}
     for record in runs:
         base = ar[record["context"]]
-        record["speedup_vs_ar"] = round(record["tokens_per_s"] / base["tokens_per_s"], 4) \
-            if base["tokens_per_s"] else None
-        record["decode_speedup_vs_ar"] = round(record["decode_tokens_per_s"] / base["decode_tokens_per_s"], 4) \
-            if record["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None
+        record["speedup_vs_ar"] = (
+            round(record["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+        )
+        record["decode_speedup_vs_ar"] = (
+            round(record["decode_tokens_per_s"] / base["decode_tokens_per_s"], 4)
+            if record["decode_tokens_per_s"] and base["decode_tokens_per_s"]
+            else None
+        )
 
 
 def series(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -284,8 +335,10 @@ def plot(results: dict[str, Any], paths: Sequence[Path]) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     speed_ax.legend(fontsize=8)
-    fig.suptitle(f"τ against context: {results['config'].get('target')}, {results['dtype']}, "
-                 f"{results['threads']} thread(s), {len(results['questions'])} problems per length, greedy")
+    fig.suptitle(
+        f"τ against context: {results['config'].get('target')}, {results['dtype']}, "
+        f"{results['threads']} thread(s), {len(results['questions'])} problems per length, greedy"
+    )
     fig.tight_layout()
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -81,13 +81,19 @@ def time_steps(cfg, own: TrainStepConfig) -> float:
         fetch_s, step_s, tokens = fetch_s + f, step_s + s, tokens + n
     cpu_per_step = (time.process_time() - cpu_start) / own.steps
     per_step = (fetch_s + step_s) / own.steps
-    print(f"recipe={cfg.run_name} kind={cfg.kind} batch_size={cfg.data.batch_size} max_len={cfg.data.max_len} "
-          f"threads={own.threads} steps={own.steps}")
-    print("| s/step | batch (incl. online target forward) | forward+backward+optimizer | answer tokens/step | "
-          "trained tokens/s | CPU s/step (this process) |")
+    print(
+        f"recipe={cfg.run_name} kind={cfg.kind} batch_size={cfg.data.batch_size} max_len={cfg.data.max_len} "
+        f"threads={own.threads} steps={own.steps}"
+    )
+    print(
+        "| s/step | batch (incl. online target forward) | forward+backward+optimizer | answer tokens/step | "
+        "trained tokens/s | CPU s/step (this process) |"
+    )
     print("|---|---|---|---|---|---|")
-    print(f"| {per_step:.2f} | {fetch_s / own.steps:.2f} | {step_s / own.steps:.2f} | {tokens / own.steps:.0f} | "
-          f"{tokens / (fetch_s + step_s):.0f} | {cpu_per_step:.2f} |")
+    print(
+        f"| {per_step:.2f} | {fetch_s / own.steps:.2f} | {step_s / own.steps:.2f} | {tokens / own.steps:.0f} | "
+        f"{tokens / (fetch_s + step_s):.0f} | {cpu_per_step:.2f} |"
+    )
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
 

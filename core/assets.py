@@ -139,8 +139,10 @@ def _convert_gguf(entry: EmbeddedModel, gguf_path: Path, out_dir: Path) -> None:
     missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
-        raise AssetError(f"GGUF conversion of {entry.name} lost weights (missing={missing[:3]}, "
-                         f"unexpected={unexpected[:3]}); report this with your transformers version")
+        raise AssetError(
+            f"GGUF conversion of {entry.name} lost weights (missing={missing[:3]}, "
+            f"unexpected={unexpected[:3]}); report this with your transformers version"
+        )
     with atomic_directory(out_dir) as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -165,8 +167,10 @@ def converted_model_dir(name: str) -> Path:
         gguf_path = embedded_gguf(name)
         actual = sha256_file(gguf_path)
         if actual != entry.sha256:
-            raise AssetError(f"{gguf_path} has sha256 {actual[:12]}…, expected {entry.sha256[:12]}…; "
-                             f"reinstall: {entry.install_command} --force-reinstall")
+            raise AssetError(
+                f"{gguf_path} has sha256 {actual[:12]}…, expected {entry.sha256[:12]}…; "
+                f"reinstall: {entry.install_command} --force-reinstall"
+            )
         _convert_gguf(entry, gguf_path, out_dir)
     return out_dir
 
@@ -181,8 +185,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise AssetError(f"'{key}' is not a Hugging Face model directory (no config.json inside)")
-    raise AssetError(f"unknown model '{key}': use one of {sorted(EMBEDDED_MODELS)} or a local HF model "
-                     "directory (nothing is downloaded from a hub)")
+    raise AssetError(
+        f"unknown model '{key}': use one of {sorted(EMBEDDED_MODELS)} or a local HF model "
+        "directory (nothing is downloaded from a hub)"
+    )
 
 
 def portable_model_reference(name_or_path: str | os.PathLike) -> str:
@@ -207,8 +213,10 @@ def check_model_reference(reference: str) -> str:
             raise AssetError(f"verifier={reference} has no config.json: give the target's HF model directory")
         return str(path.resolve())
     if path.exists() or reference.startswith((".", "/", "~")) or reference.count("/") > 1:
-        raise AssetError(f"verifier={reference} is not a directory: give the target's local HF model directory "
-                         "or its hub id (org/name)")
+        raise AssetError(
+            f"verifier={reference} is not a directory: give the target's local HF model directory "
+            "or its hub id (org/name)"
+        )
     return reference
 
 
@@ -229,8 +237,9 @@ def load_safetensors(path: str | os.PathLike, *, fix: str, with_metadata: bool =
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise AssetError(f"{path} is damaged (truncated or not a safetensors file: {reason}); {fix}") from None
     except OSError as exc:  # there, but not readable: not damage, and re-exporting would not help
-        raise AssetError(f"{path} cannot be read ({exc.strerror or exc}): check that it is a file you may read"
-                         ) from None
+        raise AssetError(
+            f"{path} cannot be read ({exc.strerror or exc}): check that it is a file you may read"
+        ) from None
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise AssetError(f"{path} holds NaN/inf values (tensor '{name}'): the weights are unusable; {fix}")
@@ -253,8 +262,9 @@ def model_tensor(name_or_path: str | os.PathLike, suffix: str):
                 weight_map.update(dict.fromkeys(handle.keys(), file.name))
     names = sorted((k for k in weight_map if k == suffix or k.endswith("." + suffix)), key=len)
     if not names:
-        raise AssetError(f"{model_dir} has no tensor '{suffix}' in its safetensors files; give the target's HF "
-                         "model directory")
+        raise AssetError(
+            f"{model_dir} has no tensor '{suffix}' in its safetensors files; give the target's HF model directory"
+        )
     with safe_open(str(model_dir / weight_map[names[0]]), framework="pt") as handle:
         return handle.get_tensor(names[0])
 
@@ -284,9 +294,11 @@ def damaged_weights(model_dir: Path) -> str | None:
 CHAT_TEMPLATES = "auto|none|PATH"
 # chat_template=none: the text as is (a base model's prompt, then its completion), the model's BOS first if its
 # tokenizer adds one, and EOS after each assistant turn so a completion's end is trained on and stops generation.
-PLAIN_TEMPLATE = ("{%- if add_bos %}{{ bos_token }}{% endif -%}"
-                  "{%- for message in messages %}{{ message['content'] }}"
-                  "{%- if message['role'] == 'assistant' and eos_token %}{{ eos_token }}{% endif %}{%- endfor -%}")
+PLAIN_TEMPLATE = (
+    "{%- if add_bos %}{{ bos_token }}{% endif -%}"
+    "{%- for message in messages %}{{ message['content'] }}"
+    "{%- if message['role'] == 'assistant' and eos_token %}{{ eos_token }}{% endif %}{%- endfor -%}"
+)
 
 
 def use_chat_template(tokenizer, choice: str, name: str | os.PathLike = "the target"):
@@ -295,12 +307,15 @@ def use_chat_template(tokenizer, choice: str, name: str | os.PathLike = "the tar
     (:data:`PLAIN_TEMPLATE`); any other value is the path of a Jinja template file."""
     if choice == "auto":
         if not getattr(tokenizer, "chat_template", None):
-            raise AssetError(f"the tokenizer of '{name}' has no chat template (a base model?): pass chat_template=none "
-                             "to use prompt text as is, or chat_template=PATH (a Jinja file)")
+            raise AssetError(
+                f"the tokenizer of '{name}' has no chat template (a base model?): pass chat_template=none "
+                "to use prompt text as is, or chat_template=PATH (a Jinja file)"
+            )
         return tokenizer
     if choice == "none":
-        adds_bos = tokenizer.bos_token_id is not None and \
-            tokenizer("x", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]
+        adds_bos = tokenizer.bos_token_id is not None and tokenizer("x", add_special_tokens=True)["input_ids"][:1] == [
+            tokenizer.bos_token_id
+        ]
         tokenizer.chat_template = PLAIN_TEMPLATE.replace("add_bos", "true" if adds_bos else "false")
         return tokenizer
     path = Path(choice).expanduser()
@@ -329,9 +344,11 @@ def check_chat_template(what: str, recorded: dict | None, tokenizer) -> None:
     have = chat_template_hash(tokenizer)
     if recorded["chat_template_hash"] != have:
         choice = recorded.get("chat_template", "auto")
-        raise AssetError(f"{what} was trained on prompts rendered with chat_template={choice} (hash "
-                         f"{recorded['chat_template_hash']}), but this run renders them with hash {have}: pass "
-                         f"chat_template={choice} (the same template it was trained with)")
+        raise AssetError(
+            f"{what} was trained on prompts rendered with chat_template={choice} (hash "
+            f"{recorded['chat_template_hash']}), but this run renders them with hash {have}: pass "
+            f"chat_template={choice} (the same template it was trained with)"
+        )
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, chat_template: str | None = None):
@@ -358,17 +375,21 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cp
     config = json.loads((model_dir / "config.json").read_text())
     if "model_type" not in config and isinstance(config.get("spectrain"), dict):
         kind = config["spectrain"].get("kind", "drafter")
-        raise AssetError(f"'{name_or_path}' is a spectrain {kind} export, not a causal LM: pass it as a drafter "
-                         "(drafter=PATH or drafters=DIR) and give the model it drafts for "
-                         "as target=")
+        raise AssetError(
+            f"'{name_or_path}' is a spectrain {kind} export, not a causal LM: pass it as a drafter "
+            "(drafter=PATH or drafters=DIR) and give the model it drafts for "
+            "as target="
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     except Exception:
         damaged = damaged_weights(model_dir)
         if damaged is None:
             raise
-        raise AssetError(f"the weights of '{name_or_path}' are damaged (truncated or corrupt: {damaged}); "
-                         "re-export or re-copy the model directory") from None
+        raise AssetError(
+            f"the weights of '{name_or_path}' are damaged (truncated or corrupt: {damaged}); "
+            "re-export or re-copy the model directory"
+        ) from None
     return model.to(device).eval()
 
 
@@ -382,16 +403,25 @@ def model_identity(name_or_path: str) -> dict:
     config_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     weights = sorted(model_dir.glob("*.safetensors"))
     weights_hash = hashlib.sha256("".join(sha256_file(w) for w in weights).encode()).hexdigest()[:16]
-    return {"name": str(name_or_path), "config_hash": config_hash, "weights_hash": weights_hash,
-            "model_type": config.get("model_type"), "vocab_size": config.get("vocab_size")}
+    return {
+        "name": str(name_or_path),
+        "config_hash": config_hash,
+        "weights_hash": weights_hash,
+        "model_type": config.get("model_type"),
+        "vocab_size": config.get("vocab_size"),
+    }
 
 
 def target_record(name_or_path: str) -> dict[str, Any]:
     """Identity (config + weights hash, :func:`model_identity`) plus the facts a drafter depends on."""
     config = json.loads((resolve_model_dir(name_or_path) / "config.json").read_text())
     text = config.get("text_config") or config
-    return {**model_identity(str(name_or_path)), "num_hidden_layers": text["num_hidden_layers"],
-            "hidden_size": text["hidden_size"], "architectures": config.get("architectures") or []}
+    return {
+        **model_identity(str(name_or_path)),
+        "num_hidden_layers": text["num_hidden_layers"],
+        "hidden_size": text["hidden_size"],
+        "architectures": config.get("architectures") or [],
+    }
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -23,19 +23,22 @@ def check_output(path: str | os.PathLike, *, key: str = "out", file: bool = Fals
 
     out = Path(path).expanduser()
     if not file and out.exists() and not out.is_dir():
-        raise OverrideError(f"{key}={path} is an existing file, not a directory; choose a directory path "
-                            "(or remove the file)")
+        raise OverrideError(
+            f"{key}={path} is an existing file, not a directory; choose a directory path (or remove the file)"
+        )
     if file and out.is_dir():
         raise OverrideError(f"{key}={path} is a directory; give a file path such as {out / 'NAME'}")
     probe = out if out.is_dir() else out.parent
     while not probe.exists() and probe != probe.parent:  # exists() is False below a file (ENOTDIR)
         probe = probe.parent
     if not probe.is_dir():
-        raise OverrideError(f"{key}={path} cannot be created: {probe} is a file, not a directory; choose another "
-                            f"{key}=")
+        raise OverrideError(
+            f"{key}={path} cannot be created: {probe} is a file, not a directory; choose another {key}="
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise OverrideError(f"{key}={path} cannot be written: no write permission in {probe}; choose a location "
-                            "you can write to")
+        raise OverrideError(
+            f"{key}={path} cannot be written: no write permission in {probe}; choose a location you can write to"
+        )
     return out
 
 

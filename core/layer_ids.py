@@ -27,8 +27,10 @@ from typing import Any
 
 from core.errors import UserError
 
-LAYER_CONVENTION = ("output of decoder layer i, 0-based (transformers output_hidden_states[i + 1]); "
-                    "last_hidden is after the final norm (lm_head(last_hidden) == logits)")
+LAYER_CONVENTION = (
+    "output of decoder layer i, 0-based (transformers output_hidden_states[i + 1]); "
+    "last_hidden is after the final norm (lm_head(last_hidden) == logits)"
+)
 _LAST_K = re.compile(r"^last(\d+)$")
 _DFLASH_K = re.compile(r"^dflash(\d+)$")
 
@@ -51,8 +53,10 @@ def resolve_layers(spec: Any, num_layers: int) -> list[int]:
     if isinstance(spec, str) and spec == "eagle3":
         ids = eagle3_layers(num_layers)
         if len(set(ids)) < 3 or min(ids) < 0:
-            raise UserError(f"layers=eagle3 gives {ids} for a {num_layers}-layer target (needs at least 8 "
-                             "layers); give explicit ids, e.g. layers=[0,1]")
+            raise UserError(
+                f"layers=eagle3 gives {ids} for a {num_layers}-layer target (needs at least 8 "
+                "layers); give explicit ids, e.g. layers=[0,1]"
+            )
         return ids
     if isinstance(spec, str) and (match := _LAST_K.match(spec)):
         k = int(match.group(1))
@@ -62,17 +66,23 @@ def resolve_layers(spec: Any, num_layers: int) -> list[int]:
     if isinstance(spec, str) and (match := _DFLASH_K.match(spec)):
         ids = dflash_layers(num_layers, int(match.group(1)))
         if int(match.group(1)) < 1 or len(set(ids)) < len(ids) or min(ids) < 0:
-            raise UserError(f"layers={spec} gives {ids} for a {num_layers}-layer target: K must be in "
-                             f"1..{num_layers - 3}; or give explicit ids")
+            raise UserError(
+                f"layers={spec} gives {ids} for a {num_layers}-layer target: K must be in "
+                f"1..{num_layers - 3}; or give explicit ids"
+            )
         return ids
     if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec:
-        raise UserError(f"layers={spec!r} is not a layer spec; use eagle3, lastK (e.g. last4), dflashK (e.g. "
-                         "dflash5) or a list of output-of-layer ids like [1,14,26]")
+        raise UserError(
+            f"layers={spec!r} is not a layer spec; use eagle3, lastK (e.g. last4), dflashK (e.g. "
+            "dflash5) or a list of output-of-layer ids like [1,14,26]"
+        )
     ids = []
     for layer in spec:
         if isinstance(layer, bool) or not isinstance(layer, int) or not -num_layers <= layer < num_layers:
-            raise UserError(f"layers={list(spec)}: {layer!r} is not a layer id of a {num_layers}-layer target "
-                             f"(0..{num_layers - 1}, negative counts from the end)")
+            raise UserError(
+                f"layers={list(spec)}: {layer!r} is not a layer id of a {num_layers}-layer target "
+                f"(0..{num_layers - 1}, negative counts from the end)"
+            )
         ids.append(layer % num_layers)
     if any(a >= b for a, b in zip(ids, ids[1:])):
         # The order is the concatenation order of aux_hidden; never reorder silently.

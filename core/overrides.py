@@ -73,8 +73,9 @@ def parse_cli(argv: Sequence[str], schema: type, usage: str) -> Any:
     try:
         return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
     except Exception as exc:  # OmegaConf's messages are multi-line; keep the first line
-        raise OverrideError(bad_value(dotlist, exc, lambda item: OmegaConf.merge(base, OmegaConf.from_dotlist([item])))
-                            ) from None
+        raise OverrideError(
+            bad_value(dotlist, exc, lambda item: OmegaConf.merge(base, OmegaConf.from_dotlist([item])))
+        ) from None
 
 
 def bad_value(items: Sequence[str], exc: BaseException, apply_one: Callable[[str], Any]) -> str:
@@ -127,8 +128,14 @@ def is_user_error(exc: BaseException) -> bool:
     return type(exc).__name__ == "SafetensorError" and "No space left on device" in str(exc)
 
 
-def run_cli(argv: Sequence[str] | None, action: Callable[[list[str]], Any], *, doc: str | None,
-            schema: type | None = None, report: Callable[[Any], None] | None = None) -> int:
+def run_cli(
+    argv: Sequence[str] | None,
+    action: Callable[[list[str]], Any],
+    *,
+    doc: str | None,
+    schema: type | None = None,
+    report: Callable[[Any], None] | None = None,
+) -> int:
     """The shared ``main`` of every key=value CLI: ``--help``, then ``action(argv)``; a user error
     (:func:`is_user_error`: bad input, a missing file, a refused dataset, a full disk) prints ONE line and exits 2;
     anything else is a bug and propagates with its traceback. ``SPECTRAIN_DEBUG=1`` re-raises user errors too."""

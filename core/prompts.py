@@ -58,8 +58,7 @@ GSM_TRAIN_SEED = 10_000_000
 JSONL_HEADER_KEY = "spectrain_regenerate"
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n"
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass
@@ -92,8 +91,9 @@ def prompt_turns(conversation: Conversation, answers: Sequence[str] = ()) -> lis
     """
     n_user = len(conversation.user_turns)
     if len(answers) >= n_user:
-        raise UserError(f"conversation {conversation.id} has {n_user} user turns; got {len(answers)} answers "
-                         f"(at most {n_user - 1})")
+        raise UserError(
+            f"conversation {conversation.id} has {n_user} user turns; got {len(answers)} answers (at most {n_user - 1})"
+        )
     out: list[Turn] = []
     users_seen = 0
     for turn in conversation.turns:
@@ -194,7 +194,7 @@ def _sharegpt_turns(messages: Any) -> list[Turn] | None:
             return None
         turns.append({"role": role, "content": msg["value"]})
     system = turns[:1] if turns and turns[0]["role"] == "system" else []
-    rest = turns[len(system):]
+    rest = turns[len(system) :]
     # Continuation records (the file splits long chats) open with the assistant: start at the first user turn.
     first_user = next((i for i, t in enumerate(rest) if t["role"] == "user"), None)
     return None if first_user is None else system + rest[first_user:]
@@ -228,8 +228,10 @@ def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N, train: bool = Fa
     import reasoning_gym  # lazy: ~1.5 s import
 
     if not train and seed + size > GSM_TRAIN_SEED:
-        raise UserError(f"gsm_symbolic seed={seed} with {size} items reaches the training seeds (>= {GSM_TRAIN_SEED}); "
-                         "use a smaller seed, or source=gsm_symbolic_train for training data")
+        raise UserError(
+            f"gsm_symbolic seed={seed} with {size} items reaches the training seeds (>= {GSM_TRAIN_SEED}); "
+            "use a smaller seed, or source=gsm_symbolic_train for training data"
+        )
     if train:
         seed += GSM_TRAIN_SEED
 
@@ -242,14 +244,19 @@ def iter_gsm_symbolic(seed: int = 0, size: int = GSM_DEFAULT_N, train: bool = Fa
         turns = [{"role": "user", "content": item["question"]}]
         if answer:
             turns.append({"role": "assistant", "content": str(answer)})
-        yield Conversation(id=f"gsm_symbolic/{seed}/{index}", turns=turns,
-                           source="gsm_symbolic_train" if train else "gsm_symbolic",
-                           meta={"answer": item.get("answer")})
+        yield Conversation(
+            id=f"gsm_symbolic/{seed}/{index}",
+            turns=turns,
+            source="gsm_symbolic_train" if train else "gsm_symbolic",
+            meta={"answer": item.get("answer")},
+        )
 
 
-JSONL_EXPECTED = ("expected a JSON object with 'prompt' (str, optionally with 'completion'), 'text' (str), "
-                  "'messages' ([{role, content}], roles system/user/assistant) or 'conversations' ([{from, value}], "
-                  "from human/gpt/system)")
+JSONL_EXPECTED = (
+    "expected a JSON object with 'prompt' (str, optionally with 'completion'), 'text' (str), "
+    "'messages' ([{role, content}], roles system/user/assistant) or 'conversations' ([{from, value}], "
+    "from human/gpt/system)"
+)
 
 
 def _jsonl_turns(rec: Any) -> list[Turn] | None:
@@ -287,8 +294,10 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
                     raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise UserError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start}): is it a "
-                                 f"binary file? {JSONL_EXPECTED}") from None
+                raise UserError(
+                    f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start}): is it a "
+                    f"binary file? {JSONL_EXPECTED}"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -301,14 +310,14 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation]:
             if turns is None:
                 raise UserError(f"{path}:{lineno}: {JSONL_EXPECTED}")
             found += 1
-            yield Conversation(id=str(rec.get("id", f"{path.name}:{lineno}")), turns=turns,
-                               source=f"jsonl:{path}")
+            yield Conversation(id=str(rec.get("id", f"{path.name}:{lineno}")), turns=turns, source=f"jsonl:{path}")
     if not found:
         raise UserError(f"jsonl source {path} holds no conversations (empty file); {JSONL_EXPECTED}")
 
 
-def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = "all",
-                 eval_fraction: float = DEFAULT_EVAL_FRACTION) -> list[Conversation]:
+def load_prompts(
+    source: str, n: int | None = None, seed: int = 0, split: str = "all", eval_fraction: float = DEFAULT_EVAL_FRACTION
+) -> list[Conversation]:
     """The first ``n`` conversations of ``source`` (all if None) that fall in ``split`` (all/train/eval).
 
     Sources: mt_bench, humaneval, sharegpt, gsm_symbolic (``n`` defaults to 1000, ``seed`` selects the
@@ -338,7 +347,7 @@ def load_prompts(source: str, n: int | None = None, seed: int = 0, split: str = 
         items = iter_gsm_symbolic(seed=seed, size=size, train=source == "gsm_symbolic_train")
         n = want
     elif source.startswith("jsonl:") and len(source) > len("jsonl:"):
-        items = iter_jsonl(source[len("jsonl:"):])
+        items = iter_jsonl(source[len("jsonl:") :])
     else:
         raise UserError(f"unknown prompt source '{source}'; known: {SOURCES}")
 
@@ -356,12 +365,14 @@ def _turns(conversation: Conversation | Sequence[Turn]) -> list[Turn]:
 
 
 def _render(tokenizer, turns: list[Turn], generation_prompt: bool, template_kwargs: dict) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt,
-                                         **template_kwargs)
+    return tokenizer.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=generation_prompt, **template_kwargs
+    )
 
 
-def render_prompt(tokenizer, conversation_prefix: Conversation | Sequence[Turn],
-                  template_kwargs: dict | None = None) -> list[int]:
+def render_prompt(
+    tokenizer, conversation_prefix: Conversation | Sequence[Turn], template_kwargs: dict | None = None
+) -> list[int]:
     """Token ids of the prefix rendered for generation (``add_generation_prompt=True``)."""
     text = _render(tokenizer, _turns(conversation_prefix), True, template_kwargs or {})
     # The template already emits any BOS it wants; add_special_tokens=False avoids a double BOS, matching
@@ -375,8 +386,12 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def tokenize_conversation(tokenizer, conversation: Conversation | Sequence[Turn], max_len: int | None = None,
-                          template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer,
+    conversation: Conversation | Sequence[Turn],
+    max_len: int | None = None,
+    template_kwargs: dict | None = None,
+) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` for training; ids equal ``apply_chat_template(conversation)``.
 
     ``loss_mask`` is 1 on each assistant turn's content and its end-of-turn token (the last special token the
@@ -402,9 +417,11 @@ def tokenize_conversation(tokenizer, conversation: Conversation | Sequence[Turn]
         after = _render(tokenizer, turns[: k + 1], False, kwargs)
         for label, prefix in (("up to the header of", before), ("through", after)):
             if not full.startswith(prefix):
-                raise UserError(f"chat template is not prefix-stable: rendering {label} assistant turn {k} is "
-                                 "not a prefix of the full conversation (does it rewrite earlier turns, e.g. "
-                                 "drop reasoning?); cannot derive a loss mask")
+                raise UserError(
+                    f"chat template is not prefix-stable: rendering {label} assistant turn {k} is "
+                    "not a prefix of the full conversation (does it rewrite earlier turns, e.g. "
+                    "drop reasoning?); cannot derive a loss mask"
+                )
         spans.append((len(before), len(after)))
 
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -421,8 +438,8 @@ def tokenize_conversation(tokenizer, conversation: Conversation | Sequence[Turn]
         # stops at end-of-turn, so it is never generated.
         last_special = max((j for j, i in enumerate(members) if ids[i] in special), default=None)
         if last_special is not None:
-            tail = members[last_special + 1:]
-            if all(not full[offsets[i][0]:offsets[i][1]].strip() for i in tail):
+            tail = members[last_special + 1 :]
+            if all(not full[offsets[i][0] : offsets[i][1]].strip() for i in tail):
                 members = members[: last_special + 1]
         for i in members:
             mask[i] = 1

@@ -23,14 +23,18 @@ from core.errors import UserError
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Raise ValueError (one line) unless ``d2t + arange == nonzero(t2d)`` (SpecForge's consistency check)."""
     if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
-        raise UserError(f"vocab map must be d2t [K] and bool t2d [V], got {tuple(d2t.shape)} and "
-                         f"{tuple(t2d.shape)} {t2d.dtype}")
+        raise UserError(
+            f"vocab map must be d2t [K] and bool t2d [V], got {tuple(d2t.shape)} and {tuple(t2d.shape)} {t2d.dtype}"
+        )
     used = torch.nonzero(t2d).flatten()
     if used.numel() != d2t.numel():
         raise UserError(f"vocab map is inconsistent: t2d marks {used.numel()} tokens but d2t has {d2t.numel()}")
     if not torch.equal(d2t.long() + torch.arange(d2t.numel()), used):
-        raise UserError("vocab map is inconsistent: d2t + arange != nonzero(t2d); rebuild it with "
-                         "python -m data_prep.vocab")
+        raise UserError(
+            "vocab map is inconsistent: d2t + arange != nonzero(t2d); rebuild it with python -m data_prep.vocab"
+        )
+
+
 def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` keeping the ``draft_vocab_size`` most frequent ids of ``counts`` [V]."""
     vocab = len(counts)
@@ -45,6 +49,8 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Te
     t2d[torch.from_numpy(used)] = True
     check_vocab_mapping(d2t, t2d)
     return d2t, t2d
+
+
 def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metadata: dict[str, str]) -> None:
     """Write ``{d2t, t2d}`` as safetensors, atomically (temporary file + rename)."""
     from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
@@ -55,12 +61,17 @@ def save_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, metad
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     os.close(fd)
     try:
-        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp,
-                  metadata={"format": "spectrain.vocab_map", **{k: str(v) for k, v in metadata.items()}})
+        save_file(
+            {"d2t": d2t.contiguous(), "t2d": t2d.contiguous()},
+            tmp,
+            metadata={"format": "spectrain.vocab_map", **{k: str(v) for k, v in metadata.items()}},
+        )
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, str]]:
     """``(d2t, t2d, metadata)``; refuses (one line) a missing, damaged or inconsistent map."""
 

@@ -60,23 +60,28 @@ class HiddenCapture:
         lengths = [len(s) for s in samples]
         width = max(lengths)
         if width > runner.max_seq_len:
-            raise UserError(f"a sample has {width} tokens but the target runner holds {runner.max_seq_len}; "
-                             "lower max_len")
+            raise UserError(
+                f"a sample has {width} tokens but the target runner holds {runner.max_seq_len}; lower max_len"
+            )
         ids = torch.zeros(len(samples), width, dtype=torch.long)
         for row, sample in enumerate(samples):
             ids[row, : len(sample)] = torch.tensor(sample.input_ids)
         runner.reset(len(samples))  # a fresh, empty cache: a plain causal forward over the batch
-        out = runner.forward(ids.to(runner.device), capture_layers=self.layers, return_last_hidden=True,
-                             only_last_logits=True)
+        out = runner.forward(
+            ids.to(runner.device), capture_layers=self.layers, return_last_hidden=True, only_last_logits=True
+        )
         aux = torch.cat([out.hidden[i] for i in self.layers], dim=-1)
         last = out.last_hidden
         if not self.fp8:
             aux, last = aux.to(self.dtype), last.to(self.dtype)
         rows = []
         for row, (s, n) in enumerate(zip(samples, lengths)):
-            sample = {"input_ids": torch.tensor(s.input_ids, dtype=torch.long),
-                      "loss_mask": torch.tensor(s.loss_mask, dtype=torch.long),
-                      "aux_hidden": aux[row, :n], "last_hidden": last[row, :n]}
+            sample = {
+                "input_ids": torch.tensor(s.input_ids, dtype=torch.long),
+                "loss_mask": torch.tensor(s.loss_mask, dtype=torch.long),
+                "aux_hidden": aux[row, :n],
+                "last_hidden": last[row, :n],
+            }
             if self.fp8:  # from the runner's dtype: one rounding, e4m3's
                 sample["aux_hidden"], sample["aux_hidden_scale"] = quantize(aux[row, :n], len(self.layers))
                 sample["last_hidden"], sample["last_hidden_scale"] = quantize(last[row, :n], 1)

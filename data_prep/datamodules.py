@@ -39,9 +39,17 @@ def _shuffle_generator(seed: int) -> torch.Generator:
     return generator
 
 
-def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, seed: int = 0, num_workers: int = 0,
-                     collate_fn: Any = None, per_rank: bool = False,
-                     skip: frozenset[int] = frozenset()) -> StatefulDataLoader:
+def resumable_loader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    num_workers: int = 0,
+    collate_fn: Any = None,
+    per_rank: bool = False,
+    skip: frozenset[int] = frozenset(),
+) -> StatefulDataLoader:
     """A DataLoader whose position inside an epoch (shuffle order + batches yielded) is in its ``state_dict``.
 
     Lightning stores the train loader's ``state_dict`` in every checkpoint and loads it on resume, so a run resumed
@@ -55,10 +63,23 @@ def resumable_loader(dataset: Any, *, batch_size: int, shuffle: bool = False, se
     rank, world = process_rank() if per_rank else (0, 1)
     sampler = None
     if shuffle or world > 1 or skip:
-        sampler = RankSlicedSampler(len(dataset), batch_size, shuffle=shuffle, rank=rank, world=world,
-                                    generator=_shuffle_generator(seed) if shuffle else None, skip=skip)
-    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                              generator=torch.Generator().manual_seed(seed + 1), collate_fn=collate_fn)
+        sampler = RankSlicedSampler(
+            len(dataset),
+            batch_size,
+            shuffle=shuffle,
+            rank=rank,
+            world=world,
+            generator=_shuffle_generator(seed) if shuffle else None,
+            skip=skip,
+        )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(seed + 1),
+        collate_fn=collate_fn,
+    )
 
 
 def length_buckets(lengths: list[int], batch_size: int, seed: int, window: int = 64) -> list[list[int]]:
@@ -69,8 +90,8 @@ def length_buckets(lengths: list[int], batch_size: int, seed: int, window: int =
     batches = []
     span = window * batch_size
     for start in range(0, len(order), span):
-        chunk = sorted(order[start:start + span], key=lambda i: lengths[i])
-        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[start : start + span], key=lambda i: lengths[i])
+        batches += [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
     return batches
 
 
@@ -78,8 +99,17 @@ class FeatureDataModule(L.LightningDataModule):
     """Offline features from a ``data_prep.extract`` directory; ``expect`` holds ``check_features`` keywords
     (target, layers, tokenizer, dtype, max_len) so a dataset made for another recipe is refused at setup."""
 
-    def __init__(self, directory: str | Path, *, batch_size: int = 8, shuffle: bool = True, seed: int = 0,
-                 num_workers: int = 0, val_directory: str | Path | None = None, **expect: Any):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        batch_size: int = 8,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        val_directory: str | Path | None = None,
+        **expect: Any,
+    ):
         super().__init__()
         self.directory, self.val_directory = directory, val_directory
         self.batch_size, self.shuffle, self.seed, self.num_workers = batch_size, shuffle, seed, num_workers
@@ -95,15 +125,27 @@ class FeatureDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
-        return resumable_loader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                num_workers=self.num_workers, collate_fn=collate_features, per_rank=True)
+        return resumable_loader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            collate_fn=collate_features,
+            per_rank=True,
+        )
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         self.setup()
         if self.val_set is None:
             return []
-        return resumable_loader(self.val_set, batch_size=self.batch_size, seed=self.seed,
-                                num_workers=self.num_workers, collate_fn=collate_features)
+        return resumable_loader(
+            self.val_set,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            collate_fn=collate_features,
+        )
 
 
 class OnlineFeatureDataModule(L.LightningDataModule):
@@ -122,14 +164,30 @@ class OnlineFeatureDataModule(L.LightningDataModule):
     e4m3 rounding to tensors that live for one step.
     """
 
-    def __init__(self, target: Any, *, source: str, n_samples: int, max_len: int, layers: Any = "eagle3",
-                 dtype: str = "bf16", batch_size: int = 8, shuffle: bool = True, seed: int = 0,
-                 split: str = "all", device: str = "auto", window: str = "start", features: bool = True,
-                 bucket_by_length: bool = False):
+    def __init__(
+        self,
+        target: Any,
+        *,
+        source: str,
+        n_samples: int,
+        max_len: int,
+        layers: Any = "eagle3",
+        dtype: str = "bf16",
+        batch_size: int = 8,
+        shuffle: bool = True,
+        seed: int = 0,
+        split: str = "all",
+        device: str = "auto",
+        window: str = "start",
+        features: bool = True,
+        bucket_by_length: bool = False,
+    ):
         super().__init__()
         if dtype == FP8:
-            raise UserError("data.dtype=fp8 stores extracted features (python -m data_prep.extract ... dtype=fp8, then "
-                            "data.dataset_dir=DIR); online features are never stored: use data.dtype=bf16")
+            raise UserError(
+                "data.dtype=fp8 stores extracted features (python -m data_prep.extract ... dtype=fp8, then "
+                "data.dataset_dir=DIR); online features are never stored: use data.dtype=bf16"
+            )
         storage_dtype(dtype)
         self.target_arg = target
         self.features, self.bucket_by_length = features, bucket_by_length
@@ -146,8 +204,7 @@ class OnlineFeatureDataModule(L.LightningDataModule):
 
         target = self.target_arg
         if not isinstance(target, LoadedModel):
-            target = load_lm(str(target), device=self.device, max_seq_len=self.max_len,
-                             max_batch_size=self.batch_size)
+            target = load_lm(str(target), device=self.device, max_seq_len=self.max_len, max_batch_size=self.batch_size)
         if self.features:
             layers = resolve_layers(self.layers_spec, target.runner.config.num_hidden_layers)
             self.capture = HiddenCapture(target.runner, layers, self.dtype)
@@ -156,15 +213,18 @@ class OnlineFeatureDataModule(L.LightningDataModule):
         build = SampleBuilder(target.tokenizer, self.max_len, window=self.window)
         self.samples = [s for i, c in enumerate(conversations) if (s := build(i, c)) is not None]
         if len(self.samples) < len(conversations):  # say what the data really is: steps x batch may exceed it
-            print(f"[data] {self.source} ({self.split}): {len(self.samples)} of {len(conversations)} conversations "
-                  f"have answer tokens within their max_len={self.max_len} window (window={self.window}); the rest "
-                  "are skipped" + ("" if self.window == "answer" else " (window=answer keeps long prompts)"),
-                  file=sys.stderr)
+            print(
+                f"[data] {self.source} ({self.split}): {len(self.samples)} of {len(conversations)} conversations "
+                f"have answer tokens within their max_len={self.max_len} window (window={self.window}); the rest "
+                "are skipped" + ("" if self.window == "answer" else " (window=answer keeps long prompts)"),
+                file=sys.stderr,
+            )
 
     def _collate(self, samples: list[TokenSample]) -> dict[str, torch.Tensor]:
         if not self.features:
-            return collate_features([{"input_ids": torch.tensor(s.input_ids), "loss_mask": torch.tensor(s.loss_mask)}
-                                     for s in samples])
+            return collate_features(
+                [{"input_ids": torch.tensor(s.input_ids), "loss_mask": torch.tensor(s.loss_mask)} for s in samples]
+            )
         return collate_features(self.capture(samples))
 
     def train_dataloader(self, per_rank: bool = True) -> StatefulDataLoader:
@@ -180,9 +240,23 @@ class OnlineFeatureDataModule(L.LightningDataModule):
             # A partial last bucket would leave a process without rows in the gradient all-reduce: skipped, but
             # still shuffled, so the full ones come in one process's order.
             partial = frozenset(i for i, batch in enumerate(batches) if len(batch) < size and world > 1)
-            mine = [[self.samples[i] for i in batch[rank * self.batch_size:(rank + 1) * self.batch_size]]
-                    for batch in batches]
-            return resumable_loader(mine, batch_size=1, shuffle=self.shuffle, seed=self.seed,
-                                    collate_fn=lambda items: self._collate(items[0]), skip=partial)
-        return resumable_loader(self.samples, batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                collate_fn=self._collate, per_rank=per_rank)
+            mine = [
+                [self.samples[i] for i in batch[rank * self.batch_size : (rank + 1) * self.batch_size]]
+                for batch in batches
+            ]
+            return resumable_loader(
+                mine,
+                batch_size=1,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                collate_fn=lambda items: self._collate(items[0]),
+                skip=partial,
+            )
+        return resumable_loader(
+            self.samples,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            collate_fn=self._collate,
+            per_rank=per_rank,
+        )

@@ -34,16 +34,25 @@ from core.layer_ids import LAYER_CONVENTION, resolve_layers, spec_name
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, run_cli, split_key_values
 from data_prep.capture import DTYPE_NAMES, FP8, HiddenCapture, check_feature_dtype
 from data_prep.features import DEQUANTIZED_DTYPE
-from data_prep.manifest import (MANIFEST_NAME, RANKS_DIR, DatasetError, new_header, read_manifest, refuse_other_args,
-                                target_identity, tokenizer_identity)
+from data_prep.manifest import (
+    MANIFEST_NAME,
+    RANKS_DIR,
+    DatasetError,
+    new_header,
+    read_manifest,
+    refuse_other_args,
+    target_identity,
+    tokenizer_identity,
+)
 from data_prep.ranks import dataset_part, my_items
 from data_prep.regenerate import Regenerator
 from data_prep.samples import WINDOWS, SampleBuilder, TokenSample, load_source, require_answers
 from data_prep.shards import STORAGE_DTYPE, ShardWriter, column
 from inference.drafters import eos_token_ids, load_lm
 
-USAGE = ("python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 "
-         "dtype=bf16 out=DIR")
+USAGE = (
+    "python -m data_prep.extract target=smollm2 source=sharegpt n_samples=N max_len=L layers=eagle3 dtype=bf16 out=DIR"
+)
 ESTIMATE_SAMPLES = 256  # conversations tokenized up front to estimate the dataset size
 DISK_MARGIN = 1.10  # refuse unless free disk exceeds the estimate by this factor
 SHARD_BYTES = 1 << 30  # auto shard size: a kill loses at most about this much work
@@ -96,8 +105,10 @@ def parse_args(argv: Sequence[str]) -> Any:
         given = [resolve_key(key, valid) for key, _ in split_key_values(argv, USAGE)]
         for key in GENERATION_KEYS:
             if key in given:
-                raise OverrideError(f"{key} does nothing with regenerate=false (the source's own answers are "
-                                    f"extracted, nothing is generated); set regenerate=true or drop {key}")
+                raise OverrideError(
+                    f"{key} does nothing with regenerate=false (the source's own answers are "
+                    f"extracted, nothing is generated); set regenerate=true or drop {key}"
+                )
     return cfg
 
 
@@ -121,15 +132,22 @@ def feature_columns(layers: list[int], hidden: int, dtype: str) -> dict[str, dic
     columns = {
         "input_ids": column("int32", ["T"], "token ids (chat template applied)"),
         "loss_mask": column("int8", ["T"], "1 on assistant tokens (trained on), 0 elsewhere"),
-        "aux_hidden": column(logical, ["T", len(layers) * hidden], aux_meaning,
-                             scale="aux_hidden_scale" if fp8 else None),
-        "last_hidden": column(logical, ["T", hidden], "final hidden state after the final norm",
-                              scale="last_hidden_scale" if fp8 else None),
+        "aux_hidden": column(
+            logical, ["T", len(layers) * hidden], aux_meaning, scale="aux_hidden_scale" if fp8 else None
+        ),
+        "last_hidden": column(
+            logical,
+            ["T", hidden],
+            "final hidden state after the final norm",
+            scale="last_hidden_scale" if fp8 else None,
+        ),
     }
     if fp8:
         columns["aux_hidden_scale"] = column(
-            "float32", ["T", len(layers)], f"power-of-two scale of aux_hidden per token and per layer block of "
-            f"{hidden} values: value = code x scale")
+            "float32",
+            ["T", len(layers)],
+            f"power-of-two scale of aux_hidden per token and per layer block of {hidden} values: value = code x scale",
+        )
         columns["last_hidden_scale"] = column("float32", ["T", 1], "power-of-two scale of last_hidden per token")
     return columns
 
@@ -139,9 +157,14 @@ def feature_storage(dtype: str) -> dict[str, Any]:
     fp8 existed: their column dtypes say everything)."""
     if dtype != FP8:
         return {}
-    return {"feature_storage": {"dtype": FP8_STORAGE, "scaling": "power of two per token and per layer block",
-                                "scale_dtype": "float32",
-                                "reads_as": str(DEQUANTIZED_DTYPE).removeprefix("torch.")}}
+    return {
+        "feature_storage": {
+            "dtype": FP8_STORAGE,
+            "scaling": "power of two per token and per layer block",
+            "scale_dtype": "float32",
+            "reads_as": str(DEQUANTIZED_DTYPE).removeprefix("torch."),
+        }
+    }
 
 
 def bytes_per_token(columns: dict[str, dict[str, Any]]) -> int:
@@ -161,8 +184,10 @@ def refuse_mixed_dtype(out: Path, dtype: str) -> None:
         if log.is_file():
             stored = read_manifest(out, str(log.relative_to(out))).get("args", {}).get("dtype")
             if stored is not None and stored != dtype:
-                raise DatasetError(f"{out} stores dtype={stored} features; dtype={dtype} would mix two storage dtypes "
-                                   f"in one dataset: re-run with dtype={stored} to resume, or choose a new out=DIR")
+                raise DatasetError(
+                    f"{out} stores dtype={stored} features; dtype={dtype} would mix two storage dtypes "
+                    f"in one dataset: re-run with dtype={stored} to resume, or choose a new out=DIR"
+                )
             return
 
 
@@ -186,23 +211,28 @@ def check_disk(out: Path, remaining_tokens: int, per_token: int, basis: str) -> 
     estimate = remaining_tokens * per_token
     probe = out if out.exists() else next(p for p in out.parents if p.exists())
     free = shutil.disk_usage(probe).free
-    print(f"[extract] estimated size: {_human(estimate)} (~{remaining_tokens:,} tokens x {per_token:,} bytes/token, "
-          f"{basis}); free on {probe}: {_human(free)}", file=sys.stderr, flush=True)
+    print(
+        f"[extract] estimated size: {_human(estimate)} (~{remaining_tokens:,} tokens x {per_token:,} bytes/token, "
+        f"{basis}); free on {probe}: {_human(free)}",
+        file=sys.stderr,
+        flush=True,
+    )
     if free < estimate * DISK_MARGIN:
-        raise DatasetError(f"not enough free disk in {probe}: the dataset needs ~{_human(estimate)} (+10% margin) "
-                           f"but {_human(free)} is free; free space or lower n_samples/max_len (dtype=fp8 stores about "
-                           "half of bf16)")
+        raise DatasetError(
+            f"not enough free disk in {probe}: the dataset needs ~{_human(estimate)} (+10% margin) "
+            f"but {_human(free)} is free; free space or lower n_samples/max_len (dtype=fp8 stores about "
+            "half of bf16)"
+        )
     return estimate
 
 
-def _estimate_tokens(conversations, items: list[int], start: int, cfg: Any,
-                     build: SampleBuilder) -> tuple[int, str]:
+def _estimate_tokens(conversations, items: list[int], start: int, cfg: Any, build: SampleBuilder) -> tuple[int, str]:
     remaining = len(items) - start
     if remaining <= 0:
         return 0, "nothing left"
     if cfg.regenerate:
         return remaining * cfg.max_len, "upper bound: regenerated answers may fill max_len"
-    probe = items[start:start + ESTIMATE_SAMPLES]
+    probe = items[start : start + ESTIMATE_SAMPLES]
     lengths = [len(s) for i in probe if (s := build(i, conversations[i])) is not None]
     mean = sum(lengths) / max(len(probe), 1)
     basis = "measured" if len(probe) == remaining else f"mean of the next {len(probe)} samples"
@@ -240,14 +270,23 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
         print(f"[extract] {out} is already complete", file=sys.stderr)
         return finished
     if target is None:
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=cfg.batch_size,
-                         chat_template=cfg.chat_template)
+        target = load_lm(
+            cfg.target,
+            device=cfg.device,
+            max_seq_len=cfg.max_len + 1,
+            max_batch_size=cfg.batch_size,
+            chat_template=cfg.chat_template,
+        )
     runner, tokenizer = target.runner, target.tokenizer
     config = runner.config
     layers = resolve_layers(cfg.layers, config.num_hidden_layers)
     columns = feature_columns(layers, config.hidden_size, cfg.dtype)
     header = new_header(
-        "features", content_args(cfg), target_identity(cfg.target, config), tokenizer_identity(tokenizer), columns,
+        "features",
+        content_args(cfg),
+        target_identity(cfg.target, config),
+        tokenizer_identity(tokenizer),
+        columns,
         layers={"spec": spec_name(cfg.layers), "ids": layers, "convention": LAYER_CONVENTION},
         compute={"device": runner.device.type, "dtype": str(runner.dtype).removeprefix("torch.")},
         **feature_storage(cfg.dtype),
@@ -266,14 +305,18 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
             manifest = writer.finish()
     manifest = process.merged(manifest)
     elapsed = time.perf_counter() - t0
-    print(f"[extract] wrote {manifest['num_rows']} samples ({manifest['num_tokens']:,} tokens, {manifest['skipped']} "
-          f"skipped) in {len(manifest['shards'])} shards to {out}; this run: {done_tokens:,} tokens in "
-          f"{elapsed:.1f} s", file=sys.stderr)
+    print(
+        f"[extract] wrote {manifest['num_rows']} samples ({manifest['num_tokens']:,} tokens, {manifest['skipped']} "
+        f"skipped) in {len(manifest['shards'])} shards to {out}; this run: {done_tokens:,} tokens in "
+        f"{elapsed:.1f} s",
+        file=sys.stderr,
+    )
     return manifest
 
 
-def _write_items(cfg: Any, target, layers: list[int], writer: ShardWriter, rank: int, world: int,
-                 per_token: int) -> int:
+def _write_items(
+    cfg: Any, target, layers: list[int], writer: ShardWriter, rank: int, world: int, per_token: int
+) -> int:
     """Capture and write this process's source items from where its log stops; returns the tokens written."""
     from tqdm.auto import tqdm  # tqdm: a heavy import, deferred to first use
 
@@ -282,23 +325,39 @@ def _write_items(cfg: Any, target, layers: list[int], writer: ShardWriter, rank:
     require_answers(conversations, cfg.regenerate, cfg.source)
     regenerator = None
     if cfg.regenerate:
-        regenerator = Regenerator(runner, tokenizer, eos_token_ids(tokenizer, target.model.config),
-                                  max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, seed=cfg.seed)
+        regenerator = Regenerator(
+            runner,
+            tokenizer,
+            eos_token_ids(tokenizer, target.model.config),
+            max_len=cfg.max_len,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+        )
     build = SampleBuilder(tokenizer, cfg.max_len, regenerator, window=cfg.window)
     items = my_items(len(conversations), rank, world)
     start = writer.next_source_index
     who = f" (process {rank} of {world}: every {world}th source item from {rank})" if writer.part else ""
     if start:
-        print(f"[extract] resuming {out}{who} at item {start} of {len(items)} ({writer.manifest['num_rows']} "
-              f"samples in {len(writer.manifest['shards'])} shards)", file=sys.stderr)
+        print(
+            f"[extract] resuming {out}{who} at item {start} of {len(items)} ({writer.manifest['num_rows']} "
+            f"samples in {len(writer.manifest['shards'])} shards)",
+            file=sys.stderr,
+        )
     tokens, basis = _estimate_tokens(conversations, items, start, cfg, build)
     check_disk(out, tokens, per_token, basis)
 
     capture = HiddenCapture(runner, layers, cfg.dtype)
     done_tokens, t0 = 0, time.perf_counter()
-    with tqdm(total=len(items), initial=start, desc=f"extract{f' {rank}/{world}' if writer.part else ''}",
-              unit="sample", file=sys.stderr, dynamic_ncols=True, position=rank) as progress:
+    with tqdm(
+        total=len(items),
+        initial=start,
+        desc=f"extract{f' {rank}/{world}' if writer.part else ''}",
+        unit="sample",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        position=rank,
+    ) as progress:
         for samples, source_end, skipped in _batches(conversations, items, start, build, cfg.batch_size):
             rows = capture(samples) if samples else []
             n_tokens = sum(len(s) for s in samples)
@@ -312,6 +371,7 @@ def _write_items(cfg: Any, target, layers: list[int], writer: ShardWriter, rank:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(argv, lambda args: extract(parse_args(args)), doc=__doc__, schema=ExtractConfig)
+
 
 if __name__ == "__main__":
     sys.exit(main())

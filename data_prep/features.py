@@ -53,9 +53,16 @@ def collate_features(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, to
     return batch
 
 
-def check_features(dataset: str | Path | dict[str, Any], *, target: str | None = None, layers: Any = None,
-                   tokenizer=None, dtype: str | None = None, max_len: int | None = None,
-                   allow_incomplete: bool = False) -> dict[str, Any]:
+def check_features(
+    dataset: str | Path | dict[str, Any],
+    *,
+    target: str | None = None,
+    layers: Any = None,
+    tokenizer=None,
+    dtype: str | None = None,
+    max_len: int | None = None,
+    allow_incomplete: bool = False,
+) -> dict[str, Any]:
     """Refuse (``DatasetError``, one line) a feature dataset that does not match what training expects.
 
     ``target``: a target name/dir, compared by config hash and weights hash; ``layers``: a layer spec
@@ -67,40 +74,53 @@ def check_features(dataset: str | Path | dict[str, Any], *, target: str | None =
     manifest = dataset if isinstance(dataset, dict) else read_manifest(dataset)
     where = manifest.get("args", {}).get("out", "the dataset") if isinstance(dataset, dict) else str(dataset)
     if manifest.get("kind") != "features":
-        raise DatasetError(f"{where} holds {manifest.get('kind')}, not hidden-state features "
-                           "(python -m data_prep.extract makes those)")
+        raise DatasetError(
+            f"{where} holds {manifest.get('kind')}, not hidden-state features (python -m data_prep.extract makes those)"
+        )
     if not manifest["complete"] and not allow_incomplete:
-        raise DatasetError(f"{where} is incomplete ({manifest['num_rows']} samples so far): re-run its extract "
-                           "command to finish it")
+        raise DatasetError(
+            f"{where} is incomplete ({manifest['num_rows']} samples so far): re-run its extract command to finish it"
+        )
     have = manifest["target"]
     if target is not None:
         want = model_identity(str(target))
         if (have["config_hash"], have["weights_hash"]) != (want["config_hash"], want["weights_hash"]):
-            raise DatasetError(f"{where} was extracted from target '{have['name']}' (config {have['config_hash']}, "
-                               f"weights {have['weights_hash']}), not '{target}' (config {want['config_hash']}, "
-                               f"weights {want['weights_hash']}): re-extract with target={target}")
+            raise DatasetError(
+                f"{where} was extracted from target '{have['name']}' (config {have['config_hash']}, "
+                f"weights {have['weights_hash']}), not '{target}' (config {want['config_hash']}, "
+                f"weights {want['weights_hash']}): re-extract with target={target}"
+            )
     stored = manifest["layers"]
     if stored["convention"] != LAYER_CONVENTION:
-        raise DatasetError(f"{where} names layers as '{stored['convention']}', this spectrain uses "
-                           f"'{LAYER_CONVENTION}': re-extract")
+        raise DatasetError(
+            f"{where} names layers as '{stored['convention']}', this spectrain uses '{LAYER_CONVENTION}': re-extract"
+        )
     if layers is not None:
         wanted = resolve_layers(layers, have["num_layers"])
         if wanted != stored["ids"]:
-            raise DatasetError(f"{where} holds layers {stored['ids']} ({stored['spec']}), the recipe wants "
-                               f"{wanted} ({layers}): re-extract with layers={layers}")
+            raise DatasetError(
+                f"{where} holds layers {stored['ids']} ({stored['spec']}), the recipe wants "
+                f"{wanted} ({layers}): re-extract with layers={layers}"
+            )
     if tokenizer is not None:
         want_tok = tokenizer_identity(tokenizer)
         for key, what in (("vocab_hash", "vocabulary"), ("chat_template_hash", "chat template")):
             if manifest["tokenizer"][key] != want_tok[key]:
-                raise DatasetError(f"{where} was tokenized with another {what} ({key} "
-                                   f"{manifest['tokenizer'][key]} != {want_tok[key]}): re-extract with this "
-                                   "target's tokenizer")
+                raise DatasetError(
+                    f"{where} was tokenized with another {what} ({key} "
+                    f"{manifest['tokenizer'][key]} != {want_tok[key]}): re-extract with this "
+                    "target's tokenizer"
+                )
     if dtype is not None and manifest["args"]["dtype"] != dtype:
-        raise DatasetError(f"{where} stores {manifest['args']['dtype']} features, the recipe wants {dtype}: "
-                           f"re-extract with dtype={dtype} or set the recipe's dtype")
+        raise DatasetError(
+            f"{where} stores {manifest['args']['dtype']} features, the recipe wants {dtype}: "
+            f"re-extract with dtype={dtype} or set the recipe's dtype"
+        )
     if max_len is not None and manifest["args"]["max_len"] < max_len:
-        raise DatasetError(f"{where} was cut at max_len={manifest['args']['max_len']} < the recipe's {max_len}: "
-                           f"re-extract with max_len={max_len}")
+        raise DatasetError(
+            f"{where} was cut at max_len={manifest['args']['max_len']} < the recipe's {max_len}: "
+            f"re-extract with max_len={max_len}"
+        )
     return manifest
 
 

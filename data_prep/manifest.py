@@ -52,22 +52,42 @@ class DatasetError(UserError):
 
 def tokenizer_identity(tokenizer) -> dict[str, Any]:
     """Vocabulary hash and chat-template hash: a dataset tokenized with another tokenizer or template is wrong."""
-    return {"vocab_hash": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
-            "chat_template_hash": chat_template_hash(tokenizer)}
+    return {
+        "vocab_hash": tokenizer_fingerprint(tokenizer),
+        "vocab_size": len(tokenizer),
+        "chat_template_hash": chat_template_hash(tokenizer),
+    }
 
 
 def target_identity(name: str, config) -> dict[str, Any]:
     """``core.assets.model_identity`` plus the shape facts a consumer checks (layers, hidden size)."""
-    return {**model_identity(str(name)), "num_layers": int(config.num_hidden_layers),
-            "hidden_size": int(config.hidden_size)}
+    return {
+        **model_identity(str(name)),
+        "num_layers": int(config.num_hidden_layers),
+        "hidden_size": int(config.hidden_size),
+    }
 
 
-def new_header(kind: str, args: dict[str, Any], target: dict[str, Any], tokenizer: dict[str, Any],
-               columns: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def new_header(
+    kind: str,
+    args: dict[str, Any],
+    target: dict[str, Any],
+    tokenizer: dict[str, Any],
+    columns: dict[str, Any],
+    **extra: Any,
+) -> dict[str, Any]:
     """A manifest header; ``extra`` holds kind-specific blocks (``layers``, ``drafter``, ...), also compared."""
-    return {"format": "spectrain." + kind, "format_version": FORMAT_VERSION, "kind": kind,
-            "spectrain_version": __version__, "args": args, "target": target, "tokenizer": tokenizer,
-            "columns": columns, **extra}
+    return {
+        "format": "spectrain." + kind,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "spectrain_version": __version__,
+        "args": args,
+        "target": target,
+        "tokenizer": tokenizer,
+        "columns": columns,
+        **extra,
+    }
 
 
 def header_of(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -86,14 +106,19 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 def header_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """``key: stored != wanted`` for every dotted header key that differs (missing keys included)."""
     old, new = _flatten(header_of(stored)), _flatten(header_of(wanted))
-    return [f"{key}: {old.get(key, '<absent>')!r} != {new.get(key, '<absent>')!r}"
-            for key in sorted(set(old) | set(new)) if old.get(key, "<absent>") != new.get(key, "<absent>")]
+    return [
+        f"{key}: {old.get(key, '<absent>')!r} != {new.get(key, '<absent>')!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key, "<absent>") != new.get(key, "<absent>")
+    ]
 
 
 def settings_mismatch(directory: str | Path, diffs: list[str]) -> DatasetError:
     more = f" (+{len(diffs) - 2} more)" if len(diffs) > 2 else ""
-    return DatasetError(f"{directory} holds a dataset made with different settings ({'; '.join(diffs[:2])}{more}): "
-                        "re-run with the original arguments to resume, or choose a new out=DIR")
+    return DatasetError(
+        f"{directory} holds a dataset made with different settings ({'; '.join(diffs[:2])}{more}): "
+        "re-run with the original arguments to resume, or choose a new out=DIR"
+    )
 
 
 def refuse_other_args(directory: str | Path, args: dict[str, Any], name: str = MANIFEST_NAME) -> None:
@@ -109,21 +134,28 @@ def read_manifest(directory: str | Path, name: str = MANIFEST_NAME) -> dict[str,
     """``directory/manifest.json`` (or a process's own commit log, ``name`` = ``ranks/rank-R-of-N.json``)."""
     path = Path(directory) / name
     if not path.is_file() and name == MANIFEST_NAME and (Path(directory) / RANKS_DIR).is_dir():
-        raise DatasetError(f"{directory} is unfinished: its processes' parts are in {Path(directory) / RANKS_DIR} and "
-                           "the manifest is written when all are complete; re-run the same torchrun command")
+        raise DatasetError(
+            f"{directory} is unfinished: its processes' parts are in {Path(directory) / RANKS_DIR} and "
+            "the manifest is written when all are complete; re-run the same torchrun command"
+        )
     if not path.is_file():
-        raise DatasetError(f"{directory} has no {name}: not a spectrain dataset (create one with "
-                           "python -m data_prep.extract or data_prep.traces)")
+        raise DatasetError(
+            f"{directory} has no {name}: not a spectrain dataset (create one with "
+            "python -m data_prep.extract or data_prep.traces)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise DatasetError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); restore or re-create "
-                           "the dataset") from None
+        raise DatasetError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}); restore or re-create the dataset"
+        ) from None
     if not isinstance(manifest, dict) or not str(manifest.get("format", "")).startswith("spectrain."):
         raise DatasetError(f"{path} is not a spectrain manifest (no 'format' key)")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise DatasetError(f"{path} has format_version {manifest.get('format_version')}, this spectrain reads "
-                           f"{FORMAT_VERSION}; re-create the dataset")
+        raise DatasetError(
+            f"{path} has format_version {manifest.get('format_version')}, this spectrain reads "
+            f"{FORMAT_VERSION}; re-create the dataset"
+        )
     return manifest
 
 

@@ -42,9 +42,14 @@ class NgramCorpusConfig:
     min_count: int = 6  # keep grams seen at least this often (the original: count > 5)
 
 
-def count_ngrams(docs: Iterable[Sequence[int]], key_lens: Sequence[int] = KEY_LENS, gram_len: int = GRAM_LEN,
-                 max_per_key: int = 20, min_count: int = 6,
-                 progress=None) -> dict[int, dict[Gram, list[tuple[Gram, int]]]]:
+def count_ngrams(
+    docs: Iterable[Sequence[int]],
+    key_lens: Sequence[int] = KEY_LENS,
+    gram_len: int = GRAM_LEN,
+    max_per_key: int = 20,
+    min_count: int = 6,
+    progress=None,
+) -> dict[int, dict[Gram, list[tuple[Gram, int]]]]:
     """``{key_len: {key: [(gram, count), ...]}}``: the ``gram_len`` tokens following every occurrence of each
     ``key_len``-token key, at most ``max_per_key`` per key (count descending, ties by gram), count >= min_count.
     """
@@ -61,7 +66,7 @@ def count_ngrams(docs: Iterable[Sequence[int]], key_lens: Sequence[int] = KEY_LE
         tables[key_len] = {}
         if tokens.size >= width:
             windows = np.lib.stride_tricks.sliding_window_view(tokens, width)
-            same_doc = doc_id[: len(windows)] == doc_id[width - 1:]
+            same_doc = doc_id[: len(windows)] == doc_id[width - 1 :]
             rows, counts = np.unique(windows[same_doc], axis=0, return_counts=True)  # rows sorted by key, gram
             frequent = counts >= min_count
             tables[key_len] = _top_per_key(rows[frequent], counts[frequent], key_len, max_per_key)
@@ -70,8 +75,9 @@ def count_ngrams(docs: Iterable[Sequence[int]], key_lens: Sequence[int] = KEY_LE
     return tables
 
 
-def _top_per_key(rows: np.ndarray, counts: np.ndarray, key_len: int,
-                 max_per_key: int) -> dict[Gram, list[tuple[Gram, int]]]:
+def _top_per_key(
+    rows: np.ndarray, counts: np.ndarray, key_len: int, max_per_key: int
+) -> dict[Gram, list[tuple[Gram, int]]]:
     # Sort by key, then count descending; np.unique already sorted grams within a key, so ties stay by gram.
     order = np.lexsort((-counts, *[rows[:, c] for c in reversed(range(key_len))]))
     table: dict[Gram, list[tuple[Gram, int]]] = {}
@@ -84,8 +90,12 @@ def _top_per_key(rows: np.ndarray, counts: np.ndarray, key_len: int,
 
 def corpus_documents(source: str, n_samples: int, split: str = "train") -> list[str]:
     """The text of every turn of the first ``n_samples`` conversations of a prompt source."""
-    return [turn["content"] for conv in load_prompts(source, n=n_samples, split=split) for turn in conv.turns
-            if turn["content"].strip()]
+    return [
+        turn["content"]
+        for conv in load_prompts(source, n=n_samples, split=split)
+        for turn in conv.turns
+        if turn["content"].strip()
+    ]
 
 
 def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
@@ -99,8 +109,8 @@ def build_corpus(cfg: NgramCorpusConfig) -> CorpusCache:
     batch = 64
     with tqdm(total=len(texts), desc="tokenize", unit="doc", file=sys.stderr) as progress:
         for i in range(0, len(texts), batch):
-            docs.extend(tokenizer(texts[i:i + batch], add_special_tokens=False)["input_ids"])
-            progress.update(len(texts[i:i + batch]))
+            docs.extend(tokenizer(texts[i : i + batch], add_special_tokens=False)["input_ids"])
+            progress.update(len(texts[i : i + batch]))
     with tqdm(total=len(KEY_LENS), desc="count", unit="key length", file=sys.stderr) as progress:
         tables = count_ngrams(docs, KEY_LENS, GRAM_LEN, cfg.max_per_key, cfg.min_count, progress)
     meta = {
@@ -135,8 +145,10 @@ def _build(args: list[str]) -> tuple[Any, CorpusCache]:
 def _report(outcome: tuple[Any, CorpusCache]) -> None:
     cfg, corpus = outcome
     keys = ", ".join(f"{n}: {k}" for n, k in corpus.num_keys().items())
-    print(f"wrote {cfg.out}: {corpus.meta['n_tokens']} tokens from {corpus.meta['n_documents']} documents; "
-          f"keys per key length {{{keys}}}")
+    print(
+        f"wrote {cfg.out}: {corpus.meta['n_tokens']} tokens from {corpus.meta['n_documents']} documents; "
+        f"keys per key length {{{keys}}}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,16 +27,27 @@ def check_fills_global_batch(n: int, batch_size: int, world: int) -> None:
     """Refuse (one line) ``n`` samples that fill no global batch of ``world`` processes: each would train 0 steps
     (the trailing partial global batch is dropped), silently."""
     if world > 1 and n < world * batch_size:
-        raise UserError(f"{n} training samples do not fill one global batch of {world} processes x batch_size "
-                         f"{batch_size} = {world * batch_size}, so nothing would train; give more samples, a "
-                         "smaller data.batch_size or fewer processes")
+        raise UserError(
+            f"{n} training samples do not fill one global batch of {world} processes x batch_size "
+            f"{batch_size} = {world * batch_size}, so nothing would train; give more samples, a "
+            "smaller data.batch_size or fewer processes"
+        )
 
 
 class RankSlicedSampler(Sampler[int]):
     """Sample indices of process ``rank``'s rows of each global batch (see the module docstring)."""
 
-    def __init__(self, n: int, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None,
-                 rank: int = 0, world: int = 1, skip: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        generator: torch.Generator | None = None,
+        rank: int = 0,
+        world: int = 1,
+        skip: frozenset[int] = frozenset(),
+    ):
         """``skip``: indices drawn in the permutation but never yielded, so the others come in the order a run
         that yields them draws (a length bucket that only one process count fills, ``data_prep.datamodules``)."""
         if shuffle and generator is None:
@@ -73,7 +84,7 @@ class _RankSliceIterator(Iterator[int]):
         span = s.batch_size * s.world
         mine: list[int] = []
         for start in range(0, s.global_batches() * span, span):
-            mine += order[start + s.rank * s.batch_size:start + (s.rank + 1) * s.batch_size]
+            mine += order[start + s.rank * s.batch_size : start + (s.rank + 1) * s.batch_size]
         return mine
 
     def __next__(self) -> int:

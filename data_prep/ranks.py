@@ -21,8 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from core.overrides import OverrideError
-from data_prep.manifest import (MANIFEST_NAME, RANKS_DIR, DatasetError, commit_log, header_differences,
-                                header_of, read_manifest, refuse_other_args, write_manifest)
+from data_prep.manifest import (
+    MANIFEST_NAME,
+    RANKS_DIR,
+    DatasetError,
+    commit_log,
+    header_differences,
+    header_of,
+    read_manifest,
+    refuse_other_args,
+    write_manifest,
+)
 
 POLL_SECONDS = 0.5
 PART = re.compile(r"rank-(\d+)-of-(\d+)")
@@ -33,10 +42,14 @@ def launch_rank() -> tuple[int, int]:
     try:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     except ValueError:
-        raise OverrideError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
-                            "integers; launch with torchrun --nproc_per_node=N -m ...") from None
+        raise OverrideError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not "
+            "integers; launch with torchrun --nproc_per_node=N -m ..."
+        ) from None
     if world < 1 or not 0 <= rank < world:
-        raise OverrideError(f"RANK={rank} is outside WORLD_SIZE={world}; launch with torchrun --nproc_per_node=N -m ...")
+        raise OverrideError(
+            f"RANK={rank} is outside WORLD_SIZE={world}; launch with torchrun --nproc_per_node=N -m ..."
+        )
     return rank, world
 
 
@@ -61,8 +74,10 @@ def refuse_other_world(found: set[int], world: int, where: Path, command: str) -
         return
     was = other[0]
     launch = f"torchrun --nproc_per_node={was} -m {command}" if was > 1 else f"python -m {command} (one process)"
-    raise OverrideError(f"{where} holds the unfinished parts of a {was}-process run, this is a {world}-process run; "
-                        f"resume it with {launch}, or choose a new out=")
+    raise OverrideError(
+        f"{where} holds the unfinished parts of a {was}-process run, this is a {world}-process run; "
+        f"resume it with {launch}, or choose a new out="
+    )
 
 
 def wait_for(done: Callable[[], bool], what: str) -> None:
@@ -109,10 +124,16 @@ def merge_dataset_parts(out: Path, world: int) -> dict[str, Any]:
     for rank, log in enumerate(logs[1:], start=1):
         diffs = header_differences(logs[0], log)
         if diffs:  # e.g. processes that loaded the target on different devices or dtypes
-            raise DatasetError(f"process {rank} of {world} wrote {out} with other settings than process 0 "
-                               f"({diffs[0]}); run every process with the same arguments")
-    merged = {**header_of(logs[0]), "shards": [entry for log in logs for entry in log["shards"]],
-              "complete": True, "processes": world}
+            raise DatasetError(
+                f"process {rank} of {world} wrote {out} with other settings than process 0 "
+                f"({diffs[0]}); run every process with the same arguments"
+            )
+    merged = {
+        **header_of(logs[0]),
+        "shards": [entry for log in logs for entry in log["shards"]],
+        "complete": True,
+        "processes": world,
+    }
     for key in ("next_source_index", "num_rows", "num_tokens", "skipped"):
         merged[key] = sum(int(log[key]) for log in logs)
     write_manifest(out, merged)
@@ -142,8 +163,9 @@ class DatasetPart:
         process's own)."""
         if self.world == 1 or self.rank != 0:
             return manifest
-        wait_for(lambda: parts_complete(self.out, self.world),
-                 f"the other {self.world - 1} process(es) to finish {self.out}")
+        wait_for(
+            lambda: parts_complete(self.out, self.world), f"the other {self.world - 1} process(es) to finish {self.out}"
+        )
         return merge_dataset_parts(self.out, self.world)
 
 

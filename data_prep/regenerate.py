@@ -46,8 +46,10 @@ from inference.batched_generation import ContinuousBatcher, Job
 from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device
 from inference.sampling import SamplingParams
 
-USAGE = ("python -m data_prep.regenerate target=smollm2 source=gsm_symbolic_train n_samples=N max_len=L "
-         "batch_size=16 out=FILE.jsonl")
+USAGE = (
+    "python -m data_prep.regenerate target=smollm2 source=gsm_symbolic_train n_samples=N max_len=L "
+    "batch_size=16 out=FILE.jsonl"
+)
 
 
 def job_seed(seed: int, index: int, turn: int = 0) -> int:
@@ -56,13 +58,24 @@ def job_seed(seed: int, index: int, turn: int = 0) -> int:
 
 
 class Regenerator:
-    def __init__(self, runner, tokenizer, eos_ids: list[int], *, max_len: int, max_new_tokens: int,
-                 temperature: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        runner,
+        tokenizer,
+        eos_ids: list[int],
+        *,
+        max_len: int,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ):
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if runner.max_seq_len < max_len + 1:
-            raise UserError(f"the target runner holds {runner.max_seq_len} tokens; regenerating up to "
-                             f"max_len={max_len} needs max_seq_len >= {max_len + 1}")
+            raise UserError(
+                f"the target runner holds {runner.max_seq_len} tokens; regenerating up to "
+                f"max_len={max_len} needs max_seq_len >= {max_len + 1}"
+            )
         self.algorithm = build_algorithm("ar", runner)
         self.tokenizer = tokenizer
         self.eos_ids = list(eos_ids)
@@ -73,8 +86,12 @@ class Regenerator:
 
     def describe(self) -> dict:
         """What the manifest records about regeneration."""
-        return {"engine": "inference.algorithms.ar", "max_new_tokens": self.max_new_tokens,
-                "temperature": self.sampling.temperature, "seed": self.seed}
+        return {
+            "engine": "inference.algorithms.ar",
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.sampling.temperature,
+            "seed": self.seed,
+        }
 
     def __call__(self, index: int, conversation: Conversation) -> Conversation:
         generator = torch.Generator().manual_seed(job_seed(self.seed, index))
@@ -86,14 +103,14 @@ class Regenerator:
             budget = min(self.max_new_tokens, self.max_len - len(ids))
             if budget < 1:  # the prompt alone fills max_len: later turns would be cut off anyway
                 break
-            tokens = self.algorithm.generate(ids, max_new_tokens=budget, sampling=self.sampling,
-                                             generator=generator, eos_ids=self.eos_ids).tokens
+            tokens = self.algorithm.generate(
+                ids, max_new_tokens=budget, sampling=self.sampling, generator=generator, eos_ids=self.eos_ids
+            ).tokens
             if tokens and tokens[-1] in self.eos_ids:
                 tokens = tokens[:-1]  # the chat template adds the end-of-turn token itself
             answers.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
         if not answers:
-            return Conversation(conversation.id, prompt_turns(conversation), conversation.source,
-                                conversation.meta)
+            return Conversation(conversation.id, prompt_turns(conversation), conversation.source, conversation.meta)
         turns = prompt_turns(conversation, answers[:-1]) + [{"role": "assistant", "content": answers[-1]}]
         return Conversation(conversation.id, turns, conversation.source, {**conversation.meta, "regenerated": True})
 
@@ -173,14 +190,18 @@ def read_done(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]:
     diffs = {k: (written.get(k), v) for k, v in header["settings"].items() if written.get(k) != v}
     if diffs:
         key, (old, new) = next(iter(diffs.items()))
-        raise UserError(f"{path} was written with other settings ({key}={old!r}, now {new!r}; {len(diffs)} differ); "
-                         "use the same settings to resume, or another out=")
+        raise UserError(
+            f"{path} was written with other settings ({key}={old!r}, now {new!r}; {len(diffs)} differ); "
+            "use the same settings to resume, or another out="
+        )
     done = {}
     for lineno, line in enumerate(lines[1:], start=2):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{lineno}: damaged line ({err.msg}); remove that line and re-run to redo it") from None
+            raise UserError(
+                f"{path}:{lineno}: damaged line ({err.msg}); remove that line and re-run to redo it"
+            ) from None
         done[int(record["source_index"])] = record
     return done
 
@@ -239,8 +260,12 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     out = Path(cfg.out)
     header = {"settings": settings(cfg)}
     rank, world = launch_rank()
-    refuse_other_world(part_worlds(p.name for p in out.parent.glob(f"{out.name}.rank-*")) or {world}, world, out,
-                       "data_prep.regenerate ...")
+    refuse_other_world(
+        part_worlds(p.name for p in out.parent.glob(f"{out.name}.rank-*")) or {world},
+        world,
+        out,
+        "data_prep.regenerate ...",
+    )
     path = out if world == 1 else part_file(out, rank, world)  # where this process writes
     done = read_done(out, header)  # refuses other settings before any model loads
     if world > 1:  # an earlier run's marker says nothing about this run's part
@@ -255,8 +280,14 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
         done = {i: r for i, r in {**done, **read_done(path, header)}.items() if i in mine}
     if target is None:
         # Spare rows: new prompts are prefilled apart from the running batch (inference.batched_generation).
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_len + 1, max_batch_size=2 * cfg.batch_size,
-                         dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
+        target = load_lm(
+            cfg.target,
+            device=cfg.device,
+            max_seq_len=cfg.max_len + 1,
+            max_batch_size=2 * cfg.batch_size,
+            dtype=model_dtype(cfg.dtype, pick_device(cfg.device)),
+            chat_template=cfg.chat_template,
+        )
     eos = eos_token_ids(target.tokenizer, target.model.config)
     header["target"] = cfg.target
     # Whether each answer is bitwise the one-prompt AR answer (exact mode covers batched CPU rows, fp32 and bf16).
@@ -267,15 +298,28 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
     if done:
         print(f"[regenerate] resuming {path}: {len(done)} of {len(items)} conversations done", file=sys.stderr)
     queue = _ConversationQueue(conversations, todo, target.tokenizer, cfg)
-    batcher = ContinuousBatcher(target.runner, batch_size=cfg.batch_size, eos_ids=eos,
-                                sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))
+    batcher = ContinuousBatcher(
+        target.runner,
+        batch_size=cfg.batch_size,
+        eos_ids=eos,
+        sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
+    )
     if world > 1:  # the part holds exactly what done says (records found in out included)
         write_records(path, header, done)
     mode = "a" if path.exists() and path.stat().st_size else "w"
     start = time.perf_counter()
-    with open(path, mode, encoding="utf-8") as handle, \
-            tqdm(total=len(items), initial=len(done), desc="regenerate", unit="conv", file=sys.stderr,
-                 dynamic_ncols=True, position=rank) as progress:
+    with (
+        open(path, mode, encoding="utf-8") as handle,
+        tqdm(
+            total=len(items),
+            initial=len(done),
+            desc="regenerate",
+            unit="conv",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            position=rank,
+        ) as progress,
+    ):
         if mode == "w":
             handle.write(json.dumps({HEADER_KEY: header}) + "\n")
 
@@ -311,12 +355,20 @@ def regenerate(cfg: Any, target=None) -> dict[str, Any]:
         if rank == 0:
             merge_parts(out, header, world, len(conversations))
     answered = sum(1 for i in done if i < len(conversations))
-    summary = {"conversations": answered, "skipped": len(items) - answered, "new_tokens": batcher.new_tokens,
-               "wall_s": round(elapsed, 2), "tokens_per_s": round(batcher.new_tokens / max(elapsed, 1e-9), 2),
-               "forwards": batcher.forwards, "exactness": exact.summary()}
-    print(f"[regenerate] {out}: {summary['conversations']} conversations ({summary['skipped']} without room for an "
-          f"answer); this run {summary['new_tokens']:,} tokens in {elapsed:.1f} s = {summary['tokens_per_s']} tokens/s",
-          file=sys.stderr)
+    summary = {
+        "conversations": answered,
+        "skipped": len(items) - answered,
+        "new_tokens": batcher.new_tokens,
+        "wall_s": round(elapsed, 2),
+        "tokens_per_s": round(batcher.new_tokens / max(elapsed, 1e-9), 2),
+        "forwards": batcher.forwards,
+        "exactness": exact.summary(),
+    }
+    print(
+        f"[regenerate] {out}: {summary['conversations']} conversations ({summary['skipped']} without room for an "
+        f"answer); this run {summary['new_tokens']:,} tokens in {elapsed:.1f} s = {summary['tokens_per_s']} tokens/s",
+        file=sys.stderr,
+    )
     return summary
 
 
@@ -348,8 +400,10 @@ def merge_parts(out: Path, header: dict[str, Any], world: int, conversations: in
     """Rank 0, once every part is finished for this run's ``conversations``: one file in source order, written
     atomically; then the parts go."""
     parts = [part_file(out, rank, world) for rank in range(world)]
-    wait_for(lambda: all(part_finished(p, conversations) for p in parts),
-             f"the other {world - 1} process(es) to finish {out}")
+    wait_for(
+        lambda: all(part_finished(p, conversations) for p in parts),
+        f"the other {world - 1} process(es) to finish {out}",
+    )
     done = read_done(out, header)
     for part in parts:
         done.update(read_done(part, header))

@@ -38,8 +38,12 @@ def load_source(source: str, n_samples: int, seed: int = 0, split: str = "all") 
         raise UserError(f"n_samples must be >= 1, got {n_samples}")
     conversations = load_prompts(source, n=n_samples, seed=seed, split=split)
     if not conversations:
-        hint = ("; a file written from one split (data_prep.regenerate split=train) holds none of the other: give "
-                "validation its own source (data.val_source=...)" if split == "eval" and source.startswith("jsonl:") else "")
+        hint = (
+            "; a file written from one split (data_prep.regenerate split=train) holds none of the other: give "
+            "validation its own source (data.val_source=...)"
+            if split == "eval" and source.startswith("jsonl:")
+            else ""
+        )
         raise UserError(f"source '{source}' (split={split}) gave no conversations{hint}")
     return conversations
 
@@ -75,11 +79,13 @@ def answer_window(ids: list[int], mask: list[int], max_len: int) -> tuple[list[i
     if len(ids) <= max_len or any(mask[:max_len]) or not any(mask):
         return ids[:max_len], mask[:max_len]
     start = mask.index(1) - max_len // 2
-    return ids[start:start + max_len], mask[start:start + max_len]
+    return ids[start : start + max_len], mask[start : start + max_len]
 
 
 def require_answers(conversations: list[Conversation], regenerate: bool, source: str) -> None:
     """Refuse a prompt-only source without regeneration: every sample would be skipped."""
     if not regenerate and not any(t["role"] == "assistant" for c in conversations for t in c.turns):
-        raise UserError(f"source '{source}' has no assistant turns to learn from; add regenerate=true to answer "
-                         "its prompts with the target")
+        raise UserError(
+            f"source '{source}' has no assistant turns to learn from; add regenerate=true to answer "
+            "its prompts with the target"
+        )

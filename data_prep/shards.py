@@ -34,16 +34,40 @@ import torch
 from core.assets import sha256_file
 from core.atomic import atomic_directory
 from core.errors import UserError
-from data_prep.manifest import (RANKS_DIR, DatasetError, commit_log, header_differences, read_manifest,
-                                settings_mismatch, write_manifest)
+from data_prep.manifest import (
+    RANKS_DIR,
+    DatasetError,
+    commit_log,
+    header_differences,
+    read_manifest,
+    settings_mismatch,
+    write_manifest,
+)
 
 SHARDS_DIR = "shards"
 SHARD_FILE = "data.arrow"
-STORAGE_DTYPE = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float16": "float16", "float32": "float32",
-                 "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "bool": "bool"}
-TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float16": torch.float16,
-               "float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-               "int8": torch.int8, "bool": torch.bool}
+STORAGE_DTYPE = {
+    "bfloat16": "int16",
+    "float8_e4m3fn": "int8",
+    "float16": "float16",
+    "float32": "float32",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "bool": "bool",
+}
+TORCH_DTYPE = {
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "bool": torch.bool,
+}
 BIT_PATTERN = {"bfloat16": torch.int16, "float8_e4m3fn": torch.int8}  # dtypes Arrow lacks: stored as their bits
 
 
@@ -116,8 +140,7 @@ class ShardWriter:
     holds ``shard_size`` rows, at the item boundary. ``finish()`` commits the tail and marks it complete.
     """
 
-    def __init__(self, directory: str | Path, header: dict[str, Any], shard_size: int, *,
-                 part: str | None = None):
+    def __init__(self, directory: str | Path, header: dict[str, Any], shard_size: int, *, part: str | None = None):
         if shard_size < 1:
             raise UserError(f"shard_size must be >= 1, got {shard_size}")
         self.directory = Path(directory)
@@ -151,11 +174,19 @@ class ShardWriter:
             return manifest
         others = (SHARDS_DIR, RANKS_DIR) if self.part else ()  # the other processes' parts
         if self.directory.exists() and any(p.name not in others for p in self.directory.iterdir()):
-            raise DatasetError(f"{self.directory} exists, is not empty and has no manifest.json: choose a new or "
-                               "empty out=DIR")
+            raise DatasetError(
+                f"{self.directory} exists, is not empty and has no manifest.json: choose a new or empty out=DIR"
+            )
         self._created = False
-        return {**header, "shards": [], "next_source_index": 0, "num_rows": 0, "num_tokens": 0, "skipped": 0,
-                "complete": False}
+        return {
+            **header,
+            "shards": [],
+            "next_source_index": 0,
+            "num_rows": 0,
+            "num_tokens": 0,
+            "skipped": 0,
+            "complete": False,
+        }
 
     def _create(self) -> None:
         if not self._created:
@@ -216,8 +247,10 @@ class ShardWriter:
         if self._rows:
             self._commit()
         if not self.manifest["shards"]:
-            raise DatasetError(f"no source item produced a row ({self._skipped} skipped); nothing written to "
-                               f"{self.directory} (check the source and its assistant turns)")
+            raise DatasetError(
+                f"no source item produced a row ({self._skipped} skipped); nothing written to "
+                f"{self.directory} (check the source and its assistant turns)"
+            )
         if self._end > self.next_source_index:  # trailing items without rows: they belong to the last shard
             last = self.manifest["shards"][-1]
             last["end_source_index"] = self._end
@@ -258,9 +291,16 @@ class ShardWriter:
         num_rows, _ = self._arrow.finalize()
         self._arrow.close()
         self._arrow = None
-        entry = {"name": shard_name(len(self.manifest["shards"]), self.prefix), "num_rows": num_rows, "num_tokens": self._tokens,
-                 "first_source_index": self._first, "end_source_index": self._end, "skipped": self._skipped,
-                 "bytes": (self._tmp / SHARD_FILE).stat().st_size, "sha256": sha256_file(self._tmp / SHARD_FILE)}
+        entry = {
+            "name": shard_name(len(self.manifest["shards"]), self.prefix),
+            "num_rows": num_rows,
+            "num_tokens": self._tokens,
+            "first_source_index": self._first,
+            "end_source_index": self._end,
+            "skipped": self._skipped,
+            "bytes": (self._tmp / SHARD_FILE).stat().st_size,
+            "sha256": sha256_file(self._tmp / SHARD_FILE),
+        }
         self._stack.close()  # the atomic rename into shards/<name>
         self._stack = None
         # Only now does the shard exist for readers and resumed runs.
@@ -287,11 +327,14 @@ def verify_shards(directory: str | Path, manifest: dict[str, Any], checksums: bo
             raise DatasetError(f"{where} is missing ({path}); re-create the dataset in a new out=DIR")
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise DatasetError(f"{where} is truncated or altered ({size} bytes, manifest says {entry['bytes']}); "
-                               "re-create the dataset in a new out=DIR")
+            raise DatasetError(
+                f"{where} is truncated or altered ({size} bytes, manifest says {entry['bytes']}); "
+                "re-create the dataset in a new out=DIR"
+            )
         if checksums and sha256_file(path) != entry["sha256"]:
-            raise DatasetError(f"{where} is corrupt (sha256 differs from the manifest); re-create the dataset "
-                               "in a new out=DIR")
+            raise DatasetError(
+                f"{where} is corrupt (sha256 differs from the manifest); re-create the dataset in a new out=DIR"
+            )
 
 
 class ShardReader:
@@ -314,12 +357,16 @@ class ShardReader:
             try:
                 table = Dataset.from_file(str(path)).data.table
             except Exception as exc:  # Arrow's own errors are multi-line and do not name the shard
-                raise DatasetError(f"shard {entry['name']} of {directory} cannot be read "
-                                   f"({str(exc).splitlines()[0][:120]}); re-create the dataset") from None
+                raise DatasetError(
+                    f"shard {entry['name']} of {directory} cannot be read "
+                    f"({str(exc).splitlines()[0][:120]}); re-create the dataset"
+                ) from None
             if table.num_rows != entry["num_rows"] or set(table.column_names) != set(self.columns):
-                raise DatasetError(f"shard {entry['name']} of {directory} holds {table.num_rows} rows / columns "
-                                   f"{sorted(table.column_names)}, the manifest lists {entry['num_rows']} / "
-                                   f"{sorted(self.columns)}; re-create the dataset")
+                raise DatasetError(
+                    f"shard {entry['name']} of {directory} holds {table.num_rows} rows / columns "
+                    f"{sorted(table.column_names)}, the manifest lists {entry['num_rows']} / "
+                    f"{sorted(self.columns)}; re-create the dataset"
+                )
             self.tables.append(table)
         self.offsets = np.cumsum([0] + [t.num_rows for t in self.tables])
 
@@ -335,8 +382,9 @@ class ShardReader:
     def row(self, index: int, columns: list[str] | None = None) -> dict[str, Any]:
         shard, local = self.locate(index)
         table = self.tables[shard].slice(local, 1)
-        return {name: _cell(table.column(name).chunk(0), self.columns[name])
-                for name in (columns or list(self.columns))}
+        return {
+            name: _cell(table.column(name).chunk(0), self.columns[name]) for name in (columns or list(self.columns))
+        }
 
     def column_arrays(self, name: str):
         """Yield one flat numpy array per row of a list column (fast scans, e.g. token counts)."""
@@ -347,7 +395,7 @@ class ShardReader:
                 values = chunk.flatten().to_numpy(zero_copy_only=spec["dtype"] != "bool")
                 base = offsets[0]
                 for start, end in zip(offsets[:-1], offsets[1:]):
-                    yield values[start - base:end - base]
+                    yield values[start - base : end - base]
 
 
 def _cell(array, spec: dict[str, Any]):

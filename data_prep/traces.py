@@ -64,8 +64,10 @@ from inference.drafters import eos_token_ids, load_draft_lm, load_lm
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
-USAGE = ("python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "
-         "temperature=0 [positions=sps|specbranch] out=DIR")
+USAGE = (
+    "python -m data_prep.traces target=smollm2 drafter=PATH source=mt_bench n_samples=N gamma=7 "
+    "temperature=0 [positions=sps|specbranch] out=DIR"
+)
 POSITIONS = ("sps", "specbranch")
 
 
@@ -111,8 +113,11 @@ def trace_columns(hidden: int, last_k: int, dtype: str, positions: str = "sps") 
         "round": column("int32", [], "verification round within the generation, from 0"),
         "position": column("int32", [], "sequence position of the branch token (first drafted token)"),
         "branch_token": column("int32", [], "the first drafted token"),
-        "hidden_lastk": column(DTYPE_NAMES[dtype], [last_k * hidden],
-                               f"last {last_k} HF hidden_states entries at position - 1, concatenated"),
+        "hidden_lastk": column(
+            DTYPE_NAMES[dtype],
+            [last_k * hidden],
+            f"last {last_k} HF hidden_states entries at position - 1, concatenated",
+        ),
         "draft_tokens": column("int32", ["T"], "drafted chain (T = draft length)"),
         "draft_probs": column("float32", ["T"], "temperature-1 draft probability of each drafted token"),
         "draft_max_probs": column("float32", ["T"], "max of the temperature-1 draft distribution per step"),
@@ -138,18 +143,23 @@ def parse_args(argv: Sequence[str]) -> Any:
         if cfg[key] < 1:
             raise OverrideError(f"{key} must be >= 1, got {cfg[key]}")
     if cfg.positions not in POSITIONS:
-        raise OverrideError(f"positions={cfg.positions} is not one of {', '.join(POSITIONS)} (sps: SpS round starts; "
-                            "specbranch: where serving asks H-RAD)")
+        raise OverrideError(
+            f"positions={cfg.positions} is not one of {', '.join(POSITIONS)} (sps: SpS round starts; "
+            "specbranch: where serving asks H-RAD)"
+        )
     defaults = TracesConfig()
     if cfg.positions == "sps" and (cfg.policy != defaults.policy or cfg.kmax != defaults.kmax):
         raise OverrideError("policy and kmax place SpecBranch's branch points: set positions=specbranch, or drop them")
     if cfg.positions == "specbranch":
         if cfg.gamma < 2:
-            raise OverrideError(f"positions=specbranch needs gamma >= 2 (a branch token and its continuation), "
-                                f"got {cfg.gamma}")
+            raise OverrideError(
+                f"positions=specbranch needs gamma >= 2 (a branch token and its continuation), got {cfg.gamma}"
+            )
         if cfg.verifier != defaults.verifier:
-            raise OverrideError(f"verifier={cfg.verifier} is SpS's; positions=specbranch verifies with SpecBranch's "
-                                "Match: drop verifier")
+            raise OverrideError(
+                f"verifier={cfg.verifier} is SpS's; positions=specbranch verifies with SpecBranch's "
+                "Match: drop verifier"
+            )
         if error := oracle_temperature_error(cfg.policy, cfg.temperature):
             raise OverrideError(error)
     return cfg
@@ -173,46 +183,83 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
     if (finished := process.finished()) is not None:
         print(f"[traces] {out} is already complete", file=sys.stderr)
         return finished
-    target = target or load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                               chat_template=cfg.chat_template)
+    target = target or load_lm(
+        cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, chat_template=cfg.chat_template
+    )
     draft = draft or load_draft_lm(cfg.drafter, target, device=cfg.device, max_seq_len=cfg.max_seq_len)
     config = target.runner.config
     num_layers = config.num_hidden_layers
     capture = resolve_layers(f"last{cfg.last_k}", num_layers)  # + the final-normed state
     header = new_header(
-        "traces", args, target_identity(cfg.target, config), tokenizer_identity(target.tokenizer),
+        "traces",
+        args,
+        target_identity(cfg.target, config),
+        tokenizer_identity(target.tokenizer),
         trace_columns(config.hidden_size, cfg.last_k, cfg.dtype, cfg.positions),
         drafter=model_identity(str(cfg.drafter)),
-        layers={"spec": f"last{cfg.last_k}", "ids": capture, "plus_final_norm": True,
-                "convention": LAYER_CONVENTION},
+        layers={"spec": f"last{cfg.last_k}", "ids": capture, "plus_final_norm": True, "convention": LAYER_CONVENTION},
         compute={"device": target.runner.device.type, "dtype": str(target.runner.dtype).removeprefix("torch.")},
     )
     rows: list[dict[str, Any]] = []
 
     def on_round(info: RoundInfo) -> None:
         hidden = torch.cat([info.hidden[i] for i in capture] + [info.last_hidden])
-        rows.append({"round": info.index, "position": info.prefix_len, "branch_token": info.draft_tokens[0],
-                     "hidden_lastk": hidden, "draft_tokens": info.draft_tokens, "draft_probs": info.draft_probs,
-                     "draft_max_probs": info.draft_max_probs, "num_accepted": info.num_accepted,
-                     "draft_len": len(info.draft_tokens)})
+        rows.append(
+            {
+                "round": info.index,
+                "position": info.prefix_len,
+                "branch_token": info.draft_tokens[0],
+                "hidden_lastk": hidden,
+                "draft_tokens": info.draft_tokens,
+                "draft_probs": info.draft_probs,
+                "draft_max_probs": info.draft_max_probs,
+                "num_accepted": info.num_accepted,
+                "draft_len": len(info.draft_tokens),
+            }
+        )
 
     def on_branch(point: BranchPoint) -> None:
         hidden = torch.cat([point.hidden[i] for i in capture] + [point.last_hidden])
         # the continuation tokens are argmax drafts (probability = confidence); a branch token of rank > 0 has a
         # probability the draft side does not return
         probs = [point.confidence[0] if point.rank == 0 else math.nan, *point.confidence[1:]]
-        rows.append({"round": point.round, "position": point.position, "branch_token": point.tokens[0],
-                     "hidden_lastk": hidden, "draft_tokens": list(point.tokens), "draft_probs": probs,
-                     "draft_max_probs": list(point.confidence), "num_accepted": point.realised + 1,
-                     "draft_len": len(point.tokens), "branch_rank": point.rank, "kept": point.keep})
+        rows.append(
+            {
+                "round": point.round,
+                "position": point.position,
+                "branch_token": point.tokens[0],
+                "hidden_lastk": hidden,
+                "draft_tokens": list(point.tokens),
+                "draft_probs": probs,
+                "draft_max_probs": list(point.confidence),
+                "num_accepted": point.realised + 1,
+                "draft_len": len(point.tokens),
+                "branch_rank": point.rank,
+                "kept": point.keep,
+            }
+        )
 
     draft_runner = with_logit_vocab(draft.runner, cfg.draft_vocab)
     if cfg.positions == "sps":
-        sps = SpeculativeSampling(target.runner, draft_runner, gamma=cfg.gamma, verifier=cfg.verifier,
-                                  on_round=on_round, round_capture_layers=capture)
+        sps = SpeculativeSampling(
+            target.runner,
+            draft_runner,
+            gamma=cfg.gamma,
+            verifier=cfg.verifier,
+            on_round=on_round,
+            round_capture_layers=capture,
+        )
     else:
-        sps = SpecBranch(target.runner, draft_runner, gamma=cfg.gamma, kmax=cfg.kmax, hrad=cfg.policy,
-                         on_branch=on_branch, branch_capture_layers=capture, branch_seed=cfg.seed)
+        sps = SpecBranch(
+            target.runner,
+            draft_runner,
+            gamma=cfg.gamma,
+            kmax=cfg.kmax,
+            hrad=cfg.policy,
+            on_branch=on_branch,
+            branch_capture_layers=capture,
+            branch_seed=cfg.seed,
+        )
     sampling = SamplingParams(cfg.temperature)
     eos = eos_token_ids(target.tokenizer, target.model.config)
 
@@ -224,37 +271,51 @@ def record_traces(cfg: Any, target=None, draft=None) -> dict[str, Any]:
         items = my_items(len(conversations), rank, world)
         start = writer.next_source_index
         if start and not writer.complete:
-            print(f"[traces] resuming {out} at prompt {start} of {len(items)} ({writer.manifest['num_rows']} rounds "
-                  "so far)", file=sys.stderr)
+            print(
+                f"[traces] resuming {out} at prompt {start} of {len(items)} ({writer.manifest['num_rows']} rounds "
+                "so far)",
+                file=sys.stderr,
+            )
         new_tokens, rounds, t0 = 0, 0, time.perf_counter()
-        with tqdm(total=len(items), initial=start, desc="traces", unit="prompt", file=sys.stderr,
-                  dynamic_ncols=True, position=rank) as progress:
+        with tqdm(
+            total=len(items),
+            initial=start,
+            desc="traces",
+            unit="prompt",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            position=rank,
+        ) as progress:
             for position in range(start, len(items)):
                 index = items[position]
                 ids = render_prompt(target.tokenizer, prompt_turns(conversations[index]))
                 rows.clear()
                 if len(ids) + cfg.max_new_tokens + sps.lookahead() <= sps.max_seq_len:
                     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
-                    result = sps.generate(ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                                          generator=generator, eos_ids=eos)
+                    result = sps.generate(
+                        ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling, generator=generator, eos_ids=eos
+                    )
                     new_tokens += result.stats.new_tokens
                 for row in rows:
                     row["sample_index"] = index
                 writer.add(list(rows), source_end=position + 1, skipped=0 if rows else 1)
                 rounds += len(rows)
                 progress.update(1)
-                progress.set_postfix(rounds=rounds,
-                                     tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.1f}")
+                progress.set_postfix(rounds=rounds, tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.1f}")
         manifest = writer.finish()
     getattr(sps, "close", lambda: None)()  # SpecBranch's executor
     manifest = process.merged(manifest)
-    print(f"[traces] wrote {manifest['num_rows']} rounds from {manifest['next_source_index'] - manifest['skipped']} "
-          f"prompts ({manifest['skipped']} skipped) to {out}", file=sys.stderr)
+    print(
+        f"[traces] wrote {manifest['num_rows']} rounds from {manifest['next_source_index'] - manifest['skipped']} "
+        f"prompts ({manifest['skipped']} skipped) to {out}",
+        file=sys.stderr,
+    )
     return manifest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(argv, lambda args: record_traces(parse_args(args)), doc=__doc__, schema=TracesConfig)
+
 
 if __name__ == "__main__":
     sys.exit(main())

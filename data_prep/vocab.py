@@ -28,8 +28,10 @@ from data_prep.manifest import tokenizer_identity
 from data_prep.samples import SampleBuilder, load_source, require_answers
 from data_prep.shards import ShardReader
 
-USAGE = ("python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE  |  python -m data_prep.vocab "
-         "target=smollm2 source=sharegpt n_samples=N max_len=L draft_vocab_size=K out=FILE")
+USAGE = (
+    "python -m data_prep.vocab dataset=DIR draft_vocab_size=K out=FILE  |  python -m data_prep.vocab "
+    "target=smollm2 source=sharegpt n_samples=N max_len=L draft_vocab_size=K out=FILE"
+)
 
 
 @dataclass
@@ -44,10 +46,6 @@ class VocabConfig:
     draft_vocab_size: int = 32000
     chat_template: str = "auto"  # with source=: how conversations are rendered: auto | none (text as is) | PATH
     out: str | None = None
-
-
-
-
 
 
 def count_tokens(sequences: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
@@ -66,8 +64,11 @@ def counts_from_dataset(directory: str | Path) -> tuple[np.ndarray, dict[str, st
     reader = ShardReader(directory, manifest)
     vocab = int(manifest["target"]["vocab_size"])
     counts = count_tokens(zip(reader.column_arrays("input_ids"), reader.column_arrays("loss_mask")), vocab)
-    return counts, {"counted": f"dataset {directory}", "target_config_hash": manifest["target"]["config_hash"],
-                    "tokenizer_vocab_hash": manifest["tokenizer"]["vocab_hash"]}
+    return counts, {
+        "counted": f"dataset {directory}",
+        "target_config_hash": manifest["target"]["config_hash"],
+        "tokenizer_vocab_hash": manifest["tokenizer"]["vocab_hash"],
+    }
 
 
 def source_token_counts(cfg: Any, tokenizer: Any, vocab_size: int) -> np.ndarray:
@@ -84,13 +85,11 @@ def counts_from_source(cfg: Any) -> tuple[np.ndarray, dict[str, str]]:
     identity = model_identity(cfg.target)
     tokenizer = load_tokenizer(cfg.target, cfg.get("chat_template", "auto"))
     counts = source_token_counts(cfg, tokenizer, int(identity["vocab_size"]))
-    return counts, {"counted": f"source {cfg.source} (n_samples={cfg.n_samples}, max_len={cfg.max_len}, "
-                               f"split={cfg.split})", "target_config_hash": identity["config_hash"],
-                    "tokenizer_vocab_hash": tokenizer_identity(tokenizer)["vocab_hash"]}
-
-
-
-
+    return counts, {
+        "counted": f"source {cfg.source} (n_samples={cfg.n_samples}, max_len={cfg.max_len}, split={cfg.split})",
+        "target_config_hash": identity["config_hash"],
+        "tokenizer_vocab_hash": tokenizer_identity(tokenizer)["vocab_hash"],
+    }
 
 
 def make_vocab(cfg: Any) -> dict[str, Any]:
@@ -107,21 +106,35 @@ def make_vocab(cfg: Any) -> dict[str, Any]:
         raise UserError("no assistant token was counted (every loss_mask is 0); check the source")
     d2t, t2d = build_vocab_map(counts, cfg.draft_vocab_size)
     covered = int(counts[t2d.numpy()].sum())
-    info = {"target_vocab_size": len(counts), "draft_vocab_size": cfg.draft_vocab_size, "counted_tokens": total,
-            "distinct_tokens": int((counts > 0).sum()), "coverage": round(covered / total, 6), **provenance}
+    info = {
+        "target_vocab_size": len(counts),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "counted_tokens": total,
+        "distinct_tokens": int((counts > 0).sum()),
+        "coverage": round(covered / total, 6),
+        **provenance,
+    }
     save_vocab_map(cfg.out, d2t, t2d, info)
     return {**info, "out": str(cfg.out)}
 
 
 def _report(info: dict) -> None:
-    print(f"[vocab] {info['draft_vocab_size']} of {info['target_vocab_size']} ids cover {info['coverage']:.2%} of "
-          f"{info['counted_tokens']:,} assistant tokens ({info['distinct_tokens']:,} distinct); wrote {info['out']}",
-          file=sys.stderr)
+    print(
+        f"[vocab] {info['draft_vocab_size']} of {info['target_vocab_size']} ids cover {info['coverage']:.2%} of "
+        f"{info['counted_tokens']:,} assistant tokens ({info['distinct_tokens']:,} distinct); wrote {info['out']}",
+        file=sys.stderr,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(argv, lambda args: make_vocab(parse_cli(args, VocabConfig, USAGE)), doc=__doc__,
-                   schema=VocabConfig, report=_report)
+    return run_cli(
+        argv,
+        lambda args: make_vocab(parse_cli(args, VocabConfig, USAGE)),
+        doc=__doc__,
+        schema=VocabConfig,
+        report=_report,
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

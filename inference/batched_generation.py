@@ -57,17 +57,23 @@ class ContinuousBatcher:
 
     def __init__(self, runner, *, batch_size: int, eos_ids: Sequence[int], sampling: SamplingParams):
         if not 1 <= batch_size <= runner.max_batch_size:
-            raise ValueError(f"batch_size={batch_size} but the runner holds {runner.max_batch_size} rows; build it "
-                             "with max_batch_size >= batch_size")
+            raise ValueError(
+                f"batch_size={batch_size} but the runner holds {runner.max_batch_size} rows; build it "
+                "with max_batch_size >= batch_size"
+            )
         self.engine = DecodeEngine(runner, Strategy(), rows=batch_size, eos_ids=eos_ids)
         self.batch_size = batch_size
         self.sampling = sampling
         self.new_tokens = 0
 
     @torch.no_grad()
-    def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, list[int]], None],
-            on_token: Callable[[Job, int], bool | None] | None = None,
-            on_error: Callable[[Job, Exception], None] | None = None) -> None:
+    def run(
+        self,
+        next_job: Callable[[], Job | None],
+        on_done: Callable[[Job, list[int]], None],
+        on_token: Callable[[Job, int], bool | None] | None = None,
+        on_error: Callable[[Job, Exception], None] | None = None,
+    ) -> None:
         def fail(job: Job, exc: Exception) -> None:
             if on_error is None:
                 raise exc
@@ -81,8 +87,14 @@ class ContinuousBatcher:
                 except Exception as exc:  # noqa: BLE001 - a seed torch cannot take: this job fails alone
                     fail(job, exc)
                     continue
-                return RowRequest(job, job.ids, job.max_new_tokens, sampling, generator,
-                                  lambda new, job=job: self._tokens(job, new, on_token))
+                return RowRequest(
+                    job,
+                    job.ids,
+                    job.max_new_tokens,
+                    sampling,
+                    generator,
+                    lambda new, job=job: self._tokens(job, new, on_token),
+                )
             return None
 
         def on_event(event) -> None:

@@ -32,5 +32,7 @@ def cpu_description() -> str:
     flags = info.get("flags", "").split()
     vector = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
     cores = sum(line.startswith("processor") for line in lines)
-    return (f"{info.get('model name', '?')}, family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
-            f"{vector}{', native bf16' if cpu_has_native_bf16() else ''}, {cores} cores")
+    return (
+        f"{info.get('model name', '?')}, family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
+        f"{vector}{', native bf16' if cpu_has_native_bf16() else ''}, {cores} cores"
+    )

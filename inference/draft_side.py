@@ -169,8 +169,10 @@ class DraftSide:
         """Copy row 0 (K/V, tokens, logits) into rows 1..k-1."""
         runner = self.runner
         if k > runner.max_batch_size:
-            raise ValueError(f"{k} branches need a draft runner with max_batch_size >= {k}, it has "
-                             f"{runner.max_batch_size}; build the draft side with kmax={k}")
+            raise ValueError(
+                f"{k} branches need a draft runner with max_batch_size >= {k}, it has "
+                f"{runner.max_batch_size}; build the draft side with kmax={k}"
+            )
         runner.select_rows([0] * k, runner.length(0))
         self.rows = [list(self.rows[0]) for _ in range(k)]
         self.logits = [dict(self.logits[0]) for _ in range(k)]
@@ -183,12 +185,21 @@ class DraftSide:
 def _native_copy(runner: Any, max_batch: int) -> ModelRunner:
     """A ModelRunner over ``runner``'s weights (shared, not copied) with its own cache of ``max_batch`` rows."""
     if not isinstance(runner, ModelRunner):
-        raise ValueError(f"the draft side needs a ModelRunner draft (Llama-family), got {type(runner).__name__}; "
-                         "load the draft LM with backend=auto or native")
+        raise ValueError(
+            f"the draft side needs a ModelRunner draft (Llama-family), got {type(runner).__name__}; "
+            "load the draft LM with backend=auto or native"
+        )
     if max_batch <= runner.max_batch_size:
         return runner
-    copy = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
-                                   max_batch_size=max_batch, max_seq_len=runner.max_seq_len, exact=False)
+    copy = ModelRunner.from_config(
+        runner.config,
+        runner.state_dict(),
+        device=runner.device,
+        dtype=runner.dtype,
+        max_batch_size=max_batch,
+        max_seq_len=runner.max_seq_len,
+        exact=False,
+    )
     copy.logit_vocab = runner.logit_vocab
     return copy
 
@@ -198,11 +209,26 @@ def draft_side_from_runner(runner: Any, max_batch: int = 1, seed: int = 0) -> Dr
     return DraftSide(_native_copy(runner, max_batch), seed=seed)
 
 
-def draft_side_from_path(path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch: int = 1,
-                         seed: int = 0, logit_vocab: int | None = None, dtype: torch.dtype | None = None) -> DraftSide:
+def draft_side_from_path(
+    path: str,
+    *,
+    device: str = "auto",
+    max_seq_len: int = 2048,
+    max_batch: int = 1,
+    seed: int = 0,
+    logit_vocab: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> DraftSide:
     """Draft side that loads its draft LM from a directory (what a multiprocess draft process runs)."""
     device = pick_device(device)
     model = assets.load_model(path, device=device, dtype=dtype)
-    runner = load_runner(model, backend="native", device=device, dtype=dtype, max_seq_len=max_seq_len,
-                         max_batch_size=max_batch, exact=False)
+    runner = load_runner(
+        model,
+        backend="native",
+        device=device,
+        dtype=dtype,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch,
+        exact=False,
+    )
     return DraftSide(with_logit_vocab(runner, logit_vocab), seed=seed)

@@ -26,11 +26,11 @@ def export_kind(path: Path) -> str | None:
     try:
         data = json.loads(config.read_text())
     except UnicodeDecodeError as exc:
-        raise UserError(f"{config} is damaged (not UTF-8 text: {exc.reason} at byte {exc.start}); {REEXPORT}"
-                        ) from None
+        raise UserError(f"{config} is damaged (not UTF-8 text: {exc.reason} at byte {exc.start}); {REEXPORT}") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"{config} is damaged (not JSON: {exc.msg}, line {exc.lineno} column {exc.colno}); "
-                        f"{REEXPORT}") from None
+        raise UserError(
+            f"{config} is damaged (not JSON: {exc.msg}, line {exc.lineno} column {exc.colno}); {REEXPORT}"
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"{config} is damaged (a JSON {type(data).__name__}, not an object); {REEXPORT}")
     if "spectrain" not in data:
@@ -46,8 +46,9 @@ def find_exports(root: str | Path) -> dict[str, Path]:
     refused, not skipped: the run would silently lack that drafter)."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"drafters={root}: no such directory; give a directory of exports from "
-                                "python -m spectrain.export")
+        raise FileNotFoundError(
+            f"drafters={root}: no such directory; give a directory of exports from python -m spectrain.export"
+        )
     found: dict[str, list[Path]] = {}
     for path in [root, *sorted(p for p in root.iterdir() if p.is_dir())]:
         kind = export_kind(path)
@@ -55,6 +56,8 @@ def find_exports(root: str | Path) -> dict[str, Path]:
             found.setdefault(kind, []).append(path)
     for kind, paths in found.items():
         if len(paths) > 1:
-            raise UserError(f"drafters={root} holds {len(paths)} '{kind}' exports ({', '.join(p.name for p in paths)}); "
-                             f"keep one there or name the one to use explicitly")
+            raise UserError(
+                f"drafters={root} holds {len(paths)} '{kind}' exports ({', '.join(p.name for p in paths)}); "
+                f"keep one there or name the one to use explicitly"
+            )
     return {kind: paths[0] for kind, paths in found.items()}

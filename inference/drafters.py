@@ -43,8 +43,10 @@ def model_dtype(name: str, device: str) -> torch.dtype | None:
     if name not in DTYPES:
         raise UserError(f"dtype={name} is not supported; use auto, {' or '.join(DTYPES)}")
     if name == "bf16" and not str(device).startswith("cuda") and not cpu_has_native_bf16():
-        raise UserError("dtype=bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX), which this one lacks: it "
-                         "would be emulated and slow; use dtype=fp32")
+        raise UserError(
+            "dtype=bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX), which this one lacks: it "
+            "would be emulated and slow; use dtype=fp32"
+        )
     return DTYPES[name]
 
 
@@ -79,15 +81,30 @@ class LoadedModel:
     model: Any  # the transformers model (weights shared with the runner where possible)
 
 
-def load_lm(name_or_path: str, *, device: str = "auto", max_seq_len: int = 2048, max_batch_size: int = 1,
-            backend: str = "auto", dtype: torch.dtype | None = None,
-            exact: bool | None = None, chat_template: str | None = None) -> LoadedModel:
+def load_lm(
+    name_or_path: str,
+    *,
+    device: str = "auto",
+    max_seq_len: int = 2048,
+    max_batch_size: int = 1,
+    backend: str = "auto",
+    dtype: torch.dtype | None = None,
+    exact: bool | None = None,
+    chat_template: str | None = None,
+) -> LoadedModel:
     """A model with its runner and tokenizer; ``chat_template`` (auto|none|PATH) as ``assets.load_tokenizer``."""
     device = pick_device(device)
     model = assets.load_model(name_or_path, device=device, dtype=dtype)  # first: it names a path that is no model
     tokenizer = assets.load_tokenizer(name_or_path, chat_template)
-    runner = load_runner(model, backend=backend, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                         max_batch_size=max_batch_size, exact=exact)
+    runner = load_runner(
+        model,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        exact=exact,
+    )
     return LoadedModel(str(name_or_path), runner, tokenizer, model)
 
 
@@ -96,28 +113,42 @@ def load_draft_lm(name_or_path: str, target: LoadedModel, **kw) -> LoadedModel:
     kind = export_kind(Path(name_or_path))
     record = engine_kinds().get(kind) if kind is not None else None
     if kind is not None and (record is None or record.load is not None):  # e.g. an EAGLE-3 export: no causal LM
-        raise UserError(f"drafter '{name_or_path}' is an export of kind {kind}, not a draft LM: give a draft_lm "
-                         f"export or a causal-LM directory (or use this one with an algorithm for {kind} drafters)")
+        raise UserError(
+            f"drafter '{name_or_path}' is an export of kind {kind}, not a draft LM: give a draft_lm "
+            f"export or a causal-LM directory (or use this one with an algorithm for {kind} drafters)"
+        )
     draft = load_lm(name_or_path, **kw)
     if tokenizer_fingerprint(draft.tokenizer) != tokenizer_fingerprint(target.tokenizer):
-        raise UserError(f"drafter '{name_or_path}' has a different tokenizer than target '{target.name}': a drafter "
-                         "must be trained for this target's tokenizer")
+        raise UserError(
+            f"drafter '{name_or_path}' has a different tokenizer than target '{target.name}': a drafter "
+            "must be trained for this target's tokenizer"
+        )
     if draft.runner.config.vocab_size != target.runner.config.vocab_size:
-        raise UserError(f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
-                         f"'{target.name}' has {target.runner.config.vocab_size}")
+        raise UserError(
+            f"drafter '{name_or_path}' has vocab_size {draft.runner.config.vocab_size} but target "
+            f"'{target.name}' has {target.runner.config.vocab_size}"
+        )
     block = getattr(draft.model.config, "spectrain", None)  # a spectrain export records how it was trained
     assets.check_chat_template(f"drafter '{name_or_path}'", (block or {}).get("target"), target.tokenizer)
     return draft
 
 
-def load_drafter(kind: str, path: str, target: LoadedModel, *, device: str = "auto", max_seq_len: int = 2048,
-                 max_batch_size: int = 1) -> Any:
+def load_drafter(
+    kind: str, path: str, target: LoadedModel, *, device: str = "auto", max_seq_len: int = 2048, max_batch_size: int = 1
+) -> Any:
     """The object an algorithm takes from a drafter of kind ``kind`` (``core.drafters.kinds``): a draft-LM runner
     (a causal LM), or the drafter module the kind's loader builds. Every drafter computes in the target runner's
     dtype."""
     load = engine_kind(kind).load
     if load is None:
         # A draft's tokens are only proposals: it needs no batch invariance, and its forwards are cheaper without.
-        return load_draft_lm(path, target, device=device, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                             dtype=target.runner.dtype, exact=False).runner
+        return load_draft_lm(
+            path,
+            target,
+            device=device,
+            max_seq_len=max_seq_len,
+            max_batch_size=max_batch_size,
+            dtype=target.runner.dtype,
+            exact=False,
+        ).runner
     return load(path, target)

@@ -25,9 +25,19 @@ from omegaconf import OmegaConf
 from core.drafters.kinds import CAUSAL_LM_KIND, KIND_MODULES, engine_kind
 from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
-from inference.algorithms.options import (ADAPTABLE, ALGORITHM_KEYS, FLAT_ADAPT_PREFIX, FLAT_SPELLINGS, ONLY_WITH,
-                                          OPTIONS_BY_ALGORITHM, AlgorithmOptions, Needs, SamplingOptions,
-                                          option_keys, specbranch_option_error)
+from inference.algorithms.options import (
+    ADAPTABLE,
+    ALGORITHM_KEYS,
+    FLAT_ADAPT_PREFIX,
+    FLAT_SPELLINGS,
+    ONLY_WITH,
+    OPTIONS_BY_ALGORITHM,
+    AlgorithmOptions,
+    Needs,
+    SamplingOptions,
+    option_keys,
+    specbranch_option_error,
+)
 from inference.drafter_index import export_kind, find_exports
 from inference.drafters import LoadedModel, load_drafter, load_lm, model_dtype, pick_device
 from inference.round_observers import observer_kind
@@ -76,8 +86,11 @@ def parse_variant(label: str) -> tuple[str, list[str]]:
 
 def _warn_flat(spelled: str, value: str, new: Sequence[str], where: str = "") -> None:
     """One line on stderr: the flat spelling of the previous release and the scoped one to write instead."""
-    print(f"warning: {where}{spelled}={value} is the old spelling; write {' '.join(f'{k}={value}' for k in new)} "
-          "(options are scoped by algorithm; the old spelling is accepted until the next release)", file=sys.stderr)
+    print(
+        f"warning: {where}{spelled}={value} is the old spelling; write {' '.join(f'{k}={value}' for k in new)} "
+        "(options are scoped by algorithm; the old spelling is accepted until the next release)",
+        file=sys.stderr,
+    )
 
 
 def _flat(key: str) -> tuple[str, ...] | None:
@@ -155,8 +168,9 @@ def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
         # there with a vaguer message (an unknown key fails in parsing, with the closest valid one)
         key = item.split("=", 1)[0]
         if key in cfg and key not in RUN_VARIANT_KEYS and not OmegaConf.is_dict(cfg[key]):
-            raise OverrideError(f"algorithm variant '{label}': '{key}' cannot differ per variant; "
-                                f"set {item} for the whole run instead")
+            raise OverrideError(
+                f"algorithm variant '{label}': '{key}' cannot differ per variant; set {item} for the whole run instead"
+            )
     dotlist, adapt = [], {}
     for given, value in variant_items(parse_variant(label)[0], overrides, label):
         for key in given.keys:
@@ -215,19 +229,25 @@ def _check_read(given: Iterable[Given], runs: Sequence[tuple[str, Any]], where: 
             names = list(dict.fromkeys(name for name, _ in runs))
             own = "; ".join(f"{name} reads {', '.join(_read_keys(name)) or 'no algorithm option'}" for name in names)
             owners = ", ".join(dict.fromkeys(name for key in keys for name in ALGORITHMS if _reads(name, key)))
-            raise OverrideError(f"{where}{item.spelled} is not read by {', '.join(names)} ({own}); it is an option "
-                                f"of {owners}: drop it or choose an algorithm that reads it")
+            raise OverrideError(
+                f"{where}{item.spelled} is not read by {', '.join(names)} ({own}); it is an option "
+                f"of {owners}: drop it or choose an algorithm that reads it"
+            )
         if keys[0].startswith(ADAPT_PREFIX):
             if all(cfg.adapt == "none" for _, _, cfg in readers):
-                raise OverrideError(f"{where}{keys[0]} does nothing with adapt=none; set adapt=NAME (e.g. "
-                                    f"adapt=bandit) or drop {keys[0]}")
+                raise OverrideError(
+                    f"{where}{keys[0]} does nothing with adapt=none; set adapt=NAME (e.g. "
+                    f"adapt=bandit) or drop {keys[0]}"
+                )
             continue
         unmet = [(key, _first_unmet(key, cfg), cfg) for key, _, cfg in readers]
         if all(need is not None for _, need, _ in unmet):
             key, need, cfg = unmet[0]
             name = key.split(".", 1)[0]
-            raise OverrideError(f"{where}{key} does nothing with {name}.{need.other}={cfg[name][need.other]}; "
-                                f"set {name}.{need.fix} or drop {key}")
+            raise OverrideError(
+                f"{where}{key} does nothing with {name}.{need.other}={cfg[name][need.other]}; "
+                f"set {name}.{need.fix} or drop {key}"
+            )
 
 
 def _read_keys(name: str) -> list[str]:
@@ -243,8 +263,9 @@ def _check_sampling(given: Iterable[Given], runs: Sequence[tuple[str, Any]], whe
             continue
         reasons = [_sampling_unmet(key, name, cfg) for name, cfg in runs]
         if all(reasons):
-            raise OverrideError(f"{where}{key} does nothing at {reasons[0]}; set temperature > 0 to sample, or "
-                                f"drop {key}")
+            raise OverrideError(
+                f"{where}{key} does nothing at {reasons[0]}; set temperature > 0 to sample, or drop {key}"
+            )
 
 
 def _check_observer(name: str, cfg: Any, where: str) -> None:
@@ -257,8 +278,9 @@ def _check_observer(name: str, cfg: Any, where: str) -> None:
         raise OverrideError(f"{where}{exc}") from None
 
 
-def check_algorithm_options(cfg: Any, given: Iterable[Given], labels: Sequence[str], *,
-                            sampling_defaults: bool = False) -> None:
+def check_algorithm_options(
+    cfg: Any, given: Iterable[Given], labels: Sequence[str], *, sampling_defaults: bool = False
+) -> None:
     """Refuse (one line) an unknown algorithm, and an algorithm option that the run's algorithms do not read: a
     key the command line set (``given``, from :func:`parse_engine_cli`) and each variant's own keys. ``all`` admits
     every option. Sampling filters and seed at temperature 0 are refused too, unless ``sampling_defaults`` (a
@@ -307,8 +329,12 @@ def check_placement(cfg: Any) -> None:
 
 
 # The per-kind keys of earlier releases, accepted for one more with a warning naming drafter.<kind>=
-OLD_DRAFTER_KEYS = {"feature_drafter": "eagle3", "specblock_drafter": "specblock", "dflash_drafter": "dflash",
-                    "peagle_drafter": "peagle"}
+OLD_DRAFTER_KEYS = {
+    "feature_drafter": "eagle3",
+    "specblock_drafter": "specblock",
+    "dflash_drafter": "dflash",
+    "peagle_drafter": "peagle",
+}
 
 
 def split_drafter_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -321,16 +347,21 @@ def split_drafter_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         key = key.lstrip("+")
         if sep and key in OLD_DRAFTER_KEYS:
             new = f"drafter.{OLD_DRAFTER_KEYS[key]}"
-            warnings.warn(f"{key}= is spelt {new}= now; write {new}={path} ({key}= will be refused in the next "
-                          "release)", FutureWarning, stacklevel=2)
+            warnings.warn(
+                f"{key}= is spelt {new}= now; write {new}={path} ({key}= will be refused in the next release)",
+                FutureWarning,
+                stacklevel=2,
+            )
             key = new
         if not (sep and key.startswith("drafter.")):
             rest.append(arg)
             continue
         kind = key.removeprefix("drafter.")
         if kind not in KIND_MODULES:
-            raise OverrideError(f"{key}={path}: unknown drafter kind '{kind}'; write drafter.KIND=PATH with KIND one "
-                                f"of {', '.join(KIND_MODULES)} (or drafter=PATH: the kind its export records)")
+            raise OverrideError(
+                f"{key}={path}: unknown drafter kind '{kind}'; write drafter.KIND=PATH with KIND one "
+                f"of {', '.join(KIND_MODULES)} (or drafter=PATH: the kind its export records)"
+            )
         by_kind[kind] = path
     return rest, by_kind
 
@@ -356,43 +387,63 @@ def drafter_kind_for(interface: str, available: Iterable[str]) -> str | None:
     available = list(available)
     if interface in available:
         return interface
-    return next((kind for kind in available if kind in KIND_MODULES and engine_kind(kind).interface == interface),
-                None)
+    return next((kind for kind in available if kind in KIND_MODULES and engine_kind(kind).interface == interface), None)
 
 
 def check_drafters(labels: Sequence[str], available: set[str], drafter: str | None = None) -> None:
     """Refuse (one line) algorithm labels whose drafter kind is not ``available``, naming the key that adds it;
     ``drafter`` (the ``drafter=`` path, routed by the kind its export records) is named when it is another kind."""
     missing = {label: algorithm_class(parse_variant(label)[0]).drafter for label in labels}
-    missing = {label: kind for label, kind in missing.items()
-               if kind != "none" and drafter_kind_for(kind, available) is None}
+    missing = {
+        label: kind for label, kind in missing.items() if kind != "none" and drafter_kind_for(kind, available) is None
+    }
     if missing:
         first, kind = next(iter(missing.items()))
         needs = engine_kind(kind).needs
         option = "drafter" if kind == CAUSAL_LM_KIND else f"drafter.{kind}"
         given = export_kind(Path(drafter)) if drafter else None
         if given is not None and given != kind:
-            raise OverrideError(f"'{first}' needs {needs}, but drafter={drafter} is a {given} export (its config.json "
-                                f"says so); give {option}=PATH or choose an algorithm for it")
-        raise OverrideError(f"algorithms {list(missing)} need a drafter: '{first}' needs {needs}; add {option}=PATH or "
-                            "drafters=DIR (a directory of exports)")
+            raise OverrideError(
+                f"'{first}' needs {needs}, but drafter={drafter} is a {given} export (its config.json "
+                f"says so); give {option}=PATH or choose an algorithm for it"
+            )
+        raise OverrideError(
+            f"algorithms {list(missing)} need a drafter: '{first}' needs {needs}; add {option}=PATH or "
+            "drafters=DIR (a directory of exports)"
+        )
 
 
 def load_target(cfg: Any, max_batch_size: int = 1) -> LoadedModel:
-    return load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len, max_batch_size=max_batch_size,
-                   dtype=model_dtype(cfg.dtype, pick_device(cfg.device)), chat_template=cfg.chat_template)
+    return load_lm(
+        cfg.target,
+        device=cfg.device,
+        max_seq_len=cfg.max_seq_len,
+        max_batch_size=max_batch_size,
+        dtype=model_dtype(cfg.dtype, pick_device(cfg.device)),
+        chat_template=cfg.chat_template,
+    )
 
 
-def load_drafters(cfg: Any, paths: dict[str, str], needed: set[str], target: LoadedModel,
-                  preloaded: dict[str, Any], max_batch_size: int = 1) -> dict[str, Any]:
+def load_drafters(
+    cfg: Any,
+    paths: dict[str, str],
+    needed: set[str],
+    target: LoadedModel,
+    preloaded: dict[str, Any],
+    max_batch_size: int = 1,
+) -> dict[str, Any]:
     """The drafter for each ``needed`` algorithm drafter kind (an algorithm's ``drafter``), by the available kind
     that serves it (:func:`drafter_kind_for`): the preloaded one if given, else loaded from its path."""
     drafters = {}
     for interface in needed:
         kind = drafter_kind_for(interface, [*preloaded, *paths])
-        drafters[interface] = preloaded[kind] if preloaded.get(kind) is not None else \
-            load_drafter(kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                         max_batch_size=max_batch_size)
+        drafters[interface] = (
+            preloaded[kind]
+            if preloaded.get(kind) is not None
+            else load_drafter(
+                kind, paths[kind], target, device=cfg.device, max_seq_len=cfg.max_seq_len, max_batch_size=max_batch_size
+            )
+        )
     return drafters
 
 
@@ -400,9 +451,13 @@ def resolved_config(cfg: Any, paths: dict[str, str]) -> Any:
     """``cfg`` with the draft LM's path and H-RAD resolved: algorithms that rebuild a drafter elsewhere (a draft
     process) read its path from cfg, and ``specbranch.hrad=auto`` means the drafters' H-RAD export, if any."""
     hrad = cfg.specbranch.hrad
-    return OmegaConf.merge(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
-                           {"drafter": paths.get(CAUSAL_LM_KIND),
-                            "specbranch": {"hrad": paths.get("hrad", "none") if hrad == "auto" else hrad}})
+    return OmegaConf.merge(
+        OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg,
+        {
+            "drafter": paths.get(CAUSAL_LM_KIND),
+            "specbranch": {"hrad": paths.get("hrad", "none") if hrad == "auto" else hrad},
+        },
+    )
 
 
 def engine_context(cfg: Any, target: LoadedModel, names: Iterable[str]) -> dict[str, Any]:
@@ -415,14 +470,16 @@ def engine_context(cfg: Any, target: LoadedModel, names: Iterable[str]) -> dict[
         "threads": lambda: cfg.threads,
         "tokenizer": lambda: target.tokenizer,
         "adapt": lambda: cfg.adapt,
-        "adapt_settings": lambda: (observer_kind(cfg.adapt).settings(dict(cfg.adapt_settings))
-                                   if cfg.adapt != "none" else None),
+        "adapt_settings": lambda: (
+            observer_kind(cfg.adapt).settings(dict(cfg.adapt_settings)) if cfg.adapt != "none" else None
+        ),
     }
     return {name: sources[name]() for name in names}
 
 
-def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict[str, Any],
-                  limited: dict[int, Any]) -> tuple[Any, Any]:
+def build_variant(
+    label: str, resolved: Any, target: LoadedModel, drafters: dict[str, Any], limited: dict[int, Any]
+) -> tuple[Any, Any]:
     """``(algorithm, its config)`` for ``NAME[@key=value...]`` over the loaded target and drafters; ``limited``
     caches one vocabulary-limited draft runner (shared weights) per ``draft_vocab``."""
     name, overrides = parse_variant(label)
@@ -439,9 +496,13 @@ def build_variant(label: str, resolved: Any, target: LoadedModel, drafters: dict
     return build_algorithm(name, target.runner, drafter, options, **context), variant_cfg
 
 
-def build_algorithms(cfg: Any, labels: Sequence[str], target: LoadedModel | None = None,
-                     preloaded: dict[str, Any] | None = None, max_batch_size: int = 1
-                     ) -> tuple[LoadedModel, dict[str, tuple[Any, Any]]]:
+def build_algorithms(
+    cfg: Any,
+    labels: Sequence[str],
+    target: LoadedModel | None = None,
+    preloaded: dict[str, Any] | None = None,
+    max_batch_size: int = 1,
+) -> tuple[LoadedModel, dict[str, tuple[Any, Any]]]:
     """Load (or take) the target and the drafters ``labels`` need, and build each label: ``(target, {label:
     (algorithm, its config)})``. ``preloaded`` maps a drafter kind (``core.drafters.kinds``) to an already loaded
     drafter."""

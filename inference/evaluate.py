@@ -41,13 +41,26 @@ from inference.algorithms.base import Algorithm, GenerationStats
 from inference.algorithms.options import apply_threads
 from inference import exactness
 from inference.drafters import LoadedModel, eos_token_ids
-from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_drafters,
-                                   check_placement, drafter_kind_for, drafter_paths, load_target, parse_engine_cli,
-                                   parse_variant, sampling_params, with_overrides)
+from inference.engine_args import (
+    EngineArgs,
+    build_algorithms,
+    check_algorithm_options,
+    check_drafters,
+    check_placement,
+    drafter_kind_for,
+    drafter_paths,
+    load_target,
+    parse_engine_cli,
+    parse_variant,
+    sampling_params,
+    with_overrides,
+)
 from inference.report import acceptance_plot, markdown_table, speedup_plot, tau_distribution_plot
 
-USAGE = ("python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
-         "bench=mt_bench n_prompts=N max_new_tokens=M temperature=T out=DIR")
+USAGE = (
+    "python -m inference.evaluate target=smollm2 drafters=DIR algorithms=[ar,sps,sps@verifier=hsd] "
+    "bench=mt_bench n_prompts=N max_new_tokens=M temperature=T out=DIR"
+)
 
 
 @dataclass
@@ -91,8 +104,13 @@ def _check_generation(cfg: Any, where: str) -> None:
 
 def generation_settings(cfg: Any) -> dict[str, Any]:
     """What a run generated with (a variant may change each): recorded on every run record."""
-    return {"temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
-            "seed": int(cfg.seed), "max_new_tokens": int(cfg.max_new_tokens)}
+    return {
+        "temperature": float(cfg.temperature),
+        "top_k": int(cfg.top_k),
+        "top_p": float(cfg.top_p),
+        "seed": int(cfg.seed),
+        "max_new_tokens": int(cfg.max_new_tokens),
+    }
 
 
 def _listify(arg: str, list_keys: tuple[str, ...]) -> str:
@@ -144,9 +162,11 @@ def check_exact_batching(batch_size: int, runner: Any) -> None:
     exact where the probe passed, but where it left only the token-by-token path a batched runner runs the
     approximate one. Where exact mode is off anyway (a GPU, the transformers fallback) batching changes nothing."""
     if batch_size > 1 and runner.exactness.reason == exactness.BATCHED_ROWS:
-        raise UserError(f"batch_size={batch_size} serves {batch_size} rows at once, and on this CPU batched rows leave "
-                        "the exact path (the probe found GEMM rows that depend on the row count; greedy output would "
-                        "equal AR's only up to rounding); use batch_size=1 here")
+        raise UserError(
+            f"batch_size={batch_size} serves {batch_size} rows at once, and on this CPU batched rows leave "
+            "the exact path (the probe found GEMM rows that depend on the row count; greedy output would "
+            "equal AR's only up to rounding); use batch_size=1 here"
+        )
 
 
 def batches_prompts(algorithm) -> bool:
@@ -162,7 +182,7 @@ def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
     batch = getattr(cfg, "batch_size", 1) if batches_prompts(algorithm) else 1
     for start in range(0, len(prompts.ids), batch):
-        chunk = prompts.ids[start:start + batch]
+        chunk = prompts.ids[start : start + batch]
         kw = {"max_new_tokens": cfg.max_new_tokens, "sampling": sampling, "generator": generator, "eos_ids": eos}
         results = algorithm.generate_batch(chunk, **kw) if batch > 1 else [algorithm.generate(chunk[0], **kw)]
         for result in results:
@@ -176,10 +196,16 @@ def run_one(algorithm, prompts: BenchPrompts, cfg: Any, eos: list[int], progress
 
 def run_record(name: str, bench: str, n_prompts: int, stats: GenerationStats) -> dict[str, Any]:
     return {
-        "algorithm": name, "bench": bench, "n_prompts": n_prompts, "new_tokens": stats.new_tokens,
-        "wall_s": round(stats.wall_s, 4), "tokens_per_s": round(stats.tokens_per_s, 3),
-        "target_forwards": stats.target_forwards, "tau": round(stats.tau, 4),
-        "draft_forwards": stats.draft_forwards, "drafted_tokens": stats.drafted_tokens,
+        "algorithm": name,
+        "bench": bench,
+        "n_prompts": n_prompts,
+        "new_tokens": stats.new_tokens,
+        "wall_s": round(stats.wall_s, 4),
+        "tokens_per_s": round(stats.tokens_per_s, 3),
+        "target_forwards": stats.target_forwards,
+        "tau": round(stats.tau, 4),
+        "draft_forwards": stats.draft_forwards,
+        "drafted_tokens": stats.drafted_tokens,
         "rollback_rate": round(stats.rollback_rate, 4),
         # tree drafting's seconds per round; None where an algorithm does not time its drafter
         "draft_ms_per_round": round(1000 * stats.draft_s / stats.rounds, 3) if stats.draft_s and stats.rounds else None,
@@ -197,8 +223,12 @@ def greedy_equal(outputs: list, cfg: Any, ar_outputs: list, ar_cfg: Any) -> bool
     return [out[:n] for out in outputs] == [out[:n] for out in ar_outputs]
 
 
-def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | None = None,
-             drafters: dict[str, Any] | None = None) -> dict[str, Any]:
+def evaluate(
+    cfg: Any,
+    target: LoadedModel | None = None,
+    draft: LoadedModel | None = None,
+    drafters: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run the evaluation a config describes; returns the results dict (also written to ``cfg.out``).
     ``draft`` (a draft LM) and ``drafters`` (drafter kind -> a loaded drafter module, e.g. {"eagle3": drafter})
     replace loading them from ``cfg``."""
@@ -227,8 +257,13 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
                 # the variant's sampling takes the same code path as its run; its own generator leaves the run's
                 # draws (seeded by the variant's seed) untouched
                 warmup_rng = torch.Generator(device="cpu").manual_seed(variant_cfg.seed)
-                algorithm.generate(benches[0].ids[0], max_new_tokens=8, sampling=sampling_params(variant_cfg),
-                                   generator=warmup_rng, eos_ids=eos)
+                algorithm.generate(
+                    benches[0].ids[0],
+                    max_new_tokens=8,
+                    sampling=sampling_params(variant_cfg),
+                    generator=warmup_rng,
+                    eos_ids=eos,
+                )
             for prompts in benches:
                 progress.set_description(f"{name}/{prompts.bench}")
                 algorithm.extra_metrics()  # starts this run's period (drops warm-up figures)
@@ -248,7 +283,9 @@ def evaluate(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | N
     ar_rate = totals["ar"].tokens_per_s
     for record in runs:
         base = next(r for r in runs if r["algorithm"] == "ar" and r["bench"] == record["bench"])
-        record["speedup_vs_ar"] = round(record["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+        record["speedup_vs_ar"] = (
+            round(record["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+        )
     results = {
         "config": OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else dict(cfg),
         "device": str(target.runner.device),

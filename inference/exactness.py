@@ -43,8 +43,10 @@ APPROXIMATE = "approximate"  # SDPA and batched GEMMs: greedy equality up to rou
 # batch's decode step is a call of as many rows as the batch
 BATCHED_ROWS = "this CPU's GEMM rows depend on the row count; batched rows run the approximate path"
 # the reason the transformers fallback is not exact (README, "Model families")
-TRANSFORMERS_BACKEND = ("transformers backend: its attention and GEMMs compute a verification's rows together; "
-                        "exact mode needs the native runner (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral families)")
+TRANSFORMERS_BACKEND = (
+    "transformers backend: its attention and GEMMs compute a verification's rows together; "
+    "exact mode needs the native runner (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral families)"
+)
 
 PROBE_PROMPT = 70
 PROBE_TOKENS = EXACT_ROWS  # every call size up to the most a forward's call takes
@@ -115,7 +117,7 @@ def first_mismatch(runner, seed: int = 0, sweep: bool = True) -> str | None:
     tokens = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=generator)
     runner.reset(1)
     runner.forward(prompt)
-    stepwise = torch.cat([_final_hidden(runner, tokens[:, j:j + 1]) for j in range(PROBE_TOKENS)])
+    stepwise = torch.cat([_final_hidden(runner, tokens[:, j : j + 1]) for j in range(PROBE_TOKENS)])
     mismatch = _head_mismatch(runner, stepwise) if sweep else None  # first: in fp32 the cheaper sweep
     if mismatch is not None:
         return mismatch
@@ -123,24 +125,30 @@ def first_mismatch(runner, seed: int = 0, sweep: bool = True) -> str | None:
         runner.truncate(PROBE_PROMPT)
         blocked, expected = _final_hidden(runner, tokens[:, :block]), stepwise[:block]
         if not torch.equal(blocked, expected):
-            return (f"a block of {block} tokens gave token {_first_row(blocked, expected)} other hidden states than "
-                    "decoding it alone")
+            return (
+                f"a block of {block} tokens gave token {_first_row(blocked, expected)} other hidden states than "
+                "decoding it alone"
+            )
     runner.truncate(PROBE_PROMPT)
-    chunked = torch.cat([_final_hidden(runner, tokens[:, j:j + PROBE_CHUNK])
-                         for j in range(0, PROBE_TOKENS, PROBE_CHUNK)])
+    chunked = torch.cat(
+        [_final_hidden(runner, tokens[:, j : j + PROBE_CHUNK]) for j in range(0, PROBE_TOKENS, PROBE_CHUNK)]
+    )
     if not torch.equal(chunked, stepwise):
-        return (f"blocks of {PROBE_CHUNK} tokens gave token {_first_row(chunked, stepwise)} other hidden states than "
-                "decoding it alone")
+        return (
+            f"blocks of {PROBE_CHUNK} tokens gave token {_first_row(chunked, stepwise)} other hidden states than "
+            "decoding it alone"
+        )
     mask, depth = tree_mask(PROBE_TREE)
     runner.truncate(PROBE_PROMPT)
-    tree = runner.forward(tokens[:, :len(PROBE_TREE)], attention_mask=mask,
-                          positions=torch.tensor([depth]) + PROBE_PROMPT).logits[0]
+    tree = runner.forward(
+        tokens[:, : len(PROBE_TREE)], attention_mask=mask, positions=torch.tensor([depth]) + PROBE_PROMPT
+    ).logits[0]
     for node in range(len(PROBE_TREE)):
         runner.truncate(PROBE_PROMPT)
         path = mask[node].nonzero()[:, 0].tolist()  # oldest first
         for i in path[:-1]:
-            _final_hidden(runner, tokens[:, i:i + 1])
-        decoded = runner.forward(tokens[:, path[-1]:path[-1] + 1]).logits[0, -1]
+            _final_hidden(runner, tokens[:, i : i + 1])
+        decoded = runner.forward(tokens[:, path[-1] : path[-1] + 1]).logits[0, -1]
         if not torch.equal(tree[node], decoded):
             return f"tree node {node} got other logits than decoding its path"
     return None
@@ -153,14 +161,16 @@ def _head_mismatch(runner, hidden: torch.Tensor) -> str | None:
     if runner.dtype == torch.float32 and full_vocab is None:
         runner.logit_vocab = min(FP32_HEAD_IDS, runner.config.vocab_size)
     try:
-        alone = torch.cat([runner.logits_from_hidden(hidden[j:j + 1]) for j in range(len(hidden))])
+        alone = torch.cat([runner.logits_from_hidden(hidden[j : j + 1]) for j in range(len(hidden))])
         for count in range(2, len(hidden) + 1):
             start = count * 7 % (len(hidden) - count + 1)  # rows at varying offsets, as verification slices them
-            rows = runner.logits_from_hidden(hidden[start:start + count])
-            expected = alone[start:start + count]
+            rows = runner.logits_from_hidden(hidden[start : start + count])
+            expected = alone[start : start + count]
             if not torch.equal(rows, expected):
-                return (f"the lm_head on {count} hidden rows gave row {_first_row(rows, expected)} other logits than "
-                        "on it alone")
+                return (
+                    f"the lm_head on {count} hidden rows gave row {_first_row(rows, expected)} other logits than "
+                    "on it alone"
+                )
     finally:
         runner.logit_vocab = full_vocab
     return None
@@ -183,15 +193,25 @@ def probe(key: tuple, make_runner: Callable[[str], Any]) -> Exactness:
     else:
         fallback = first_mismatch(make_runner(PER_TOKEN), sweep=False)
         if fallback is None:
-            result = Exactness(PER_TOKEN, f"failed: {mismatch}", True,
-                               "this CPU's GEMM rows depend on the row count; verifying token by token")
+            result = Exactness(
+                PER_TOKEN,
+                f"failed: {mismatch}",
+                True,
+                "this CPU's GEMM rows depend on the row count; verifying token by token",
+            )
         else:
-            result = Exactness(APPROXIMATE, f"failed: {mismatch}; token by token: {fallback}", False,
-                               "this CPU's kernels are not deterministic")
-        warnings.warn(f"exact mode: {mismatch} on this CPU; {result.reason} "
-                      f"({'still bitwise, slower' if result.bitwise else 'greedy equality only up to rounding'})",
-                      ExactnessWarning, stacklevel=3)
-    result = Exactness(result.path, result.probe, result.bitwise, result.reason,
-                       round(time.perf_counter() - start, 3))
+            result = Exactness(
+                APPROXIMATE,
+                f"failed: {mismatch}; token by token: {fallback}",
+                False,
+                "this CPU's kernels are not deterministic",
+            )
+        warnings.warn(
+            f"exact mode: {mismatch} on this CPU; {result.reason} "
+            f"({'still bitwise, slower' if result.bitwise else 'greedy equality only up to rounding'})",
+            ExactnessWarning,
+            stacklevel=3,
+        )
+    result = Exactness(result.path, result.probe, result.bitwise, result.reason, round(time.perf_counter() - start, 3))
     _results[key] = result
     return result

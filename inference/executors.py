@@ -85,13 +85,12 @@ class Executor(ABC):
         return target_result, draft_result
 
     @abstractmethod
-    def _draft_call(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
-        ...
+    def _draft_call(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]: ...
 
     @abstractmethod
-    def _overlap(self, target_job: Callable[[], Any], method: str, args: tuple,
-                 kwargs: dict) -> tuple[Any, float, Any, float]:
-        ...
+    def _overlap(
+        self, target_job: Callable[[], Any], method: str, args: tuple, kwargs: dict
+    ) -> tuple[Any, float, Any, float]: ...
 
     def close(self) -> None:  # noqa: B027 - only backends holding threads or processes need it
         """Release threads / the draft process (no-op for in-process backends)."""
@@ -171,8 +170,15 @@ class MultiprocessExecutor(Executor):
 
     name = "multiprocess"
 
-    def __init__(self, draft_factory: DraftFactory, *, backend: str | None = None, threads: int | None = None,
-                 timeout_s: float = 600.0, call_timeout_s: float | None = None):
+    def __init__(
+        self,
+        draft_factory: DraftFactory,
+        *,
+        backend: str | None = None,
+        threads: int | None = None,
+        timeout_s: float = 600.0,
+        call_timeout_s: float | None = None,
+    ):
         """``timeout_s`` bounds the start (the child builds its draft side) and every exchange of the process
         group; ``call_timeout_s``, when set, bounds the wait for each call's reply."""
         super().__init__()
@@ -182,9 +188,11 @@ class MultiprocessExecutor(Executor):
         import torch.multiprocessing as mp
 
         if dist.is_initialized():
-            raise RuntimeError("executor=multiprocess needs its own process group but torch.distributed is already "
-                               "initialised in this process (another multiprocess executor still running? close() "
-                               "its algorithm first); or use executor=sequential or cuda_streams")
+            raise RuntimeError(
+                "executor=multiprocess needs its own process group but torch.distributed is already "
+                "initialised in this process (another multiprocess executor still running? close() "
+                "its algorithm first); or use executor=sequential or cuda_streams"
+            )
         self.backend = backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
         if self.backend == "nccl" and torch.cuda.device_count() < 2:
             raise ValueError("executor=multiprocess with nccl needs two GPUs (one per process); use backend=gloo")
@@ -193,10 +201,12 @@ class MultiprocessExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = threads or torch.get_num_threads()
         self.process = mp.get_context("spawn").Process(
-            target=_draft_worker, args=(draft_factory, init_method, self.backend, threads, timeout_s), daemon=True)
+            target=_draft_worker, args=(draft_factory, init_method, self.backend, threads, timeout_s), daemon=True
+        )
         self.process.start()
-        dist.init_process_group(self.backend, init_method=init_method, rank=0, world_size=2,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            self.backend, init_method=init_method, rank=0, world_size=2, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         if self.backend == "nccl":
             torch.cuda.set_device(0)
         self._dist = dist
@@ -215,8 +225,11 @@ class MultiprocessExecutor(Executor):
             return _recv_frame(self._dist, src=1, device=_frame_device(self.backend), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the group: the draft process is lost
             if timeout_s is not None and time.monotonic() - start >= 0.99 * timeout_s:  # it timed out
-                self._lost(exc, f"the draft process did not answer within {timeout_s:g} s (draft_timeout_s); it "
-                                "was stopped, and a new one starts on the next call")
+                self._lost(
+                    exc,
+                    f"the draft process did not answer within {timeout_s:g} s (draft_timeout_s); it "
+                    "was stopped, and a new one starts on the next call",
+                )
             self._lost(exc)
 
     def _reply(self) -> Any:
@@ -230,8 +243,9 @@ class MultiprocessExecutor(Executor):
         if self.process.is_alive():  # first: a live peer could hold the group's teardown
             self.process.kill()
         self._dist.destroy_process_group()
-        raise RuntimeError(message or f"the draft process is gone ({type(exc).__name__}: {exc}); a new one starts "
-                                      "on the next call") from exc
+        raise RuntimeError(
+            message or f"the draft process is gone ({type(exc).__name__}: {exc}); a new one starts on the next call"
+        ) from exc
 
     @staticmethod
     def _check_reply(reply: tuple) -> tuple[Any, float]:
@@ -266,15 +280,15 @@ class MultiprocessExecutor(Executor):
                 self.process.kill()
 
 
-def _draft_worker(draft_factory: DraftFactory, init_method: str, backend: str, threads: int,
-                  timeout_s: float) -> None:
+def _draft_worker(draft_factory: DraftFactory, init_method: str, backend: str, threads: int, timeout_s: float) -> None:
     """Child process: build the draft side, then serve method calls until told to close."""
 
     import torch.distributed as dist  # torch: a heavy import, deferred to first use
 
     torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=init_method, rank=1, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=1, world_size=2, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     if backend == "nccl":
         torch.cuda.set_device(1)
 
@@ -358,4 +372,3 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-

@@ -22,8 +22,15 @@ from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import GenerationResult
 from inference.algorithms.options import apply_threads
 from inference.drafters import LoadedModel, eos_token_ids
-from inference.engine_args import (EngineArgs, build_algorithms, check_algorithm_options, check_placement,
-                                   load_target, parse_engine_cli, sampling_params)
+from inference.engine_args import (
+    EngineArgs,
+    build_algorithms,
+    check_algorithm_options,
+    check_placement,
+    load_target,
+    parse_engine_cli,
+    sampling_params,
+)
 
 USAGE = 'python -m inference.generate target=smollm2 algorithm=ar prompt="..." [drafter=PATH] [max_new_tokens=N]'
 
@@ -49,13 +56,14 @@ class TextStreamer:
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return
         stream = self.stream or sys.stdout  # looked up per call, so redirections made later still apply
-        stream.write(text[len(self.printed):])
+        stream.write(text[len(self.printed) :])
         stream.flush()
         self.printed = text
 
 
-def generate_text(cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | Any = None,
-                  on_tokens=None) -> GenerationResult:
+def generate_text(
+    cfg: Any, target: LoadedModel | None = None, draft: LoadedModel | Any = None, on_tokens=None
+) -> GenerationResult:
     """Answer ``cfg.prompt`` with ``cfg.algorithm``, loading what is not given: the target, and the drafter (a
     LoadedModel draft LM, or a drafter module for feature algorithms)."""
     kind = algorithm_class(cfg.algorithm).drafter
@@ -64,9 +72,14 @@ def generate_text(cfg: Any, target: LoadedModel | None = None, draft: LoadedMode
     algorithm, _ = built[cfg.algorithm]
     prompt_ids = render_prompt(target.tokenizer, [{"role": "user", "content": cfg.prompt}])
     try:
-        return algorithm.generate(prompt_ids, max_new_tokens=cfg.max_new_tokens, sampling=sampling_params(cfg),
-                                  generator=torch.Generator().manual_seed(cfg.seed),
-                                  eos_ids=eos_token_ids(target.tokenizer, target.model.config), on_tokens=on_tokens)
+        return algorithm.generate(
+            prompt_ids,
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=sampling_params(cfg),
+            generator=torch.Generator().manual_seed(cfg.seed),
+            eos_ids=eos_token_ids(target.tokenizer, target.model.config),
+            on_tokens=on_tokens,
+        )
     finally:
         getattr(algorithm, "close", lambda: None)()  # a draft process or thread
 
@@ -78,8 +91,10 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
     if cfg.max_new_tokens < 1:
         raise OverrideError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if "@" in cfg.algorithm:
-        raise OverrideError(f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as "
-                            "NAME.key=value (variants NAME@key=value are for inference.evaluate and inference.serve)")
+        raise OverrideError(
+            f"algorithm={cfg.algorithm}: generate runs one algorithm; set its options as "
+            "NAME.key=value (variants NAME@key=value are for inference.evaluate and inference.serve)"
+        )
     check_algorithm_options(cfg, given, [cfg.algorithm])
     check_placement(cfg)
     try:
@@ -97,8 +112,11 @@ def _run(args: list[str]) -> tuple[Any, GenerationResult]:
 def _report(outcome: tuple[Any, GenerationResult]) -> None:
     cfg, result = outcome
     stats = result.stats
-    print(f"\n[{cfg.algorithm}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s = {stats.tokens_per_s:.1f} tokens/s, "
-          f"τ = {stats.tau:.2f} tokens per target forward", file=sys.stderr)
+    print(
+        f"\n[{cfg.algorithm}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s = {stats.tokens_per_s:.1f} tokens/s, "
+        f"τ = {stats.tau:.2f} tokens per target forward",
+        file=sys.stderr,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

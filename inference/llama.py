@@ -36,7 +36,7 @@ def exact_linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x)
     parts = []
     for lo in range(0, rows, EXACT_ROWS):
-        part = x[:, lo:lo + EXACT_ROWS]
+        part = x[:, lo : lo + EXACT_ROWS]
         if part.shape[1] == 1 and x.dtype != torch.float32:
             parts.append(linear(part.expand(1, 2, -1).contiguous())[:, :1])
         else:
@@ -82,8 +82,8 @@ class Attention(nn.Module):
         # scatter_ into a cache view copied the whole cache per call in bf16.
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(write_index, int):
-            k_cache[:, :, write_index:write_index + new] = k
-            v_cache[:, :, write_index:write_index + new] = v
+            k_cache[:, :, write_index : write_index + new] = k
+            v_cache[:, :, write_index : write_index + new] = v
         else:
             rows, slots = write_index
             k_cache[rows, :, slots] = k.transpose(1, 2)
@@ -108,9 +108,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def _exact_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, write_index: tuple[torch.Tensor, torch.Tensor] | int,
-                       keys: KeyLists) -> torch.Tensor:
+    def _exact_forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        write_index: tuple[torch.Tensor, torch.Tensor] | int,
+        keys: KeyLists,
+    ) -> torch.Tensor:
         """Exact mode: ``x`` [1, N, hidden] holds the new tokens of ``keys.rows`` cache rows, row by row (N = rows
         * tokens, or 2 for a doubled lone token); cos and sin [rows, 1, T, D]; the layer's caches are fp32, keys
         transposed ([B, kv_heads, D, slots]); ``write_index`` as :meth:`forward`'s."""
@@ -120,15 +127,18 @@ class Attention(nn.Module):
         def project(linear: Linear, heads: int) -> torch.Tensor:
             return exact_linear(linear, x)[0, :tokens].view(batch, new, heads, self.head_dim)
 
-        q, k, v = project(self.q_proj, self.num_heads), project(self.k_proj, self.num_kv_heads), \
-            project(self.v_proj, self.num_kv_heads)
+        q, k, v = (
+            project(self.q_proj, self.num_heads),
+            project(self.k_proj, self.num_kv_heads),
+            project(self.v_proj, self.num_kv_heads),
+        )
         if self.q_norm is not None:
             q, k = self.q_norm(q, exact=True), self.k_norm(k, exact=True)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         if isinstance(write_index, int):
-            k_cache[:batch, :, :, write_index:write_index + new] = k.transpose(2, 3)  # transposed, fp32
-            v_cache[:batch, :, write_index:write_index + new] = v
+            k_cache[:batch, :, :, write_index : write_index + new] = k.transpose(2, 3)  # transposed, fp32
+            v_cache[:batch, :, write_index : write_index + new] = v
         else:
             index, slots = write_index
             k_cache[index, :, :, slots] = k.permute(0, 2, 1, 3).to(k_cache.dtype)
@@ -175,12 +185,22 @@ class Experts(nn.Module):
     def linears(self, expert: int) -> tuple[Linear, Linear]:
         """Expert ``expert``'s two projections as :class:`Linear` views of the stacked weights (made on first use and
         again when the weights change), so that each runs a dense linear's path: packed bf16 weights, exact kernels."""
-        stamp = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr(), self.gate_up_proj._version,
-                 self.down_proj._version, self.gate_up_proj.dtype)
+        stamp = (
+            self.gate_up_proj.data_ptr(),
+            self.down_proj.data_ptr(),
+            self.gate_up_proj._version,
+            self.down_proj._version,
+            self.gate_up_proj.dtype,
+        )
         views = self.__dict__.get("_views")  # not submodules: the state dict stays transformers'
         if views is None or views[0] != stamp:
-            views = (stamp, [(_view_linear(self.gate_up_proj[e]), _view_linear(self.down_proj[e]))
-                             for e in range(self.gate_up_proj.shape[0])])
+            views = (
+                stamp,
+                [
+                    (_view_linear(self.gate_up_proj[e]), _view_linear(self.down_proj[e]))
+                    for e in range(self.gate_up_proj.shape[0])
+                ],
+            )
             self.__dict__["_views"] = views
         return views[1][expert]
 

@@ -26,13 +26,19 @@ class MatchResult:
     survivor: int | None  # index of the surviving branch; None if a pending token or all branches were rejected
 
 
-def match_round(pending: Sequence[int], candidates: Sequence[int], target_probs: torch.Tensor,
-                generator: torch.Generator | None = None) -> MatchResult:
+def match_round(
+    pending: Sequence[int],
+    candidates: Sequence[int],
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> MatchResult:
     """Verify ``pending`` [m] then Match ``candidates`` [k]; ``target_probs`` [m+1, V]: row j is the target's
     distribution before pending token j, row m the branch point's p_b. Greedy (one-hot rows) draws nothing."""
     if target_probs.dim() != 2 or target_probs.shape[0] != len(pending) + 1:
-        raise ValueError(f"target_probs must be [{len(pending) + 1}, V] (one row per pending token + the branch "
-                         f"point), got {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"target_probs must be [{len(pending) + 1}, V] (one row per pending token + the branch "
+            f"point), got {tuple(target_probs.shape)}"
+        )
     for j, token in enumerate(pending):
         match = multi_candidate([int(token)], target_probs[j], generator)
         if match.candidate_index is None:
@@ -41,8 +47,9 @@ def match_round(pending: Sequence[int], candidates: Sequence[int], target_probs:
     return MatchResult([int(t) for t in pending] + [match.token], len(pending), match.candidate_index)
 
 
-def match_round_law(pending: Sequence[int], candidates: Sequence[int],
-                    target_probs: torch.Tensor) -> dict[tuple[tuple[int, ...], int | None], float]:
+def match_round_law(
+    pending: Sequence[int], candidates: Sequence[int], target_probs: torch.Tensor
+) -> dict[tuple[tuple[int, ...], int | None], float]:
     """Exact law of (emitted tokens, survivor) of :func:`match_round`, by enumerating the target rows."""
     probs = target_probs.to(torch.float64).tolist()
     law: dict[tuple[tuple[int, ...], int | None], float] = {}

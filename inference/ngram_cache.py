@@ -124,8 +124,9 @@ class CorpusCache:
 
     @property
     def max_token_id(self) -> int:
-        return max((max(k + g) for table in self.tables.values() for k, grams in table.items() for g, _ in grams),
-                   default=-1)
+        return max(
+            (max(k + g) for table in self.tables.values() for k, grams in table.items() for g, _ in grams), default=-1
+        )
 
     def num_keys(self) -> dict[int, int]:
         return {n: len(table) for n, table in sorted(self.tables.items())}
@@ -156,12 +157,16 @@ class CorpusCache:
         if not isinstance(payload, dict) or payload.get("format") != CORPUS_FORMAT:
             raise ValueError(f"'{path}' is not a spectrain n-gram corpus (format {CORPUS_FORMAT!r} expected)")
         if payload.get("version") != CORPUS_VERSION:
-            raise ValueError(f"n-gram corpus '{path}' has version {payload.get('version')}, this code reads "
-                             f"{CORPUS_VERSION}; rebuild it with python -m data_prep.ngram_corpus")
+            raise ValueError(
+                f"n-gram corpus '{path}' has version {payload.get('version')}, this code reads "
+                f"{CORPUS_VERSION}; rebuild it with python -m data_prep.ngram_corpus"
+            )
         built_for = payload.get("tokenizer_fingerprint")
         if tokenizer_fingerprint is not None and built_for != tokenizer_fingerprint:
-            raise ValueError(f"n-gram corpus '{path}' was built for another tokenizer (fingerprint {built_for}, "
-                             f"target's {tokenizer_fingerprint}); rebuild it with this target's tokenizer")
+            raise ValueError(
+                f"n-gram corpus '{path}' was built for another tokenizer (fingerprint {built_for}, "
+                f"target's {tokenizer_fingerprint}); rebuild it with this target's tokenizer"
+            )
         tables = {
             int(n): {tuple(key): [(tuple(g), int(c)) for g, c in grams] for key, grams in entries}
             for n, entries in payload.pop("tables").items()

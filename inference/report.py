@@ -21,10 +21,12 @@ def _exactness(results: dict[str, Any]) -> str:
     row is not lossless, whatever its speed."""
     info = results.get("exactness") or {}
     reason = f" ({info['reason']})" if info.get("reason") else ""  # why the path is not exact, where it is not
-    line = (f"{info.get('path', 'unknown')} path, probe {info.get('probe', 'not run')}{reason}; greedy output is "
-            + ("bitwise AR's by construction" if info.get("bitwise") else "AR's only up to rounding"))
-    differing = [f"{r['algorithm']} ({r['bench']})" for r in results.get("runs", [])
-                 if r.get("greedy_equal_to_ar") is False]
+    line = f"{info.get('path', 'unknown')} path, probe {info.get('probe', 'not run')}{reason}; greedy output is " + (
+        "bitwise AR's by construction" if info.get("bitwise") else "AR's only up to rounding"
+    )
+    differing = [
+        f"{r['algorithm']} ({r['bench']})" for r in results.get("runs", []) if r.get("greedy_equal_to_ar") is False
+    ]
     if differing:
         line += f". **Not lossless: greedy output differs from AR's in {', '.join(differing)}**"
     return line
@@ -140,8 +142,10 @@ def speedup_plot(results: dict[str, Any], path: Path) -> None:
     algorithms = list(dict.fromkeys(r["algorithm"] for r in runs))
     width = 0.8 / max(len(benches), 1)
     for j, bench in enumerate(benches):
-        values = [next((r.get("speedup_vs_ar") or 0.0 for r in runs
-                        if r["algorithm"] == a and r["bench"] == bench), 0.0) for a in algorithms]
+        values = [
+            next((r.get("speedup_vs_ar") or 0.0 for r in runs if r["algorithm"] == a and r["bench"] == bench), 0.0)
+            for a in algorithms
+        ]
         ax.bar(np.arange(len(algorithms)) + j * width, values, width, label=bench)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(np.arange(len(algorithms)) + width * (len(benches) - 1) / 2, algorithms, rotation=30, ha="right")

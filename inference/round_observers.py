@@ -26,12 +26,20 @@ class RoundObserver(Protocol):
     """Every call names its query (the engine's request key, unique among the queries under way), so an observer
     can tell apart queries whose rounds interleave."""
 
-    def begin_query(self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
-                    max_accept: int) -> None:
+    def begin_query(
+        self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor, max_accept: int
+    ) -> None:
         """After prefill: the prompt's features [P, F] and the target's logits at its last position [V]."""
 
-    def observe_round(self, query: Hashable, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor,
-                      accepted: int, rejected: tuple[torch.Tensor, int] | None) -> None:
+    def observe_round(
+        self,
+        query: Hashable,
+        tokens: list[int],
+        features: torch.Tensor,
+        target_logits: torch.Tensor,
+        accepted: int,
+        rejected: tuple[torch.Tensor, int] | None,
+    ) -> None:
         """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F], target
         logits [n, V], and (draft logits, the target's token) at the rejected position, if the drafter drafted
         there."""
@@ -45,8 +53,9 @@ class ObserverKind(Protocol):
         """The observer's settings from ``adapt.NAME=VALUE`` (NAME -> VALUE as written); refuses (one line, a
         ``ValueError`` or ``core.errors.UserError``) a name or value it does not take."""
 
-    def attach(self, target: Any, drafter: nn.Module, settings: Any, *, verify_tokens: int,
-               max_accept: int) -> tuple[nn.Module, RoundObserver]:
+    def attach(
+        self, target: Any, drafter: nn.Module, settings: Any, *, verify_tokens: int, max_accept: int
+    ) -> tuple[nn.Module, RoundObserver]:
         """``(drafter to serve from, observer)`` for ``drafter`` served with ``target``; ``settings`` None means
         the defaults."""
 
@@ -65,8 +74,10 @@ def check_observer(name: str) -> None:
     """Refuse (one line) an ``adapt=`` name that is neither ``none`` nor registered."""
     if name != "none" and name not in observer_names():
         choices = " or ".join(f"adapt={n}" for n in ("none", *observer_names()))
-        raise ValueError(f"adapt={name} is unknown; use {choices} (kinds come from the '{ENTRY_POINT_GROUP}' entry "
-                         "points of installed packages: `pip install -e .` registers spectrain's bandit)")
+        raise ValueError(
+            f"adapt={name} is unknown; use {choices} (kinds come from the '{ENTRY_POINT_GROUP}' entry "
+            "points of installed packages: `pip install -e .` registers spectrain's bandit)"
+        )
 
 
 def observer_kind(name: str) -> ObserverKind:

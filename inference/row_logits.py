@@ -27,8 +27,9 @@ class RowLogits:
     prefix of them) or ``logits_from_hidden(hidden[r:r + 1])`` on first read (the runner's own method, module
     docstring), then cached. ``len`` = the number of rows."""
 
-    def __init__(self, hidden: Tensor | None, logits_from_hidden: LogitsFromHidden | None, *,
-                 known: Tensor | None = None):
+    def __init__(
+        self, hidden: Tensor | None, logits_from_hidden: LogitsFromHidden | None, *, known: Tensor | None = None
+    ):
         if hidden is None and known is None:
             raise ValueError("RowLogits needs the final hidden states or the computed logits")
         self.hidden, self.logits_from_hidden, self.known = hidden, logits_from_hidden, known
@@ -51,7 +52,7 @@ class RowLogits:
         if self.known is not None and row < len(self.known):
             return self.known[row]
         if row not in self._rows:
-            self._rows[row] = self.logits_from_hidden(self.hidden[row:row + 1])[0]
+            self._rows[row] = self.logits_from_hidden(self.hidden[row : row + 1])[0]
         return self._rows[row]
 
     def stack(self, rows: Sequence[int]) -> Tensor:

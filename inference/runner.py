@@ -72,8 +72,11 @@ class ModelRunner(nn.Module):
         self.config = config
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        qkv_bias = model_type == "qwen2" or bool(getattr(config, "qkv_bias", False)) \
-            or bool(getattr(config, "attention_bias", False))  # qkv_bias: Qwen2-MoE's flag
+        qkv_bias = (
+            model_type == "qwen2"
+            or bool(getattr(config, "qkv_bias", False))
+            or bool(getattr(config, "attention_bias", False))
+        )  # qkv_bias: Qwen2-MoE's flag
         out_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         with torch.device("meta"):  # weights come from the state dict; don't allocate them twice
             self.model = Decoder(config, qkv_bias, out_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"))
@@ -108,8 +111,9 @@ class ModelRunner(nn.Module):
         self.register_buffer("k_cache", torch.zeros(k_shape, device=device, dtype=cache_dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(v_shape, device=device, dtype=cache_dtype), persistent=False)
 
-    def _choose_exactness(self, exact: bool | None, device: torch.device, dtype: torch.dtype,
-                          max_batch_size: int) -> Exactness:
+    def _choose_exactness(
+        self, exact: bool | None, device: torch.device, dtype: torch.dtype, max_batch_size: int
+    ) -> Exactness:
         """The path before the probe: APPROXIMATE with the reason, or EXACT pending the probe (run once the
         weights are loaded). One row or a batch: each row's logits are those it gets alone."""
         wanted = exact if exact is not None else device.type == "cpu"
@@ -118,7 +122,8 @@ class ModelRunner(nn.Module):
         problems = [
             f"it runs on a CPU, not {device.type}" if device.type != "cpu" else "",
             f"it computes in fp32 or bf16, not {dtype}" if dtype not in (torch.float32, torch.bfloat16) else "",
-            f"it needs SiLU, not {self.config.hidden_act}" if getattr(self.config, "hidden_act", "silu") != "silu"
+            f"it needs SiLU, not {self.config.hidden_act}"
+            if getattr(self.config, "hidden_act", "silu") != "silu"
             else "",
         ]
         problems = [p for p in problems if p]
@@ -156,7 +161,12 @@ class ModelRunner(nn.Module):
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
         runner = cls(
-            config, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len, exact=exact,
+            config,
+            device=device,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            exact=exact,
         )
         runner._load_weights(state_dict, device, dtype)
         if runner.exact and probe:
@@ -168,10 +178,12 @@ class ModelRunner(nn.Module):
         but a batch's decode step is a call of as many rows as the batch, so batched rows then run the approximate
         path."""
         if result.path == exactness.PER_TOKEN and self.max_batch_size > 1:
-            result = Exactness(exactness.APPROXIMATE, result.probe, False, exactness.BATCHED_ROWS,
-                               result.probe_seconds)
-            warnings.warn(f"exact mode: {result.reason} (greedy equality only up to rounding; one row per runner "
-                          "stays bitwise)", exactness.ExactnessWarning, stacklevel=3)
+            result = Exactness(exactness.APPROXIMATE, result.probe, False, exactness.BATCHED_ROWS, result.probe_seconds)
+            warnings.warn(
+                f"exact mode: {result.reason} (greedy equality only up to rounding; one row per runner stays bitwise)",
+                exactness.ExactnessWarning,
+                stacklevel=3,
+            )
         self.exactness = result
         if result.path == exactness.APPROXIMATE:
             self.exact = False
@@ -184,10 +196,27 @@ class ModelRunner(nn.Module):
         """What decides which kernels the host runs for this model: its shapes and dtype."""
         c = self.config
         attn = self.model.layers[0].self_attn
-        return (c.model_type, self._dtype, c.hidden_size, c.intermediate_size, attn.num_heads, self.num_kv_heads,
-                self.head_dim, c.vocab_size, attn.q_proj.bias is not None, attn.o_proj.bias is not None,
-                *(getattr(c, name, None) for name in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
-                                                      "shared_expert_intermediate_size")))
+        return (
+            c.model_type,
+            self._dtype,
+            c.hidden_size,
+            c.intermediate_size,
+            attn.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            c.vocab_size,
+            attn.q_proj.bias is not None,
+            attn.o_proj.bias is not None,
+            *(
+                getattr(c, name, None)
+                for name in (
+                    "moe_intermediate_size",
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "shared_expert_intermediate_size",
+                )
+            ),
+        )
 
     def _probe_runner(self, path: str) -> ModelRunner:
         """A two-layer copy running ``path``, sharing this runner's first and last layers, embedding and head (with
@@ -201,14 +230,23 @@ class ModelRunner(nn.Module):
         if any(sparse):
             config.decoder_sparse_step = 1
             config.mlp_only_layers = [i for i, source in enumerate((first, self.num_layers - 1)) if not sparse[source]]
-        weights = {f"model.layers.{i}.{name}": t for i, layer in layers.items()
-                   for name, t in layer.state_dict().items()}
-        weights.update({f"model.{name}": t for name, t in self.model.state_dict().items()
-                        if not name.startswith("layers.")})
+        weights = {
+            f"model.layers.{i}.{name}": t for i, layer in layers.items() for name, t in layer.state_dict().items()
+        }
+        weights.update(
+            {f"model.{name}": t for name, t in self.model.state_dict().items() if not name.startswith("layers.")}
+        )
         if not getattr(config, "tie_word_embeddings", False):
             weights["lm_head.weight"] = self.lm_head.weight
-        runner = ModelRunner.from_config(config, weights, device=self.device, dtype=self._dtype,
-                                         max_seq_len=exactness.PROBE_SEQ_LEN, exact=True, probe=False)
+        runner = ModelRunner.from_config(
+            config,
+            weights,
+            device=self.device,
+            dtype=self._dtype,
+            max_seq_len=exactness.PROBE_SEQ_LEN,
+            exact=True,
+            probe=False,
+        )
         runner.exactness = Exactness(path, "not run", False, "the probe's own runner")
         return runner
 
@@ -219,9 +257,7 @@ class ModelRunner(nn.Module):
         kw.setdefault("device", next(model.parameters()).device)
         return cls.from_config(model.config, model.state_dict(), **kw)
 
-    def _load_weights(
-        self, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def _load_weights(self, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         weights = {
             name: tensor
@@ -342,7 +378,8 @@ class ModelRunner(nn.Module):
                 cache[:, d, :n] = cache[:, s, :n]
         lens = self.cache_lens.clone()
         lens[torch.as_tensor(list(dst), dtype=torch.long, device=self.device)] = torch.as_tensor(
-            list(lengths), dtype=torch.long, device=self.device)
+            list(lengths), dtype=torch.long, device=self.device
+        )
         self.cache_lens = lens
         self._pending = None
 
@@ -404,13 +441,14 @@ class ModelRunner(nn.Module):
         allowed = user_mask.gather(2, column[:, None, :].expand(batch, new, attend_len)) & in_use[:, None, :]
         return (allowed | own_slot).unsqueeze(1)
 
-    def _chunk_mask(self, user_mask: torch.Tensor, start: torch.Tensor, shortest: int, cached: int, lo: int,
-                    hi: int) -> torch.Tensor:
+    def _chunk_mask(
+        self, user_mask: torch.Tensor, start: torch.Tensor, shortest: int, cached: int, lo: int, hi: int
+    ) -> torch.Tensor:
         """The user mask [B, T, P + T] of new tokens ``lo..hi-1``, for a chunk run after tokens ``0..lo-1`` are
         cached: its columns over what the cache then holds, then the chunk's own. Rows shorter than the longest
         (lengths ``start`` before the forward) hold the earlier chunks' tokens at their own slots, right after their
         cached tokens, where a column is read as a slot."""
-        mask = user_mask[:, lo:hi, :cached + hi]
+        mask = user_mask[:, lo:hi, : cached + hi]
         if not lo or shortest == cached:
             return mask
         column = torch.arange(cached + hi, device=self.device).expand(mask.shape[0], -1)
@@ -443,8 +481,9 @@ class ModelRunner(nn.Module):
         input_ids = input_ids.to(self.device)
         if positions is not None:
             positions = positions.to(self.device).expand(batch, new)
-        user_mask = None if attention_mask is None else full_user_mask(attention_mask.to(self.device), batch, new,
-                                                                        cached)
+        user_mask = (
+            None if attention_mask is None else full_user_mask(attention_mask.to(self.device), batch, new, cached)
+        )
         start = self.cache_lens
         # Exact mode: chunks of at most EXACT_ROWS tokens (one token per chunk on the per-token path), each appended
         # to the cache before the next reads it (a chunk's mask rows over columns up to its own end are the user's).
@@ -455,18 +494,27 @@ class ModelRunner(nn.Module):
         chunks = []
         for lo in range(0, new, step):
             hi = min(new, lo + step)
-            chunks.append(self._layers(
-                input_ids[:, lo:hi], None if positions is None else positions[:, lo:hi],
-                None if user_mask is None else self._chunk_mask(user_mask, start, shortest, cached, lo, hi),
-                shortest + lo, cached + lo, capture, hidden))
+            chunks.append(
+                self._layers(
+                    input_ids[:, lo:hi],
+                    None if positions is None else positions[:, lo:hi],
+                    None if user_mask is None else self._chunk_mask(user_mask, start, shortest, cached, lo, hi),
+                    shortest + lo,
+                    cached + lo,
+                    capture,
+                    hidden,
+                )
+            )
         x = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         self._pending = (start, new)
 
         x = self.model.norm(x, exact=self.exact)
         logits = self.logits_from_hidden(x[:, logit_rows_slice(only_last_logits, logit_rows)])
-        return RunnerOutput(logits=logits, hidden={i: torch.cat(h, dim=1) if len(h) > 1 else h[0]
-                                                   for i, h in hidden.items()},
-                            last_hidden=x if return_last_hidden else None)
+        return RunnerOutput(
+            logits=logits,
+            hidden={i: torch.cat(h, dim=1) if len(h) > 1 else h[0] for i, h in hidden.items()},
+            last_hidden=x if return_last_hidden else None,
+        )
 
     @torch.no_grad()
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -480,7 +528,7 @@ class ModelRunner(nn.Module):
         if self.exact:
             step = 1 if self.exactness.path == exactness.PER_TOKEN else EXACT_ROWS
         if flat.shape[0] > step:
-            logits = torch.cat([self._head(flat[lo:lo + step]) for lo in range(0, flat.shape[0], step)])
+            logits = torch.cat([self._head(flat[lo : lo + step]) for lo in range(0, flat.shape[0], step)])
         else:
             logits = self._head(flat)
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
@@ -493,9 +541,16 @@ class ModelRunner(nn.Module):
             return self.lm_head(flat).float()
         return limited_logits(self.lm_head(flat, self.logit_vocab).float(), self.config.vocab_size)
 
-    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor | None, user_mask: torch.Tensor | None,
-                shortest: int, cached: int, capture: Sequence[int], hidden: dict[int, list[torch.Tensor]]
-                ) -> torch.Tensor:
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        user_mask: torch.Tensor | None,
+        shortest: int,
+        cached: int,
+        capture: Sequence[int],
+        hidden: dict[int, list[torch.Tensor]],
+    ) -> torch.Tensor:
         """Append ``input_ids`` [B, T] to the cache through every decoder layer; returns the last layer's output
         (before the final norm) and adds the captured layers' outputs to ``hidden``."""
         batch, new = input_ids.shape
@@ -526,9 +581,17 @@ class ModelRunner(nn.Module):
         self.cache_lens = self.cache_lens + new
         return x
 
-    def _exact_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, user_mask: torch.Tensor | None,
-                      slots: torch.Tensor, cached: int, write_index: tuple[torch.Tensor, torch.Tensor] | int,
-                      capture: Sequence[int], hidden: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+    def _exact_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        user_mask: torch.Tensor | None,
+        slots: torch.Tensor,
+        cached: int,
+        write_index: tuple[torch.Tensor, torch.Tensor] | int,
+        capture: Sequence[int],
+        hidden: dict[int, list[torch.Tensor]],
+    ) -> torch.Tensor:
         """:meth:`_layers` in exact mode: the rows' tokens run flattened through the linears (in calls of at most
         EXACT_ROWS rows, ``inference.llama.exact_linear``), each row attends over its own cache with its tokens' keys
         planned once for every layer, RoPE's angles come from one table, and in bf16 a lone token runs as a doubled
@@ -560,7 +623,9 @@ class ModelRunner(nn.Module):
             cos, sin = rope_cos_sin(every, self.inv_freq, self.rope_scale, self._dtype)
             self._rope_table = (cos[0, 0], sin[0, 0])
         if int(positions.max()) >= self.max_seq_len or int(positions.min()) < 0:
-            raise ValueError(f"positions must lie in 0..{self.max_seq_len - 1} (max_seq_len), got "
-                             f"{positions.min().item()}..{positions.max().item()}")
+            raise ValueError(
+                f"positions must lie in 0..{self.max_seq_len - 1} (max_seq_len), got "
+                f"{positions.min().item()}..{positions.max().item()}"
+            )
         cos, sin = self._rope_table
         return cos[positions][:, None], sin[positions][:, None]

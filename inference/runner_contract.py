@@ -56,7 +56,6 @@ class RunnerOutput:
     last_hidden: torch.Tensor | None = None
 
 
-
 def logit_rows_slice(only_last: bool, rows: slice | None) -> slice:
     if only_last and rows is not None:
         raise ValueError("pass only_last_logits or logit_rows, not both")
@@ -82,8 +81,10 @@ def attention_windows(config) -> dict[str, int | None]:
         return {"all": window}
     unknown = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
     if unknown:
-        raise UserError(f"{config.model_type} has {unknown} attention layers, which spectrain's runners do not "
-                         f"serve (they serve {', '.join(ATTENTION_LAYER_TYPES)})")
+        raise UserError(
+            f"{config.model_type} has {unknown} attention layers, which spectrain's runners do not "
+            f"serve (they serve {', '.join(ATTENTION_LAYER_TYPES)})"
+        )
     return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(layer_types)}
 
 
@@ -138,9 +139,7 @@ def full_user_mask(mask: torch.Tensor, batch: int, new: int, cached: int) -> tor
     return mask
 
 
-def kept_to_tensor(
-    kept: KeptIndices, batch: int, new: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_to_tensor(kept: KeptIndices, batch: int, new: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate kept indices; return (padded indices LongTensor[B, K], per-row counts LongTensor[B])."""
     if isinstance(kept, torch.Tensor):
         kept = kept.to(device=device, dtype=torch.long)
@@ -191,5 +190,7 @@ def check_same_vocab(target, draft) -> None:
     """Refuse a drafter whose vocabulary differs from the target's (its token ids would mean other tokens)."""
     t_vocab, d_vocab = target.config.vocab_size, draft.config.vocab_size
     if t_vocab != d_vocab:
-        raise UserError(f"drafter vocab_size {d_vocab} differs from the target's {t_vocab}: the drafter must share "
-                         "the target's tokenizer (train one with recipe=draftlm_* for this target)")
+        raise UserError(
+            f"drafter vocab_size {d_vocab} differs from the target's {t_vocab}: the drafter must share "
+            "the target's tokenizer (train one with recipe=draftlm_* for this target)"
+        )

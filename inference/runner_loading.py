@@ -36,8 +36,9 @@ def load_runner(
     if device is not None:
         kw["device"] = device
     # ModelRunner has no sliding window: a config whose window is shorter than the context goes to transformers.
-    native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES \
-        and not window_matters(model.config, max_seq_len)
+    native = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES and not window_matters(
+        model.config, max_seq_len
+    )
     if backend == "native" or (backend == "auto" and native):
         return ModelRunner.from_hf_model(model, exact=exact, **kw)
     return TransformersRunner.from_hf_model(model, **kw)
@@ -53,9 +54,15 @@ def with_logit_vocab(runner: ModelRunner | TransformersRunner, vocab: int | None
     if vocab == runner.logit_vocab:
         return runner
     if isinstance(runner, ModelRunner):
-        view = ModelRunner.from_config(runner.config, runner.state_dict(), device=runner.device, dtype=runner.dtype,
-                                       max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len,
-                                       exact=runner.exact)
+        view = ModelRunner.from_config(
+            runner.config,
+            runner.state_dict(),
+            device=runner.device,
+            dtype=runner.dtype,
+            max_batch_size=runner.max_batch_size,
+            max_seq_len=runner.max_seq_len,
+            exact=runner.exact,
+        )
     else:
         view = TransformersRunner(runner.model, max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len)
     view.logit_vocab = vocab

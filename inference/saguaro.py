@@ -43,8 +43,9 @@ def saguaro_probs(probs: Tensor, rank_logits: Tensor, top: Tensor | int, c: floa
     return scaled / scaled.sum(dim=-1, keepdim=True)
 
 
-def proposal_probs(tokens: Tensor, logits: Tensor, kinds: Tensor, tops: Tensor, c: float,
-                   sampling: SamplingParams) -> Tensor:
+def proposal_probs(
+    tokens: Tensor, logits: Tensor, kinds: Tensor, tops: Tensor, c: float, sampling: SamplingParams
+) -> Tensor:
     """The distribution each drafted token [..., K] was drawn from, [..., K, V] (float64 for the verifier).
     ``logits`` [..., K, V] are the raw draft logits (ignored for POINT / UNIFORM tokens)."""
     vocab = logits.shape[-1]
@@ -55,8 +56,9 @@ def proposal_probs(tokens: Tensor, logits: Tensor, kinds: Tensor, tops: Tensor, 
     return torch.where(kinds == NEURAL, neural, torch.where(kinds == POINT, point, uniform))
 
 
-def saguaro_sample(logits: Tensor, top: Tensor | int, c: float, sampling: SamplingParams,
-                   generator: torch.Generator | None) -> Tensor:
+def saguaro_sample(
+    logits: Tensor, top: Tensor | int, c: float, sampling: SamplingParams, generator: torch.Generator | None
+) -> Tensor:
     """Draw one token per row of raw draft logits [..., V] from ``σ_{top,C}(warp(logits))``. Greedy decoding is
     the argmax (the scaling never changes a point mass) and draws nothing."""
     probs = saguaro_probs(sampling.warp(logits.double()), logits, top, c)  # bit-identical to the verifier's q'

@@ -45,11 +45,15 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         if self.width < 1 or self.budget < 1 or self.blocks < 1:
-            raise ValueError(f"SpecBlock tree needs width >= 1, budget >= 1 and blocks >= 1, got width={self.width}, "
-                             f"budget={self.budget}, blocks={self.blocks}")
+            raise ValueError(
+                f"SpecBlock tree needs width >= 1, budget >= 1 and blocks >= 1, got width={self.width}, "
+                f"budget={self.budget}, blocks={self.blocks}"
+            )
         if len(self.widths) != 4 or any(w < 0 for w in self.widths) or min(self.widths[:3]) < 1:
-            raise ValueError(f"specblock widths must be 4 candidate counts (rank buckets 0-3), >= 1 for buckets 0-2 "
-                             f"and >= 0 for bucket 3 (0 = stop branching), got {list(self.widths)}")
+            raise ValueError(
+                f"specblock widths must be 4 candidate counts (rank buckets 0-3), >= 1 for buckets 0-2 "
+                f"and >= 0 for bucket 3 (0 = stop branching), got {list(self.widths)}"
+            )
 
 
 @dataclass
@@ -87,7 +91,9 @@ class Nodes:
         return len(self.draft_ids) - 1
 
 
-def slot_widths(top_probs: Sequence[float], buckets: Sequence[int], shape: TreeShape, *, first_block: bool) -> list[int]:
+def slot_widths(
+    top_probs: Sequence[float], buckets: Sequence[int], shape: TreeShape, *, first_block: bool
+) -> list[int]:
     """Candidates per slot (incl. the greedy token) for one block; 0 = the table says stop branching."""
     widths, stopped = [], False
     for k, (p, c) in enumerate(zip(top_probs, buckets)):
@@ -153,24 +159,45 @@ class SpecBlockTreeBuilder:
         self.drafter, self.shape = drafter, shape
         self.k = drafter.config.block_size
 
-    def build(self, first: BlockOutput, cache: SpecBlockCache, *, max_depth: int | None = None,
-              child_logits: dict[int, torch.Tensor] | None = None) -> tuple[DraftTree, int]:
+    def build(
+        self,
+        first: BlockOutput,
+        cache: SpecBlockCache,
+        *,
+        max_depth: int | None = None,
+        child_logits: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[DraftTree, int]:
         """(tree in target ids, later-block drafter forwards run). ``first``: block-1 outputs of the current
         anchor ([1, 1, K, ...]); ``max_depth`` caps node depth (no drafting past the token budget).
         ``child_logits`` (a dict, for the serving-time adapter) receives, by index in the returned tree (-1: the
         root), the draft logits its children were drawn from."""
         return self.build_rows([first], cache, [0], [max_depth], [child_logits])[0]
 
-    def build_rows(self, firsts: Sequence[BlockOutput], cache: SpecBlockCache, rows: Sequence[int],
-                   max_depths: Sequence[int | None],
-                   child_logits: Sequence[dict[int, torch.Tensor] | None]) -> list[tuple[DraftTree, int]]:
+    def build_rows(
+        self,
+        firsts: Sequence[BlockOutput],
+        cache: SpecBlockCache,
+        rows: Sequence[int],
+        max_depths: Sequence[int | None],
+        child_logits: Sequence[dict[int, torch.Tensor] | None],
+    ) -> list[tuple[DraftTree, int]]:
         """:meth:`build` for the trees of cache rows ``rows`` at once (``firsts[t]``: row ``rows[t]``'s block 1,
         one row): each round's later blocks of every tree's pending leaves run in ONE drafter forward."""
         trees = []
         for first, into in zip(firsts, child_logits):
             tree = _Growing(Nodes(), [], {} if into is not None else None)
-            tree.leaves = self._expand(tree, first.logits[0, 0], first.rank_logits[0, 0], first.hidden[0, 0],
-                                       parent=-1, score=0.0, depth=0, first_block=True, lineage=None, entries=None)
+            tree.leaves = self._expand(
+                tree,
+                first.logits[0, 0],
+                first.rank_logits[0, 0],
+                first.hidden[0, 0],
+                parent=-1,
+                score=0.0,
+                depth=0,
+                first_block=True,
+                lineage=None,
+                entries=None,
+            )
             trees.append(tree)
         for round_index in range(1, self.shape.blocks):
             going = [t for t, tree in enumerate(trees) if tree.leaves]
@@ -186,9 +213,18 @@ class SpecBlockTreeBuilder:
                 new_leaves = []
                 for row, leaf in enumerate(tree.leaves):
                     entries = list(range(base + row * self.k, base + (row + 1) * self.k))
-                    new_leaves += self._expand(tree, out.logits[0, row], out.rank_logits[0, row], out.hidden[0, row],
-                                               parent=leaf.node, score=leaf.score, depth=tree.nodes.depths[leaf.node],
-                                               first_block=False, lineage=leaf, entries=entries)
+                    new_leaves += self._expand(
+                        tree,
+                        out.logits[0, row],
+                        out.rank_logits[0, row],
+                        out.hidden[0, row],
+                        parent=leaf.node,
+                        score=leaf.score,
+                        depth=tree.nodes.depths[leaf.node],
+                        first_block=False,
+                        lineage=leaf,
+                        entries=entries,
+                    )
                 if last_round:
                     continue
                 beam = min(self.shape.width, max(1, (self.shape.budget - len(tree.nodes.scores)) // self.k))
@@ -196,8 +232,9 @@ class SpecBlockTreeBuilder:
                 tree.leaves = sorted(unique.values(), key=lambda lf: (-lf.score, lf.node))[:beam]
         return [self._finish(tree, max_depth, into) for tree, max_depth, into in zip(trees, max_depths, child_logits)]
 
-    def _finish(self, tree: _Growing, max_depth: int | None,
-                child_logits: dict[int, torch.Tensor] | None) -> tuple[DraftTree, int]:
+    def _finish(
+        self, tree: _Growing, max_depth: int | None, child_logits: dict[int, torch.Tensor] | None
+    ) -> tuple[DraftTree, int]:
         nodes = tree.nodes
         kept = prune(nodes, self.shape.budget, max_depth if max_depth is not None else 1 << 30)
         if child_logits is not None:  # re-key by index in the kept tree
@@ -222,10 +259,16 @@ class SpecBlockTreeBuilder:
                 visible = torch.zeros(len(leaves), tree.ttt.entries, dtype=torch.bool)
                 for row, leaf in enumerate(leaves):
                     visible[row, leaf.visible] = True
-            return [self.drafter.forward_leaves(
-                torch.stack([leaf.hidden for leaf in leaves])[None], self.drafter.to_target_ids(draft)[None], cache,
-                current_valid=torch.tensor([leaf.current_valid for leaf in leaves]), ttt=tree.ttt,
-                ttt_visible=visible)]
+            return [
+                self.drafter.forward_leaves(
+                    torch.stack([leaf.hidden for leaf in leaves])[None],
+                    self.drafter.to_target_ids(draft)[None],
+                    cache,
+                    current_valid=torch.tensor([leaf.current_valid for leaf in leaves]),
+                    ttt=tree.ttt,
+                    ttt_visible=visible,
+                )
+            ]
         batch, width = cache.batch, max(len(tree.leaves) for tree in trees)
         hidden = trees[0].leaves[0].hidden
         cond = hidden.new_zeros(batch, width, hidden.shape[-1])
@@ -238,13 +281,16 @@ class SpecBlockTreeBuilder:
         if with_ttt:
             layers, like = len(with_ttt[0].ttt.k), with_ttt[0].ttt.k[0]
             shape = (batch, like.shape[1], entries, like.shape[3])
-            ttt = BlockKV([like.new_zeros(shape) for _ in range(layers)], [like.new_zeros(shape) for _ in range(layers)])
+            ttt = BlockKV(
+                [like.new_zeros(shape) for _ in range(layers)], [like.new_zeros(shape) for _ in range(layers)]
+            )
             visible = torch.zeros(batch, width, entries, dtype=torch.bool)
         for tree, row in zip(trees, rows):
             n = counts[row] = len(tree.leaves)
             cond[row, :n] = torch.stack([leaf.hidden for leaf in tree.leaves])
-            draft = torch.tensor([tree.nodes.draft_ids[leaf.node] for leaf in tree.leaves], dtype=torch.long,
-                                 device=device)
+            draft = torch.tensor(
+                [tree.nodes.draft_ids[leaf.node] for leaf in tree.leaves], dtype=torch.long, device=device
+            )
             tokens[row, :n] = self.drafter.to_target_ids(draft)
             valid[row, :n] = torch.tensor([leaf.current_valid for leaf in tree.leaves])
             if tree.ttt is not None:
@@ -254,18 +300,37 @@ class SpecBlockTreeBuilder:
                     ttt.v[layer][row, :, :e] = tree.ttt.v[layer][0]
                 for index, leaf in enumerate(tree.leaves):
                     visible[row, index, leaf.visible] = True
-        out = self.drafter.forward_leaves(cond, tokens, cache, current_valid=valid, ttt=ttt, ttt_visible=visible,
-                                          counts=counts, ttt_counts=ttt_counts if with_ttt else None)
+        out = self.drafter.forward_leaves(
+            cond,
+            tokens,
+            cache,
+            current_valid=valid,
+            ttt=ttt,
+            ttt_visible=visible,
+            counts=counts,
+            ttt_counts=ttt_counts if with_ttt else None,
+        )
         outputs = []
         for tree, row in zip(trees, rows):
             n, one = len(tree.leaves), slice(row, row + 1)
-            kv = BlockKV([k[one, :, :n * self.k] for k in out.kv.k], [v[one, :, :n * self.k] for v in out.kv.v])
+            kv = BlockKV([k[one, :, : n * self.k] for k in out.kv.k], [v[one, :, : n * self.k] for v in out.kv.v])
             outputs.append(BlockOutput(out.logits[one, :n], out.rank_logits[one, :n], out.hidden[one, :n], kv))
         return outputs
 
-    def _expand(self, tree: _Growing, logits: torch.Tensor, rank_logits: torch.Tensor, hidden: torch.Tensor, *,
-                parent: int, score: float, depth: int, first_block: bool, lineage: Leaf | None,
-                entries: list[int] | None) -> list[Leaf]:
+    def _expand(
+        self,
+        tree: _Growing,
+        logits: torch.Tensor,
+        rank_logits: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        parent: int,
+        score: float,
+        depth: int,
+        first_block: bool,
+        lineage: Leaf | None,
+        entries: list[int] | None,
+    ) -> list[Leaf]:
         """Append one block's chain and alternatives below ``parent``; return the leaves it makes pending."""
         nodes = tree.nodes
         # clamp: a child's cumulative score never exceeds its parent's (pruning stays ancestor-closed)

@@ -33,16 +33,18 @@ def largest_remainder_round(x: Sequence[float], total: int) -> list[int]:
     return floors
 
 
-def geometric_fanout(budget: int, k_max: int, a_p: float, r: float = 1.0, f_max: int | None = None,
-                     f0_min: int = 1) -> list[int]:
+def geometric_fanout(
+    budget: int, k_max: int, a_p: float, r: float = 1.0, f_max: int | None = None, f0_min: int = 1
+) -> list[int]:
     """Integer fan-out ``[F_0..F_K]`` summing to ``budget`` from the closed form of §5, with ``F_0 ≥ f0_min``
     and every ``F_k ≤ f_max`` (the excess goes to the entries with the largest fractional parts still below the
     cap). ``a_p`` (per-token acceptance) is clamped to [0.01, 0.99] so both ends stay finite."""
     if budget < 1 or k_max < 1:
         raise ValueError(f"fan-out needs budget >= 1 and K >= 1, got budget={budget}, K={k_max}")
     if f_max is not None and f_max * (k_max + 1) < budget:
-        raise ValueError(f"budget {budget} cannot be split over {k_max + 1} lengths with at most {f_max} each; "
-                         "lower the budget")
+        raise ValueError(
+            f"budget {budget} cannot be split over {k_max + 1} lengths with at most {f_max} each; lower the budget"
+        )
     a_p = min(max(a_p, 0.01), 0.99)
     w = fanout_weights(k_max, a_p, r)
     x = [budget * wi / sum(w) for wi in w]
@@ -70,8 +72,9 @@ def parse_fanout(spec: str | Sequence[int], k_max: int) -> list[int] | None:
         try:
             spec = [int(v) for v in spec.replace(":", ",").strip("[]").split(",") if v.strip()]
         except ValueError:
-            raise ValueError(f"fan-out must be 'geometric' or a list of K+1={k_max + 1} ints like 4,3,3,2,4; "
-                             f"got {spec!r}") from None
+            raise ValueError(
+                f"fan-out must be 'geometric' or a list of K+1={k_max + 1} ints like 4,3,3,2,4; got {spec!r}"
+            ) from None
     fan = [int(v) for v in spec]
     if len(fan) != k_max + 1 or min(fan) < 0 or sum(fan) < 1:
         raise ValueError(f"explicit fan-out needs K+1={k_max + 1} non-negative ints with a positive sum, got {fan}")
@@ -125,8 +128,10 @@ class SpecCache:
         """query [b, 2] = (k, t) per row → (hit [b] bool, branch index [b]). Looks only at keys, never at the
         branch tokens (that would bias which speculation is served)."""
         if self.keys is None:
-            return (torch.zeros(query.shape[0], dtype=torch.bool, device=query.device),
-                    torch.zeros(query.shape[0], dtype=torch.long, device=query.device))
+            return (
+                torch.zeros(query.shape[0], dtype=torch.bool, device=query.device),
+                torch.zeros(query.shape[0], dtype=torch.long, device=query.device),
+            )
         match = (self.keys == query.to(self.keys.device)[:, None, :]).all(dim=-1) & (query[:, None, 0] != NO_KEY)
         return match.any(dim=1), match.to(torch.uint8).argmax(dim=1)
 

@@ -73,20 +73,30 @@ class ServeRequest:
 
     def pack(self) -> Tensor:
         b, k = self.jit_tops.shape
-        header = torch.tensor([b, k, _f2i(self.temperature), self.top_k, _f2i(self.top_p), _f2i(self.c),
-                               self.fallback, self.fast_kind], dtype=torch.long)
-        return torch.cat([header, self.keys.long().reshape(-1).cpu(), self.lengths.long().cpu(),
-                          self.active.long().cpu(), self.jit_tops.long().reshape(-1).cpu()])
+        header = torch.tensor(
+            [b, k, _f2i(self.temperature), self.top_k, _f2i(self.top_p), _f2i(self.c), self.fallback, self.fast_kind],
+            dtype=torch.long,
+        )
+        return torch.cat(
+            [
+                header,
+                self.keys.long().reshape(-1).cpu(),
+                self.lengths.long().cpu(),
+                self.active.long().cpu(),
+                self.jit_tops.long().reshape(-1).cpu(),
+            ]
+        )
 
     @classmethod
     def unpack(cls, payload: Tensor) -> ServeRequest:
         h = payload[:8].tolist()
         b, k = h[0], h[1]
         body = payload[8:]
-        keys, body = body[: 2 * b].view(b, 2), body[2 * b:]
-        lengths, active, body = body[:b], body[b: 2 * b].bool(), body[2 * b:]
-        return cls(keys, lengths, active, body[: b * k].view(b, k), _i2f(h[2]), h[3], _i2f(h[4]), _i2f(h[5]),
-                   h[6], h[7])
+        keys, body = body[: 2 * b].view(b, 2), body[2 * b :]
+        lengths, active, body = body[:b], body[b : 2 * b].bool(), body[2 * b :]
+        return cls(
+            keys, lengths, active, body[: b * k].view(b, k), _i2f(h[2]), h[3], _i2f(h[4]), _i2f(h[5]), h[6], h[7]
+        )
 
 
 @dataclass
@@ -100,8 +110,9 @@ class SpeculateRequest:
 
     def pack(self) -> Tensor:
         b, k1 = self.fanout.shape
-        header = torch.tensor([b, k1 - 1, _f2i(self.temperature), self.top_k, _f2i(self.top_p), _f2i(self.c)],
-                              dtype=torch.long)
+        header = torch.tensor(
+            [b, k1 - 1, _f2i(self.temperature), self.top_k, _f2i(self.top_p), _f2i(self.c)], dtype=torch.long
+        )
         return torch.cat([header, self.fanout.long().reshape(-1).cpu(), self.tree_tops.long().reshape(-1).cpu()])
 
     @classmethod
@@ -109,8 +120,9 @@ class SpeculateRequest:
         h = payload[:6].tolist()
         b, k = h[0], h[1]
         body = payload[6:]
-        return cls(body[: b * (k + 1)].view(b, k + 1), body[b * (k + 1):].view(b, k), _i2f(h[2]), h[3],
-                   _i2f(h[4]), _i2f(h[5]))
+        return cls(
+            body[: b * (k + 1)].view(b, k + 1), body[b * (k + 1) :].view(b, k), _i2f(h[2]), h[3], _i2f(h[4]), _i2f(h[5])
+        )
 
 
 @dataclass
@@ -126,9 +138,15 @@ class Speculation:
 
     def pack(self) -> tuple[Tensor, Tensor]:
         b, k = self.tokens.shape
-        ints = torch.cat([torch.tensor([b, k, self.draft_forwards]), self.source.long().cpu(),
-                          self.tokens.long().reshape(-1).cpu(), self.kinds.long().reshape(-1).cpu(),
-                          self.tops.long().reshape(-1).cpu()])
+        ints = torch.cat(
+            [
+                torch.tensor([b, k, self.draft_forwards]),
+                self.source.long().cpu(),
+                self.tokens.long().reshape(-1).cpu(),
+                self.kinds.long().reshape(-1).cpu(),
+                self.tops.long().reshape(-1).cpu(),
+            ]
+        )
         return ints, self.logits
 
     @classmethod
@@ -136,7 +154,7 @@ class Speculation:
         b, k, forwards = ints[:3].tolist()
         body = ints[3:]
         source, body = body[:b], body[b:]
-        tokens, kinds, tops = (body[i * b * k: (i + 1) * b * k].view(b, k) for i in range(3))
+        tokens, kinds, tops = (body[i * b * k : (i + 1) * b * k].view(b, k) for i in range(3))
         return cls(source, tokens, kinds, tops, forwards, logits)
 
 
@@ -165,8 +183,9 @@ def given_runner(runner: Any) -> Any:
     return runner
 
 
-def build_draft_runner(source: Any, *, device: str | torch.device, max_batch_size: int, max_seq_len: int,
-                       logit_vocab: int | None = None) -> Any:
+def build_draft_runner(
+    source: Any, *, device: str | torch.device, max_batch_size: int, max_seq_len: int, logit_vocab: int | None = None
+) -> Any:
     """A drafter runner from a runner, a callable returning a runner / HF model, or a draft LM directory path
     (``logit_vocab``: see ``inference.runner_loading.with_logit_vocab``; a runner given already carries its own)."""
     if isinstance(source, str):
@@ -182,15 +201,27 @@ def build_draft_runner(source: Any, *, device: str | torch.device, max_batch_siz
 class SSDDraftSide:
     """Owns the drafter runner, the speculation cache, the n-gram tables and the draft-side generator."""
 
-    def __init__(self, source: Any, *, lookahead: int, budget: int, seed: int = 0, device: str = "cpu",
-                 max_batch_size: int = 1, max_seq_len: int = 2048, threads: int | None = None,
-                 logit_vocab: int | None = None, fork_vocab: str = "full"):
+    def __init__(
+        self,
+        source: Any,
+        *,
+        lookahead: int,
+        budget: int,
+        seed: int = 0,
+        device: str = "cpu",
+        max_batch_size: int = 1,
+        max_seq_len: int = 2048,
+        threads: int | None = None,
+        logit_vocab: int | None = None,
+        fork_vocab: str = "full",
+    ):
         if fork_vocab not in FORK_VOCABS:
             raise ValueError(f"ssd fork_vocab must be one of {', '.join(FORK_VOCABS)}, got {fork_vocab!r}")
         if threads:
             torch.set_num_threads(threads)
-        self.runner = build_draft_runner(source, device=device, max_batch_size=max_batch_size,
-                                         max_seq_len=max_seq_len, logit_vocab=logit_vocab)
+        self.runner = build_draft_runner(
+            source, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, logit_vocab=logit_vocab
+        )
         self.device = self.runner.device
         self.k = lookahead
         self.budget = budget
@@ -252,8 +283,11 @@ class SSDDraftSide:
                 j_tokens, j_logits = self._jit(keys[:, 1], req.jit_tops.to(self.device), req.c, sampling)
                 forwards = k_max
                 self.runner.truncate(req.lengths.to(self.device))
-                tokens[miss], logits[miss], tops[miss] = j_tokens[miss], j_logits[miss], req.jit_tops.to(
-                    self.device)[miss]
+                tokens[miss], logits[miss], tops[miss] = (
+                    j_tokens[miss],
+                    j_logits[miss],
+                    req.jit_tops.to(self.device)[miss],
+                )
                 kinds[miss] = NEURAL
                 source[miss] = JIT
             else:
@@ -267,9 +301,11 @@ class SSDDraftSide:
 
     def _empty(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
         vocab = self.runner.config.vocab_size
-        return (torch.zeros(b, self.k, dtype=torch.long, device=self.device),
-                torch.zeros(b, self.k, vocab, dtype=torch.float32, device=self.device),
-                torch.zeros(b, self.k, dtype=torch.long, device=self.device))
+        return (
+            torch.zeros(b, self.k, dtype=torch.long, device=self.device),
+            torch.zeros(b, self.k, vocab, dtype=torch.float32, device=self.device),
+            torch.zeros(b, self.k, dtype=torch.long, device=self.device),
+        )
 
     def _commit(self, req: ServeRequest) -> None:
         """Append the committed tokens (accepted draft prefix + bonus) to each active row's history."""
@@ -280,8 +316,10 @@ class SSDDraftSide:
                 self.history[row].extend(self.spec[row, :k].tolist())
             self.history[row].append(bonus)
             if len(self.history[row]) != int(req.lengths[row]) + 1:
-                raise RuntimeError(f"draft side out of sync on row {row}: history {len(self.history[row])} tokens, "
-                                   f"target committed {int(req.lengths[row])} (+1 bonus)")
+                raise RuntimeError(
+                    f"draft side out of sync on row {row}: history {len(self.history[row])} tokens, "
+                    f"target committed {int(req.lengths[row])} (+1 bonus)"
+                )
 
     def _jit(self, bonus: Tensor, tops: Tensor, c: float, sampling: SamplingParams) -> tuple[Tensor, Tensor]:
         """K tokens per row drafted now from the committed state + bonus (SAGUARO sampling)."""
@@ -311,7 +349,7 @@ class SSDDraftSide:
     def _index_ngrams(self, row: int, k_max: int) -> None:
         history = self.history[row]
         for i in range(self._indexed[row], len(history) - k_max):
-            self.ngrams[row].insert(history[i], history[i + 1: i + 1 + k_max])
+            self.ngrams[row].insert(history[i], history[i + 1 : i + 1 + k_max])
         self._indexed[row] = max(self._indexed[row], len(history) - k_max)
 
     # -- speculate ----------------------------------------------------------------------------------------------
@@ -329,23 +367,26 @@ class SSDDraftSide:
         base = runner.cache_lens.clone()
         glue = runner.forward(torch.cat([self.bonus[:, None], self.spec], 1), return_last_hidden=self.full_forks)
         # d_0..d_K [b, K+1, V]: from the whole lm_head for full-vocabulary forks, else the drafter's own logits
-        fork_len, fork_tok = self._fork(full_head_logits(runner, glue.last_hidden) if self.full_forks
-                                        else glue.logits, fanout)
+        fork_len, fork_tok = self._fork(
+            full_head_logits(runner, glue.last_hidden) if self.full_forks else glue.logits, fanout
+        )
         width = fork_tok.shape[1]
         feed, steps_tok, steps_logits = fork_tok, [], []
         for step in range(1, k_max + 1):
             cached = int(runner.cache_lens.max())
             mask = tree_step_mask(base, cached, fork_len, k_max, step)
             logits = runner.forward(feed, positions=base[:, None] + fork_len + step, attention_mask=mask).logits.float()
-            token = saguaro_sample(logits, tree_tops[:, step - 1, None].expand(b, width), req.c, sampling,
-                                   self.generator)
+            token = saguaro_sample(
+                logits, tree_tops[:, step - 1, None].expand(b, width), req.c, sampling, self.generator
+            )
             steps_tok.append(token)
             steps_logits.append(logits)
             feed = token
         keys = torch.stack([fork_len, fork_tok], -1)
         keys[fanout.sum(1) == 0] = NO_KEY
-        self.cache.populate(keys, torch.stack(steps_tok, 2), torch.stack(steps_logits, 2),
-                            tree_tops[:, None, :].expand(b, width, k_max))
+        self.cache.populate(
+            keys, torch.stack(steps_tok, 2), torch.stack(steps_logits, 2), tree_tops[:, None, :].expand(b, width, k_max)
+        )
         return 1 + k_max
 
     def _fork(self, glue: Tensor, fanout: Tensor) -> tuple[Tensor, Tensor]:

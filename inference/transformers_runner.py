@@ -151,9 +151,7 @@ class TransformersRunner:
         kept, counts = kept_to_tensor(kept, self.batch_size, new, self.device)
         # Count-and-compare rather than scatter True: padding entries repeat a row's last index.
         real = (torch.arange(kept.shape[1], device=self.device) < counts[:, None]).long()
-        keep = torch.zeros(self.batch_size, new, dtype=torch.long, device=self.device).scatter_add_(
-            1, kept, real
-        )
+        keep = torch.zeros(self.batch_size, new, dtype=torch.long, device=self.device).scatter_add_(1, kept, real)
         self._slot_valid[:, start:] = keep > 0
         self._pending = None
         self._compact()
@@ -203,9 +201,7 @@ class TransformersRunner:
         device, physical = self.device, self._slot_valid.shape[1]
 
         arange_new = torch.arange(new, device=device)
-        positions = (
-            lens[:, None] + arange_new if positions is None else positions.to(device).expand(batch, new)
-        )
+        positions = lens[:, None] + arange_new if positions is None else positions.to(device).expand(batch, new)
         new_part = torch.ones(new, new, dtype=torch.bool, device=device).tril().expand(batch, new, new)
         cache_part = self._slot_valid[:, None, :].expand(batch, new, physical)
         if attention_mask is not None:
@@ -219,8 +215,13 @@ class TransformersRunner:
         allowed = torch.cat([cache_part, new_part], dim=-1)[:, None]
         masks = {kind: self._float_mask(allowed, positions, window) for kind, window in self.windows.items()}
         # One mask for every layer, or (models with layer types) one per type, which transformers then uses as-is.
-        float_mask = masks["all"] if "all" in masks else masks if len(set(self.windows.values())) > 1 else \
-            next(iter(masks.values()))
+        float_mask = (
+            masks["all"]
+            if "all" in masks
+            else masks
+            if len(set(self.windows.values())) > 1
+            else next(iter(masks.values()))
+        )
 
         hidden: dict[int, torch.Tensor] = {}
         captured_last: list[torch.Tensor] = []
@@ -231,9 +232,7 @@ class TransformersRunner:
             for i in capture:
                 hooks.append(self._decoder_layers[i].register_forward_hook(self._capture_hook(hidden, i)))
         if return_last_hidden:
-            hooks.append(
-                self.lm_head.register_forward_pre_hook(lambda m, args: captured_last.append(args[0]))
-            )
+            hooks.append(self.lm_head.register_forward_pre_hook(lambda m, args: captured_last.append(args[0])))
         try:
             out = self.model(
                 input_ids=input_ids.to(device),

@@ -53,14 +53,18 @@ def keep_best(scores: Sequence[float], parents: Sequence[int], budget: int) -> l
     chosen = set(kept)
     for node in kept:
         if parents[node] >= 0 and parents[node] not in chosen:
-            raise ValueError(f"node {node} scores above its parent {parents[node]}: tree scores must not increase "
-                             "along a path (use cumulative log-probabilities)")
+            raise ValueError(
+                f"node {node} scores above its parent {parents[node]}: tree scores must not increase "
+                "along a path (use cumulative log-probabilities)"
+            )
     return kept
 
 
 def subtree(tokens: Sequence[int], parents: Sequence[int], depths: Sequence[int], kept: Sequence[int]) -> DraftTree:
     """The tree of the ancestor-closed node set ``kept`` (increasing), re-indexed."""
     index = {node: i for i, node in enumerate(kept)}
-    return DraftTree(tokens=[int(tokens[n]) for n in kept],
-                     parents=[index[parents[n]] if parents[n] >= 0 else -1 for n in kept],
-                     depths=[int(depths[n]) for n in kept])
+    return DraftTree(
+        tokens=[int(tokens[n]) for n in kept],
+        parents=[index[parents[n]] if parents[n] >= 0 else -1 for n in kept],
+        depths=[int(depths[n]) for n in kept],
+    )

@@ -85,13 +85,15 @@ class VerifyPlan:
     ) -> tuple[torch.LongTensor, torch.LongTensor]:
         """Sample (τ [n], emitted token [n]) for an unbatched plan by running the scan on uniforms."""
         if self.stop_probs.dim() != 1:
-            raise ValueError(
-                f"draw needs an unbatched plan, got stop_probs of shape {tuple(self.stop_probs.shape)}"
-            )
+            raise ValueError(f"draw needs an unbatched plan, got stop_probs of shape {tuple(self.stop_probs.shape)}")
         stops = self.stop_probs.flip(0) if self.backward else self.stop_probs
         if bool(((stops > 0) & (stops < 1)).any()):
-            u = torch.rand((num_samples, stops.numel()), generator=generator, dtype=stops.dtype,
-                           device=random_device(generator, stops.device)).to(stops.device)
+            u = torch.rand(
+                (num_samples, stops.numel()),
+                generator=generator,
+                dtype=stops.dtype,
+                device=random_device(generator, stops.device),
+            ).to(stops.device)
             stopped = u < stops  # P(u < s) = s for u ~ U[0, 1)
         else:  # every decision is certain (e.g. greedy): no randomness needed
             stopped = (stops == 1).expand(num_samples, -1)
@@ -226,9 +228,7 @@ class ChainVerifier:
         generator: torch.Generator | None = None,
     ) -> VerifyResult:
         if draft_tokens.dim() != 1:
-            raise ValueError(
-                f"verifiers take one sequence (1-D draft_tokens), got {tuple(draft_tokens.shape)}"
-            )
+            raise ValueError(f"verifiers take one sequence (1-D draft_tokens), got {tuple(draft_tokens.shape)}")
         tau, token = self.plan(draft_tokens, draft_probs, target_probs).draw(generator)
         num_accepted = int(tau.item())
         tokens = torch.cat([draft_tokens[:num_accepted].long(), token.to(draft_tokens.device)])
@@ -348,9 +348,7 @@ def _children_by_row(parents: list[int]) -> list[list[int]]:
     children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
     for node, parent in enumerate(parents):
         if not -1 <= parent < len(parents) or parent == node:
-            raise ValueError(
-                f"node {node} has invalid parent {parent} (use -1 for the root, else a node index)"
-            )
+            raise ValueError(f"node {node} has invalid parent {parent} (use -1 for the root, else a node index)")
         children[parent + 1].append(node)
     return children
 
@@ -364,8 +362,7 @@ def _check_tree(tree_tokens: list[int], parents: list[int], target_probs) -> Non
     ):
         rows = tuple(target_probs.shape) if is_tensor else f"{len(target_probs)} rows"
         raise ValueError(
-            f"need tree_tokens [N], parents [N], target_probs [N+1, V]; got {len(tree_tokens)}, "
-            f"{len(parents)}, {rows}"
+            f"need tree_tokens [N], parents [N], target_probs [N+1, V]; got {len(tree_tokens)}, {len(parents)}, {rows}"
         )
 
 

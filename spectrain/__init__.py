@@ -1,4 +1,5 @@
 """spectrain."""
+
 from core import __version__
 
 __all__ = ["__version__"]

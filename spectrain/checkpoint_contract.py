@@ -13,8 +13,18 @@ DRAFTER_PREFIX = "drafter."
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def checkpoint_metadata(drafter: Eagle3Drafter, target: dict[str, Any], *, recipe: dict[str, Any] | None = None,
-                        metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+def checkpoint_metadata(
+    drafter: Eagle3Drafter,
+    target: dict[str, Any],
+    *,
+    recipe: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """What a LightningModule stores as ``checkpoint["spectrain"]`` so ``ckpt=`` can be exported."""
-    return {"kind": "eagle3", "config": drafter.config.to_dict(), "target": target, "recipe": recipe,
-            "metrics": metrics or {}}
+    return {
+        "kind": "eagle3",
+        "config": drafter.config.to_dict(),
+        "target": target,
+        "recipe": recipe,
+        "metrics": metrics or {},
+    }

@@ -39,12 +39,16 @@ def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
         raw = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # a torn zip, a foreign pickle or another format raises any of several types
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"ckpt={path} is not a readable Lightning checkpoint ({type(exc).__name__}: "
-                              f"{reason}); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt) of "
-                              "python -m spectrain.fit, or an export directory") from None
+        raise CheckpointError(
+            f"ckpt={path} is not a readable Lightning checkpoint ({type(exc).__name__}: "
+            f"{reason}); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt) of "
+            "python -m spectrain.fit, or an export directory"
+        ) from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"ckpt={path} holds a {type(raw).__name__}, not a Lightning checkpoint; give "
-                              "runs/<run>/checkpoints/last.ckpt of python -m spectrain.fit")
+        raise CheckpointError(
+            f"ckpt={path} holds a {type(raw).__name__}, not a Lightning checkpoint; give "
+            "runs/<run>/checkpoints/last.ckpt of python -m spectrain.fit"
+        )
     return raw
 
 
@@ -68,18 +72,29 @@ def read_trained_drafter(path: Path, target: str | None, frozen: Sequence[str] =
     if target:
         wanted = target_record(target)
         if recorded is not None and not same_target(recorded, wanted):
-            raise CheckpointError(f"{path} was trained for target '{recorded.get('name')}', not '{target}'; "
-                                  "use the target it was trained for")
+            raise CheckpointError(
+                f"{path} was trained for target '{recorded.get('name')}', not '{target}'; "
+                "use the target it was trained for"
+            )
         recorded = recorded or wanted
     skipped = {DRAFTER_PREFIX + name for name in frozen}
-    tensors = {name.removeprefix(DRAFTER_PREFIX): t for name, t in (raw.get("state_dict") or {}).items()
-               if name.startswith(DRAFTER_PREFIX) and name not in skipped}
+    tensors = {
+        name.removeprefix(DRAFTER_PREFIX): t
+        for name, t in (raw.get("state_dict") or {}).items()
+        if name.startswith(DRAFTER_PREFIX) and name not in skipped
+    }
     if not tensors:
-        raise CheckpointError(f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule keeps the "
-                              "drafter as self.drafter)")
+        raise CheckpointError(
+            f"{path}: no '{DRAFTER_PREFIX}*' tensors in state_dict (the LightningModule keeps the "
+            "drafter as self.drafter)"
+        )
     recipe = meta.get("recipe") or (raw.get("hyper_parameters") or {}).get("recipe")
-    metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "epoch": raw.get("epoch"),
-               "source": str(path)}
+    metrics = {
+        **(meta.get("metrics") or {}),
+        "global_step": raw.get("global_step"),
+        "epoch": raw.get("epoch"),
+        "source": str(path),
+    }
     return TrainedDrafter(meta, recorded, tensors, recipe, metrics)
 
 
@@ -96,8 +111,10 @@ def directory_target(path: Path, ckpt: Any, given: dict[str, Any] | None, title:
     (``target=``), which a foreign checkpoint (it records none) needs."""
     target = ckpt.target or given
     if target is None:
-        raise CheckpointError(f"{path} is a {title} checkpoint of another tool ({ckpt.layout} layout) and records no "
-                              "target: give target=NAME_OR_DIR (the model it drafts for)")
+        raise CheckpointError(
+            f"{path} is a {title} checkpoint of another tool ({ckpt.layout} layout) and records no "
+            "target: give target=NAME_OR_DIR (the model it drafts for)"
+        )
     return target
 
 

@@ -21,7 +21,9 @@ class DataConfig:
     #                                None = the eval split of source
     val_dataset_dir: str | None = None  # extracted validation features; online: the source's eval split
     layers: Any = "eagle3"  # target layers captured as features: eagle3 | lastK | [i, j, k]
-    dtype: str = "bf16"  # online feature dtype: bf16 | fp16 | fp32 (the rounding stored datasets use; fp8 is offline only)
+    dtype: str = (
+        "bf16"  # online feature dtype: bf16 | fp16 | fp32 (the rounding stored datasets use; fp8 is offline only)
+    )
     n_val_samples: int = 16
     n_samples: int = 1000
     max_len: int = 512

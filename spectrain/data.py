@@ -41,22 +41,43 @@ def build_feature_datamodule(cfg: Any, features: bool = True) -> L.LightningData
     if data.dataset_dir:
         if data.bucket_by_length or data.val_source:
             key = "bucket_by_length" if data.bucket_by_length else "val_source"
-            raise UserError(f"data.{key} applies to online features only; drop it with data.dataset_dir "
-                             "(validation features: data.val_dataset_dir)")
+            raise UserError(
+                f"data.{key} applies to online features only; drop it with data.dataset_dir "
+                "(validation features: data.val_dataset_dir)"
+            )
         if data.window != "start":
-            raise UserError(f"data.window={data.window} applies to online features only: an extracted dataset's "
-                             "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)")
-        return FeatureDataModule(data.dataset_dir, batch_size=data.batch_size, seed=cfg.seed,
-                                 num_workers=data.num_workers, val_directory=data.val_dataset_dir,
-                                 target=cfg.target, layers=data.layers, max_len=data.max_len,
-                                 tokenizer=load_tokenizer(cfg.target, data.chat_template))
+            raise UserError(
+                f"data.window={data.window} applies to online features only: an extracted dataset's "
+                "window was fixed when it was extracted (python -m data_prep.extract ... window=answer)"
+            )
+        return FeatureDataModule(
+            data.dataset_dir,
+            batch_size=data.batch_size,
+            seed=cfg.seed,
+            num_workers=data.num_workers,
+            val_directory=data.val_dataset_dir,
+            target=cfg.target,
+            layers=data.layers,
+            max_len=data.max_len,
+            tokenizer=load_tokenizer(cfg.target, data.chat_template),
+        )
     target = loaded_target(cfg.target, data.max_len, data.batch_size, chat_template=data.chat_template)
-    common = dict(source=data.source, max_len=data.max_len, layers=data.layers, dtype=data.dtype,
-                  batch_size=data.batch_size, seed=cfg.seed, window=data.window, features=features)
-    train = OnlineFeatureDataModule(target, n_samples=data.n_samples, split="train",
-                                    bucket_by_length=data.bucket_by_length, **common)
+    common = dict(
+        source=data.source,
+        max_len=data.max_len,
+        layers=data.layers,
+        dtype=data.dtype,
+        batch_size=data.batch_size,
+        seed=cfg.seed,
+        window=data.window,
+        features=features,
+    )
+    train = OnlineFeatureDataModule(
+        target, n_samples=data.n_samples, split="train", bucket_by_length=data.bucket_by_length, **common
+    )
     if data.val_source:  # its own held-out conversations, e.g. the target's answers to the eval split
         common["source"] = data.val_source
-    val = OnlineFeatureDataModule(target, n_samples=data.n_val_samples, split="all" if data.val_source else "eval",
-                                  shuffle=False, **common)
+    val = OnlineFeatureDataModule(
+        target, n_samples=data.n_val_samples, split="all" if data.val_source else "eval", shuffle=False, **common
+    )
     return TrainValDataModule(train, val)

@@ -38,9 +38,11 @@ from spectrain.resume import is_sharded_checkpoint
 
 # what a directory that no kind recognises goes to: its reader explains what such a directory lacks
 UNRECOGNISED_SOURCE_KIND = "eagle3"
-USAGE = ("python -m spectrain.export ckpt=PATH format=native|sglang|speculators|dflash [verifier=PATH_OR_ID] "
-         "out=DIR  |  "
-         "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR")
+USAGE = (
+    "python -m spectrain.export ckpt=PATH format=native|sglang|speculators|dflash [verifier=PATH_OR_ID] "
+    "out=DIR  |  "
+    "python -m spectrain.export import=PATH [target=NAME_OR_DIR] [format=native] out=DIR"
+)
 
 
 @dataclass
@@ -84,8 +86,10 @@ def export(cfg: Any) -> Path:
     if not cfg.out:
         raise OverrideError(f"out=DIR is required; usage: {USAGE}")
     if cfg.verifier and cfg.format != "speculators":
-        raise OverrideError(f"verifier= names the target in the speculators layout only; drop it or add "
-                            f"format=speculators (got format={cfg.format})")
+        raise OverrideError(
+            f"verifier= names the target in the speculators layout only; drop it or add "
+            f"format=speculators (got format={cfg.format})"
+        )
     if cfg.verifier:
         check_model_reference(cfg.verifier)
     out = check_output(cfg.out)  # before reading anything
@@ -113,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[export] wrote {result[0].format} drafter to {result[1]}", file=sys.stderr)
 
     return run_cli(argv, run, doc=__doc__, schema=ExportConfig, report=report)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,28 +70,36 @@ def compose_recipe(argv: Sequence[str], directory: Path | None = None) -> DictCo
     if recipe is None:
         raise RecipeError(f"no recipe given; usage: python -m spectrain.fit recipe=NAME; available: {', '.join(names)}")
     if recipe not in names:
-        raise RecipeError(f"unknown recipe '{recipe}'; available: {', '.join(names) or '(none)'} (in {directory}/recipe)")
+        raise RecipeError(
+            f"unknown recipe '{recipe}'; available: {', '.join(names) or '(none)'} (in {directory}/recipe)"
+        )
 
     digest = _recipe_files_digest(directory)
     cfg = _composed(str(directory), recipe, digest)
     valid = leaf_keys(cfg, open_dicts=("model",))  # model fields are kind-specific
     # The kind's model fields the recipe leaves at their defaults are valid too; Hydra adds them with '+'.
-    unset = [f"model.{k}" for k in _model_fields(dict(pairs).get("kind", OmegaConf.select(cfg, "kind"))) if k not in cfg.model]
-    overrides = [("+" if key in unset else "") + f"{key}={v}"
-                 for key, v in ((resolve_key(k, valid + unset), v) for k, v in pairs)]
+    unset = [
+        f"model.{k}"
+        for k in _model_fields(dict(pairs).get("kind", OmegaConf.select(cfg, "kind")))
+        if k not in cfg.model
+    ]
+    overrides = [
+        ("+" if key in unset else "") + f"{key}={v}"
+        for key, v in ((resolve_key(k, valid + unset), v) for k, v in pairs)
+    ]
     # The overrides are applied to the composed recipe as Hydra's compose applies them (every override here names a
     # value, none a config group): a second composition would cost as much as the first.
     try:
         _apply_overrides(cfg, overrides)
     except Exception as exc:  # Hydra's messages are multi-line: name the override that fails, and why
+
         def alone(item: str) -> None:
             try:
                 _apply_overrides(_composed(str(directory), recipe, digest), [item])
             except Exception as one:  # the reason is in the cause (e.g. omegaconf's conversion error)
                 raise (one.__cause__ or one) from None
 
-        raise RecipeError(f"bad override: {bad_value(overrides, exc, alone).removeprefix('bad value in ')}"
-                          ) from None
+        raise RecipeError(f"bad override: {bad_value(overrides, exc, alone).removeprefix('bad value in ')}") from None
     OmegaConf.set_struct(cfg, True)
     _validate(cfg, recipe)
     return cfg
@@ -137,10 +145,15 @@ def _apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
         try:
             value = override.value()
             if override.is_sweep_override():  # Hydra's compose refuses a sweep outside --multirun, so do we
-                raise ValueError(f"Ambiguous value for argument '{override.input_line}': to use it as a list, write "
-                                 "key=[value1,value2]; as a string, quote it")
-            if (override.is_add() and OmegaConf.select(cfg, key, throw_on_missing=False) is not None
-                    and not isinstance(value, (dict, list))):
+                raise ValueError(
+                    f"Ambiguous value for argument '{override.input_line}': to use it as a list, write "
+                    "key=[value1,value2]; as a string, quote it"
+                )
+            if (
+                override.is_add()
+                and OmegaConf.select(cfg, key, throw_on_missing=False) is not None
+                and not isinstance(value, (dict, list))
+            ):
                 raise ValueError(f"an item is already at '{key}'; remove the + prefix")
             OmegaConf.update(cfg, key, value, merge=True, force_add=override.is_add())
         except (OmegaConfBaseException, ValueError) as exc:  # the cause carries the reason; the caller names the key
@@ -169,8 +182,10 @@ def _validate(cfg: DictConfig, recipe: str) -> None:
         schema = OmegaConf.structured(kind.model_schema)
         for key in cfg.model:
             if key not in schema:
-                raise RecipeError(f"unknown key 'model.{key}' for kind '{cfg.kind}'; valid: "
-                                  + ", ".join(f"model.{k}" for k in schema.keys()))
+                raise RecipeError(
+                    f"unknown key 'model.{key}' for kind '{cfg.kind}'; valid: "
+                    + ", ".join(f"model.{k}" for k in schema.keys())
+                )
         try:
             merged = OmegaConf.merge(schema, cfg.model)  # type-checks values and fills defaults
         except Exception as exc:
@@ -192,10 +207,15 @@ class _unlocked:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         commit = out.stdout.strip() or "unknown"
         return commit + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -217,13 +237,17 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
         raise RecipeError(f"resume={cfg.resume}: no such checkpoint; use resume=auto or a path to a .ckpt file")
     layout = checkpoint_layout(path)
     if layout is None:
-        raise RecipeError(f"resume={cfg.resume} is not a checkpoint of python -m spectrain.fit (truncated, or another "
-                          "file or directory); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt), or resume=auto")
+        raise RecipeError(
+            f"resume={cfg.resume} is not a checkpoint of python -m spectrain.fit (truncated, or another "
+            "file or directory); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt), or resume=auto"
+        )
     strategy = cfg.trainer.strategy
     wanted = {"sharded": "fsdp", "deepspeed": "deepspeed_stage_2 or deepspeed_stage_3"}.get(layout)
     if wanted and not (strategy == "fsdp" if layout == "sharded" else strategy.startswith("deepspeed")):
-        raise RecipeError(f"resume={cfg.resume} is a {layout} checkpoint, which trainer.strategy={strategy} cannot "
-                          f"load; resume it with trainer.strategy={wanted}")
+        raise RecipeError(
+            f"resume={cfg.resume} is a {layout} checkpoint, which trainer.strategy={strategy} cannot "
+            f"load; resume it with trainer.strategy={wanted}"
+        )
     return str(path)
 
 
@@ -256,15 +280,15 @@ def resolve_precision(precision: str, cuda: bool, cpu_bf16: bool | None = None) 
         return precision
     if precision == "bf16-mixed" and (cpu_has_native_bf16() if cpu_bf16 is None else cpu_bf16):
         return precision
-    raise RecipeError(f"trainer.precision={precision} needs a CUDA GPU (bf16-mixed: or a CPU with native bf16, "
-                      "AVX512-BF16 or AMX) and none is used here; use precision=auto (fp32 on CPU) or "
-                      "precision=32-true")
+    raise RecipeError(
+        f"trainer.precision={precision} needs a CUDA GPU (bf16-mixed: or a CPU with native bf16, "
+        "AVX512-BF16 or AMX) and none is used here; use precision=auto (fp32 on CPU) or "
+        "precision=32-true"
+    )
 
 
 def _uses_cuda(cfg: DictConfig) -> bool:
     return cfg.trainer.accelerator in ("auto", "gpu", "cuda") and _cuda_available()
-
-
 
 
 def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[Any] = ()):
@@ -279,15 +303,28 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
     plugins = [] if trainer_cfg.strategy.startswith("deepspeed") or trainer_cfg.strategy == "fsdp" else [atomic_io()]
     checkpoints = [
         # No version counter: a resumed run overwrites last.ckpt instead of writing last-v1.ckpt beside it.
-        ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="step{step}", auto_insert_metric_name=False,
-                        every_n_train_steps=trainer_cfg.checkpoint_every_n_steps, save_last=True, save_top_k=-1,
-                        enable_version_counter=False),
+        ModelCheckpoint(
+            dirpath=str(directory / "checkpoints"),
+            filename="step{step}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=trainer_cfg.checkpoint_every_n_steps,
+            save_last=True,
+            save_top_k=-1,
+            enable_version_counter=False,
+        ),
     ]
     if trainer_cfg.monitor:
-        checkpoints.append(ModelCheckpoint(dirpath=str(directory / "checkpoints"), filename="best",
-                                           monitor=trainer_cfg.monitor, mode=trainer_cfg.monitor_mode,
-                                           save_top_k=1, auto_insert_metric_name=False,
-                                           enable_version_counter=False))
+        checkpoints.append(
+            ModelCheckpoint(
+                dirpath=str(directory / "checkpoints"),
+                filename="best",
+                monitor=trainer_cfg.monitor,
+                mode=trainer_cfg.monitor_mode,
+                save_top_k=1,
+                auto_insert_metric_name=False,
+                enable_version_counter=False,
+            )
+        )
     return pl.Trainer(
         default_root_dir=str(directory),
         max_steps=trainer_cfg.max_steps,
@@ -303,9 +340,12 @@ def build_trainer(cfg: DictConfig, directory: Path, extra_callbacks: Sequence[An
         gradient_clip_val=trainer_cfg.gradient_clip_val or None,
         log_every_n_steps=trainer_cfg.log_every_n_steps,
         logger=build_logger(cfg, directory),
-        callbacks=[*checkpoints, final_checkpoint(directory / "checkpoints" / "last.ckpt",
-                                                  trainer_cfg.checkpoint_every_n_steps),
-                   rng_callback(), *extra_callbacks],
+        callbacks=[
+            *checkpoints,
+            final_checkpoint(directory / "checkpoints" / "last.ckpt", trainer_cfg.checkpoint_every_n_steps),
+            rng_callback(),
+            *extra_callbacks,
+        ],
         plugins=plugins,
         enable_progress_bar=True,
         # The loaders split each global batch across processes themselves (data_prep.rank_sampler), so that
@@ -342,11 +382,13 @@ def check_datasets(cfg: DictConfig) -> None:
         have, want = manifest.get("target") or {}, model_identity(str(cfg.target))
         if (have.get("config_hash"), have.get("weights_hash")) != (want["config_hash"], want["weights_hash"]):
             maker = "data_prep.traces" if manifest.get("kind") == "traces" else "data_prep.extract"
-            raise DatasetError(f"data.{key}={directory} was made for target '{have.get('name')}' (config "
-                               f"{have.get('config_hash')}, weights {have.get('weights_hash')}), not "
-                               f"'{cfg.target}' (config {want['config_hash']}, weights {want['weights_hash']}): "
-                               f"re-create it with python -m {maker} target={cfg.target}, or train for the target "
-                               "it was made for")
+            raise DatasetError(
+                f"data.{key}={directory} was made for target '{have.get('name')}' (config "
+                f"{have.get('config_hash')}, weights {have.get('weights_hash')}), not "
+                f"'{cfg.target}' (config {want['config_hash']}, weights {want['weights_hash']}): "
+                f"re-create it with python -m {maker} target={cfg.target}, or train for the target "
+                "it was made for"
+            )
 
 
 def import_kind_modules(names: str | None = None) -> None:
@@ -377,8 +419,10 @@ def build_module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
                 return kind.build_module(cfg), kind.build_datamodule(cfg)
         except (RuntimeError, NotImplementedError) as exc:  # what operations on meta tensors raise
             reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-            print(f"[spectrain] dry run: kind {cfg.kind} cannot be built without the target's weights ({reason}); "
-                  "loading them")
+            print(
+                f"[spectrain] dry run: kind {cfg.kind} cannot be built without the target's weights ({reason}); "
+                "loading them"
+            )
     return kind.build_module(cfg), kind.build_datamodule(cfg)
 
 
@@ -391,8 +435,14 @@ def memory_estimate(cfg: DictConfig, module: Any, precision: str) -> MemoryEstim
         with weightless_targets():  # its parameter count only: a meta-device copy, no weights read
             target_params = sum(p.numel() for p in module.target_model().parameters())
     trainable, frozen = parameter_counts(getattr(module, "drafter", module))
-    return estimate(trainable, frozen, target_params, strategy=cfg.trainer.strategy,
-                    devices=devices * cfg.trainer.num_nodes, precision=precision)
+    return estimate(
+        trainable,
+        frozen,
+        target_params,
+        strategy=cfg.trainer.strategy,
+        devices=devices * cfg.trainer.num_nodes,
+        precision=precision,
+    )
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
@@ -402,9 +452,11 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = resume_checkpoint(cfg)  # first: a named checkpoint that is not there must not fail on the data
     gpu_only = cfg.trainer.accelerator in ("gpu", "cuda") and not _cuda_available()
     if gpu_only and not cfg.dry_run:
-        raise RecipeError(f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA GPUs and none is visible; use "
-                          "trainer.accelerator=cpu (ddp, fsdp and deepspeed_stage_2/3 run on CPU over gloo), or "
-                          "dry_run=true to validate the recipe without GPUs")
+        raise RecipeError(
+            f"trainer.accelerator={cfg.trainer.accelerator} needs CUDA GPUs and none is visible; use "
+            "trainer.accelerator=cpu (ddp, fsdp and deepspeed_stage_2/3 run on CPU over gloo), or "
+            "dry_run=true to validate the recipe without GPUs"
+        )
     check_target(cfg)
     if not cfg.dry_run:  # a dry run reads no data
         check_datasets(cfg)
@@ -423,20 +475,34 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     if gpu_only:  # dry run without GPUs: Lightning refuses a CPU Trainer for a GPU recipe; build the strategy alone
         strategy = build_strategy(cfg.trainer.strategy, cuda=True)
         save_run_info(cfg, directory)
-        print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and "
-              f"{type(strategy).__name__ if not isinstance(strategy, str) else strategy} (no GPU here, so no "
-              f"Trainer; precision {precision} on the GPUs); nothing trained. Run dir: {directory}")
-        return {"run_dir": str(directory), "trained": False, "precision": precision,
-                "strategy": strategy if isinstance(strategy, str) else type(strategy).__name__,
-                "trainable_params": parameter_counts(module)[0], "memory_gib": memory.total_gib}
+        print(
+            f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and "
+            f"{type(strategy).__name__ if not isinstance(strategy, str) else strategy} (no GPU here, so no "
+            f"Trainer; precision {precision} on the GPUs); nothing trained. Run dir: {directory}"
+        )
+        return {
+            "run_dir": str(directory),
+            "trained": False,
+            "precision": precision,
+            "strategy": strategy if isinstance(strategy, str) else type(strategy).__name__,
+            "trainable_params": parameter_counts(module)[0],
+            "memory_gib": memory.total_gib,
+        }
     trainer = build_trainer(cfg, directory)
     save_run_info(cfg, directory)
     if cfg.dry_run:
-        print(f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
-              f"nothing trained. Run dir: {directory}")
-        return {"run_dir": str(directory), "trained": False, "strategy": type(trainer.strategy).__name__,
-                "precision": trainer.precision, "trainable_params": parameter_counts(module)[0],
-                "memory_gib": memory.total_gib}
+        print(
+            f"[spectrain] dry run: built {type(module).__name__}, {type(datamodule).__name__} and the trainer; "
+            f"nothing trained. Run dir: {directory}"
+        )
+        return {
+            "run_dir": str(directory),
+            "trained": False,
+            "strategy": type(trainer.strategy).__name__,
+            "precision": trainer.precision,
+            "trainable_params": parameter_counts(module)[0],
+            "memory_gib": memory.total_gib,
+        }
     if ckpt_path:
         print(f"[spectrain] resuming from {ckpt_path}")
     reduce_across_processes(True)  # loss denominators over the global batch when several processes train
@@ -448,13 +514,18 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         raise
     finally:
         reduce_across_processes(False)
-    return {"run_dir": str(directory), "trained": True, "global_step": trainer.global_step,
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    return {
+        "run_dir": str(directory),
+        "trained": True,
+        "global_step": trainer.global_step,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Like every CLI (``core.overrides.run_cli``): a bad recipe, override, dataset or file is ONE line on
     stderr and exit code 2, wherever it is found (also inside the trainer, e.g. a DataModule's setup)."""
+
     def run(args: list[str]) -> dict[str, Any]:
         import_kind_modules()
         return fit(compose_recipe(args))

@@ -33,9 +33,11 @@ class MemoryEstimate:
         return self.drafter_gib + self.target_gib
 
     def line(self, strategy: str) -> str:
-        return (f"estimated memory per device ({strategy}, {self.devices} device(s)): {self.total_gib:.2f} GiB = "
-                f"drafter states {self.drafter_gib:.2f} + target weights {self.target_gib:.2f}, plus activations "
-                "(not estimated)")
+        return (
+            f"estimated memory per device ({strategy}, {self.devices} device(s)): {self.total_gib:.2f} GiB = "
+            f"drafter states {self.drafter_gib:.2f} + target weights {self.target_gib:.2f}, plus activations "
+            "(not estimated)"
+        )
 
 
 def parameter_counts(module: Any) -> tuple[int, int]:
@@ -44,8 +46,9 @@ def parameter_counts(module: Any) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in module.parameters()) - trainable
 
 
-def estimate(trainable: int, frozen: int, target_params: int, *, strategy: str, devices: int,
-             precision: str) -> MemoryEstimate:
+def estimate(
+    trainable: int, frozen: int, target_params: int, *, strategy: str, devices: int, precision: str
+) -> MemoryEstimate:
     """See the module docstring; ``target_params`` = 0 when features are read from disk."""
     w = max(devices, 1)
     frozen_bytes = 2 if precision in ("bf16-true", "16-true") else 4

@@ -44,10 +44,10 @@ class SimulatedAcceptance(Metric):
             return
         window_valid = torch.ones_like(alpha[:, :length], dtype=torch.bool)
         for k in range(self.gamma):  # a start counts only if its whole γ-window is inside the sequence
-            window_valid &= valid[:, k:k + length].bool()
+            window_valid &= valid[:, k : k + length].bool()
         product = torch.ones_like(alpha[:, :length])
         for k in range(self.gamma):
-            product = product * alpha[:, k:k + length]
+            product = product * alpha[:, k : k + length]
             self.chain_sums[k] += (product * window_valid).sum()
         self.starts += window_valid.sum()
 

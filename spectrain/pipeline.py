@@ -97,20 +97,38 @@ def measured_pace(finished: Sequence[tuple[float, float]], probed: float) -> flo
 def stage_minutes(stages: Sequence[Stage]) -> list[dict[str, object]]:
     """Per finished stage: its reference, announced and measured wall minutes (what a run writes beside its
     results, so its timings are checkable)."""
-    return [{"stage": s.name, "group": s.group, "reference_minutes": round(s.minutes, 2),
-             "announced_minutes": s.announced_minutes(), "minutes": s.measured_minutes()}
-            for s in stages if s.done()]
+    return [
+        {
+            "stage": s.name,
+            "group": s.group,
+            "reference_minutes": round(s.minutes, 2),
+            "announced_minutes": s.announced_minutes(),
+            "minutes": s.measured_minutes(),
+        }
+        for s in stages
+        if s.done()
+    ]
 
 
-def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str, env: dict[str, str] | None = None,
-                 pace: float = 1.0, pace_note: str = "") -> list[str]:
+def run_pipeline(
+    stages: Sequence[Stage],
+    *,
+    label: str,
+    rerun_hint: str,
+    env: dict[str, str] | None = None,
+    pace: float = 1.0,
+    pace_note: str = "",
+) -> list[str]:
     """Run every stage not done yet; returns the names of those that ran. ``pace`` scales the stages' reference
     minutes to this host (``pace_note`` says where it comes from), then the pace the finished stages ran at does.
     A failure raises one line naming the stage (finished ones are kept)."""
     todo = [s for s in stages if not s.done()]
     where = f"on this host ({pace_note})" if pace_note else "on a 2-core CPU"
-    print(f"[{label}] {len(stages)} stages, {len(stages) - len(todo)} already done; about "
-          f"{minutes_left(stages, pace):.0f} min of work left {where}.", flush=True)
+    print(
+        f"[{label}] {len(stages)} stages, {len(stages) - len(todo)} already done; about "
+        f"{minutes_left(stages, pace):.0f} min of work left {where}.",
+        flush=True,
+    )
     probed, finished = pace, []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), **(env or {})}
     index = {id(s): i for i, s in enumerate(stages, 1)}
@@ -123,10 +141,14 @@ def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str, env: d
                 print(f"{head}: done already ({stage.output}), skipped", flush=True)
                 continue
             side = " (alongside the next stage)" if len(batch) > 1 else ""
-            print(f"{head}: {stage.what} (about {pace * stage.minutes:.1f} min){side}\n[{label}]   $ python -m "
-                  f"{' '.join(stage.argv)}", flush=True)
-            running.append((stage, head, time.perf_counter(),
-                            subprocess.Popen([sys.executable, "-m", *stage.argv], env=env)))
+            print(
+                f"{head}: {stage.what} (about {pace * stage.minutes:.1f} min){side}\n[{label}]   $ python -m "
+                f"{' '.join(stage.argv)}",
+                flush=True,
+            )
+            running.append(
+                (stage, head, time.perf_counter(), subprocess.Popen([sys.executable, "-m", *stage.argv], env=env))
+            )
         failed = []
         while running:  # as each ends (not in start order), so each stage's minutes are its own
             for item in [r for r in running if r[3].poll() is not None]:
@@ -143,10 +165,15 @@ def run_pipeline(stages: Sequence[Stage], *, label: str, rerun_hint: str, env: d
             if running:
                 time.sleep(POLL_S)
         if failed:
-            raise UserError(f"{label} stage {', '.join(failed)} failed (its error is above); fix it and re-run "
-                               f"{rerun_hint}: finished stages are kept and this one resumes")
+            raise UserError(
+                f"{label} stage {', '.join(failed)} failed (its error is above); fix it and re-run "
+                f"{rerun_hint}: finished stages are kept and this one resumes"
+            )
         if finished and any(not s.done() for s in stages):
             pace = measured_pace(finished, probed)
-            print(f"[{label}] the stages run so far took {pace:.2f}x their reference minutes: about "
-                  f"{minutes_left(stages, pace):.0f} min of work left at that pace.", flush=True)
+            print(
+                f"[{label}] the stages run so far took {pace:.2f}x their reference minutes: about "
+                f"{minutes_left(stages, pace):.0f} min of work left at that pace.",
+                flush=True,
+            )
     return ran

@@ -41,8 +41,11 @@ def _devices(value: Any) -> bool:
         return value >= 1
     if isinstance(value, (list, ListConfig)):
         ids = list(value)
-        return bool(ids) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
+        return (
+            bool(ids)
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
             and len(set(ids)) == len(ids)
+        )
     return False
 
 
@@ -60,8 +63,11 @@ RULES = (
     Rule("trainer.num_nodes", at_least(1), ">= 1"),
     Rule("trainer.max_steps", at_least(1), ">= 1 (the optimizer steps to train)"),
     Rule("trainer.val_check_interval", at_least(1), ">= 1 (training steps between validations)"),
-    Rule("trainer.limit_val_batches", lambda v: at_least(0.0)(v) and v <= 1.0,
-         "between 0.0 and 1.0 (the fraction of validation batches run)"),
+    Rule(
+        "trainer.limit_val_batches",
+        lambda v: at_least(0.0)(v) and v <= 1.0,
+        "between 0.0 and 1.0 (the fraction of validation batches run)",
+    ),
     Rule("trainer.accumulate_grad_batches", at_least(1), ">= 1"),
     Rule("trainer.gradient_clip_val", at_least(0.0), ">= 0 (0 = no clipping)"),
     Rule("trainer.log_every_n_steps", at_least(1), ">= 1"),

@@ -38,8 +38,11 @@ def latest_checkpoint(directory: Path) -> Path | None:
     ``last.ckpt`` leaves the step file newer. ``best.ckpt`` is never picked: it is written after validation, so it
     is not where the next training step starts."""
     ckpt_dir = directory / "checkpoints"
-    candidates = [p for p in ckpt_dir.glob("*.ckpt") if p.name == "last.ckpt" or
-                  (p.stem.startswith("step") and p.stem[len("step"):].isdigit())]
+    candidates = [
+        p
+        for p in ckpt_dir.glob("*.ckpt")
+        if p.name == "last.ckpt" or (p.stem.startswith("step") and p.stem[len("step") :].isdigit())
+    ]
     # On equal times last.ckpt wins; it holds the same state as the step file written just before it.
     return max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"), default=None)
 
@@ -52,8 +55,11 @@ def collect_rng_states() -> dict[str, Any]:
     import torch
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"torch": torch.get_rng_state(), "python": random.getstate(),
-              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states

@@ -61,6 +61,7 @@ def _weightless_target(name: str, chat_template: str):
 def trained_template(cfg: Any) -> dict[str, str]:
     """How a run's conversations were rendered, for its checkpoints' target record (``assets.check_chat_template``
     compares it where the drafter serves)."""
-    tokenizer = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size,
-                              chat_template=cfg.data.chat_template).tokenizer
+    tokenizer = loaded_target(
+        cfg.target, cfg.data.max_len, cfg.data.batch_size, chat_template=cfg.data.chat_template
+    ).tokenizer
     return {"chat_template": cfg.data.chat_template, "chat_template_hash": chat_template_hash(tokenizer)}

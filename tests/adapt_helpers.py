@@ -20,8 +20,16 @@ def tiny_pair():
 
 def forcing_settings(tmp_path=None, **kw) -> AdaptSettings:
     """Settings under which every allowed query updates (optimistic prior, cheap costs, no rate limit)."""
-    values = dict(prior=5.0, min_gap=1, cost_cache=None, cost_rows=24, head_lr=1e-2, full_lr=1e-2,
-                  validate=False, log=None if tmp_path is None else str(tmp_path))
+    values = dict(
+        prior=5.0,
+        min_gap=1,
+        cost_cache=None,
+        cost_rows=24,
+        head_lr=1e-2,
+        full_lr=1e-2,
+        validate=False,
+        log=None if tmp_path is None else str(tmp_path),
+    )
     values.update(kw)
     return AdaptSettings(**values)
 

@@ -14,8 +14,9 @@ import torch
 
 # The helper modules beside the tests hold shared checks (law tests, engine comparisons): pytest rewrites their
 # asserts as it does the test modules', so a failing check shows its values.
-pytest.register_assert_rewrite(*sorted(p.stem for p in Path(__file__).parent.glob("*.py")
-                                       if not p.stem.startswith(("test_", "conftest"))))
+pytest.register_assert_rewrite(
+    *sorted(p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith(("test_", "conftest")))
+)
 
 
 def pytest_collection_modifyitems(config, items):

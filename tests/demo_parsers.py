@@ -12,6 +12,7 @@ PARSERS = {  # module -> how that CLI validates its arguments without doing the 
     "spectrain.export": lambda argv: importlib.import_module("spectrain.export").parse_args(argv),
     "inference.evaluate": lambda argv: importlib.import_module("inference.evaluate").parse_args(argv),
     "spectrain.fit": lambda argv: importlib.import_module("spectrain.fit").compose_recipe(argv),
-    "data_prep.ngram_corpus": lambda argv: parse_cli(argv, importlib.import_module("data_prep.ngram_corpus")
-                                                     .NgramCorpusConfig, "usage"),
+    "data_prep.ngram_corpus": lambda argv: parse_cli(
+        argv, importlib.import_module("data_prep.ngram_corpus").NgramCorpusConfig, "usage"
+    ),
 }

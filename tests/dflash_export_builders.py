@@ -57,14 +57,16 @@ def assert_same_tensors(a: Path, b: Path) -> None:
         assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), name
 
 
-def our_block(target: LoadedModel, drafter: DFlashDrafter,
-              prompt: list[int] = PROMPT) -> tuple[list[int], torch.Tensor, object]:
+def our_block(
+    target: LoadedModel, drafter: DFlashDrafter, prompt: list[int] = PROMPT
+) -> tuple[list[int], torch.Tensor, object]:
     """The block our engine drafts after the prompt (target ids), its draft-vocabulary logits and the prefill."""
     algo = build_algorithm("dflash", target.runner, drafter)
     engine, row = admitted_alone(algo, prompt)
     start = SimpleNamespace(features=row.draft.features[None], root=row.pending[0])
-    logits = drafter.draft(drafter.new_cache(max(64, len(prompt) + 2 * drafter.config.block_size)), start.features,
-                           start.root)[0]
+    logits = drafter.draft(
+        drafter.new_cache(max(64, len(prompt) + 2 * drafter.config.block_size)), start.features, start.root
+    )[0]
     drafts, _ = engine.strategy._draft(logits, GREEDY, None)
     return drafts.tolist(), logits, start
 
@@ -79,8 +81,14 @@ def their_block(theirs: DFlashDraftModel, start, prompt: list[int] = PROMPT) -> 
     anchor[0, n] = 1.0  # the only eligible anchor
     hidden = theirs.config.transformer_layer_config.hidden_size  # the verifier's last state: the teacher, unused here
     with torch.no_grad():
-        _, logits, _, _, _ = theirs._backbone_forward(features, ids, anchor, features.new_zeros(1, width, hidden),
-                                                      torch.zeros(1, width, dtype=torch.long), max_anchors=1)
+        _, logits, _, _, _ = theirs._backbone_forward(
+            features,
+            ids,
+            anchor,
+            features.new_zeros(1, width, hidden),
+            torch.zeros(1, width, dtype=torch.long),
+            max_anchors=1,
+        )
     logits = logits[0, 1:]  # slot 0 is the anchor
     drafted = logits.argmax(-1)
     if theirs.d2t is not None:

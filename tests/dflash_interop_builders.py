@@ -17,18 +17,30 @@ def target_features(target, ids: torch.Tensor, aux: list[int]) -> tuple[torch.Te
     """(our features: the outputs of layers ``aux`` concatenated, the last decoder layer's output BEFORE the final
     norm: what the library's teacher reads) of an HF causal LM on ``ids``."""
     captured = []
-    hook = target.model.layers[-1].register_forward_hook(lambda m, i, out: captured.append(out[0] if
-                                                                                        isinstance(out, tuple) else out))
+    hook = target.model.layers[-1].register_forward_hook(
+        lambda m, i, out: captured.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         states = target(ids, output_hidden_states=True).hidden_states
     hook.remove()
     return torch.cat([states[i + 1] for i in aux], -1), captured[0]
 
 
-def check_training_forward_agrees(target, ours, theirs: DFlashDraftModel, ids: torch.Tensor, loss_mask: torch.Tensor,
-                                  *, anchors: int, gamma: float = GAMMA, logit_tol: float = 1e-5,
-                                  loss_rtol: float = 1e-5, grad_rtol: float = 1e-4, grad_atol: float = 1e-7,
-                                  grad_atol_of_max: float = 0.0) -> dict:
+def check_training_forward_agrees(
+    target,
+    ours,
+    theirs: DFlashDraftModel,
+    ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    anchors: int,
+    gamma: float = GAMMA,
+    logit_tol: float = 1e-5,
+    loss_rtol: float = 1e-5,
+    grad_rtol: float = 1e-4,
+    grad_atol: float = 1e-7,
+    grad_atol_of_max: float = 0.0,
+) -> dict:
     """On one batch ``ids`` [1, T] (``loss_mask`` its answer positions) and the anchors the library's own
     ``select_anchors`` draws: the library's training forward and ours give the same block logits, scored slots,
     loss (theirs divides by scored + 1e-5), per-slot argmax (every slot's, and its ``full_acc_sum``) and gradients of
@@ -41,11 +53,19 @@ def check_training_forward_agrees(target, ours, theirs: DFlashDraftModel, ids: t
     length = ids.shape[1]
     torch.manual_seed(0)
     _, their_logits, _, their_mask, _ = theirs._backbone_forward(
-        features, ids, loss_mask, pre_norm, torch.zeros(1, length, dtype=torch.long), max_anchors=anchors)
+        features, ids, loss_mask, pre_norm, torch.zeros(1, length, dtype=torch.long), max_anchors=anchors
+    )
     torch.manual_seed(0)
-    _, their_loss, metrics = theirs(features, ids, loss_mask, pre_norm, torch.zeros(1, length, dtype=torch.long),
-                                    loss_config=resolve_loss_config("kl_div", "eager"), gamma=gamma,
-                                    max_anchors=anchors)
+    _, their_loss, metrics = theirs(
+        features,
+        ids,
+        loss_mask,
+        pre_norm,
+        torch.zeros(1, length, dtype=torch.long),
+        loss_config=resolve_loss_config("kl_div", "eager"),
+        gamma=gamma,
+        max_anchors=anchors,
+    )
     torch.manual_seed(0)
     drawn, valid = select_anchors(loss_mask, anchors, block)  # the same draw the library made
     our_logits = ours.head(ours(features, ids, drawn[None]))

@@ -11,8 +11,15 @@ from core.drafters.row_kv import RowKV
 VOCAB, DRAFT_VOCAB, HIDDEN, TARGET_HIDDEN = 61, 47, 32, 24
 
 
-SHAPE = dict(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, rope_theta=500.0)
+SHAPE = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    draft_vocab_size=DRAFT_VOCAB,
+    rope_theta=500.0,
+)
 
 
 def randomised(drafter, exact: bool):
@@ -70,7 +77,7 @@ def batched_mask(kind: str, make, counts: torch.Tensor, cache: RowKV) -> torch.T
             mask[b, :n, :n] = make(n)
         else:
             row = make(held, n)
-            mask[b, :n, :held], mask[b, :n, past:past + n] = row[:, :held], row[:, held:]
+            mask[b, :n, :held], mask[b, :n, past : past + n] = row[:, :held], row[:, held:]
     return mask
 
 
@@ -86,9 +93,10 @@ def eagle3_calls(drafter: Eagle3Drafter, cache: RowKV, calls: list[Rows], masks:
                 mask = None if mask_of is None else batched_mask(*mask_of, counts, cache)
             else:
                 n, held = rows_in.counts[row], cache.length
-                tokens, features, counts = tokens[row:row + 1, :n], features[row:row + 1, :n], None
-                mask = None if mask_of is None else \
-                    (mask_of[1](n) if mask_of[0] == "short" else mask_of[1](held, n))[None]
+                tokens, features, counts = tokens[row : row + 1, :n], features[row : row + 1, :n], None
+                mask = (
+                    None if mask_of is None else (mask_of[1](n) if mask_of[0] == "short" else mask_of[1](held, n))[None]
+                )
             positions = cache.lengths[:, None] + torch.arange(tokens.shape[1])
             step = drafter.step(tokens, drafter.project(features), positions, cache, mask, counts)
             outputs.append((step.logits, step.hidden))
@@ -98,7 +106,7 @@ def eagle3_calls(drafter: Eagle3Drafter, cache: RowKV, calls: list[Rows], masks:
 def tree_rows(held: int, n: int) -> torch.Tensor:
     """Full form: each new row sees its row's cache but the last held slot, row 0 and itself."""
     mask = torch.zeros(n, held + n, dtype=torch.bool)
-    mask[:, :max(held - 1, 0)] = True
+    mask[:, : max(held - 1, 0)] = True
     mask[:, held] = True
     return mask
 
@@ -111,8 +119,11 @@ def siblings(n: int) -> torch.Tensor:
 def check_batched_rows_equal_solo(drafter: Eagle3Drafter, first_tokens: list[int], exact: bool, length: int) -> None:
     """Three calls (a first chain, then sibling rows under a short mask, then tree rows under a full one) on three
     ragged rows at once give each row what the same calls give it alone: bitwise in row-exact mode."""
-    calls = [Rows(first_tokens, 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
-             Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3)]
+    calls = [
+        Rows(first_tokens, 3 * TARGET_HIDDEN, 1),
+        Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
+        Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3),
+    ]
     masks = [None, ("short", siblings), ("full", tree_rows)]
     batched = eagle3_calls(drafter, drafter.new_cache(length, batch_size=3), calls, masks, None)
     for b in range(3):
@@ -124,18 +135,19 @@ def check_batched_rows_equal_solo(drafter: Eagle3Drafter, first_tokens: list[int
 
 
 @torch.no_grad()
-def check_serving_chain_equals_training(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, trained,
-                                        row: int, steps: int, cache_len: int) -> None:
+def check_serving_chain_equals_training(
+    drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, trained, row: int, steps: int, cache_len: int
+) -> None:
     """Serving rows 0..``row``, then j drafted rows each fed its own hidden state, gives step j of the training
     forward (``trained``) at ``row``: training-time test and serving are one computation."""
     cache = drafter.new_cache(cache_len)
-    out = drafter.step(ids[:, 1:row + 2], drafter.project(aux[:, :row + 1]), torch.arange(row + 1)[None], cache)
+    out = drafter.step(ids[:, 1 : row + 2], drafter.project(aux[:, : row + 1]), torch.arange(row + 1)[None], cache)
     logits, hidden = out.logits[:, -1:], out.hidden[:, -1:]
     torch.testing.assert_close(logits[0, 0], trained.logits[0][0, row], rtol=1e-5, atol=1e-5)
     for j in range(1, steps):
         if row + 1 + j >= ids.shape[1]:
             break
-        out = drafter.step(ids[:, row + 1 + j: row + 2 + j], hidden, torch.tensor([[row + j]]), cache)
+        out = drafter.step(ids[:, row + 1 + j : row + 2 + j], hidden, torch.tensor([[row + j]]), cache)
         logits, hidden = out.logits, out.hidden
         torch.testing.assert_close(logits[0, 0], trained.logits[j][0, row], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(hidden[0, 0], trained.hidden[j][0, row], rtol=1e-5, atol=1e-5)

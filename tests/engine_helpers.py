@@ -61,8 +61,9 @@ def runner_of(model, rows: int = 1, spare: bool = True) -> ModelRunner:
 def algorithm(name: str, models, rows: int = 1, spare: bool = True):
     target, draft = models
     base, _, verifier = name.partition("@")
-    return build_algorithm(base, runner_of(target, rows, spare),
-                           None if base == "ar" else runner_of(draft, rows, spare), **VARIANTS[name])
+    return build_algorithm(
+        base, runner_of(target, rows, spare), None if base == "ar" else runner_of(draft, rows, spare), **VARIANTS[name]
+    )
 
 
 def jobs(vocab: int = VOCAB) -> list[tuple[list[int], int, SamplingParams, int]]:
@@ -71,21 +72,32 @@ def jobs(vocab: int = VOCAB) -> list[tuple[list[int], int, SamplingParams, int]]
     lengths = (5, 1, 23, 9, 40, 2, 14)
     budgets = (24, 7, 31, 1, 18, 26, 12)
     settings = (GREEDY, SAMPLED, WARPED, SAMPLED, GREEDY, WARPED, SAMPLED)
-    return [(torch.randint(0, vocab, (n,), generator=generator).tolist(), budget, sampling, 100 + k)
-            for k, (n, budget, sampling) in enumerate(zip(lengths, budgets, settings))]
+    return [
+        (torch.randint(0, vocab, (n,), generator=generator).tolist(), budget, sampling, 100 + k)
+        for k, (n, budget, sampling) in enumerate(zip(lengths, budgets, settings))
+    ]
 
 
 def solo(alg, job, eos_ids=()):
     prompt, budget, sampling, seed = job
-    return alg.generate(prompt, max_new_tokens=budget, sampling=sampling, eos_ids=eos_ids,
-                        generator=torch.Generator().manual_seed(seed))
+    return alg.generate(
+        prompt, max_new_tokens=budget, sampling=sampling, eos_ids=eos_ids, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def side_by_side(alg, all_jobs, rows: int, eos_ids=(), on_tokens=None) -> dict:
     engine = DecodeEngine(alg.target, alg.strategy(), rows=rows, eos_ids=eos_ids)
-    queue = [RowRequest(k, prompt, budget, sampling, torch.Generator().manual_seed(seed),
-                        None if on_tokens is None else (lambda new, k=k: on_tokens(k, new)))
-             for k, (prompt, budget, sampling, seed) in enumerate(all_jobs)]
+    queue = [
+        RowRequest(
+            k,
+            prompt,
+            budget,
+            sampling,
+            torch.Generator().manual_seed(seed),
+            None if on_tokens is None else (lambda new, k=k: on_tokens(k, new)),
+        )
+        for k, (prompt, budget, sampling, seed) in enumerate(all_jobs)
+    ]
     events = {}
     engine.run(lambda: queue.pop(0) if queue else None, lambda event: events.setdefault(event.key, event))
     assert not engine.busy and engine.free_rows() == rows
@@ -107,8 +119,17 @@ def stream_consumer(fails: int, stops: int | None = None):
 
 
 def counters(stats) -> tuple:
-    return (stats.new_tokens, stats.target_forwards, stats.draft_forwards, stats.drafted_tokens,
-            stats.accepted_draft_tokens, stats.rounds, stats.accepted_hist, stats.accepted_at, stats.attempted_at)
+    return (
+        stats.new_tokens,
+        stats.target_forwards,
+        stats.draft_forwards,
+        stats.drafted_tokens,
+        stats.accepted_draft_tokens,
+        stats.rounds,
+        stats.accepted_hist,
+        stats.accepted_at,
+        stats.attempted_at,
+    )
 
 
 def alone_and_side_by_side(lone, batched, all_jobs) -> list:
@@ -130,8 +151,9 @@ def after_a_failing_forward(alg, all_jobs) -> list[list[int]]:
     """Requests 0 and 1 in flight on a 2-row engine when the target's forward fails: both fail, and nothing else;
     then requests 2 and 3 run on the same engine. Returns the tokens those two got."""
     engine = DecodeEngine(alg.target, alg.strategy(), rows=2)
-    requests = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in
-                enumerate(all_jobs[:4])]
+    requests = [
+        RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in enumerate(all_jobs[:4])
+    ]
     assert engine.admit(requests[:2]) == []
     forward = alg.target.forward
     alg.target.forward = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))

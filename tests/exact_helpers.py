@@ -30,4 +30,5 @@ def rounds_differently_past(rows_limit: int):
             bits = out.view(torch.int16) if out.dtype == torch.bfloat16 else out.view(torch.int32)
             out = (bits ^ 1).view(out.dtype)
         return out
+
     return forward

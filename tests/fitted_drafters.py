@@ -31,7 +31,9 @@ def with_draft_vocabulary(drafter, sequence: list[int]):
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[sequence] = True
     others = (~t2d).nonzero().flatten()
-    t2d[others[torch.randperm(len(others), generator=torch.Generator().manual_seed(0))[:DRAFT_VOCAB - int(t2d.sum())]]] = True
+    t2d[
+        others[torch.randperm(len(others), generator=torch.Generator().manual_seed(0))[: DRAFT_VOCAB - int(t2d.sum())]]
+    ] = True
     used = t2d.nonzero().flatten()
     drafter.set_vocab_map(used - torch.arange(DRAFT_VOCAB), t2d)
     return drafter, torch.where(t2d, t2d.cumsum(0) - 1, -1)
@@ -64,23 +66,29 @@ def fit_eagle3(target: LlamaForCausalLM, sequence: list[int], steps: int = 30, t
     config = Eagle3Config.for_target(target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX)
     torch.manual_seed(0)
     drafter, to_draft = with_draft_vocabulary(
-        Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach()), sequence)
+        Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach()), sequence
+    )
     ids, features, length = torch.tensor([sequence]), aux_features(target, sequence), len(sequence)
 
     def loss() -> torch.Tensor:
         out = drafter(ids, features, steps=ttt_steps)
-        return sum(next_token_loss(logits[:, :length - 2 - j], to_draft[ids[:, 2 + j:]])
-                   for j, logits in enumerate(out.logits))
+        return sum(
+            next_token_loss(logits[:, : length - 2 - j], to_draft[ids[:, 2 + j :]])
+            for j, logits in enumerate(out.logits)
+        )
+
     return fit(drafter, loss, steps)
 
 
 def fit_peagle(target: LlamaForCausalLM, sequence: list[int], depths: int = 6, steps: int = 30) -> PEagleDrafter:
     """Every row at depth 0 (row i predicts token i + 2) and every chain (anchor a, depth d predicts a + d + 2)."""
-    config = PEagleConfig.for_target(target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX,
-                                     mask_token_id=MASK_TOKEN, num_depths=depths)
+    config = PEagleConfig.for_target(
+        target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX, mask_token_id=MASK_TOKEN, num_depths=depths
+    )
     torch.manual_seed(0)
     drafter, to_draft = with_draft_vocabulary(
-        PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), sequence)
+        PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), sequence
+    )
     ids, features, length = torch.tensor([sequence]), aux_features(target, sequence), len(sequence)
     scored = torch.arange(length) < length - 2
     anchors, chain_depths = every_chain(scored, depths)
@@ -89,42 +97,59 @@ def fit_peagle(target: LlamaForCausalLM, sequence: list[int], depths: int = 6, s
 
     def loss() -> torch.Tensor:
         out = drafter(ids, features, chains)
-        return (next_token_loss(drafter.head(out.hidden[:, :length - 2]), to_draft[ids[:, 2:]])
-                + next_token_loss(drafter.head(out.chain_hidden[0]), chain_labels))
+        return next_token_loss(drafter.head(out.hidden[:, : length - 2]), to_draft[ids[:, 2:]]) + next_token_loss(
+            drafter.head(out.chain_hidden[0]), chain_labels
+        )
+
     return fit(drafter, loss, steps)
 
 
-def fit_specblock(target: LlamaForCausalLM, sequence: list[int], block_size: int = 4, steps: int = 30
-                  ) -> SpecBlockDrafter:
+def fit_specblock(
+    target: LlamaForCausalLM, sequence: list[int], block_size: int = 4, steps: int = 30
+) -> SpecBlockDrafter:
     """The library's SpecBlock objective (draft and rank losses) over two blocks, the second left at slot 2;
     the teacher is the sequence itself (row i holds token i + 1; slot k predicts token i + 2 + k)."""
-    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX,
-                                        block_size=block_size)
+    config = SpecBlockConfig.for_target(
+        target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX, block_size=block_size
+    )
     torch.manual_seed(0)
     drafter, to_draft = with_draft_vocabulary(
-        SpecBlockDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), sequence)
+        SpecBlockDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), sequence
+    )
     ids, features, length = torch.tensor([sequence]), aux_features(target, sequence), len(sequence)
     teacher = F.one_hot(to_draft[shift_left(ids, 2)].clamp(min=0), DRAFT_VOCAB).float()  # the last 2 rows: unscored
     rows = (torch.arange(length) < length - 2)[None]
 
     def loss() -> torch.Tensor:
-        return total_loss(unroll_blocks(drafter, features, shift_left(ids, 1), teacher, rows, [2],
-                                        attention="dense"))
+        return total_loss(unroll_blocks(drafter, features, shift_left(ids, 1), teacher, rows, [2], attention="dense"))
+
     return fit(drafter, loss, steps)
 
 
 def fit_dflash(target: LlamaForCausalLM, sequence: list[int], block_size: int = 8, steps: int = 30) -> DFlashDrafter:
     """A block at every anchor p: slot k >= 1 predicts token p + k (the head is the target's, frozen)."""
-    config = DFlashConfig.for_target(target.config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX,
-                                     block_size=block_size, num_layers=2, mask_token_id=MASK_TOKEN)
+    config = DFlashConfig.for_target(
+        target.config,
+        draft_vocab_size=DRAFT_VOCAB,
+        aux_layer_ids=AUX,
+        block_size=block_size,
+        num_layers=2,
+        mask_token_id=MASK_TOKEN,
+    )
     torch.manual_seed(0)
     drafter, to_draft = with_draft_vocabulary(
-        DFlashDrafter(config, embed_weight=target.get_input_embeddings().weight.detach(),
-                      head_weight=target.lm_head.weight.detach()), sequence)
+        DFlashDrafter(
+            config,
+            embed_weight=target.get_input_embeddings().weight.detach(),
+            head_weight=target.lm_head.weight.detach(),
+        ),
+        sequence,
+    )
     ids, features, length = torch.tensor([sequence]), aux_features(target, sequence), len(sequence)
     anchors = torch.arange(1, length - block_size + 1)[None]
     labels = to_draft[ids[0, anchors[0, :, None] + torch.arange(1, block_size)]]
 
     def loss() -> torch.Tensor:
         return next_token_loss(drafter.head(drafter(features, ids, anchors, attention="dense")[0, :, 1:]), labels)
+
     return fit(drafter, loss, steps)

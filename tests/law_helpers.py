@@ -37,7 +37,7 @@ def enumerated_law(model, prompt: Sequence[int], n: int, sampling: SamplingParam
     vocab = model.config.vocab_size
     prefixes = list(itertools.product(range(vocab), repeat=n - 1))
     ids = torch.tensor([list(prompt) + list(prefix) for prefix in prefixes])
-    probs = sampling.warp(model(ids).logits.double())[:, len(prompt) - 1:]  # [V^(n-1), n, V]
+    probs = sampling.warp(model(ids).logits.double())[:, len(prompt) - 1 :]  # [V^(n-1), n, V]
     law: Law = {}
     for row, prefix in enumerate(prefixes):
         weight = 1.0
@@ -50,8 +50,9 @@ def enumerated_law(model, prompt: Sequence[int], n: int, sampling: SamplingParam
     return law
 
 
-def sampled_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling: SamplingParams,
-                   seed: int = 1234) -> tuple[dict[tuple[int, ...], int], int]:
+def sampled_counts(
+    algorithm, prompt: Sequence[int], n: int, runs: int, sampling: SamplingParams, seed: int = 1234
+) -> tuple[dict[tuple[int, ...], int], int]:
     """Counts of the first ``n`` tokens over ``runs`` seeded generations, and the drafted tokens accepted. An
     algorithm on the engine loop whose target runner holds ``2 * LAW_ROWS`` rows answers ``LAW_ROWS`` requests side
     by side (``generate_batch``): then the law checked is that of a row in a batch."""
@@ -61,8 +62,11 @@ def sampled_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling
     rows = LAW_ROWS if algorithm.batchable and algorithm.target.max_batch_size >= 2 * LAW_ROWS else 1
     for start in range(0, runs, rows):
         kw = {"max_new_tokens": n, "sampling": sampling, "generator": generator}
-        results = (algorithm.generate_batch([list(prompt)] * min(rows, runs - start), **kw) if rows > 1 else
-                   [algorithm.generate(list(prompt), **kw)])
+        results = (
+            algorithm.generate_batch([list(prompt)] * min(rows, runs - start), **kw)
+            if rows > 1
+            else [algorithm.generate(list(prompt), **kw)]
+        )
         for result in results:
             key = tuple(result.tokens)
             counts[key] = counts.get(key, 0) + 1
@@ -70,15 +74,26 @@ def sampled_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling
     return counts, accepted
 
 
-def batched_counts(algorithm, prompt: Sequence[int], n: int, runs: int, sampling: SamplingParams,
-                   seed: int = 1234, rows: int | None = None) -> tuple[dict[tuple[int, ...], int], int]:
+def batched_counts(
+    algorithm,
+    prompt: Sequence[int],
+    n: int,
+    runs: int,
+    sampling: SamplingParams,
+    seed: int = 1234,
+    rows: int | None = None,
+) -> tuple[dict[tuple[int, ...], int], int]:
     """``sampled_counts`` for an algorithm with ``generate_batch`` (SSD, the engine loop's): the ``runs``
     generations side by side, ``rows`` at a time (None: all in one batch)."""
     generator = torch.Generator().manual_seed(seed)
     rows = rows or runs
-    results = [result for start in range(0, runs, rows)
-               for result in algorithm.generate_batch([list(prompt)] * min(rows, runs - start), max_new_tokens=n,
-                                                      sampling=sampling, generator=generator)]
+    results = [
+        result
+        for start in range(0, runs, rows)
+        for result in algorithm.generate_batch(
+            [list(prompt)] * min(rows, runs - start), max_new_tokens=n, sampling=sampling, generator=generator
+        )
+    ]
     counts: dict[tuple[int, ...], int] = {}
     for result in results:
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
@@ -161,8 +176,11 @@ def chi2_quantile(q: float, dof: int) -> float:
     lo, hi = 0.0, 10.0 * dof + 100.0
     for _ in range(100):
         mid = (lo + hi) / 2
-        below = float(torch.special.gammainc(torch.tensor(dof / 2, dtype=torch.float64),
-                                             torch.tensor(mid / 2, dtype=torch.float64)))
+        below = float(
+            torch.special.gammainc(
+                torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(mid / 2, dtype=torch.float64)
+            )
+        )
         lo, hi = (mid, hi) if below < q else (lo, mid)
     return (lo + hi) / 2
 
@@ -232,8 +250,11 @@ def sampled_law(algorithm, prompt: list[int], n: int, runs: int, seed: int = 123
     rows = LAW_ROWS if algorithm.batchable and algorithm.target.max_batch_size >= 2 * LAW_ROWS else 1
     for start in range(0, runs, rows):
         kw = {"max_new_tokens": n, "sampling": SamplingParams(1.0), "generator": generator}
-        results = (algorithm.generate_batch([prompt] * min(rows, runs - start), **kw) if rows > 1 else
-                   [algorithm.generate(prompt, **kw)])
+        results = (
+            algorithm.generate_batch([prompt] * min(rows, runs - start), **kw)
+            if rows > 1
+            else [algorithm.generate(prompt, **kw)]
+        )
         for result in results:
             counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
             accepted += result.stats.accepted_draft_tokens

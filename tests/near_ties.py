@@ -16,9 +16,16 @@ def near_tie_llama(dtype: torch.dtype, *, seed: int = 0, layers: int = 4, hidden
     """A random fp32 Llama (vocab 2·TWINS, ``layers`` layers) whose weights are exactly representable in ``dtype``
     and whose twin lm_head rows differ from their originals by about one unit in the last place of ``dtype``."""
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=2 * TWINS,
-                         max_position_embeddings=512, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2 * TWINS,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

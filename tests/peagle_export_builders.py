@@ -11,12 +11,19 @@ from core.drafters.peagle import PEagleConfig, PEagleDrafter
 MASK, DEPTHS = 7, 4
 
 
-def make_peagle(target_config, *, seed: int = 1, depths: int = DEPTHS, mask_token_id: int = MASK,
-                **overrides) -> PEagleDrafter:
+def make_peagle(
+    target_config, *, seed: int = 1, depths: int = DEPTHS, mask_token_id: int = MASK, **overrides
+) -> PEagleDrafter:
     """Every weight random (norms too) and a reduced vocabulary."""
     torch.manual_seed(seed)
-    config = PEagleConfig.for_target(target_config, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX,
-                                     mask_token_id=mask_token_id, num_depths=depths, **overrides)
+    config = PEagleConfig.for_target(
+        target_config,
+        draft_vocab_size=DRAFT_VOCAB,
+        aux_layer_ids=AUX,
+        mask_token_id=mask_token_id,
+        num_depths=depths,
+        **overrides,
+    )
     drafter = PEagleDrafter(config, embed_weight=torch.randn(VOCAB, config.hidden_size))
     with torch.no_grad():
         for name, param in drafter.named_parameters():

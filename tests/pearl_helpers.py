@@ -49,8 +49,11 @@ def assert_executor_matches_sequential(target, name: str, build, kmax: int) -> N
             outputs = [algorithm.generate(PROMPT, max_new_tokens=24, sampling=GREEDY).tokens]
             generator = torch.Generator().manual_seed(3)
             for _ in range(2):
-                outputs.append(algorithm.generate(PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0),
-                                                  generator=generator).tokens)
+                outputs.append(
+                    algorithm.generate(
+                        PROMPT, max_new_tokens=16, sampling=SamplingParams(1.0), generator=generator
+                    ).tokens
+                )
             return outputs
         finally:
             algorithm.close()

@@ -39,11 +39,16 @@ def tiny_models(root: Path) -> dict:
     draft_dir = save_tiny_target(root / "draft", layers=4, logit_scale=8.0, noise=0.02)
     target = load_lm(str(target_dir), max_seq_len=MAX_SEQ)
     ar = build_algorithm("ar", load_runner(target.model, max_seq_len=MAX_SEQ))
-    return {"dir": target_dir, "draft": draft_dir, "target": target, "ar": ar,
-            "eagle3": random_drafter(target.model, draft_vocab=2048),
-            "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
-            "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval(),
-            "peagle": random_peagle_drafter(target.model, draft_vocab=2048)}
+    return {
+        "dir": target_dir,
+        "draft": draft_dir,
+        "target": target,
+        "ar": ar,
+        "eagle3": random_drafter(target.model, draft_vocab=2048),
+        "specblock": random_specblock_drafter(target.model, draft_vocab=2048),
+        "dflash": random_dflash_drafter(target.model, draft_vocab=2048, mask_token_id=3).eval(),
+        "peagle": random_peagle_drafter(target.model, draft_vocab=2048),
+    }
 
 
 def own_target(tiny) -> LoadedModel:
@@ -57,13 +62,25 @@ def serve_config(tiny, *keys: str):
     """The tiny server's config: ``ROWS`` rows side by side for an algorithm that batches, one otherwise."""
     name = next((k.split("=", 1)[1].split("@")[0] for k in keys if k.startswith("algorithm=")), "ar")
     rows = ROWS if algorithm_class(name).batchable and not any(k.startswith("adapt=") for k in keys) else 1
-    return parse_args([f"target={tiny['dir']}", f"drafter={tiny['draft']}", "model_name=tiny",
-                       f"max_seq_len={MAX_SEQ}", f"batch_size={rows}", *keys])
+    return parse_args(
+        [
+            f"target={tiny['dir']}",
+            f"drafter={tiny['draft']}",
+            "model_name=tiny",
+            f"max_seq_len={MAX_SEQ}",
+            f"batch_size={rows}",
+            *keys,
+        ]
+    )
 
 
 def start(tiny, *keys: str) -> RunningServer:
-    drafters = {"eagle3": tiny["eagle3"], "specblock": tiny["specblock"], "dflash": tiny["dflash"],
-                "peagle": tiny["peagle"]}
+    drafters = {
+        "eagle3": tiny["eagle3"],
+        "specblock": tiny["specblock"],
+        "dflash": tiny["dflash"],
+        "peagle": tiny["peagle"],
+    }
     return RunningServer(build_server(serve_config(tiny, *keys), target=own_target(tiny), drafters=drafters))
 
 
@@ -75,8 +92,17 @@ def runner_of(server: RunningServer):
 def reference(tiny, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
     """AR's answer in this process, with the server's sampling stream for ``seed``."""
     eos = tiny["target"].tokenizer.eos_token_id
-    return tiny["ar"].generate(prompt_ids, max_new_tokens=n, sampling=SamplingParams(temperature),
-                               generator=torch.Generator().manual_seed(seed), eos_ids=[eos]).tokens
+    return (
+        tiny["ar"]
+        .generate(
+            prompt_ids,
+            max_new_tokens=n,
+            sampling=SamplingParams(temperature),
+            generator=torch.Generator().manual_seed(seed),
+            eos_ids=[eos],
+        )
+        .tokens
+    )
 
 
 def chat_ids(tiny, content: str) -> list[int]:
@@ -149,7 +175,15 @@ def submit(server: RunningServer, prompt_ids: list[int], n: int, temperature: fl
     """A request handed to the scheduler directly, past the schema: (its Generation, the list its events arrive
     in)."""
     model, events = server.server.model, []
-    gen = Generation(prompt_ids, n, SamplingParams(temperature), seed, TextAssembler(model.tokenizer),
-                     events.append, model.eos_ids, stream=False)
+    gen = Generation(
+        prompt_ids,
+        n,
+        SamplingParams(temperature),
+        seed,
+        TextAssembler(model.tokenizer),
+        events.append,
+        model.eos_ids,
+        stream=False,
+    )
     server.server.scheduler.submit(gen)
     return gen, events

@@ -10,11 +10,13 @@ from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 PROMPTS, N_NEW, AUX = ([7, 1, 8, 2, 8], [3, 14, 15, 92, 65, 35]), 64, [0, 1, 2]
 
 
-def random_drafter(target, *, draft_vocab: int, seed: int = 3, cls=SpecBlockDrafter, block_size: int = 4,
-                   **kw) -> SpecBlockDrafter:
+def random_drafter(
+    target, *, draft_vocab: int, seed: int = 3, cls=SpecBlockDrafter, block_size: int = 4, **kw
+) -> SpecBlockDrafter:
     """A randomly initialised drafter sharing the target's embedding, over a random reduced vocab if Vd < V."""
-    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX,
-                                        block_size=block_size)
+    config = SpecBlockConfig.for_target(
+        target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX, block_size=block_size
+    )
     torch.manual_seed(seed)
     drafter = cls(config, embed_weight=target.get_input_embeddings().weight.detach(), **kw)
     vocab = target.config.vocab_size

@@ -32,8 +32,9 @@ def saved_tiny_target(tmp_path_factory) -> LoadedModel:
     return LoadedModel(str(directory), ModelRunner.from_hf_model(model, max_seq_len=64), None, model)
 
 
-def export_speculators(tmp_path: Path, target: LoadedModel, drafter: Eagle3Drafter, *extra: str,
-                       via_native: bool = False) -> Path:
+def export_speculators(
+    tmp_path: Path, target: LoadedModel, drafter: Eagle3Drafter, *extra: str, via_native: bool = False
+) -> Path:
     """Our Lightning checkpoint -> format=speculators; ``via_native``: first format=native, then that directory
     re-exported, as ``make demo`` does."""
     ckpt = lightning_ckpt(tmp_path / "last.ckpt", drafter, target_record(target.name))
@@ -62,8 +63,14 @@ def assert_loaded_exactly(theirs: Eagle3DraftModel, directory: Path, target: tor
     assert not any(torch.isnan(v).any() for v in state.values() if v.is_floating_point())
 
 
-def check_training_forward_agrees(target: LoadedModel, drafter: Eagle3Drafter, theirs: Eagle3DraftModel,
-                                  ids: torch.Tensor, supervised: torch.Tensor, tol: float) -> None:
+def check_training_forward_agrees(
+    target: LoadedModel,
+    drafter: Eagle3Drafter,
+    theirs: Eagle3DraftModel,
+    ids: torch.Tensor,
+    supervised: torch.Tensor,
+    tol: float,
+) -> None:
     """One sequence through both training forwards, speculators' loss mask chosen to score our rows."""
     aux, pre_norm = features(target, ids, drafter.config.aux_layer_ids)
     steps = our_steps(drafter, target, ids, aux, pre_norm, supervised, STEPS)
@@ -106,8 +113,13 @@ def their_chain(theirs: Eagle3DraftModel, start, ours: list[int], gamma: int) ->
     rows = len(start.next_tokens)
     hidden = torch.cat([start.features, start.features.new_zeros(1, gamma - 1, start.features.shape[-1])], 1)
     with torch.no_grad():
-        drafts = theirs(hidden, tokens, torch.zeros_like(tokens), ttt_steps=gamma,
-                        position_ids=torch.arange(tokens.shape[1])[None] + 1)
+        drafts = theirs(
+            hidden,
+            tokens,
+            torch.zeros_like(tokens),
+            ttt_steps=gamma,
+            position_ids=torch.arange(tokens.shape[1])[None] + 1,
+        )
     chain = [int(d[0, rows - 1]) for d in drafts]
     return [c + int(theirs.d2t[c]) for c in chain]
 
@@ -119,7 +131,15 @@ def library_drafter(tiny, **flags) -> Eagle3DraftModel:
     used = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[used] = True
-    return Eagle3DraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(DRAFT_VOCAB),
-                                               verifier_name_or_path=tiny.name, draft_vocab_size=DRAFT_VOCAB,
-                                               norm_before_residual=True, ttt_steps=3, draft_attn_impl="eager",
-                                               target_layer_ids=[i + 1 for i in AUX], **flags)
+    return Eagle3DraftModel.from_training_args(
+        layer,
+        t2d=t2d,
+        d2t=used - torch.arange(DRAFT_VOCAB),
+        verifier_name_or_path=tiny.name,
+        draft_vocab_size=DRAFT_VOCAB,
+        norm_before_residual=True,
+        ttt_steps=3,
+        draft_attn_impl="eager",
+        target_layer_ids=[i + 1 for i in AUX],
+        **flags,
+    )

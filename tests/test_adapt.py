@@ -21,8 +21,9 @@ from spectrain.adapt.signal import ContextBuckets, query_signal
 TAU, ITER, HORIZON, MAX_ACCEPT = 2.0, 1.2, 200, 7
 
 
-def simulate(bandit: CostAwareUCB, true_dtau: dict[str, float], costs: dict[str, float], rounds: int,
-             seed: int = 0) -> list[str]:
+def simulate(
+    bandit: CostAwareUCB, true_dtau: dict[str, float], costs: dict[str, float], rounds: int, seed: int = 0
+) -> list[str]:
     """A stationary environment with known Δτ per arm (Gaussian noise); returns the arms played."""
     generator = torch.Generator().manual_seed(seed)
     played = []
@@ -39,11 +40,14 @@ def value(dtau: float, cost: float) -> float:
     return saving(dtau, TAU, ITER, HORIZON, MAX_ACCEPT) - cost
 
 
-@pytest.mark.parametrize("true_dtau, costs, best", [
-    ({"head": 0.1, "full": 0.5}, {"head": 2.0, "full": 12.0}, "full"),  # full's bigger gain pays its cost
-    ({"head": 0.1, "full": 0.5}, {"head": 2.0, "full": 30.0}, "head"),  # full costs more than it saves
-    ({"head": -0.2, "full": 0.0}, {"head": 2.0, "full": 12.0}, "skip"),  # updates do not help
-])
+@pytest.mark.parametrize(
+    "true_dtau, costs, best",
+    [
+        ({"head": 0.1, "full": 0.5}, {"head": 2.0, "full": 12.0}, "full"),  # full's bigger gain pays its cost
+        ({"head": 0.1, "full": 0.5}, {"head": 2.0, "full": 30.0}, "head"),  # full costs more than it saves
+        ({"head": -0.2, "full": 0.0}, {"head": 2.0, "full": 12.0}, "skip"),  # updates do not help
+    ],
+)
 def test_bandit_converges_to_the_best_arm(true_dtau, costs, best):
     values = {arm: value(true_dtau[arm], costs[arm]) for arm in costs}
     expected = max(values, key=values.get) if max(values.values()) > 0 else "skip"
@@ -69,13 +73,13 @@ def test_never_picks_an_arm_whose_cost_exceeds_any_possible_gain():
         bound = max_saving(tau, iter_ratio, HORIZON, MAX_ACCEPT)
         costs = {"head": bound * (1 + float(torch.rand((), generator=generator))), "full": bound * 1.0001}
         bandit = CostAwareUCB(prior=1e6, ucb_c=1e3)  # as optimistic as it gets
-        decision = bandit.decide(0, tau=tau, iter_ratio=iter_ratio, horizon=HORIZON, max_accept=MAX_ACCEPT,
-                                 costs=costs)
+        decision = bandit.decide(0, tau=tau, iter_ratio=iter_ratio, horizon=HORIZON, max_accept=MAX_ACCEPT, costs=costs)
         assert decision.arm == "skip"
         assert all(v <= 0 for v in decision.value.values())
     # the same bandit does update once an arm is cheaper than the bound
-    cheap = CostAwareUCB(prior=1.0).decide(0, tau=2.0, iter_ratio=1.0, horizon=HORIZON, max_accept=MAX_ACCEPT,
-                                          costs={"head": 1.0, "full": 1e9})
+    cheap = CostAwareUCB(prior=1.0).decide(
+        0, tau=2.0, iter_ratio=1.0, horizon=HORIZON, max_accept=MAX_ACCEPT, costs={"head": 1.0, "full": 1e9}
+    )
     assert cheap.arm == "head"
 
 
@@ -102,8 +106,9 @@ def assert_adapts_and_stays_greedy_equal(target, drafter, algorithm_name: str, t
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     ar = build_algorithm("ar", runner(target))
     settings = forcing_settings(tmp_path, **options.pop("settings", {}))
-    algorithm = build_algorithm(algorithm_name, runner(target), drafter, adapt="bandit", adapt_settings=settings,
-                                **options)
+    algorithm = build_algorithm(
+        algorithm_name, runner(target), drafter, adapt="bandit", adapt_settings=settings, **options
+    )
     for prompt in PROMPTS:
         reference = ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
         assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == reference
@@ -111,7 +116,8 @@ def assert_adapts_and_stays_greedy_equal(target, drafter, algorithm_name: str, t
     assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & set(settings.arm_list())
     adapted = {k.replace(".base_layer.", "."): v for k, v in algorithm.drafter.state_dict().items()}
     assert any(not torch.equal(before[k], adapted[k]) for k in before) or any(  # it did adapt
-        ".lora_B" in k and v.abs().sum() > 0 for k, v in adapted.items())
+        ".lora_B" in k and v.abs().sum() > 0 for k, v in adapted.items()
+    )
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # on its own copy
     assert algorithm.drafter.embed_tokens.weight is drafter.embed_tokens.weight  # the target's, shared
     return rows
@@ -120,8 +126,9 @@ def assert_adapts_and_stays_greedy_equal(target, drafter, algorithm_name: str, t
 def test_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
     target, drafter = tiny
     drafter = copy.deepcopy(drafter)
-    rows = assert_adapts_and_stays_greedy_equal(target, drafter, "eagle3_tree", tmp_path, tree_depth=3,
-                                                tree_topk=3, tree_total=10)
+    rows = assert_adapts_and_stays_greedy_equal(
+        target, drafter, "eagle3_tree", tmp_path, tree_depth=3, tree_topk=3, tree_total=10
+    )
     assert torch.equal(drafter.embed_tokens.weight, target.model.embed_tokens.weight)  # never the target's
     with (tmp_path / "decisions.csv").open() as f:
         assert [r["arm"] for r in csv.DictReader(f)] == [r["arm"] for r in rows]
@@ -181,11 +188,13 @@ def test_the_observer_is_told_which_request_each_round_belongs_to(tiny, monkeypa
     target, drafter = tiny
     recorder = RecordingObserver()
     monkeypatch.setattr(round_observers, "_REGISTERED", {"recording": recorder})
-    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, adapt="recording", tree_depth=3,
-                                tree_topk=3, tree_total=10)
+    algorithm = build_algorithm(
+        "eagle3_tree", runner(target), drafter, adapt="recording", tree_depth=3, tree_topk=3, tree_total=10
+    )
     queue = [RowRequest(key, prompt, 9, GREEDY, None) for key, prompt in zip("ab", PROMPTS)]
-    DecodeEngine(algorithm.target, algorithm.strategy()).run(lambda: queue.pop(0) if queue else None,
-                                                            lambda event: None)
+    DecodeEngine(algorithm.target, algorithm.strategy()).run(
+        lambda: queue.pop(0) if queue else None, lambda event: None
+    )
     for key in "ab":
         calls = [call for call, query in recorder.calls if query == key]
         assert calls[0] == "begin" and calls[-1] == "end" and set(calls[1:-1]) == {"round"}
@@ -202,8 +211,14 @@ def test_the_bandit_keeps_interleaved_queries_apart(tiny):
     adapter.begin_query("x", [1, 2, 3, 4, 5], features["x"], torch.randn(vocab, generator=generator), max_accept=4)
     adapter.begin_query("y", [6, 7, 8, 9, 10], features["y"], torch.randn(vocab, generator=generator), max_accept=4)
     for q, n in (("x", 3), ("y", 1), ("x", 2)):
-        adapter.observe_round(q, list(range(n)), torch.randn(n, width, generator=generator),
-                              torch.randn(n, vocab, generator=generator), n - 1, None)
+        adapter.observe_round(
+            q,
+            list(range(n)),
+            torch.randn(n, width, generator=generator),
+            torch.randn(n, vocab, generator=generator),
+            n - 1,
+            None,
+        )
     x, y = adapter.recorders["x"][0], adapter.recorders["y"][0]
     assert x.accepted == [2, 1] and x.tokens == [1, 2, 3, 4, 5, 0, 1, 2, 0, 1]
     assert y.accepted == [0] and y.tokens == [6, 7, 8, 9, 10, 0] and len(y.features) == 2
@@ -219,10 +234,13 @@ def loss_of(adaptable, record, arm: str) -> float:
     return float(adaptable.loss_closure(record, arm)())
 
 
-@pytest.mark.parametrize("taus, rolled_back_at", [
-    ([2.0, 1.0, 1.0], 2),  # two consecutive queries below the pre-update EMA -> restore the snapshot
-    ([2.0, 1.0, 3.0], None),  # one bad query is not enough
-])
+@pytest.mark.parametrize(
+    "taus, rolled_back_at",
+    [
+        ([2.0, 1.0, 1.0], 2),  # two consecutive queries below the pre-update EMA -> restore the snapshot
+        ([2.0, 1.0, 3.0], None),  # one bad query is not enough
+    ],
+)
 def test_rollback_after_consecutive_drops(tiny, taus, rolled_back_at):
     target, drafter = tiny
     drafter = copy.deepcopy(drafter)
@@ -367,8 +385,9 @@ def test_lora_arm_adds_adapters_that_change_nothing_until_trained_and_trains_onl
 
 def test_eagle3_tree_stays_greedy_equal_with_the_lora_arm(tiny, tmp_path):
     target, drafter = tiny
-    rows = assert_adapts_and_stays_greedy_equal(target, drafter, "eagle3_tree", tmp_path, tree_depth=3,
-                                                tree_topk=3, tree_total=10, settings={"arms": "lora"})
+    rows = assert_adapts_and_stays_greedy_equal(
+        target, drafter, "eagle3_tree", tmp_path, tree_depth=3, tree_topk=3, tree_total=10, settings={"arms": "lora"}
+    )
     assert {r["arm"] for r in rows} <= {"skip", "lora"}
     assert all(r["ucb_lora"] != "" and r["cost_lora"] != "" for r in rows)  # the log keeps the lora columns
 
@@ -395,8 +414,16 @@ def test_replay_is_deterministic(tiny, tmp_path):
 
     target, drafter = tiny
     start = copy.deepcopy(drafter)
-    online = build_algorithm("eagle3_tree", runner(target), copy.deepcopy(drafter), tree_depth=3, tree_topk=3,
-                             tree_total=10, adapt="bandit", adapt_settings=forcing_settings(tmp_path / "trace"))
+    online = build_algorithm(
+        "eagle3_tree",
+        runner(target),
+        copy.deepcopy(drafter),
+        tree_depth=3,
+        tree_topk=3,
+        tree_total=10,
+        adapt="bandit",
+        adapt_settings=forcing_settings(tmp_path / "trace"),
+    )
     for prompt in PROMPTS:
         online.generate(prompt, max_new_tokens=20, sampling=GREEDY)
     manifest, records = read_trace(tmp_path / "trace")
@@ -405,10 +432,20 @@ def test_replay_is_deterministic(tiny, tmp_path):
     for i in range(2):
         drafter_copy = copy.deepcopy(start)
         settings = forcing_settings(min_gap=2)
-        rows = replay(copy.deepcopy(records), Eagle3Adaptable(drafter_copy), settings,
-                      CostModel.from_dict(manifest["costs"]), gamma=3, out=tmp_path / f"replay{i}")
-        runs.append(([{k: v for k, v in r.items() if k != "update_s"} for r in rows],
-                     {k: v.clone() for k, v in drafter_copy.state_dict().items()}))
+        rows = replay(
+            copy.deepcopy(records),
+            Eagle3Adaptable(drafter_copy),
+            settings,
+            CostModel.from_dict(manifest["costs"]),
+            gamma=3,
+            out=tmp_path / f"replay{i}",
+        )
+        runs.append(
+            (
+                [{k: v for k, v in r.items() if k != "update_s"} for r in rows],
+                {k: v.clone() for k, v in drafter_copy.state_dict().items()},
+            )
+        )
     assert runs[0][0] == runs[1][0]
     assert {r["arm"] for r in runs[0][0]} & {"head", "full"}  # the replay really updated
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
@@ -422,8 +459,13 @@ def test_specblock_plugs_in_with_its_own_losses(tiny):
     from spectrain.adapt.updater import ArmUpdate, Updater
 
     target, _ = tiny
-    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size,
-                                        aux_layer_ids=[0, 1, 2], block_size=4, rank_hidden_size=16)
+    config = SpecBlockConfig.for_target(
+        target.config,
+        draft_vocab_size=target.config.vocab_size,
+        aux_layer_ids=[0, 1, 2],
+        block_size=4,
+        rank_hidden_size=16,
+    )
     torch.manual_seed(0)
     drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
     adaptable = adaptable_for(drafter, max_rows=64)
@@ -471,9 +513,16 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
     set_random_vocab_map(drafter, vocab, 256)
     export = write_export(Eagle3Checkpoint.from_drafter(drafter, target_record(str(target_dir))), tmp_path / "e3")
 
-    online = build_algorithm("eagle3_tree", target.runner, load_eagle3(str(export), target), tree_depth=3,
-                             tree_topk=3, tree_total=10, adapt="bandit",
-                             adapt_settings=forcing_settings(tmp_path / "trace"))
+    online = build_algorithm(
+        "eagle3_tree",
+        target.runner,
+        load_eagle3(str(export), target),
+        tree_depth=3,
+        tree_topk=3,
+        tree_total=10,
+        adapt="bandit",
+        adapt_settings=forcing_settings(tmp_path / "trace"),
+    )
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         prompt = torch.randint(1000, (8,), generator=generator).tolist()
@@ -495,8 +544,13 @@ def test_specblock_tree_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_pat
     from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
     target, _ = tiny
-    config = SpecBlockConfig.for_target(target.config, draft_vocab_size=target.config.vocab_size,
-                                        aux_layer_ids=[0, 1, 2], block_size=4, rank_hidden_size=16)
+    config = SpecBlockConfig.for_target(
+        target.config,
+        draft_vocab_size=target.config.vocab_size,
+        aux_layer_ids=[0, 1, 2],
+        block_size=4,
+        rank_hidden_size=16,
+    )
     torch.manual_seed(0)
     drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
     assert_adapts_and_stays_greedy_equal(target, drafter, "specblock_tree", tmp_path, width=3, budget=12)
@@ -529,8 +583,10 @@ def test_validation_on_tau_keeps_an_update_only_if_the_held_out_accept_length_ri
         adapter_for(drafter, validate_on="accuracy")
 
 
-@pytest.mark.parametrize("arm, lr, check_seed, reset", [("head", 50.0, 2, True), ("head", 1e-2, 1, False),
-                                                         ("full", 1.0, 2, True), ("full", 50.0, 2, True)])
+@pytest.mark.parametrize(
+    "arm, lr, check_seed, reset",
+    [("head", 50.0, 2, True), ("head", 1e-2, 1, False), ("full", 1.0, 2, True), ("full", 50.0, 2, True)],
+)
 def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, arm, lr, check_seed, reset):
     """Query 0 updates on record 1 and the τ watch lets it stay; at query 1 the origin check scores that query's
     record under the adapted and the original weights (the head arm: one trunk pass serves both). A huge step has wrecked the drafter for an unrelated record
@@ -538,8 +594,9 @@ def test_origin_check_goes_back_to_the_original_when_it_scores_better(tiny, arm,
     stay, and so does a drafter that never adapted (no check at all)."""
     target, drafter = tiny
     drafter = copy.deepcopy(drafter)
-    adapter, adaptable = adapter_for(drafter, arms=arm, min_gap=10, watch=1, patience=1, origin_check=1,
-                                     head_lr=lr, full_lr=lr)
+    adapter, adaptable = adapter_for(
+        drafter, arms=arm, min_gap=10, watch=1, patience=1, origin_check=1, head_lr=lr, full_lr=lr
+    )
     first, checked = (adaptable.synthetic_record(24, prompt_len=6, seed=s) for s in (1, check_seed))
     first.max_accept = checked.max_accept = 7
     before = {k: v.clone() for k, v in drafter.state_dict().items()}

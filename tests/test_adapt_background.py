@@ -34,8 +34,16 @@ def test_background_serving_stays_greedy_equal_and_publishes_one_query_late(tiny
     target, drafter = tiny
     loaded = state(drafter)
     ar = build_algorithm("ar", runner(target))
-    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=3, tree_topk=3, tree_total=10,
-                                adapt="bandit", adapt_settings=forcing_settings(background=True))
+    algorithm = build_algorithm(
+        "eagle3_tree",
+        runner(target),
+        drafter,
+        tree_depth=3,
+        tree_topk=3,
+        tree_total=10,
+        adapt="bandit",
+        adapt_settings=forcing_settings(background=True),
+    )
     adapter = algorithm.adapter
     serving, training = algorithm.drafter, adapter.adaptable.module
     assert training is not serving and training.embed_tokens.weight is serving.embed_tokens.weight
@@ -51,8 +59,10 @@ def test_background_serving_stays_greedy_equal_and_publishes_one_query_late(tiny
     monkeypatch.setattr(adapter, "process", process)
     for prompt in PROMPTS:
         served.append(state(serving))
-        assert algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens == \
-            ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
+        assert (
+            algorithm.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
+            == ar.generate(prompt, max_new_tokens=20, sampling=GREEDY).tokens
+        )
     adapter.close()
     rows = adapter.log.rows
     assert len(rows) == len(PROMPTS) and {r["arm"] for r in rows} & {"head", "full"}
@@ -64,8 +74,7 @@ def test_background_serving_stays_greedy_equal_and_publishes_one_query_late(tiny
 
 
 @pytest.mark.parametrize("background, rolled_back_at", [(False, 2), (True, 3)])
-def test_the_policy_waits_a_query_longer_for_feedback_and_rollback_in_background(tiny, background,
-                                                                                 rolled_back_at):
+def test_the_policy_waits_a_query_longer_for_feedback_and_rollback_in_background(tiny, background, rolled_back_at):
     """Replay-style (no thread): after an update at query 0, the first query it serves is 1, or 2 in background;
     its feedback and the rollback watch start there."""
     target, drafter = tiny
@@ -111,6 +120,7 @@ def test_background_runner_publishes_only_changes_and_raises_job_errors_in_the_c
             with torch.no_grad():
                 training.lm_head.weight.add_(1.0)
             return {"kept": kept, "rolled_back": False, "reset": False}
+
         return job
 
     runner_.submit(bump(False))
@@ -130,8 +140,12 @@ def test_background_runner_publishes_only_changes_and_raises_job_errors_in_the_c
     runner_.submit(broken)
     with pytest.raises(FloatingPointError, match="diverged"):
         runner_.close()
-    assert [changed_weights(r) for r in ({"kept": ""}, {"rolled_back": True}, {"reset": True}, {})] == \
-        [False, True, True, False]
+    assert [changed_weights(r) for r in ({"kept": ""}, {"rolled_back": True}, {"reset": True}, {})] == [
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 def test_background_replay_is_deterministic_and_measures_the_serving_copy(tiny, tmp_path):
@@ -139,16 +153,30 @@ def test_background_replay_is_deterministic_and_measures_the_serving_copy(tiny, 
     from spectrain.adapt.replay import replay
 
     target, drafter = tiny
-    online = build_algorithm("eagle3_tree", runner(target), copy.deepcopy(drafter), tree_depth=3, tree_topk=3,
-                             tree_total=10, adapt="bandit", adapt_settings=forcing_settings(tmp_path / "trace"))
+    online = build_algorithm(
+        "eagle3_tree",
+        runner(target),
+        copy.deepcopy(drafter),
+        tree_depth=3,
+        tree_topk=3,
+        tree_total=10,
+        adapt="bandit",
+        adapt_settings=forcing_settings(tmp_path / "trace"),
+    )
     for prompt in PROMPTS:
         online.generate(prompt, max_new_tokens=20, sampling=GREEDY)
     manifest, records = read_trace(tmp_path / "trace")
     runs = []
     for background in (True, True, False):
         settings = forcing_settings(min_gap=1, background=background)
-        rows = replay(copy.deepcopy(records), Eagle3Adaptable(copy.deepcopy(drafter)), settings,
-                      CostModel.from_dict(manifest["costs"]), gamma=3, out=None)
+        rows = replay(
+            copy.deepcopy(records),
+            Eagle3Adaptable(copy.deepcopy(drafter)),
+            settings,
+            CostModel.from_dict(manifest["costs"]),
+            gamma=3,
+            out=None,
+        )
         runs.append([{k: v for k, v in r.items() if k not in ("update_s",)} for r in rows])
     assert runs[0] == runs[1]
     assert {r["arm"] for r in runs[0]} & {"head", "full"}
@@ -162,8 +190,9 @@ def test_background_replay_is_deterministic_and_measures_the_serving_copy(tiny, 
 
 def test_settings_parse_from_command_line_strings():
     base = AdaptSettings(horizon=7)
-    parsed = AdaptSettings.with_overrides(base, {"validate": "false", "log": "null", "head_lr": "3e-3",
-                                                 "background": "true", "min_gap": "2"})
+    parsed = AdaptSettings.with_overrides(
+        base, {"validate": "false", "log": "null", "head_lr": "3e-3", "background": "true", "min_gap": "2"}
+    )
     assert parsed == AdaptSettings(horizon=7, validate=False, log=None, head_lr=3e-3, background=True, min_gap=2)
     assert AdaptSettings.with_overrides({"horizon": 9, "not_a_setting": 1}, {}) == AdaptSettings(horizon=9)
     with pytest.raises(ValueError, match="bad setting adapt.min_gap: .*'often'"):
@@ -210,14 +239,21 @@ def test_the_domain_shift_benchmark_serves_a_specblock_export_with_and_without_t
         sys.path.pop(0)
     target_dir = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
     torch.manual_seed(0)
-    config = SpecBlockConfig.for_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=500,
-                                        aux_layer_ids=[0, 1, 2])
+    config = SpecBlockConfig.for_target(
+        AutoConfig.from_pretrained(target_dir), draft_vocab_size=500, aux_layer_ids=[0, 1, 2]
+    )
     drafter = SpecBlockDrafter(config)
     set_random_vocab_map(drafter, config.vocab_size, 500)
     export = save_native(drafter, tmp_path / "sb", target=target_record(str(target_dir)))
     target = load_lm(str(target_dir), device="cpu", max_seq_len=256)
-    cfg = ShiftConfig(drafter=str(export), target=str(target_dir), algorithm="specblock_tree", max_new_tokens=10,
-                      specblock_budget=12, specblock_width=3)
+    cfg = ShiftConfig(
+        drafter=str(export),
+        target=str(target_dir),
+        algorithm="specblock_tree",
+        max_new_tokens=10,
+        specblock_budget=12,
+        specblock_width=3,
+    )
     runs = run_pair(cfg, target, [], [("tiny", ids) for ids in PROMPTS], forcing_settings(tmp_path / "log"))
     assert runs["none"]["outputs"] == runs["bandit"]["outputs"]
     assert runs["none"]["updates"] == 0 and runs["bandit"]["updates"] > 0

@@ -58,8 +58,9 @@ def test_sps_with_the_target_as_draft_accepts_everything(pair):
     # 1 token from the prefill, then gamma + 1 per round: tau -> gamma + 1
     assert result.stats.rounds == math.ceil((n - 1) / (gamma + 1))
     assert result.stats.rollback_rate == 0.0 and result.stats.acceptance_by_position == [1.0] * gamma
-    sampled = sps.generate([5, 6, 7], max_new_tokens=n, sampling=SamplingParams(1.0),
-                           generator=torch.Generator().manual_seed(0))
+    sampled = sps.generate(
+        [5, 6, 7], max_new_tokens=n, sampling=SamplingParams(1.0), generator=torch.Generator().manual_seed(0)
+    )
     assert sampled.stats.rollback_rate == 0.0  # p == q: every sampled draft token is accepted
 
 
@@ -69,8 +70,10 @@ def test_eos_stops_inside_an_accepted_draft(pair):
     reference = build_algorithm("ar", runner(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).tokens
     eos = reference[12]
     expected = reference[: reference.index(eos) + 1]
-    for algo in (build_algorithm("ar", runner(target)),
-                 build_algorithm("sps", runner(target), runner(target), gamma=4)):
+    for algo in (
+        build_algorithm("ar", runner(target)),
+        build_algorithm("sps", runner(target), runner(target), gamma=4),
+    ):
         result = algo.generate(prompt, max_new_tokens=30, sampling=GREEDY, eos_ids=[eos])
         assert result.tokens == expected
 
@@ -79,7 +82,8 @@ def test_streaming_callback_sees_every_token_once(pair):
     target, draft = pair
     seen: list[int] = []
     result = build_algorithm("sps", runner(target), runner(draft), gamma=3).generate(
-        [1, 2, 3], max_new_tokens=20, sampling=GREEDY, on_tokens=seen.extend)
+        [1, 2, 3], max_new_tokens=20, sampling=GREEDY, on_tokens=seen.extend
+    )
     assert seen == result.tokens and len(seen) == 20
 
 
@@ -112,13 +116,16 @@ def test_real_smollm2_ar_and_sps_equal_transformers_greedy(smollm2):
     config = model.config.to_dict() | {"num_hidden_layers": 6}
     draft = AutoModelForCausalLM.from_config(type(model.config)(**config)).eval()
     draft.load_state_dict(model.state_dict(), strict=False)
-    target_runner, draft_runner = ModelRunner.from_hf_model(model, max_seq_len=512), ModelRunner.from_hf_model(
-        draft, max_seq_len=512)
+    target_runner, draft_runner = (
+        ModelRunner.from_hf_model(model, max_seq_len=512),
+        ModelRunner.from_hf_model(draft, max_seq_len=512),
+    )
     for conversation, verifier in zip(load_prompts("mt_bench", n=2), ("tokenwise", "hsd"), strict=True):
         prompt = render_prompt(tokenizer, prompt_turns(conversation))
         expected = hf_greedy(model, prompt, 24)
-        assert build_algorithm("ar", target_runner).generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens \
-            == expected
+        assert (
+            build_algorithm("ar", target_runner).generate(prompt, max_new_tokens=24, sampling=GREEDY).tokens == expected
+        )
         sps = build_algorithm("sps", target_runner, draft_runner, gamma=4, verifier=verifier)
         result = sps.generate(prompt, max_new_tokens=24, sampling=GREEDY)
         assert result.tokens == expected
@@ -145,12 +152,12 @@ def test_sps_with_a_vocabulary_limited_draft_follows_the_target_law():
     draft = tiny_llama(11, vocab=vocab, layers=1, temperature_scale=3.0)
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    sps = build_algorithm("sps", runner(target, 16, rows=2 * LAW_ROWS),
-                          with_logit_vocab(runner(draft, 16, rows=2 * LAW_ROWS), 2), gamma=2)
+    sps = build_algorithm(
+        "sps", runner(target, 16, rows=2 * LAW_ROWS), with_logit_vocab(runner(draft, 16, rows=2 * LAW_ROWS), 2), gamma=2
+    )
     counts, accepted = sampled_law(sps, prompt, n, runs)
     assert accepted > 0
     assert_follows_law(counts, law, runs, max_tv=0.06)
-
 
 
 @pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd"])
@@ -163,7 +170,8 @@ def test_draft_vocab_given_to_the_algorithm_limits_its_draft(pair, name):
 
     def rounds(draft_runner, **options):
         result = build_algorithm(name, runner(target), draft_runner, **options).generate(
-            prompt, max_new_tokens=30, sampling=GREEDY)
+            prompt, max_new_tokens=30, sampling=GREEDY
+        )
         return result.tokens, result.stats.rounds, result.stats.drafted_tokens, result.stats.accepted_hist
 
     given = rounds(runner(draft), draft_vocab=40)

@@ -33,8 +33,9 @@ def test_local_hf_directory_resolves(tmp_path):
 def test_missing_package_names_the_install_command():
     with pytest.raises(assets.AssetError) as info:
         assets.package_dir("spectrain_no_such_pkg", "pip install spectrain-no-such-pkg==1.0")
-    assert str(info.value) == ("package 'spectrain_no_such_pkg' is not installed; "
-                               "run: pip install spectrain-no-such-pkg==1.0")
+    assert str(info.value) == (
+        "package 'spectrain_no_such_pkg' is not installed; run: pip install spectrain-no-such-pkg==1.0"
+    )
 
 
 def test_packaged_data_files_are_found():
@@ -97,7 +98,7 @@ def test_real_smollm2_greedy_continuation_is_stable(smollm2):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert tokenizer.decode(out[0, ids.shape[1]:]) == "The capital of France is Paris.<|im_end|>"
+    assert tokenizer.decode(out[0, ids.shape[1] :]) == "The capital of France is Paris.<|im_end|>"
     identity = assets.model_identity("smollm2")
     assert identity["model_type"] == "llama" and identity["vocab_size"] == 49152
     assert Path(assets.resolve_model_dir("smollm2"), "model.safetensors").is_file()

@@ -56,8 +56,9 @@ def serve(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor):
     """The rows of one sequence served in one call (causal), as a drafter reads a prompt."""
     with torch.no_grad():
         length = ids.shape[1] - 1
-        return drafter.step(ids[:, 1:], drafter.project(aux[:, :length]), torch.arange(length)[None],
-                            drafter.new_cache(64))
+        return drafter.step(
+            ids[:, 1:], drafter.project(aux[:, :length]), torch.arange(length)[None], drafter.new_cache(64)
+        )
 
 
 def test_off_adds_nothing_and_a_window_wider_than_the_context_changes_nothing(tiny):
@@ -107,25 +108,28 @@ def test_batched_rows_equal_their_solo_calls_under_a_window(exact):
 
 def test_windowed_drafters_serve_losslessly_and_draft_with_their_window(tiny):
     prompts = [[(7 * i + 3) % VOCAB for i in range(50)], [(5 * i + 1) % VOCAB for i in range(41)]]
-    reference = [build_algorithm("ar", tiny.runner).generate(p, max_new_tokens=8, sampling=GREEDY).tokens
-                 for p in prompts]
+    reference = [
+        build_algorithm("ar", tiny.runner).generate(p, max_new_tokens=8, sampling=GREEDY).tokens for p in prompts
+    ]
     two_rows = ModelRunner.from_hf_model(tiny.model, max_seq_len=112, max_batch_size=2)
     base = make_drafter(tiny.model.config)
     base.use_target_embedding(tiny.model.model.embed_tokens.weight.detach())
     peagle = make_peagle(tiny.model.config, attention_window=W)
-    for drafter, name, options in ((windowed(base, W), "eagle3_tree", dict(tree_depth=3, tree_topk=2, tree_total=6)),
-                                   (peagle.eval(), "peagle", {})):
+    for drafter, name, options in (
+        (windowed(base, W), "eagle3_tree", dict(tree_depth=3, tree_topk=2, tree_total=6)),
+        (peagle.eval(), "peagle", {}),
+    ):
         solo = build_algorithm(name, tiny.runner, drafter, **options)
         assert [solo.generate(p, max_new_tokens=8, sampling=GREEDY).tokens for p in prompts] == reference
         side_by_side = build_algorithm(name, two_rows, drafter, **options)
-        assert [r.tokens for r in side_by_side.generate_batch(prompts, max_new_tokens=8, sampling=GREEDY)] == \
-            reference
+        assert [r.tokens for r in side_by_side.generate_batch(prompts, max_new_tokens=8, sampling=GREEDY)] == reference
     # the engine drafts with the window: past it, the root of its first tree reads other logits than the full
     # attention's
     roots = []
     for window in (W, 0):
-        tree = build_algorithm("eagle3_tree", tiny.runner, windowed(base, window), tree_depth=2, tree_topk=2,
-                               tree_total=4)
+        tree = build_algorithm(
+            "eagle3_tree", tiny.runner, windowed(base, window), tree_depth=2, tree_topk=2, tree_total=4
+        )
         _, row = admitted_alone(tree, prompts[0])
         logits: dict[int, torch.Tensor] = {}
         tree.draft_trees([row], tree.new_drafter_cache(1), [logits])
@@ -133,9 +137,15 @@ def test_windowed_drafters_serve_losslessly_and_draft_with_their_window(tiny):
     assert not torch.allclose(roots[0], roots[1], atol=1e-4)
     # P-EAGLE's chain attention has no window: training one is refused, serving honours it
     with pytest.raises(ValueError, match="P-EAGLE trains without a sliding window; .*train with attention_window=0"):
-        peagle(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 96),
-               ChainLayout(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long),
-                           torch.ones(1, 1, dtype=torch.bool)))
+        peagle(
+            torch.zeros(1, 4, dtype=torch.long),
+            torch.zeros(1, 4, 96),
+            ChainLayout(
+                torch.zeros(1, 1, dtype=torch.long),
+                torch.ones(1, 1, dtype=torch.long),
+                torch.ones(1, 1, dtype=torch.bool),
+            ),
+        )
 
 
 def test_exports_record_the_window(tmp_path, tiny, capsys):
@@ -149,8 +159,11 @@ def test_exports_record_the_window(tmp_path, tiny, capsys):
     # speculators: the fields the library's model reads, and back
     directory = export_speculators(tmp_path, tiny, drafter)
     layer = json.loads((directory / "config.json").read_text())["transformer_layer_config"]
-    assert (layer["sliding_window"], layer["use_sliding_window"], layer["layer_types"]) == \
-        (48, True, ["sliding_attention"])
+    assert (layer["sliding_window"], layer["use_sliding_window"], layer["layer_types"]) == (
+        48,
+        True,
+        ["sliding_attention"],
+    )
     theirs = Eagle3DraftModel.from_pretrained(str(directory))
     assert theirs.sliding_window == 48 and theirs.sliding_window_indices == [0] and not theirs.uses_full_attn
     assert export_cli.main([f"import={directory}", f"out={tmp_path / 'back'}"]) == 0
@@ -158,8 +171,9 @@ def test_exports_record_the_window(tmp_path, tiny, capsys):
     # a drafter without a window writes none of those fields
     (tmp_path / "plain").mkdir()
     plain = export_speculators(tmp_path / "plain", tiny, make_drafter(tiny.model.config))
-    assert not {"sliding_window", "layer_types"} & set(json.loads((plain / "config.json").read_text())
-                                                       ["transformer_layer_config"])
+    assert not {"sliding_window", "layer_types"} & set(
+        json.loads((plain / "config.json").read_text())["transformer_layer_config"]
+    )
     # the sglang layout has no such field: refused in one line, nothing written
     capsys.readouterr()
     assert export_cli.main([f"ckpt={ckpt}", "format=sglang", f"out={tmp_path / 'sglang'}"]) == 2
@@ -173,27 +187,44 @@ def test_long_context_bench_fills_each_length_and_stays_lossless(tmp_path):
     (one more solved problem would not), and every run, windowed or not, answers as AR does."""
     target = save_tiny_target(tmp_path / "target", layers=4, hidden=32, logit_scale=30.0)
     torch.manual_seed(0)
-    config = Eagle3Config.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=256,
-                                     aux_layer_ids=[0, 1, 2])
+    config = Eagle3Config.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=256, aux_layer_ids=[0, 1, 2])
     drafter = Eagle3Drafter(config)
     set_random_vocab_map(drafter, SMOLLM2_VOCAB, 256)
     ckpt = lightning_ckpt(tmp_path / "last.ckpt", drafter, target_record(str(target)))
     assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={tmp_path / 'exports' / 'eagle3'}"]) == 0
     out = tmp_path / "out"
-    assert tau_context.main([f"target={target}", f"drafters={tmp_path / 'exports'}", "algorithms=eagle3_tree",
-                             "contexts=[200,400]", f"attention_windows=[{W}]", "n_prompts=1", "max_new_tokens=6",
-                             "max_seq_len=512", "tree_depth=2", "tree_topk=2", "tree_total=4", "warmup=false",
-                             f"out={out}"]) == 0
+    assert (
+        tau_context.main(
+            [
+                f"target={target}",
+                f"drafters={tmp_path / 'exports'}",
+                "algorithms=eagle3_tree",
+                "contexts=[200,400]",
+                f"attention_windows=[{W}]",
+                "n_prompts=1",
+                "max_new_tokens=6",
+                "max_seq_len=512",
+                "tree_depth=2",
+                "tree_topk=2",
+                "tree_total=4",
+                "warmup=false",
+                f"out={out}",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     runs = {(r["algorithm"], r["attention_window"], r["context"]): r for r in results["runs"]}
-    assert set(runs) == {(a, w, c) for a, w in (("ar", 0), ("eagle3_tree", 0), ("eagle3_tree", W))
-                         for c in (200, 400)}
+    assert set(runs) == {(a, w, c) for a, w in (("ar", 0), ("eagle3_tree", 0), ("eagle3_tree", W)) for c in (200, 400)}
     assert all(r["greedy_equal_to_ar"] for r in runs.values())
     short, long = runs["ar", 0, 200], runs["ar", 0, 400]
     assert short["prompt_tokens"][0] <= 200 < long["prompt_tokens"][0] <= 400 and short["shots"] < long["shots"]
     questions, shots = tau_context.shots_and_questions(1)
     k = long["shots"][0]
-    one_more = render_prompt(smollm2_tokenizer(), [t for s in shots[:k + 1] for t in s.turns[:2]]
-                             + [{"role": "user", "content": questions[0].first_user_message}])
+    one_more = render_prompt(
+        smollm2_tokenizer(),
+        [t for s in shots[: k + 1] for t in s.turns[:2]]
+        + [{"role": "user", "content": questions[0].first_user_message}],
+    )
     assert len(one_more) > 400
     assert (out / "tau_context.png").stat().st_size > 0

@@ -15,8 +15,10 @@ from data_prep.features import check_features
 from data_prep.manifest import DatasetError
 from inference import generate
 
-JINJA = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-         "{% if add_generation_prompt %}[assistant] {% endif %}")
+JINJA = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +46,16 @@ def test_auto_refuses_a_base_tokenizer_in_one_line_naming_none(base, capsys):
 
 
 def test_none_generates_from_the_prompt_text_as_is(base, capsys):
-    assert generate.main([f"target={base / 'target'}", "chat_template=none", "prompt=Hello there",
-                          "max_new_tokens=4"]) == 0
+    assert (
+        generate.main([f"target={base / 'target'}", "chat_template=none", "prompt=Hello there", "max_new_tokens=4"])
+        == 0
+    )
     tokenizer = load_tokenizer(base / "target", "none")
     # the prompt is the text itself (this tokenizer adds no BOS), with nothing around it
-    assert render_prompt(tokenizer, [{"role": "user", "content": "Hello there"}]) == \
-        tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    assert (
+        render_prompt(tokenizer, [{"role": "user", "content": "Hello there"}])
+        == tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_plain_records_train_on_the_completion_and_its_eos(base):
@@ -57,7 +63,7 @@ def test_plain_records_train_on_the_completion_and_its_eos(base):
     completion, text = (c.turns for c in load_prompts(f"jsonl:{base / 'plain.jsonl'}")[5:7])
     ids, mask = tokenize_conversation(tokenizer, completion)
     prompt = tokenizer(completion[0]["content"], add_special_tokens=False)["input_ids"]
-    assert ids[:len(prompt)] == prompt and mask[:len(prompt)] == [0] * len(prompt)
+    assert ids[: len(prompt)] == prompt and mask[: len(prompt)] == [0] * len(prompt)
     assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == " It is 10." + tokenizer.eos_token
     ids, mask = tokenize_conversation(tokenizer, text)
     assert all(mask) and tokenizer.decode(ids) == text[1]["content"] + tokenizer.eos_token
@@ -73,8 +79,18 @@ def test_a_jinja_file_is_used_and_a_missing_one_is_refused(base):
 
 def test_extraction_records_the_template_and_a_dataset_is_refused_under_another(base, tmp_path):
     out = tmp_path / "feats"
-    manifest = run_extract([f"target={base / 'target'}", f"source=jsonl:{base / 'plain.jsonl'}", "n_samples=10",
-                            "max_len=64", "layers=eagle3", "batch_size=4", "chat_template=none", f"out={out}"])
+    manifest = run_extract(
+        [
+            f"target={base / 'target'}",
+            f"source=jsonl:{base / 'plain.jsonl'}",
+            "n_samples=10",
+            "max_len=64",
+            "layers=eagle3",
+            "batch_size=4",
+            "chat_template=none",
+            f"out={out}",
+        ]
+    )
     assert manifest["complete"] and manifest["num_rows"] == 10 and manifest["args"]["chat_template"] == "none"
     plain = load_tokenizer(base / "target", "none")
     assert manifest["tokenizer"]["chat_template_hash"] == chat_template_hash(plain)

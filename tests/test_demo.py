@@ -26,8 +26,11 @@ def test_every_stage_is_a_command_its_cli_accepts_and_evaluate_serves_all_ten_al
     reads, and with the kinds they export ``algorithms=all`` serves every registered algorithm (none skipped)."""
     stages = demo.build_stages(config(tmp_path))
     assert [s.name for s in stages][:2] == ["regenerate", "ngram-corpus"] and stages[-1].name == "evaluate"
-    exported = {s.argv[1].removeprefix("ckpt="): Path(s.argv[-1].removeprefix("out="))
-                for s in stages if s.argv[0] == "spectrain.export"}
+    exported = {
+        s.argv[1].removeprefix("ckpt="): Path(s.argv[-1].removeprefix("out="))
+        for s in stages
+        if s.argv[0] == "spectrain.export"
+    }
     trained, available = set(), set()
     for stage in stages:
         parsed = PARSERS[stage.argv[0]](list(stage.argv[1:]))
@@ -82,6 +85,7 @@ def test_a_failed_stage_stops_with_one_line_and_keeps_earlier_work(tmp_path, mon
     first, _ = demo.build_stages(cfg)[:2]
     _mark_done(first)
     calls = []
+
     class Failing:  # a stage process that exits 1
         returncode = 1
 
@@ -128,8 +132,17 @@ def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path
     monkeypatch.setattr("spectrain.pipeline.POLL_S", 0.0)
     stages = [stage("a"), stage("b", "train"), stage("c", "train"), stage("d")]
     assert run_pipeline(stages, label="t", rerun_hint="it") == ["a", "c", "b", "d"]  # in the order they ended
-    assert events == [("start", "a"), ("end", "a"), ("start", "b"), ("start", "c"), ("polled", "b"), ("end", "c"),
-                      ("end", "b"), ("start", "d"), ("end", "d")]
+    assert events == [
+        ("start", "a"),
+        ("end", "a"),
+        ("start", "b"),
+        ("start", "c"),
+        ("polled", "b"),
+        ("end", "c"),
+        ("end", "b"),
+        ("start", "d"),
+        ("end", "d"),
+    ]
     assert all(s.done() and s.measured_minutes() is not None for s in stages)
 
     cfg = config(tmp_path / "demo_run", "stages=[evaluate]")
@@ -150,8 +163,10 @@ def test_stages_of_one_group_run_side_by_side_and_the_table_prints_once(tmp_path
 
 
 def test_the_time_left_counts_side_by_side_stages_once(tmp_path):
-    stages = [Stage(name, minutes, name, ("x",), tmp_path / name, tmp_path / ".done" / name, group)
-              for name, minutes, group in [("a", 2.0, ""), ("b", 5.0, "g"), ("c", 3.0, "g"), ("d", 1.0, "")]]
+    stages = [
+        Stage(name, minutes, name, ("x",), tmp_path / name, tmp_path / ".done" / name, group)
+        for name, minutes, group in [("a", 2.0, ""), ("b", 5.0, "g"), ("c", 3.0, "g"), ("d", 1.0, "")]
+    ]
     assert minutes_left(stages) == 2.0 + 5.0 + 1.0
     stages[1].output.mkdir()
     stages[1].mark_done()
@@ -184,8 +199,10 @@ def test_announced_minutes_follow_the_probe_then_the_stages_measured_pace(tmp_pa
 
     monkeypatch.setattr(subprocess, "Popen", Finishing)
     monkeypatch.setattr(pipeline, "time", SimpleNamespace(perf_counter=lambda: next(clock), sleep=lambda s: None))
-    stages = [Stage(name, minutes, name, ("x", name), tmp_path / name, tmp_path / ".done" / name)
-              for name, minutes in [("a", 2.0), ("b", 4.0)]]
+    stages = [
+        Stage(name, minutes, name, ("x", name), tmp_path / name, tmp_path / ".done" / name)
+        for name, minutes in [("a", 2.0), ("b", 4.0)]
+    ]
     run_pipeline(stages, label="t", rerun_hint="it", pace=2.0, pace_note="probe")
     out = capsys.readouterr().out
     assert "about 12 min of work left on this host (probe)" in out and "a (about 4.0 min)" in out
@@ -193,4 +210,5 @@ def test_announced_minutes_follow_the_probe_then_the_stages_measured_pace(tmp_pa
     assert "took 3.00x their reference minutes: about 12 min of work left" in out and "b (about 12.0 min)" in out
     assert stage_minutes(stages) == [  # what the demo writes to stage_minutes.json
         {"stage": "a", "group": "", "reference_minutes": 2.0, "announced_minutes": 4.0, "minutes": 6.0},
-        {"stage": "b", "group": "", "reference_minutes": 4.0, "announced_minutes": 12.0, "minutes": 1.0}]
+        {"stage": "b", "group": "", "reference_minutes": 4.0, "announced_minutes": 12.0, "minutes": 1.0},
+    ]

@@ -55,16 +55,26 @@ def setup():
 def oracle(setup, block_size: int, miss_every: int = 0) -> OracleDrafter:
     target, _, sequence, features = setup
     # the full vocabulary, so every greedy token can be drafted
-    return make_drafter(target, draft_vocab=target.config.vocab_size, block_size=block_size, cls=OracleDrafter,
-                        sequence=sequence, features=features, miss_every=miss_every).eval()
+    return make_drafter(
+        target,
+        draft_vocab=target.config.vocab_size,
+        block_size=block_size,
+        cls=OracleDrafter,
+        sequence=sequence,
+        features=features,
+        miss_every=miss_every,
+    ).eval()
 
 
 @pytest.mark.parametrize("block_size, draft_tokens", [(2, 0), (4, 0), (4, 2), (8, 0), (16, 5)])
 @pytest.mark.parametrize("kind", ["random", "oracle_with_misses"])
 def test_greedy_equals_ar(setup, kind, block_size, draft_tokens):
     target, reference, _, _ = setup
-    drafter = make_drafter(target, block_size=block_size).eval() if kind == "random" else \
-        oracle(setup, block_size, miss_every=5)
+    drafter = (
+        make_drafter(target, block_size=block_size).eval()
+        if kind == "random"
+        else oracle(setup, block_size, miss_every=5)
+    )
     algorithm = build_algorithm("dflash", runner(target), drafter, draft_tokens=draft_tokens)
     result = algorithm.generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
     assert result.tokens == reference
@@ -82,8 +92,7 @@ def test_greedy_equals_ar(setup, kind, block_size, draft_tokens):
 def test_an_oracle_block_is_accepted_whole_and_every_position_reaches_the_context_once(setup, block_size):
     target, reference, _, _ = setup
     drafter = oracle(setup, block_size)
-    result = build_algorithm("dflash", runner(target), drafter).generate(PROMPT, max_new_tokens=N_NEW,
-                                                                         sampling=GREEDY)
+    result = build_algorithm("dflash", runner(target), drafter).generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
     assert result.tokens == reference
     stats, gamma = result.stats, block_size - 1
     rounds, left = divmod(N_NEW - 1, block_size)  # whole blocks + bonus tokens, then what the budget leaves
@@ -91,7 +100,7 @@ def test_an_oracle_block_is_accepted_whole_and_every_position_reaches_the_contex
     rounds += left > 0
     assert stats.rounds == rounds and stats.target_forwards == rounds + 1
     assert stats.accepted_draft_tokens == N_NEW - 1 - bonuses
-    assert stats.acceptance_by_position[:gamma - 1] == [1.0] * (gamma - 1)
+    assert stats.acceptance_by_position[: gamma - 1] == [1.0] * (gamma - 1)
     assert drafter.context_rows == list(range(len(drafter.context_rows)))  # in order, each once
     assert len(drafter.context_rows) >= len(PROMPT) + N_NEW - block_size - 1
 
@@ -113,11 +122,13 @@ def test_sampling_follows_the_target_law():
     reduced draft vocabulary and blocks of 3 (two drafted tokens sampled from independent slot distributions)."""
     vocab, n, runs = 4, 3, 3000
     target = tiny_llama(10, vocab=vocab, layers=3, temperature_scale=3.0)
-    config = DFlashConfig.for_target(target.config, draft_vocab_size=3, aux_layer_ids=AUX, block_size=3,
-                                     num_layers=1, mask_token_id=2)
+    config = DFlashConfig.for_target(
+        target.config, draft_vocab_size=3, aux_layer_ids=AUX, block_size=3, num_layers=1, mask_token_id=2
+    )
     torch.manual_seed(5)
-    drafter = DFlashDrafter(config, embed_weight=target.model.embed_tokens.weight.detach(),
-                            head_weight=target.lm_head.weight.detach())
+    drafter = DFlashDrafter(
+        config, embed_weight=target.model.embed_tokens.weight.detach(), head_weight=target.lm_head.weight.detach()
+    )
     drafter.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
@@ -129,18 +140,24 @@ def test_sampling_follows_the_target_law():
 
 def test_bad_drafters_and_options_are_one_line_errors(setup):
     target, _, _, _ = setup
-    with pytest.raises(ValueError, match="needs a DFlash export of python -m spectrain.export for this target: pass "
-                                         "drafter=PATH"):
+    with pytest.raises(
+        ValueError, match="needs a DFlash export of python -m spectrain.export for this target: pass drafter=PATH"
+    ):
         build_algorithm("dflash", runner(target))
     with pytest.raises(ValueError, match="drafter vocab_size 50 differs from the target's 97"):
-        build_algorithm("dflash", runner(target), make_drafter(tiny_llama(2, vocab=50), draft_vocab=20, mask_token_id=3))
+        build_algorithm(
+            "dflash", runner(target), make_drafter(tiny_llama(2, vocab=50), draft_vocab=20, mask_token_id=3)
+        )
     from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
     eagle = Eagle3Drafter(Eagle3Config(32, 64, 4, 2, 97, 97, target_hidden_size=32, aux_layer_ids=[0, 1, 2]))
     with pytest.raises(ValueError, match="dflash needs a DFlash drafter, got Eagle3Drafter"):
         build_algorithm("dflash", runner(target), eagle)
-    deep = DFlashDrafter(DFlashConfig.for_target(target.config, draft_vocab_size=97, aux_layer_ids=[1, 9],
-                                                 block_size=4, num_layers=1, mask_token_id=3))
+    deep = DFlashDrafter(
+        DFlashConfig.for_target(
+            target.config, draft_vocab_size=97, aux_layer_ids=[1, 9], block_size=4, num_layers=1, mask_token_id=3
+        )
+    )
     with pytest.raises(ValueError, match=r"aux layers \[1, 9\] do not exist in a 3-layer target"):
         build_algorithm("dflash", runner(target), deep)
     with pytest.raises(ValueError, match=r"dflash\.draft_tokens=4 but this drafter's block drafts 3 tokens; give 1..3"):
@@ -163,17 +180,33 @@ def test_a_native_export_is_served_by_evaluate_among_all_algorithms(tmp_path):
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
-    config = DFlashConfig.for_target(model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=[0, 2],
-                                     block_size=4, num_layers=1, mask_token_id=3)
+    config = DFlashConfig.for_target(
+        model.config,
+        draft_vocab_size=model.config.vocab_size,
+        aux_layer_ids=[0, 2],
+        block_size=4,
+        num_layers=1,
+        mask_token_id=3,
+    )
     drafter = DFlashDrafter(config)
     exported = save_native(drafter, tmp_path / "exports" / "dflash", target=target_record(str(target_dir)))
     reloaded = load_native(exported, model.get_input_embeddings().weight, model.lm_head.weight)
     for name, tensor in drafter.state_dict().items():
         if name not in ("embed_tokens.weight", "lm_head.weight"):
             assert torch.equal(reloaded.state_dict()[name], tensor), name
-    cfg = evaluate_cli.parse_args([f"target={target_dir}", f"drafters={tmp_path / 'exports'}", "algorithms=all",
-                                   "bench=mt_bench", "n_prompts=1", "max_new_tokens=12", f"out={tmp_path / 'eval'}",
-                                   "warmup=false", "max_seq_len=512"])
+    cfg = evaluate_cli.parse_args(
+        [
+            f"target={target_dir}",
+            f"drafters={tmp_path / 'exports'}",
+            "algorithms=all",
+            "bench=mt_bench",
+            "n_prompts=1",
+            "max_new_tokens=12",
+            f"out={tmp_path / 'eval'}",
+            "warmup=false",
+            "max_seq_len=512",
+        ]
+    )
     runs = {run["algorithm"]: run for run in evaluate_cli.evaluate(cfg)["runs"]}
     assert "dflash" in runs and runs["dflash"]["greedy_equal_to_ar"] is True
     assert runs["dflash"]["draft_forwards"] == runs["dflash"]["target_forwards"] - 1

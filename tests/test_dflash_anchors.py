@@ -16,9 +16,10 @@ BLOCK, MOST = 4, 5
 
 def module_stub(seed: int = 7) -> SimpleNamespace:
     """What ``DFlashModule._anchors`` reads of the module."""
-    return SimpleNamespace(cfg=SimpleNamespace(seed=seed, model=SimpleNamespace(max_anchors=MOST),
-                                               data=SimpleNamespace(batch_size=2)),
-                           drafter=SimpleNamespace(config=SimpleNamespace(block_size=BLOCK)))
+    return SimpleNamespace(
+        cfg=SimpleNamespace(seed=seed, model=SimpleNamespace(max_anchors=MOST), data=SimpleNamespace(batch_size=2)),
+        drafter=SimpleNamespace(config=SimpleNamespace(block_size=BLOCK)),
+    )
 
 
 def right_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +47,9 @@ def test_a_rows_anchors_do_not_depend_on_world_size_or_its_batch():
     for rank in range(2):  # 2 processes x 2: each its own rows, padded to its own width
         rows = slice(2 * rank, 2 * rank + 2)
         width = max(lengths[rows])
-        two += per_row(*DFlashModule._anchors(stub, supervised[rows, :width], attention[rows, :width], salt=11,
-                                              first_row=2 * rank))
+        two += per_row(
+            *DFlashModule._anchors(stub, supervised[rows, :width], attention[rows, :width], salt=11, first_row=2 * rank)
+        )
     assert one == two
     assert all(len(a) == MOST for a in one)  # enough answer tokens: every row drew max_anchors
     for anchors, n, row in zip(one, lengths, supervised):  # each among its own answer tokens, its block inside it
@@ -65,8 +67,9 @@ def test_a_row_without_anchors_is_padded_invalid():
     supervised, attention = right_padded([20, 6])  # row 1: no answer token before its last block
     anchors, valid = DFlashModule._anchors(module_stub(), supervised, attention, salt=0, first_row=0)
     assert valid[0].all() and not valid[1].any() and anchors.shape == (2, MOST)
-    reference, _ = sample_anchors(supervised[:1], BLOCK, MOST, torch.Generator().manual_seed(
-        ((7 * 1_000_003) * 1_000_003) % (1 << 63)))
+    reference, _ = sample_anchors(
+        supervised[:1], BLOCK, MOST, torch.Generator().manual_seed(((7 * 1_000_003) * 1_000_003) % (1 << 63))
+    )
     assert torch.equal(anchors[0], reference[0])
 
 
@@ -77,7 +80,13 @@ def test_steps_seed_by_the_global_row_of_their_process(monkeypatch):
     def slots(batch, salt, first_row):
         calls.append((salt, first_row))
         logits = torch.zeros(2, 5, requires_grad=True)
-        return logits, torch.full((2, 5), 0.2), torch.tensor([1, 2]), (torch.tensor([0, 0]), torch.tensor([0, 0])), (1, 1)
+        return (
+            logits,
+            torch.full((2, 5), 0.2),
+            torch.tensor([1, 2]),
+            (torch.tensor([0, 0]), torch.tensor([0, 0])),
+            (1, 1),
+        )
 
     stub = module_stub()
     stub.__dict__.update(_slots=slots, global_step=9, weights=torch.ones(BLOCK), log=lambda *a, **k: None)

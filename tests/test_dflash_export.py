@@ -19,8 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_export_builders import (GREEDY, PROMPT, assert_loaded_exactly, assert_same_tensors, export,
-                                    load_theirs, our_block, their_block)
+from dflash_export_builders import (
+    GREEDY,
+    PROMPT,
+    assert_loaded_exactly,
+    assert_same_tensors,
+    export,
+    load_theirs,
+    our_block,
+    their_block,
+)
 from eagle3_export_builders import tiny_target
 from safetensors.torch import load_file, save_file
 
@@ -55,11 +63,18 @@ def make_drafter(target: LoadedModel, *, draft_vocab: int = 40, aux: list[int] =
     """A drafter with every weight random (norms too: a swapped norm must show) sharing the target's embedding and
     head, over a random reduced vocabulary (``draft_vocab`` < VOCAB) or the whole one."""
     model = target.model
-    config = DFlashConfig.for_target(model.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux, block_size=BLOCK,
-                                     num_layers=2, mask_token_id=MASK_ID)
+    config = DFlashConfig.for_target(
+        model.config,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=aux,
+        block_size=BLOCK,
+        num_layers=2,
+        mask_token_id=MASK_ID,
+    )
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(config, embed_weight=model.get_input_embeddings().weight.detach(),
-                            head_weight=model.lm_head.weight.detach())
+    drafter = DFlashDrafter(
+        config, embed_weight=model.get_input_embeddings().weight.detach(), head_weight=model.lm_head.weight.detach()
+    )
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if "norm" in name:
@@ -72,10 +87,21 @@ def make_drafter(target: LoadedModel, *, draft_vocab: int = 40, aux: list[int] =
 def lightning_ckpt(path: Path, drafter: DFlashDrafter, target: LoadedModel) -> Path:
     """What DFlashModule saves: the drafter as self.drafter (frozen copies included), plus its checkpoint block."""
     state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
-    torch.save({"state_dict": state, "global_step": 5, "epoch": 0,
-                "spectrain": {"kind": "dflash", "config": drafter.config.to_dict(), "target": target_record(target.name),
-                              "recipe": {"kind": "dflash", "model": {"max_anchors": 16, "loss_decay_gamma": 4.0}},
-                              "metrics": {"val/tau_sim": 1.5}}}, path)
+    torch.save(
+        {
+            "state_dict": state,
+            "global_step": 5,
+            "epoch": 0,
+            "spectrain": {
+                "kind": "dflash",
+                "config": drafter.config.to_dict(),
+                "target": target_record(target.name),
+                "recipe": {"kind": "dflash", "model": {"max_anchors": 16, "loss_decay_gamma": 4.0}},
+                "metrics": {"val/tau_sim": 1.5},
+            },
+        },
+        path,
+    )
     return path
 
 
@@ -113,8 +139,10 @@ def test_speculators_export_loads_in_the_library_with_nothing_missing(tmp_path, 
     assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"]) == ("qwen3", 2, VOCAB)
     proposal = config["speculators_config"]["proposal_methods"][0]
     assert proposal == {"proposal_type": "greedy", "speculative_tokens": BLOCK - 1}
-    assert config["speculators_config"]["verifier"] == {"name_or_path": str(Path(tiny.name).resolve()),
-                                                        "architectures": ["LlamaForCausalLM"]}
+    assert config["speculators_config"]["verifier"] == {
+        "name_or_path": str(Path(tiny.name).resolve()),
+        "architectures": ["LlamaForCausalLM"],
+    }
     block = config["spectrain"]
     assert block["kind"] == "dflash" and block["layout"] == "speculators" and block["layers"]["ids"] == AUX
     file = load_file(str(directory / "model.safetensors"))
@@ -143,10 +171,12 @@ def test_layer_ids_speculators_plus_one_and_never_the_final_layer(tmp_path, tiny
     converted = DFlashConverter()._build_config(json.loads((zlab / "config.json").read_text()), tiny.name, None)
     assert converted.aux_hidden_state_layer_ids == [2]  # z-lab id + 1, the final layer's (8) dropped
     err = one_line_error(capsys, f"ckpt={tmp_path / 'last.ckpt'}", "format=speculators", f"out={tmp_path / 'x'}")
-    assert err == ("error: this drafter reads the target's final layer (output-of-layer id 7), which the "
-                   "speculators layout cannot name (speculators keeps that output as the verifier's last hidden "
-                   "state): export format=dflash (SGLang) or retrain without that layer (layers=dflashK stops at "
-                   "L - 3)")
+    assert err == (
+        "error: this drafter reads the target's final layer (output-of-layer id 7), which the "
+        "speculators layout cannot name (speculators keeps that output as the verifier's last hidden "
+        "state): export format=dflash (SGLang) or retrain without that layer (layers=dflashK stops at "
+        "L - 3)"
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -175,9 +205,16 @@ def library_checkpoint(directory: Path, target: LoadedModel, draft_vocab: int) -
         t2d[used] = True
         vocab = {"t2d": t2d, "d2t": used - torch.arange(draft_vocab)}
     torch.manual_seed(5)
-    theirs = DFlashDraftModel.from_training_args(layer, **vocab, verifier_name_or_path=target.name,
-                                                 draft_vocab_size=draft_vocab, block_size=BLOCK, mask_token_id=MASK_ID,
-                                                 target_layer_ids=[i + 1 for i in AUX], draft_attn_impl="eager")
+    theirs = DFlashDraftModel.from_training_args(
+        layer,
+        **vocab,
+        verifier_name_or_path=target.name,
+        draft_vocab_size=draft_vocab,
+        block_size=BLOCK,
+        mask_token_id=MASK_ID,
+        target_layer_ids=[i + 1 for i in AUX],
+        draft_attn_impl="eager",
+    )
     with torch.no_grad():  # the library initialises its norms to ones
         for name, param in theirs.named_parameters():
             if "norm" in name and not name.startswith("verifier"):
@@ -206,8 +243,11 @@ def test_a_library_checkpoint_is_imported_served_losslessly_and_reexported_ident
 
 def test_the_engine_refuses_a_foreign_checkpoint_and_names_import(tmp_path, tiny):
     theirs = library_checkpoint(tmp_path / "theirs", tiny, 40)
-    with pytest.raises(ValueError, match=r"is a DFlash checkpoint without a spectrain block \(another tool's\); "
-                                         r"import it first: python -m spectrain.export import="):
+    with pytest.raises(
+        ValueError,
+        match=r"is a DFlash checkpoint without a spectrain block \(another tool's\); "
+        r"import it first: python -m spectrain.export import=",
+    ):
         load_dflash(str(theirs), tiny)
 
 
@@ -281,30 +321,48 @@ def test_bad_dflash_input_is_one_line(tmp_path, tiny, capsys):
     type(model)(model.config).save_pretrained(other_target)
     out = f"out={tmp_path / 'y'}"
     for args, message in [
-        ((f"ckpt={ckpt}", "format=sglang", out),
-         "a dflash drafter exports as format=native, speculators or dflash; 'sglang' is not a DFlash layout"),
-        ((f"ckpt={native}", "format=dflash", out),
-         "the dflash (z-lab/SGLang) layout has no draft vocabulary (engines draft over the target's whole head) but "
-         "this drafter drafts 40 of 97 ids: export format=speculators, or train with draft_vocab_size=0"),
-        ((f"import={theirs}", out),
-         f"{theirs} is a DFlash checkpoint of another tool (speculators layout) and records no target: give "
-         "target=NAME_OR_DIR (the model it drafts for)"),
-        ((f"import={no_mask}", f"target={tiny.name}", out),
-         f"{no_mask}/config.json has no 'mask_token_id'; a DFlash checkpoint needs it"),
-        ((f"import={anchored}", f"target={tiny.name}", out),
-         f"{anchored}/config.json sets sample_from_anchor=true (the anchor slot drafts too), which spectrain's DFlash "
-         "does not run"),
-        ((f"import={extra}", f"target={tiny.name}", out),
-         f"{extra}: speculators layout has unknown tensors ['mtp_head.weight'] and lacks []; refusing to skip or "
-         "invent weights"),
-        ((f"import={trained_head}", f"target={tiny.name}", out),
-         f"{trained_head}: its lm_head is not the target's head over the draft vocabulary (trained, or for another "
-         "target?); spectrain's DFlash keeps the target's rows frozen, so it cannot run this drafter"),
-        ((f"import={theirs}", f"target={other_target}", out),
-         f"drafter vocab_size 97 differs from target '{other_target}' vocab 50: it was trained for another "
-         "tokenizer"),
-        ((f"import={native}", f"target={other_target}", out),
-         f"{native} was trained for target '{tiny.name}', not '{other_target}'; use the target it was trained for"),
+        (
+            (f"ckpt={ckpt}", "format=sglang", out),
+            "a dflash drafter exports as format=native, speculators or dflash; 'sglang' is not a DFlash layout",
+        ),
+        (
+            (f"ckpt={native}", "format=dflash", out),
+            "the dflash (z-lab/SGLang) layout has no draft vocabulary (engines draft over the target's whole head) but "
+            "this drafter drafts 40 of 97 ids: export format=speculators, or train with draft_vocab_size=0",
+        ),
+        (
+            (f"import={theirs}", out),
+            f"{theirs} is a DFlash checkpoint of another tool (speculators layout) and records no target: give "
+            "target=NAME_OR_DIR (the model it drafts for)",
+        ),
+        (
+            (f"import={no_mask}", f"target={tiny.name}", out),
+            f"{no_mask}/config.json has no 'mask_token_id'; a DFlash checkpoint needs it",
+        ),
+        (
+            (f"import={anchored}", f"target={tiny.name}", out),
+            f"{anchored}/config.json sets sample_from_anchor=true (the anchor slot drafts too), which spectrain's DFlash "
+            "does not run",
+        ),
+        (
+            (f"import={extra}", f"target={tiny.name}", out),
+            f"{extra}: speculators layout has unknown tensors ['mtp_head.weight'] and lacks []; refusing to skip or "
+            "invent weights",
+        ),
+        (
+            (f"import={trained_head}", f"target={tiny.name}", out),
+            f"{trained_head}: its lm_head is not the target's head over the draft vocabulary (trained, or for another "
+            "target?); spectrain's DFlash keeps the target's rows frozen, so it cannot run this drafter",
+        ),
+        (
+            (f"import={theirs}", f"target={other_target}", out),
+            f"drafter vocab_size 97 differs from target '{other_target}' vocab 50: it was trained for another "
+            "tokenizer",
+        ),
+        (
+            (f"import={native}", f"target={other_target}", out),
+            f"{native} was trained for target '{tiny.name}', not '{other_target}'; use the target it was trained for",
+        ),
     ]:
         assert one_line_error(capsys, *args) == f"error: {message}", args
     assert not (tmp_path / "y").exists()

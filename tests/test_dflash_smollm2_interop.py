@@ -30,11 +30,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.convert.dflash import DFlashConverter
 from speculators.models.dflash import DFlashDraftModel
-from dflash_export_builders import (GREEDY, assert_loaded_exactly, assert_same_tensors, export, load_theirs,
-                                    our_block, their_block)
+from dflash_export_builders import (
+    GREEDY,
+    assert_loaded_exactly,
+    assert_same_tensors,
+    export,
+    load_theirs,
+    our_block,
+    their_block,
+)
 from dflash_interop_builders import check_training_forward_agrees
 from tiny_targets import write_jsonl
 from transformers import AutoConfig
@@ -50,8 +58,10 @@ pytestmark = pytest.mark.real_model
 
 STEPS, BLOCK, MASK_ID, ANCHORS, LENGTH = 4, 8, 16, 8, 48
 AUX = [1, 8, 14, 20, 27]  # layers=dflash5 on SmolLM2's 30 layers (z-lab's spread)
-TEXT = ("Speculative decoding lets a small drafter propose several tokens that the large target model then checks "
-        "in a single forward pass, so generation gets faster while the output stays exactly the same.")
+TEXT = (
+    "Speculative decoding lets a small drafter propose several tokens that the large target model then checks "
+    "in a single forward pass, so generation gets faster while the output stays exactly the same."
+)
 LOGIT_TOL = 1e-4  # see above
 
 
@@ -66,11 +76,28 @@ def trained(smollm2, tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash_smollm2")
     chats = write_jsonl(root / "chats.jsonl", 12)
     runs = root / "runs"
-    cfg = fit_cli.compose_recipe([
-        "recipe=dflash_smollm2", f"source=jsonl:{chats}", "n_samples=6", "n_val_samples=2", f"max_len={LENGTH}",
-        "batch_size=2", "draft_vocab_size=0", "num_layers=1", f"max_anchors={ANCHORS}", f"max_steps={STEPS}",
-        f"val_check_interval={STEPS}", f"checkpoint_every_n_steps={STEPS}", "warmup_steps=1", "lr=5e-3",
-        "log_every_n_steps=1", "logger=csv", "data.dtype=fp32", f"runs_dir={runs}"])
+    cfg = fit_cli.compose_recipe(
+        [
+            "recipe=dflash_smollm2",
+            f"source=jsonl:{chats}",
+            "n_samples=6",
+            "n_val_samples=2",
+            f"max_len={LENGTH}",
+            "batch_size=2",
+            "draft_vocab_size=0",
+            "num_layers=1",
+            f"max_anchors={ANCHORS}",
+            f"max_steps={STEPS}",
+            f"val_check_interval={STEPS}",
+            f"checkpoint_every_n_steps={STEPS}",
+            "warmup_steps=1",
+            "lr=5e-3",
+            "log_every_n_steps=1",
+            "logger=csv",
+            "data.dtype=fp32",
+            f"runs_dir={runs}",
+        ]
+    )
     result = fit_cli.fit(cfg)
     assert result["trained"] and result["global_step"] == STEPS
     ckpt = runs / "dflash_smollm2" / "checkpoints" / "last.ckpt"
@@ -110,19 +137,35 @@ def test_the_training_forward_loss_argmax_and_gradients_agree_with_the_library(t
     target, _, directory, _, _ = trained
     model = target.model
     config, tensors, _ = read_native(directory)  # our drafter from our export, on SmolLM2's frozen weights
-    ours = build_drafter(config, tensors, embed_weight=model.get_input_embeddings().weight.detach(),
-                         head_weight=model.lm_head.weight.detach())
+    ours = build_drafter(
+        config,
+        tensors,
+        embed_weight=model.get_input_embeddings().weight.detach(),
+        head_weight=model.lm_head.weight.detach(),
+    )
     theirs = load_theirs(directory)
     ids = torch.tensor([target.tokenizer(TEXT * 2)["input_ids"][:LENGTH]])
     loss_mask = torch.zeros(1, LENGTH)
     loss_mask[0, 8:] = 1.0
-    compared = check_training_forward_agrees(model, ours, theirs, ids, loss_mask, anchors=ANCHORS,
-                                             logit_tol=LOGIT_TOL, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=0.0,
-                                             grad_atol_of_max=1e-5)
+    compared = check_training_forward_agrees(
+        model,
+        ours,
+        theirs,
+        ids,
+        loss_mask,
+        anchors=ANCHORS,
+        logit_tol=LOGIT_TOL,
+        loss_rtol=1e-5,
+        grad_rtol=1e-4,
+        grad_atol=0.0,
+        grad_atol_of_max=1e-5,
+    )
     assert compared["scored"] == ANCHORS * (BLOCK - 1)  # every anchor's block lies inside the answer
     assert 0 < compared["loss"] < 20
-    print(f"[smollm2 dflash] loss {compared['loss']:.4f}, {compared['right']}/{compared['scored']} slots draft the "
-          "target's argmax")
+    print(
+        f"[smollm2 dflash] loss {compared['loss']:.4f}, {compared['right']}/{compared['scored']} slots draft the "
+        "target's argmax"
+    )
 
 
 def test_the_library_drafts_our_engines_block_for_a_smollm2_context(trained):
@@ -158,14 +201,27 @@ def library_checkpoint(directory: Path, body: dict[str, torch.Tensor], used: tor
     vocab = len(used)
     t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)
     t2d[used] = True
-    theirs = DFlashDraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(vocab),
-                                                 verifier_name_or_path=verifier, draft_vocab_size=vocab,
-                                                 block_size=BLOCK, mask_token_id=MASK_ID,
-                                                 target_layer_ids=[i + 1 for i in AUX], draft_attn_impl="eager")
+    theirs = DFlashDraftModel.from_training_args(
+        layer,
+        t2d=t2d,
+        d2t=used - torch.arange(vocab),
+        verifier_name_or_path=verifier,
+        draft_vocab_size=vocab,
+        block_size=BLOCK,
+        mask_token_id=MASK_ID,
+        target_layer_ids=[i + 1 for i in AUX],
+        draft_attn_impl="eager",
+    )
     own = {name: t for name, t in body.items() if name not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
     missing, unexpected = theirs.load_state_dict(own, strict=False)
-    assert not unexpected and sorted(missing) == ["d2t", "embed_tokens.weight", "lm_head.weight", "t2d",
-                                                  "verifier_lm_head.weight", "verifier_norm.weight"]
+    assert not unexpected and sorted(missing) == [
+        "d2t",
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "t2d",
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    ]
     theirs.save_pretrained(directory)
     return directory
 

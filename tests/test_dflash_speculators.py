@@ -11,6 +11,7 @@ library: ``tests/test_dflash_export.py``.
 from __future__ import annotations
 
 import torch
+
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
@@ -21,24 +22,37 @@ from transformers import Qwen3Config
 from dflash_interop_builders import ANCHORS, LENGTH, check_training_forward_agrees
 
 
-
 def theirs_for(ours) -> DFlashDraftModel:
     """The library's model with our drafter's shapes and weights (eager attention: its flex attention fails on
     short CPU inputs)."""
     c = ours.config
-    layer = Qwen3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.resolved_head_dim, vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
-                        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-                        max_position_embeddings=c.max_position_embeddings, attention_bias=c.attention_bias)
+    layer = Qwen3Config(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.resolved_head_dim,
+        vocab_size=c.vocab_size,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        max_position_embeddings=c.max_position_embeddings,
+        attention_bias=c.attention_bias,
+    )
     layer._attn_implementation = "eager"
     config = DFlashSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=c.draft_vocab_size, block_size=c.block_size,
-        aux_hidden_state_layer_ids=[i + 1 for i in c.aux_layer_ids], mask_token_id=c.mask_token_id,
+        transformer_layer_config=layer,
+        draft_vocab_size=c.draft_vocab_size,
+        block_size=c.block_size,
+        aux_hidden_state_layer_ids=[i + 1 for i in c.aux_layer_ids],
+        mask_token_id=c.mask_token_id,
         speculators_config=SpeculatorsConfig(
-            algorithm="dflash", default_proposal_method="greedy",
+            algorithm="dflash",
+            default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=c.block_size - 1)],
-            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
     theirs = DFlashDraftModel(config)
     missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
     assert sorted(missing) == ["verifier_lm_head.weight", "verifier_norm.weight"] and not unexpected

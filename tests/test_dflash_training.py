@@ -64,19 +64,38 @@ def test_recipes_validate_and_dry_run(tiny_setup):
     root, target, _ = tiny_setup
     for recipe in ("dflash_smollm2", "dflash_smollm2_gsm", "dflash_llama8b"):
         # the 8B recipe's mask token (128002) is beyond the tiny target's vocabulary: a SmolLM2 special token here
-        cfg = fit_cli.compose_recipe([f"recipe={recipe}", f"target={target}", "dry_run=true", "mask_token_id=16",
-                                      f"runs_dir={root / 'dry'}"])
+        cfg = fit_cli.compose_recipe(
+            [f"recipe={recipe}", f"target={target}", "dry_run=true", "mask_token_id=16", f"runs_dir={root / 'dry'}"]
+        )
         assert cfg.kind == "dflash" and cfg.data.layers == "dflash5"
         assert fit_cli.fit(cfg)["trained"] is False
     llama = fit_cli.compose_recipe(["recipe=dflash_llama8b", f"target={target}"])
     assert (llama.model.block_size, llama.model.num_layers, llama.model.loss_decay_gamma) == (16, 5, 7.0)
     assert (llama.trainer.strategy, llama.trainer.precision, llama.logger) == ("fsdp", "bf16-mixed", "wandb")
     with pytest.raises(fit_cli.RecipeError, match="model.mask_token_id is not set: give the id of a special token"):
-        fit_cli.fit(fit_cli.compose_recipe(["recipe=dflash_smollm2", f"target={target}", "mask_token_id=null",
-                                            "dry_run=true", f"runs_dir={root / 'dry'}"]))
+        fit_cli.fit(
+            fit_cli.compose_recipe(
+                [
+                    "recipe=dflash_smollm2",
+                    f"target={target}",
+                    "mask_token_id=null",
+                    "dry_run=true",
+                    f"runs_dir={root / 'dry'}",
+                ]
+            )
+        )
     with pytest.raises(fit_cli.RecipeError, match="model.attention=flex is not one of block_sparse, dense"):
-        fit_cli.fit(fit_cli.compose_recipe(["recipe=dflash_smollm2", f"target={target}", "attention=flex",
-                                            "dry_run=true", f"runs_dir={root / 'dry'}"]))
+        fit_cli.fit(
+            fit_cli.compose_recipe(
+                [
+                    "recipe=dflash_smollm2",
+                    f"target={target}",
+                    "attention=flex",
+                    "dry_run=true",
+                    f"runs_dir={root / 'dry'}",
+                ]
+            )
+        )
 
 
 def test_fit_exports_a_native_dir_that_the_engine_serves_losslessly(tiny_setup):
@@ -93,11 +112,29 @@ def test_fit_exports_a_native_dir_that_the_engine_serves_losslessly(tiny_setup):
 
     root, target, chats = tiny_setup
     runs = root / "runs"
-    cfg = fit_cli.compose_recipe([
-        "recipe=dflash_smollm2", f"target={target}", f"source=jsonl:{chats}", "n_samples=24", "n_val_samples=4",
-        "max_len=64", "batch_size=4", "draft_vocab_size=512", "block_size=4", "num_layers=1", "max_anchors=16",
-        "max_steps=8", "val_check_interval=4", "checkpoint_every_n_steps=4", "warmup_steps=2", "lr=5e-3",
-        "log_every_n_steps=1", "data.dtype=fp32", f"runs_dir={runs}"])
+    cfg = fit_cli.compose_recipe(
+        [
+            "recipe=dflash_smollm2",
+            f"target={target}",
+            f"source=jsonl:{chats}",
+            "n_samples=24",
+            "n_val_samples=4",
+            "max_len=64",
+            "batch_size=4",
+            "draft_vocab_size=512",
+            "block_size=4",
+            "num_layers=1",
+            "max_anchors=16",
+            "max_steps=8",
+            "val_check_interval=4",
+            "checkpoint_every_n_steps=4",
+            "warmup_steps=2",
+            "lr=5e-3",
+            "log_every_n_steps=1",
+            "data.dtype=fp32",
+            f"runs_dir={runs}",
+        ]
+    )
     result = fit_cli.fit(cfg)
     assert result["trained"] and result["global_step"] == 8
     assert 1.0 <= result["metrics"]["val/tau_sim"] <= 4.0

@@ -44,10 +44,20 @@ def tiny(tmp_path_factory) -> Path:
 def torchrun(command: list[str]) -> subprocess.Popen:
     """Two real processes started by torchrun (standalone rendezvous on a free port), one thread each, running
     ``command`` (``-m MODULE ARGS`` or a script and its arguments)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             *command], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *command],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -109,18 +119,42 @@ def samples(directory: Path) -> list[dict[str, torch.Tensor]]:
 
 
 def extract_args(tiny: Path) -> list[str]:
-    return [f"target={tiny / 'target'}", f"source=jsonl:{tiny / 'chats.jsonl'}", "n_samples=64", "max_len=48",
-            "layers=[1,3]", "dtype=fp32", "batch_size=2", "shard_size=2", "device=cpu"]
+    return [
+        f"target={tiny / 'target'}",
+        f"source=jsonl:{tiny / 'chats.jsonl'}",
+        "n_samples=64",
+        "max_len=48",
+        "layers=[1,3]",
+        "dtype=fp32",
+        "batch_size=2",
+        "shard_size=2",
+        "device=cpu",
+    ]
 
 
 def regenerate_args(tiny: Path) -> list[str]:
-    return [f"target={tiny / 'target'}", f"source=jsonl:{tiny / 'prompts.jsonl'}", "n_samples=40", "max_len=80",
-            "max_new_tokens=24", "batch_size=2", "device=cpu"]
+    return [
+        f"target={tiny / 'target'}",
+        f"source=jsonl:{tiny / 'prompts.jsonl'}",
+        "n_samples=40",
+        "max_len=80",
+        "max_new_tokens=24",
+        "batch_size=2",
+        "device=cpu",
+    ]
 
 
 def traces_args(tiny: Path) -> list[str]:
-    return [f"target={tiny / 'target'}", f"drafter={tiny / 'draft'}", f"source=jsonl:{tiny / 'chats.jsonl'}",
-            "n_samples=12", "gamma=4", "max_new_tokens=16", "max_seq_len=128", "device=cpu"]
+    return [
+        f"target={tiny / 'target'}",
+        f"drafter={tiny / 'draft'}",
+        f"source=jsonl:{tiny / 'chats.jsonl'}",
+        "n_samples=12",
+        "gamma=4",
+        "max_new_tokens=16",
+        "max_seq_len=128",
+        "device=cpu",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +163,9 @@ def launched(tiny) -> dict[str, object]:
     mid-run, and what each kill left (what a single process run into the parts says included); then ONE torchrun
     launch (``tests/run_many.py``) that resumes both and records the traces: interpreter starts are most of a small
     multi-process run. Returns what the kills left."""
-    (tiny / "prompts.jsonl").write_text("".join(
-        json.dumps({"id": f"p{i}", "prompt": f"Question {i}: " + "why " * (i % 4)}) + "\n" for i in range(40)))
+    (tiny / "prompts.jsonl").write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": f"Question {i}: " + "why " * (i % 4)}) + "\n" for i in range(40))
+    )
     extract_out, regen_out = tiny / "feats_2", tiny / "regen_2.jsonl"
     assert extract.main([*extract_args(tiny), f"out={tiny / 'feats_1'}"]) == 0
     assert regenerate.main([*regenerate_args(tiny), f"out={tiny / 'regen_1.jsonl'}"]) == 0
@@ -154,9 +189,11 @@ def launched(tiny) -> dict[str, object]:
     left["regen_out"] = regen_out.exists() or (tiny / "regen_2.jsonl.rank-1-of-2.done").exists()
     left["regen_refused"] = refusal(regenerate.main, [*regenerate_args(tiny), f"out={regen_out}"])
 
-    runs = [["data_prep.extract", [*extract_args(tiny), f"out={extract_out}"]],
-            ["data_prep.regenerate", [*regenerate_args(tiny), f"out={regen_out}"]],
-            ["data_prep.traces", [*traces_args(tiny), f"out={tiny / 'traces_2'}"]]]
+    runs = [
+        ["data_prep.extract", [*extract_args(tiny), f"out={extract_out}"]],
+        ["data_prep.regenerate", [*regenerate_args(tiny), f"out={regen_out}"]],
+        ["data_prep.traces", [*traces_args(tiny), f"out={tiny / 'traces_2'}"]],
+    ]
     (tiny / "runs.json").write_text(json.dumps(runs))
     finish(torchrun([str(TESTS / "run_many.py"), str(tiny / "runs.json")]))
     return left
@@ -165,16 +202,23 @@ def launched(tiny) -> dict[str, object]:
 def test_torchrun_extract_resumes_a_killed_process_and_equals_one_process(tiny, launched):
     out, reference = tiny / "feats_2", tiny / "feats_1"
     assert not launched["extract_part"]["complete"] and not launched["extract_manifest"]
-    assert re.search("is unfinished: its processes' parts are in .*re-run the same torchrun",
-                     launched["extract_read"] or "it was read")
-    assert_one_line_refusal(launched["extract_refused"],
-                            "holds the unfinished parts of a 2-process run, this is a 1-process run; resume it with "
-                            "torchrun --nproc_per_node=2")
+    assert re.search(
+        "is unfinished: its processes' parts are in .*re-run the same torchrun",
+        launched["extract_read"] or "it was read",
+    )
+    assert_one_line_refusal(
+        launched["extract_refused"],
+        "holds the unfinished parts of a 2-process run, this is a 1-process run; resume it with "
+        "torchrun --nproc_per_node=2",
+    )
 
     merged, single = read_manifest(out), read_manifest(reference)
     assert merged["complete"] and merged["processes"] == 2
-    assert (merged["num_rows"], merged["num_tokens"], merged["skipped"]) == \
-        (single["num_rows"], single["num_tokens"], single["skipped"])
+    assert (merged["num_rows"], merged["num_tokens"], merged["skipped"]) == (
+        single["num_rows"],
+        single["num_tokens"],
+        single["skipped"],
+    )
     assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(s["name"] for s in merged["shards"])
     many, one = samples(out), samples(reference)
     assert len(many) == len(one) == single["num_rows"]
@@ -199,7 +243,14 @@ def test_torchrun_traces_equal_one_process(tiny, launched):
 
     def rounds(directory: Path) -> list[tuple]:
         reader = ShardReader(directory)
-        return sorted((reader.row(i)["sample_index"], reader.row(i)["round"], reader.row(i)["num_accepted"],
-                       tuple(reader.row(i)["draft_tokens"].tolist())) for i in range(len(reader)))
+        return sorted(
+            (
+                reader.row(i)["sample_index"],
+                reader.row(i)["round"],
+                reader.row(i)["num_accepted"],
+                tuple(reader.row(i)["draft_tokens"].tolist()),
+            )
+            for i in range(len(reader))
+        )
 
     assert rounds(out) == rounds(reference)

@@ -54,11 +54,35 @@ def setup(tmp_path_factory):
     target = save_tiny_target(root / "target", layers=4, hidden=32, logit_scale=30.0)
     draft = save_tiny_target(root / "draft", layers=4, noise=0.002)
     chats = write_jsonl(root / "chats.jsonl", 48)
-    extract(parse_args([f"target={target}", f"source=jsonl:{chats}", "n_samples=24", "max_len=48", "layers=[0,1,2]",
-                        "dtype=fp32", "batch_size=8", f"out={root / 'feats'}"]))
-    record_traces(trace_args([f"target={target}", f"drafter={draft}", f"source=jsonl:{chats}", "n_samples=12",
-                              "gamma=4", "max_new_tokens=16", "max_seq_len=128", "device=cpu",
-                              f"out={root / 'traces'}"]))
+    extract(
+        parse_args(
+            [
+                f"target={target}",
+                f"source=jsonl:{chats}",
+                "n_samples=24",
+                "max_len=48",
+                "layers=[0,1,2]",
+                "dtype=fp32",
+                "batch_size=8",
+                f"out={root / 'feats'}",
+            ]
+        )
+    )
+    record_traces(
+        trace_args(
+            [
+                f"target={target}",
+                f"drafter={draft}",
+                f"source=jsonl:{chats}",
+                "n_samples=12",
+                "gamma=4",
+                "max_new_tokens=16",
+                "max_seq_len=128",
+                "device=cpu",
+                f"out={root / 'traces'}",
+            ]
+        )
+    )
     recipes = root / "recipes"
     shutil.copytree(REPO / "recipes", recipes)
     return root
@@ -68,9 +92,16 @@ def kind_args(root: Path, kind: str, checkpoint_every: int = 2) -> list[str]:
     """The kind's CPU recipe on the tiny setup: 6 steps (a checkpoint every ``checkpoint_every``), per-process batch
     B. A ``_gsm`` name is that kind's GSM recipe, on the same chats: it trains its own path (batches bucketed by
     length; the draft LM on the data's tokens with a truncated head, ``train_vocab``)."""
-    common = [f"target={root / 'target'}", "max_steps=6", "val_check_interval=6",
-              f"checkpoint_every_n_steps={checkpoint_every}",
-              "warmup_steps=2", "log_every_n_steps=1", "logger=csv", "trainer.accelerator=cpu"]
+    common = [
+        f"target={root / 'target'}",
+        "max_steps=6",
+        "val_check_interval=6",
+        f"checkpoint_every_n_steps={checkpoint_every}",
+        "warmup_steps=2",
+        "log_every_n_steps=1",
+        "logger=csv",
+        "trainer.accelerator=cpu",
+    ]
     online = [f"source=jsonl:{root / 'chats.jsonl'}", "n_samples=24", "n_val_samples=4", "max_len=48"]
     eagle3 = ["draft_vocab_size=512", "ttt_steps=3", "gamma=2", "layers=[0,1,2]", "lr=5e-3"]
     dflash = ["draft_vocab_size=512", "block_size=4", "num_layers=1", "max_anchors=16", "layers=[0,1,2]", "lr=5e-3"]
@@ -79,13 +110,25 @@ def kind_args(root: Path, kind: str, checkpoint_every: int = 2) -> list[str]:
         "draft_lm_gsm": ["recipe=draftlm_smollm2_gsm", *online, "num_layers=2", "lr=1e-2", "train_vocab=512"],
         "eagle3": ["recipe=eagle3_smollm2", *online, *eagle3],
         "eagle3_gsm": ["recipe=eagle3_smollm2_gsm", *online, *eagle3],
-        "specblock": ["recipe=specblock_smollm2", f"source=jsonl:{root / 'chats.jsonl'}", "n_samples=24",
-                      "max_len=48", f"dataset_dir={root / 'feats'}", f"val_dataset_dir={root / 'feats'}",
-                      "draft_vocab_size=512", "layers=[0,1,2]", "lr=5e-3"],
-        "specblock_gsm": ["recipe=specblock_smollm2_gsm", *online, "draft_vocab_size=512", "layers=[0,1,2]",
-                          "lr=5e-3"],
-        "hrad": ["recipe=hrad_smollm2", f"dataset_dir={root / 'traces'}", "val_fraction=0.25", "lr=1e-2",
-                 "model.dropout=0.0"],  # dropout masks are drawn per process: another batch, other masks
+        "specblock": [
+            "recipe=specblock_smollm2",
+            f"source=jsonl:{root / 'chats.jsonl'}",
+            "n_samples=24",
+            "max_len=48",
+            f"dataset_dir={root / 'feats'}",
+            f"val_dataset_dir={root / 'feats'}",
+            "draft_vocab_size=512",
+            "layers=[0,1,2]",
+            "lr=5e-3",
+        ],
+        "specblock_gsm": ["recipe=specblock_smollm2_gsm", *online, "draft_vocab_size=512", "layers=[0,1,2]", "lr=5e-3"],
+        "hrad": [
+            "recipe=hrad_smollm2",
+            f"dataset_dir={root / 'traces'}",
+            "val_fraction=0.25",
+            "lr=1e-2",
+            "model.dropout=0.0",
+        ],  # dropout masks are drawn per process: another batch, other masks
         "dflash": ["recipe=dflash_smollm2", *online, *dflash],
         "dflash_gsm": ["recipe=dflash_smollm2_gsm", *online, *dflash],
     }[kind] + common
@@ -97,11 +140,23 @@ def kind_args(root: Path, kind: str, checkpoint_every: int = 2) -> list[str]:
 # small classifier); SPECTRAIN_TEST_FULL_MATRIX=1 trains every kind under every strategy (about twice the time).
 # specblock under fsdp is the killed run, resumed in that launch. DFlash draws each row's anchors from (seed, step,
 # global row), so 2 x b processes draw what 1 x 2b draws and it is held to the same equality.
-KINDS = ("draft_lm", "draft_lm_gsm", "eagle3", "eagle3_gsm", "specblock", "specblock_gsm", "hrad", "dflash",
-         "dflash_gsm")
+KINDS = (
+    "draft_lm",
+    "draft_lm_gsm",
+    "eagle3",
+    "eagle3_gsm",
+    "specblock",
+    "specblock_gsm",
+    "hrad",
+    "dflash",
+    "dflash_gsm",
+)
 STRATEGIES = ("ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
-SHARDED_KINDS = {"fsdp": ("eagle3", "dflash"), "deepspeed_stage_2": ("draft_lm", "specblock"),
-                 "deepspeed_stage_3": ("eagle3", "dflash", "hrad")}
+SHARDED_KINDS = {
+    "fsdp": ("eagle3", "dflash"),
+    "deepspeed_stage_2": ("draft_lm", "specblock"),
+    "deepspeed_stage_3": ("eagle3", "dflash", "hrad"),
+}
 if os.environ.get("SPECTRAIN_TEST_FULL_MATRIX") == "1":
     TRAINED = {strategy: tuple(k for k in KINDS if (strategy, k) != ("fsdp", "specblock")) for strategy in STRATEGIES}
 else:
@@ -110,17 +165,34 @@ else:
 
 def two_process_args(root: Path, kind: str, strategy: str, runs: Path, checkpoint_every: int = 2) -> list[str]:
     """``checkpoint_every=FINAL_ONLY`` for a run whose earlier checkpoints nothing reads."""
-    return [*kind_args(root, kind, checkpoint_every), f"batch_size={B}", "trainer.devices=2",
-            f"trainer.strategy={strategy}", f"runs_dir={runs}"]
+    return [
+        *kind_args(root, kind, checkpoint_every),
+        f"batch_size={B}",
+        "trainer.devices=2",
+        f"trainer.strategy={strategy}",
+        f"runs_dir={runs}",
+    ]
 
 
 def launch(command: list[str], recipes: Path) -> subprocess.Popen:
     """``command`` (a spectrain.fit with ``trainer.devices=2``): Lightning starts the second process itself (it
     re-runs the command with LOCAL_RANK=1)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECTRAIN_RECIPES=str(recipes),
-               DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, *command], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)  # its own group: a leftover rank can be reaped
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        SPECTRAIN_RECIPES=str(recipes),
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
+    return subprocess.Popen(
+        [sys.executable, *command],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # its own group: a leftover rank can be reaped
 
 
 def finish(proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -155,8 +227,10 @@ def single_process_run(root: Path, kind: str) -> Path:
     """The 1-process run of ``kind`` with batch 2B (the reference of every multi-process run)."""
     runs = root / f"single_{kind}"
     if not runs.exists():
-        cfg = fit_cli.compose_recipe([*kind_args(root, kind), f"batch_size={2 * B}", "trainer.devices=1",
-                                      f"runs_dir={runs}"], directory=root / "recipes")
+        cfg = fit_cli.compose_recipe(
+            [*kind_args(root, kind), f"batch_size={2 * B}", "trainer.devices=1", f"runs_dir={runs}"],
+            directory=root / "recipes",
+        )
         assert fit_cli.fit(cfg)["global_step"] == 6
     return runs
 
@@ -196,19 +270,30 @@ def trained(setup) -> dict[str, object]:
     killed_ddp, killed_fsdp = setup / "ddp_killed", setup / "fsdp_killed"
     ddp_args = two_process_args(setup, "eagle3", "ddp", killed_ddp)
     fsdp_args = two_process_args(setup, "specblock", "fsdp", killed_fsdp)
-    kill_after(launch(["-m", "spectrain.fit", *ddp_args], recipes),
-               killed_ddp / "eagle3_smollm2" / "checkpoints" / "step2.ckpt")
-    kill_after(launch(["-m", "spectrain.fit", *fsdp_args], recipes),
-               killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt")
+    kill_after(
+        launch(["-m", "spectrain.fit", *ddp_args], recipes),
+        killed_ddp / "eagle3_smollm2" / "checkpoints" / "step2.ckpt",
+    )
+    kill_after(
+        launch(["-m", "spectrain.fit", *fsdp_args], recipes),
+        killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt",
+    )
     from spectrain.checkpoint_reading import read_lightning_checkpoint
 
-    left = {"ddp_stopped_at": read_lightning_checkpoint(fit_cli.latest_checkpoint(killed_ddp / "eagle3_smollm2"))[
-                "global_step"],
-            "fsdp_step2_sharded": export_cli.is_sharded_checkpoint(
-                killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt")}
+    left = {
+        "ddp_stopped_at": read_lightning_checkpoint(fit_cli.latest_checkpoint(killed_ddp / "eagle3_smollm2"))[
+            "global_step"
+        ],
+        "fsdp_step2_sharded": export_cli.is_sharded_checkpoint(
+            killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt"
+        ),
+    }
     runs = [[*ddp_args, "resume=auto"], [*fsdp_args, "resume=auto"]]
-    runs += [two_process_args(setup, kind, strategy, setup / f"{strategy}_{kind}", checkpoint_every=FINAL_ONLY)
-             for strategy, kinds in TRAINED.items() for kind in kinds]
+    runs += [
+        two_process_args(setup, kind, strategy, setup / f"{strategy}_{kind}", checkpoint_every=FINAL_ONLY)
+        for strategy, kinds in TRAINED.items()
+        for kind in kinds
+    ]
     (setup / "runs.json").write_text(json.dumps([["spectrain.fit", args] for args in runs]))
     finish(launch([str(TESTS / "run_many.py"), str(setup / "runs.json")], recipes))
     return left

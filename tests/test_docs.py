@@ -26,8 +26,15 @@ SECTION = re.compile(r"\u00a7\s*(\d+(?:\.\d+)*)(?:\s*[\u2013-]\s*(\d+(?:\.\d+)*)
 PAPER = re.compile(r"(?:\bpaper(?:'s)?|arXiv \d{4}\.\d{4,5})\s*$")
 HEADING = re.compile(r"^#{1,6}\s+(\d+(?:\.\d+)*)[.\s]")
 # What the docs replaced (written in pieces so this file does not cite them itself).
-OUTSIDE = ("../" + "shared", "shared/" + "algorithms", "shared/" + "designs", "DESIGN" + ".md",
-           "specbranch_hsd_" + "selfdraft", "specblock_ssd_" + "eagle3", "export_" + "contract.md")
+OUTSIDE = (
+    "../" + "shared",
+    "shared/" + "algorithms",
+    "shared/" + "designs",
+    "DESIGN" + ".md",
+    "specbranch_hsd_" + "selfdraft",
+    "specblock_ssd_" + "eagle3",
+    "export_" + "contract.md",
+)
 
 
 def tracked_files() -> list[Path]:
@@ -109,19 +116,24 @@ def test_every_docs_page_is_numbered_and_indexed():
         assert str(page.relative_to(DOCS)) in index, f"docs/README.md does not list {page.relative_to(DOCS)}"
 
 
-@pytest.mark.parametrize("text, wanted", [
-    ("see docs/numerics.md \u00a799 for more", "has no section 99"),
-    ("see docs/nowhere.md", "does not exist"),
-    ("Spec: docs/algorithms/ssd.md.\nlater (\u00a77) then (\u00a742)", "has no section 42"),
-    ("a bare (\u00a73) with no page", "no docs page named"),
-    ("as the DESIGN" + ".md says", "outside the repository"),
-])
+@pytest.mark.parametrize(
+    "text, wanted",
+    [
+        ("see docs/numerics.md \u00a799 for more", "has no section 99"),
+        ("see docs/nowhere.md", "does not exist"),
+        ("Spec: docs/algorithms/ssd.md.\nlater (\u00a77) then (\u00a742)", "has no section 42"),
+        ("a bare (\u00a73) with no page", "no docs page named"),
+        ("as the DESIGN" + ".md says", "outside the repository"),
+    ],
+)
 def test_the_check_catches_bad_references(text, wanted):
     found = problems(ROOT / "inference" / "example.py", text)
     assert any(wanted in msg for msg in found), found
 
 
 def test_paper_sections_and_good_references_pass():
-    text = ("(arXiv 2602.06036 \u00a73.3) and (paper \u00a73)\n"
-            "docs/algorithms/specbranch.md \u00a73, \u00a712 item 2; docs/algorithms/verify.md \u00a72\u20133\n(\u00a710)")
+    text = (
+        "(arXiv 2602.06036 \u00a73.3) and (paper \u00a73)\n"
+        "docs/algorithms/specbranch.md \u00a73, \u00a712 item 2; docs/algorithms/verify.md \u00a72\u20133\n(\u00a710)"
+    )
     assert problems(ROOT / "inference" / "example.py", text) == []

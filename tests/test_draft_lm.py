@@ -30,8 +30,16 @@ def test_evenly_spaced_layers():
 
 def test_layer_drop_keeping_every_layer_reproduces_the_target():
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=50)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=50,
+        )
+    ).eval()
     ids = torch.tensor([[1, 5, 7, 9, 3]])
     same = layer_drop_init(target, [0, 1, 2, 3]).eval()
     torch.testing.assert_close(same(ids).logits, target(ids).logits)
@@ -64,10 +72,10 @@ def test_simulated_acceptance_matches_brute_force():
     result = metric.compute()
     chains, starts = torch.zeros(gamma, dtype=torch.float64), 0
     for b, t in itertools.product(range(2), range(7 - gamma + 1)):
-        if valid[b, t:t + gamma].all():
+        if valid[b, t : t + gamma].all():
             starts += 1
             for k in range(gamma):
-                chains[k] += alpha[b, t:t + k + 1].double().prod()
+                chains[k] += alpha[b, t : t + k + 1].double().prod()
     chains /= starts
     assert result["tau_sim"].item() == pytest.approx(1 + chains.sum().item(), abs=1e-12)
     assert result["acc_1"].item() == pytest.approx(chains[0].item(), abs=1e-12)
@@ -92,10 +100,23 @@ def draft_recipe(tmp_path: Path):
     source = write_jsonl(tmp_path / "chats.jsonl", 120)
     recipes = tmp_path / "recipes"
     shutil.copytree(REPO / "recipes", recipes)
-    args = ["recipe=draftlm_smollm2", f"target={target}", f"source=jsonl:{source}", "n_samples=40",
-            "n_val_samples=4", "max_len=64", "batch_size=4", "num_layers=2", "max_steps=6", "val_check_interval=3",
-            "checkpoint_every_n_steps=3", "warmup_steps=2", f"runs_dir={tmp_path / 'runs'}", "lr=1e-2",
-            "log_every_n_steps=1"]
+    args = [
+        "recipe=draftlm_smollm2",
+        f"target={target}",
+        f"source=jsonl:{source}",
+        "n_samples=40",
+        "n_val_samples=4",
+        "max_len=64",
+        "batch_size=4",
+        "num_layers=2",
+        "max_steps=6",
+        "val_check_interval=3",
+        "checkpoint_every_n_steps=3",
+        "warmup_steps=2",
+        f"runs_dir={tmp_path / 'runs'}",
+        "lr=1e-2",
+        "log_every_n_steps=1",
+    ]
     return recipes, args, target
 
 
@@ -169,8 +190,11 @@ def test_token_teacher_trains_the_draft_vocabulary_without_running_the_target(dr
     assert cfg.model.teacher == "tokens" and cfg.model.train_vocab == 300
     module = DraftLMModule(cfg)
     ids = torch.tensor([[5, 250, 299, 300, 7, 40000, 12]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 0]])}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 0]]),
+    }
     loss, greedy, sampled, mask = module._step(batch)
     full = module.drafter(input_ids=ids).logits[0, :-1]
     torch.testing.assert_close(module._logits(batch)[0], module.drafter(input_ids=ids).logits[0, :, :300])
@@ -196,8 +220,11 @@ def _rare_label_batch():
     """Labels (ids[1:]) 250 299 300 7 40000 12 20000 40000 9 with K = 300: 300 and 40000 are supervised ids >= K
     (the batch's extra ids), 20000 is >= K but unsupervised (no loss either way), 9 is unsupervised."""
     ids = torch.tensor([[5, 250, 299, 300, 7, 40000, 12, 20000, 40000, 9]])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 0]])}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 0]]),
+    }
 
 
 def _draft_lm_modules(draft_recipe, *overrides):
@@ -224,7 +251,9 @@ def test_train_vocab_labels_adds_the_batchs_rare_label_ids_to_the_trained_logits
     column_of = {i: c for c, i in enumerate(columns)}
     supervised = [t for t in range(9) if mask[0, t]]
     assert supervised == [0, 1, 2, 3, 4, 5, 7]
-    expected = F.cross_entropy(full[supervised][:, columns], torch.tensor([column_of[int(labels[t])] for t in supervised]))
+    expected = F.cross_entropy(
+        full[supervised][:, columns], torch.tensor([column_of[int(labels[t])] for t in supervised])
+    )
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
     assert greedy[0, 4] == 0 and greedy[0, 7] == 0  # a draft_vocab=K argmax never drafts 40000
     with pytest.warns(UserWarning, match="self.log"):  # training_step takes the extended softmax (no trainer here)
@@ -260,6 +289,9 @@ def test_train_vocab_labels_needs_train_vocab_and_the_token_teacher(draft_recipe
     from spectrain.kinds.draft_lm.module import DraftLMModule
 
     for bad in (["train_vocab=0"], ["teacher=target"]):
-        with pytest.raises(ValueError, match=r"^model.train_vocab_labels=true needs model.train_vocab=K > 0 and "
-                                             r"model.teacher=tokens [^\n]*model.train_vocab_labels=false$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^model.train_vocab_labels=true needs model.train_vocab=K > 0 and "
+            r"model.teacher=tokens [^\n]*model.train_vocab_labels=false$",
+        ):
             DraftLMModule(fit_cli.compose_recipe([*args, *bad], directory=recipes))

@@ -55,8 +55,11 @@ def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_ki
     (recipes / "recipe").mkdir(parents=True)
     shutil.copy(REPO / "recipes" / "config.yaml", recipes / "config.yaml")
     (recipes / "recipe" / "toy_head.yaml").write_text(TOY_RECIPE)
-    trained = fit_cli.fit(fit_cli.compose_recipe(["recipe=toy_head", f"target={target}",
-                                                  f"runs_dir={tmp_path / 'runs'}"], directory=recipes))
+    trained = fit_cli.fit(
+        fit_cli.compose_recipe(
+            ["recipe=toy_head", f"target={target}", f"runs_dir={tmp_path / 'runs'}"], directory=recipes
+        )
+    )
     assert trained["trained"] and trained["global_step"] == 4
 
     ckpt = tmp_path / "runs" / "toy_head" / "checkpoints" / "last.ckpt"
@@ -64,8 +67,18 @@ def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_ki
     assert json.loads((tmp_path / "export" / "config.json").read_text())["spectrain"]["kind"] == "toy_head"
     assert serving_algorithms("toy_head") == ["eagle3_tree"]  # it serves as an EAGLE-3 drafter
 
-    cfg = evaluate_cli.parse_args([f"target={target}", f"drafter={tmp_path / 'export'}", "algorithms=eagle3_tree",
-                                   "tree_depth=1", "tree_topk=4", "tree_total=5", "max_seq_len=64", "device=cpu"])
+    cfg = evaluate_cli.parse_args(
+        [
+            f"target={target}",
+            f"drafter={tmp_path / 'export'}",
+            "algorithms=eagle3_tree",
+            "tree_depth=1",
+            "tree_topk=4",
+            "tree_total=5",
+            "max_seq_len=64",
+            "device=cpu",
+        ]
+    )
     assert drafter_paths(cfg) == {"toy_head": str(tmp_path / "export")}  # routed by the kind its export records
     target_lm = load_target(cfg)
     _, built = build_algorithms(cfg, ["ar", "eagle3_tree"], target_lm)

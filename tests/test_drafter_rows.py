@@ -12,8 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from drafter_rows_helpers import (DRAFT_VOCAB, HIDDEN, SHAPE, TARGET_HIDDEN, VOCAB, Rows, eagle3,
-                                  eagle3_calls, padded, randomised, same, siblings, tree_rows)
+from drafter_rows_helpers import (
+    DRAFT_VOCAB,
+    HIDDEN,
+    SHAPE,
+    TARGET_HIDDEN,
+    VOCAB,
+    Rows,
+    eagle3,
+    eagle3_calls,
+    padded,
+    randomised,
+    same,
+    siblings,
+    tree_rows,
+)
 
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.peagle import PEagleDrafter
@@ -25,8 +38,9 @@ EXACT = [pytest.param(True, id="row_exact"), pytest.param(False, id="padded")]
 
 def dflash(exact: bool) -> DFlashDrafter:
     torch.manual_seed(0)
-    config = DFlashConfig(**SHAPE, target_hidden_size=HIDDEN, aux_layer_ids=[0, 1], block_size=4, num_layers=2,
-                          mask_token_id=VOCAB - 1)
+    config = DFlashConfig(
+        **SHAPE, target_hidden_size=HIDDEN, aux_layer_ids=[0, 1], block_size=4, num_layers=2, mask_token_id=VOCAB - 1
+    )
     return randomised(DFlashDrafter(config, embed_weight=torch.randn(VOCAB, HIDDEN)), exact)
 
 
@@ -38,8 +52,12 @@ def test_eagle3_rows_equal_their_solo_calls(exact):
     """Ragged cached lengths and new-row counts, causal, short-form and full-form masks: every real row's logits,
     hidden states, cache length and cached K/V equal the same row's B = 1 calls."""
     drafter = eagle3(exact)
-    calls = [Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
-             Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3), Rows([1, 2, 2], 3 * TARGET_HIDDEN, 4)]
+    calls = [
+        Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1),
+        Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
+        Rows([2, 3, 1], 3 * TARGET_HIDDEN, 3),
+        Rows([1, 2, 2], 3 * TARGET_HIDDEN, 4),
+    ]
     masks = [None, None, ("short", siblings), ("full", tree_rows)]
     cache = drafter.new_cache(32, batch_size=3)
     batched = eagle3_calls(drafter, cache, calls, masks, None)
@@ -100,8 +118,9 @@ def test_eagle3_bad_calls_name_the_fix():
 
 def specblock(exact: bool) -> SpecBlockDrafter:
     torch.manual_seed(0)
-    config = SpecBlockConfig(**SHAPE, target_hidden_size=TARGET_HIDDEN, aux_layer_ids=[1, 2, 3], block_size=3,
-                             num_layers=2)
+    config = SpecBlockConfig(
+        **SHAPE, target_hidden_size=TARGET_HIDDEN, aux_layer_ids=[1, 2, 3], block_size=3, num_layers=2
+    )
     return randomised(SpecBlockDrafter(config, embed_weight=torch.randn(VOCAB, HIDDEN)), exact)
 
 
@@ -111,12 +130,17 @@ def test_specblock_rows_equal_their_solo_calls(exact):
     (logits, rank logits, hidden, its K/V), anchor count and cross-cache entries equal the same row's B = 1
     calls."""
     drafter = specblock(exact)
-    calls = [Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1), Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
-             Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3)]
+    calls = [
+        Rows([5, 2, 7], 3 * TARGET_HIDDEN, 1),
+        Rows([3, 1, 2], 3 * TARGET_HIDDEN, 2),
+        Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3),
+    ]
     cache = drafter.new_cache(16, batch_size=3)
     with torch.no_grad():
-        batched = [drafter.extend_and_draft(drafter_features, tokens, cache, counts=counts.tolist())
-                   for tokens, drafter_features, counts in (call.batch() for call in calls)]
+        batched = [
+            drafter.extend_and_draft(drafter_features, tokens, cache, counts=counts.tolist())
+            for tokens, drafter_features, counts in (call.batch() for call in calls)
+        ]
         for b in range(3):
             alone = drafter.new_cache(16)
             for call, out in zip(calls, batched):
@@ -124,8 +148,13 @@ def test_specblock_rows_equal_their_solo_calls(exact):
                 if n == 0:
                     continue
                 solo = drafter.extend_and_draft(call.features[b][None], call.tokens[b][None], alone)
-                for got, want in [(out.logits, solo.logits), (out.rank_logits, solo.rank_logits),
-                                  (out.hidden, solo.hidden), *zip(out.kv.k, solo.kv.k), *zip(out.kv.v, solo.kv.v)]:
+                for got, want in [
+                    (out.logits, solo.logits),
+                    (out.rank_logits, solo.rank_logits),
+                    (out.hidden, solo.hidden),
+                    *zip(out.kv.k, solo.kv.k),
+                    *zip(out.kv.v, solo.kv.v),
+                ]:
                     same(got[b], want[0], exact)
             assert cache.row_anchors[b] == alone.anchors == sum(call.counts[b] for call in calls)
             held = alone.length
@@ -147,12 +176,18 @@ def test_specblock_later_blocks_of_rows_equal_their_solo_calls(exact):
     cond = [torch.randn(n, HIDDEN, generator=generator) for n in leaves]
     tokens = [torch.randint(0, VOCAB - 1, (n,), generator=generator) for n in leaves]
     valid = [torch.randint(1, k + 1, (n,), generator=generator) for n in leaves]
-    ttt = [BlockKV([torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)],
-                   [torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)]) for e in entries]
+    ttt = [
+        BlockKV(
+            [torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)],
+            [torch.randn(1, heads, e, dim, generator=generator) for _ in range(2)],
+        )
+        for e in entries
+    ]
     visible = [torch.rand(n, e, generator=generator) < 0.5 for n, e in zip(leaves, entries)]
     width, most = max(leaves), max(entries)
-    padded_ttt = BlockKV([torch.zeros(3, heads, most, dim) for _ in range(2)],
-                         [torch.zeros(3, heads, most, dim) for _ in range(2)])
+    padded_ttt = BlockKV(
+        [torch.zeros(3, heads, most, dim) for _ in range(2)], [torch.zeros(3, heads, most, dim) for _ in range(2)]
+    )
     padded_visible = torch.zeros(3, width, most, dtype=torch.bool)
     for b, (n, e) in enumerate(zip(leaves, entries)):
         for layer in range(2):
@@ -161,20 +196,37 @@ def test_specblock_later_blocks_of_rows_equal_their_solo_calls(exact):
     with torch.no_grad():
         batch_tokens, batch_features, counts = call.batch()
         drafter.extend_and_draft(batch_features, batch_tokens, cache, counts=counts.tolist())
-        out = drafter.forward_leaves(padded(cond), padded(tokens), cache, current_valid=padded(valid), ttt=padded_ttt,
-                                     ttt_visible=padded_visible, counts=leaves, ttt_counts=entries)
+        out = drafter.forward_leaves(
+            padded(cond),
+            padded(tokens),
+            cache,
+            current_valid=padded(valid),
+            ttt=padded_ttt,
+            ttt_visible=padded_visible,
+            counts=leaves,
+            ttt_counts=entries,
+        )
         for b, (n, e) in enumerate(zip(leaves, entries)):
             if n == 0:
                 continue
             alone = drafter.new_cache(16)
             drafter.extend_and_draft(call.features[b][None], call.tokens[b][None], alone)
-            solo = drafter.forward_leaves(cond[b][None], tokens[b][None], alone, current_valid=valid[b],
-                                          ttt=ttt[b] if e else None, ttt_visible=visible[b] if e else None)
-            for got, want in [(out.logits, solo.logits), (out.rank_logits, solo.rank_logits),
-                              (out.hidden, solo.hidden)]:
+            solo = drafter.forward_leaves(
+                cond[b][None],
+                tokens[b][None],
+                alone,
+                current_valid=valid[b],
+                ttt=ttt[b] if e else None,
+                ttt_visible=visible[b] if e else None,
+            )
+            for got, want in [
+                (out.logits, solo.logits),
+                (out.rank_logits, solo.rank_logits),
+                (out.hidden, solo.hidden),
+            ]:
                 same(got[b, :n], want[0], exact)
             for got, want in [*zip(out.kv.k, solo.kv.k), *zip(out.kv.v, solo.kv.v)]:
-                same(got[b, :, :n * k], want[0], exact)
+                same(got[b, :, : n * k], want[0], exact)
 
 
 def test_specblock_bad_calls_name_the_fix():
@@ -191,8 +243,9 @@ def test_specblock_bad_calls_name_the_fix():
     with pytest.raises(ValueError, match=r"rows hold different lengths \[9, 3\]; read .lengths"):
         assert cache.anchors is None  # raises first
     with pytest.raises(ValueError, match=r"got 2 rows and counts \[1\] for a cross cache of 2 rows; give one count"):
-        drafter.forward_leaves(torch.zeros(2, 1, HIDDEN), tokens[:, :1], cache, current_valid=torch.ones(2, 1),
-                               counts=[1])
+        drafter.forward_leaves(
+            torch.zeros(2, 1, HIDDEN), tokens[:, :1], cache, current_valid=torch.ones(2, 1), counts=[1]
+        )
 
 
 # -- the cache itself ----------------------------------------------------------------------------------------------
@@ -208,7 +261,11 @@ def test_row_kv_append_truncate_and_masks():
     cache.truncate(torch.tensor([1, 0, 3]))
     cache.append([(new, new), (new, new)], torch.tensor([1, 2, 3]))
     assert cache.lengths.tolist() == [2, 2, 6]
-    assert cache.k[0][2, 0, :, 0].tolist() == [9, 10, 11, 9, 10, 11] and cache.v[0][1, 0, :, 0].tolist()[:3] == [5, 6, 0]
+    assert cache.k[0][2, 0, :, 0].tolist() == [9, 10, 11, 9, 10, 11] and cache.v[0][1, 0, :, 0].tolist()[:3] == [
+        5,
+        6,
+        0,
+    ]
     assert cache.key_mask(2).shape == (3, 2, 6) and cache.key_mask()[:, 0].sum(-1).tolist() == [2, 2, 6]
     with pytest.raises(ValueError, match="overflow: 7 rows needed, capacity 6; build it with a larger max_len"):
         cache.append([(new[:, :, :1], new[:, :, :1])] * 2)
@@ -225,7 +282,7 @@ def peagle_draft(drafter: PEagleDrafter, cache: RowKV, rows_in: Rows, depths: in
         if row is None:
             return drafter.draft(cache, features, tokens, depths, counts)
         n = rows_in.counts[row]
-        return drafter.draft(cache, features[row:row + 1, :n], tokens[row, :n].tolist(), depths)
+        return drafter.draft(cache, features[row : row + 1, :n], tokens[row, :n].tolist(), depths)
 
 
 @pytest.mark.parametrize("exact", EXACT)
@@ -233,8 +290,12 @@ def test_peagle_rows_equal_their_solo_calls(exact):
     """Ragged committed rows each round (a row with none sits a round out), K and fewer depths: each row's draft
     logits equal its B = 1 draft; the mask rows leave every row's cache at its committed length."""
     drafter = eagle3(exact, PEagleDrafter, mask_token_id=7, num_depths=4)
-    rounds = [(Rows([4, 1, 6], 3 * TARGET_HIDDEN, 1), 4), (Rows([1, 3, 2], 3 * TARGET_HIDDEN, 2), 2),
-              (Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3), 4), (Rows([1, 2, 1], 3 * TARGET_HIDDEN, 4), 3)]
+    rounds = [
+        (Rows([4, 1, 6], 3 * TARGET_HIDDEN, 1), 4),
+        (Rows([1, 3, 2], 3 * TARGET_HIDDEN, 2), 2),
+        (Rows([2, 0, 1], 3 * TARGET_HIDDEN, 3), 4),
+        (Rows([1, 2, 1], 3 * TARGET_HIDDEN, 4), 3),
+    ]
     cache = drafter.new_cache(32, batch_size=3)
     batched = [peagle_draft(drafter, cache, rows_in, depths, None) for rows_in, depths in rounds]
     assert cache.lengths.tolist() == [8, 6, 10]
@@ -259,7 +320,7 @@ def dflash_draft(drafter: DFlashDrafter, cache: RowKV, rows_in: Rows, row: int |
         if row is None:
             return drafter.draft(cache, features, anchors, counts)
         n = rows_in.counts[row]
-        return drafter.draft(cache, features[row:row + 1, :n], int(anchors[row]))
+        return drafter.draft(cache, features[row : row + 1, :n], int(anchors[row]))
 
 
 @pytest.mark.parametrize("exact", EXACT)

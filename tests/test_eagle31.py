@@ -16,8 +16,15 @@ from speculators.models import Eagle3DraftModel
 from drafter_rows_helpers import check_batched_rows_equal_solo, check_serving_chain_equals_training, eagle3
 from eagle3_export_builders import VOCAB, lightning_ckpt, make_drafter
 from eagle3_training_builders import eagle3_fit_setup
-from speculators_builders import (assert_loaded_exactly, check_training_forward_agrees, export_speculators,
-                                  library_drafter, our_chain, saved_tiny_target, their_chain)
+from speculators_builders import (
+    assert_loaded_exactly,
+    check_training_forward_agrees,
+    export_speculators,
+    library_drafter,
+    our_chain,
+    saved_tiny_target,
+    their_chain,
+)
 
 from benchmarks.speculators_peer import load_theirs
 from core.assets import target_record
@@ -57,8 +64,9 @@ def test_flags_off_add_nothing_and_each_flag_changes_only_its_part(tiny):
     base = make_drafter(tiny.model.config).eval()
     assert not hasattr(base, "fc_norm") and not set(FLAGS) & set(base.config.to_dict())  # EAGLE-3's record
     assert set(base.state_dict()) - {"embed_tokens.weight"} == expected_names(base.config)
-    assert expected_names(make_drafter(tiny.model.config, **FLAGS).config) == \
-        expected_names(base.config) | set(FC_NORM_TENSORS)
+    assert expected_names(make_drafter(tiny.model.config, **FLAGS).config) == expected_names(base.config) | set(
+        FC_NORM_TENSORS
+    )
     with pytest.raises(ValueError, match="P-EAGLE runs without EAGLE-3.1's fc_norm and norm_output"):
         PEagleConfig(**base.config.to_dict(), mask_token_id=0, norm_output=True)  # its layouts carry neither
     ids, aux = torch.randint(0, VOCAB, (1, 9)), torch.randn(1, 9, 96)
@@ -106,8 +114,9 @@ def test_export_loads_in_the_engine_losslessly_and_honours_the_flags(tmp_path, t
         if name != "embed_tokens.weight":
             assert torch.equal(loaded.state_dict()[name], tensor), name
     prompts = [[5, 17, 3, 44, 8], [9, 2, 61, 7, 30, 12, 4]]
-    reference = [build_algorithm("ar", tiny.runner).generate(p, max_new_tokens=12, sampling=GREEDY).tokens
-                 for p in prompts]
+    reference = [
+        build_algorithm("ar", tiny.runner).generate(p, max_new_tokens=12, sampling=GREEDY).tokens for p in prompts
+    ]
     tree = build_algorithm("eagle3_tree", tiny.runner, loaded, tree_depth=3, tree_topk=2, tree_total=6)
     assert tree.generate(prompts[0], max_new_tokens=12, sampling=GREEDY).tokens == reference[0]
     two_rows = ModelRunner.from_hf_model(tiny.model, max_seq_len=64, max_batch_size=2)
@@ -177,8 +186,9 @@ def test_library_eagle31_checkpoint_imports_and_serves_losslessly(tmp_path, tiny
 
 
 def test_fit_trains_the_flags_and_exports_them(tmp_path):
-    recipes, args, target = eagle3_fit_setup(tmp_path, "eagle31_smollm2_gsm", chats=40, samples=16, steps=2,
-                                             every=2, warmup=1)
+    recipes, args, target = eagle3_fit_setup(
+        tmp_path, "eagle31_smollm2_gsm", chats=40, samples=16, steps=2, every=2, warmup=1
+    )
     cfg = fit_cli.compose_recipe(args, directory=recipes)
     assert cfg.model.fc_norm and cfg.model.norm_output  # what the recipe sets
     result = fit_cli.fit(cfg)

@@ -11,9 +11,18 @@ from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 
 def drafter(norm_before_residual: bool = False) -> Eagle3Drafter:
     torch.manual_seed(0)
-    config = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                          vocab_size=53, draft_vocab_size=53, target_hidden_size=24, aux_layer_ids=[1, 2, 3],
-                          rope_theta=500.0, norm_before_residual=norm_before_residual)
+    config = Eagle3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=53,
+        draft_vocab_size=53,
+        target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+        rope_theta=500.0,
+        norm_before_residual=norm_before_residual,
+    )
     module = Eagle3Drafter(config).eval()
     with torch.no_grad():
         for name, param in module.named_parameters():

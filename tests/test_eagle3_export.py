@@ -56,8 +56,13 @@ def exported(tmp_path: Path, target_dir: Path, drafter: Eagle3Drafter, layout: s
 # The engines' loaders, re-implemented from their source
 
 
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+STACKED = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
 
 
 def engine_params(layer_cfg: dict, top: dict, layer_prefix: str, extra: tuple[str, ...] = ()) -> dict:
@@ -89,9 +94,13 @@ def load_shard(params: dict, name: str, weight: torch.Tensor, shard, layer_cfg: 
     param = params[name]
     heads, kv = layer_cfg["num_attention_heads"], layer_cfg["num_key_value_heads"]
     head_dim = layer_cfg.get("head_dim") or layer_cfg["hidden_size"] // heads
-    rows = {"q": (0, heads * head_dim), "k": (heads * head_dim, (heads + kv) * head_dim),
-            "v": ((heads + kv) * head_dim, (heads + 2 * kv) * head_dim),
-            0: (0, layer_cfg["intermediate_size"]), 1: (layer_cfg["intermediate_size"], 2 * layer_cfg["intermediate_size"])}
+    rows = {
+        "q": (0, heads * head_dim),
+        "k": (heads * head_dim, (heads + kv) * head_dim),
+        "v": ((heads + kv) * head_dim, (heads + 2 * kv) * head_dim),
+        0: (0, layer_cfg["intermediate_size"]),
+        1: (layer_cfg["intermediate_size"], 2 * layer_cfg["intermediate_size"]),
+    }
     start, end = rows[shard]
     assert param[start:end].shape == weight.shape, (name, shard, weight.shape)
     param[start:end] = weight
@@ -130,10 +139,17 @@ def sglang_load(directory: Path) -> SimpleNamespace:
             else:
                 skipped.append(name)  # SGLang drops these without a word
     eagle = raw.get("eagle_config") or {}
-    return SimpleNamespace(params=params, skipped=skipped, loaded=loaded, hot_token_id=hot_token_id,
-                           capture_inputs=[i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]],
-                           use_aux=eagle.get("use_aux_hidden_state", True), norm_before_residual=False,
-                           layer_cfg=raw, prefix="model.layers.0.")
+    return SimpleNamespace(
+        params=params,
+        skipped=skipped,
+        loaded=loaded,
+        hot_token_id=hot_token_id,
+        capture_inputs=[i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]],
+        use_aux=eagle.get("use_aux_hidden_state", True),
+        norm_before_residual=False,
+        layer_cfg=raw,
+        prefix="model.layers.0.",
+    )
 
 
 def vllm_config(raw: dict) -> dict:
@@ -186,11 +202,17 @@ def vllm_load(directory: Path) -> SimpleNamespace:
             assert params[name].shape == weight.shape, name
             params[name] = weight.clone()
             loaded.add(name)
-    return SimpleNamespace(params=params, skipped=unknown, loaded=loaded, config=config,
-                           targets=torch.arange(config["draft_vocab_size"]) + params["draft_id_to_target_id"],
-                           capture_inputs=config["eagle_aux_hidden_state_layer_ids"],
-                           norm_before_residual=config["norm_before_residual"], layer_cfg=config,
-                           prefix="model.layers.0.")
+    return SimpleNamespace(
+        params=params,
+        skipped=unknown,
+        loaded=loaded,
+        config=config,
+        targets=torch.arange(config["draft_vocab_size"]) + params["draft_id_to_target_id"],
+        capture_inputs=config["eagle_aux_hidden_state_layer_ids"],
+        norm_before_residual=config["norm_before_residual"],
+        layer_cfg=config,
+        prefix="model.layers.0.",
+    )
 
 
 def assert_placed(engine: SimpleNamespace, drafter: Eagle3Drafter) -> None:
@@ -203,17 +225,21 @@ def assert_placed(engine: SimpleNamespace, drafter: Eagle3Drafter) -> None:
         assert name in engine.loaded and not torch.isnan(value).any(), f"{name} never written"
     p, q = engine.params, engine.prefix
     attn = "midlayer.self_attn."
-    assert torch.equal(p[f"{q}self_attn.qkv_proj.weight"],
-                       torch.cat([ours[f"{attn}{x}_proj.weight"] for x in "qkv"]))
-    assert torch.equal(p[f"{q}mlp.gate_up_proj.weight"],
-                       torch.cat([ours["midlayer.mlp.gate_proj.weight"], ours["midlayer.mlp.up_proj.weight"]]))
-    for ours_name, engine_name in [("midlayer.self_attn.o_proj.weight", f"{q}self_attn.o_proj.weight"),
-                                   ("midlayer.mlp.down_proj.weight", f"{q}mlp.down_proj.weight"),
-                                   ("midlayer.input_layernorm.weight", f"{q}input_layernorm.weight"),
-                                   ("midlayer.hidden_norm.weight", f"{q}hidden_norm.weight"),
-                                   ("midlayer.post_attention_layernorm.weight", f"{q}post_attention_layernorm.weight"),
-                                   ("fc.weight", "model.fc.weight"), ("norm.weight", "model.norm.weight"),
-                                   ("lm_head.weight", "lm_head.weight")]:
+    assert torch.equal(p[f"{q}self_attn.qkv_proj.weight"], torch.cat([ours[f"{attn}{x}_proj.weight"] for x in "qkv"]))
+    assert torch.equal(
+        p[f"{q}mlp.gate_up_proj.weight"],
+        torch.cat([ours["midlayer.mlp.gate_proj.weight"], ours["midlayer.mlp.up_proj.weight"]]),
+    )
+    for ours_name, engine_name in [
+        ("midlayer.self_attn.o_proj.weight", f"{q}self_attn.o_proj.weight"),
+        ("midlayer.mlp.down_proj.weight", f"{q}mlp.down_proj.weight"),
+        ("midlayer.input_layernorm.weight", f"{q}input_layernorm.weight"),
+        ("midlayer.hidden_norm.weight", f"{q}hidden_norm.weight"),
+        ("midlayer.post_attention_layernorm.weight", f"{q}post_attention_layernorm.weight"),
+        ("fc.weight", "model.fc.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ]:
         assert torch.equal(p[engine_name], ours[ours_name]), engine_name
 
 
@@ -235,9 +261,14 @@ def engine_forward(engine: SimpleNamespace, embed: torch.Tensor, tokens: torch.T
     length = tokens.shape[1]
     qs, ks, vs = qkv.split([heads * head_dim, kv * head_dim, kv * head_dim], -1)
     qs, ks, vs = (t.view(1, length, -1, head_dim).transpose(1, 2) for t in (qs, ks, vs))
-    rope_cfg = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, head_dim=head_dim,
-                           rope_theta=cfg["rope_theta"], rope_scaling=cfg.get("rope_scaling"),
-                           max_position_embeddings=cfg["max_position_embeddings"])
+    rope_cfg = LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        rope_theta=cfg["rope_theta"],
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=cfg["max_position_embeddings"],
+    )
     cos, sin = LlamaRotaryEmbedding(rope_cfg)(vs, torch.arange(length)[None])
     qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
     ks, vs = ks.repeat_interleave(heads // kv, 1), vs.repeat_interleave(heads // kv, 1)
@@ -245,7 +276,9 @@ def engine_forward(engine: SimpleNamespace, embed: torch.Tensor, tokens: torch.T
     scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
     attn = (scores.softmax(-1) @ vs).transpose(1, 2).reshape(1, length, -1) @ p[f"{q}self_attn.o_proj.weight"].T
     residual = attn + residual  # fused add + post_attention_layernorm
-    gate, up = (rms(residual, p[f"{q}post_attention_layernorm.weight"]) @ p[f"{q}mlp.gate_up_proj.weight"].T).chunk(2, -1)
+    gate, up = (rms(residual, p[f"{q}post_attention_layernorm.weight"]) @ p[f"{q}mlp.gate_up_proj.weight"].T).chunk(
+        2, -1
+    )
     out = (torch.nn.functional.silu(gate) * up) @ p[f"{q}mlp.down_proj.weight"].T + residual
     return rms(out, p["model.norm.weight"]) @ p["lm_head.weight"].T
 
@@ -295,8 +328,9 @@ def test_vllm_loader_places_every_speculators_tensor(tmp_path, target_dir, norm_
     assert {"layers.0.self_attn.q_proj.weight", "t2d", "d2t"} <= set(load_file(str(directory / "model.safetensors")))
 
 
-@pytest.mark.parametrize("layout, norm_before_residual", [("sglang", False), ("speculators", True),
-                                                          ("speculators", False)])
+@pytest.mark.parametrize(
+    "layout, norm_before_residual", [("sglang", False), ("speculators", True), ("speculators", False)]
+)
 def test_engines_compute_what_our_module_computes(tmp_path, target_dir, layout, norm_before_residual):
     """Loaded by the engine's rules and run by its forward, the export gives our logits: catches a swapped
     concat order or norm, and a norm_before_residual the engine would not apply."""
@@ -336,16 +370,27 @@ def test_round_trip_native_sglang_speculators_native(tmp_path, target_dir):
     for name, tensor in first.tensors.items():
         assert torch.equal(tensor, back.tensors[name]), name
     config = json.loads((native / "config.json").read_text())["spectrain"]
-    assert config["kind"] == "eagle3" and config["layers"]["ids"] == AUX and "output of decoder layer" in \
-        config["layers"]["convention"]
+    assert (
+        config["kind"] == "eagle3"
+        and config["layers"]["ids"] == AUX
+        and "output of decoder layer" in config["layers"]["convention"]
+    )
     assert config["target"]["config_hash"] and config["vocab"] == {"vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB}
     assert json.loads((native / "metrics.json").read_text())["val/tau_sim"] == 2.5
     assert "lr: 5.0e-05" in (native / "recipe.yaml").read_text()
     assert (tmp_path / "back" / "recipe.yaml").is_file()  # provenance survives re-export
 
 
-def foreign_dir(directory: Path, drafter: Eagle3Drafter, layout: str, *, drop: tuple[str, ...] = (),
-                add: dict | None = None, config_edit: dict | None = None, bin_file: bool = False) -> Path:
+def foreign_dir(
+    directory: Path,
+    drafter: Eagle3Drafter,
+    layout: str,
+    *,
+    drop: tuple[str, ...] = (),
+    add: dict | None = None,
+    config_edit: dict | None = None,
+    bin_file: bool = False,
+) -> Path:
     """A checkpoint as another trainer writes it: engine config only (no spectrain block)."""
     ckpt = Eagle3Checkpoint.from_drafter(drafter, {"name": "meta-llama/x", "architectures": ["LlamaForCausalLM"]})
     directory.mkdir()
@@ -364,8 +409,14 @@ def foreign_dir(directory: Path, drafter: Eagle3Drafter, layout: str, *, drop: t
 def test_import_reads_foreign_sglang_and_speculators_checkpoints(tmp_path, target_dir):
     drafter = make_drafter(LlamaConfig.from_pretrained(target_dir))
     # a hub drafter: pytorch_model.bin, no t2d, ids only in eagle_config
-    hub = foreign_dir(tmp_path / "hub", drafter, "sglang", drop=("t2d",), bin_file=True,
-                      config_edit={"eagle_aux_hidden_state_layer_ids": None})
+    hub = foreign_dir(
+        tmp_path / "hub",
+        drafter,
+        "sglang",
+        drop=("t2d",),
+        bin_file=True,
+        config_edit={"eagle_aux_hidden_state_layer_ids": None},
+    )
     run_export(f"import={hub}", f"target={target_dir}", f"out={tmp_path / 'a'}")
     imported = read_checkpoint(tmp_path / "a")
     ours = Eagle3Checkpoint.from_drafter(drafter, None).tensors
@@ -380,21 +431,24 @@ def test_import_reads_foreign_sglang_and_speculators_checkpoints(tmp_path, targe
     assert torch.equal(again.build().embed_tokens.weight, embed)
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("unknown_key", "unknown tensors ['midlayer.self_attn.rotary_emb.inv_freq']"),
-    ("trainer_prefix", "unknown tensors ['module.fc.weight']"),
-    ("missing_key", "lacks ['midlayer.hidden_norm.weight']"),
-    ("sglang_norm_before_residual", "norm_before_residual=true, which SGLang ignores"),
-    ("inconsistent_ids", "name different layers"),
-    ("fc_norm_without_weights", "config.json sets fc_norm=true but the weights lack fc_norm.0.weight"),
-    ("fc_norm_weights_without_flag", "config.json leaves fc_norm off but the weights hold fc_norm.0.weight"),
-    ("norm_before_fc", "sets norm_before_fc=true (one norm over the concatenated aux layers)"),
-    ("sglang_eagle31_flag", "sglang-layout config sets norm_output=true"),
-    ("bad_vocab_map", "d2t + arange != nonzero(t2d)"),
-    ("no_target", "does not record its target: give target=NAME_OR_DIR"),
-    ("no_ids_no_target", "does not name its aux layers; give target=NAME_OR_DIR"),
-    ("wrong_target_vocab", "differs from target"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("unknown_key", "unknown tensors ['midlayer.self_attn.rotary_emb.inv_freq']"),
+        ("trainer_prefix", "unknown tensors ['module.fc.weight']"),
+        ("missing_key", "lacks ['midlayer.hidden_norm.weight']"),
+        ("sglang_norm_before_residual", "norm_before_residual=true, which SGLang ignores"),
+        ("inconsistent_ids", "name different layers"),
+        ("fc_norm_without_weights", "config.json sets fc_norm=true but the weights lack fc_norm.0.weight"),
+        ("fc_norm_weights_without_flag", "config.json leaves fc_norm off but the weights hold fc_norm.0.weight"),
+        ("norm_before_fc", "sets norm_before_fc=true (one norm over the concatenated aux layers)"),
+        ("sglang_eagle31_flag", "sglang-layout config sets norm_output=true"),
+        ("bad_vocab_map", "d2t + arange != nonzero(t2d)"),
+        ("no_target", "does not record its target: give target=NAME_OR_DIR"),
+        ("no_ids_no_target", "does not name its aux layers; give target=NAME_OR_DIR"),
+        ("wrong_target_vocab", "differs from target"),
+    ],
+)
 def test_import_refuses_what_an_engine_would_load_wrong(tmp_path, target_dir, case, needle, capsys):
     drafter = make_drafter(LlamaConfig.from_pretrained(target_dir))
     fc = Eagle3Checkpoint.from_drafter(drafter, None).tensors["fc.weight"]
@@ -422,8 +476,7 @@ def test_import_refuses_what_an_engine_would_load_wrong(tmp_path, target_dir, ca
     elif case == "wrong_target_vocab":
         kw = {"config_edit": {"vocab_size": VOCAB + 1}, "add": {"t2d": torch.cat([drafter.t2d, drafter.t2d[:1]])}}
     elif case == "no_ids_no_target":
-        kw = {"config_edit": {"eagle_config": {"use_aux_hidden_state": True},
-                              "eagle_aux_hidden_state_layer_ids": None}}
+        kw = {"config_edit": {"eagle_config": {"use_aux_hidden_state": True}, "eagle_aux_hidden_state_layer_ids": None}}
     source = foreign_dir(tmp_path / "src", drafter, layout, **kw)
     target = [] if case.startswith("no_") else [f"target={target_dir}"]
     assert export_cli.main([f"import={source}", *target, f"out={tmp_path / 'out'}"]) == 2
@@ -434,8 +487,9 @@ def test_import_refuses_what_an_engine_would_load_wrong(tmp_path, target_dir, ca
 
 def test_export_refuses_bad_requests(tmp_path, target_dir, capsys):
     target = target_record(str(target_dir))
-    residual_true = lightning_ckpt(tmp_path / "a.ckpt", make_drafter(LlamaConfig.from_pretrained(target_dir),
-                                                                     norm_before_residual=True), target)
+    residual_true = lightning_ckpt(
+        tmp_path / "a.ckpt", make_drafter(LlamaConfig.from_pretrained(target_dir), norm_before_residual=True), target
+    )
     bare = tmp_path / "bare.ckpt"
     torch.save({"state_dict": {"drafter.fc.weight": torch.zeros(1)}}, bare)
     (tmp_path / "taken").mkdir()
@@ -443,13 +497,18 @@ def test_export_refuses_bad_requests(tmp_path, target_dir, capsys):
     tiny_target(5).save_pretrained(tmp_path / "other")  # same shapes, other weights
     capsys.readouterr()  # drop save_pretrained's progress bar
     cases = [
-        ([f"ckpt={residual_true}", "format=sglang", f"out={tmp_path / 'o1'}"], "retrain with norm_before_residual=false"),
+        (
+            [f"ckpt={residual_true}", "format=sglang", f"out={tmp_path / 'o1'}"],
+            "retrain with norm_before_residual=false",
+        ),
         ([f"ckpt={bare}", f"out={tmp_path / 'o2'}"], "has no 'spectrain' metadata"),
         ([f"ckpt={residual_true}", f"out={tmp_path / 'taken'}"], "already exists"),
-        ([f"ckpt={residual_true}", f"import={bare}", f"out={tmp_path / 'o3'}"], "exactly one of ckpt=PATH or import=PATH"),
+        (
+            [f"ckpt={residual_true}", f"import={bare}", f"out={tmp_path / 'o3'}"],
+            "exactly one of ckpt=PATH or import=PATH",
+        ),
         ([f"ckpt={residual_true}", "format=onnx", f"out={tmp_path / 'o4'}"], "format must be one of native, sglang"),
-        ([f"ckpt={residual_true}", f"target={tmp_path / 'other'}", f"out={tmp_path / 'o5'}"],
-         "was trained for target"),
+        ([f"ckpt={residual_true}", f"target={tmp_path / 'other'}", f"out={tmp_path / 'o5'}"], "was trained for target"),
     ]
     for args, needle in cases:
         assert export_cli.main(args) == 2

@@ -26,8 +26,10 @@ def test_chain_acceptance_across_steps_matches_brute_force():
     metric = SimulatedAcceptance(3)
     metric.update(alphas, masks)
     starts = [(b, t) for b in range(2) for t in range(5) if all(m[b, t] for m in masks)]
-    chains = [sum(torch.stack([alphas[j][b, t] for j in range(k + 1)]).prod().item() for b, t in starts) / len(starts)
-              for k in range(3)]
+    chains = [
+        sum(torch.stack([alphas[j][b, t] for j in range(k + 1)]).prod().item() for b, t in starts) / len(starts)
+        for k in range(3)
+    ]
     assert metric.compute()["tau_sim"].item() == pytest.approx(1 + sum(chains), abs=1e-6)
 
 
@@ -77,10 +79,17 @@ def test_eagle3_recipe_refuses_gamma_beyond_ttt_steps(eagle3_recipe):
 def test_scored_rows_loss_equals_the_masked_loss_over_every_row():
     """Training scores only the rows a loss reads; per step the loss must equal ttt_targets' masked loss."""
     torch.manual_seed(0)
-    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=96, num_hidden_layers=4)
-    drafter = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=48, aux_layer_ids=[0, 1, 2]),
-                            embed_weight=torch.randn(96, 32))
+    target = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        num_hidden_layers=4,
+    )
+    drafter = Eagle3Drafter(
+        Eagle3Config.for_target(target, draft_vocab_size=48, aux_layer_ids=[0, 1, 2]), embed_weight=torch.randn(96, 32)
+    )
     t2d = torch.zeros(96, dtype=torch.bool)
     t2d[torch.randperm(96)[:48]] = True
     draft_ids = t2d.nonzero()[:, 0]
@@ -97,8 +106,10 @@ def test_scored_rows_loss_equals_the_masked_loss_over_every_row():
 
     full = drafter(ids, aux, steps=steps, attention_mask=attention)
     restricted, in_vocab = teacher_in_draft_vocab(project(last), drafter.t2d)
-    expected = [soft_cross_entropy(s, t, m) for s, (t, m) in
-                zip(full.logits, ttt_targets(restricted, in_vocab, supervised, steps))]
+    expected = [
+        soft_cross_entropy(s, t, m)
+        for s, (t, m) in zip(full.logits, ttt_targets(restricted, in_vocab, supervised, steps))
+    ]
     hidden = drafter(ids, aux, steps=steps, attention_mask=attention, heads=False).hidden
     assert len(drafter(ids, aux, steps=1, heads=False).logits) == 0
     index, probs = teacher_rows(project, last, supervised, drafter.t2d)

@@ -64,8 +64,14 @@ def setup():
 def oracle(setup, miss_every: int = 0) -> OracleDrafter:
     target, _, sequence, features = setup
     # full draft vocabulary, so every greedy token can be proposed
-    return random_drafter(target, draft_vocab=target.config.vocab_size, cls=OracleDrafter, sequence=sequence,
-                          features=features, miss_every=miss_every)
+    return random_drafter(
+        target,
+        draft_vocab=target.config.vocab_size,
+        cls=OracleDrafter,
+        sequence=sequence,
+        features=features,
+        miss_every=miss_every,
+    )
 
 
 SHAPES = [(1, 1, 2), (1, 4, 5), (2, 2, 4), (3, 3, 16), (5, 4, 64), (5, 1, 6), (4, 3, 3)]
@@ -76,8 +82,9 @@ SHAPES = [(1, 1, 2), (1, 4, 5), (2, 2, 4), (3, 3, 16), (5, 4, 64), (5, 1, 6), (4
 def test_greedy_equals_ar(setup, kind, depth, topk, total):
     target, reference, _, _ = setup
     drafter = random_drafter(target, draft_vocab=60) if kind == "random" else oracle(setup, miss_every=3)
-    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=depth, tree_topk=topk,
-                                tree_total=total)
+    algorithm = build_algorithm(
+        "eagle3_tree", runner(target), drafter, tree_depth=depth, tree_topk=topk, tree_total=total
+    )
     result = algorithm.generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
     assert result.tokens == reference
     stats = result.stats
@@ -97,8 +104,9 @@ def test_oracle_drafter_accepts_whole_paths(setup, depth):
     the drafter exactly once, with its own features."""
     target, reference, _, _ = setup
     drafter = oracle(setup)
-    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=depth, tree_topk=2,
-                                tree_total=2 * depth + 1)
+    algorithm = build_algorithm(
+        "eagle3_tree", runner(target), drafter, tree_depth=depth, tree_topk=2, tree_total=2 * depth + 1
+    )
     result = algorithm.generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
     assert result.tokens == reference
     stats = result.stats
@@ -134,8 +142,9 @@ def test_sampling_follows_the_target_law():
     drafter.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    algorithm = build_algorithm("eagle3_tree", runner(target, 16, rows=2 * LAW_ROWS), drafter, tree_depth=2, tree_topk=2,
-                                tree_total=4)
+    algorithm = build_algorithm(
+        "eagle3_tree", runner(target, 16, rows=2 * LAW_ROWS), drafter, tree_depth=2, tree_topk=2, tree_total=4
+    )
     counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # the tree paths are really exercised, not just the bonus token
     assert_follows_law(counts, law, runs, max_tv=0.07)
@@ -147,15 +156,17 @@ def test_tree_children_follow_each_nodes_own_chain(setup):
     target, _, _, _ = setup
     drafter = random_drafter(target, draft_vocab=60)
     depth, topk = 4, 3
-    algorithm = build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=depth, tree_topk=topk,
-                                tree_total=1000)
+    algorithm = build_algorithm(
+        "eagle3_tree", runner(target), drafter, tree_depth=depth, tree_topk=topk, tree_total=1000
+    )
     output = algorithm.target.forward(torch.tensor([PROMPT]), capture_layers=AUX, only_last_logits=True)
     root, committed = int(output.logits[0, -1].argmax()), len(PROMPT)
     features = algorithm._features(output)
 
     def extend(cache):
-        return drafter.step(torch.tensor([PROMPT[1:] + [root]]), drafter.project(features),
-                            torch.arange(committed)[None], cache)
+        return drafter.step(
+            torch.tensor([PROMPT[1:] + [root]]), drafter.project(features), torch.arange(committed)[None], cache
+        )
 
     first = extend(cache := drafter.new_cache(128))
     tree = algorithm._grow_tree(first.logits[0, -1], first.hidden[0, -1], committed, cache, depth, GenerationStats())
@@ -169,8 +180,12 @@ def test_tree_children_follow_each_nodes_own_chain(setup):
             ancestor = tree.parents[ancestor]
         step = extend(alone := drafter.new_cache(128))
         for level, member in enumerate(chain, start=1):
-            step = drafter.step(torch.tensor([[tree.tokens[member]]]), step.hidden[:, -1:],
-                                torch.tensor([[committed - 1 + level]]), alone)
+            step = drafter.step(
+                torch.tensor([[tree.tokens[member]]]),
+                step.hidden[:, -1:],
+                torch.tensor([[committed - 1 + level]]),
+                alone,
+            )
         expected = drafter.to_target_ids(step.logits[0, -1].topk(topk).indices).tolist()
         assert [tree.tokens[c] for c, p in enumerate(tree.parents) if p == node] == expected, node
 
@@ -189,15 +204,16 @@ def test_tree_mask_positions_and_pruning():
     assert tree.positions(9).tolist() == [9, 10, 10, 11, 11, 11]
     scores = [-0.1, -0.5, -0.2, -0.5, -0.6]
     assert keep_best(scores, tree.parents, 3) == [0, 1, 2]  # tie -0.5: node 1 (earlier) before node 3
-    assert subtree(tree.tokens, tree.parents, tree.depths, [0, 2, 3]) == DraftTree([10, 12, 13], [-1, 0, 0],
-                                                                                   [1, 2, 2])
+    assert subtree(tree.tokens, tree.parents, tree.depths, [0, 2, 3]) == DraftTree([10, 12, 13], [-1, 0, 0], [1, 2, 2])
     with pytest.raises(ValueError, match="scores above its parent"):
         keep_best([-1.0, -0.5], [-1, 0], 1)
 
 
 def test_bad_drafters_and_options_are_one_line_errors(setup):
     target, _, _, _ = setup
-    with pytest.raises(ValueError, match="needs an EAGLE-3 export of python -m spectrain.export for this target: pass drafter=PATH"):
+    with pytest.raises(
+        ValueError, match="needs an EAGLE-3 export of python -m spectrain.export for this target: pass drafter=PATH"
+    ):
         build_algorithm("eagle3_tree", runner(target))
     with pytest.raises(ValueError, match="drafter vocab_size 50 differs from the target's 97"):
         build_algorithm("eagle3_tree", runner(target), random_drafter(tiny_llama(2, vocab=50), draft_vocab=20))
@@ -227,9 +243,19 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
     config = Eagle3Config.for_target(model.config, draft_vocab_size=8000, aux_layer_ids=[1, 14, 26])
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config, embed_weight=target.runner.embed_tokens.weight).eval()
-    cfg = evaluate_cli.parse_args(["algorithms=eagle3_tree", "bench=mt_bench", "n_prompts=2", "max_new_tokens=16",
-                                   "tree_depth=3", "tree_topk=3", "tree_total=10", f"out={tmp_path}",
-                                   "warmup=false"])
+    cfg = evaluate_cli.parse_args(
+        [
+            "algorithms=eagle3_tree",
+            "bench=mt_bench",
+            "n_prompts=2",
+            "max_new_tokens=16",
+            "tree_depth=3",
+            "tree_topk=3",
+            "tree_total=10",
+            f"out={tmp_path}",
+            "warmup=false",
+        ]
+    )
     results = evaluate_cli.evaluate(cfg, target=target, drafters={"eagle3": drafter})
     ar, tree = results["runs"]
     assert (ar["algorithm"], tree["algorithm"]) == ("ar", "eagle3_tree")
@@ -237,10 +263,16 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
     assert tree["drafted_tokens"] > 0 and tree["draft_forwards"] > tree["target_forwards"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["algorithms=eagle3_tree", "n_prompts=1"], "'eagle3_tree' needs an EAGLE-3 export"),
-    (["algorithms=[sps,eagle3_tree]", "drafter=/some/draft_lm", "n_prompts=1"], "add drafter.eagle3=PATH or drafters=DIR"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["algorithms=eagle3_tree", "n_prompts=1"], "'eagle3_tree' needs an EAGLE-3 export"),
+        (
+            ["algorithms=[sps,eagle3_tree]", "drafter=/some/draft_lm", "n_prompts=1"],
+            "add drafter.eagle3=PATH or drafters=DIR",
+        ),
+    ],
+)
 def test_evaluate_names_the_missing_eagle3_export(args, needle, capsys, tmp_path):
     from inference import evaluate as evaluate_cli
 
@@ -253,5 +285,7 @@ def test_generate_names_the_missing_eagle3_export(capsys):
     from inference import generate as generate_cli
 
     assert generate_cli.main(["algorithm=eagle3_tree", "prompt=hi"]) == 2
-    assert "algorithm 'eagle3_tree' needs an EAGLE-3 export of python -m spectrain.export for this target: add " \
+    assert (
+        "algorithm 'eagle3_tree' needs an EAGLE-3 export of python -m spectrain.export for this target: add "
         "drafter=PATH" in capsys.readouterr().err
+    )

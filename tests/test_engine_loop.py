@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import (GREEDY, VARIANTS, after_a_failing_forward, algorithm, alone_and_side_by_side,
-                            counters, jobs, runner_of, side_by_side, solo, stream_consumer, target_and_draft)
+from engine_helpers import (
+    GREEDY,
+    VARIANTS,
+    after_a_failing_forward,
+    algorithm,
+    alone_and_side_by_side,
+    counters,
+    jobs,
+    runner_of,
+    side_by_side,
+    solo,
+    stream_consumer,
+    target_and_draft,
+)
 
 from inference.algorithms import build_algorithm
 from inference.engine.loop import DecodeEngine
@@ -35,7 +47,7 @@ def test_the_ar_strategy_equals_the_continuous_batcher_and_a_row_alone(models):
     prompt = [3, 1, 4, 1, 5]
     reference = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
     tokens = solo(algorithm("ar", models), (prompt, 20, GREEDY, 0)).tokens
-    assert tokens == reference[0, len(prompt):].tolist()
+    assert tokens == reference[0, len(prompt) :].tolist()
 
 
 def test_a_failing_callback_ends_its_request_alone(models):
@@ -44,11 +56,12 @@ def test_a_failing_callback_ends_its_request_alone(models):
     lone = algorithm("sps", models)
     all_jobs = jobs()
     expected = [solo(lone, job) for job in all_jobs]
-    events = side_by_side(algorithm("sps", models, rows=3), all_jobs, rows=3,
-                          on_tokens=stream_consumer(fails=2, stops=4))
+    events = side_by_side(
+        algorithm("sps", models, rows=3), all_jobs, rows=3, on_tokens=stream_consumer(fails=2, stops=4)
+    )
     assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
     assert isinstance(events[4], Finished) and 5 <= len(events[4].result.tokens) < len(expected[4].tokens)
-    assert events[4].result.tokens == expected[4].tokens[:len(events[4].result.tokens)]
+    assert events[4].result.tokens == expected[4].tokens[: len(events[4].result.tokens)]
     for k in (0, 1, 3, 5, 6):
         assert events[k].result.tokens == expected[k].tokens
 
@@ -57,7 +70,8 @@ def test_a_failing_forward_fails_the_rows_in_flight_and_the_engine_goes_on(model
     all_jobs = jobs()
     lone = algorithm("sps", models)
     assert after_a_failing_forward(algorithm("sps", models, rows=2), all_jobs) == [
-        solo(lone, job).tokens for job in all_jobs[2:4]]
+        solo(lone, job).tokens for job in all_jobs[2:4]
+    ]
 
 
 def test_rows_must_fit_the_runner(models):
@@ -73,8 +87,7 @@ def test_a_step_budget_of_one_token_a_row_makes_every_step_an_ar_step(models):
     all_jobs = jobs()
     sps = algorithm("sps", models, rows=3)
     engine = DecodeEngine(sps.target, sps.strategy(), rows=3, max_step_tokens=1)
-    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in
-             enumerate(all_jobs)]
+    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in enumerate(all_jobs)]
     events = {}
     engine.run(lambda: queue.pop(0) if queue else None, lambda e: events.setdefault(e.key, e))
     for k, job in enumerate(all_jobs):
@@ -105,12 +118,14 @@ def test_generate_batch_answers_each_prompt_as_alone(models, name):
     those of each prompt alone, the batch's wall time split evenly."""
     lone = algorithm(name, models)
     greedy = [(p, b, GREEDY, seed) for p, b, _, seed in jobs()[:5]]
-    batched = algorithm(name, models, rows=5).generate_batch([p for p, *_ in greedy], max_new_tokens=14,
-                                                              sampling=GREEDY)
+    batched = algorithm(name, models, rows=5).generate_batch(
+        [p for p, *_ in greedy], max_new_tokens=14, sampling=GREEDY
+    )
     for result, (prompt, _, _, seed) in zip(batched, greedy):
         alone = solo(lone, (prompt, 14, GREEDY, seed))
         assert result.tokens == alone.tokens and counters(result.stats) == counters(alone.stats)
     assert len({r.stats.wall_s for r in batched}) == 1
     with pytest.raises(Exception, match="answers one prompt at a time"):
-        build_algorithm("pearl", lone.target, runner_of(models[1])).generate_batch([[1]], max_new_tokens=2,
-                                                                                   sampling=GREEDY)
+        build_algorithm("pearl", lone.target, runner_of(models[1])).generate_batch(
+            [[1]], max_new_tokens=2, sampling=GREEDY
+        )

@@ -30,15 +30,21 @@ def models():
     """A flat target (its distributions near uniform, so that sampled drafts of a random drafter are often
     accepted) and a random drafter of each kind over the full vocabulary, in fp32 and in bf16."""
     target = tiny_llama(0, vocab=VOCAB, layers=3)
-    drafters = {"dflash": make_drafter(target, draft_vocab=VOCAB, block_size=4).eval(),
-                "peagle": make_peagle(target, depths=4, draft_vocab=VOCAB)}
-    return {"target": target, torch.float32: drafters,
-            torch.bfloat16: {name: copy.deepcopy(d).to(torch.bfloat16) for name, d in drafters.items()}}
+    drafters = {
+        "dflash": make_drafter(target, draft_vocab=VOCAB, block_size=4).eval(),
+        "peagle": make_peagle(target, depths=4, draft_vocab=VOCAB),
+    }
+    return {
+        "target": target,
+        torch.float32: drafters,
+        torch.bfloat16: {name: copy.deepcopy(d).to(torch.bfloat16) for name, d in drafters.items()},
+    }
 
 
 def algorithm(name: str, models, rows: int = 1, spare: bool = True, dtype: torch.dtype = torch.float32):
-    runner = ModelRunner.from_hf_model(models["target"], max_batch_size=2 * rows if spare else rows, max_seq_len=160,
-                                       dtype=dtype)
+    runner = ModelRunner.from_hf_model(
+        models["target"], max_batch_size=2 * rows if spare else rows, max_seq_len=160, dtype=dtype
+    )
     return build_algorithm(name, runner, models[dtype][name])
 
 
@@ -48,8 +54,7 @@ def check_side_by_side(models, name: str, spare: bool, dtype: torch.dtype) -> No
     all_jobs = jobs()
     eos = solo(lone, all_jobs[0]).tokens[9]  # met early by some rows, inside accepted chains
     expected = [solo(lone, job, eos_ids=[eos]) for job in all_jobs]
-    events = side_by_side(algorithm(name, models, rows=3, spare=spare, dtype=dtype), all_jobs, rows=3,
-                          eos_ids=[eos])
+    events = side_by_side(algorithm(name, models, rows=3, spare=spare, dtype=dtype), all_jobs, rows=3, eos_ids=[eos])
     for k, want in enumerate(expected):
         event = events[k]
         assert isinstance(event, Finished), event

@@ -27,8 +27,7 @@ def target():
 
 
 def self_draft(target, rows: int = 1, spare: bool = True, dtype: torch.dtype = torch.float32):
-    runner = ModelRunner.from_hf_model(target, max_batch_size=2 * rows if spare else rows, max_seq_len=160,
-                                       dtype=dtype)
+    runner = ModelRunner.from_hf_model(target, max_batch_size=2 * rows if spare else rows, max_seq_len=160, dtype=dtype)
     built = build_algorithm("self_draft", runner, **OPTIONS)
     assert built.target.exact
     return built
@@ -83,8 +82,9 @@ def test_each_request_gets_the_tokens_and_counters_of_its_run_alone(target, spar
 
 
 def test_bf16_rows_equal_their_runs_alone(target):
-    assert_alone_and_side_by_side(self_draft(target, dtype=torch.bfloat16),
-                                  self_draft(target, rows=3, dtype=torch.bfloat16))
+    assert_alone_and_side_by_side(
+        self_draft(target, dtype=torch.bfloat16), self_draft(target, rows=3, dtype=torch.bfloat16)
+    )
 
 
 def test_a_failing_row_ends_alone_and_a_failing_forward_fails_the_rows_in_flight(target):
@@ -98,4 +98,3 @@ def test_a_failing_row_ends_alone_and_a_failing_forward_fails_the_rows_in_flight
     assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
     assert all(events[k].result.tokens == expected[k] for k in (0, 1, 3, 4, 5, 6))
     assert after_a_failing_forward(self_draft(target, rows=2), all_jobs) == expected[2:4]
-

@@ -13,8 +13,15 @@ import torch
 from tiny_targets import tiny_llama
 from eagle3_tree_builders import random_drafter
 from specblock_tree_builders import random_drafter as specblock_drafter
-from engine_helpers import (after_a_failing_forward, alone_and_side_by_side, counters, runner_of,
-                            side_by_side, solo, stream_consumer)
+from engine_helpers import (
+    after_a_failing_forward,
+    alone_and_side_by_side,
+    counters,
+    runner_of,
+    side_by_side,
+    solo,
+    stream_consumer,
+)
 from engine_helpers import jobs as loop_jobs
 
 from inference.algorithms import build_algorithm
@@ -22,9 +29,11 @@ from inference.engine.state import Failed
 from inference.runner import ModelRunner
 
 VOCAB = 16
-TREES = {"eagle3_tree": {"tree_depth": 3, "tree_topk": 3, "tree_total": 10},
-         "eagle3_chain": {"tree_depth": 4, "tree_topk": 1, "tree_total": 5},
-         "specblock_tree": {"width": 3, "budget": 12, "blocks": 3}}
+TREES = {
+    "eagle3_tree": {"tree_depth": 3, "tree_topk": 3, "tree_total": 10},
+    "eagle3_chain": {"tree_depth": 4, "tree_topk": 1, "tree_total": 5},
+    "specblock_tree": {"width": 3, "budget": 12, "blocks": 3},
+}
 ALGORITHM = {"eagle3_tree": "eagle3_tree", "eagle3_chain": "eagle3_tree", "specblock_tree": "specblock_tree"}
 
 
@@ -33,8 +42,10 @@ def models():
     """A sharp target over a small vocabulary and random row-exact drafters (EAGLE-3, SpecBlock K=2) over all of
     it: trees often keep a few tokens, not always."""
     target = tiny_llama(0, vocab=VOCAB, layers=3, temperature_scale=6.0)
-    drafters = {"eagle3_tree": random_drafter(target, draft_vocab=VOCAB),
-                "specblock_tree": specblock_drafter(target, draft_vocab=VOCAB, block_size=2)}
+    drafters = {
+        "eagle3_tree": random_drafter(target, draft_vocab=VOCAB),
+        "specblock_tree": specblock_drafter(target, draft_vocab=VOCAB, block_size=2),
+    }
     for drafter in drafters.values():
         drafter.set_row_exact(True)
     return target, drafters
@@ -42,8 +53,7 @@ def models():
 
 def algorithm(name: str, models, rows: int = 1, spare: bool = True):
     target, drafters = models
-    built = build_algorithm(ALGORITHM[name], runner_of(target, rows, spare), drafters[ALGORITHM[name]],
-                            **TREES[name])
+    built = build_algorithm(ALGORITHM[name], runner_of(target, rows, spare), drafters[ALGORITHM[name]], **TREES[name])
     assert built.target.exact
     return built
 
@@ -57,7 +67,9 @@ def jobs() -> list[tuple[list[int], int, object, int]]:
 def test_each_tree_request_gets_the_tokens_and_counters_of_its_run_alone(models, name, spare):
     expected = alone_and_side_by_side(algorithm(name, models), algorithm(name, models, rows=3, spare=spare), jobs())
     accepted = sum(r.stats.accepted_draft_tokens for r in expected)
-    assert accepted >= {"eagle3_tree": 10, "eagle3_chain": 4, "specblock_tree": 5}[name]  # paths really are accepted (EOS comes early)
+    assert (
+        accepted >= {"eagle3_tree": 10, "eagle3_chain": 4, "specblock_tree": 5}[name]
+    )  # paths really are accepted (EOS comes early)
 
 
 @pytest.mark.parametrize("name", ["eagle3_tree", "specblock_tree"])
@@ -67,13 +79,11 @@ def test_a_failing_tree_row_ends_alone_and_a_failing_forward_fails_the_rows_in_f
     lone = algorithm(name, models)
     all_jobs = jobs()
     expected = [solo(lone, job) for job in all_jobs]
-    events = side_by_side(algorithm(name, models, rows=3), all_jobs, rows=3,
-                          on_tokens=stream_consumer(fails=2))
+    events = side_by_side(algorithm(name, models, rows=3), all_jobs, rows=3, on_tokens=stream_consumer(fails=2))
     assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
     assert all(events[k].result.tokens == expected[k].tokens for k in (0, 1, 3, 4, 5, 6))
 
-    assert after_a_failing_forward(algorithm(name, models, rows=2), all_jobs) == [
-        r.tokens for r in expected[2:4]]
+    assert after_a_failing_forward(algorithm(name, models, rows=2), all_jobs) == [r.tokens for r in expected[2:4]]
 
 
 @pytest.mark.parametrize("name", ["eagle3_tree", "specblock_tree"])

@@ -23,8 +23,7 @@ def models():
 
 
 def run(engine: DecodeEngine, job_list) -> dict:
-    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in
-             enumerate(job_list)]
+    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in enumerate(job_list)]
     events = {}
     engine.run(lambda: queue.pop(0) if queue else None, lambda e: events.setdefault(e.key, e))
     return events

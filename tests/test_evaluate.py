@@ -28,16 +28,43 @@ def loaded(smollm2, max_seq_len: int = 512) -> LoadedModel:
 
 @pytest.mark.real_model
 def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
-    cfg = evaluate_cli.parse_args(["algorithms=sps", "drafter=smollm2", "bench=mt_bench", "n_prompts=1",
-                                   "max_new_tokens=16", "gamma=4", "verifier=hsd", f"out={tmp_path}", "warmup=false"])
+    cfg = evaluate_cli.parse_args(
+        [
+            "algorithms=sps",
+            "drafter=smollm2",
+            "bench=mt_bench",
+            "n_prompts=1",
+            "max_new_tokens=16",
+            "gamma=4",
+            "verifier=hsd",
+            f"out={tmp_path}",
+            "warmup=false",
+        ]
+    )
     results = evaluate_cli.evaluate(cfg, target=loaded(smollm2), draft=loaded(smollm2))
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["runs"] == results["runs"]
     ar, sps = results["runs"]
     assert (ar["algorithm"], sps["algorithm"]) == ("ar", "sps")
-    expected_keys = {"algorithm", "bench", "n_prompts", "new_tokens", "wall_s", "tokens_per_s", "target_forwards",
-                     "tau", "draft_forwards", "rollback_rate", "acceptance_by_position", "greedy_equal_to_ar",
-                     "temperature", "top_k", "top_p", "seed", "max_new_tokens"}
+    expected_keys = {
+        "algorithm",
+        "bench",
+        "n_prompts",
+        "new_tokens",
+        "wall_s",
+        "tokens_per_s",
+        "target_forwards",
+        "tau",
+        "draft_forwards",
+        "rollback_rate",
+        "acceptance_by_position",
+        "greedy_equal_to_ar",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "max_new_tokens",
+    }
     assert expected_keys <= set(sps)
     assert sps["greedy_equal_to_ar"] is True and ar["greedy_equal_to_ar"] is True
     # the target drafting for itself accepts everything: 1 prefill token + 5 per round -> 16 tokens in 4 forwards
@@ -56,13 +83,16 @@ def test_evaluate_writes_results_with_same_run_ar_baseline(smollm2, tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["algorithms=[ar,nope]"], "unknown algorithm 'nope'; available: ar, sps"),
-    (["algoritms=[ar]"], "unknown key 'algoritms' (did you mean 'algorithms'?)"),
-    (["algorithms=[sps]", "n_prompts=1"], "'sps' needs a draft LM"),
-    (["temperature=-1"], "temperature must be a finite number >= 0"),
-    (["target=/no/such/model"], "unknown model '/no/such/model'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["algorithms=[ar,nope]"], "unknown algorithm 'nope'; available: ar, sps"),
+        (["algoritms=[ar]"], "unknown key 'algoritms' (did you mean 'algorithms'?)"),
+        (["algorithms=[sps]", "n_prompts=1"], "'sps' needs a draft LM"),
+        (["temperature=-1"], "temperature must be a finite number >= 0"),
+        (["target=/no/such/model"], "unknown model '/no/such/model'"),
+    ],
+)
 def test_evaluate_cli_errors_are_one_line(args, needle, capsys, tmp_path):
     assert evaluate_cli.main([*args, f"out={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
@@ -73,7 +103,9 @@ def test_list_fields_accept_a_single_value():
     cfg = evaluate_cli.parse_args(["bench=humaneval", "algorithms=sps"])
     assert list(cfg.bench) == ["humaneval"] and list(cfg.algorithms) == ["sps"]
     assert OmegaConf.to_container(evaluate_cli.parse_args(["bench=[mt_bench,humaneval]"]).bench) == [
-        "mt_bench", "humaneval"]
+        "mt_bench",
+        "humaneval",
+    ]
 
 
 @pytest.mark.real_model
@@ -88,8 +120,14 @@ def test_drafter_with_another_tokenizer_is_refused(smollm2, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _, tokenizer = smollm2
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer) + 1)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer) + 1,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     other = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     other.add_tokens(["<spectrain-extra-token>"])
@@ -100,8 +138,9 @@ def test_drafter_with_another_tokenizer_is_refused(smollm2, tmp_path):
 
 @pytest.mark.real_model
 def test_generate_streams_the_answer(smollm2, capsys):
-    cfg, _ = generate_cli.parse_engine_cli(["prompt=What is the capital of France?", "max_new_tokens=12"],
-                                           generate_cli.GenerateConfig, generate_cli.USAGE)
+    cfg, _ = generate_cli.parse_engine_cli(
+        ["prompt=What is the capital of France?", "max_new_tokens=12"], generate_cli.GenerateConfig, generate_cli.USAGE
+    )
     streamer = generate_cli.TextStreamer(smollm2[1])
     result = generate_cli.generate_text(cfg, loaded(smollm2), on_tokens=streamer)
     assert capsys.readouterr().out == "The capital of France is Paris."
@@ -110,9 +149,11 @@ def test_generate_streams_the_answer(smollm2, capsys):
 
 @pytest.mark.real_model
 def test_generate_with_a_vocabulary_limited_draft_gives_the_same_answer(smollm2, capsys):
-    cfg, _ = generate_cli.parse_engine_cli(["prompt=What is the capital of France?", "max_new_tokens=12",
-                                            "algorithm=sps", "sps.draft_vocab=1000"], generate_cli.GenerateConfig,
-                                           generate_cli.USAGE)
+    cfg, _ = generate_cli.parse_engine_cli(
+        ["prompt=What is the capital of France?", "max_new_tokens=12", "algorithm=sps", "sps.draft_vocab=1000"],
+        generate_cli.GenerateConfig,
+        generate_cli.USAGE,
+    )
     streamer = generate_cli.TextStreamer(smollm2[1])
     result = generate_cli.generate_text(cfg, loaded(smollm2), loaded(smollm2), on_tokens=streamer)
     assert capsys.readouterr().out == "The capital of France is Paris."
@@ -141,7 +182,11 @@ def test_drafters_dir_is_indexed_by_export_kind_and_explicit_paths_win(tmp_path)
     cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", "algorithms=all"])
     paths = evaluate_cli.drafter_paths(cfg)
     assert {k: p.rsplit("/", 1)[-1] for k, p in paths.items()} == {
-        "draft_lm": "draft_lm", "eagle3": "eagle3", "specblock": "specblock", "hrad": "hrad"}
+        "draft_lm": "draft_lm",
+        "eagle3": "eagle3",
+        "specblock": "specblock",
+        "hrad": "hrad",
+    }
     other = _fake_export(tmp_path / "other_e3", "eagle3")
     cfg = evaluate_cli.parse_args([f"drafters={tmp_path / 'exports'}", f"drafter={other}"])
     assert evaluate_cli.drafter_paths(cfg)["eagle3"] == str(other)  # drafter=PATH goes by the export's kind
@@ -167,11 +212,14 @@ def test_all_runs_what_the_drafters_allow_and_says_what_it_skipped():
         evaluate_cli.select_algorithms(cfg, {"draft_lm"})
 
 
-@pytest.mark.parametrize("variant, needle", [
-    ("sps@verifier", "'verifier' is not key=value"),
-    ("sps@verifer=hsd", "unknown key 'verifer' (did you mean 'verifier'?)"),
-    ("nope@gamma=2", "unknown algorithm 'nope'"),
-])
+@pytest.mark.parametrize(
+    "variant, needle",
+    [
+        ("sps@verifier", "'verifier' is not key=value"),
+        ("sps@verifer=hsd", "unknown key 'verifer' (did you mean 'verifier'?)"),
+        ("nope@gamma=2", "unknown algorithm 'nope'"),
+    ],
+)
 def test_bad_variants_fail_before_loading(variant, needle, tmp_path, capsys):
     assert evaluate_cli.main([f"algorithms=[{variant}]", f"out={tmp_path}"]) == 2
     assert needle in capsys.readouterr().err
@@ -179,8 +227,17 @@ def test_bad_variants_fail_before_loading(variant, needle, tmp_path, capsys):
 
 @pytest.mark.real_model
 def test_variants_run_side_by_side_with_their_own_options(smollm2, tmp_path):
-    cfg = evaluate_cli.parse_args(["algorithms=[sps,sps@verifier=hsd@gamma=2,sps@draft_vocab=300]", "bench=mt_bench",
-                                   "n_prompts=1", "max_new_tokens=12", "gamma=4", f"out={tmp_path}", "warmup=false"])
+    cfg = evaluate_cli.parse_args(
+        [
+            "algorithms=[sps,sps@verifier=hsd@gamma=2,sps@draft_vocab=300]",
+            "bench=mt_bench",
+            "n_prompts=1",
+            "max_new_tokens=12",
+            "gamma=4",
+            f"out={tmp_path}",
+            "warmup=false",
+        ]
+    )
     results = evaluate_cli.evaluate(cfg, target=loaded(smollm2), draft=loaded(smollm2))
     labels = [r["algorithm"] for r in results["runs"]]
     assert labels == ["ar", "sps", "sps@verifier=hsd@gamma=2", "sps@draft_vocab=300"]
@@ -194,13 +251,29 @@ def test_variants_run_side_by_side_with_their_own_options(smollm2, tmp_path):
 def test_report_shows_each_algorithm_its_own_figures():
     from inference.report import markdown_table
 
-    base = {"bench": "mt_bench", "n_prompts": 1, "new_tokens": 8, "tau": 1.5, "tokens_per_s": 3.0,
-            "speedup_vs_ar": 0.5, "rollback_rate": 0.9, "target_forwards": 4, "draft_forwards": 8,
-            "greedy_equal_to_ar": True}
-    runs = [dict(base, algorithm="sps"),
-            dict(base, algorithm="ssd", cache_hit_rate=0.25, simulated_tokens_per_s=4.0),
-            dict(base, algorithm="specbranch", rollback_rate_speculated=0.5, simulated_tokens_per_s=5.0,
-                 executor="multiprocess")]
+    base = {
+        "bench": "mt_bench",
+        "n_prompts": 1,
+        "new_tokens": 8,
+        "tau": 1.5,
+        "tokens_per_s": 3.0,
+        "speedup_vs_ar": 0.5,
+        "rollback_rate": 0.9,
+        "target_forwards": 4,
+        "draft_forwards": 8,
+        "greedy_equal_to_ar": True,
+    }
+    runs = [
+        dict(base, algorithm="sps"),
+        dict(base, algorithm="ssd", cache_hit_rate=0.25, simulated_tokens_per_s=4.0),
+        dict(
+            base,
+            algorithm="specbranch",
+            rollback_rate_speculated=0.5,
+            simulated_tokens_per_s=5.0,
+            executor="multiprocess",
+        ),
+    ]
     rows = markdown_table({"config": {}, "runs": runs}).splitlines()
     assert rows[-3].endswith("| yes | – | – |")
     assert rows[-2].endswith("| yes | 4.0 | cache hit rate 0.25 |")
@@ -216,10 +289,22 @@ def test_several_multiprocess_variants_run_in_one_evaluation(tmp_path):
 
     target = save_tiny_target(tmp_path / "target", layers=2, logit_scale=30.0)
     draft = save_tiny_target(tmp_path / "draft", layers=2, noise=0.002)
-    cfg = evaluate_cli.parse_args(["algorithms=[pearl@executor=multiprocess,specbranch@executor=multiprocess]",
-                                   f"target={target}", f"drafter={draft}", "hrad=none", "bench=[mt_bench,humaneval]",
-                                   "n_prompts=1", "max_new_tokens=6", "gamma=2", "threads=1", f"out={tmp_path / 'out'}",
-                                   "warmup=false", "device=cpu"])
+    cfg = evaluate_cli.parse_args(
+        [
+            "algorithms=[pearl@executor=multiprocess,specbranch@executor=multiprocess]",
+            f"target={target}",
+            f"drafter={draft}",
+            "hrad=none",
+            "bench=[mt_bench,humaneval]",
+            "n_prompts=1",
+            "max_new_tokens=6",
+            "gamma=2",
+            "threads=1",
+            f"out={tmp_path / 'out'}",
+            "warmup=false",
+            "device=cpu",
+        ]
+    )
     results = evaluate_cli.evaluate(cfg)
     labels = [(r["bench"], r["algorithm"].split("@")[0]) for r in results["runs"]]
     assert labels == [(b, a) for b in ("mt_bench", "humaneval") for a in ("ar", "pearl", "specbranch")]
@@ -231,12 +316,20 @@ def test_several_multiprocess_variants_run_in_one_evaluation(tmp_path):
 # Per-variant sampling, seed and max_new_tokens (issue 24): tiny random Llamas with a small vocabulary, so a run
 # over hundreds of prompts takes seconds and the target's law can be enumerated exactly.
 
+
 def tiny_loaded(seed: int, vocab: int, layers: int, scale: float) -> LoadedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # a sharper law than a random init's near-uniform one
         model.lm_head.weight.mul_(scale)
@@ -267,8 +360,11 @@ def tiny_eval(monkeypatch):
     monkeypatch.setattr(evaluate_cli, "eos_token_ids", lambda *a, **k: [])
 
     def run(prompts: list[list[int]], vocab: int, args: list[str]):
-        monkeypatch.setattr(evaluate_cli, "load_bench_prompts",
-                            lambda bench, tokenizer, n: evaluate_cli.BenchPrompts(bench, prompts[:n]))
+        monkeypatch.setattr(
+            evaluate_cli,
+            "load_bench_prompts",
+            lambda bench, tokenizer, n: evaluate_cli.BenchPrompts(bench, prompts[:n]),
+        )
         cfg = evaluate_cli.parse_args([f"n_prompts={len(prompts)}", *args])
         target, draft = tiny_loaded(10, vocab, 2, 3.0), tiny_loaded(11, vocab, 1, 3.0)
         return evaluate_cli.evaluate(cfg, target=target, draft=draft), calls
@@ -278,9 +374,18 @@ def tiny_eval(monkeypatch):
 
 def test_a_sampling_variant_in_a_greedy_run_samples_with_its_own_settings(tiny_eval, tmp_path):
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    results, calls = tiny_eval(prompts, 16, [
-        "algorithms=[sps,sps@temperature=1,sps@temperature=1@seed=7,sps@temperature=1@top_k=1]", "temperature=0",
-        "max_new_tokens=8", "gamma=2", f"out={tmp_path}", "warmup=true"])
+    results, calls = tiny_eval(
+        prompts,
+        16,
+        [
+            "algorithms=[sps,sps@temperature=1,sps@temperature=1@seed=7,sps@temperature=1@top_k=1]",
+            "temperature=0",
+            "max_new_tokens=8",
+            "gamma=2",
+            f"out={tmp_path}",
+            "warmup=true",
+        ],
+    )
     ar, sps, sampled, reseeded, top1 = results["runs"]
     greedy_tokens = [tokens for _, tokens in calls[0][1:]]  # [0] is the warm-up call
     sampled_tokens = [tokens for _, tokens in calls[2][1:]]
@@ -291,7 +396,12 @@ def test_a_sampling_variant_in_a_greedy_run_samples_with_its_own_settings(tiny_e
     assert [tokens for _, tokens in calls[4][1:]] == greedy_tokens  # top_k=1 leaves only the argmax
     assert sps["greedy_equal_to_ar"] is True and ar["temperature"] == sps["temperature"] == 0.0
     assert {k: sampled[k] for k in ("temperature", "top_k", "top_p", "seed", "max_new_tokens")} == {
-        "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0, "max_new_tokens": 8}
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "seed": 0,
+        "max_new_tokens": 8,
+    }
     assert reseeded["seed"] == 7 and top1["top_k"] == 1
     assert all(run.get("greedy_equal_to_ar") is None for run in (sampled, reseeded, top1))
     rows = (tmp_path / "report.md").read_text().splitlines()
@@ -304,9 +414,19 @@ def test_a_sampling_variant_follows_the_target_law(tiny_eval, tmp_path):
     """Monte Carlo through evaluate: the first 2 tokens of sps@temperature=1 (a different draft, so the second
     token goes through verification) follow the tiny target's law, enumerated exactly; greedy would not."""
     vocab, runs, prompt = 4, 800, [1, 2]
-    results, calls = tiny_eval([prompt] * runs, vocab, [
-        "algorithms=[sps@temperature=1]", "temperature=0", "max_new_tokens=2", "gamma=2", "seed=3",
-        f"out={tmp_path}", "warmup=false"])
+    results, calls = tiny_eval(
+        [prompt] * runs,
+        vocab,
+        [
+            "algorithms=[sps@temperature=1]",
+            "temperature=0",
+            "max_new_tokens=2",
+            "gamma=2",
+            "seed=3",
+            f"out={tmp_path}",
+            "warmup=false",
+        ],
+    )
     counts: dict[tuple[int, ...], int] = {}
     for _, tokens in calls[1]:
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
@@ -323,9 +443,20 @@ def test_a_sampling_variant_follows_the_target_law(tiny_eval, tmp_path):
     assert len(counts) > 4 and results["runs"][1]["temperature"] == 1.0
 
 
-@pytest.mark.parametrize("key, value", [("n_prompts", "3"), ("target", "smollm2"), ("drafter", "x"),
-                                        ("max_seq_len", "64"), ("batch_size", "2"), ("device", "cpu"),
-                                        ("bench", "humaneval"), ("threads", "1"), ("warmup", "false")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("n_prompts", "3"),
+        ("target", "smollm2"),
+        ("drafter", "x"),
+        ("max_seq_len", "64"),
+        ("batch_size", "2"),
+        ("device", "cpu"),
+        ("bench", "humaneval"),
+        ("threads", "1"),
+        ("warmup", "false"),
+    ],
+)
 def test_a_run_level_key_in_a_variant_is_refused(key, value, tmp_path, capsys):
     label = f"sps@gamma=2@{key}={value}"
     with pytest.raises(OverrideError, match=f"'{key}' cannot differ per variant; set {key}={value} for the whole run"):
@@ -343,8 +474,11 @@ def test_a_variants_bad_sampling_is_refused_at_parse_time():
 
 
 def test_a_variants_max_new_tokens_takes_effect(tiny_eval, tmp_path):
-    results, _ = tiny_eval([[1, 2, 3], [4, 5]], 16, [
-        "algorithms=[sps@max_new_tokens=3]", "max_new_tokens=6", f"out={tmp_path}", "warmup=false"])
+    results, _ = tiny_eval(
+        [[1, 2, 3], [4, 5]],
+        16,
+        ["algorithms=[sps@max_new_tokens=3]", "max_new_tokens=6", f"out={tmp_path}", "warmup=false"],
+    )
     ar, short = results["runs"]
     assert (ar["new_tokens"], ar["max_new_tokens"]) == (12, 6)
     assert (short["new_tokens"], short["max_new_tokens"]) == (6, 3)
@@ -354,13 +488,27 @@ def test_a_variants_max_new_tokens_takes_effect(tiny_eval, tmp_path):
 
 def test_the_report_flags_every_greedy_row_that_left_ar():
     """Output that differs from AR's is never presented as lossless, whatever else the table says."""
-    runs = [{"algorithm": name, "bench": "gsm", "n_prompts": 1, "new_tokens": 4, "tau": 2.0, "tokens_per_s": 9.0,
-             "speedup_vs_ar": 1.2, "rollback_rate": 0.1, "greedy_equal_to_ar": equal, "temperature": 0}
-            for name, equal in (("ar", True), ("sps", True), ("eagle3_tree", False))]
+    runs = [
+        {
+            "algorithm": name,
+            "bench": "gsm",
+            "n_prompts": 1,
+            "new_tokens": 4,
+            "tau": 2.0,
+            "tokens_per_s": 9.0,
+            "speedup_vs_ar": 1.2,
+            "rollback_rate": 0.1,
+            "greedy_equal_to_ar": equal,
+            "temperature": 0,
+        }
+        for name, equal in (("ar", True), ("sps", True), ("eagle3_tree", False))
+    ]
     exactness = {"path": "approximate", "probe": "not run", "bitwise": False, "reason": "cuda attention"}
     report = markdown_table({"config": {}, "runs": runs, "exactness": exactness})
-    assert ("exactness: approximate path, probe not run (cuda attention); greedy output is AR's only up to rounding. **Not "
-            "lossless: greedy output differs from AR's in eagle3_tree (gsm)**") in report
+    assert (
+        "exactness: approximate path, probe not run (cuda attention); greedy output is AR's only up to rounding. **Not "
+        "lossless: greedy output differs from AR's in eagle3_tree (gsm)**"
+    ) in report
 
 
 def test_batch_size_above_one_is_refused_where_it_would_leave_the_exact_path(monkeypatch, tmp_path):
@@ -370,11 +518,15 @@ def test_batch_size_above_one_is_refused_where_it_would_leave_the_exact_path(mon
     from inference.transformers_runner import TransformersRunner
 
     model = tiny_loaded(10, 16, 2, 3.0).model
-    monkeypatch.setattr(evaluate_cli, "load_bench_prompts",
-                        lambda bench, tokenizer, n: evaluate_cli.BenchPrompts(bench, [[1, 2, 3], [4, 5]][:n]))
+    monkeypatch.setattr(
+        evaluate_cli,
+        "load_bench_prompts",
+        lambda bench, tokenizer, n: evaluate_cli.BenchPrompts(bench, [[1, 2, 3], [4, 5]][:n]),
+    )
     monkeypatch.setattr(evaluate_cli, "eos_token_ids", lambda *a, **k: [])
-    cfg = evaluate_cli.parse_args(["algorithms=[ar]", "batch_size=2", "n_prompts=2", "max_new_tokens=4",
-                                   f"out={tmp_path}", "warmup=false"])
+    cfg = evaluate_cli.parse_args(
+        ["algorithms=[ar]", "batch_size=2", "n_prompts=2", "max_new_tokens=4", f"out={tmp_path}", "warmup=false"]
+    )
     batched = ModelRunner.from_hf_model(model, max_batch_size=2, max_seq_len=32)
     assert batched.exactness.path == exactness.EXACT
     results = evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", batched, None, model))
@@ -388,5 +540,7 @@ def test_batch_size_above_one_is_refused_where_it_would_leave_the_exact_path(mon
     fallback = TransformersRunner(model, max_batch_size=2, max_seq_len=32)
     results = evaluate_cli.evaluate(cfg, target=LoadedModel("tiny", fallback, None, model))
     assert results["exactness"]["reason"].startswith("transformers backend") and results["runs"][0]["new_tokens"] == 8
-    assert ("exactness: approximate path, probe not run (transformers backend: its attention and GEMMs compute a "
-            "verification's rows together; exact mode needs the native runner") in (tmp_path / "report.md").read_text()
+    assert (
+        "exactness: approximate path, probe not run (transformers backend: its attention and GEMMs compute a "
+        "verification's rows together; exact mode needs the native runner"
+    ) in (tmp_path / "report.md").read_text()

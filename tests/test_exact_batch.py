@@ -26,13 +26,15 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def target():
     # sharp output distributions: greedy answers that do not all repeat one token
-    return tiny_llama(0, vocab=VOCAB, layers=2, temperature_scale=20.0, hidden=64, intermediate=128, heads=4,
-                      kv_heads=2)
+    return tiny_llama(
+        0, vocab=VOCAB, layers=2, temperature_scale=20.0, hidden=64, intermediate=128, heads=4, kv_heads=2
+    )
 
 
 def runner_of(model, dtype, rows: int = 1, **kw) -> ModelRunner:
-    return ModelRunner.from_hf_model(model, dtype=dtype, max_batch_size=rows, max_seq_len=kw.pop("max_seq_len", 256),
-                                     **kw)
+    return ModelRunner.from_hf_model(
+        model, dtype=dtype, max_batch_size=rows, max_seq_len=kw.pop("max_seq_len", 256), **kw
+    )
 
 
 def random_ids(seed: int, *lengths: int) -> list[torch.Tensor]:
@@ -44,7 +46,7 @@ def prefill_ragged(runner: ModelRunner, prompts: list[torch.Tensor]) -> None:
     """One padded forward of every prompt, then each row cut back to its own length."""
     ids = torch.zeros(len(prompts), max(len(p) for p in prompts), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = prompt
+        ids[row, : len(prompt)] = prompt
     runner.reset(len(prompts))
     runner.forward(ids, logit_rows=slice(0, 0))
     runner.truncate(torch.tensor([len(p) for p in prompts]))
@@ -54,7 +56,7 @@ def solo_decode(solo: ModelRunner, prompt: torch.Tensor, tokens: torch.Tensor) -
     """[len(tokens), V]: each token decoded alone after the prompt."""
     solo.reset(1)
     solo.forward(prompt[None])
-    return torch.cat([solo.forward(tokens[None, j:j + 1]).logits[0] for j in range(len(tokens))])
+    return torch.cat([solo.forward(tokens[None, j : j + 1]).logits[0] for j in range(len(tokens))])
 
 
 def test_the_mode_is_on_for_cpu_batches_by_default(target):
@@ -78,7 +80,7 @@ def test_batched_decode_gives_each_row_its_solo_logits(target, dtype):
     prefill_ragged(batched, prompts)
     step = torch.stack(tokens)
     for j in range(4):
-        logits = batched.forward(step[:, j:j + 1]).logits[:, 0]
+        logits = batched.forward(step[:, j : j + 1]).logits[:, 0]
         for row in range(len(lengths)):
             assert torch.equal(logits[row], expected[row][j]), f"row {row}, step {j}"
     with batched.first_rows(2):  # the last rows sit out
@@ -92,7 +94,7 @@ def test_batched_decode_gives_each_row_its_solo_logits(target, dtype):
             assert torch.equal(logits[row], expected[row][back[row] + j]), f"row {row}, step {back[row] + j}"
     batched.select_rows([2, 2, 0], lengths[0] + 2)  # row 2 forked twice, cut to row 0's length
     logits = batched.forward(torch.stack([tokens[2][2:3], tokens[2][2:3], tokens[0][2:3]])).logits[:, 0]
-    short = solo_decode(solo, prompts[2][:lengths[0] + 2], tokens[2][2:3])[0]
+    short = solo_decode(solo, prompts[2][: lengths[0] + 2], tokens[2][2:3])[0]
     assert torch.equal(logits[0], short) and torch.equal(logits[1], short)
     assert torch.equal(logits[2], expected[0][2])
 
@@ -138,13 +140,22 @@ def test_continuous_batching_answers_equal_solo_ar(target, dtype, spare_rows):
     """Greedy and seeded jobs of mixed lengths, three rows at a time with refills: each answer is its solo AR run's."""
     prompts = [p.tolist() for p in random_ids(5, 4, 23, 9, 1, 40, 14, 7)]
     greedy, seeded = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
-    jobs = [Job(i, p, 6 + 3 * (i % 3), seed=100 + i, sampling=greedy if i % 2 else seeded)
-            for i, p in enumerate(prompts)]
+    jobs = [
+        Job(i, p, 6 + 3 * (i % 3), seed=100 + i, sampling=greedy if i % 2 else seeded) for i, p in enumerate(prompts)
+    ]
     ar = build_algorithm("ar", runner_of(target, dtype))
-    expected = {job.key: ar.generate(job.ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
-                                     generator=torch.Generator().manual_seed(job.seed)).tokens for job in jobs}
-    batcher = ContinuousBatcher(runner_of(target, dtype, rows=6 if spare_rows else 3), batch_size=3, eos_ids=[],
-                                sampling=greedy)
+    expected = {
+        job.key: ar.generate(
+            job.ids,
+            max_new_tokens=job.max_new_tokens,
+            sampling=job.sampling,
+            generator=torch.Generator().manual_seed(job.seed),
+        ).tokens
+        for job in jobs
+    }
+    batcher = ContinuousBatcher(
+        runner_of(target, dtype, rows=6 if spare_rows else 3), batch_size=3, eos_ids=[], sampling=greedy
+    )
     queue, answers = list(jobs), {}
     batcher.run(lambda: queue.pop(0) if queue else None, lambda job, tokens: answers.__setitem__(job.key, tokens))
     assert answers == expected
@@ -159,8 +170,11 @@ def test_a_host_whose_gemm_rows_depend_on_the_row_count_makes_batches_approximat
     monkeypatch.setattr(exactness, "_results", {})
     differs = rounds_differently_past(4)
     original = Linear.forward
-    monkeypatch.setattr(Linear, "forward", lambda self, x, out_features=None: (
-        differs if self.out_features == VOCAB else original)(self, x, out_features))
+    monkeypatch.setattr(
+        Linear,
+        "forward",
+        lambda self, x, out_features=None: (differs if self.out_features == VOCAB else original)(self, x, out_features),
+    )
     with pytest.warns(exactness.ExactnessWarning) as warned:
         batched = runner_of(target, dtype, rows=8)
     assert any("batched rows run the approximate path" in str(w.message) for w in warned)
@@ -190,6 +204,6 @@ def test_real_smollm2_batched_decode_gives_each_row_its_solo_logits(smollm2, dty
     batched = runner_of(model, dtype, rows=4, max_seq_len=128, probe=False)
     assert batched.exact and solo.exact
     prefill_ragged(batched, prompts)
-    logits = torch.stack([batched.forward(torch.stack(tokens)[:, j:j + 1]).logits[:, 0] for j in range(3)], dim=1)
+    logits = torch.stack([batched.forward(torch.stack(tokens)[:, j : j + 1]).logits[:, 0] for j in range(3)], dim=1)
     for row, (prompt, row_tokens) in enumerate(zip(prompts, tokens)):
         assert torch.equal(logits[row], solo_decode(solo, prompt, row_tokens)), f"row {row}"

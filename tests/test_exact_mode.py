@@ -32,8 +32,17 @@ GREEDY = SamplingParams(temperature=0)
 def smollm2_shaped(seed: int, layers: int) -> LlamaForCausalLM:
     """SmolLM2-135M's layer shapes (the kernels chosen depend on them) with few layers and a small vocabulary;
     sharp output distributions, so that a noisy copy agrees with it now and then."""
-    return tiny_llama(seed, vocab=4096, layers=layers, temperature_scale=30.0, hidden=576, intermediate=1536, heads=9,
-                      kv_heads=3, max_positions=1024)
+    return tiny_llama(
+        seed,
+        vocab=4096,
+        layers=layers,
+        temperature_scale=30.0,
+        hidden=576,
+        intermediate=1536,
+        heads=9,
+        kv_heads=3,
+        max_positions=1024,
+    )
 
 
 def noisy_copy(model: LlamaForCausalLM, noise: float) -> LlamaForCausalLM:
@@ -90,10 +99,10 @@ def test_logits_do_not_depend_on_how_tokens_are_batched(target, dtype, prompt_le
     runner.reset(1)
     runner.forward(prompt)
     start = runner.length()
-    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(100)])
+    stepwise = torch.cat([runner.forward(tokens[:, j : j + 1]).logits[0] for j in range(100)])
     for block in (2, 3, 4, 5, 13, 33, 48, 64, 65, 100):  # 65, 100: more than EXACT_ROWS, run in chunks
         runner.truncate(start)
-        blocked = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0] for j in range(0, 100, block)])
+        blocked = torch.cat([runner.forward(tokens[:, j : j + block]).logits[0] for j in range(0, 100, block)])
         assert torch.equal(blocked, stepwise), f"block {block}"
     runner.truncate(start)  # the same chain through an explicit mask (the tree / grid path)
     chain = runner.forward(tokens[:, :48], attention_mask=torch.ones(48, 48, dtype=torch.bool).tril()).logits[0]
@@ -113,9 +122,9 @@ def test_prefill_chunk_edges_do_not_change_the_cache(target, dtype):
         runner.reset(1)
         at = 0
         for size in pieces:
-            runner.forward(prompt[:, at:at + size])
+            runner.forward(prompt[:, at : at + size])
             at += size
-        outcomes.append(torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(6)]))
+        outcomes.append(torch.cat([runner.forward(tokens[:, j : j + 1]).logits[0] for j in range(6)]))
     assert all(torch.equal(o, outcomes[0]) for o in outcomes[1:])
 
 
@@ -141,7 +150,7 @@ def test_random_tree_nodes_get_the_logits_of_decoding_their_own_path(target, dty
     for node in range(len(parents)):
         runner.truncate(cached)
         for i in mask[node].nonzero()[:, 0].tolist():
-            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+            decoded = runner.forward(tokens[:, i : i + 1]).logits[0, -1]
         assert torch.equal(tree[node], decoded), f"node {node} of {parents}"
 
 
@@ -162,7 +171,7 @@ def test_committing_a_tree_path_leaves_the_cache_decoding_would(target, dtype):
     after_tree = runner.forward(nxt).logits[0, -1]
     runner.truncate(90)
     for i in path:
-        runner.forward(tokens[:, i:i + 1])
+        runner.forward(tokens[:, i : i + 1])
     assert torch.equal(after_tree, runner.forward(nxt).logits[0, -1])
 
 
@@ -184,7 +193,7 @@ def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smoll
     for node in range(len(parents)):
         runner.truncate(len(context))
         for i in mask[node].nonzero()[:, 0].tolist():
-            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+            decoded = runner.forward(tokens[:, i : i + 1]).logits[0, -1]
         assert torch.equal(tree[node], decoded), f"node {node}"
 
 
@@ -192,19 +201,24 @@ def test_real_smollm2_tree_nodes_get_the_logits_of_decoding_their_own_path(smoll
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_probe_catches_gemm_rows_that_depend_on_the_row_count_and_falls_back(target, dtype, monkeypatch,
-                                                                                   fresh_probe):
+def test_the_probe_catches_gemm_rows_that_depend_on_the_row_count_and_falls_back(
+    target, dtype, monkeypatch, fresh_probe
+):
     monkeypatch.setattr(Linear, "forward", rounds_differently_past(4))
-    with pytest.warns(exactness.ExactnessWarning, match="exact mode: the lm_head on 5 hidden rows gave row 0 other "
-                                                        "logits than on it alone on this CPU; .*token by token"):
+    with pytest.warns(
+        exactness.ExactnessWarning,
+        match="exact mode: the lm_head on 5 hidden rows gave row 0 other "
+        "logits than on it alone on this CPU; .*token by token",
+    ):
         runner = exact_runner(target, dtype)
     assert runner.exactness.path == exactness.PER_TOKEN and runner.exactness.bitwise
     assert runner.exactness.probe.startswith("failed: the lm_head on 5 hidden rows")
     prompt = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=30, sampling=GREEDY)
     draft = exact_runner(noisy_copy(target, 0.05), dtype, exact=False)
-    result = build_algorithm("sps", exact_runner(target, dtype), draft).generate(prompt, max_new_tokens=30,
-                                                                                 sampling=GREEDY)
+    result = build_algorithm("sps", exact_runner(target, dtype), draft).generate(
+        prompt, max_new_tokens=30, sampling=GREEDY
+    )
     assert result.tokens == reference.tokens and result.stats.tau > 1.5
     # Without the probe the fast path's claim would be false on this host: a verified block differs from decoding.
     unprobed = exact_runner(target, dtype, probe=False)
@@ -213,7 +227,7 @@ def test_the_probe_catches_gemm_rows_that_depend_on_the_row_count_and_falls_back
     tokens = torch.tensor([reference.tokens[:8]])
     blocked = unprobed.forward(tokens).logits[0]
     unprobed.truncate(len(prompt))
-    assert not torch.equal(blocked, torch.cat([unprobed.forward(tokens[:, j:j + 1]).logits[0] for j in range(8)]))
+    assert not torch.equal(blocked, torch.cat([unprobed.forward(tokens[:, j : j + 1]).logits[0] for j in range(8)]))
 
 
 def test_the_probe_catches_attention_rows_that_depend_on_the_call(target, monkeypatch, fresh_probe):
@@ -223,14 +237,17 @@ def test_the_probe_catches_attention_rows_that_depend_on_the_call(target, monkey
     def attention(q, keys_t, values, keys, threads=None):
         out = original(q, keys_t, values, keys, threads)
         return out if q.shape[0] == 1 else (out.view(torch.int32) ^ 1).view(torch.float32)
+
     monkeypatch.setattr(exact_cpu, "attention", attention)
     with pytest.warns(exactness.ExactnessWarning, match="a block of 2 tokens"):
         runner = exact_runner(target, torch.float32)
     assert runner.exactness.path == exactness.PER_TOKEN
     prompt = torch.randint(0, 4096, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=12, sampling=GREEDY)
-    assert build_algorithm("self_draft", runner).generate(prompt, max_new_tokens=12,
-                                                          sampling=GREEDY).tokens == reference.tokens
+    assert (
+        build_algorithm("self_draft", runner).generate(prompt, max_new_tokens=12, sampling=GREEDY).tokens
+        == reference.tokens
+    )
 
 
 def flipped_last_bit(out: torch.Tensor) -> torch.Tensor:
@@ -247,16 +264,21 @@ def rounds_differently_at(rows: int, *, head: bool):
         out = original(self, x, out_features)
         hit = x.numel() // x.shape[-1] == rows and (self.out_features == 4096) == head
         return flipped_last_bit(out) if hit else out
+
     return forward
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, head, found", [
-    (7, False, "a block of 7 tokens gave token 0 other hidden states than decoding it alone"),
-    (27, True, "the lm_head on 27 hidden rows gave row 0 other logits than on it alone"),
-])
-def test_the_probe_catches_rows_that_differ_only_at_a_count_it_once_skipped(target, dtype, rows, head, found,
-                                                                            monkeypatch, fresh_probe):
+@pytest.mark.parametrize(
+    "rows, head, found",
+    [
+        (7, False, "a block of 7 tokens gave token 0 other hidden states than decoding it alone"),
+        (27, True, "the lm_head on 27 hidden rows gave row 0 other logits than on it alone"),
+    ],
+)
+def test_the_probe_catches_rows_that_differ_only_at_a_count_it_once_skipped(
+    target, dtype, rows, head, found, monkeypatch, fresh_probe
+):
     """Served row counts (a 7-token chain, the 27-row tail of a 91-row tree) that the probe's former sample of
     blocks (2, 3, 5, 13, 33, 48, 64 and their tails) never tried: every count 1..EXACT_ROWS is checked now."""
     monkeypatch.setattr(Linear, "forward", rounds_differently_at(rows, head=head))
@@ -276,7 +298,8 @@ def one_row_head_rounds_differently(vocab: int):
         out = original(self, x, out_features)
         if self.out_features != vocab or x.numel() // x.shape[-1] != 1:
             return out
-        return out + (pattern[:out.shape[-1]] * 3 * out.float().std()).to(out.dtype)
+        return out + (pattern[: out.shape[-1]] * 3 * out.float().std()).to(out.dtype)
+
     return forward
 
 
@@ -300,9 +323,11 @@ def test_a_host_whose_one_row_lm_head_differs_cannot_move_verification_rows_off_
         assert not torch.equal(runner.lm_head(hidden).float(), runner.logits_from_hidden(hidden))
     prompt = torch.randint(0, 4096, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     reference = build_algorithm("ar", runner).generate(prompt, max_new_tokens=10, sampling=GREEDY).tokens
-    drafters = {"eagle3_tree": (random_eagle3(model, draft_vocab=512).to(dtype), {"tree_total": 8}),
-                "specblock_tree": (random_specblock(model, draft_vocab=512).to(dtype), {}),
-                "self_draft": (None, {"branch_len": 3, "branch_num": 2})}
+    drafters = {
+        "eagle3_tree": (random_eagle3(model, draft_vocab=512).to(dtype), {"tree_total": 8}),
+        "specblock_tree": (random_specblock(model, draft_vocab=512).to(dtype), {}),
+        "self_draft": (None, {"branch_len": 3, "branch_num": 2}),
+    }
     for name, (drafter, options) in drafters.items():
         built = build_algorithm(name, exact_runner(model, dtype), drafter, **options)
         assert built.generate(prompt, max_new_tokens=10, sampling=GREEDY).tokens == reference, name
@@ -315,6 +340,7 @@ def test_a_host_that_is_not_even_deterministic_is_reported_as_approximate(target
     def noisy(self, x, out_features=None):  # every call rounds its own way
         out = original(self, x, out_features)
         return out if next(calls) % 2 else (out.view(torch.int32) ^ 1).view(torch.float32)
+
     monkeypatch.setattr(Linear, "forward", noisy)
     with pytest.warns(exactness.ExactnessWarning, match="greedy equality only up to rounding"):
         runner = exact_runner(target, torch.float32)
@@ -326,6 +352,7 @@ def test_a_host_that_is_not_even_deterministic_is_reported_as_approximate(target
 def test_without_the_kernels_the_mode_is_off_and_says_why(target, monkeypatch):
     def unavailable():
         raise exact_cpu.KernelUnavailable("no C compiler found for the exact CPU kernels; install gcc")
+
     monkeypatch.setattr(exact_cpu, "library", unavailable)
     with pytest.warns(exactness.ExactnessWarning, match="exact mode is off: no C compiler found"):
         runner = exact_runner(target, torch.float32)
@@ -346,10 +373,10 @@ def test_the_attention_kernel_matches_fp64_and_each_row_is_its_own(target):
     k, v = keys_t.double().transpose(1, 2).repeat_interleave(group, 0), values.double().repeat_interleave(group, 0)
     for t in (0, 9, 20):
         n = cached + t + 1
-        scores = (q[t].double()[:, None] @ k[:, :n].transpose(1, 2))[:, 0] * dim ** -0.5
+        scores = (q[t].double()[:, None] @ k[:, :n].transpose(1, 2))[:, 0] * dim**-0.5
         reference = (scores.softmax(-1)[:, None] @ v[:, :n])[:, 0]
         assert (out[t].double() - reference).abs().max() < 2e-6
-        alone = exact_cpu.attention(q[t:t + 1], keys_t, values, KeyLists.chain(cached + t, 1), threads=1)
+        alone = exact_cpu.attention(q[t : t + 1], keys_t, values, KeyLists.chain(cached + t, 1), threads=1)
         assert torch.equal(alone[0], out[t])  # one thread or two, alone or among 21: the same bits
 
 
@@ -408,15 +435,15 @@ def test_the_exact_fp32_linear_gives_each_row_the_same_bits_whatever_the_call():
     x = torch.randn(64, 70)
     with torch.no_grad():
         full = layer(x)
-        torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         for rows in (1, 2, 3, 5, 13, 33, 48):
             assert torch.equal(layer(x[:rows]), full[:rows]), rows
         assert torch.equal(layer(x[17:18]), full[17:18])
         assert torch.equal(layer(x[:7], 40), full[:7, :40])  # a vocabulary-limited head
         layer.weight.mul_(2)  # an in-place update: the transposed copy is rebuilt
-        torch.testing.assert_close(layer(x[:3]), torch.nn.functional.linear(x[:3], layer.weight, layer.bias),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x[:3]), torch.nn.functional.linear(x[:3], layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_warnings_name_one_line(target, monkeypatch, fresh_probe):
@@ -438,9 +465,9 @@ def test_bf16_without_onednn_bf16_runs_the_exact_fp32_kernel_row_by_row(monkeypa
     layer.exact = True
     x = torch.randn(9, 96, generator=generator).to(torch.bfloat16)
     together = layer(x)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert together.dtype == torch.bfloat16 and torch.equal(together, alone)
     reference = (x.double() @ layer.weight.double().t() + layer.bias.double()).to(torch.bfloat16)
-    assert (together.float() - reference.float()).abs().max() <= 2 ** -6 * reference.float().abs().max()
+    assert (together.float() - reference.float()).abs().max() <= 2**-6 * reference.float().abs().max()
     layer.exact = False
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

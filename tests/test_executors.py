@@ -37,8 +37,9 @@ def run_rounds(executor, rounds: int = 5) -> list:
     target_gen = torch.Generator().manual_seed(7)
     last = outputs[0][0][-1]
     for _ in range(rounds):
-        target, (tokens, probs) = executor.overlap(lambda: int(torch.randint(11, (1,), generator=target_gen)),
-                                                   "draft", last, 3)
+        target, (tokens, probs) = executor.overlap(
+            lambda: int(torch.randint(11, (1,), generator=target_gen)), "draft", last, 3
+        )
         outputs.append((target, tokens, probs))
         last = (tokens[-1] + target) % 11
     return outputs

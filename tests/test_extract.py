@@ -49,11 +49,20 @@ def assert_same_rows(a: list[dict], b: list[dict]) -> None:
 
 def test_layer_specs():
     assert eagle3_layers(30) == [1, 14, 26]  # SmolLM2
-    assert resolve_layers("eagle3", 32) == [1, 15, 28]  # Llama-3.1-8B: outputs of layers 1, 15, 28 (docs/algorithms/eagle3.md §2)
+    assert resolve_layers("eagle3", 32) == [
+        1,
+        15,
+        28,
+    ]  # Llama-3.1-8B: outputs of layers 1, 15, 28 (docs/algorithms/eagle3.md §2)
     assert resolve_layers("last4", 30) == [26, 27, 28]  # + the final-normed state = HF hidden_states[-4:]
     assert resolve_layers([0, 5, -1], 8) == [0, 5, 7]
-    for bad, message in ((["eagle3", 6], "needs at least 8"), (["last9", 8], "K must be in"),
-                         ([[3, 1], 8], "increasing"), ([[8], 8], "not a layer id"), (["top3", 8], "eagle3, lastK")):
+    for bad, message in (
+        (["eagle3", 6], "needs at least 8"),
+        (["last9", 8], "K must be in"),
+        ([[3, 1], 8], "increasing"),
+        ([[8], 8], "not a layer id"),
+        (["top3", 8], "eagle3, lastK"),
+    ):
         with pytest.raises(ValueError, match=message):
             resolve_layers(*bad)
 
@@ -65,10 +74,24 @@ def test_extract_stores_the_runner_convention(tiny, chats, tmp_path):
     from core.assets import load_tokenizer
 
     out = tmp_path / "feats"
-    manifest = run_extract([f"target={tiny}", f"source=jsonl:{chats}", "n_samples=12", "max_len=64",
-                            "layers=eagle3", "dtype=fp32", "batch_size=4", "shard_size=4", f"out={out}"])
-    assert manifest["complete"] and manifest["layers"] == {"spec": "eagle3", "ids": [1, 3, 4],
-                                                           "convention": LAYER_CONVENTION}
+    manifest = run_extract(
+        [
+            f"target={tiny}",
+            f"source=jsonl:{chats}",
+            "n_samples=12",
+            "max_len=64",
+            "layers=eagle3",
+            "dtype=fp32",
+            "batch_size=4",
+            "shard_size=4",
+            f"out={out}",
+        ]
+    )
+    assert manifest["complete"] and manifest["layers"] == {
+        "spec": "eagle3",
+        "ids": [1, 3, 4],
+        "convention": LAYER_CONVENTION,
+    }
     # 12 chats, one of them prompt-only (index 6): 11 samples, committed 4 + 4 + 3
     assert [s["num_rows"] for s in manifest["shards"]] == [4, 4, 3] and manifest["skipped"] == 1
     assert manifest["num_rows"] == 11 and manifest["next_source_index"] == 12
@@ -99,8 +122,16 @@ def test_extract_stores_the_runner_convention(tiny, chats, tmp_path):
 
 
 def test_kill_9_then_rerun_loses_and_duplicates_nothing(tiny, chats, tmp_path, capsys):
-    args = [f"target={tiny}", f"source=jsonl:{chats}", "n_samples=60", "max_len=48", "layers=[1,3]",
-            "batch_size=2", "shard_size=2", "device=cpu"]
+    args = [
+        f"target={tiny}",
+        f"source=jsonl:{chats}",
+        "n_samples=60",
+        "max_len=48",
+        "layers=[1,3]",
+        "batch_size=2",
+        "shard_size=2",
+        "device=cpu",
+    ]
     run_extract(args + [f"out={tmp_path / 'reference'}"])
 
     out = tmp_path / "killed"
@@ -134,17 +165,29 @@ def test_kill_9_then_rerun_loses_and_duplicates_nothing(tiny, chats, tmp_path, c
 
 def test_resume_discards_uncommitted_leftovers_and_refuses_other_arguments(tiny, chats, tmp_path, capsys):
     out = tmp_path / "feats"
-    args = [f"target={tiny}", f"source=jsonl:{chats}", "n_samples=10", "max_len=32", "layers=[0,1]",
-            "batch_size=2", "shard_size=2", f"out={out}"]
+    args = [
+        f"target={tiny}",
+        f"source=jsonl:{chats}",
+        "n_samples=10",
+        "max_len=32",
+        "layers=[0,1]",
+        "batch_size=2",
+        "shard_size=2",
+        f"out={out}",
+    ]
     reference = rows_after(args)
     manifest = read_manifest(out)
     # What a kill can leave: a shard renamed into place whose manifest update never happened, and a temp dir.
     (out / "shards" / "shard-00009").mkdir()
     (out / "shards" / ".shard-00010.tmp-x").mkdir()
     manifest["shards"] = manifest["shards"][:2]
-    manifest.update(next_source_index=manifest["shards"][-1]["end_source_index"], complete=False,
-                    num_rows=4, num_tokens=sum(s["num_tokens"] for s in manifest["shards"]),
-                    skipped=sum(s["skipped"] for s in manifest["shards"]))
+    manifest.update(
+        next_source_index=manifest["shards"][-1]["end_source_index"],
+        complete=False,
+        num_rows=4,
+        num_tokens=sum(s["num_tokens"] for s in manifest["shards"]),
+        skipped=sum(s["skipped"] for s in manifest["shards"]),
+    )
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert main(args) == 0
     assert_same_rows(rows(out), reference)
@@ -180,8 +223,9 @@ def test_refusals_are_one_line(tiny, chats, tmp_path, capsys, monkeypatch):
 
     prompts_only = tmp_path / "prompts.jsonl"
     prompts_only.write_text('{"prompt": "hi"}\n')
-    assert "regenerate=true" in error_of([f"target={tiny}", f"source=jsonl:{prompts_only}", "layers=[0]",
-                                          f"out={tmp_path / 'b'}"])
+    assert "regenerate=true" in error_of(
+        [f"target={tiny}", f"source=jsonl:{prompts_only}", "layers=[0]", f"out={tmp_path / 'b'}"]
+    )
 
     monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 1000})())
     err = error_of(base + [f"out={tmp_path / 'c'}"])
@@ -197,8 +241,7 @@ def test_answer_window_keeps_long_prompts_and_is_recorded(tiny, chats, tmp_path)
     answer = run_extract(base + ["window=answer", f"out={tmp_path / 'answer'}"])
     assert answer["args"]["window"] == "answer" and answer["num_rows"] == 7 and answer["skipped"] == 1
     stored = rows(tmp_path / "answer")
-    assert all(len(r["input_ids"]) <= 24 and r["loss_mask"][:12].sum() == 0 and r["loss_mask"][12] == 1
-               for r in stored)
+    assert all(len(r["input_ids"]) <= 24 and r["loss_mask"][:12].sum() == 0 and r["loss_mask"][12] == 1 for r in stored)
 
 
 def test_regenerate_answers_with_the_target(tiny, tmp_path):
@@ -209,23 +252,44 @@ def test_regenerate_answers_with_the_target(tiny, tmp_path):
     target = load_lm(str(tiny), device="cpu", max_seq_len=65)
     eos = eos_token_ids(target.tokenizer, target.model.config)
     regen = Regenerator(target.runner, target.tokenizer, eos, max_len=64, max_new_tokens=6)
-    conv = Conversation("c", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"},
-                              {"role": "user", "content": "More?"}], "test")
+    conv = Conversation(
+        "c",
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "More?"},
+        ],
+        "test",
+    )
     new = regen(0, conv)
     assert [t["role"] for t in new.turns] == ["user", "assistant", "user", "assistant"]
     assert new.turns[0]["content"] == "Hi" and new.turns[2]["content"] == "More?"
     prompt = render_prompt(target.tokenizer, new.turns[:1])
     with torch.no_grad():
-        greedy = target.model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                       eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+        greedy = target.model.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     greedy = [t for t in greedy if t not in eos]
     assert new.turns[1]["content"] == target.tokenizer.decode(greedy, skip_special_tokens=True) != "old"
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Tell me a story."}\n{"prompt": "Count to three."}\n')
-    manifest = extract(parse_args([f"target={tiny}", f"source=jsonl:{prompts}", "max_len=64", "layers=[0,1]",
-                                   "regenerate=true", "max_new_tokens=5", "device=cpu", "batch_size=1",
-                                   f"out={tmp_path / 'regen'}"]), target=target)
+    manifest = extract(
+        parse_args(
+            [
+                f"target={tiny}",
+                f"source=jsonl:{prompts}",
+                "max_len=64",
+                "layers=[0,1]",
+                "regenerate=true",
+                "max_new_tokens=5",
+                "device=cpu",
+                "batch_size=1",
+                f"out={tmp_path / 'regen'}",
+            ]
+        ),
+        target=target,
+    )
     assert manifest["num_rows"] == 2 and manifest["args"]["max_new_tokens"] == 5
     sample = FeatureDataset(tmp_path / "regen")[0]
     assert 1 <= int(sample["loss_mask"].sum()) <= 6  # up to 5 answer tokens + the end-of-turn token
@@ -239,9 +303,22 @@ def test_real_smollm2_eagle3_features(smollm2, tmp_path):
 
     model, tokenizer = smollm2
     target = LoadedModel("smollm2", load_runner(model, max_seq_len=65, max_batch_size=2), tokenizer, model)
-    manifest = extract(parse_args(["target=smollm2", "source=sharegpt", "n_samples=2", "max_len=64", "layers=eagle3",
-                                   "dtype=bf16", "batch_size=2", "device=cpu", f"out={tmp_path / 'feats'}"]),
-                       target=target)
+    manifest = extract(
+        parse_args(
+            [
+                "target=smollm2",
+                "source=sharegpt",
+                "n_samples=2",
+                "max_len=64",
+                "layers=eagle3",
+                "dtype=bf16",
+                "batch_size=2",
+                "device=cpu",
+                f"out={tmp_path / 'feats'}",
+            ]
+        ),
+        target=target,
+    )
     assert manifest["layers"]["ids"] == [1, 14, 26] and manifest["target"]["num_layers"] == 30
     dataset = FeatureDataset(tmp_path / "feats", target="smollm2", layers="eagle3", tokenizer=tokenizer)
     sample = dataset[0]

@@ -23,17 +23,45 @@ def setup(tmp_path_factory):
     target_dir = save_tiny_target(root / "target")
     chats = write_jsonl(root / "chats.jsonl", 14, prompt_only_every=5)
     target = load_lm(str(target_dir), device="cpu", max_seq_len=97, max_batch_size=4)
-    extract(parse_args([f"target={target_dir}", f"source=jsonl:{chats}", "n_samples=14", "max_len=96",
-                        "layers=eagle3", "dtype=bf16", "batch_size=4", "shard_size=4",
-                        f"out={root / 'feats'}"]), target=target)
+    extract(
+        parse_args(
+            [
+                f"target={target_dir}",
+                f"source=jsonl:{chats}",
+                "n_samples=14",
+                "max_len=96",
+                "layers=eagle3",
+                "dtype=bf16",
+                "batch_size=4",
+                "shard_size=4",
+                f"out={root / 'feats'}",
+            ]
+        ),
+        target=target,
+    )
     return {"root": root, "target_dir": target_dir, "chats": chats, "target": target, "feats": root / "feats"}
 
 
 def test_offline_and_online_batches_are_identical(setup, capsys):
-    offline = FeatureDataModule(setup["feats"], batch_size=4, shuffle=False, target=str(setup["target_dir"]),
-                                layers="eagle3", tokenizer=setup["target"].tokenizer, dtype="bf16")
-    online = OnlineFeatureDataModule(setup["target"], source=f"jsonl:{setup['chats']}", n_samples=14, max_len=96,
-                                     layers="eagle3", dtype="bf16", batch_size=4, shuffle=False)
+    offline = FeatureDataModule(
+        setup["feats"],
+        batch_size=4,
+        shuffle=False,
+        target=str(setup["target_dir"]),
+        layers="eagle3",
+        tokenizer=setup["target"].tokenizer,
+        dtype="bf16",
+    )
+    online = OnlineFeatureDataModule(
+        setup["target"],
+        source=f"jsonl:{setup['chats']}",
+        n_samples=14,
+        max_len=96,
+        layers="eagle3",
+        dtype="bf16",
+        batch_size=4,
+        shuffle=False,
+    )
     offline_batches, online_batches = list(offline.train_dataloader()), list(online.train_dataloader())
     assert len(offline_batches) == len(online_batches) == 3  # 12 samples (2 prompt-only skipped)
     assert "12 of 14 conversations have answer tokens within their max_len=96 window" in capsys.readouterr().err
@@ -45,8 +73,9 @@ def test_offline_and_online_batches_are_identical(setup, capsys):
     assert batch["aux_hidden"].shape[-1] == 3 * 32 and batch["last_hidden"].dtype == torch.bfloat16
     pad = batch["attention_mask"] == 0
     assert pad.any() and not batch["aux_hidden"][pad].any() and not batch["loss_mask"][pad].any()
-    assert (batch["attention_mask"].sum(1) == torch.tensor([len(offline.train_set[i]["input_ids"])
-                                                           for i in range(4)])).all()
+    assert (
+        batch["attention_mask"].sum(1) == torch.tensor([len(offline.train_set[i]["input_ids"]) for i in range(4)])
+    ).all()
 
 
 def test_length_buckets_group_similar_lengths_and_keep_every_sample():
@@ -63,8 +92,15 @@ def test_length_buckets_group_similar_lengths_and_keep_every_sample():
 
 
 def test_bucketed_online_batches_hold_every_sample_once(setup):
-    common = dict(source=f"jsonl:{setup['chats']}", n_samples=14, max_len=96, layers="eagle3", dtype="bf16",
-                  batch_size=4, features=False)
+    common = dict(
+        source=f"jsonl:{setup['chats']}",
+        n_samples=14,
+        max_len=96,
+        layers="eagle3",
+        dtype="bf16",
+        batch_size=4,
+        features=False,
+    )
     plain = OnlineFeatureDataModule(setup["target"], **common)
     bucketed = OnlineFeatureDataModule(setup["target"], bucket_by_length=True, **common)
     rows = [list(plain.train_dataloader()), list(bucketed.train_dataloader())]
@@ -72,8 +108,11 @@ def test_bucketed_online_batches_hold_every_sample_once(setup):
         assert batches[0].keys() == {"input_ids", "loss_mask", "attention_mask"}  # features=False: no target forward
 
     def sequences(batches):
-        return sorted(tuple(b["input_ids"][r, :int(b["attention_mask"][r].sum())].tolist())
-                      for b in batches for r in range(len(b["input_ids"])))
+        return sorted(
+            tuple(b["input_ids"][r, : int(b["attention_mask"][r].sum())].tolist())
+            for b in batches
+            for r in range(len(b["input_ids"]))
+        )
 
     assert sequences(rows[0]) == sequences(rows[1]) and len(sequences(rows[0])) == 12
     pads = [sum(int((b["attention_mask"] == 0).sum()) for b in batches) for batches in rows]
@@ -81,8 +120,10 @@ def test_bucketed_online_batches_hold_every_sample_once(setup):
 
 
 def test_collate_pads_right_with_zeros():
-    samples = [{"input_ids": torch.tensor([5, 6, 7]), "h": torch.ones(3, 2)},
-               {"input_ids": torch.tensor([8]), "h": torch.full((1, 2), 2.0)}]
+    samples = [
+        {"input_ids": torch.tensor([5, 6, 7]), "h": torch.ones(3, 2)},
+        {"input_ids": torch.tensor([8]), "h": torch.full((1, 2), 2.0)},
+    ]
     batch = collate_features(samples)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]

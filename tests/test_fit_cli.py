@@ -39,8 +39,9 @@ class ToyRegression(pl.LightningModule):
 
     def __init__(self, hidden: int, lr: float, dropout: float = 0.0, step_seconds: float = 0.0):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(dropout),
-                                       torch.nn.Linear(hidden, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(hidden, 1)
+        )
         self.lr, self.step_seconds = lr, step_seconds
 
     def training_step(self, batch, _):
@@ -73,12 +74,16 @@ class ToyData(pl.LightningDataModule):
         return resumable_loader(self.dataset, batch_size=self.batch_size)
 
 
-register_kind(DrafterKind(
-    name="toy_regression",
-    build_module=lambda cfg: ToyRegression(cfg.model.hidden, cfg.optim.lr, cfg.model.dropout, cfg.model.step_seconds),
-    build_datamodule=lambda cfg: ToyData(cfg.data.batch_size),
-    model_schema=ToyModelSchema,
-))
+register_kind(
+    DrafterKind(
+        name="toy_regression",
+        build_module=lambda cfg: ToyRegression(
+            cfg.model.hidden, cfg.optim.lr, cfg.model.dropout, cfg.model.step_seconds
+        ),
+        build_datamodule=lambda cfg: ToyData(cfg.data.batch_size),
+        model_schema=ToyModelSchema,
+    )
+)
 
 
 @pytest.fixture()
@@ -100,17 +105,20 @@ def test_compose_applies_overrides_by_path_and_by_unique_leaf(recipes, tmp_path)
     assert cfg.kind == "toy_regression" and cfg.data.batch_size == 16
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("recipe=toy", "max_stepz=3"), "unknown key 'max_stepz' (did you mean 'max_steps'?); valid keys:"),
-    (("recipe=toy", "model.width=3"), "unknown key 'model.width'"),
-    (("recipe=nope",), "unknown recipe 'nope'; available: toy"),
-    (("max_steps=1",), "no recipe given"),
-    (("recipe=toy", "logger=neptune"), "logger=neptune is not one of csv, wandb, tensorboard"),
-    (("recipe=toy", "strategy=horovod"), "trainer.strategy=horovod is not one of"),
-    (("recipe=toy", "kind=nope"), "unknown kind 'nope'"),
-    (("recipe=toy", "trainer.max_steps=abc"), "bad override"),
-    (("recipe=toy", "oops"), "is not key=value"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("recipe=toy", "max_stepz=3"), "unknown key 'max_stepz' (did you mean 'max_steps'?); valid keys:"),
+        (("recipe=toy", "model.width=3"), "unknown key 'model.width'"),
+        (("recipe=nope",), "unknown recipe 'nope'; available: toy"),
+        (("max_steps=1",), "no recipe given"),
+        (("recipe=toy", "logger=neptune"), "logger=neptune is not one of csv, wandb, tensorboard"),
+        (("recipe=toy", "strategy=horovod"), "trainer.strategy=horovod is not one of"),
+        (("recipe=toy", "kind=nope"), "unknown kind 'nope'"),
+        (("recipe=toy", "trainer.max_steps=abc"), "bad override"),
+        (("recipe=toy", "oops"), "is not key=value"),
+    ],
+)
 def test_bad_input_fails_with_one_line(recipes, args, needle):
     with pytest.raises(OverrideError) as info:
         compose(recipes, *args)
@@ -156,14 +164,28 @@ def test_a_resume_checkpoint_is_checked_before_anything_else(recipes, tmp_path):
     (sharded / ".metadata").write_bytes(b"")
     (sharded / "meta.pt").write_bytes(b"")
     for resume_from, message in [
-        ("notes.ckpt", "resume={p} is not a checkpoint of python -m spectrain.fit (truncated, or another file or "
-                       "directory); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt), or resume=auto"),
-        ("sharded.ckpt", "resume={p} is a sharded checkpoint, which trainer.strategy=auto cannot load; resume it "
-                         "with trainer.strategy=fsdp")]:
+        (
+            "notes.ckpt",
+            "resume={p} is not a checkpoint of python -m spectrain.fit (truncated, or another file or "
+            "directory); give runs/<run>/checkpoints/last.ckpt (or stepN.ckpt), or resume=auto",
+        ),
+        (
+            "sharded.ckpt",
+            "resume={p} is a sharded checkpoint, which trainer.strategy=auto cannot load; resume it "
+            "with trainer.strategy=fsdp",
+        ),
+    ]:
         path = tmp_path / resume_from
         with pytest.raises(fit_cli.RecipeError) as info:  # a target that does not exist is never looked at
-            fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path / 'runs'}", f"resume={path}",
-                                f"target={tmp_path / 'nowhere'}"))
+            fit_cli.fit(
+                compose(
+                    recipes,
+                    "recipe=toy",
+                    f"runs_dir={tmp_path / 'runs'}",
+                    f"resume={path}",
+                    f"target={tmp_path / 'nowhere'}",
+                )
+            )
         assert str(info.value) == message.format(p=path)
     assert not (tmp_path / "runs").exists()
 
@@ -181,15 +203,25 @@ def test_a_run_refused_before_its_first_step_leaves_no_run_directory(recipes, tm
 def test_dry_run_builds_without_training(recipes, tmp_path):
     result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "dry_run=true", "logger=tensorboard"))
     params = 4 * 8 + 8 + 8 + 1
-    assert result == {"run_dir": str(tmp_path / "toy"), "trained": False, "strategy": "SingleDeviceStrategy",
-                      "precision": "32-true", "trainable_params": params,
-                      "memory_gib": 16 * params / 2**30}  # fp32 AdamW: weight, gradient, two moments
+    assert result == {
+        "run_dir": str(tmp_path / "toy"),
+        "trained": False,
+        "strategy": "SingleDeviceStrategy",
+        "precision": "32-true",
+        "trainable_params": params,
+        "memory_gib": 16 * params / 2**30,
+    }  # fp32 AdamW: weight, gradient, two moments
     assert not (tmp_path / "toy" / "checkpoints").exists()
 
 
 def test_cli_unknown_recipe_exits_2_with_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spectrain.fit", "recipe=definitely_not_a_recipe"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spectrain.fit", "recipe=definitely_not_a_recipe"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: unknown recipe 'definitely_not_a_recipe'")
@@ -206,9 +238,12 @@ def test_wandb_logger_is_offline_without_an_api_key(recipes, tmp_path, monkeypat
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_fsdp_and_ddp_build_their_cpu_strategies_by_a_dry_run(recipes, tmp_path):
     # Multi-process runs of these strategies: tests/test_distributed_training.py.
-    built = {name: fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={name}",
-                                       "dry_run=true"))["strategy"]
-             for name in ("fsdp", "ddp")}
+    built = {
+        name: fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={name}", "dry_run=true"))[
+            "strategy"
+        ]
+        for name in ("fsdp", "ddp")
+    }
     assert built == {"fsdp": "ShardedDataParallel", "ddp": "DDPStrategy"}
 
 
@@ -216,25 +251,41 @@ def test_fsdp_and_ddp_build_their_cpu_strategies_by_a_dry_run(recipes, tmp_path)
 def test_a_gpu_accelerator_without_cuda_is_refused_in_one_line_unless_dry_run(recipes, tmp_path):
     with pytest.raises(fit_cli.RecipeError) as info:
         fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "accelerator=gpu"))
-    assert str(info.value) == ("trainer.accelerator=gpu needs CUDA GPUs and none is visible; use "
-                               "trainer.accelerator=cpu (ddp, fsdp and deepspeed_stage_2/3 run on CPU over gloo), "
-                               "or dry_run=true to validate the recipe without GPUs")
-    result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "accelerator=gpu", "dry_run=true",
-                                 "strategy=fsdp"))
+    assert str(info.value) == (
+        "trainer.accelerator=gpu needs CUDA GPUs and none is visible; use "
+        "trainer.accelerator=cpu (ddp, fsdp and deepspeed_stage_2/3 run on CPU over gloo), "
+        "or dry_run=true to validate the recipe without GPUs"
+    )
+    result = fit_cli.fit(
+        compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "accelerator=gpu", "dry_run=true", "strategy=fsdp")
+    )
     assert result["strategy"] == "ShardedDataParallel" and result["precision"] == "bf16-mixed"
 
 
-@pytest.mark.parametrize("precision, cuda, expected", [
-    ("auto", True, "bf16-mixed"), ("auto", False, "32-true"), ("bf16-mixed", True, "bf16-mixed"),
-    ("32-true", False, "32-true"), ("32-true", True, "32-true"), ("16-mixed", True, "16-mixed"),
-])
+@pytest.mark.parametrize(
+    "precision, cuda, expected",
+    [
+        ("auto", True, "bf16-mixed"),
+        ("auto", False, "32-true"),
+        ("bf16-mixed", True, "bf16-mixed"),
+        ("32-true", False, "32-true"),
+        ("32-true", True, "32-true"),
+        ("16-mixed", True, "16-mixed"),
+    ],
+)
 def test_precision_maps_to_bf16_autocast_on_cuda_and_fp32_on_cpu(precision, cuda, expected):
     assert fit_cli.resolve_precision(precision, cuda) == expected
 
 
-@pytest.mark.parametrize("precision, cpu_bf16, accepted", [
-    ("bf16-mixed", True, True), ("bf16-mixed", False, False), ("bf16-true", True, False), ("16-mixed", True, False),
-])
+@pytest.mark.parametrize(
+    "precision, cpu_bf16, accepted",
+    [
+        ("bf16-mixed", True, True),
+        ("bf16-mixed", False, False),
+        ("bf16-true", True, False),
+        ("16-mixed", True, False),
+    ],
+)
 def test_on_cpu_only_bf16_autocast_on_a_native_bf16_cpu_is_accepted(precision, cpu_bf16, accepted):
     if accepted:
         assert fit_cli.resolve_precision(precision, cuda=False, cpu_bf16=cpu_bf16) == precision
@@ -248,16 +299,20 @@ def test_half_precision_on_cpu_is_refused_before_any_work(recipes, tmp_path, mon
     monkeypatch.setattr(fit_cli, "cpu_has_native_bf16", lambda: False)  # a CPU without native bf16
     with pytest.raises(fit_cli.RecipeError) as info:
         fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", "precision=bf16-mixed"))
-    assert str(info.value) == ("trainer.precision=bf16-mixed needs a CUDA GPU (bf16-mixed: or a CPU with native "
-                               "bf16, AVX512-BF16 or AMX) and none is used here; use precision=auto (fp32 on CPU) "
-                               "or precision=32-true")
+    assert str(info.value) == (
+        "trainer.precision=bf16-mixed needs a CUDA GPU (bf16-mixed: or a CPU with native "
+        "bf16, AVX512-BF16 or AMX) and none is used here; use precision=auto (fp32 on CPU) "
+        "or precision=32-true"
+    )
     assert not (tmp_path / "toy").exists()
     with pytest.raises(fit_cli.RecipeError, match="trainer.precision=fp8 is not one of auto, 32-true, bf16-mixed"):
         compose(recipes, "recipe=toy", "precision=fp8")
 
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed is not installed (make install adds the [deepspeed] extra)")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (make install adds the [deepspeed] extra)",
+)
 
 
 @needs_deepspeed
@@ -265,8 +320,7 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_strategies_are_built_by_a_dry_run(recipes, tmp_path, stage):
     strategy = f"deepspeed_stage_{stage}"
-    result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={strategy}",
-                                 "dry_run=true"))
+    result = fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={strategy}", "dry_run=true"))
     assert result["strategy"] == "CPUDeepSpeed" and not result["trained"]
     assert fit_cli.build_strategy(strategy, cuda=False).config["zero_optimization"]["stage"] == stage
     assert fit_cli.build_strategy(strategy, cuda=True).config["zero_optimization"]["stage"] == stage
@@ -277,8 +331,14 @@ def llama8b_args(tmp_path: Path) -> list[str]:
     """The real eagle3_llama8b recipe with a tiny local HF directory as the 8B target and a small prompt file."""
     target = save_tiny_target(tmp_path / "Llama-3.1-8B-Instruct", layers=8, hidden=32)  # eagle3 layers need >= 8
     source = write_jsonl(tmp_path / "chats.jsonl", 12)
-    return ["recipe=eagle3_llama8b", f"target={target}", f"source=jsonl:{source}", "n_samples=12",
-            "draft_vocab_size=256", f"runs_dir={tmp_path / 'runs'}"]
+    return [
+        "recipe=eagle3_llama8b",
+        f"target={target}",
+        f"source=jsonl:{source}",
+        "n_samples=12",
+        "draft_vocab_size=256",
+        f"runs_dir={tmp_path / 'runs'}",
+    ]
 
 
 @needs_deepspeed
@@ -288,7 +348,12 @@ def test_eagle3_llama8b_recipe_dry_runs_on_cpu_without_the_weights(llama8b_args,
 
     cfg = fit_cli.compose_recipe([*llama8b_args, "dry_run=true"])
     assert (cfg.kind, cfg.trainer.strategy, cfg.trainer.precision, cfg.trainer.devices, cfg.logger) == (
-        "eagle3", "deepspeed_stage_2", "bf16-mixed", 8, "wandb")
+        "eagle3",
+        "deepspeed_stage_2",
+        "bf16-mixed",
+        8,
+        "wandb",
+    )
     monkeypatch.setattr(targets, "_loaded_target", None)  # reading the target's weights would fail the dry run
     result = fit_cli.fit(cfg)
     assert result["strategy"] == "DeepSpeedStrategy" and result["precision"] == "bf16-mixed"
@@ -302,5 +367,6 @@ def test_eagle3_llama8b_recipe_without_its_target_fails_with_one_line(tmp_path, 
     assert fit_cli.main(["recipe=eagle3_llama8b", "dry_run=true", f"runs_dir={tmp_path}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "error: target=models/Llama-3.1-8B-Instruct is not usable: unknown model 'models/Llama-3.1-8B-Instruct'")
+        "error: target=models/Llama-3.1-8B-Instruct is not usable: unknown model 'models/Llama-3.1-8B-Instruct'"
+    )
     assert "pass target=/path/to/model_dir" in lines[0]

@@ -20,8 +20,18 @@ from inference.drafters import load_lm
 from spectrain import fit as fit_cli
 
 # Before fp8: the header blocks and column-spec keys of every feature manifest (bf16 datasets keep them exactly).
-OLD_HEADER = {"format", "format_version", "kind", "spectrain_version", "args", "target", "tokenizer", "columns",
-              "layers", "compute"}
+OLD_HEADER = {
+    "format",
+    "format_version",
+    "kind",
+    "spectrain_version",
+    "args",
+    "target",
+    "tokenizer",
+    "columns",
+    "layers",
+    "compute",
+}
 
 
 def test_codec_error_bound_power_of_two_scales_and_exact_bf16_readback():
@@ -42,9 +52,9 @@ def test_codec_error_bound_power_of_two_scales_and_exact_bf16_readback():
     back = dequantize(codes, scales, torch.float32)
     assert torch.equal(dequantize(codes, scales, torch.bfloat16).float(), back)  # exact in bf16
     error = (back - x).abs().reshape(64, 3, 40)
-    normal = x.abs().reshape(64, 3, 40) >= scales[..., None] * 2.0 ** -6  # e4m3's normal range
-    assert (error[normal] <= x.abs().reshape(64, 3, 40)[normal] * 2.0 ** -4).all()
-    assert (error <= (scales[..., None] * 2.0 ** -10).expand_as(error))[~normal].all()
+    normal = x.abs().reshape(64, 3, 40) >= scales[..., None] * 2.0**-6  # e4m3's normal range
+    assert (error[normal] <= x.abs().reshape(64, 3, 40)[normal] * 2.0**-4).all()
+    assert (error <= (scales[..., None] * 2.0**-10).expand_as(error))[~normal].all()
     assert not back[5].any()
     assert (back - x).norm() / x.norm() < 0.04
     with pytest.raises(ValueError, match="does not split into 7 equal blocks"):
@@ -58,8 +68,16 @@ def datasets(tmp_path_factory):
     target_dir = save_tiny_target(root / "target")
     chats = write_jsonl(root / "chats.jsonl", 10, prompt_only_every=4)
     target = load_lm(str(target_dir), device="cpu", max_seq_len=49, max_batch_size=2)
-    args = [f"target={target_dir}", f"source=jsonl:{chats}", "n_samples=10", "max_len=48", "layers=eagle3",
-            "batch_size=2", "shard_size=2", "device=cpu"]
+    args = [
+        f"target={target_dir}",
+        f"source=jsonl:{chats}",
+        "n_samples=10",
+        "max_len=48",
+        "layers=eagle3",
+        "batch_size=2",
+        "shard_size=2",
+        "device=cpu",
+    ]
     for dtype in ("fp32", "fp8"):
         extract(parse_args([*args, f"dtype={dtype}", f"out={root / dtype}"]), target=target)
     return {"root": root, "args": args, "target_dir": target_dir, "target": target}
@@ -74,8 +92,11 @@ def test_fp8_dataset_reads_as_bf16_within_the_bound_of_the_fp32_values(datasets)
     root = datasets["root"]
     manifest = read_manifest(root / "fp8")
     assert manifest["args"]["dtype"] == "fp8" and manifest["feature_storage"] == {
-        "dtype": "float8_e4m3fn", "scaling": "power of two per token and per layer block", "scale_dtype": "float32",
-        "reads_as": "bfloat16"}
+        "dtype": "float8_e4m3fn",
+        "scaling": "power of two per token and per layer block",
+        "scale_dtype": "float32",
+        "reads_as": "bfloat16",
+    }
     columns = manifest["columns"]
     assert columns["aux_hidden"]["dtype"] == columns["last_hidden"]["dtype"] == "float8_e4m3fn"
     assert columns["aux_hidden"]["scale"] == "aux_hidden_scale" and columns["aux_hidden_scale"]["shape"] == ["T", 3]
@@ -101,7 +122,9 @@ def test_a_dataset_without_the_field_reads_and_resumes_as_before(datasets, capsy
     a dataset made then reads and resumes unchanged."""
     root = datasets["root"]
     manifest = read_manifest(root / "fp32")
-    assert set(manifest) - {"shards", "next_source_index", "num_rows", "num_tokens", "skipped", "complete"} == OLD_HEADER
+    assert (
+        set(manifest) - {"shards", "next_source_index", "num_rows", "num_tokens", "skipped", "complete"} == OLD_HEADER
+    )
     assert all(set(spec) == {"dtype", "shape", "meaning"} for spec in manifest["columns"].values())
     assert rows(root / "fp32")[0]["aux_hidden"].dtype == torch.float32
     capsys.readouterr()
@@ -119,9 +142,13 @@ def test_resume_keeps_fp8_and_another_dtype_is_refused_in_one_line(datasets, tmp
     manifest = read_manifest(out)
     (out / "shards" / "shard-00009").mkdir()
     manifest["shards"] = manifest["shards"][:2]
-    manifest.update(next_source_index=manifest["shards"][-1]["end_source_index"], complete=False, num_rows=4,
-                    num_tokens=sum(s["num_tokens"] for s in manifest["shards"]),
-                    skipped=sum(s["skipped"] for s in manifest["shards"]))
+    manifest.update(
+        next_source_index=manifest["shards"][-1]["end_source_index"],
+        complete=False,
+        num_rows=4,
+        num_tokens=sum(s["num_tokens"] for s in manifest["shards"]),
+        skipped=sum(s["skipped"] for s in manifest["shards"]),
+    )
     (out / "manifest.json").write_text(json.dumps(manifest))
     capsys.readouterr()
     extract(parse_args(args), target=datasets["target"])
@@ -130,8 +157,10 @@ def test_resume_keeps_fp8_and_another_dtype_is_refused_in_one_line(datasets, tmp
     assert resumed["complete"] and resumed["args"]["dtype"] == "fp8" and "feature_storage" in resumed
     assert all(torch.equal(a[k], b[k]) for a, b in zip(rows(out), reference) for k in a)
 
-    for bad, line in (("dtype=bf16", f"{out} stores dtype=fp8 features; dtype=bf16 would mix two storage dtypes"),
-                      ("dtype=fp4", "dtype=fp4 is not a feature storage dtype; use one of bf16, fp16, fp32, fp8")):
+    for bad, line in (
+        ("dtype=bf16", f"{out} stores dtype=fp8 features; dtype=bf16 would mix two storage dtypes"),
+        ("dtype=fp4", "dtype=fp4 is not a feature storage dtype; use one of bf16, fp16, fp32, fp8"),
+    ):
         capsys.readouterr()
         assert main([a if not a.startswith("dtype=") else bad for a in args]) == 2
         err = capsys.readouterr().err.strip()
@@ -149,8 +178,21 @@ def test_eagle3_trains_on_fp8_features(tmp_path):
     recipes, args, target = eagle3_fit_setup(tmp_path, samples=8, steps=2, every=2, warmup=0)
     source = next(a for a in args if a.startswith("source="))
     feats = tmp_path / "feats"
-    assert main([f"target={target}", source, "n_samples=8", "max_len=64", "layers=[0,1,2]", "dtype=fp8",
-                 "batch_size=4", f"out={feats}"]) == 0
+    assert (
+        main(
+            [
+                f"target={target}",
+                source,
+                "n_samples=8",
+                "max_len=64",
+                "layers=[0,1,2]",
+                "dtype=fp8",
+                "batch_size=4",
+                f"out={feats}",
+            ]
+        )
+        == 0
+    )
     cfg = fit_cli.compose_recipe([*args, f"dataset_dir={feats}", f"val_dataset_dir={feats}"], directory=recipes)
     result = fit_cli.fit(cfg)
     assert result["trained"] and result["global_step"] == 2

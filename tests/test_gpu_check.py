@@ -63,8 +63,9 @@ def test_a_divergence_is_a_near_tie_only_for_the_runner_up_within_the_bound():
     models = gpu_check.Models(plan)
     runner = gpu_check.runner_for(models.get("tiny"), 64)
     prompt = [3, 1, 4, 1, 5]
-    reference = gpu_check.build_algorithm("ar", runner).generate(prompt, max_new_tokens=6,
-                                                                 sampling=gpu_check.GREEDY).tokens
+    reference = (
+        gpu_check.build_algorithm("ar", runner).generate(prompt, max_new_tokens=6, sampling=gpu_check.GREEDY).tokens
+    )
     logits = gpu_check.logits_after(runner, prompt, reference[:3], stepwise=True)
     ranked = torch.argsort(logits, descending=True).tolist()
     assert ranked[0] == reference[3]

@@ -14,8 +14,16 @@ import torch.nn.functional as F
 from tiny_targets import save_tiny_target, write_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.drafters.hrad import (HRAD, HRADConfig, HRADError, capture_layers, check_boundaries, hrad_labels,
-                                load_hrad, stack_lastk)
+from core.drafters.hrad import (
+    HRAD,
+    HRADConfig,
+    HRADError,
+    capture_layers,
+    check_boundaries,
+    hrad_labels,
+    load_hrad,
+    stack_lastk,
+)
 from data_prep.traces import hrad_class
 from spectrain.kinds.hrad.calibration import fit_temperature
 from spectrain.kinds.hrad.data import class_weights
@@ -27,8 +35,15 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def tiny_llama(seed: int = 0, layers: int = 5, hidden: int = 32) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=61, max_position_embeddings=64)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=61,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -133,26 +148,50 @@ def traces(tmp_path_factory):
     target = load_lm(str(target_dir), device="cpu", max_seq_len=160)
     draft = load_draft_lm(str(draft_dir), target, device="cpu", max_seq_len=160)
     out = root / "traces"
-    args = [f"target={target_dir}", f"drafter={draft_dir}", f"source=jsonl:{prompts}", "n_samples=16", "gamma=4",
-            "max_new_tokens=24", "max_seq_len=160", "device=cpu", f"out={out}"]
+    args = [
+        f"target={target_dir}",
+        f"drafter={draft_dir}",
+        f"source=jsonl:{prompts}",
+        "n_samples=16",
+        "gamma=4",
+        "max_new_tokens=24",
+        "max_seq_len=160",
+        "device=cpu",
+        f"out={out}",
+    ]
     manifest = record_traces(parse_args(args), target=target, draft=draft)
     assert manifest["layers"]["spec"] == "last4"
     return {"root": root, "target_dir": target_dir, "draft_dir": draft_dir, "out": out, "target": target}
 
 
 def fit_args(traces, *extra: str) -> list[str]:
-    return ["recipe=hrad_smollm2", f"target={traces['target_dir']}", f"dataset_dir={traces['out']}",
-            f"runs_dir={traces['root'] / 'runs'}", "max_steps=12", "val_check_interval=6",
-            "checkpoint_every_n_steps=6", "log_every_n_steps=1", "batch_size=8", "warmup_steps=2", "val_fraction=0.25",
-            *extra]
+    return [
+        "recipe=hrad_smollm2",
+        f"target={traces['target_dir']}",
+        f"dataset_dir={traces['out']}",
+        f"runs_dir={traces['root'] / 'runs'}",
+        "max_steps=12",
+        "val_check_interval=6",
+        "checkpoint_every_n_steps=6",
+        "log_every_n_steps=1",
+        "batch_size=8",
+        "warmup_steps=2",
+        "val_fraction=0.25",
+        *extra,
+    ]
 
 
 def test_recipes_dry_run_and_refuse_absent_paths(traces, capsys):
     from spectrain import fit as fit_cli
 
     for recipe in ("hrad_smollm2", "hrad_llama8b"):
-        args = [f"recipe={recipe}", f"target={traces['target_dir']}", f"dataset_dir={traces['out']}",
-                f"runs_dir={traces['root'] / 'dry'}", "dry_run=true"]
+        args = [
+            f"recipe={recipe}",
+            f"target={traces['target_dir']}",
+            f"dataset_dir={traces['out']}",
+            f"runs_dir={traces['root'] / 'dry'}",
+            "dry_run=true",
+        ]
         assert fit_cli.fit(fit_cli.compose_recipe(args))["trained"] is False
     assert fit_cli.main(["recipe=hrad_llama8b", "dry_run=true"]) == 2
     err = capsys.readouterr().err.strip()
@@ -162,8 +201,12 @@ def test_recipes_dry_run_and_refuse_absent_paths(traces, capsys):
     assert err.count("\n") == 0 and "/data/spectrain/traces/hrad_llama8b has no manifest.json" in err
     # traces recorded for another target, other K, unknown balance mode: refused before any work
     other = save_tiny_target(traces["root"] / "other", seed=1, layers=4)
-    for extra, message in ((f"target={other}", "was recorded with target"), ("layers=last3", "holds last4"),
-                           ("balance=oversample", "model.balance=oversample"), ("layers=eagle3", "data.layers=last4")):
+    for extra, message in (
+        (f"target={other}", "was recorded with target"),
+        ("layers=last3", "holds last4"),
+        ("balance=oversample", "model.balance=oversample"),
+        ("layers=eagle3", "data.layers=last4"),
+    ):
         assert fit_cli.main([*fit_args(traces), extra, "dry_run=true"]) == 2
         assert message in capsys.readouterr().err
 
@@ -178,8 +221,17 @@ def test_traces_fit_export_load_predict_and_refuse_foreign_target(traces, tmp_pa
     run = traces["root"] / "runs" / "hrad_e2e"
     rows = list(csv.DictReader(open(next((run / "logs").glob("*/metrics.csv")))))
     logged = {key for row in rows for key, value in row.items() if value}
-    assert {"train/loss", "train/recall_all_reject", "train/ece", "val/nll", "val/ece", "val/ece_raw",
-            "val/recall_confidence", "val/confusion_2_2", "val/temperature"} <= logged
+    assert {
+        "train/loss",
+        "train/recall_all_reject",
+        "train/ece",
+        "val/nll",
+        "val/ece",
+        "val/ece_raw",
+        "val/recall_confidence",
+        "val/confusion_2_2",
+        "val/temperature",
+    } <= logged
     assert (run / "checkpoints" / "confusion_matrix.png").read_bytes().startswith(PNG_SIGNATURE)
     report = json.loads((run / "checkpoints" / "hrad_metrics.json").read_text())
     assert report["nll_calibrated"] <= report["nll"] and sum(map(sum, report["confusion"])) == report["count"]
@@ -210,8 +262,12 @@ def test_traces_fit_export_load_predict_and_refuse_foreign_target(traces, tmp_pa
     wider = load_lm(str(save_tiny_target(tmp_path / "wide", layers=4, hidden=64)), device="cpu", max_seq_len=32)
     with pytest.raises(HRADError, match=r"was trained for target .* not this one \(hidden 64"):
         load_hrad(out, wider.runner)
-    assert export_cli.main([f"ckpt={run / 'checkpoints' / 'last.ckpt'}", f"out={tmp_path / 'x'}",
-                            f"target={tmp_path / 'other'}"]) == 2
+    assert (
+        export_cli.main(
+            [f"ckpt={run / 'checkpoints' / 'last.ckpt'}", f"out={tmp_path / 'x'}", f"target={tmp_path / 'other'}"]
+        )
+        == 2
+    )
 
 
 def test_balanced_sampler_and_prompt_level_split(traces):
@@ -260,8 +316,10 @@ def test_confidence_feature_trains_exports_and_serves_and_old_exports_still_load
     result = fit_cli.fit(recipe)
     assert result["trained"]
     out = tmp_path / "export"
-    assert export_cli.main([f"ckpt={traces['root'] / 'runs' / 'hrad_conf' / 'checkpoints' / 'last.ckpt'}",
-                            f"out={out}"]) == 0
+    assert (
+        export_cli.main([f"ckpt={traces['root'] / 'runs' / 'hrad_conf' / 'checkpoints' / 'last.ckpt'}", f"out={out}"])
+        == 0
+    )
     block = json.loads((out / "config.json").read_text())["spectrain"]
     assert block["confidence_feature"] is True and block["config"]["confidence_feature"] is True
     predictor = load_hrad(out, traces["target"].runner)
@@ -278,6 +336,7 @@ def test_confidence_feature_trains_exports_and_serves_and_old_exports_still_load
     old = tmp_path / "old"
     model = HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3]))
     from core.drafters.hrad import save_native
+
     save_native(model, old, target=block["target"])
     config = json.loads((old / "config.json").read_text())
     config["spectrain"].pop("confidence_feature")
@@ -293,8 +352,11 @@ def test_confidence_path_logit_trains_exports_and_serves(traces, tmp_path, capsy
     from spectrain import export as export_cli
     from spectrain import fit as fit_cli
 
-    result = fit_cli.fit(fit_cli.compose_recipe(fit_args(traces, "run_name=hrad_conf_logit", "confidence_feature=true",
-                                                         "model.confidence_path=logit")))
+    result = fit_cli.fit(
+        fit_cli.compose_recipe(
+            fit_args(traces, "run_name=hrad_conf_logit", "confidence_feature=true", "model.confidence_path=logit")
+        )
+    )
     assert result["trained"]
     run = traces["root"] / "runs" / "hrad_conf_logit" / "checkpoints"
     assert json.loads((run / "hrad_metrics.json").read_text())["data"]["confidence_path"] == "logit"
@@ -312,8 +374,10 @@ def test_confidence_path_logit_trains_exports_and_serves(traces, tmp_path, capsy
     assert probs.shape == (2, 3) and torch.allclose(probs.sum(-1), torch.ones(2))
 
     capsys.readouterr()
-    for extra, message in (("model.confidence_path=late", "confidence_path='late' is not one of input, logit"),
-                           ("model.confidence_path=logit", "needs confidence_feature=true")):
+    for extra, message in (
+        ("model.confidence_path=late", "confidence_path='late' is not one of input, logit"),
+        ("model.confidence_path=logit", "needs confidence_feature=true"),
+    ):
         assert fit_cli.main([*fit_args(traces), extra, "dry_run=true"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, err
@@ -332,12 +396,24 @@ def test_auc_and_the_offline_feature_comparison(traces, tmp_path):
     assert auc(torch.tensor([0.9, 0.3, 0.3, 0.1]), positive) == pytest.approx(0.875)  # one tie: half a pair
     assert math.isnan(auc(torch.tensor([0.1, 0.2]), torch.tensor([True, True])))
 
-    cfg = HRADFeaturesConfig(target=str(traces["target_dir"]), traces=[str(traces["out"])], seeds=[0, 1], steps=8,
-                             batch_size=8, warmup_steps=2, bootstrap=50, out=str(tmp_path / "auc.json"))
+    cfg = HRADFeaturesConfig(
+        target=str(traces["target_dir"]),
+        traces=[str(traces["out"])],
+        seeds=[0, 1],
+        steps=8,
+        batch_size=8,
+        warmup_steps=2,
+        bootstrap=50,
+        out=str(tmp_path / "auc.json"),
+    )
     summary = run(cfg)
     arms = {(r["trained_on"], r["features"]) for r in summary["results"]}
-    assert arms == {(None, "conf"), ("sps:traces", "hidden"), ("sps:traces", "hidden+conf"),
-                    ("sps:traces", "hidden+conf_logit")}
+    assert arms == {
+        (None, "conf"),
+        ("sps:traces", "hidden"),
+        ("sps:traces", "hidden+conf"),
+        ("sps:traces", "hidden+conf_logit"),
+    }
     for r in summary["results"]:
         assert 0 <= r["auc"] <= 1 and r["evaluated_on"] == "sps:traces"
         assert len(r.get("auc_per_seed", [0, 0])) == 2
@@ -361,8 +437,9 @@ def test_confidence_path_logit_export_round_trips_and_old_exports_load_as_input(
     from core.drafters.hrad import HRADPredictor, load_native, save_native
 
     torch.manual_seed(0)
-    model = HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3], confidence_feature=True,
-                            confidence_path="logit")).eval()
+    model = HRAD(
+        HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3], confidence_feature=True, confidence_path="logit")
+    ).eval()
     assert model.mlp[0].in_features == 5 * 32 and len(model.feature_mean) == 5 * 32 + 1
     assert model.confidence_logit.weight.abs().sum() == 0 and float(model.mlp_scale) == 1.0  # as training starts
     with torch.no_grad():
@@ -377,8 +454,9 @@ def test_confidence_path_logit_export_round_trips_and_old_exports_load_as_input(
         # late fusion: moving the confidence shifts the logits by W·Δc/std, whatever the MLP says
         shifted = model(hidden, emb, conf + 0.1)
     std = float(model.feature_std[-1])
-    torch.testing.assert_close(shifted - logits, (0.1 / std) * model.confidence_logit.weight.T.expand(6, 3),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        shifted - logits, (0.1 / std) * model.confidence_logit.weight.T.expand(6, 3), atol=1e-5, rtol=1e-4
+    )
     with torch.no_grad():
         mlp_logits, c = model.fusion_inputs(model.features(hidden, emb, conf))
         torch.testing.assert_close(logits, 0.25 * mlp_logits + model.confidence_logit(c))
@@ -418,15 +496,17 @@ def test_confidence_path_logit_export_round_trips_and_old_exports_load_as_input(
 def test_unknown_confidence_path_is_refused_in_one_line(tmp_path):
     from core.drafters.hrad import load_native, save_native
 
-    for kwargs, message in (({"confidence_feature": True, "confidence_path": "late"},
-                             r"confidence_path='late' is not one of input, logit"),
-                            ({"confidence_path": "logit"}, "confidence_path=logit .* needs confidence_feature=true")):
+    for kwargs, message in (
+        ({"confidence_feature": True, "confidence_path": "late"}, r"confidence_path='late' is not one of input, logit"),
+        ({"confidence_path": "logit"}, "confidence_path=logit .* needs confidence_feature=true"),
+    ):
         with pytest.raises(HRADError, match=message) as info:
             HRADConfig(hidden_size=32, **kwargs)
         assert "\n" not in str(info.value)
     # an export whose config names a path this code does not know
-    out = save_native(HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3])), tmp_path / "x",
-                      target=fake_target_record())
+    out = save_native(
+        HRAD(HRADConfig(hidden_size=32, gamma=4, boundaries=[1, 3])), tmp_path / "x", target=fake_target_record()
+    )
     config = json.loads((out / "config.json").read_text())
     config["spectrain"]["config"].update(confidence_feature=True, confidence_path="bilinear")
     (out / "config.json").write_text(json.dumps(config))
@@ -450,8 +530,7 @@ def test_logit_path_recovers_a_confidence_only_signal_from_few_noisy_rows():
         rest = 1 + (torch.rand(count, generator=generator) < confidence).long()  # class 2 likelier when confident
         labels = torch.where(class0, torch.zeros_like(rest), rest)
         hidden = torch.randn(count, 4, d, generator=generator) * torch.logspace(0, 2, d)  # a few huge channels
-        return Split(hidden, torch.randn(count, d, generator=generator), confidence, labels,
-                     torch.arange(count) // 20)
+        return Split(hidden, torch.randn(count, d, generator=generator), confidence, labels, torch.arange(count) // 20)
 
     train, test = rows(500), rows(n - 500)
     cfg = HRADFeaturesConfig(steps=150)

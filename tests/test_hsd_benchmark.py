@@ -25,8 +25,9 @@ PROMPTS = [[7, 1, 8, 2, 8], [3, 14, 15, 92, 65], [2, 7, 1, 8]]
 def comparison():
     target = tiny_llama(0, layers=2, temperature_scale=4.0)
     draft = noisy_copy(target, 0.02)
-    return bench.run_paired(runner(target), runner(draft), PROMPTS, gamma=4, temperature=1.0, seed=3,
-                            min_rounds=60, max_new_tokens=24)
+    return bench.run_paired(
+        runner(target), runner(draft), PROMPTS, gamma=4, temperature=1.0, seed=3, min_rounds=60, max_new_tokens=24
+    )
 
 
 def test_both_verifiers_reach_min_rounds_on_paired_generations(comparison):
@@ -66,8 +67,9 @@ def test_summary_ratio_ci_and_tables(comparison):
         low, high = stat["ci95"]
         assert low <= stat["ratio"] <= high and stat["se"] > 0
     be = summary["verifiers"]
-    assert summary["measured"]["ratio"] == pytest.approx(be["hsd"]["block_efficiency"]
-                                                         / be["tokenwise"]["block_efficiency"])
+    assert summary["measured"]["ratio"] == pytest.approx(
+        be["hsd"]["block_efficiency"] / be["tokenwise"]["block_efficiency"]
+    )
     # Block Verification keeps at least as much as tokenwise in expectation, on the very same drafts
     assert summary["same_draft_exact"]["ratio"] >= 1.0 - 1e-12
     judged = summary["same_draft_exact_by_judge"]
@@ -76,8 +78,9 @@ def test_summary_ratio_ci_and_tables(comparison):
     pooled = summary["pooled_block_efficiency_exact_e"]
     excess, share = summary["lossy_excess"], summary["lossy_share_of_uncapped_gain"]
     assert excess["ratio"] == pytest.approx((pooled["uncapped"] - pooled["hsd"]) / pooled["tokenwise"])
-    assert share["ratio"] == pytest.approx((pooled["uncapped"] - pooled["hsd"])
-                                           / (pooled["uncapped"] - pooled["tokenwise"]))
+    assert share["ratio"] == pytest.approx(
+        (pooled["uncapped"] - pooled["hsd"]) / (pooled["uncapped"] - pooled["tokenwise"])
+    )
     assert excess["ratio"] > 0 and 0 < share["ratio"] <= 1  # sampled drafts: uncapped accepts more, lossily
     assert judged["uncapped"]["ratio"] == pytest.approx(judged["hsd"]["ratio"] + excess["ratio"])
     text = bench.report(summary, "header")
@@ -142,8 +145,19 @@ def test_cli_end_to_end_on_tiny_exports(tmp_path, capsys):
     draft = save_tiny_target(tmp_path / "draft", layers=2, noise=0.002)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", 3)
     out = tmp_path / "hsd.json"
-    code = bench.main([f"target={target}", f"drafter={draft}", f"bench=[jsonl:{prompts}]", "n_prompts=2",
-                       "max_new_tokens=12", "min_rounds=12", "draft_vocab=1000", "resamples=500", f"out={out}"])
+    code = bench.main(
+        [
+            f"target={target}",
+            f"drafter={draft}",
+            f"bench=[jsonl:{prompts}]",
+            "n_prompts=2",
+            "max_new_tokens=12",
+            "min_rounds=12",
+            "draft_vocab=1000",
+            "resamples=500",
+            f"out={out}",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "| tokenwise |" in printed and "| measured (primary) |" in printed and "T=1" in printed

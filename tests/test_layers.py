@@ -52,8 +52,12 @@ def imports_of(module: str) -> tuple[set[str], list[tuple[int, str]]]:
     path = MODULES[module]
     tree = ast.parse(path.read_text(), filename=str(path))
     is_package = path.name == "__init__.py"
-    scoped = {id(n) for top in tree.body if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-              for n in ast.walk(top)}
+    scoped = {
+        id(n)
+        for top in tree.body
+        if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        for n in ast.walk(top)
+    }
     file_level, local = set(), []
     for node in ast.walk(tree):
         for name in imported_names(node, module, is_package):
@@ -99,7 +103,7 @@ def test_file_level_imports_have_no_cycle():
         state[path[-1]] = 1
         for target in sorted(edges[path[-1]]):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(path + [target])):
                 return cycle
         state[path[-1]] = 2

@@ -68,8 +68,9 @@ def test_every_other_algorithm_serves_a_local_global_window_target(algorithm):
         "pearl": lambda: build_algorithm("pearl", target, draft, gamma=3),
         "specbranch": lambda: build_algorithm("specbranch", target, draft, gamma=3),
         "ssd": lambda: build_algorithm("ssd", target, draft, gamma=3, budget=3, fallback="fast", fast="random"),
-        "specblock_tree": lambda: build_algorithm("specblock_tree", target, random_specblock_drafter(model, draft_vocab=64),
-                                                  budget=16, width=4),
+        "specblock_tree": lambda: build_algorithm(
+            "specblock_tree", target, random_specblock_drafter(model, draft_vocab=64), budget=16, width=4
+        ),
     }[algorithm]()
     assert built.generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY).tokens == hf_greedy(model, PROMPT, N_NEW)
 
@@ -83,17 +84,25 @@ def test_a_window_that_matters_is_applied():
 
 
 def test_unsupported_family_is_refused_in_one_line():
-    config = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2,
-                                     layer_types=["conv", "full_attention"])
+    config = transformers.Lfm2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+    )
     torch.manual_seed(0)
     model = transformers.Lfm2ForCausalLM(config).eval()
     with pytest.raises(ValueError, match=r"lfm2 has \['conv'\] attention layers"):
         serve(model)
 
 
-@pytest.mark.parametrize("config_class, kind", [("Llama4TextConfig", "chunked_attention"),
-                                                ("Qwen3NextConfig", "linear_attention"), ("FalconH1Config", "hybrid")])
+@pytest.mark.parametrize(
+    "config_class, kind",
+    [("Llama4TextConfig", "chunked_attention"), ("Qwen3NextConfig", "linear_attention"), ("FalconH1Config", "hybrid")],
+)
 def test_other_attention_kinds_are_refused(config_class, kind):
     config = getattr(transformers, config_class)()
     with pytest.raises(ValueError, match=rf"{config.model_type} has \['{kind}'\] attention layers"):

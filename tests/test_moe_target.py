@@ -45,21 +45,41 @@ GREEDY = SamplingParams(temperature=0)
 VOCAB = 128
 # Qwen3-MoE's shapes in small: 8 experts of width 16, two per token; layer 0 dense (mlp_only_layers), as some
 # checkpoints have it.
-MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=4,
-           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=1,
-           eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 # routing layouts transformers supports: every layer sparse, unnormalised weights, every second layer; Qwen2-MoE's
 # shared expert (with its sigmoid gate) beside the routed ones, and its qkv bias
 VARIANTS = {
     "dense layer 0, normalised top-2": {},
-    "every layer sparse, unnormalised top-3": {"mlp_only_layers": [], "norm_topk_prob": False,
-                                               "num_experts_per_tok": 3},
+    "every layer sparse, unnormalised top-3": {
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+        "num_experts_per_tok": 3,
+    },
     "every second layer sparse": {"mlp_only_layers": [], "decoder_sparse_step": 2},
     "qwen2-moe, shared expert": {"family": "qwen2_moe", "shared_expert_intermediate_size": 32},
 }
-FAMILY_CLASSES = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                  "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
+FAMILY_CLASSES = {
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+}
 PROMPT, NEW = [5, 17, 33, 9, 71, 40, 3, 88], 40
 
 
@@ -103,7 +123,7 @@ def test_logits_equal_transformers_forward(variant, exact):
     with torch.no_grad():
         expected = model(ids).logits[0]
     prefill = runner.forward(ids[:, :20]).logits[0]
-    decoded = torch.cat([runner.forward(ids[:, j:j + 1]).logits[0] for j in range(20, 30)])
+    decoded = torch.cat([runner.forward(ids[:, j : j + 1]).logits[0] for j in range(20, 30)])
     torch.testing.assert_close(torch.cat([prefill, decoded]), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -118,9 +138,14 @@ def test_the_native_runner_serves_it_in_exact_mode_and_a_window_goes_to_transfor
 # -- exact mode on the MoE path --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant, dtype", [("dense layer 0, normalised top-2", torch.float32),
-                                            ("dense layer 0, normalised top-2", torch.bfloat16),
-                                            ("qwen2-moe, shared expert", torch.float32)])
+@pytest.mark.parametrize(
+    "variant, dtype",
+    [
+        ("dense layer 0, normalised top-2", torch.float32),
+        ("dense layer 0, normalised top-2", torch.bfloat16),
+        ("qwen2-moe, shared expert", torch.float32),
+    ],
+)
 def test_blocks_and_tree_nodes_get_the_logits_of_decoding_alone(variant, dtype):
     """Per-expert gathering gives each expert's linears another row count in every call shape; a token's logits must
     still be bitwise those of decoding it alone."""
@@ -128,19 +153,21 @@ def test_blocks_and_tree_nodes_get_the_logits_of_decoding_alone(variant, dtype):
     assert runner.exactness.path == exactness.EXACT  # what this test checks is the probe's claim, on every layer
     prompt, tokens = random_ids(2, 1, 30), random_ids(3, 1, 40)
     runner.forward(prompt)
-    stepwise = torch.cat([runner.forward(tokens[:, j:j + 1]).logits[0] for j in range(40)])
+    stepwise = torch.cat([runner.forward(tokens[:, j : j + 1]).logits[0] for j in range(40)])
     for block in (2, 3, 7, 16, 40):
         runner.truncate(30)
-        blocked = torch.cat([runner.forward(tokens[:, j:j + block]).logits[0] for j in range(0, 40, block)])
+        blocked = torch.cat([runner.forward(tokens[:, j : j + block]).logits[0] for j in range(0, 40, block)])
         assert torch.equal(blocked, stepwise), f"block {block}"
     parents = list(exactness.PROBE_TREE)
     mask, depth = tree_mask(parents)
     runner.truncate(30)
-    tree = runner.forward(tokens[:, :len(parents)], attention_mask=mask, positions=torch.tensor([depth]) + 30).logits[0]
+    tree = runner.forward(tokens[:, : len(parents)], attention_mask=mask, positions=torch.tensor([depth]) + 30).logits[
+        0
+    ]
     for node in range(len(parents)):
         runner.truncate(30)
         for i in mask[node].nonzero()[:, 0].tolist():
-            decoded = runner.forward(tokens[:, i:i + 1]).logits[0, -1]
+            decoded = runner.forward(tokens[:, i : i + 1]).logits[0, -1]
         assert torch.equal(tree[node], decoded), f"node {node}"
 
 
@@ -155,16 +182,16 @@ def test_batched_rows_get_their_solo_logits(moe):
     for prompt, row in zip(prompts, tokens):
         solo.reset(1)
         solo.forward(prompt[None])
-        steps = [solo.forward(row[None, j:j + 1]).logits[0] for j in range(3)]
+        steps = [solo.forward(row[None, j : j + 1]).logits[0] for j in range(3)]
         expected.append(torch.cat([*steps, solo.forward(row[None, 3:]).logits[0]]))
     batched = ModelRunner.from_hf_model(moe, max_seq_len=64, max_batch_size=len(lengths))
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = prompt
+        ids[row, : len(prompt)] = prompt
     batched.reset(len(lengths))
     batched.forward(ids, logit_rows=slice(0, 0))
     batched.truncate(torch.tensor(lengths))
-    steps = [batched.forward(tokens[:, j:j + 1]).logits for j in range(3)]
+    steps = [batched.forward(tokens[:, j : j + 1]).logits for j in range(3)]
     logits = torch.cat([*steps, batched.forward(tokens[:, 3:]).logits], dim=1)
     for row in range(len(lengths)):
         assert torch.equal(logits[row], expected[row]), f"row {row}"
@@ -175,8 +202,10 @@ def test_the_probe_checks_a_sparse_layer_and_catches_routing_that_depends_on_the
     depend on how many share the call (emulated) fails the probe, and the runner verifies token by token."""
     dense_ends = tiny_moe(mlp_only_layers=[0, 3])
     runner = ModelRunner.from_hf_model(dense_ends, max_seq_len=64)
-    assert [isinstance(layer.mlp, SparseMoe) for layer in runner._probe_runner(exactness.EXACT).model.layers] \
-        == [True, False]
+    assert [isinstance(layer.mlp, SparseMoe) for layer in runner._probe_runner(exactness.EXACT).model.layers] == [
+        True,
+        False,
+    ]
     route = exact_cpu.route
 
     def call_dependent(logits, top_k, normalize):
@@ -203,12 +232,21 @@ def served():
     torch.set_num_threads(1)  # as every test gets (conftest); a module fixture is set up before that applies
     try:
         moe = tiny_moe(vocab_size=512)
-        reference = build_algorithm("ar", ModelRunner.from_hf_model(moe, max_seq_len=192)).generate(
-            PROMPT, max_new_tokens=NEW, sampling=GREEDY).tokens
+        reference = (
+            build_algorithm("ar", ModelRunner.from_hf_model(moe, max_seq_len=192))
+            .generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
+            .tokens
+        )
         sequence = PROMPT + reference
-        drafters = {name: fit(moe, sequence) for name, fit in (("eagle3_tree", fit_eagle3),
-                                                               ("specblock_tree", fit_specblock),
-                                                               ("dflash", fit_dflash), ("peagle", fit_peagle))}
+        drafters = {
+            name: fit(moe, sequence)
+            for name, fit in (
+                ("eagle3_tree", fit_eagle3),
+                ("specblock_tree", fit_specblock),
+                ("dflash", fit_dflash),
+                ("peagle", fit_peagle),
+            )
+        }
     finally:
         torch.set_num_threads(threads)
     return moe, reference, drafters
@@ -229,8 +267,10 @@ def test_every_algorithm_equals_ar_with_a_drafter_that_accepts(served, name):
         drafter = ModelRunner.from_hf_model(moe, max_seq_len=192, exact=False)
     if name == "specbranch":
         layers = moe.config.num_hidden_layers
-        options["hrad"] = HRADPredictor(HRAD(HRADConfig(hidden_size=moe.config.hidden_size, last_k=4, gamma=4,
-                                                        boundaries=[1, 3])), {"layers": {"ids": capture_layers(layers, 4)}})
+        options["hrad"] = HRADPredictor(
+            HRAD(HRADConfig(hidden_size=moe.config.hidden_size, last_k=4, gamma=4, boundaries=[1, 3])),
+            {"layers": {"ids": capture_layers(layers, 4)}},
+        )
     algorithm = build_algorithm(name, ModelRunner.from_hf_model(moe, max_seq_len=192), drafter, **options)
     result = algorithm.generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
     assert result.tokens == reference
@@ -247,8 +287,9 @@ def moe_recipe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_fit")
     recipes, args, target = eagle3_fit_setup(tmp, steps=4, every=2, warmup=1)
     llama = AutoConfig.from_pretrained(target)
-    model = tiny_moe(vocab_size=llama.vocab_size, bos_token_id=llama.bos_token_id, eos_token_id=llama.eos_token_id,
-                     pad_token_id=None)
+    model = tiny_moe(
+        vocab_size=llama.vocab_size, bos_token_id=llama.bos_token_id, eos_token_id=llama.eos_token_id, pad_token_id=None
+    )
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0 / 8.0)  # eagle3_fit_setup's sharpening of its target's head
     model.save_pretrained(target)
@@ -260,8 +301,20 @@ def test_feature_extraction_captures_the_moe_targets_layers(moe_recipe):
     hidden states; a padded batch of ragged samples leaves each sample's own."""
     tmp, _, args, target = moe_recipe
     source = next(a for a in args if a.startswith("source="))
-    manifest = extract(parse_args([f"target={target}", source, "n_samples=6", "max_len=64", "layers=[0,1,2]",
-                                   "dtype=fp32", "batch_size=3", f"out={tmp / 'feats'}"]))
+    manifest = extract(
+        parse_args(
+            [
+                f"target={target}",
+                source,
+                "n_samples=6",
+                "max_len=64",
+                "layers=[0,1,2]",
+                "dtype=fp32",
+                "batch_size=3",
+                f"out={tmp / 'feats'}",
+            ]
+        )
+    )
     assert manifest["complete"] and manifest["num_rows"] == 6
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     dataset = FeatureDataset(tmp / "feats")

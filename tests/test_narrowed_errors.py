@@ -27,10 +27,16 @@ def cli(action) -> int:
     return run_cli([], lambda argv: action(), doc=None)
 
 
-@pytest.mark.parametrize("exc", [UserError("bad n_samples; use n_samples=4"), OverrideError("unknown key 'x'"),
-                                 AssetError("w.safetensors is damaged; re-export it"),
-                                 FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/x.jsonl"),
-                                 OSError(errno.ENOSPC, "No space left on device", "/out/shard")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        UserError("bad n_samples; use n_samples=4"),
+        OverrideError("unknown key 'x'"),
+        AssetError("w.safetensors is damaged; re-export it"),
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/x.jsonl"),
+        OSError(errno.ENOSPC, "No space left on device", "/out/shard"),
+    ],
+)
 def test_a_user_error_is_one_line_and_exit_code_2(exc, capsys):
     def fail():
         raise exc
@@ -42,9 +48,15 @@ def test_a_user_error_is_one_line_and_exit_code_2(exc, capsys):
         assert exc.filename in lines[0]  # the path is named
 
 
-@pytest.mark.parametrize("exc", [ValueError("invalid literal for int() with base 10: 'x'"),
-                                 RuntimeError("shape mismatch"), KeyError("layers"),
-                                 OSError(errno.EIO, "Input/output error")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("invalid literal for int() with base 10: 'x'"),
+        RuntimeError("shape mismatch"),
+        KeyError("layers"),
+        OSError(errno.EIO, "Input/output error"),
+    ],
+)
 def test_a_bug_propagates_with_its_traceback(exc):
     def fail():
         raise exc
@@ -84,10 +96,14 @@ def test_a_damaged_export_config_is_refused_not_skipped(tmp_path):
     config.write_text('{"spectrain": {"kind": "eag')
     with pytest.raises(UserError) as exc:
         find_exports(tmp_path / "exports")
-    assert str(exc.value) == (f"{config} is damaged (not JSON: Unterminated string starting at, line 1 column 24);"
-                              " re-export it (python -m spectrain.export) or remove the directory")
-    for text, why in (("[1, 2]", "a JSON list, not an object"),
-                      ('{"spectrain": "eagle3"}', "its spectrain block names no drafter kind")):
+    assert str(exc.value) == (
+        f"{config} is damaged (not JSON: Unterminated string starting at, line 1 column 24);"
+        " re-export it (python -m spectrain.export) or remove the directory"
+    )
+    for text, why in (
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"spectrain": "eagle3"}', "its spectrain block names no drafter kind"),
+    ):
         config.write_text(text)
         with pytest.raises(UserError, match=f"^{config} is damaged \\({why}\\)"):
             export_kind(export)

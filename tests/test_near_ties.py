@@ -36,13 +36,18 @@ def served(request):
     torch.set_num_threads(1)  # as every test gets (conftest); a module fixture is set up before that applies
     try:
         target = near_tie_llama(dtype)
-        reference = build_algorithm("ar", runner(target, dtype)).generate(PROMPT, max_new_tokens=NEW,
-                                                                          sampling=GREEDY)
+        reference = build_algorithm("ar", runner(target, dtype)).generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
         assert runner(target, dtype).exactness.bitwise
         sequence = PROMPT + reference.tokens
-        drafters = {name: fit(target, sequence).to(dtype) for name, fit in
-                    (("eagle3_tree", fit_eagle3), ("specblock_tree", fit_specblock), ("dflash", fit_dflash),
-                     ("peagle", fit_peagle))}
+        drafters = {
+            name: fit(target, sequence).to(dtype)
+            for name, fit in (
+                ("eagle3_tree", fit_eagle3),
+                ("specblock_tree", fit_specblock),
+                ("dflash", fit_dflash),
+                ("peagle", fit_peagle),
+            )
+        }
     finally:
         torch.set_num_threads(threads)
     return dtype, target, reference.tokens, drafters
@@ -53,8 +58,11 @@ def test_the_ties_are_real_the_approximate_path_leaves_ar(served):
     batched GEMMs over each verified block) does not emit AR's tokens, where AR decodes one token per forward on
     that same path. The tests below would catch that path."""
     dtype, target, _, _ = served
-    approximate = build_algorithm("ar", runner(target, dtype, exact=False)).generate(PROMPT, max_new_tokens=NEW,
-                                                                                    sampling=GREEDY).tokens
+    approximate = (
+        build_algorithm("ar", runner(target, dtype, exact=False))
+        .generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
+        .tokens
+    )
     sps = build_algorithm("sps", runner(target, dtype, exact=False), runner(target, dtype, exact=False), gamma=4)
     result = sps.generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
     assert result.stats.accepted_draft_tokens > 0
@@ -62,8 +70,9 @@ def test_the_ties_are_real_the_approximate_path_leaves_ar(served):
     assert first is not None, "the approximate path kept AR's tokens: the target has no effective near-tie"
 
 
-@pytest.mark.parametrize("name", ["sps", "pearl", "specbranch", "ssd", "self_draft", "eagle3_tree", "specblock_tree",
-                                  "dflash", "peagle"])
+@pytest.mark.parametrize(
+    "name", ["sps", "pearl", "specbranch", "ssd", "self_draft", "eagle3_tree", "specblock_tree", "dflash", "peagle"]
+)
 def test_every_algorithm_equals_ar_on_near_ties_with_a_drafter_that_accepts(served, name):
     """The draft-LM algorithms draft with the target itself on the approximate path (it proposes the other twin
     wherever its rounding differs, so drafts are both kept and rejected); the feature drafters were fit to this
@@ -74,8 +83,10 @@ def test_every_algorithm_equals_ar_on_near_ties_with_a_drafter_that_accepts(serv
         drafter = runner(target, dtype, exact=False)
     if name == "specbranch":
         hidden, layers = target.config.hidden_size, target.config.num_hidden_layers
-        options["hrad"] = HRADPredictor(HRAD(HRADConfig(hidden_size=hidden, last_k=4, gamma=4, boundaries=[1, 3])),
-                                        {"layers": {"ids": capture_layers(layers, 4)}})
+        options["hrad"] = HRADPredictor(
+            HRAD(HRADConfig(hidden_size=hidden, last_k=4, gamma=4, boundaries=[1, 3])),
+            {"layers": {"ids": capture_layers(layers, 4)}},
+        )
     algorithm = build_algorithm(name, runner(target, dtype), drafter, **options)
     result = algorithm.generate(PROMPT, max_new_tokens=NEW, sampling=GREEDY)
     assert result.tokens == reference

@@ -38,8 +38,7 @@ def test_a_target_forward_failing_beside_the_draft_fails_that_request_alone(pair
     """The draft job runs in a worker thread (executor cuda_streams, on a CPU) while the engine's step forward
     fails: the request raises that error, and the next request (a new prefill, a restarted draft side) is AR's."""
     target, draft = pair
-    algorithm = build_algorithm(name, runner(target), runner(draft, rows=3), executor="cuda_streams",
-                                **OPTIONS[name])
+    algorithm = build_algorithm(name, runner(target), runner(draft, rows=3), executor="cuda_streams", **OPTIONS[name])
     forward, calls = algorithm.target.forward, []
 
     def fail_the_second_forward(*args, **kwargs):

@@ -66,8 +66,13 @@ def test_the_training_forward_and_its_gradients_equal_the_dense_masks():
         drafter = make_peagle(target.config)
         layout = chains_of(first, width=len(first))
         other = chains_of(second, width=len(first))
-        layout = ChainLayout(torch.cat([layout.anchors, other.anchors]), torch.cat([layout.depths, other.depths]),
-                             torch.cat([layout.valid, other.valid]), dense=dense, chunk_rows=5)
+        layout = ChainLayout(
+            torch.cat([layout.anchors, other.anchors]),
+            torch.cat([layout.depths, other.depths]),
+            torch.cat([layout.valid, other.valid]),
+            dense=dense,
+            chunk_rows=5,
+        )
         out = drafter(ids, aux, layout)
         loss = out.hidden.square().mean() + out.chain_hidden[layout.valid].square().mean()
         loss.backward()
@@ -96,17 +101,21 @@ def test_one_training_forward_drafts_what_serving_drafts_at_every_depth():
         depth0 = drafter.head(out.hidden)[0]
     for a in anchors:
         cache = drafter.new_cache(64)
-        served = drafter.draft(cache, aux[:, : a + 1], ids[0, 1: a + 2].tolist())[0]
+        served = drafter.draft(cache, aux[:, : a + 1], ids[0, 1 : a + 2].tolist())[0]
         assert cache.length == a + 1  # the mask rows' K/V were dropped
-        expected = [depth0[a]] + [chain_logits[n] for n, (an, d) in enumerate(sorted(every_chain(length, anchors,
-                                                                                                DEPTHS))) if an == a]
+        expected = [depth0[a]] + [
+            chain_logits[n] for n, (an, d) in enumerate(sorted(every_chain(length, anchors, DEPTHS))) if an == a
+        ]
         torch.testing.assert_close(served, torch.stack(expected), rtol=1e-5, atol=1e-5)
     # incremental serving: rows appended over two calls draft what one call drafts
     cache = drafter.new_cache(64)
     drafter.draft(cache, aux[:, :5], ids[0, 1:6].tolist())
-    torch.testing.assert_close(drafter.draft(cache, aux[:, 5:10], ids[0, 6:11].tolist()),
-                               drafter.draft(drafter.new_cache(64), aux[:, :10], ids[0, 1:11].tolist()),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        drafter.draft(cache, aux[:, 5:10], ids[0, 6:11].tolist()),
+        drafter.draft(drafter.new_cache(64), aux[:, :10], ids[0, 1:11].tolist()),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_bad_configs_and_calls_are_refused_in_one_line():

@@ -51,8 +51,15 @@ def setup():
 
 def oracle(setup, depths: int, miss_every: int = 0) -> OracleDrafter:
     target, _, sequence, features = setup
-    return make_peagle(target, depths=depths, draft_vocab=target.config.vocab_size, cls=OracleDrafter,
-                       sequence=sequence, features=features, miss_every=miss_every)
+    return make_peagle(
+        target,
+        depths=depths,
+        draft_vocab=target.config.vocab_size,
+        cls=OracleDrafter,
+        sequence=sequence,
+        features=features,
+        miss_every=miss_every,
+    )
 
 
 @pytest.mark.parametrize("depths, draft_tokens", [(1, 0), (4, 0), (4, 2), (8, 0)])
@@ -61,7 +68,8 @@ def test_greedy_equals_ar(setup, kind, depths, draft_tokens):
     target, reference, _, _ = setup
     drafter = make_peagle(target, depths=depths) if kind == "random" else oracle(setup, depths, miss_every=5)
     result = build_algorithm("peagle", runner(target), drafter, draft_tokens=draft_tokens).generate(
-        PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
+        PROMPT, max_new_tokens=N_NEW, sampling=GREEDY
+    )
     assert result.tokens == reference
     stats, gamma = result.stats, draft_tokens or depths
     assert stats.new_tokens == N_NEW and stats.target_forwards == 1 + stats.rounds
@@ -78,7 +86,7 @@ def test_an_oracle_chain_is_accepted_whole_and_every_row_reaches_the_drafter_onc
     result = build_algorithm("peagle", runner(target), drafter).generate(PROMPT, max_new_tokens=N_NEW, sampling=GREEDY)
     assert result.tokens == reference
     stats = result.stats
-    assert stats.acceptance_by_position[:depths - 1] == [1.0] * (depths - 1)
+    assert stats.acceptance_by_position[: depths - 1] == [1.0] * (depths - 1)
     assert stats.tau > depths  # K drafts + the bonus token per target forward, the prefill aside
     assert drafter.rows == list(range(len(drafter.rows)))  # in order, each once
     assert len(drafter.rows) >= len(PROMPT) + N_NEW - depths - 2
@@ -103,8 +111,9 @@ def test_sampling_follows_the_target_law():
     vocab, n, runs = 3, 4, 1500
     target = tiny_llama(10, vocab=vocab, layers=3, temperature_scale=3.0)
     torch.manual_seed(5)
-    config = PEagleConfig.for_target(target.config, draft_vocab_size=2, aux_layer_ids=AUX3, mask_token_id=2,
-                                     num_depths=2)
+    config = PEagleConfig.for_target(
+        target.config, draft_vocab_size=2, aux_layer_ids=AUX3, mask_token_id=2, num_depths=2
+    )
     drafter = PEagleDrafter(config, embed_weight=target.model.embed_tokens.weight.detach())
     drafter.set_vocab_map(torch.tensor([0, 1]), torch.tensor([True, False, True]))  # ids 0 and 2
     prompt = [1, 2]
@@ -117,8 +126,9 @@ def test_sampling_follows_the_target_law():
 
 def test_bad_drafters_and_options_are_one_line_errors(setup):
     target, _, _, _ = setup
-    with pytest.raises(ValueError, match="needs a P-EAGLE export of python -m spectrain.export for this target: pass "
-                                         "drafter=PATH"):
+    with pytest.raises(
+        ValueError, match="needs a P-EAGLE export of python -m spectrain.export for this target: pass drafter=PATH"
+    ):
         build_algorithm("peagle", runner(target))
     from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -129,8 +139,11 @@ def test_bad_drafters_and_options_are_one_line_errors(setup):
         build_algorithm("dflash", runner(target), make_peagle(target))
     with pytest.raises(ValueError, match="drafter vocab_size 50 differs from the target's 97"):
         build_algorithm("peagle", runner(target), make_peagle(tiny_llama(2, vocab=50, layers=3), draft_vocab=20))
-    with pytest.raises(ValueError, match=r"peagle\.draft_tokens=5 but this drafter drafts 4 tokens per forward; give "
-                                         "1..4"):
+    with pytest.raises(
+        ValueError,
+        match=r"peagle\.draft_tokens=5 but this drafter drafts 4 tokens per forward; give "
+        "1..4",
+    ):
         build_algorithm("peagle", runner(target), make_peagle(target), draft_tokens=5)
 
 
@@ -146,17 +159,28 @@ def test_a_native_export_is_served_by_evaluate_among_all_algorithms(tmp_path):
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
-    config = PEagleConfig.for_target(model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=[0, 1, 2],
-                                     mask_token_id=3, num_depths=3)
+    config = PEagleConfig.for_target(
+        model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=[0, 1, 2], mask_token_id=3, num_depths=3
+    )
     drafter = PEagleDrafter(config)
     exported = save_layout(drafter, tmp_path / "exports" / "peagle", target=target_record(str(target_dir)))
     reloaded = load_native(exported, model.get_input_embeddings().weight)
     for name, tensor in drafter.state_dict().items():
         if name != "embed_tokens.weight":
             assert torch.equal(reloaded.state_dict()[name], tensor), name
-    cfg = evaluate_cli.parse_args([f"target={target_dir}", f"drafters={tmp_path / 'exports'}", "algorithms=all",
-                                   "bench=mt_bench", "n_prompts=1", "max_new_tokens=12", f"out={tmp_path / 'eval'}",
-                                   "warmup=false", "max_seq_len=512"])
+    cfg = evaluate_cli.parse_args(
+        [
+            f"target={target_dir}",
+            f"drafters={tmp_path / 'exports'}",
+            "algorithms=all",
+            "bench=mt_bench",
+            "n_prompts=1",
+            "max_new_tokens=12",
+            f"out={tmp_path / 'eval'}",
+            "warmup=false",
+            "max_seq_len=512",
+        ]
+    )
     runs = {run["algorithm"]: run for run in evaluate_cli.evaluate(cfg)["runs"]}
     assert "peagle" in runs and runs["peagle"]["greedy_equal_to_ar"] is True
     assert runs["peagle"]["draft_forwards"] == runs["peagle"]["target_forwards"] - 1

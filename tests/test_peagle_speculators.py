@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.losses import resolve_loss_config
@@ -50,19 +51,32 @@ def theirs_for(ours: PEagleDrafter) -> PEagleDraftModel:
     """The library's model with our drafter's shapes and weights (eager attention: its flex attention fails on short
     CPU inputs)."""
     c = ours.config
-    layer = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=1,
-                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                        head_dim=c.resolved_head_dim, vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
-                        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings)
+    layer = LlamaConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.resolved_head_dim,
+        vocab_size=c.vocab_size,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+    )
     layer._attn_implementation = "eager"
     config = PEagleSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=c.draft_vocab_size,
-        norm_before_residual=c.norm_before_residual, eagle_aux_hidden_state_layer_ids=[i + 1 for i in AUX],
+        transformer_layer_config=layer,
+        draft_vocab_size=c.draft_vocab_size,
+        norm_before_residual=c.norm_before_residual,
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in AUX],
         mask_token_id=c.mask_token_id,
         speculators_config=SpeculatorsConfig(
-            algorithm="peagle", default_proposal_method="greedy",
+            algorithm="peagle",
+            default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=c.num_depths)],
-            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
     theirs = PEagleDraftModel(config)
     state = {name.replace("midlayer.", "layers.0."): t for name, t in ours.state_dict().items()}
     missing, unexpected = theirs.load_state_dict(state, strict=False)
@@ -84,8 +98,14 @@ def test_cod_sampling_draws_the_librarys_rows(max_anchors):
     scored = torch.zeros(40, dtype=torch.bool)
     scored[5:18] = scored[21:37] = True  # two answers: chains stop at their ends
     torch.manual_seed(3)
-    anchor_pos, depth = generate_cod_sample_indices(40, scored.float()[None], num_depths=6, down_sample_ratio=RATIO,
-                                                    down_sample_ratio_min=RATIO_MIN, max_anchors=max_anchors)
+    anchor_pos, depth = generate_cod_sample_indices(
+        40,
+        scored.float()[None],
+        num_depths=6,
+        down_sample_ratio=RATIO,
+        down_sample_ratio_min=RATIO_MIN,
+        max_anchors=max_anchors,
+    )
     anchors, depths = cod_sample(scored, 6, RATIO, RATIO_MIN, max_anchors, torch.Generator().manual_seed(3))
     theirs = sorted(zip(anchor_pos[40:].tolist(), depth[40:].tolist()))
     assert list(zip(anchors.tolist(), depths.tolist())) == theirs and len(theirs) > (20 if max_anchors is None else 8)
@@ -112,22 +132,31 @@ def test_the_training_forward_loss_and_gradients_agree_with_the_library():
     captured = []
     hook = theirs.lm_head.register_forward_hook(lambda m, i, out: captured.append(out))
     torch.manual_seed(0)
-    _, their_loss, metrics = theirs(aux[:, :-1], ids[:, 1:], torch.zeros(1, length - 1, dtype=torch.long),
-                                    loss_mask=scored[:, :-1].float(), verifier_last_hidden_states=pre_norm[:, 1:],
-                                    loss_config=resolve_loss_config("kl_div", "eager"), num_depths=DEPTHS,
-                                    down_sample_ratio=RATIO, down_sample_ratio_min=RATIO_MIN)
+    _, their_loss, metrics = theirs(
+        aux[:, :-1],
+        ids[:, 1:],
+        torch.zeros(1, length - 1, dtype=torch.long),
+        loss_mask=scored[:, :-1].float(),
+        verifier_last_hidden_states=pre_norm[:, 1:],
+        loss_config=resolve_loss_config("kl_div", "eager"),
+        num_depths=DEPTHS,
+        down_sample_ratio=RATIO,
+        down_sample_ratio_min=RATIO_MIN,
+    )
     hook.remove()
     torch.manual_seed(0)
-    anchor_pos, depth = generate_cod_sample_indices(length - 1, scored[:, :-1].float(), num_depths=DEPTHS,
-                                                    down_sample_ratio=RATIO, down_sample_ratio_min=RATIO_MIN)
+    anchor_pos, depth = generate_cod_sample_indices(
+        length - 1, scored[:, :-1].float(), num_depths=DEPTHS, down_sample_ratio=RATIO, down_sample_ratio_min=RATIO_MIN
+    )
     chains = cod_sample(scored[0], DEPTHS, RATIO, RATIO_MIN, None, torch.Generator().manual_seed(0))
     layout = batch_chains([chains], "cpu")
     out = ours(ids, aux, layout)
 
     # every row's logits: theirs in (depth, position) order, ours depth-0 rows then chains by (anchor, depth)
     mine = {(q, 0): h for q, h in enumerate(out.hidden[0])}
-    mine.update({(a, d): h for a, d, h in zip(layout.anchors[0].tolist(), layout.depths[0].tolist(),
-                                                     out.chain_hidden[0])})
+    mine.update(
+        {(a, d): h for a, d, h in zip(layout.anchors[0].tolist(), layout.depths[0].tolist(), out.chain_hidden[0])}
+    )
     their_logits = captured[0][0]
     our_logits = torch.stack([ours.head(mine[(a, d)]) for a, d in zip(anchor_pos.tolist(), depth.tolist())])
     torch.testing.assert_close(our_logits, their_logits, rtol=1e-5, atol=1e-5)
@@ -173,9 +202,21 @@ def tiny(tmp_path_factory):
 
 def lightning_ckpt(path: Path, drafter: PEagleDrafter, target: dict) -> Path:
     """What PEagleModule saves: the drafter as self.drafter, plus the spectrain block."""
-    torch.save({"state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()}, "global_step": 3,
-                "epoch": 0, "spectrain": {"kind": "peagle", "config": drafter.config.to_dict(), "target": target,
-                                          "recipe": {"kind": "peagle"}, "metrics": {"val/tau_sim": 2.0}}}, path)
+    torch.save(
+        {
+            "state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()},
+            "global_step": 3,
+            "epoch": 0,
+            "spectrain": {
+                "kind": "peagle",
+                "config": drafter.config.to_dict(),
+                "target": target,
+                "recipe": {"kind": "peagle"},
+                "metrics": {"val/tau_sim": 2.0},
+            },
+        },
+        path,
+    )
     return path
 
 
@@ -193,8 +234,11 @@ def test_speculators_loads_our_export_with_nothing_missing(tmp_path, tiny):
     out = tmp_path / "speculators"
     assert export_cli.main([f"ckpt={tmp_path / 'native'}", "format=speculators", f"out={out}"]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert (config["speculators_model_type"], config["architectures"], config["mask_token_id"]) == \
-        ("peagle", ["PEagleSpeculator"], MASK)
+    assert (config["speculators_model_type"], config["architectures"], config["mask_token_id"]) == (
+        "peagle",
+        ["PEagleSpeculator"],
+        MASK,
+    )
     assert config["norm_before_residual"] is True and config["speculators_config"]["algorithm"] == "peagle"
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == DEPTHS
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in AUX]
@@ -211,10 +255,18 @@ def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, t
     used = torch.sort(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:DRAFT_VOCAB]).values
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[used] = True
-    theirs = PEagleDraftModel.from_training_args(layer, t2d=t2d, d2t=used - torch.arange(DRAFT_VOCAB),
-                                                 verifier_name_or_path=tiny.name, draft_vocab_size=DRAFT_VOCAB,
-                                                 norm_before_residual=True, mask_token_id=MASK, num_depths=3,
-                                                 draft_attn_impl="eager", target_layer_ids=[i + 1 for i in AUX])
+    theirs = PEagleDraftModel.from_training_args(
+        layer,
+        t2d=t2d,
+        d2t=used - torch.arange(DRAFT_VOCAB),
+        verifier_name_or_path=tiny.name,
+        draft_vocab_size=DRAFT_VOCAB,
+        norm_before_residual=True,
+        mask_token_id=MASK,
+        num_depths=3,
+        draft_attn_impl="eager",
+        target_layer_ids=[i + 1 for i in AUX],
+    )
     with torch.no_grad():  # trained-looking weights: the library initialises its norms to ones
         for name, param in theirs.named_parameters():
             if "norm" in name and not name.startswith("verifier"):
@@ -225,8 +277,13 @@ def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, t
     assert export_cli.main([f"import={tmp_path / 'theirs'}", f"target={tiny.name}", f"out={native}"]) == 0
     drafter = load_peagle(str(native), tiny)
     c = drafter.config
-    assert (c.norm_before_residual, c.num_depths, c.mask_token_id, c.aux_layer_ids, c.own_embedding) == \
-        (True, 3, MASK, AUX, True)
+    assert (c.norm_before_residual, c.num_depths, c.mask_token_id, c.aux_layer_ids, c.own_embedding) == (
+        True,
+        3,
+        MASK,
+        AUX,
+        True,
+    )
     assert torch.equal(drafter.embed_tokens.weight, theirs.embed_tokens.weight)  # its own, not the target's
     greedy, prompt = SamplingParams(0.0), [5, 17, 3, 44, 8]
     reference = build_algorithm("ar", tiny.runner).generate(prompt, max_new_tokens=12, sampling=greedy)

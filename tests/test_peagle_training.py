@@ -15,11 +15,20 @@ def test_scored_rows_predict_supervised_tokens_and_full_chains_cover_every_score
     scored = scored_rows(supervised)
     assert scored[0].nonzero().flatten().tolist() == [2, 3, 4, 5, 6, 7]  # row q predicts token q + 2
     anchors, depths = every_chain(scored[0], 3)  # every chain whose rows are all scored, sorted by (anchor, depth)
-    assert list(zip(anchors.tolist(), depths.tolist())) == [(2, 1), (2, 2), (3, 1), (3, 2), (4, 1), (4, 2), (5, 1),
-                                                            (5, 2), (6, 1)]
+    assert list(zip(anchors.tolist(), depths.tolist())) == [
+        (2, 1),
+        (2, 2),
+        (3, 1),
+        (3, 2),
+        (4, 1),
+        (4, 2),
+        (5, 1),
+        (5, 2),
+        (6, 1),
+    ]
     drawn = cod_sample(scored[0], 6, 0.7, 0.2, None, torch.Generator().manual_seed(0))
     # COD: a chain's rows after its anchor are all scored (its anchor row need not be)
-    assert len(drawn[0]) > 4 and all(bool(scored[0, a + 1: a + d + 1].all()) for a, d in zip(*drawn))
+    assert len(drawn[0]) > 4 and all(bool(scored[0, a + 1 : a + d + 1].all()) for a, d in zip(*drawn))
     layout = batch_chains([(anchors, depths), (anchors[:2], depths[:2])], "cpu")
     assert layout.valid.sum(1).tolist() == [9, 2] and layout.anchors[1, -2:].tolist() == [2, 2]
     assert layout.valid[1].tolist() == [False] * 7 + [True] * 2  # padded at the front: still sorted
@@ -32,12 +41,15 @@ def test_a_rows_chains_do_not_depend_on_world_size_or_its_batch():
 
     def stub(seed: int = 7) -> SimpleNamespace:  # what PEagleModule._chains reads of the module
         model = SimpleNamespace(down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=0)
-        return SimpleNamespace(cfg=SimpleNamespace(seed=seed, model=model),
-                               drafter=SimpleNamespace(config=SimpleNamespace(num_depths=4)))
+        return SimpleNamespace(
+            cfg=SimpleNamespace(seed=seed, model=model), drafter=SimpleNamespace(config=SimpleNamespace(num_depths=4))
+        )
 
     def chains(module, scored, attention, salt, first_row, every=False):
-        return [list(zip(a.tolist(), d.tolist())) for a, d in
-                PEagleModule._chains(module, scored, attention, salt, first_row, every)]
+        return [
+            list(zip(a.tolist(), d.tolist()))
+            for a, d in PEagleModule._chains(module, scored, attention, salt, first_row, every)
+        ]
 
     lengths = [30, 16, 21, 17]
     generator = torch.Generator().manual_seed(0)
@@ -50,7 +62,7 @@ def test_a_rows_chains_do_not_depend_on_world_size_or_its_batch():
     one = chains(stub(), scored, attention, 11, 0)  # 1 process x 4 rows
     two = []
     for rank in range(2):  # 2 processes x 2 rows, each padded to its own width
-        rows, width = slice(2 * rank, 2 * rank + 2), max(lengths[2 * rank: 2 * rank + 2])
+        rows, width = slice(2 * rank, 2 * rank + 2), max(lengths[2 * rank : 2 * rank + 2])
         two += chains(stub(), scored_rows(supervised[rows, :width]), attention[rows, :width], 11, 2 * rank)
     assert one == two and all(len(row) > 3 for row in one)
     for row, sc in zip(one, scored):  # every chain row is a scored row
@@ -75,18 +87,24 @@ def test_recipes_validate_and_dry_run(tiny_setup):
 
     root, target, _ = tiny_setup
     for recipe in ("peagle_smollm2", "peagle_smollm2_gsm"):
-        cfg = fit_cli.compose_recipe([f"recipe={recipe}", f"target={target}", "dry_run=true",
-                                      f"runs_dir={root / 'dry'}"])
+        cfg = fit_cli.compose_recipe(
+            [f"recipe={recipe}", f"target={target}", "dry_run=true", f"runs_dir={root / 'dry'}"]
+        )
         assert cfg.kind == "peagle" and cfg.data.layers == "eagle3" and cfg.model.mask_token_id == 16
         assert fit_cli.fit(cfg)["trained"] is False
     gsm = fit_cli.compose_recipe(["recipe=peagle_smollm2_gsm", f"target={target}"])
     assert (gsm.model.num_depths, gsm.model.down_sample_ratio, gsm.data.max_len) == (6, 0.7, 640)
-    for override, message in [("mask_token_id=null", "model.mask_token_id is not set: give the id of a special token"),
-                              ("attention=flex", "model.attention=flex is not one of block_sparse, dense"),
-                              ("down_sample_ratio=0", r"model.down_sample_ratio must be in \(0, 1\]")]:
+    for override, message in [
+        ("mask_token_id=null", "model.mask_token_id is not set: give the id of a special token"),
+        ("attention=flex", "model.attention=flex is not one of block_sparse, dense"),
+        ("down_sample_ratio=0", r"model.down_sample_ratio must be in \(0, 1\]"),
+    ]:
         with pytest.raises(fit_cli.RecipeError, match=message):
-            fit_cli.fit(fit_cli.compose_recipe(["recipe=peagle_smollm2", f"target={target}", override,
-                                                "dry_run=true", f"runs_dir={root / 'dry'}"]))
+            fit_cli.fit(
+                fit_cli.compose_recipe(
+                    ["recipe=peagle_smollm2", f"target={target}", override, "dry_run=true", f"runs_dir={root / 'dry'}"]
+                )
+            )
 
 
 def test_fit_exports_a_native_dir_that_the_engine_serves_losslessly(tiny_setup):
@@ -103,11 +121,27 @@ def test_fit_exports_a_native_dir_that_the_engine_serves_losslessly(tiny_setup):
 
     root, target, chats = tiny_setup
     runs = root / "runs"
-    cfg = fit_cli.compose_recipe([
-        "recipe=peagle_smollm2", f"target={target}", f"source=jsonl:{chats}", "n_samples=24", "n_val_samples=4",
-        "max_len=64", "batch_size=4", "draft_vocab_size=512", "num_depths=4", "max_steps=8", "val_check_interval=4",
-        "checkpoint_every_n_steps=4", "warmup_steps=2", "lr=5e-3", "log_every_n_steps=1", "data.dtype=fp32",
-        f"runs_dir={runs}"])
+    cfg = fit_cli.compose_recipe(
+        [
+            "recipe=peagle_smollm2",
+            f"target={target}",
+            f"source=jsonl:{chats}",
+            "n_samples=24",
+            "n_val_samples=4",
+            "max_len=64",
+            "batch_size=4",
+            "draft_vocab_size=512",
+            "num_depths=4",
+            "max_steps=8",
+            "val_check_interval=4",
+            "checkpoint_every_n_steps=4",
+            "warmup_steps=2",
+            "lr=5e-3",
+            "log_every_n_steps=1",
+            "data.dtype=fp32",
+            f"runs_dir={runs}",
+        ]
+    )
     result = fit_cli.fit(cfg)
     assert result["trained"] and result["global_step"] == 8
     assert 1.0 <= result["metrics"]["val/tau_sim"] <= 5.0

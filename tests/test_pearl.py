@@ -54,8 +54,13 @@ def test_every_executor_gives_the_sequential_tokens(pair, name):
     """Same tokens at T=0 and, with one seeded generator, at T=1 (draft draws on the draft side's own stream)."""
     target, draft = pair
     assert_executor_matches_sequential(
-        target, name, lambda executor, **kw: build_algorithm("pearl", runner(target), runner(draft), gamma=3,
-                                                             executor=executor, **kw), kmax=1)
+        target,
+        name,
+        lambda executor, **kw: build_algorithm(
+            "pearl", runner(target), runner(draft), gamma=3, executor=executor, **kw
+        ),
+        kmax=1,
+    )
 
 
 def test_bad_options_are_one_line_errors(pair):

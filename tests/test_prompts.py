@@ -80,10 +80,10 @@ def test_sharegpt_truncated_synthetic_file(tmp_path):
 def test_sharegpt_role_mapping_and_drops(tmp_path):
     records = [
         _record(0, ("system", "human", "gpt")),
-        _record(1, ("human", "bing")),         # unknown role: dropped
-        {"id": "r2", "conversations": []},     # empty: dropped
-        _record(3, ("gpt", "human", "gpt")),   # continuation: leading gpt dropped
-        _record(4, ("gpt",)),                  # nothing left: dropped
+        _record(1, ("human", "bing")),  # unknown role: dropped
+        {"id": "r2", "conversations": []},  # empty: dropped
+        _record(3, ("gpt", "human", "gpt")),  # continuation: leading gpt dropped
+        _record(4, ("gpt",)),  # nothing left: dropped
     ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(records))  # complete (not truncated) arrays work too
@@ -112,23 +112,30 @@ def test_jsonl_formats(tmp_path):
     path = tmp_path / "p.jsonl"
     lines = [
         {"prompt": "plain prompt"},
-        {"id": "m", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "u"},
-                                 {"role": "assistant", "content": "a"}]},
+        {
+            "id": "m",
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"},
+            ],
+        },
         {"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     convs = P.load_prompts(f"jsonl:{path}")
     assert [c.turns for c in convs] == [
         [{"role": "user", "content": "plain prompt"}],
-        [{"role": "system", "content": "sys"}, {"role": "user", "content": "u"},
-         {"role": "assistant", "content": "a"}],
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
         [{"role": "user", "content": "h"}, {"role": "assistant", "content": "g"}],
     ]
     assert convs[0].id == "p.jsonl:1" and convs[1].id == "m"
     assert len(P.load_prompts(f"jsonl:{path}", n=2)) == 2
 
 
-@pytest.mark.parametrize("bad", ['{"completion": "x"}', '{"text": 3}', "not json", '{"messages": [{"role": "bot", "content": "x"}]}'])
+@pytest.mark.parametrize(
+    "bad", ['{"completion": "x"}', '{"text": 3}', "not json", '{"messages": [{"role": "bot", "content": "x"}]}']
+)
 def test_jsonl_bad_line(tmp_path, bad):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n' + bad + "\n")
@@ -219,11 +226,15 @@ def test_golden_mask_two_turns(tok):
 
 
 def test_golden_mask_explicit_system(tok):
-    conv = P.Conversation("s", [
-        {"role": "system", "content": "You answer tersely."},
-        {"role": "user", "content": "Capital of France?"},
-        {"role": "assistant", "content": "Paris."},
-    ], "test")
+    conv = P.Conversation(
+        "s",
+        [
+            {"role": "system", "content": "You answer tersely."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+        ],
+        "test",
+    )
     ids, mask = P.tokenize_conversation(tok, conv, max_len=512)
     assert ids == _full_ids(tok, conv.turns)
     assert _masked_text(tok, ids, mask) == f"Paris.{IM_END}"
@@ -267,8 +278,12 @@ def test_not_prefix_stable_template_is_rejected(tok):
         "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    turns = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>hmm</think>a1"},
-             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    turns = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "<think>hmm</think>a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
     with pytest.raises(ValueError, match="not prefix-stable") as err:
         P.tokenize_conversation(tok, turns, template_kwargs={"chat_template": template})
     assert "\n" not in str(err.value)
@@ -279,17 +294,26 @@ def test_answer_window_keeps_conversations_whose_prompt_fills_max_len(tok):
     max_len // 2 tokens before the first answer token; a conversation that fit is the same either way."""
     from data_prep.samples import SampleBuilder
 
-    long = P.Conversation("long", [{"role": "user", "content": "word " * 120},
-                                   {"role": "assistant", "content": "one two three four five six seven eight"}], "t")
-    short = P.Conversation("short", [{"role": "user", "content": "Count."},
-                                     {"role": "assistant", "content": "one two three"}], "t")
+    long = P.Conversation(
+        "long",
+        [
+            {"role": "user", "content": "word " * 120},
+            {"role": "assistant", "content": "one two three four five six seven eight"},
+        ],
+        "t",
+    )
+    short = P.Conversation(
+        "short", [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two three"}], "t"
+    )
     full_ids, full_mask = P.tokenize_conversation(tok, long)
     first, max_len = full_mask.index(1), 64
     assert first > max_len
     assert SampleBuilder(tok, max_len, window="start")(0, long) is None
     sample = SampleBuilder(tok, max_len, window="answer")(0, long)
     start = first - max_len // 2
-    assert sample.input_ids == full_ids[start:start + max_len] and sample.loss_mask == full_mask[start:start + max_len]
+    assert (
+        sample.input_ids == full_ids[start : start + max_len] and sample.loss_mask == full_mask[start : start + max_len]
+    )
     assert sample.loss_mask[: max_len // 2] == [0] * (max_len // 2) and sample.loss_mask[max_len // 2] == 1
     assert _masked_text(tok, sample.input_ids, sample.loss_mask).startswith("one two three")
     kept = SampleBuilder(tok, max_len)(1, short)

@@ -12,14 +12,16 @@ from data_prep.rank_sampler import RankSlicedSampler
 
 def batches(sampler: RankSlicedSampler, size: int) -> list[list[int]]:
     order = list(sampler)
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 def test_two_processes_take_halves_of_the_single_process_batches():
     n, b = 22, 3  # 22 rows: 3 global batches of 6, the partial fourth dropped when several processes train
     one = batches(RankSlicedSampler(n, 2 * b, shuffle=True, generator=_shuffle_generator(7)), 2 * b)
-    ranks = [batches(RankSlicedSampler(n, b, shuffle=True, generator=_shuffle_generator(7), rank=r, world=2), b)
-             for r in range(2)]
+    ranks = [
+        batches(RankSlicedSampler(n, b, shuffle=True, generator=_shuffle_generator(7), rank=r, world=2), b)
+        for r in range(2)
+    ]
     assert len(ranks[0]) == len(ranks[1]) == 3 and len(one) == 4
     assert [a + c for a, c in zip(*ranks)] == one[:3]
     # One process: exactly torch's seeded permutation, as the loaders drew it before they were split.
@@ -42,8 +44,10 @@ def test_a_mid_epoch_state_resumes_the_same_indices_in_a_later_epoch():
 def test_fewer_samples_than_one_global_batch_are_refused_rather_than_training_nothing():
     with pytest.raises(ValueError) as info:
         RankSlicedSampler(5, 3, shuffle=False, rank=1, world=2)
-    assert str(info.value) == ("5 training samples do not fill one global batch of 2 processes x batch_size 3 = 6, so "
-                               "nothing would train; give more samples, a smaller data.batch_size or fewer processes")
+    assert str(info.value) == (
+        "5 training samples do not fill one global batch of 2 processes x batch_size 3 = 6, so "
+        "nothing would train; give more samples, a smaller data.batch_size or fewer processes"
+    )
     assert len(list(RankSlicedSampler(6, 3, shuffle=False, rank=1, world=2))) == 3  # exactly one global batch
     assert len(list(RankSlicedSampler(2, 3, shuffle=False))) == 2  # one process trains on a partial batch
 
@@ -58,8 +62,15 @@ def test_length_bucketed_batches_split_across_processes_as_one_process_batches_t
 
     def loader(batch_size: int, rank: int = 0, world: int = 1):
         monkeypatch.setattr(datamodules, "process_rank", lambda: (rank, world))
-        module = datamodules.OnlineFeatureDataModule("unused", source="unused", n_samples=22, max_len=64,
-                                                     batch_size=batch_size, features=False, bucket_by_length=True)
+        module = datamodules.OnlineFeatureDataModule(
+            "unused",
+            source="unused",
+            n_samples=22,
+            max_len=64,
+            batch_size=batch_size,
+            features=False,
+            bucket_by_length=True,
+        )
         module.samples = [TokenSample(i, [i] * (1 + (7 * i) % 13), [1] * (1 + (7 * i) % 13)) for i in range(22)]
         return module.train_dataloader()
 

@@ -36,8 +36,14 @@ def target(tiny):
 
 def prompts_file(path: Path, n: int) -> Path:
     lines = [{"id": f"p{i}", "prompt": f"Question {i}: " + "why " * (i % 4)} for i in range(n)]
-    lines[2] = {"id": "p2", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"},
-                                         {"role": "user", "content": "Again?"}]}
+    lines[2] = {
+        "id": "p2",
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "Again?"},
+        ],
+    }
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -67,7 +73,7 @@ def test_continuous_batching_equals_one_prompt_ar(tiny, target, spare_rows):
     # An end-of-sequence id stops a row early; the stop token is part of the answer.
     stop = batched[0][1]
     early = run_batched(target, jobs[:1], 3, greedy, eos=[stop])
-    assert early[0] == batched[0][:batched[0].index(stop) + 1]
+    assert early[0] == batched[0][: batched[0].index(stop) + 1]
 
 
 def test_sampled_jobs_do_not_depend_on_batching(target):
@@ -96,8 +102,16 @@ def read_jsonl(path: Path) -> tuple[dict, list[dict]]:
 def test_regenerate_writes_the_targets_answers_in_source_order(tiny, target, tmp_path):
     source = prompts_file(tmp_path / "prompts.jsonl", 6)
     out = tmp_path / "regen.jsonl"
-    argv = [f"target={tiny}", f"source=jsonl:{source}", "n_samples=6", "max_len=80", "max_new_tokens=7",
-            "batch_size=3", "device=cpu", f"out={out}"]
+    argv = [
+        f"target={tiny}",
+        f"source=jsonl:{source}",
+        "n_samples=6",
+        "max_len=80",
+        "max_new_tokens=7",
+        "batch_size=3",
+        "device=cpu",
+        f"out={out}",
+    ]
     summary = regenerate(parse_args(argv), target=target)
     header, records = read_jsonl(out)
     assert header["spectrain_regenerate"]["settings"]["max_new_tokens"] == 7
@@ -137,15 +151,27 @@ def test_regenerate_cli_errors(tmp_path, capsys):
 def test_regenerate_resumes_after_kill_9(tiny, target, tmp_path):
     """kill -9 mid-run, then the same command: every conversation exactly once, equal to an uninterrupted run."""
     source = prompts_file(tmp_path / "prompts.jsonl", 16)
-    common = [f"target={tiny}", f"source=jsonl:{source}", "n_samples=16", "max_len=90", "max_new_tokens=32",
-              "batch_size=2", "device=cpu"]
+    common = [
+        f"target={tiny}",
+        f"source=jsonl:{source}",
+        "n_samples=16",
+        "max_len=90",
+        "max_new_tokens=32",
+        "batch_size=2",
+        "device=cpu",
+    ]
     reference = tmp_path / "reference.jsonl"
     regenerate(parse_args([*common, f"out={reference}"]), target=target)
 
     out = tmp_path / "killed.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "data_prep.regenerate", *common, f"out={out}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data_prep.regenerate", *common, f"out={out}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 4):
         time.sleep(0.05)
@@ -166,8 +192,14 @@ def test_two_process_merge_waits_for_parts_finished_for_this_run(target, tiny, t
     from data_prep import regenerate as module
 
     source = prompts_file(tmp_path / "prompts.jsonl", 8)
-    common = [f"target={tiny}", f"source=jsonl:{source}", "max_len=80", "max_new_tokens=5", "batch_size=2",
-              "device=cpu"]
+    common = [
+        f"target={tiny}",
+        f"source=jsonl:{source}",
+        "max_len=80",
+        "max_new_tokens=5",
+        "batch_size=2",
+        "device=cpu",
+    ]
     reference, out = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     regenerate(parse_args([*common, "n_samples=8", f"out={reference}"]), target=target)
 

@@ -23,8 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 BATCHES_PER_EPOCH = 4  # the toy data: 64 rows, batch_size 16
 # dropout > 0: the steps draw from the global RNG, so a resume that does not restore it diverges at once.
-RUN = ["recipe=toy", "max_steps=20", "checkpoint_every_n_steps=3", "model.dropout=0.3", "log_every_n_steps=1",
-       "val_check_interval=5"]
+RUN = [
+    "recipe=toy",
+    "max_steps=20",
+    "checkpoint_every_n_steps=3",
+    "model.dropout=0.3",
+    "log_every_n_steps=1",
+    "val_check_interval=5",
+]
 
 
 @pytest.fixture()
@@ -48,16 +54,28 @@ def train_losses(run: Path) -> dict[int, float]:
 
 def kill_after_checkpoint(recipes: Path, runs: Path, step: int) -> None:
     """Run ``python -m spectrain.fit`` (slowed to 0.1 s a step) and SIGKILL it once ``step{step}.ckpt`` exists."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", SPECTRAIN_RECIPES=str(recipes),
-               SPECTRAIN_KIND_MODULES="test_fit_cli",  # registers kind toy_regression in the child
-               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "spectrain.fit", *RUN, f"runs_dir={runs}", "model.step_seconds=0.1"],
-                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        SPECTRAIN_RECIPES=str(recipes),
+        SPECTRAIN_KIND_MODULES="test_fit_cli",  # registers kind toy_regression in the child
+        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spectrain.fit", *RUN, f"runs_dir={runs}", "model.step_seconds=0.1"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     marker = runs / "toy" / "checkpoints" / f"step{step}.ckpt"
     deadline = time.monotonic() + 120
     while not marker.exists():
         if proc.poll() is not None:
-            pytest.fail(f"training exited (rc {proc.returncode}) before step {step}: {proc.stderr.read().decode()[-2000:]}")
+            pytest.fail(
+                f"training exited (rc {proc.returncode}) before step {step}: {proc.stderr.read().decode()[-2000:]}"
+            )
         assert time.monotonic() < deadline, f"no {marker.name} after 120 s"
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
@@ -109,8 +127,7 @@ def test_a_finished_run_extended_with_more_steps_matches_the_longer_run(recipes,
     assert torch.load(last, weights_only=True)["global_step"] == 5
     extended = [*RUN, "max_steps=10", f"runs_dir={tmp_path / 'extended'}", "resume=auto"]
     assert fit_cli.fit(fit_cli.compose_recipe(extended, directory=recipes))["global_step"] == 10
-    fit_cli.fit(fit_cli.compose_recipe([*RUN, "max_steps=10", f"runs_dir={tmp_path / 'reference'}"],
-                                       directory=recipes))
+    fit_cli.fit(fit_cli.compose_recipe([*RUN, "max_steps=10", f"runs_dir={tmp_path / 'reference'}"], directory=recipes))
     assert_same_final_state(tmp_path / "extended", tmp_path / "reference")
 
 

@@ -40,7 +40,6 @@ def test_rows_on_demand_equal_the_batched_lm_head():
         RowLogits(None, None)
 
 
-
 def test_rows_are_computed_on_demand_on_a_cpu_unless_the_forward_scores_them_all():
     model = tiny_llama(0)
     assert lazy_rows_on(runner(model))
@@ -78,14 +77,17 @@ def test_tree_walk_reads_only_the_root_and_its_path():
     assert tree_walk([1, 2, 3, 0], [-1, 0, 1, 0], probs).tokens.tolist() == [1, 2, 4]  # tensors still work
 
 
-@pytest.mark.parametrize("algorithm, options, temperature", [
-    ("eagle3_tree", {"tree_depth": 3, "tree_topk": 3, "tree_total": 12}, 0.0),
-    ("eagle3_tree", {"tree_depth": 3, "tree_topk": 3, "tree_total": 12}, 1.0),
-    ("self_draft", {"branch_len": 5, "branch_num": 3}, 0.0),
-    ("self_draft", {"branch_len": 5, "branch_num": 3}, 1.0),
-    # all-at-once rows take the grid's argmax over the full vocabulary: other proposals, same greedy output
-    ("self_draft", {"branch_len": 4, "branch_num": 2, "grid_vocab": 40}, 0.0),
-])
+@pytest.mark.parametrize(
+    "algorithm, options, temperature",
+    [
+        ("eagle3_tree", {"tree_depth": 3, "tree_topk": 3, "tree_total": 12}, 0.0),
+        ("eagle3_tree", {"tree_depth": 3, "tree_topk": 3, "tree_total": 12}, 1.0),
+        ("self_draft", {"branch_len": 5, "branch_num": 3}, 0.0),
+        ("self_draft", {"branch_len": 5, "branch_num": 3}, 1.0),
+        # all-at-once rows take the grid's argmax over the full vocabulary: other proposals, same greedy output
+        ("self_draft", {"branch_len": 4, "branch_num": 2, "grid_vocab": 40}, 0.0),
+    ],
+)
 def test_same_tokens_with_rows_on_demand_or_all_at_once(monkeypatch, algorithm, options, temperature):
     target = tiny_llama(0, layers=4, temperature_scale=8.0)
     drafter = random_drafter(target, draft_vocab=60) if algorithm == "eagle3_tree" else None
@@ -99,8 +101,10 @@ def test_same_tokens_with_rows_on_demand_or_all_at_once(monkeypatch, algorithm, 
         args = (runner(target),) if drafter is None else (runner(target), drafter)
         built = build_algorithm(algorithm, *args, **options)
         generator = torch.Generator().manual_seed(5)
-        outputs[lazy] = [built.generate(p, max_new_tokens=30, sampling=sampling, generator=generator).tokens
-                         for p in (PROMPT, [3, 14, 15, 92, 65])]
+        outputs[lazy] = [
+            built.generate(p, max_new_tokens=30, sampling=sampling, generator=generator).tokens
+            for p in (PROMPT, [3, 14, 15, 92, 65])
+        ]
     assert outputs[True] == outputs[False]
 
 
@@ -116,11 +120,13 @@ def rows_as_the_algorithms_read_them(target, tokens, mask, positions) -> dict[st
     """Every row's logits of one verification forward, read as the tree algorithms read them (each row computed
     when read: inference.algorithms.feature_drafting.FeatureTrees.verify) and as Self-Draft does (the root
     with the forward, the grid's rows in one call, the rest when read: NodeLogits.grid_argmax)."""
-    output = target.forward(tokens, positions=positions, attention_mask=mask, return_last_hidden=True,
-                            logit_rows=slice(0, 1))
+    output = target.forward(
+        tokens, positions=positions, attention_mask=mask, return_last_hidden=True, logit_rows=slice(0, 1)
+    )
     tree = RowLogits(output.last_hidden[0], target.logits_from_hidden)
-    grid = NodeLogits(output.last_hidden[0], target.logits_from_hidden, known=output.logits[0],
-                      head_weight=target.lm_head.weight)
+    grid = NodeLogits(
+        output.last_hidden[0], target.logits_from_hidden, known=output.logits[0], head_weight=target.lm_head.weight
+    )
     grid.grid_argmax(GRID_ROWS, None)
     assert set(grid._rows) == set(range(1, 1 + GRID_ROWS)) and not tree._rows
     return {"tree": tree.stack(range(len(tree))), "grid": grid.stack(range(len(grid)))}
@@ -134,7 +140,7 @@ def decoded_paths(target, context: int, tokens: torch.Tensor, parents: list[int]
     while stack:
         node, depth = stack.pop()
         target.truncate(context + depth)
-        decoded[node] = target.forward(tokens[:, node:node + 1]).logits[0, -1]
+        decoded[node] = target.forward(tokens[:, node : node + 1]).logits[0, -1]
         stack.extend((child, depth + 1) for child in reversed(children[node]))
     return decoded
 

@@ -75,8 +75,6 @@ GPT2 = (
 CASES = [(arch, kind) for arch in ARCHS for kind in ("native", "transformers")] + [("gpt2", "transformers")]
 
 
-
-
 @cache
 def hf_model(arch: str):
     model_cls, make_config = GPT2 if arch == "gpt2" else ARCHS[arch]
@@ -159,9 +157,7 @@ def test_tree_forward_then_commit_branch_then_decode(arch, kind):
     runner.forward(prefix[None])
     paths = tree_paths(TREE_PARENTS)
     depth = torch.tensor([len(path) - 1 for path in paths])
-    out = runner.forward(
-        nodes[None], positions=(5 + depth)[None], attention_mask=tree_mask(TREE_PARENTS)[None]
-    )
+    out = runner.forward(nodes[None], positions=(5 + depth)[None], attention_mask=tree_mask(TREE_PARENTS)[None])
     for node, path in enumerate(paths):  # each node sees exactly its root-to-node path
         expected = reference(arch, torch.cat([prefix, nodes[path]])).logits[0, -1]
         assert_close(out.logits[0, node], expected)
@@ -278,9 +274,7 @@ def test_runners_agree_on_random_mask_over_cache(arch):
     native.truncate(torch.tensor([3, 6]))
     visible = mask.clone()
     visible[:, :, :6] = True
-    assert not torch.allclose(
-        native.forward(new, positions=positions, attention_mask=visible).logits, outputs[0]
-    )
+    assert not torch.allclose(native.forward(new, positions=positions, attention_mask=visible).logits, outputs[0])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -368,9 +362,7 @@ def test_sliding_window_that_matters_raises():
     config = MistralConfig(**TINY, num_hidden_layers=1, sliding_window=16)
     with pytest.raises(ValueError, match="sliding window of 16"):
         ModelRunner.from_config(config, {}, max_seq_len=64)
-    assert ModelRunner(
-        config, device=torch.device("cpu"), dtype=torch.float32, max_batch_size=1, max_seq_len=16
-    )
+    assert ModelRunner(config, device=torch.device("cpu"), dtype=torch.float32, max_batch_size=1, max_seq_len=16)
 
 
 def test_commit_rejects_bad_indices_and_needs_forward():
@@ -401,8 +393,8 @@ def test_select_rows_forks_and_keeps_rows_like_fresh_prefills():
     out = runner.forward(nxt).logits
     for row, source in enumerate([1, 1, 0]):
         fresh = make_runner("llama", "native")
-        expected = fresh.forward(torch.cat([ids[source:source + 1, :6], nxt[row:row + 1]], dim=1)).logits[:, -1]
-        assert_close(out[row:row + 1, -1], expected)
+        expected = fresh.forward(torch.cat([ids[source : source + 1, :6], nxt[row : row + 1]], dim=1)).logits[:, -1]
+        assert_close(out[row : row + 1, -1], expected)
     with pytest.raises(ValueError, match="keeps 9 tokens but the chosen rows hold only 7"):
         runner.select_rows([0], 9)
 

@@ -27,7 +27,7 @@ def test_smollm2_logits_match_transformers_through_commit_and_truncate(smollm2):
 
     # A chain of 4 drafted tokens, of which the first 2 are committed.
     chain = runner.forward(torch.tensor([[11, 12, 13, 14]])).logits[0]
-    torch.testing.assert_close(chain, reference[len(ids):], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chain, reference[len(ids) :], atol=ATOL, rtol=0)
     runner.commit(torch.tensor([[0, 1]]))
     after_commit = runner.forward(torch.tensor([[20]])).logits[0, -1]
     torch.testing.assert_close(after_commit, hf_logits(model, ids + [11, 12, 20])[-1], atol=ATOL, rtol=0)

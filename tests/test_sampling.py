@@ -12,8 +12,6 @@ from inference.sampling import SamplingParams, sample, warp_probs
 F64 = torch.float64
 
 
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-12) -> None:
     # Plain max-abs check: torch.testing.assert_close costs ~1 s of lazy imports on first use.
     assert actual.shape == expected.shape, (actual.shape, expected.shape)

@@ -25,8 +25,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from law_helpers import (PooledChiSquare, batched_counts, enumerated_law, inject_resample_from_p,
-                         law_resampling_from_p, sampled_counts, temperature_changed)
+from law_helpers import (
+    PooledChiSquare,
+    batched_counts,
+    enumerated_law,
+    inject_resample_from_p,
+    law_resampling_from_p,
+    sampled_counts,
+    temperature_changed,
+)
 from law_helpers import LAW_ROWS
 from tiny_targets import tiny_llama
 
@@ -45,8 +52,17 @@ AUX = [0, 0, 0]  # the one-layer target's only layer, three times (EAGLE-3 style
 
 
 def small(seed: int, scale: float) -> torch.nn.Module:
-    return tiny_llama(seed, vocab=VOCAB, layers=1, hidden=16, intermediate=32, heads=2, kv_heads=1,
-                      temperature_scale=scale, max_positions=64)
+    return tiny_llama(
+        seed,
+        vocab=VOCAB,
+        layers=1,
+        hidden=16,
+        intermediate=32,
+        heads=2,
+        kv_heads=1,
+        temperature_scale=scale,
+        max_positions=64,
+    )
 
 
 def runner(model, batch: int = 1, max_seq_len: int = MAX_SEQ) -> ModelRunner:
@@ -137,11 +153,19 @@ def build(name: str, target) -> object:
         return build_algorithm("eagle3_tree", runner(target), drafter, tree_depth=2, tree_topk=2, tree_total=4)
     if name == "specblock_tree":
         # one block: the window's depth-1 trees never keep a later block's nodes
-        return build_algorithm("specblock_tree", runner(target, 2 * LAW_ROWS),
-                               specblock_drafter_knowing_the_target(target),
-                               width=SPECBLOCK_WIDTH, budget=4, widths=[2, 2, 2, 2], blocks=1)
+        return build_algorithm(
+            "specblock_tree",
+            runner(target, 2 * LAW_ROWS),
+            specblock_drafter_knowing_the_target(target),
+            width=SPECBLOCK_WIDTH,
+            budget=4,
+            widths=[2, 2, 2, 2],
+            blocks=1,
+        )
     if name == "dflash":
-        drafter = tied(DFlashDrafter, DFlashConfig, target, DRAFTER_SEEDS[name], block_size=3, num_layers=1, mask_token_id=7)
+        drafter = tied(
+            DFlashDrafter, DFlashConfig, target, DRAFTER_SEEDS[name], block_size=3, num_layers=1, mask_token_id=7
+        )
         return build_algorithm("dflash", runner(target), drafter)
     if name == "peagle":
         drafter = tied(PEagleDrafter, PEagleConfig, target, DRAFTER_SEEDS[name], mask_token_id=7, num_depths=2)

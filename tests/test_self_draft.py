@@ -14,8 +14,7 @@ from tiny_targets import runner, tiny_llama
 
 from data_prep.ngram_corpus import count_ngrams
 from inference.algorithms import build_algorithm
-from inference.algorithms.self_draft import (BranchGrid, Column, GridVocab, SelfDraft, attention_inputs,
-                                             layout_step)
+from inference.algorithms.self_draft import BranchGrid, Column, GridVocab, SelfDraft, attention_inputs, layout_step
 from inference.ngram_cache import ContextCache, CorpusCache
 from inference.sampling import SamplingParams
 
@@ -93,7 +92,7 @@ def test_eos_inside_an_accepted_candidate(model, references):
     algorithm.generate(prompt, max_new_tokens=40, sampling=GREEDY, on_tokens=chunks.append)
     emitted_before = 0
     for chunk in chunks:
-        middle = [i for i in range(len(chunk) - 1) if chunk[i] not in expected[:emitted_before + i]]
+        middle = [i for i in range(len(chunk) - 1) if chunk[i] not in expected[: emitted_before + i]]
         if middle:
             eos = chunk[middle[0]]
             break
@@ -128,8 +127,9 @@ def test_forward_accounting_and_compat_cap(model, references, corpus):
     fixed = self_draft(model, branch_len=branch_len, branch_num=3, corpus=corpus, verify_branches=False)
     fixed.generate(PROMPTS[1], max_new_tokens=40, sampling=GREEDY)
     chunks.clear()
-    assert fixed.generate(PROMPTS[0], max_new_tokens=40, sampling=GREEDY, on_tokens=chunks.append).tokens \
-        == references[0]
+    assert (
+        fixed.generate(PROMPTS[0], max_new_tokens=40, sampling=GREEDY, on_tokens=chunks.append).tokens == references[0]
+    )
     assert max(len(c) for c in chunks) == gram_len + 1  # the bonus token after a full match
 
 
@@ -157,8 +157,11 @@ def test_spec_example_mask_and_positions():
     """§4: N=3, L=4; col 1 pads A,B; col 2 pads C; levels a*, b*; one candidate (g1, g2)."""
     names = SPEC_EXAMPLE_MASK.split("\n")[1].split()
     ids = {name: i + 1 for i, name in enumerate(names)}
-    columns = [Column([ids["a0"], ids["b0"]], 0), Column([ids[t] for t in ("A", "B", "a1", "b1")], 2),
-               Column([ids[t] for t in ("C", "a2", "b2")], 1)]
+    columns = [
+        Column([ids["a0"], ids["b0"]], 0),
+        Column([ids[t] for t in ("A", "B", "a1", "b1")], 2),
+        Column([ids[t] for t in ("C", "a2", "b2")], 1),
+    ]
     layout = layout_step(columns, [(ids["g1"], ids["g2"])])
     assert [ids["x"]] + layout.tokens == [ids[n] for n in names]  # the original's token order
     p = 37
@@ -172,8 +175,8 @@ def reference_paths(columns, candidates) -> list[tuple]:
     """Brute force from the description: every token is a path from the root (a column's chain prefix, or a
     candidate prefix, each distinct candidate prefix once); it sees the head and the tokens whose path is a
     prefix of its own, within its own section."""
-    paths = [("col", j, tuple(c.tokens[:k + 1])) for j, c in enumerate(columns) for k in range(len(c.tokens))]
-    return paths + sorted({("cand", 0, tuple(g[:i + 1])) for g in candidates for i in range(len(g))})
+    paths = [("col", j, tuple(c.tokens[: k + 1])) for j, c in enumerate(columns) for k in range(len(c.tokens))]
+    return paths + sorted({("cand", 0, tuple(g[: i + 1])) for g in candidates for i in range(len(g))})
 
 
 def test_layout_matches_brute_force_reference():
@@ -181,8 +184,10 @@ def test_layout_matches_brute_force_reference():
     for _ in range(30):
         head_len, start = rng.randint(1, 4), rng.randint(0, 20)
         levels = rng.randint(0, 4)
-        columns = [Column([rng.randint(0, 5) for _ in range(s + levels)], s)
-                   for s in [0] + [rng.randint(1, 2) for _ in range(rng.randint(0, 4))]]
+        columns = [
+            Column([rng.randint(0, 5) for _ in range(s + levels)], s)
+            for s in [0] + [rng.randint(1, 2) for _ in range(rng.randint(0, 4))]
+        ]
         candidates = [tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 6))]
         layout = layout_step(columns, candidates)
         positions, mask = attention_inputs(layout, head_len, start)
@@ -194,8 +199,11 @@ def test_layout_matches_brute_force_reference():
             while n >= 0:
                 chain.append(layout.tokens[n])
                 n = layout.parents[n]
-            section = ("col", next(j for j, nodes in enumerate(layout.column_nodes) if node in nodes)) \
-                if node < layout.num_grid else ("cand", 0)
+            section = (
+                ("col", next(j for j, nodes in enumerate(layout.column_nodes) if node in nodes))
+                if node < layout.num_grid
+                else ("cand", 0)
+            )
             node_path.append((*section, tuple(reversed(chain))))
         assert sorted(node_path) == sorted(paths)  # every token once; candidates share prefixes
         total = head_len + len(layout)
@@ -204,7 +212,7 @@ def test_layout_matches_brute_force_reference():
         ref[head_len:, :head_len] = True
         for i, (sec_i, col_i, path_i) in enumerate(node_path):
             for j, (sec_j, col_j, path_j) in enumerate(node_path):
-                ref[head_len + i, head_len + j] = (sec_i, col_i) == (sec_j, col_j) and path_i[:len(path_j)] == path_j
+                ref[head_len + i, head_len + j] = (sec_i, col_i) == (sec_j, col_j) and path_i[: len(path_j)] == path_j
         assert mask.numpy().tolist() == ref.tolist()
         root = start + head_len - 1
         assert positions.tolist() == list(range(start, start + head_len)) + [root + len(p[2]) for p in node_path]
@@ -223,8 +231,9 @@ def test_packed_forward_logits_equal_separate_forwards(model, head_len):
         packed.forward(torch.tensor([cached]))
     head = context[-head_len:]
     positions, mask = attention_inputs(layout, head_len, packed.length())
-    logits = packed.forward(torch.tensor([head + layout.tokens]), positions=positions[None],
-                            attention_mask=mask).logits[0]
+    logits = packed.forward(
+        torch.tensor([head + layout.tokens]), positions=positions[None], attention_mask=mask
+    ).logits[0]
     plain = runner(model, 64)
     for node in range(len(layout)):
         chain, n = [], node
@@ -381,8 +390,15 @@ def test_options_from_the_evaluate_cli(model):
     from inference.algorithms.options import SelfDraftOptions
     from inference.evaluate import parse_args
 
-    cfg = parse_args(["algorithms=[ar,self_draft]", "self_draft.branch_len=4", "self_draft.branch_num=2",
-                      "self_draft.ctx_candidates=3", "self_draft.compat_original_cap=true"])
+    cfg = parse_args(
+        [
+            "algorithms=[ar,self_draft]",
+            "self_draft.branch_len=4",
+            "self_draft.branch_num=2",
+            "self_draft.ctx_candidates=3",
+            "self_draft.compat_original_cap=true",
+        ]
+    )
     options = OmegaConf.to_object(cfg.self_draft)
     assert options == SelfDraftOptions(branch_len=4, branch_num=2, ctx_candidates=3, compat_original_cap=True)
     algorithm = SelfDraft(runner(model), options)

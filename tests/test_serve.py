@@ -13,8 +13,21 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import (ALGORITHMS, MAX_SEQ, PROMPT, Paced, ROWS, chat_ids, error_of, metric, reference,
-                           runner_of, start, tiny_models, wait_for)
+from serve_helpers import (
+    ALGORITHMS,
+    MAX_SEQ,
+    PROMPT,
+    Paced,
+    ROWS,
+    chat_ids,
+    error_of,
+    metric,
+    reference,
+    runner_of,
+    start,
+    tiny_models,
+    wait_for,
+)
 
 from core.errors import UserError
 from inference.algorithms import build_algorithm
@@ -41,11 +54,20 @@ def test_every_algorithm_answers_as_ar_streamed_or_not(tiny, name):
     with start(tiny, *ALGORITHMS[name]) as server:
         api = client(server)
         messages = [{"role": "user", "content": PROMPT}]
-        full = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0,
-                                           extra_body={"return_token_ids": True})
-        chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"return_token_ids": True}))
+        full = api.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=n, temperature=0, extra_body={"return_token_ids": True}
+        )
+        chunks = list(
+            api.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=n,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"return_token_ids": True},
+            )
+        )
     assert full.choices[0].token_ids == expected, name
     assert full.choices[0].message.content == tiny["target"].tokenizer.decode(expected, skip_special_tokens=True)
     streamed = [c.choices[0] for c in chunks if c.choices]
@@ -76,9 +98,9 @@ def test_completions_stream_and_stop_strings(tiny, ar_server):
     assert full.choices[0].text == text and full.usage.completion_tokens == 16
     streamed = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     stopped = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stop=[stop])
-    assert stopped.choices[0].text == text[:text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)] and stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens < 16
     chunks = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == stopped.choices[0].text
@@ -101,9 +123,14 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
     results: dict[int, list[int]] = {}
 
     def ask(i, content, n, temperature, seed):
-        kw = dict(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n,
-                  temperature=temperature, seed=seed if temperature else openai.NOT_GIVEN,  # greedy: no seed
-                  extra_body={"return_token_ids": True})
+        kw = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=n,
+            temperature=temperature,
+            seed=seed if temperature else openai.NOT_GIVEN,  # greedy: no seed
+            extra_body={"return_token_ids": True},
+        )
         if i % 2:
             chunks = api.chat.completions.create(stream=True, **kw)
             results[i] = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
@@ -116,9 +143,15 @@ def test_concurrent_clients_get_the_sequential_answers(tiny, ar_server):
         assert results[i] == reference(tiny, chat_ids(tiny, content), n, temperature, seed), i
 
 
-@pytest.mark.parametrize("keys", [["algorithm=sps", "gamma=3"], ["algorithm=sps@verifier=hsd", "gamma=3"],
-                                  ["algorithm=sps", "gamma=3", "max_step_tokens=8"]],
-                         ids=["sps", "sps-hsd", "sps-step-budget"])
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ["algorithm=sps", "gamma=3"],
+        ["algorithm=sps@verifier=hsd", "gamma=3"],
+        ["algorithm=sps", "gamma=3", "max_step_tokens=8"],
+    ],
+    ids=["sps", "sps-hsd", "sps-step-budget"],
+)
 def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
     """16 clients at once against SpS served side by side (8 rows, a third seeded): greedy answers are
     AR's; a seeded answer and every answer's ``usage.speculative`` counters are those of the same request run
@@ -133,16 +166,25 @@ def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
         assert health["batching"]["max_step_tokens"] == (8 if budget else 0)
 
         def ask(i, content, n, temperature, seed):
-            kw = dict(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n,
-                      temperature=temperature, seed=seed if temperature else openai.NOT_GIVEN,
-                      extra_body={"return_token_ids": True})
+            kw = dict(
+                model="tiny",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=n,
+                temperature=temperature,
+                seed=seed if temperature else openai.NOT_GIVEN,
+                extra_body={"return_token_ids": True},
+            )
             results[i] = api.chat.completions.create(**kw)
 
         at_once(ask, jobs, timeout=180)
     assert sorted(results) == list(range(16))
-    lone = build_algorithm("sps", load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
-                           load_runner(load_lm(str(tiny["draft"]), max_seq_len=MAX_SEQ).model, max_seq_len=MAX_SEQ),
-                           gamma=3, verifier="hsd" if "hsd" in keys[0] else "tokenwise")
+    lone = build_algorithm(
+        "sps",
+        load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
+        load_runner(load_lm(str(tiny["draft"]), max_seq_len=MAX_SEQ).model, max_seq_len=MAX_SEQ),
+        gamma=3,
+        verifier="hsd" if "hsd" in keys[0] else "tokenwise",
+    )
     eos = [tiny["target"].tokenizer.eos_token_id]
     for i, (content, n, temperature, seed) in enumerate(jobs):
         ids = chat_ids(tiny, content)
@@ -151,8 +193,13 @@ def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
             assert answer == reference(tiny, ids, n), i
         if budget:
             continue
-        alone = lone.generate(ids, max_new_tokens=n, sampling=SamplingParams(temperature), eos_ids=eos,
-                              generator=torch.Generator().manual_seed(seed))
+        alone = lone.generate(
+            ids,
+            max_new_tokens=n,
+            sampling=SamplingParams(temperature),
+            eos_ids=eos,
+            generator=torch.Generator().manual_seed(seed),
+        )
         assert answer == alone.tokens, i
         usage = results[i].usage.model_extra["speculative"]
         assert usage["target_forwards"] == alone.stats.target_forwards, i
@@ -163,17 +210,26 @@ def test_a_request_that_sets_no_sampling_uses_the_servers(tiny, ar_server):
     request's own temperature wins over the server's."""
     ids, n = chat_ids(tiny, PROMPT), 12
     messages = [{"role": "user", "content": PROMPT}]
-    unset = client(ar_server).chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
-                                                       extra_body={"return_token_ids": True})
+    unset = client(ar_server).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=n, seed=7, extra_body={"return_token_ids": True}
+    )
     assert unset.choices[0].token_ids == reference(tiny, ids, n, temperature=1.0, seed=7)
     with start(tiny, "temperature=0") as greedy_server:
         api = client(greedy_server)
-        greedy = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
-                                             extra_body={"return_token_ids": True})
-        sampled = api.chat.completions.create(model="tiny", messages=messages, max_tokens=n, seed=7,
-                                              temperature=1.0, extra_body={"return_token_ids": True})
+        greedy = api.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=n, seed=7, extra_body={"return_token_ids": True}
+        )
+        sampled = api.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=n,
+            seed=7,
+            temperature=1.0,
+            extra_body={"return_token_ids": True},
+        )
     assert greedy.choices[0].token_ids == reference(tiny, ids, n)
     assert sampled.choices[0].token_ids == unset.choices[0].token_ids != greedy.choices[0].token_ids
+
 
 def test_the_servers_seed_seeds_the_requests_that_set_none(tiny):
     """``seed=5``: unseeded requests draw their seeds from a stream seeded by 5, so a restarted server answers the
@@ -183,9 +239,16 @@ def test_the_servers_seed_seeds_the_requests_that_set_none(tiny):
     for _ in range(2):
         with start(tiny, "seed=5", "temperature=1.0") as server:
             api = client(server)
-            answers.append([api.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
-                                                        extra_body={"return_token_ids": True}).choices[0].token_ids
-                            for _ in range(2)])
+            answers.append(
+                [
+                    api.chat.completions.create(
+                        model="tiny", messages=messages, max_tokens=12, extra_body={"return_token_ids": True}
+                    )
+                    .choices[0]
+                    .token_ids
+                    for _ in range(2)
+                ]
+            )
     assert answers[0] == answers[1]
     seeds = random.Random(5)
     assert answers[0] == [reference(tiny, ids, 12, temperature=1.0, seed=seeds.getrandbits(63)) for _ in range(2)]
@@ -224,19 +287,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
         error = error_of(response)
         assert (error["param"], error["code"]) == (param, code), error
     assert error_of(httpx.post(url, json={**ok, "logit_bias": {"42": 5}}))["message"] == (
-        "logit_bias: a logit bias is not served; leave it unset (null or {})")
+        "logit_bias: a logit bias is not served; leave it unset (null or {})"
+    )
     assert error_of(httpx.post(url, json={**ok, "seed": 3}))["message"] == (
         "seed: seed does nothing at temperature=0 (greedy: the argmax, nothing drawn); set temperature > 0 to "
-        "sample, or leave seed unset")
+        "sample, or leave seed unset"
+    )
     # the official client sends only what its caller set: neutral values and null are served, and so are fields
     # that change nothing (user); top_k, top_p and seed with a temperature that samples
     neutral = client(ar_server).chat.completions.create(
-        model="tiny", messages=ok["messages"], max_tokens=3, temperature=0, frequency_penalty=0, presence_penalty=0,
-        logit_bias={}, n=1, logprobs=False, top_p=1, user="someone", tool_choice="none",
-        response_format={"type": "text"}, extra_body={"top_k": -1, "return_token_ids": True, "best_of": None})
+        model="tiny",
+        messages=ok["messages"],
+        max_tokens=3,
+        temperature=0,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logit_bias={},
+        n=1,
+        logprobs=False,
+        top_p=1,
+        user="someone",
+        tool_choice="none",
+        response_format={"type": "text"},
+        extra_body={"top_k": -1, "return_token_ids": True, "best_of": None},
+    )
     assert neutral.choices[0].token_ids == reference(tiny, chat_ids(tiny, "Hi"), 3)
-    sampled = client(ar_server).chat.completions.create(model="tiny", messages=ok["messages"], max_tokens=3,
-                                                        temperature=0.7, top_p=0.9, seed=1, extra_body={"top_k": 5})
+    sampled = client(ar_server).chat.completions.create(
+        model="tiny", messages=ok["messages"], max_tokens=3, temperature=0.7, top_p=0.9, seed=1, extra_body={"top_k": 5}
+    )
     assert sampled.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client(ar_server).chat.completions.create(model="tiny", messages=ok["messages"], frequency_penalty=1.0)
@@ -248,21 +326,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
         client(ar_server).chat.completions.create(model="gpt-4", messages=ok["messages"])
     assert httpx.post(url, json=ok).json()["choices"][0]["finish_reason"] == "length"
     health = httpx.get(f"{ar_server.url}/health").json()  # batched AR rows on a CPU: exact, and it says so
-    assert health["status"] == "ok" and health["queue"] == 0 and health["exactness"]["path"] == "exact" and health["exactness"]["bitwise"]
+    assert (
+        health["status"] == "ok"
+        and health["queue"] == 0
+        and health["exactness"]["path"] == "exact"
+        and health["exactness"]["bitwise"]
+    )
     models = client(ar_server).models.list()
     assert [m.id for m in models.data] == ["tiny"]
 
 
 def test_metrics_count_one_request_its_tokens_forwards_and_tau(ar_server):
     """What one finished 4-token request adds (the module's server has answered others before: deltas)."""
-    counted = {"spectrain_prompt_tokens_total": 3, "spectrain_completion_tokens_total": 4,
-               "spectrain_target_forwards_total": 4, "spectrain_tau_count": 1, "spectrain_tau_sum": 1.0,
-               "spectrain_request_seconds_count": 1, "spectrain_time_to_first_token_seconds_count": 1}
+    counted = {
+        "spectrain_prompt_tokens_total": 3,
+        "spectrain_completion_tokens_total": 4,
+        "spectrain_target_forwards_total": 4,
+        "spectrain_tau_count": 1,
+        "spectrain_tau_sum": 1.0,
+        "spectrain_request_seconds_count": 1,
+        "spectrain_time_to_first_token_seconds_count": 1,
+    }
     ok = {"endpoint": "/v1/completions", "status": "200"}
     before = {name: metric(ar_server, name) for name in counted}
     answered = metric(ar_server, "spectrain_requests_total", **ok)
-    response = httpx.post(f"{ar_server.url}/v1/completions",
-                          json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+    response = httpx.post(
+        f"{ar_server.url}/v1/completions",
+        json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+    )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert {name: metric(ar_server, name) - before[name] for name in counted} == counted
     assert metric(ar_server, "spectrain_requests_total", **ok) == answered + 1
@@ -272,21 +363,30 @@ def test_metrics_count_one_request_its_tokens_forwards_and_tau(ar_server):
 
 def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
     with Paced(runner_of(ar_server)) as paced:
-        with httpx.stream("POST", f"{ar_server.url}/v1/completions",
-                          json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0,
-                                "stream": True}) as response:
+        with httpx.stream(
+            "POST",
+            f"{ar_server.url}/v1/completions",
+            json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True},
+        ) as response:
             assert next(line for line in response.iter_lines() if line.startswith("data:"))
-        wait_for(lambda: metric(ar_server, "spectrain_cancelled_total") >= 1
-                 and metric(ar_server, "spectrain_running") == 0)
+        wait_for(
+            lambda: metric(ar_server, "spectrain_cancelled_total") >= 1 and metric(ar_server, "spectrain_running") == 0
+        )
         assert paced.calls < 100  # the row stopped long before its 200 tokens
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
-            httpx.post(f"{ar_server.url}/v1/completions", timeout=0.3,
-                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0})
-        wait_for(lambda: metric(ar_server, "spectrain_cancelled_total") >= 2
-                 and metric(ar_server, "spectrain_running") == 0)
+            httpx.post(
+                f"{ar_server.url}/v1/completions",
+                timeout=0.3,
+                json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0},
+            )
+        wait_for(
+            lambda: metric(ar_server, "spectrain_cancelled_total") >= 2 and metric(ar_server, "spectrain_running") == 0
+        )
         assert paced.calls < 200
-    answer = httpx.post(f"{ar_server.url}/v1/completions",
-                        json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0})
+    answer = httpx.post(
+        f"{ar_server.url}/v1/completions",
+        json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0},
+    )
     assert answer.json()["usage"]["completion_tokens"] == 5
 
 
@@ -300,8 +400,9 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
         waiting: dict = {}
         with httpx.stream("POST", url, json={**body, "max_tokens": 200, "stream": True}):
             wait_for(lambda: metric(server, "spectrain_running") == 1)  # held at its first forward
-            thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(url, json={**body, "max_tokens": 4},
-                                                                                  timeout=60)))
+            thread = threading.Thread(
+                target=lambda: waiting.update(r=httpx.post(url, json={**body, "max_tokens": 4}, timeout=60))
+            )
             thread.start()
             wait_for(lambda: metric(server, "spectrain_queue_depth") == 1)
             refused = httpx.post(url, json={**body, "max_tokens": 4})
@@ -315,18 +416,33 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
 
 
 def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
-    forcing = ["adapt_prior=5", "adapt_min_gap=1", "adapt_cost_cache=null", "adapt_cost_rows=24",
-               "adapt_head_lr=1e-2", "adapt_full_lr=1e-2", "adapt_validate=false"]
+    forcing = [
+        "adapt_prior=5",
+        "adapt_min_gap=1",
+        "adapt_cost_cache=null",
+        "adapt_cost_rows=24",
+        "adapt_head_lr=1e-2",
+        "adapt_full_lr=1e-2",
+        "adapt_validate=false",
+    ]
     before = {k: v.clone() for k, v in tiny["eagle3"].state_dict().items()}
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         api = client(server)
         for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
-            answer = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
-                                                 max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+            answer = api.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=12,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             assert answer.choices[0].token_ids == reference(tiny, chat_ids(tiny, content), 12)
         text = httpx.get(f"{server.url}/metrics").text
-        updates = sum(float(v) for arm, v in re.findall(r'spectrain_adapter_decisions_total\{arm="(\w+)"\} (\S+)',
-                                                        text) if arm != "skip")
+        updates = sum(
+            float(v)
+            for arm, v in re.findall(r'spectrain_adapter_decisions_total\{arm="(\w+)"\} (\S+)', text)
+            if arm != "skip"
+        )
         served = server.server.model.algorithm.drafter.state_dict()
     assert updates >= 1
     assert any(not torch.equal(before[k], served[k]) for k in before)  # the served copy learned
@@ -357,8 +473,11 @@ def test_engine_loop_algorithms_batch_and_auto_batches_where_batched_rows_stay_e
 
 
 def test_a_step_budget_where_it_does_nothing_is_refused(tiny):
-    for keys in (["max_step_tokens=4"], ["algorithm=sps", "batch_size=1", "max_step_tokens=4"],
-                 ["algorithm=dflash", "max_step_tokens=4"]):
+    for keys in (
+        ["max_step_tokens=4"],
+        ["algorithm=sps", "batch_size=1", "max_step_tokens=4"],
+        ["algorithm=dflash", "max_step_tokens=4"],
+    ):
         with pytest.raises(UserError, match="max_step_tokens=4 does nothing here.*sps"):
             start(tiny, *keys)
 
@@ -369,13 +488,20 @@ def test_the_server_measures_its_costs_reports_the_policy_and_answers_as_ar(tiny
         assert batching["width_policy"] == "cost" and "measured" in batching["policy"]
         assert set(batching["target_s_by_rows"]) >= {"1", str(8 * 4)} and batching["draft_s"] > 0
         for content, n in (("Count to 3.", 9), ("Name a colour.", 6)):
-            body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": n,
-                    "temperature": 0, "return_token_ids": True}
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": n,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
             answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
             assert answer["choices"][0]["token_ids"] == reference(tiny, chat_ids(tiny, content), n)
-    for keys, match in ((["algorithm=sps", "width_policy=widest"], "width_policy=widest is unknown"),
-                        (["algorithm=sps", "width_policy=cost", "max_step_tokens=4"], "drop max_step_tokens"),
-                        (["width_policy=cost"], "width_policy=cost does nothing here.*sps")):
+    for keys, match in (
+        (["algorithm=sps", "width_policy=widest"], "width_policy=widest is unknown"),
+        (["algorithm=sps", "width_policy=cost", "max_step_tokens=4"], "drop max_step_tokens"),
+        (["width_policy=cost"], "width_policy=cost does nothing here.*sps"),
+    ):
         with pytest.raises(UserError, match=match):
             start(tiny, *keys)
 
@@ -385,23 +511,46 @@ def test_concurrent_clients_of_a_parallel_drafter_get_their_answers_alone(tiny, 
     """8 clients at once on 8 rows (every running row's chain, or SpecBlock's first blocks, drafted in one drafter
     call; Self-Draft: each row's grid and candidates), greedy and seeded sampling: each gets the tokens of the
     algorithm's run of its request alone."""
-    options = {"specblock_tree": {"budget": 16, "width": 4},  # their ALGORITHMS keys
-               "self_draft": {"branch_len": 3, "branch_num": 2}}.get(name, {})
-    alone = build_algorithm(name, load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
-                            tiny.get("specblock" if name == "specblock_tree" else name), **options)
+    options = {
+        "specblock_tree": {"budget": 16, "width": 4},  # their ALGORITHMS keys
+        "self_draft": {"branch_len": 3, "branch_num": 2},
+    }.get(name, {})
+    alone = build_algorithm(
+        name,
+        load_runner(tiny["target"].model, max_seq_len=MAX_SEQ),
+        tiny.get("specblock" if name == "specblock_tree" else name),
+        **options,
+    )
     eos = tiny["target"].tokenizer.eos_token_id
     jobs = [(f"Count to {i}." + " Go on." * (i % 3), 5 + i % 6, 0.0 if i % 2 else 0.9, i) for i in range(ROWS)]
     results: dict[int, list[int]] = {}
 
     def ask(i, content, n, temperature, seed):
-        results[i] = client(server).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n, temperature=temperature,
-            seed=seed if temperature else openai.NOT_GIVEN, extra_body={"return_token_ids": True}).choices[0].token_ids
+        results[i] = (
+            client(server)
+            .chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=n,
+                temperature=temperature,
+                seed=seed if temperature else openai.NOT_GIVEN,
+                extra_body={"return_token_ids": True},
+            )
+            .choices[0]
+            .token_ids
+        )
 
     with start(tiny, *ALGORITHMS[name]) as server:
         at_once(ask, jobs, timeout=120)
     assert sorted(results) == list(range(ROWS))
     for i, (content, n, temperature, seed) in enumerate(jobs):
-        assert results[i] == alone.generate(chat_ids(tiny, content), max_new_tokens=n,
-                                            sampling=SamplingParams(temperature), eos_ids=[eos],
-                                            generator=torch.Generator().manual_seed(seed)).tokens, i
+        assert (
+            results[i]
+            == alone.generate(
+                chat_ids(tiny, content),
+                max_new_tokens=n,
+                sampling=SamplingParams(temperature),
+                eos_ids=[eos],
+                generator=torch.Generator().manual_seed(seed),
+            ).tokens
+        ), i

@@ -12,8 +12,20 @@ import threading
 import httpx
 import pytest
 import torch
-from serve_helpers import (MAX_SEQ, PROMPT, Paced, chat_ids, error_of, metric, reference, runner_of, start,
-                           submit, tiny_models, wait_for)
+from serve_helpers import (
+    MAX_SEQ,
+    PROMPT,
+    Paced,
+    chat_ids,
+    error_of,
+    metric,
+    reference,
+    runner_of,
+    start,
+    submit,
+    tiny_models,
+    wait_for,
+)
 
 from inference.sampling import sample, warp_probs
 from inference.serve.scheduler import Chunk, Failed, Finished
@@ -53,8 +65,15 @@ def test_poisoned_requests_are_refused_and_a_full_batch_beside_them_is_answered_
         def ask(key, body):
             results[key] = httpx.post(url, json={"model": "tiny", "return_token_ids": True, **body}, timeout=60)
 
-        bodies = {i: {"messages": [{"role": "user", "content": c}], "max_tokens": n, "temperature": t,
-                      **({"seed": s} if t else {})} for i, (c, n, t, s) in enumerate(good)}  # greedy: no seed
+        bodies = {
+            i: {
+                "messages": [{"role": "user", "content": c}],
+                "max_tokens": n,
+                "temperature": t,
+                **({"seed": s} if t else {}),
+            }
+            for i, (c, n, t, s) in enumerate(good)
+        }  # greedy: no seed
         for k, (field, value) in enumerate(POISONED):
             bodies[("poison", k)] = {**bodies[k], field: value}
         threads = [threading.Thread(target=ask, args=item) for item in bodies.items()]
@@ -70,8 +89,9 @@ def test_poisoned_requests_are_refused_and_a_full_batch_beside_them_is_answered_
         assert response.status_code == 400 and error_of(response)["param"] == field, (field, response.text)
     for i, (content, n, temperature, seed) in enumerate(good):
         assert results[i].status_code == 200, results[i].text
-        assert results[i].json()["choices"][0]["token_ids"] == reference(tiny, chat_ids(tiny, content), n,
-                                                                         temperature, seed), i
+        assert results[i].json()["choices"][0]["token_ids"] == reference(
+            tiny, chat_ids(tiny, content), n, temperature, seed
+        ), i
 
 
 def test_a_row_that_fails_in_the_batched_engine_ends_alone(tiny):
@@ -87,8 +107,7 @@ def test_a_row_that_fails_in_the_batched_engine_ends_alone(tiny):
         too_long = submit(server, list(range(5, 5 + MAX_SEQ - 4)), 8)[1]
         answers += [submit(server, *job)[1] for job in good[3:]]
         gate.set()
-        wait_for(lambda: all(events and not isinstance(events[-1], Chunk) for events in [*answers, overflow,
-                                                                                          too_long]))
+        wait_for(lambda: all(events and not isinstance(events[-1], Chunk) for events in [*answers, overflow, too_long]))
         assert metric(server, "spectrain_failed_total") == 2
     assert [type(e) for e in overflow] == [Failed] and "Overflow" in overflow[0].message
     assert [type(e) for e in too_long] == [Failed] and "max_seq_len" in too_long[0].message
@@ -102,8 +121,11 @@ def test_oversized_bodies_are_refused_with_413(tiny):
     with start(tiny, "max_body_bytes=4096") as server:
         url = f"{server.url}/v1/completions"
         declared = httpx.post(url, json=body)
-        chunked = httpx.post(url, content=iter([b'{"model": "tiny", "prompt": "', b"word " * 1000, b'"}']),
-                             headers={"content-type": "application/json"})  # no Content-Length: counted
+        chunked = httpx.post(
+            url,
+            content=iter([b'{"model": "tiny", "prompt": "', b"word " * 1000, b'"}']),
+            headers={"content-type": "application/json"},
+        )  # no Content-Length: counted
         small = httpx.post(url, json={**body, "prompt": "word " * 10})
         assert metric(server, "spectrain_requests_total", endpoint="/v1/completions", status="413") == 2
     for response in (declared, chunked):
@@ -118,8 +140,13 @@ def test_target_and_draft_process_failures_leave_the_next_request_correct(tiny, 
     process fails the request that meets it; the next one starts a new draft process."""
     ids, n = chat_ids(tiny, PROMPT), 12
     expected = reference(tiny, ids, n)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": n,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     with start(tiny, "algorithm=pearl", "gamma=3", "executor=multiprocess") as server, caplog.at_level(logging.ERROR):
         url = f"{server.url}/v1/chat/completions"
         runner = runner_of(server)

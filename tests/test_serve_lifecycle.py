@@ -11,8 +11,20 @@ import time
 import httpx
 import pytest
 import torch
-from serve_helpers import (ALGORITHMS, PROMPT, Paced, chat_ids, metric, own_target, runner_of, serve_config,
-                           start, submit, tiny_models, wait_for)
+from serve_helpers import (
+    ALGORITHMS,
+    PROMPT,
+    Paced,
+    chat_ids,
+    metric,
+    own_target,
+    runner_of,
+    serve_config,
+    start,
+    submit,
+    tiny_models,
+    wait_for,
+)
 
 from inference.serve.scheduler import Finished
 from inference.serve.server import build_server
@@ -54,13 +66,16 @@ def test_shutdown_with_work_in_flight_answers_it_and_returns_within_a_bound(tiny
     server = start(tiny, "batch_size=1")
     url, answers, streamed = f"{server.url}/v1/completions", {}, []
     with Paced(runner_of(server), delay=0.05) as paced:
+
         def stream() -> None:
             with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=30) as response:
                 streamed.extend(line for line in response.iter_lines() if line.startswith("data:"))
 
-        clients = [threading.Thread(target=lambda: answers.update(running=httpx.post(url, json=LONG, timeout=30))),
-                   threading.Thread(target=stream),
-                   threading.Thread(target=lambda: answers.update(queued=httpx.post(url, json=LONG, timeout=30)))]
+        clients = [
+            threading.Thread(target=lambda: answers.update(running=httpx.post(url, json=LONG, timeout=30))),
+            threading.Thread(target=stream),
+            threading.Thread(target=lambda: answers.update(queued=httpx.post(url, json=LONG, timeout=30))),
+        ]
         for client in clients:
             client.start()
             time.sleep(0.2)
@@ -89,13 +104,28 @@ def test_two_servers_never_share_a_runner(tiny):
 def test_closing_collects_the_adapters_last_background_update(tiny):
     """With ``adapt_background`` the update decided after the last query runs on the adapter's worker thread:
     closing the server waits for it and publishes it into the served drafter (and closes the decision log)."""
-    forcing = ["adapt_prior=5", "adapt_min_gap=1", "adapt_cost_cache=null", "adapt_cost_rows=24",
-               "adapt_head_lr=1e-2", "adapt_full_lr=1e-2", "adapt_validate=false", "adapt_background=true"]
+    forcing = [
+        "adapt_prior=5",
+        "adapt_min_gap=1",
+        "adapt_cost_cache=null",
+        "adapt_cost_rows=24",
+        "adapt_head_lr=1e-2",
+        "adapt_full_lr=1e-2",
+        "adapt_validate=false",
+        "adapt_background=true",
+    ]
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
-            response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                                  json={"model": "tiny", "messages": [{"role": "user", "content": content}],
-                                        "max_tokens": 12, "temperature": 0})
+            response = httpx.post(
+                f"{server.url}/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                },
+            )
             assert response.status_code == 200
         adapter = server.server.model.adapter.inner
         assert adapter.background.job is not None  # the last query's update, not collected while serving
@@ -108,8 +138,7 @@ def test_a_stream_is_counted_when_it_ends_by_its_outcome(tiny):
     gate = threading.Event()
     with start(tiny) as server, Paced(runner_of(server), gate):
         url = f"{server.url}/v1/chat/completions"
-        body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
-                "stream": True}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "stream": True}
         ok = {"endpoint": "/v1/chat/completions", "status": "200"}
         with httpx.stream("POST", url, json={**body, "max_tokens": 4}) as response:
             lines = (line for line in response.iter_lines() if line.startswith("data:"))

@@ -19,8 +19,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import (Paced, error_of, metric, own_target, runner_of, serve_config, start, tiny_models,
-                           wait_for)
+from serve_helpers import Paced, error_of, metric, own_target, runner_of, serve_config, start, tiny_models, wait_for
 
 import inference.serve.app as serve_app
 from core.errors import UserError
@@ -78,8 +77,7 @@ def test_a_request_waits_at_most_max_queue_wait_s_and_every_refusal_says_when_to
     finds the queue full (429); both say Retry-After. A queued stream hears keep-alive comments, then its error."""
     monkeypatch.setattr(serve_app, "KEEPALIVE_S", 0.05)
     gate = threading.Event()
-    with (start(tiny, "batch_size=1", "max_queue=1", "max_queue_wait_s=1.5") as server,
-          Paced(runner_of(server), gate)):
+    with start(tiny, "batch_size=1", "max_queue=1", "max_queue_wait_s=1.5") as server, Paced(runner_of(server), gate):
         url, answers = f"{server.url}/v1/completions", {}
         with httpx.stream("POST", url, json={**BODY, "max_tokens": 50, "stream": True}, timeout=5):
             wait_for(lambda: metric(server, "spectrain_running") == 1, timeout=5)
@@ -121,8 +119,9 @@ def test_a_draft_process_that_hangs_fails_its_call_within_the_timeout(tiny):
     """The draft side is the ``time`` module in a child process: ``call("sleep", 60)`` hangs it. The call fails
     after ``call_timeout_s``, the child is stopped and the executor marked broken (its owner starts a new one).
     The server passes its ``draft_timeout_s`` to the algorithm's executor."""
-    with make_executor("multiprocess", functools.partial(importlib.import_module, "time"), threads=1,
-                       call_timeout_s=1.0) as executor:
+    with make_executor(
+        "multiprocess", functools.partial(importlib.import_module, "time"), threads=1, call_timeout_s=1.0
+    ) as executor:
         assert executor.call("gmtime", 0).tm_year == 1970
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="did not answer within 1 s.*draft_timeout_s"):
@@ -131,8 +130,10 @@ def test_a_draft_process_that_hangs_fails_its_call_within_the_timeout(tiny):
         assert executor.broken
         executor.process.join(5)
         assert not executor.process.is_alive()
-    server = build_server(serve_config(tiny, "algorithm=pearl", "executor=multiprocess", "draft_timeout_s=7",
-                                       "warmup=false"), target=own_target(tiny))
+    server = build_server(
+        serve_config(tiny, "algorithm=pearl", "executor=multiprocess", "draft_timeout_s=7", "warmup=false"),
+        target=own_target(tiny),
+    )
     try:
         assert server.model.algorithm.executor_kwargs["call_timeout_s"] == 7
     finally:
@@ -189,8 +190,9 @@ def test_tokenising_runs_off_the_event_loop_and_over_long_text_is_refused_before
         """The longest wait between /health answers while a completion's prompt is tokenised (1.2 s)."""
         transport = httpx.ASGITransport(app=server.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://tiny", timeout=10) as http:
-            completion = asyncio.ensure_future(http.post("/v1/completions",
-                                                         json={**BODY, "prompt": "Name a prime.", "max_tokens": 2}))
+            completion = asyncio.ensure_future(
+                http.post("/v1/completions", json={**BODY, "prompt": "Name a prime.", "max_tokens": 2})
+            )
             gaps, last = [], time.monotonic()
             while not completion.done():
                 await asyncio.sleep(0.01)  # the completion's turn (a /health answer need not suspend at all)
@@ -206,9 +208,20 @@ def test_tokenising_runs_off_the_event_loop_and_over_long_text_is_refused_before
         assert limit >= server.model.max_seq_len
         slow.encoded.clear()
         long = asyncio.run(post_in_process(server.app, "/v1/completions", {**BODY, "prompt": "a" * (limit + 1)}))
-        chat = asyncio.run(post_in_process(server.app, "/v1/chat/completions", {"model": "tiny", "messages": [
-            {"role": "user", "content": "a" * (limit // 2 + 1)}, {"role": "assistant", "content": "b"},
-            {"role": "user", "content": [{"type": "text", "text": "a" * (limit // 2 + 1)}]}]}))
+        chat = asyncio.run(
+            post_in_process(
+                server.app,
+                "/v1/chat/completions",
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": "a" * (limit // 2 + 1)},
+                        {"role": "assistant", "content": "b"},
+                        {"role": "user", "content": [{"type": "text", "text": "a" * (limit // 2 + 1)}]},
+                    ],
+                },
+            )
+        )
         assert slow.encoded == []
         for answer, param in ((long, "prompt"), (chat, "messages")):
             assert answer.status_code == 400
@@ -256,7 +269,7 @@ def _stream_error(url: str) -> str:
     """A streamed request's error event's message."""
     with httpx.stream("POST", url, json={**BODY, "max_tokens": 3, "stream": True}, timeout=10) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: {")]
-    return json.loads(events[-1][len("data: "):])["error"]["message"]
+    return json.loads(events[-1][len("data: ") :])["error"]["message"]
 
 
 def test_a_stream_whose_client_leaves_before_its_body_starts_leaves_the_engine_and_is_counted(tiny):
@@ -264,12 +277,21 @@ def test_a_stream_whose_client_leaves_before_its_body_starts_leaves_the_engine_a
     request must still be cancelled (it would generate all its tokens for nobody) and counted as 499."""
 
     async def leave_at_the_headers(app) -> None:
-        body = (b'{"model": "tiny", "prompt": [5, 6, 7], "temperature": 0, "max_tokens": 200, "stream": true}')
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                                  (b"content-length", str(len(body)).encode())],
-                 "client": ("127.0.0.1", 1), "server": ("tiny", 80)}
+        body = b'{"model": "tiny", "prompt": [5, 6, 7], "temperature": 0, "max_tokens": 200, "stream": true}'
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("tiny", 80),
+        }
         sent = []
 
         async def receive():

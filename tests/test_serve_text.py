@@ -24,15 +24,18 @@ def cleanup_tokenizer() -> PreTrainedTokenizerFast:
     first two ``"x "``, so decoding is not prefix-stable."""
     backend = Tokenizer(models.BPE(vocab={"x": 0, "Ġ": 1, ".": 2, "Ġmore": 3}, merges=[]))
     backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True,
-                                   clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True,
+    )
 
 
 def streamed(tokenizer, ids: list[int], stop: list[str] = (), chunks: list[int] | None = None) -> tuple[list[str], int]:
     """(the deltas a client is sent, then the flushed rest; tokens kept) feeding ``ids`` in ``chunks``."""
     text, deltas, kept, at = TextAssembler(tokenizer, stop), [], 0, 0
     for size in chunks or [1] * len(ids):
-        delta, n = text.feed(ids[at:at + size])
+        delta, n = text.feed(ids[at : at + size])
         deltas.append(delta)
         kept += n
         at += size
@@ -65,7 +68,7 @@ def test_stop_strings_across_token_boundaries(smollm2):
     deltas, kept = streamed(smollm2, ids, stop=["ld 🦜"])
     # "ld" was held back as the start of the stop string: sent text is never taken back, and none of it was sent
     assert "".join(deltas) == "Hello wör" and smollm2.decode(ids[:kept]).endswith("ld 🦜")
-    assert "ld 🦜" not in smollm2.decode(ids[:kept - 1])  # the token that completed it is the last one kept
+    assert "ld 🦜" not in smollm2.decode(ids[: kept - 1])  # the token that completed it is the last one kept
     deltas, kept = streamed(smollm2, ids, stop=["ld!"])  # held back, then released when it is no stop after all
     assert "".join(deltas) == smollm2.decode(ids) and kept == len(ids)
     assert streamed(smollm2, ids, stop=["Stop", "wö"], chunks=[len(ids)]) == (["Hello ", ""], 3)
@@ -80,9 +83,9 @@ def test_streamed_text_is_the_non_streamed_text(smollm2):
     for case in range(150):
         ids = [rng.choice(multibyte) if rng.random() < 0.3 else rng.randrange(200, 20000) for _ in range(24)]
         full = smollm2.decode(ids, clean_up_tokenization_spaces=False)
-        stops = [full[i:i + rng.randint(1, 6)] for i in sorted(rng.sample(range(len(full)), 2))] if case % 2 else []
+        stops = [full[i : i + rng.randint(1, 6)] for i in sorted(rng.sample(range(len(full)), 2))] if case % 2 else []
         hits = [full.find(s) for s in stops if s and full.find(s) >= 0]
-        expected = full[:min(hits)] if hits else full
+        expected = full[: min(hits)] if hits else full
         chunks = []
         while sum(chunks) < len(ids):
             chunks.append(rng.randint(1, 4))

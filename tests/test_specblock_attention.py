@@ -27,14 +27,24 @@ def test_block_sparse_attention_equals_the_dense_masks(expand_kv, other_anchors)
         q = torch.randn(batch, heads, entries, dim)
         k, v = torch.randn(batch, kv_heads, entries, dim), torch.randn(batch, kv_heads, entries, dim)
         past = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(len(ttt_valid) + later)]
-        mask = later_block_mask(anchors, K, first_block=True, ttt_valid=ttt_valid, other_anchors=other_anchors) \
-            if later else first_block_mask(anchors, K)
+        mask = (
+            later_block_mask(anchors, K, first_block=True, ttt_valid=ttt_valid, other_anchors=other_anchors)
+            if later
+            else first_block_mask(anchors, K)
+        )
         keys, values = (torch.cat([p[i] for p in past] + [t], dim=2) for i, t in ((0, k), (1, v)))
         dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        layout = BlockLayout(anchors, K, first_block=later, ttt_valid=ttt_valid,
-                             own_sees_earlier=other_anchors or not later, chunk_anchors=4)
-        sparse = block_sparse_attention(q, k, v, [p[0] for p in past], [p[1] for p in past], layout,
-                                        expand_kv=expand_kv)
+        layout = BlockLayout(
+            anchors,
+            K,
+            first_block=later,
+            ttt_valid=ttt_valid,
+            own_sees_earlier=other_anchors or not later,
+            chunk_anchors=4,
+        )
+        sparse = block_sparse_attention(
+            q, k, v, [p[0] for p in past], [p[1] for p in past], layout, expand_kv=expand_kv
+        )
         torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-6, msg=f"ttt_valid={ttt_valid}")
 
 
@@ -57,8 +67,10 @@ def test_training_loss_and_gradients_equal_the_dense_path(other_anchors):
         out = unroll_blocks(drafter, aux, tokens, teacher, pm, [1, 3], attention=attention)
         loss = total_loss(out)
         loss.backward()
-        results[attention] = (loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()
-                                              if p.grad is not None})
+        results[attention] = (
+            loss.detach(),
+            {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+        )
     (dense_loss, dense_grads), (sparse_loss, sparse_grads) = results["dense"], results["block_sparse"]
     assert seq > 2 * BlockLayout(seq, K).chunk_anchors
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-5, atol=1e-6)
@@ -71,5 +83,6 @@ def test_training_loss_and_gradients_equal_the_dense_path(other_anchors):
 def test_unknown_attention_is_refused():
     drafter, _ = tiny_drafter()
     with pytest.raises(ValueError, match="attention='flex' is not one of block_sparse, dense"):
-        drafter.forward_block(torch.randn(1, 3, 96), torch.zeros(1, 3, dtype=torch.long), from_target=True,
-                              attention="flex")
+        drafter.forward_block(
+            torch.randn(1, 3, 96), torch.zeros(1, 3, dtype=torch.long), from_target=True, attention="flex"
+        )

@@ -31,14 +31,20 @@ VOCAB, AUX, K = 97, [0, 1, 2], 4
 
 
 def target_config(layers: int = 4) -> LlamaConfig:
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+    )
 
 
 def make_drafter(*, draft_vocab: int = VOCAB, seed: int = 0, dtype=torch.float32, **overrides) -> SpecBlockDrafter:
     """A random drafter (norms randomised too, so a swapped norm shows) with a reduced vocab when Vd < V."""
-    config = SpecBlockConfig.for_target(target_config(), draft_vocab_size=draft_vocab, aux_layer_ids=AUX,
-                                        **overrides)
+    config = SpecBlockConfig.for_target(target_config(), draft_vocab_size=draft_vocab, aux_layer_ids=AUX, **overrides)
     torch.manual_seed(seed)
     drafter = SpecBlockDrafter(config, embed_weight=torch.randn(VOCAB, 32))
     with torch.no_grad():
@@ -55,8 +61,13 @@ def test_rank_features_by_hand():
     top = sorted(logits.tolist(), reverse=True)[:20]
     log_z = math.log(sum(math.exp(x) for x in top))
     pi = [math.exp(x - log_z) for x in top]
-    expected = [x - log_z for x in top[:10]] + [top[0] - top[1], top[0] - top[2], top[0] - top[4], pi[0],
-                                               -sum(p * math.log(p) for p in pi)]
+    expected = [x - log_z for x in top[:10]] + [
+        top[0] - top[1],
+        top[0] - top[2],
+        top[0] - top[4],
+        pi[0],
+        -sum(p * math.log(p) for p in pi),
+    ]
     got = rank_features(logits[None, None])
     assert got.shape == (1, 1, 15)
     torch.testing.assert_close(got[0, 0], torch.tensor(expected), rtol=1e-5, atol=1e-6)
@@ -125,8 +136,9 @@ def test_identity_init_shift_returns_its_first_input_and_fusion_passes_the_condi
     assert changed == {"fuse.weight", "shift.0.weight", "shift.1.weight"}
     # in the trunk: layer l >= 1 reads exactly what layer l - 1 wrote (the shift is the identity on it)
     seen = []
-    hooks = [layer.register_forward_hook(lambda _m, args, out: seen.append((args[0], out[0])))
-             for layer in drafter.layers]
+    hooks = [
+        layer.register_forward_hook(lambda _m, args, out: seen.append((args[0], out[0]))) for layer in drafter.layers
+    ]
     with torch.no_grad():
         drafter.forward_block(torch.randn(1, 4, 96), torch.randint(0, VOCAB, (1, 4)), from_target=True)
     for hook in hooks:
@@ -185,9 +197,16 @@ def test_train_serve_parity(draft_vocab):
         toks = [tokens]
         for b, cut in enumerate(cuts):
             toks.append(torch.roll(toks[-1], -cut, dims=1))  # row i: the token at the leaf (wrap rows unused)
-            blocks.append(drafter.forward_block(blocks[-1].hidden[:, :, cut - 1], toks[-1], from_target=False,
-                                                first_block_kv=blocks[0].kv, ttt_kv=[x.kv for x in blocks],
-                                                ttt_valid=cuts[: b + 1]))
+            blocks.append(
+                drafter.forward_block(
+                    blocks[-1].hidden[:, :, cut - 1],
+                    toks[-1],
+                    from_target=False,
+                    first_block_kv=blocks[0].kv,
+                    ttt_kv=[x.kv for x in blocks],
+                    ttt_valid=cuts[: b + 1],
+                )
+            )
 
     # block 1, last anchor: prefill 4 anchors, then 1, then 2 (incremental extends)
     cache = drafter.new_cache(seq)
@@ -200,12 +219,22 @@ def test_train_serve_parity(draft_vocab):
     for anchor in (0, seq - 1):
         cache = drafter.new_cache(seq)
         first = drafter.extend_and_draft(features[:, : anchor + 1], tokens[:, : anchor + 1], cache)
-        leaf = drafter.forward_leaves(first.hidden[:, :, cuts[0] - 1], toks[1][:, anchor: anchor + 1], cache,
-                                      current_valid=torch.tensor([cuts[0]]))
+        leaf = drafter.forward_leaves(
+            first.hidden[:, :, cuts[0] - 1],
+            toks[1][:, anchor : anchor + 1],
+            cache,
+            current_valid=torch.tensor([cuts[0]]),
+        )
         torch.testing.assert_close(leaf.logits[0, 0], blocks[1].logits[0, anchor], rtol=0, atol=1e-5)
         visible = (torch.arange(K) < cuts[1])[None]
-        third = drafter.forward_leaves(leaf.hidden[:, :, cuts[1] - 1], toks[2][:, anchor: anchor + 1], cache,
-                                       current_valid=torch.tensor([cuts[0]]), ttt=leaf.kv, ttt_visible=visible)
+        third = drafter.forward_leaves(
+            leaf.hidden[:, :, cuts[1] - 1],
+            toks[2][:, anchor : anchor + 1],
+            cache,
+            current_valid=torch.tensor([cuts[0]]),
+            ttt=leaf.kv,
+            ttt_visible=visible,
+        )
         torch.testing.assert_close(third.logits[0, 0], blocks[2].logits[0, anchor], rtol=0, atol=1e-5)
         torch.testing.assert_close(third.hidden[0, 0], blocks[2].hidden[0, anchor], rtol=0, atol=1e-5)
 
@@ -216,8 +245,12 @@ def test_training_quirk_flag_changes_only_later_blocks():
     with torch.no_grad():
         a, b = (d.forward_block(features, tokens, from_target=True) for d in (plain, quirk))
         torch.testing.assert_close(a.logits, b.logits)
-        a2, b2 = (d.forward_block(x.hidden[:, :, 0], tokens, from_target=False, first_block_kv=x.kv, ttt_kv=[x.kv],
-                                  ttt_valid=[1]) for d, x in ((plain, a), (quirk, b)))
+        a2, b2 = (
+            d.forward_block(
+                x.hidden[:, :, 0], tokens, from_target=False, first_block_kv=x.kv, ttt_kv=[x.kv], ttt_valid=[1]
+            )
+            for d, x in ((plain, a), (quirk, b))
+        )
     torch.testing.assert_close(a2.logits[:, 0], b2.logits[:, 0])  # anchor 0 has no other anchors
     assert not torch.allclose(a2.logits[:, 1:], b2.logits[:, 1:])
 
@@ -228,11 +261,13 @@ def test_block_kv_keeps_grad_and_bad_arguments_are_one_line_errors():
     assert isinstance(out.kv, BlockKV) and out.kv.entries == 3 * K and out.kv.k[0].requires_grad
     assert out.logits.shape == (2, 3, K, VOCAB) and out.hidden.shape == (2, 3, K, 32)
     with pytest.raises(ValueError, match="ttt_kv has 1 blocks but ttt_valid 0"):
-        drafter.forward_block(out.hidden[:, :, 0], torch.zeros(2, 3, dtype=torch.long), from_target=False,
-                              ttt_kv=[out.kv])
+        drafter.forward_block(
+            out.hidden[:, :, 0], torch.zeros(2, 3, dtype=torch.long), from_target=False, ttt_kv=[out.kv]
+        )
     with pytest.raises(ValueError, match=r"ttt_valid cuts must lie in 1..K=4"):
-        drafter.forward_block(out.hidden[:, :, 0], torch.zeros(2, 3, dtype=torch.long), from_target=False,
-                              ttt_kv=[out.kv], ttt_valid=[5])
+        drafter.forward_block(
+            out.hidden[:, :, 0], torch.zeros(2, 3, dtype=torch.long), from_target=False, ttt_kv=[out.kv], ttt_valid=[5]
+        )
     with pytest.raises(ValueError, match="unknown specblock config fields"):
         SpecBlockConfig.from_dict({**drafter.config.to_dict(), "depth": 3})
     with pytest.raises(ValueError, match="widths must give 4"):
@@ -243,10 +278,15 @@ def test_block_kv_keeps_grad_and_bad_arguments_are_one_line_errors():
 def test_native_round_trip(tmp_path):
     drafter = make_drafter(draft_vocab=40)
     target = {"name": "tiny", "config_hash": "c", "weights_hash": "w", "num_hidden_layers": 4, "hidden_size": 32}
-    out = save_native(drafter, tmp_path / "sb", target=target, recipe={"kind": "specblock", "lr": 5e-5},
-                      metrics={"val/tau_sim": 2.0}, extra={"trained_blocks": 3})
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors",
-                                                     "recipe.yaml"]
+    out = save_native(
+        drafter,
+        tmp_path / "sb",
+        target=target,
+        recipe={"kind": "specblock", "lr": 5e-5},
+        metrics={"val/tau_sim": 2.0},
+        extra={"trained_blocks": 3},
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json", "model.safetensors", "recipe.yaml"]
     embed = drafter.embed_tokens.weight
     loaded = load_native(out, embed_weight=embed).eval()
     own = {k: v for k, v in drafter.state_dict().items()}
@@ -254,16 +294,22 @@ def test_native_round_trip(tmp_path):
         assert torch.equal(tensor, own[name]), name
     features, tokens = torch.randn(1, 3, 96), torch.randint(0, VOCAB, (1, 3))
     with torch.no_grad():
-        torch.testing.assert_close(loaded.forward_block(features, tokens, from_target=True).logits,
-                                   drafter.forward_block(features, tokens, from_target=True).logits)
+        torch.testing.assert_close(
+            loaded.forward_block(features, tokens, from_target=True).logits,
+            drafter.forward_block(features, tokens, from_target=True).logits,
+        )
     from safetensors.torch import load_file
 
     assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))  # the frozen embedding stays out
     import json
 
     block = json.loads((out / "config.json").read_text())["spectrain"]
-    assert (block["kind"], block["block_size"], block["num_layers"], block["widths"]) == ("specblock", K, 2,
-                                                                                         [2, 4, 6, 4])
+    assert (block["kind"], block["block_size"], block["num_layers"], block["widths"]) == (
+        "specblock",
+        K,
+        2,
+        [2, 4, 6, 4],
+    )
     assert block["vocab"] == {"vocab_size": VOCAB, "draft_vocab_size": 40} and block["trained_blocks"] == 3
     with pytest.raises(ValueError, match="already exists"):
         save_native(drafter, out, target=target)

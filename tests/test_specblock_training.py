@@ -12,8 +12,16 @@ from specblock_builders import tiny_drafter
 
 from core.errors import UserError
 
-from spectrain.kinds.specblock.losses import (VALID_PREFIX, block_losses, frequency_weights, rank_labels, rank_of,
-                                        smoothing_table, total_loss, unroll_blocks)
+from spectrain.kinds.specblock.losses import (
+    VALID_PREFIX,
+    block_losses,
+    frequency_weights,
+    rank_labels,
+    rank_of,
+    smoothing_table,
+    total_loss,
+    unroll_blocks,
+)
 
 
 def one_hot_rows(ids: list[int], vocab: int) -> torch.Tensor:
@@ -26,10 +34,14 @@ def one_hot_rows(ids: list[int], vocab: int) -> torch.Tensor:
 
 def test_smoothing_table_rows_sum_to_one_and_match_spec():
     table = smoothing_table()
-    spec = torch.tensor([[0.7024, 0.1756, 0.0780, 0.0439],
-                         [0.0755, 0.6792, 0.1698, 0.0755],
-                         [0.0285, 0.0793, 0.7137, 0.1784],
-                         [0.0174, 0.0341, 0.0948, 0.8536]])
+    spec = torch.tensor(
+        [
+            [0.7024, 0.1756, 0.0780, 0.0439],
+            [0.0755, 0.6792, 0.1698, 0.0755],
+            [0.0285, 0.0793, 0.7137, 0.1784],
+            [0.0174, 0.0341, 0.0948, 0.8536],
+        ]
+    )
     assert torch.allclose(table.sum(-1), torch.ones(4), atol=1e-6)
     assert torch.allclose(table, spec, atol=1e-4)
 
@@ -109,8 +121,12 @@ def _hand_prefix(logits, teacher, pm, seq):
     chain, weights, ces = [bool(pm[0, i]) for i in range(n)], [], []
     for k in range(4):
         weights.append([float(chain[i] and valid[k][i]) for i in range(n)])
-        ces.append([float(-(teacher[0, i + k] * logits[0, i, k].log_softmax(-1)).sum()) if i + k < n else 0.0
-                    for i in range(n)])
+        ces.append(
+            [
+                float(-(teacher[0, i + k] * logits[0, i, k].log_softmax(-1)).sum()) if i + k < n else 0.0
+                for i in range(n)
+            ]
+        )
         chain = [chain[i] and i + k < n and int(logits[0, i, k].argmax()) == seq[i + k] for i in range(n)]
     anchored = [[float(pm[0, i] and valid[k][i]) for i in range(n)] for k in range(4)]
     return weights, anchored, ces
@@ -141,8 +157,10 @@ def test_valid_prefix_mode_leaves_the_rank_loss_and_refuses_unknown_modes():
     logits, teacher, pm, seq = _prefix_case()
     rank_logits = torch.randn(1, len(seq), 4, 4, generator=torch.Generator().manual_seed(1))
     for rank_mask in ("rank_chain", "draft_chain"):  # draft_chain is the valid-prefix chain in every mode
-        ranks = [block_losses(logits, rank_logits, teacher, pm, 0, rank_mask=rank_mask, valid_prefix=mode).rank
-                 for mode in VALID_PREFIX]
+        ranks = [
+            block_losses(logits, rank_logits, teacher, pm, 0, rank_mask=rank_mask, valid_prefix=mode).rank
+            for mode in VALID_PREFIX
+        ]
         assert all(torch.equal(r, ranks[0]) for r in ranks)
     with pytest.raises(ValueError, match="valid_prefix must be one of chain, slot0_norm, valid"):
         block_losses(logits, rank_logits, teacher, pm, 0, valid_prefix="none")
@@ -220,15 +238,24 @@ class SuccessorOracle(torch.nn.Module):
         self.config = SimpleNamespace(block_size=block_size)
         self.vocab, self.lag, self.calls = vocab, lag, []
 
-    def forward_block(self, cond, tokens, *, from_target, first_block_kv=None, ttt_kv=(), ttt_valid=(),
-                      attention="block_sparse"):
-        self.calls.append(dict(cond=cond, tokens=tokens, from_target=from_target, first=first_block_kv,
-                               ttt_kv=ttt_kv, ttt_valid=ttt_valid))
+    def forward_block(
+        self, cond, tokens, *, from_target, first_block_kv=None, ttt_kv=(), ttt_valid=(), attention="block_sparse"
+    ):
+        self.calls.append(
+            dict(
+                cond=cond,
+                tokens=tokens,
+                from_target=from_target,
+                first=first_block_kv,
+                ttt_kv=ttt_kv,
+                ttt_valid=ttt_valid,
+            )
+        )
         slots, x = [], tokens
         for _ in range(self.config.block_size + self.lag):
             x = successor(x, self.vocab)
             slots.append(x)
-        slots = torch.stack(slots[self.lag:], -1)  # [B, S, K]
+        slots = torch.stack(slots[self.lag :], -1)  # [B, S, K]
         logits = 20.0 * torch.nn.functional.one_hot(slots, self.vocab).float()
         hidden = slots.float()[..., None]  # G of slot k "is" the token it drafted
         return _Out(logits, torch.zeros(*slots.shape, 4), hidden, kv=f"kv{len(self.calls)}")
@@ -295,8 +322,11 @@ def test_rank_loss_alone_leaves_the_trunk_without_gradient():
     assert trained == {"rank_head.0.weight", "rank_head.2.weight"}
     drafter.zero_grad(set_to_none=True)
     total_loss(unroll_blocks(drafter, aux, tokens, teacher, pm, [2, 3])).backward()  # the draft loss reaches all
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for name, p in drafter.named_parameters()
-               if p.requires_grad and not name.startswith("rank_head"))
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for name, p in drafter.named_parameters()
+        if p.requires_grad and not name.startswith("rank_head")
+    )
 
 
 def test_slot_weight_zero_rank_weight_zero_one_block_trains_slot_zero_alone():
@@ -328,13 +358,17 @@ def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
     from core.drafters.specblock.layouts import warm_start_from_eagle3
 
     drafter, target = tiny_drafter()
-    eagle = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4]),
-                          embed_weight=drafter.embed_tokens.weight)
+    eagle = Eagle3Drafter(
+        Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4]),
+        embed_weight=drafter.embed_tokens.weight,
+    )
     ckpt = Eagle3Checkpoint.from_drafter(eagle, None)
     before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
     copied = warm_start_from_eagle3(drafter, ckpt)
     state = drafter.state_dict()
-    assert torch.equal(state["fc.weight"], eagle.fc.weight) and torch.equal(state["lm_head.weight"], eagle.lm_head.weight)
+    assert torch.equal(state["fc.weight"], eagle.fc.weight) and torch.equal(
+        state["lm_head.weight"], eagle.lm_head.weight
+    )
     assert torch.equal(state["cond_norm.weight"], eagle.midlayer.hidden_norm.weight)
     assert torch.equal(state["layers.0.self_attn.q_proj.weight"], eagle.midlayer.self_attn.q_proj.weight[:, 32:])
     assert torch.equal(state["layers.0.mlp.down_proj.weight"], eagle.midlayer.mlp.down_proj.weight)
@@ -345,8 +379,10 @@ def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
     wrong, _ = tiny_drafter(draft_vocab=32)
     with pytest.raises(ValueError, match="draft_vocab_size=64 but this SpecBlock drafter has 32"):
         warm_start_from_eagle3(wrong, ckpt)
-    eagle31 = Eagle3Drafter(Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4],
-                                                    fc_norm=True), embed_weight=drafter.embed_tokens.weight)
+    eagle31 = Eagle3Drafter(
+        Eagle3Config.for_target(target, draft_vocab_size=64, aux_layer_ids=[1, 3, 4], fc_norm=True),
+        embed_weight=drafter.embed_tokens.weight,
+    )
     with pytest.raises(UserError, match="EAGLE-3.1 drafter \\(fc_norm\\).*plain EAGLE-3 export"):
         warm_start_from_eagle3(drafter, Eagle3Checkpoint.from_drafter(eagle31, None))
 
@@ -373,16 +409,29 @@ def tiny_setup(tmp_path_factory):
     chats = write_jsonl(root / "chats.jsonl", 24)
     # The recipe's 512-token draft vocabulary (counted over the chats): a random target's argmax would almost never
     # fall inside it, so the teacher's other rows are zeroed (their logits 0) and the rest sharpened.
-    counting = OmegaConf.create({"target": str(target), "source": f"jsonl:{chats}", "n_samples": 24, "max_len": 64,
-                                 "split": "train", "seed": 0})
+    counting = OmegaConf.create(
+        {"target": str(target), "source": f"jsonl:{chats}", "n_samples": 24, "max_len": 64, "split": "train", "seed": 0}
+    )
     _, t2d = build_vocab_map(counts_from_source(counting)[0], 512)
     model = LlamaForCausalLM.from_pretrained(target)
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)
         model.lm_head.weight[~t2d] = 0.0
     model.save_pretrained(target)
-    extract(parse_args([f"target={target}", f"source=jsonl:{chats}", "n_samples=24", "max_len=64", "layers=eagle3",
-                        "dtype=fp32", "batch_size=8", f"out={root / 'feats'}"]))
+    extract(
+        parse_args(
+            [
+                f"target={target}",
+                f"source=jsonl:{chats}",
+                "n_samples=24",
+                "max_len=64",
+                "layers=eagle3",
+                "dtype=fp32",
+                "batch_size=8",
+                f"out={root / 'feats'}",
+            ]
+        )
+    )
     return root, target, chats
 
 
@@ -391,8 +440,9 @@ def test_recipes_validate_and_dry_run(tiny_setup, capsys):
 
     root, target, _ = tiny_setup
     for recipe in ("specblock_smollm2", "specblock_llama8b"):
-        cfg = fit_cli.compose_recipe([f"recipe={recipe}", f"target={target}", "dry_run=true",
-                                      f"runs_dir={root / 'dry'}"])
+        cfg = fit_cli.compose_recipe(
+            [f"recipe={recipe}", f"target={target}", "dry_run=true", f"runs_dir={root / 'dry'}"]
+        )
         assert cfg.model.block_size == 4 and cfg.model.num_layers == 2 and cfg.model.train_blocks == 3
         assert fit_cli.fit(cfg)["trained"] is False
     llama = fit_cli.compose_recipe(["recipe=specblock_llama8b", f"target={target}"])
@@ -400,22 +450,41 @@ def test_recipes_validate_and_dry_run(tiny_setup, capsys):
     assert (llama.trainer.strategy, llama.trainer.precision, llama.logger) == ("fsdp", "bf16-mixed", "wandb")
     capsys.readouterr()
     missing = root / "no-such-llama"
-    assert fit_cli.main(["recipe=specblock_llama8b", f"target={missing}", "dry_run=true",
-                         f"runs_dir={root / 'dry'}"]) == 2
+    assert (
+        fit_cli.main(["recipe=specblock_llama8b", f"target={missing}", "dry_run=true", f"runs_dir={root / 'dry'}"]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: target={missing} is not usable") and "target=" in err[0]
     with pytest.raises(fit_cli.RecipeError, match="rank_mask=paper is not one of rank_chain, draft_chain"):
-        fit_cli.fit(fit_cli.compose_recipe(["recipe=specblock_smollm2", f"target={target}", "rank_mask=paper",
-                                            "dry_run=true", f"runs_dir={root / 'dry'}"]))
+        fit_cli.fit(
+            fit_cli.compose_recipe(
+                [
+                    "recipe=specblock_smollm2",
+                    f"target={target}",
+                    "rank_mask=paper",
+                    "dry_run=true",
+                    f"runs_dir={root / 'dry'}",
+                ]
+            )
+        )
 
 
 def test_experiment_keys_build_the_drafter_they_name_and_bad_values_are_one_line(tiny_setup, capsys):
     from spectrain import fit as fit_cli
 
     root, target, chats = tiny_setup
-    base = ["recipe=specblock_smollm2", f"target={target}", f"source=jsonl:{chats}", f"dataset_dir={root / 'feats'}",
-            f"val_dataset_dir={root / 'feats'}", "n_samples=24", "max_len=64", "batch_size=4",
-            "draft_vocab_size=512", f"runs_dir={root / 'keys'}"]
+    base = [
+        "recipe=specblock_smollm2",
+        f"target={target}",
+        f"source=jsonl:{chats}",
+        f"dataset_dir={root / 'feats'}",
+        f"val_dataset_dir={root / 'feats'}",
+        "n_samples=24",
+        "max_len=64",
+        "batch_size=4",
+        "draft_vocab_size=512",
+        f"runs_dir={root / 'keys'}",
+    ]
     default = fit_cli.compose_recipe(base)
     assert (default.model.init, default.model.valid_prefix) == ("random", "slot0_norm")
     eye = torch.eye(32)
@@ -427,8 +496,9 @@ def test_experiment_keys_build_the_drafter_they_name_and_bad_values_are_one_line
     assert not torch.equal(plain.drafter.fuse.weight[:, :32], eye)
 
     # slot 0 alone, one layer: no shift, one block, the step's loss is slot 0's draft loss
-    cfg = fit_cli.compose_recipe([*base, "train_blocks=1", "slot_weight=0", "rank_weight=0", "num_layers=1",
-                                  "valid_prefix=slot0_norm"])
+    cfg = fit_cli.compose_recipe(
+        [*base, "train_blocks=1", "slot_weight=0", "rank_weight=0", "num_layers=1", "valid_prefix=slot0_norm"]
+    )
     module, data = fit_cli.build_module_and_data(cfg)
     assert len(module.drafter.layers) == 1 and len(module.drafter.shift) == 0
     data.setup("fit")
@@ -440,9 +510,11 @@ def test_experiment_keys_build_the_drafter_they_name_and_bad_values_are_one_line
     loss.backward()
     assert all(p.grad is None for p in module.drafter.rank_head.parameters())
 
-    for bad, line in (("model.init=zeros", "model.init=zeros is not one of random, identity"),
-                      ("model.valid_prefix=none", "model.valid_prefix=none is not one of chain, slot0_norm, valid"),
-                      ("model.slot_weight=-0.5", "model.slot_weight and rank_weight must be >= 0")):
+    for bad, line in (
+        ("model.init=zeros", "model.init=zeros is not one of random, identity"),
+        ("model.valid_prefix=none", "model.valid_prefix=none is not one of chain, slot0_norm, valid"),
+        ("model.slot_weight=-0.5", "model.slot_weight and rank_weight must be >= 0"),
+    ):
         capsys.readouterr()
         assert fit_cli.main([*base, bad, "dry_run=true"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -465,11 +537,26 @@ def test_fit_exports_a_native_dir_that_load_native_reads(tiny_setup):
 
     root, target, chats = tiny_setup
     runs = root / "runs"
-    cfg = fit_cli.compose_recipe([
-        "recipe=specblock_smollm2", f"target={target}", f"source=jsonl:{chats}", f"dataset_dir={root / 'feats'}",
-        f"val_dataset_dir={root / 'feats'}", "n_samples=24", "max_len=64", "batch_size=4", "draft_vocab_size=512",
-        "max_steps=6", "val_check_interval=3", "checkpoint_every_n_steps=3", "warmup_steps=2", "lr=5e-3",
-        "log_every_n_steps=1", f"runs_dir={runs}"])
+    cfg = fit_cli.compose_recipe(
+        [
+            "recipe=specblock_smollm2",
+            f"target={target}",
+            f"source=jsonl:{chats}",
+            f"dataset_dir={root / 'feats'}",
+            f"val_dataset_dir={root / 'feats'}",
+            "n_samples=24",
+            "max_len=64",
+            "batch_size=4",
+            "draft_vocab_size=512",
+            "max_steps=6",
+            "val_check_interval=3",
+            "checkpoint_every_n_steps=3",
+            "warmup_steps=2",
+            "lr=5e-3",
+            "log_every_n_steps=1",
+            f"runs_dir={runs}",
+        ]
+    )
     result = fit_cli.fit(cfg)
     assert result["trained"] and result["global_step"] == 6
     assert 1.0 <= result["metrics"]["val/tau_sim"] <= 5.0 and 0.0 <= result["metrics"]["val/rank_acc"] <= 1.0
@@ -519,20 +606,36 @@ def test_import_of_a_reference_release_checkpoint(tiny_setup, capsys):
     from core.drafters.specblock.layouts import REFERENCE_NAMES
 
     root, target, _ = tiny_setup
-    drafter = SpecBlockDrafter(SpecBlockConfig.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=64,
-                                                          aux_layer_ids=[1, 3, 4]))
+    drafter = SpecBlockDrafter(
+        SpecBlockConfig.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=64, aux_layer_ids=[1, 3, 4])
+    )
     # the release's layout: input_layer.* / shift_proj.* names, its own embedding copy, a LlamaConfig + its fields
     reverse = {ours: theirs for theirs, ours in REFERENCE_NAMES.items()}
-    weights = {reverse.get(name, name.replace("shift.", "shift_proj.", 1)): t.contiguous()
-               for name, t in drafter.state_dict().items() if name != "embed_tokens.weight"}
+    weights = {
+        reverse.get(name, name.replace("shift.", "shift_proj.", 1)): t.contiguous()
+        for name, t in drafter.state_dict().items()
+        if name != "embed_tokens.weight"
+    }
     weights["input_layer.embed_tokens.weight"] = drafter.embed_tokens.weight.detach()
     release = root / "release"
     release.mkdir()
     save_file(weights, str(release / "model.safetensors"))
-    fields = {"architectures": ["LlamaForCausalLMSpecBlock"], "hidden_act": "silu", "hidden_size": 32,
-              "intermediate_size": 64, "max_position_embeddings": 1024, "model_type": "llama",
-              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "rms_norm_eps": 1e-6,
-              "vocab_size": 49152, "draft_vocab_size": 64, "diffspec_draft_token_num": 4, "rank_classes": 4}
+    fields = {
+        "architectures": ["LlamaForCausalLMSpecBlock"],
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "max_position_embeddings": 1024,
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 49152,
+        "draft_vocab_size": 64,
+        "diffspec_draft_token_num": 4,
+        "rank_classes": 4,
+    }
     (release / "config.json").write_text(json.dumps(fields))
     assert export_cli.main([f"import={release}", f"target={target}", f"out={root / 'imported'}"]) == 0
     block = json.loads((root / "imported" / "config.json").read_text())["spectrain"]

@@ -51,8 +51,7 @@ class OracleDrafter(SpecBlockDrafter):
         return out
 
     def forward_leaves(self, cond, tokens, cache, *, current_valid, ttt=None, ttt_visible=None):
-        out = super().forward_leaves(cond, tokens, cache, current_valid=current_valid, ttt=ttt,
-                                     ttt_visible=ttt_visible)
+        out = super().forward_leaves(cond, tokens, cache, current_valid=current_valid, ttt=ttt, ttt_visible=ttt_visible)
         anchor = cache.anchors - 1
         for row, (token, valid) in enumerate(zip(tokens[0].tolist(), current_valid.tolist())):
             depth_index = anchor + 1 + valid  # the leaf sits at slot valid - 1 of block 1
@@ -64,8 +63,9 @@ class OracleDrafter(SpecBlockDrafter):
 @pytest.fixture(scope="module")
 def setup():
     target = tiny_llama(0, layers=4, temperature_scale=8.0)
-    references = [build_algorithm("ar", runner(target)).generate(p, max_new_tokens=N_NEW, sampling=GREEDY).tokens
-                  for p in PROMPTS]
+    references = [
+        build_algorithm("ar", runner(target)).generate(p, max_new_tokens=N_NEW, sampling=GREEDY).tokens for p in PROMPTS
+    ]
     return target, references
 
 
@@ -74,8 +74,14 @@ def oracle(target, prompt: list[int], reference: list[int], miss_every: int = 0)
     with torch.no_grad():
         states = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
     features = torch.cat([states[i + 1] for i in AUX], dim=-1)[0]  # output of layer i = hidden_states[i + 1]
-    return random_drafter(target, draft_vocab=target.config.vocab_size, cls=OracleDrafter, sequence=sequence,
-                          features=features, miss_every=miss_every)
+    return random_drafter(
+        target,
+        draft_vocab=target.config.vocab_size,
+        cls=OracleDrafter,
+        sequence=sequence,
+        features=features,
+        miss_every=miss_every,
+    )
 
 
 # -- tree rules ------------------------------------------------------------------------------------------------
@@ -96,8 +102,14 @@ def test_slot_widths_caps_and_give_up_by_hand():
 
 def test_prune_keeps_best_nodes_with_their_ancestors():
     nodes = Nodes()
-    for draft_id, parent, depth, score in [(1, -1, 1, -0.1), (2, 0, 2, -2.0), (3, 1, 3, -2.1), (4, -1, 1, -0.5),
-                                           (5, 3, 2, -0.6), (6, 4, 3, -3.0)]:
+    for draft_id, parent, depth, score in [
+        (1, -1, 1, -0.1),
+        (2, 0, 2, -2.0),
+        (3, 1, 3, -2.1),
+        (4, -1, 1, -0.5),
+        (5, 3, 2, -0.6),
+        (6, 4, 3, -3.0),
+    ]:
         nodes.add(draft_id, parent, depth, score)
     assert prune(nodes, 3, 99) == [0, 3, 4]
     assert prune(nodes, 4, 99) == [0, 1, 3, 4]
@@ -125,8 +137,15 @@ def first_block(algorithm, prompt):
     return block, cache
 
 
-SHAPES = [dict(), dict(width=1, widths=[1, 1, 1, 1]), dict(blocks=3, budget=40), dict(budget=7),
-          dict(widths=[2, 4, 10, 0], prob_caps=False), dict(blocks=1, width=4), dict(blocks=3, budget=1000)]
+SHAPES = [
+    dict(),
+    dict(width=1, widths=[1, 1, 1, 1]),
+    dict(blocks=3, budget=40),
+    dict(budget=7),
+    dict(widths=[2, 4, 10, 0], prob_caps=False),
+    dict(blocks=1, width=4),
+    dict(blocks=3, budget=1000),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -188,7 +207,7 @@ def test_later_blocks_match_each_leaf_alone(setup):
     cond, tokens, valid, out = calls[0]
     assert tokens.shape[1] >= 4  # several pending leaves in one forward
     for row in range(tokens.shape[1]):
-        alone = batched(cond[:, row: row + 1], tokens[:, row: row + 1], cache, current_valid=valid[row: row + 1])
+        alone = batched(cond[:, row : row + 1], tokens[:, row : row + 1], cache, current_valid=valid[row : row + 1])
         torch.testing.assert_close(alone.logits[0, 0], out.logits[0, row], rtol=0, atol=1e-5)
         # the leaf's node: depth = its source slot + 1, token = the leaf token
         slot = int(valid[row]) - 1
@@ -215,8 +234,11 @@ def test_greedy_equals_ar(setup, kind, shape):
     target, references = setup
     cases = list(zip(PROMPTS, references))
     for prompt, reference in cases[: 1 if kind == "random" else None]:  # a random drafter is slow (~no acceptance)
-        drafter = (random_drafter(target, draft_vocab=60) if kind == "random"
-                   else oracle(target, prompt, reference, miss_every=3))
+        drafter = (
+            random_drafter(target, draft_vocab=60)
+            if kind == "random"
+            else oracle(target, prompt, reference, miss_every=3)
+        )
         algorithm = build_algorithm("specblock_tree", runner(target), drafter, **shape)
         result = algorithm.generate(prompt, max_new_tokens=N_NEW, sampling=GREEDY)
         assert result.tokens == reference
@@ -272,8 +294,11 @@ def test_frozen_tree_walk_is_exact(setup):
     runner_ = algorithm.target
     runner_.reset(1)
     root = int(runner_.forward(torch.tensor([prompt])).logits[0, -1].argmax())
-    logits = runner_.forward(torch.tensor([[root, *tree.tokens]]), positions=tree.positions(len(prompt))[None],
-                             attention_mask=tree.ancestor_mask()).logits[0]
+    logits = runner_.forward(
+        torch.tensor([[root, *tree.tokens]]),
+        positions=tree.positions(len(prompt))[None],
+        attention_mask=tree.ancestor_mask(),
+    ).logits[0]
     for temperature in (0.7, 1.5):
         probs = SamplingParams(temperature).warp(logits)
         exact = probs.double() / probs.double().sum(-1, keepdim=True)  # rows summing to 1 in fp64
@@ -286,8 +311,9 @@ def test_frozen_tree_walk_is_exact(setup):
         walked, direct = torch.zeros(probs.shape[-1]), torch.zeros(probs.shape[-1])
         for _ in range(runs):
             walked[int(tree_walk(tree.tokens, tree.parents, probs, generator).tokens[0])] += 1
-        direct += torch.bincount(torch.multinomial(probs[0], runs, replacement=True, generator=generator),
-                                 minlength=probs.shape[-1])
+        direct += torch.bincount(
+            torch.multinomial(probs[0], runs, replacement=True, generator=generator), minlength=probs.shape[-1]
+        )
         tv_walk = 0.5 * (walked / runs - probs[0]).abs().sum()
         tv_direct = 0.5 * (direct / runs - probs[0]).abs().sum()
         assert tv_walk < 1.5 * tv_direct + 0.01, (tv_walk, tv_direct)  # within direct sampling's own noise
@@ -305,8 +331,9 @@ def test_sampling_follows_the_target_law():
     drafter.set_vocab_map(torch.tensor([0, 0, 1]), torch.tensor([True, True, False, True]))  # ids 0, 1, 3
     prompt = [1, 2]
     law = exact_target_law(target, prompt, n, vocab)
-    algorithm = build_algorithm("specblock_tree", runner(target, 16, rows=2 * LAW_ROWS), drafter, width=2, budget=6,
-                                widths=[2, 2, 2, 2])
+    algorithm = build_algorithm(
+        "specblock_tree", runner(target, 16, rows=2 * LAW_ROWS), drafter, width=2, budget=6, widths=[2, 2, 2, 2]
+    )
     counts, accepted = sampled_law(algorithm, prompt, n, runs)
     assert accepted > runs // 2  # tree paths are really exercised, not just the bonus token
     # direct sampling of this 64-outcome law with N=1000 gives TV 0.10 on average (0.12 max over 50 seeds)
@@ -350,13 +377,26 @@ def test_real_smollm2_greedy_equals_ar_through_evaluate(smollm2, tmp_path):
     target = LoadedModel("smollm2", ModelRunner.from_hf_model(model, max_seq_len=512), tokenizer, model)
     embed = target.runner.embed_tokens.weight
     torch.manual_seed(0)
-    eagle3 = Eagle3Drafter(Eagle3Config.for_target(model.config, draft_vocab_size=8000, aux_layer_ids=[1, 14, 26]),
-                           embed_weight=embed).eval()
-    specblock = SpecBlockDrafter(SpecBlockConfig.for_target(model.config, draft_vocab_size=8000,
-                                                            aux_layer_ids=[1, 14, 26]), embed_weight=embed).eval()
-    cfg = evaluate_cli.parse_args(["algorithms=[eagle3_tree,specblock_tree]", "bench=mt_bench", "n_prompts=2",
-                                   "max_new_tokens=12", "tree_depth=3", "tree_topk=3", "tree_total=10",
-                                   "specblock_budget=12", f"out={tmp_path}", "warmup=false"])
+    eagle3 = Eagle3Drafter(
+        Eagle3Config.for_target(model.config, draft_vocab_size=8000, aux_layer_ids=[1, 14, 26]), embed_weight=embed
+    ).eval()
+    specblock = SpecBlockDrafter(
+        SpecBlockConfig.for_target(model.config, draft_vocab_size=8000, aux_layer_ids=[1, 14, 26]), embed_weight=embed
+    ).eval()
+    cfg = evaluate_cli.parse_args(
+        [
+            "algorithms=[eagle3_tree,specblock_tree]",
+            "bench=mt_bench",
+            "n_prompts=2",
+            "max_new_tokens=12",
+            "tree_depth=3",
+            "tree_topk=3",
+            "tree_total=10",
+            "specblock_budget=12",
+            f"out={tmp_path}",
+            "warmup=false",
+        ]
+    )
     results = evaluate_cli.evaluate(cfg, target=target, drafters={"eagle3": eagle3, "specblock": specblock})
     ar, _, block = results["runs"]
     assert block["algorithm"] == "specblock_tree" and block["greedy_equal_to_ar"] is True
@@ -374,8 +414,9 @@ def test_evaluate_loads_specblock_drafter_from_its_export(tmp_path):
     from inference import evaluate as evaluate_cli
 
     target_dir = save_tiny_target(tmp_path / "target", layers=4, hidden=32)
-    model_config = SpecBlockConfig.for_target(AutoConfig.from_pretrained(target_dir), draft_vocab_size=500,
-                                              aux_layer_ids=AUX)
+    model_config = SpecBlockConfig.for_target(
+        AutoConfig.from_pretrained(target_dir), draft_vocab_size=500, aux_layer_ids=AUX
+    )
     torch.manual_seed(0)
     drafter = SpecBlockDrafter(model_config)
     used = torch.arange(500) * 7  # every 7th token id
@@ -383,9 +424,23 @@ def test_evaluate_loads_specblock_drafter_from_its_export(tmp_path):
     t2d[used] = True
     drafter.set_vocab_map(used - torch.arange(500), t2d)
     export = save_native(drafter, tmp_path / "sb", target=target_record(str(target_dir)))
-    assert evaluate_cli.main([f"target={target_dir}", f"drafter.specblock={export}", "algorithms=specblock_tree",
-                              "n_prompts=1", "max_new_tokens=12", "specblock_budget=12", "warmup=false",
-                              "max_seq_len=256", "device=cpu", f"out={tmp_path / 'eval'}"]) == 0
+    assert (
+        evaluate_cli.main(
+            [
+                f"target={target_dir}",
+                f"drafter.specblock={export}",
+                "algorithms=specblock_tree",
+                "n_prompts=1",
+                "max_new_tokens=12",
+                "specblock_budget=12",
+                "warmup=false",
+                "max_seq_len=256",
+                "device=cpu",
+                f"out={tmp_path / 'eval'}",
+            ]
+        )
+        == 0
+    )
     import json
 
     runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]

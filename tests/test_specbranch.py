@@ -36,8 +36,9 @@ def pair():
 
 
 def specbranch(target, draft, rounds: list | None = None, **kwargs):
-    return build_algorithm("specbranch", runner(target), runner(draft), on_round=None if rounds is None else
-                           rounds.append, **kwargs)
+    return build_algorithm(
+        "specbranch", runner(target), runner(draft), on_round=None if rounds is None else rounds.append, **kwargs
+    )
 
 
 @pytest.mark.parametrize("hrad", [None, 0, 1, 2])
@@ -47,8 +48,7 @@ def test_greedy_equals_ar(pair, k, hrad):
     kmax = 1 if k == 1 else k + 1
     target, draft = pair
     gamma, rounds = 4, []
-    algo = specbranch(target, draft, rounds, gamma=gamma, kmax=kmax,
-                      hrad=None if hrad is None else ForcedClass(hrad))
+    algo = specbranch(target, draft, rounds, gamma=gamma, kmax=kmax, hrad=None if hrad is None else ForcedClass(hrad))
     result = algo.generate(PROMPT, max_new_tokens=40, sampling=GREEDY)
     assert result.tokens == ar_tokens(target, 40)
     assert max(r.branches for r in rounds) == k  # the flat draft (q_b < 1/4) forks as wide as allowed
@@ -112,7 +112,7 @@ def test_cached_branch_point_q_equals_a_fresh_forward(pair):
     branches = side.branches(PROMPT, 3, 4)
     assert len(branches.tokens) == 2 and branches.forwards == 4
     for row, keep in ((1, 0), (0, 2)):
-        context = PROMPT + branches.tokens[row][:1 + keep]
+        context = PROMPT + branches.tokens[row][: 1 + keep]
         length, cached = side.select(context)
         assert cached and length == len(context) and side.lengths() == [len(context)]
         fresh = runner(draft).forward(torch.tensor([context])).logits[0, -1]
@@ -139,8 +139,10 @@ def test_hrad_features_follow_the_last_k_convention():
 
     target = tiny_llama(0, layers=4, temperature_scale=8.0)
     draft = tiny_llama(0, layers=4, temperature_scale=8.0)
-    real = HRADPredictor(HRAD(HRADConfig(hidden_size=32, last_k=4, gamma=4, boundaries=[1, 3])),
-                         {"layers": {"ids": capture_layers(4, 4)}})
+    real = HRADPredictor(
+        HRAD(HRADConfig(hidden_size=32, last_k=4, gamma=4, boundaries=[1, 3])),
+        {"layers": {"ids": capture_layers(4, 4)}},
+    )
 
     class Recording(ForcedClass):
         def predict(self, hidden_lastk, token_emb):
@@ -153,7 +155,7 @@ def test_hrad_features_follow_the_last_k_convention():
     survived = [r for r in rounds if r.survivor is not None]
     assert len(hrad.calls) == len(survived) > 0
     for (lastk, emb), r in zip(hrad.calls, survived):
-        sequence = list(r.context[:r.committed])
+        sequence = list(r.context[: r.committed])
         assert lastk.shape == (1, 4, 32) and emb.shape == (1, 32)
         with torch.no_grad():
             states = target(torch.tensor([sequence[:-1]]), output_hidden_states=True).hidden_states
@@ -166,8 +168,8 @@ def test_hrad_features_follow_the_last_k_convention():
 def test_every_executor_gives_the_sequential_tokens(pair, name):
     target, draft = pair
     assert_executor_matches_sequential(
-        target, name, lambda executor, **kw: specbranch(target, draft, gamma=4, kmax=3, executor=executor, **kw),
-        kmax=3)
+        target, name, lambda executor, **kw: specbranch(target, draft, gamma=4, kmax=3, executor=executor, **kw), kmax=3
+    )
 
 
 def test_bad_options_are_one_line_errors(pair):
@@ -189,9 +191,14 @@ def test_cuda_streams_on_gpu_gives_the_sequential_tokens():
     target, draft = (m.to("cuda", torch.float32) for m in tiny_pair())
 
     def run(executor: str) -> list[int]:
-        algo = build_algorithm("specbranch", ModelRunner.from_hf_model(target, max_seq_len=192, dtype=torch.float32),
-                               ModelRunner.from_hf_model(draft, max_seq_len=192, dtype=torch.float32), gamma=4,
-                               kmax=4, executor=executor)
+        algo = build_algorithm(
+            "specbranch",
+            ModelRunner.from_hf_model(target, max_seq_len=192, dtype=torch.float32),
+            ModelRunner.from_hf_model(draft, max_seq_len=192, dtype=torch.float32),
+            gamma=4,
+            kmax=4,
+            executor=executor,
+        )
         try:
             return algo.generate(PROMPT, max_new_tokens=32, sampling=GREEDY).tokens
         finally:
@@ -275,7 +282,7 @@ def test_on_branch_reports_hrad_inputs_and_changes_nothing(pair):
         sequence = PROMPT + ar_tokens(target, point.position - len(PROMPT) + 1)
         assert sequence[point.position] == point.tokens[0]
         with torch.no_grad():
-            states = target(torch.tensor([sequence[:point.position]]), output_hidden_states=True).hidden_states
+            states = target(torch.tensor([sequence[: point.position]]), output_hidden_states=True).hidden_states
         torch.testing.assert_close(point.hidden[layers[0]], states[-2][0, -1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(point.last_hidden, states[-1][0, -1], atol=1e-4, rtol=1e-4)
     hot = SamplingParams(1.0)
@@ -292,8 +299,9 @@ def test_confidence_feature_reaches_the_predictor(pair, path):
     from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
 
     target, draft = pair
-    config = HRADConfig(hidden_size=32, last_k=2, gamma=4, boundaries=[1, 3], confidence_feature=True,
-                        confidence_path=path)
+    config = HRADConfig(
+        hidden_size=32, last_k=2, gamma=4, boundaries=[1, 3], confidence_feature=True, confidence_path=path
+    )
     real = HRADPredictor(HRAD(config), {"layers": {"ids": capture_layers(2, 2)}})
     seen, points = [], []
 
@@ -326,8 +334,9 @@ def test_oracle_policies_refuse_sampling_in_one_line(pair):
     with pytest.raises(OverrideError, match=r"'specbranch@hrad=oracle_keep@temperature=1': hrad=oracle_keep needs"):
         check_algorithm_options(cfg, [], ["specbranch@hrad=oracle_keep@temperature=1"])
     with pytest.raises(OverrideError, match="hrad=oracle needs temperature=0") as info:  # refused while parsing
-        evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "temperature=0.7",
-                                 "specbranch.hrad=oracle"])
+        evaluate_cli.parse_args(
+            ["algorithms=[specbranch]", "drafter=/models/draft", "temperature=0.7", "specbranch.hrad=oracle"]
+        )
     assert "\n" not in str(info.value)
 
 
@@ -362,5 +371,6 @@ def test_cut_from_the_first_continuation_token_is_lossless_and_keeps_less(pair):
             assert point.keep <= continuation_to_keep(1, list(point.confidence), eps)
     assert any(p.keep == 0 for p in points)  # ε = 0.9: some first continuation tokens are below it
     from inference import evaluate as evaluate_cli
+
     cfg = evaluate_cli.parse_args(["algorithms=[specbranch]", "drafter=/models/draft", "specbranch.cut_from=1"])
     assert cfg.specbranch.cut_from == 1

@@ -27,14 +27,23 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.models import Eagle3DraftModel
 from eagle3_export_builders import AUX, VOCAB, lightning_ckpt, make_drafter
-from speculators_builders import (DECAY, STEPS, assert_loaded_exactly, check_training_forward_agrees,
-                                  export_speculators, library_drafter, our_chain, saved_tiny_target,
-                                  their_chain)
+from speculators_builders import (
+    DECAY,
+    STEPS,
+    assert_loaded_exactly,
+    check_training_forward_agrees,
+    export_speculators,
+    library_drafter,
+    our_chain,
+    saved_tiny_target,
+    their_chain,
+)
 
-from benchmarks.speculators_peer import (features, load_theirs, our_loss, our_steps)
+from benchmarks.speculators_peer import features, load_theirs, our_loss, our_steps
 from core.assets import portable_model_reference, target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
@@ -98,14 +107,17 @@ def test_export_names_a_loadable_verifier_or_refuses(tmp_path, tiny, capsys):
     ckpt = lightning_ckpt(tmp_path / "last.ckpt", drafter, target_record(tiny.name))
     copy = shutil.copytree(tiny.name, tmp_path / "moved_target")
     assert export_cli.main([f"ckpt={ckpt}", "format=speculators", f"verifier={copy}", f"out={tmp_path / 'a'}"]) == 0
-    assert Eagle3DraftModel.from_pretrained(str(tmp_path / "a")).config.speculators_config.verifier.name_or_path \
-        == str(copy)
+    assert Eagle3DraftModel.from_pretrained(str(tmp_path / "a")).config.speculators_config.verifier.name_or_path == str(
+        copy
+    )
     assert export_cli.main([f"ckpt={ckpt}", "format=speculators", "verifier=org/model", f"out={tmp_path / 'b'}"]) == 0
     assert '"name_or_path": "org/model"' in (tmp_path / "b" / "config.json").read_text()  # a hub id, as given
     capsys.readouterr()
-    for args, needle in [(["format=sglang", "verifier=org/model"], "speculators layout only"),
-                         (["format=speculators", f"verifier={tmp_path / 'none'}"], "is not a directory"),
-                         (["format=speculators", f"verifier={tmp_path}"], "has no config.json")]:
+    for args, needle in [
+        (["format=sglang", "verifier=org/model"], "speculators layout only"),
+        (["format=speculators", f"verifier={tmp_path / 'none'}"], "is not a directory"),
+        (["format=speculators", f"verifier={tmp_path}"], "has no config.json"),
+    ]:
         assert export_cli.main([f"ckpt={ckpt}", *args, f"out={tmp_path / 'c'}"]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err, err
@@ -128,7 +140,10 @@ def test_library_checkpoint_imports_serves_and_reexports_identically(tmp_path, t
     tree = build_algorithm("eagle3_tree", tiny.runner, drafter, tree_depth=3, tree_topk=2, tree_total=6)
     assert tree.generate(prompt, max_new_tokens=12, sampling=greedy).tokens == reference.tokens
     assert export_cli.main([f"ckpt={native}", "format=speculators", f"out={again}"]) == 0
-    first, second = load_file(str(tmp_path / "theirs" / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    first, second = (
+        load_file(str(tmp_path / "theirs" / "model.safetensors")),
+        load_file(str(again / "model.safetensors")),
+    )
     assert first.keys() == second.keys()
     for name, tensor in first.items():
         assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), name
@@ -156,8 +171,10 @@ def smollm2_trained(smollm2, tmp_path_factory):
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config.for_target(model.config, draft_vocab_size=len(used), aux_layer_ids=aux_ids),
-                            embed_weight=model.model.embed_tokens.weight.detach())
+    drafter = Eagle3Drafter(
+        Eagle3Config.for_target(model.config, draft_vocab_size=len(used), aux_layer_ids=aux_ids),
+        embed_weight=model.model.embed_tokens.weight.detach(),
+    )
     drafter.set_vocab_map(used - torch.arange(len(used)), t2d)
     with torch.no_grad():
         drafter.lm_head.weight.copy_(model.lm_head.weight[used])

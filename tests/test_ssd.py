@@ -25,8 +25,16 @@ from inference.runner_loading import with_logit_vocab
 from inference.saguaro import NEURAL, POINT, UNIFORM, proposal_probs, saguaro_probs, saguaro_sample
 from inference.sampling import SamplingParams
 from inference.ssd_cache import NO_KEY, SpecCache, fanout_weights, geometric_fanout, largest_remainder_round
-from inference.ssd_draft import (HIT, JIT, ServeRequest, SpeculateRequest, Speculation, SSDDraftSide,
-                                 full_head_logits, tree_step_mask)
+from inference.ssd_draft import (
+    HIT,
+    JIT,
+    ServeRequest,
+    SpeculateRequest,
+    Speculation,
+    SSDDraftSide,
+    full_head_logits,
+    tree_step_mask,
+)
 from inference.verify import tokenwise_plan
 
 GREEDY = SamplingParams(temperature=0)
@@ -102,8 +110,8 @@ def test_geometric_fanout_closed_form_rounding_and_optimality():
     assert geometric_fanout(6, 3, 0.01, r)[0] >= 1 and sum(geometric_fanout(6, 3, 0.01, r)) == 6
 
     def objective(f):  # P(hit) with c = 1
-        pi = [a ** i * (1 - a) for i in range(k)] + [a ** k]
-        return sum(p * (1 - fi ** -r) for p, fi in zip(pi, f))
+        pi = [a**i * (1 - a) for i in range(k)] + [a**k]
+        return sum(p * (1 - fi**-r) for p, fi in zip(pi, f))
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -151,8 +159,9 @@ def test_tree_step_mask_matches_brute_force_ancestors():
                 allowed = set(range(int(base[row]) + j + 1))  # prefix + glue 0..j
                 allowed |= {int(base[row]) + k_max + 1 + (s - 1) * width + u for s in range(1, step)}
                 allowed |= {cached + u}
-                got = {c for c in range(cached + width) if mask[row, u, c]
-                       and (c < int(lengths[row]) or c >= cached)}  # columns past a row's length are padding
+                got = {
+                    c for c in range(cached + width) if mask[row, u, c] and (c < int(lengths[row]) or c >= cached)
+                }  # columns past a row's length are padding
                 assert got == allowed, (step, row, u)
 
 
@@ -160,8 +169,18 @@ def test_tree_step_mask_matches_brute_force_ancestors():
 
 
 def test_payloads_round_trip_bit_exactly():
-    req = ServeRequest(torch.tensor([[2, 17], [NO_KEY, 3]]), torch.tensor([40, 12]), torch.tensor([True, False]),
-                       torch.tensor([[3, 2, 2], [1, 1, 1]]), 0.7, 5, 0.95, 0.4, 1, 0)
+    req = ServeRequest(
+        torch.tensor([[2, 17], [NO_KEY, 3]]),
+        torch.tensor([40, 12]),
+        torch.tensor([True, False]),
+        torch.tensor([[3, 2, 2], [1, 1, 1]]),
+        0.7,
+        5,
+        0.95,
+        0.4,
+        1,
+        0,
+    )
     back = ServeRequest.unpack(req.pack())
     assert back.temperature == 0.7 and back.top_p == 0.95 and back.c == 0.4 and back.top_k == 5
     assert torch.equal(back.keys, req.keys) and torch.equal(back.lengths, req.lengths)
@@ -169,8 +188,14 @@ def test_payloads_round_trip_bit_exactly():
     sreq = SpeculateRequest(torch.tensor([[2, 1, 1, 0]]), torch.tensor([[3, 2, 2]]), 1e-3, 0, 1.0, 1.0)
     sback = SpeculateRequest.unpack(sreq.pack())
     assert torch.equal(sback.fanout, sreq.fanout) and sback.temperature == 1e-3
-    spec = Speculation(torch.tensor([HIT, JIT]), torch.tensor([[1, 2], [3, 4]]), torch.tensor([[0, 0], [1, 2]]),
-                       torch.tensor([[3, 3], [0, 0]]), 7, torch.randn(2, 2, 9))
+    spec = Speculation(
+        torch.tensor([HIT, JIT]),
+        torch.tensor([[1, 2], [3, 4]]),
+        torch.tensor([[0, 0], [1, 2]]),
+        torch.tensor([[3, 3], [0, 0]]),
+        7,
+        torch.randn(2, 2, 9),
+    )
     sp = Speculation.unpack(*spec.pack())
     assert sp.draft_forwards == 7 and torch.equal(sp.kinds, spec.kinds) and torch.equal(sp.tops, spec.tops)
 
@@ -190,9 +215,17 @@ def test_fork_excludes_the_drafted_token_and_follows_each_rows_fanout():
 
 def test_speculate_forks_with_the_miss_vector_after_a_miss():
     target = tiny_llama(0, vocab=128, layers=2, temperature_scale=8.0)
-    ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
-                          tiny_draft_runner(1), gamma=3, budget=6, fanout="3:1:1:1", fanout_miss="6:0:0:0",
-                          fallback="fast", fast="random")
+    ssd = build_algorithm(
+        "ssd",
+        ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
+        tiny_draft_runner(1),
+        gamma=3,
+        budget=6,
+        fanout="3:1:1:1",
+        fanout_miss="6:0:0:0",
+        fallback="fast",
+        fast="random",
+    )
     ssd.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=2, sampling=GREEDY)  # one round: every row missed
     keys = ssd.executor().draft_side.cache.keys
     assert (keys[:, :, 0] == 0).all()  # all 6 branches at k = 0 (the miss vector)
@@ -214,8 +247,16 @@ def test_greedy_output_equals_the_target_batch_1_and_3(greedy_reference, fallbac
     target, prompts, expected = greedy_reference
     # The drafter is the target itself for half of it: forks then really hit; a 1-layer drafter misses often.
     for draft in (tiny_draft_runner(1), ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3)):
-        ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), draft,
-                              gamma=3, budget=6, fallback=fallback, fast=fast, saguaro_c=0.5)
+        ssd = build_algorithm(
+            "ssd",
+            ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
+            draft,
+            gamma=3,
+            budget=6,
+            fallback=fallback,
+            fast=fast,
+            saguaro_c=0.5,
+        )
         assert [r.tokens for r in ssd.generate_batch(prompts, max_new_tokens=25, sampling=GREEDY)] == expected
         assert ssd.generate(prompts[1], max_new_tokens=25, sampling=GREEDY).tokens == expected[1]
         metrics = ssd.extra_metrics()
@@ -272,13 +313,24 @@ BIGRAM_PROMPT = [1, 2, 0, 3, 4, 0]  # every token but 4 is followed by a 2-gram:
 def bigram_samples(fallback: str, fast: str, runs: int, n: int, fast_verify: str = "exact", batch: int = 500):
     p_table, q_table = bigram_tables()
     target, draft = BigramRunner(p_table, batch), BigramRunner(q_table, batch)
-    ssd = build_algorithm("ssd", target, draft, gamma=2, budget=6, fanout="2:2:2", fanout_miss="2:2:2",
-                          fallback=fallback, fast=fast, saguaro_c=0.4, fast_verify=fast_verify, seed=3)
+    ssd = build_algorithm(
+        "ssd",
+        target,
+        draft,
+        gamma=2,
+        budget=6,
+        fanout="2:2:2",
+        fanout_miss="2:2:2",
+        fallback=fallback,
+        fast=fast,
+        saguaro_c=0.4,
+        fast_verify=fast_verify,
+        seed=3,
+    )
     generator = torch.Generator().manual_seed(11)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(runs // batch):
-        for result in ssd.generate_batch([BIGRAM_PROMPT] * batch, max_new_tokens=n, sampling=T1,
-                                         generator=generator):
+        for result in ssd.generate_batch([BIGRAM_PROMPT] * batch, max_new_tokens=n, sampling=T1, generator=generator):
             counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
     return counts, bigram_law(p_table, BIGRAM_PROMPT[-1], n), ssd.extra_metrics()
 
@@ -315,7 +367,7 @@ class LimitedBigramRunner(BigramRunner):
 
     def forward(self, input_ids, *, return_last_hidden=False, only_last_logits=False, **kw) -> RunnerOutput:
         logits = super().forward(input_ids, only_last_logits=only_last_logits, **kw).logits.clone()
-        logits[..., self.logit_vocab:] = float("-inf")
+        logits[..., self.logit_vocab :] = float("-inf")
         hidden = torch.nn.functional.one_hot(input_ids, self.table.shape[0]).double() if return_last_hidden else None
         return RunnerOutput(logits=logits, last_hidden=hidden)
 
@@ -349,8 +401,15 @@ def test_a_bonus_outside_the_draft_vocab_hits_only_with_full_vocab_forks(limited
     metrics = {}
     for fork_vocab in ("full", "draft"):
         draft = with_logit_vocab(ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), 64)
-        ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), draft,
-                              gamma=3, budget=6, fanout=fanout, fork_vocab=fork_vocab)
+        ssd = build_algorithm(
+            "ssd",
+            ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
+            draft,
+            gamma=3,
+            budget=6,
+            fanout=fanout,
+            fork_vocab=fork_vocab,
+        )
         assert [r.tokens for r in ssd.generate_batch(prompts, max_new_tokens=25, sampling=GREEDY)] == expected
         metrics[fork_vocab] = ssd.extra_metrics()
         assert metrics[fork_vocab]["fork_vocab"] == fork_vocab and metrics[fork_vocab]["draft_vocab"] == 64
@@ -374,13 +433,22 @@ def test_sampling_law_is_exact_with_a_limited_drafter_and_either_fork_vocab(fork
     runs, batch = 6000, 500
     p_table, q_table = bigram_tables()
     target, draft = BigramRunner(p_table, batch), LimitedBigramRunner(q_table, batch, logit_vocab=3)
-    ssd = build_algorithm("ssd", target, draft, gamma=2, budget=6, fanout="2:2:2", fallback="jit", saguaro_c=0.4,
-                          seed=3, fork_vocab=fork_vocab)
+    ssd = build_algorithm(
+        "ssd",
+        target,
+        draft,
+        gamma=2,
+        budget=6,
+        fanout="2:2:2",
+        fallback="jit",
+        saguaro_c=0.4,
+        seed=3,
+        fork_vocab=fork_vocab,
+    )
     generator = torch.Generator().manual_seed(11)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(runs // batch):
-        for result in ssd.generate_batch([BIGRAM_PROMPT] * batch, max_new_tokens=3, sampling=T1,
-                                         generator=generator):
+        for result in ssd.generate_batch([BIGRAM_PROMPT] * batch, max_new_tokens=3, sampling=T1, generator=generator):
             counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
     assert_follows_law(counts, bigram_law(p_table, BIGRAM_PROMPT[-1], 3), runs, max_tv=0.06)
     metrics = ssd.extra_metrics()
@@ -423,13 +491,21 @@ def test_teacher_forced_replay_predicts_the_engines_hit_rate_by_k(greedy_referen
     recall = ssd_recall
     target, prompts, expected = greedy_reference
     draft = with_logit_vocab(tiny_draft_runner(1), 64)
-    ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3), draft,
-                          gamma=3, budget=6, fanout="2:2:1:1", fork_vocab=fork_vocab)
+    ssd = build_algorithm(
+        "ssd",
+        ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
+        draft,
+        gamma=3,
+        budget=6,
+        fanout="2:2:1:1",
+        fork_vocab=fork_vocab,
+    )
     assert [ssd.generate(p, max_new_tokens=25, sampling=GREEDY).tokens for p in prompts] == expected
     record = {"algorithm": f"ssd@ssd_fork_vocab={fork_vocab}", "tau": 1.0, **ssd.extra_metrics()}
     full = tiny_draft_runner(1)
-    ranks = {64: [recall.position_ranks(recall.teacher_forced_scores(full, p, a), a, 64)
-                  for p, a in zip(prompts, expected)]}
+    ranks = {
+        64: [recall.position_ranks(recall.teacher_forced_scores(full, p, a), a, 64) for p, a in zip(prompts, expected)]
+    }
     result = recall.compare(record, ranks)
     assert result["replayed_lookups_by_k"] == record["cache_lookups_by_k"]
     assert result["replayed_lookups_outside_draft_vocab"] == record["cache_lookups_outside_draft_vocab"] > 0
@@ -438,11 +514,21 @@ def test_teacher_forced_replay_predicts_the_engines_hit_rate_by_k(greedy_referen
     assert result["replayed_hit_rate"] == pytest.approx(record["cache_hit_rate"], abs=1e-12)
     assert result["mean_abs_gap_per_lookup"] < 1e-12
     assert 0 <= result["all_misses_by_k"][0] <= 1
-    text = recall.report({"bench": "b", "n_prompts": 3, "answer_tokens": 75, "target": "t", "dtype": "fp32",
-                          "drafter": "d", "seconds": 0,
-                          "by_draft_vocab": {"64": {**recall.vocab_shares(ranks[64]),
-                                                    "recall_given_miss": recall.recall_curve(ranks[64], 2)}},
-                          "runs": [result]})
+    text = recall.report(
+        {
+            "bench": "b",
+            "n_prompts": 3,
+            "answer_tokens": 75,
+            "target": "t",
+            "dtype": "fp32",
+            "drafter": "d",
+            "seconds": 0,
+            "by_draft_vocab": {
+                "64": {**recall.vocab_shares(ranks[64]), "recall_given_miss": recall.recall_curve(ranks[64], 2)}
+            },
+            "runs": [result],
+        }
+    )
     assert "| 3 (= K) |" in text and "rank-1 misses" in text
     shares = recall.vocab_shares(ranks[64], 4)
     outside = sum(int(r["outside"][1:].sum()) for r in ranks[64])
@@ -451,7 +537,8 @@ def test_teacher_forced_replay_predicts_the_engines_hit_rate_by_k(greedy_referen
     lookups, outside_lookups = sum(record["cache_lookups_by_k"]), record["cache_lookups_outside_draft_vocab"]
     hits = round(record["cache_hit_rate"] * lookups)
     assert result["engine_hit_rate_inside_draft_vocab"] == pytest.approx(
-        (hits - record["cache_hits_outside_draft_vocab"]) / (lookups - outside_lookups))
+        (hits - record["cache_hits_outside_draft_vocab"]) / (lookups - outside_lookups)
+    )
 
 
 def test_ssd_recall_cli_reads_an_evaluate_run(tmp_path, capsys):
@@ -465,9 +552,19 @@ def test_ssd_recall_cli_reads_an_evaluate_run(tmp_path, capsys):
     draft = save_tiny_target(tmp_path / "draft", layers=2, noise=0.02, logit_scale=4.0)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", 3)
     variant = "ssd@draft_vocab=2000@gamma=3@ssd_budget=8@ssd_fanout=uniform"  # 2 guesses at every k
-    cfg = evaluate_cli.parse_args([f"target={target}", f"drafter={draft}", f"bench=[jsonl:{prompts}]",
-                                   f"algorithms=[{variant},{variant}@ssd_fork_vocab=draft]", "n_prompts=2",
-                                   "max_new_tokens=16", "temperature=0", "warmup=false", f"out={tmp_path / 'eval'}"])
+    cfg = evaluate_cli.parse_args(
+        [
+            f"target={target}",
+            f"drafter={draft}",
+            f"bench=[jsonl:{prompts}]",
+            f"algorithms=[{variant},{variant}@ssd_fork_vocab=draft]",
+            "n_prompts=2",
+            "max_new_tokens=16",
+            "temperature=0",
+            "warmup=false",
+            f"out={tmp_path / 'eval'}",
+        ]
+    )
     evaluate_cli.evaluate(cfg)
     out = tmp_path / "recall.json"
     code = ssd_recall.main([f"eval={tmp_path / 'eval' / 'results.json'}", f"drafter={draft}", f"out={out}"])
@@ -490,14 +587,29 @@ def test_every_executor_gives_the_same_tokens(greedy_reference):
     target, prompts, _ = greedy_reference
     outputs = {}
     for name in ("sequential", "cuda_streams", "multiprocess"):
-        ssd = build_algorithm("ssd", ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
-                              tiny_draft_runner(1), gamma=3, budget=6, fallback="jit", saguaro_c=0.5, executor=name,
-                              draft_source=functools.partial(tiny_draft_runner, 1), seed=4,
-                              executor_kwargs={"threads": 1} if name == "multiprocess" else {})
+        ssd = build_algorithm(
+            "ssd",
+            ModelRunner.from_hf_model(target, max_seq_len=256, max_batch_size=3),
+            tiny_draft_runner(1),
+            gamma=3,
+            budget=6,
+            fallback="jit",
+            saguaro_c=0.5,
+            executor=name,
+            draft_source=functools.partial(tiny_draft_runner, 1),
+            seed=4,
+            executor_kwargs={"threads": 1} if name == "multiprocess" else {},
+        )
         try:
-            outputs[name] = [[r.tokens for r in ssd.generate_batch(prompts, max_new_tokens=10, sampling=sampling,
-                                                                   generator=torch.Generator().manual_seed(9))]
-                             for sampling in (GREEDY, T1)]
+            outputs[name] = [
+                [
+                    r.tokens
+                    for r in ssd.generate_batch(
+                        prompts, max_new_tokens=10, sampling=sampling, generator=torch.Generator().manual_seed(9)
+                    )
+                ]
+                for sampling in (GREEDY, T1)
+            ]
             metrics = ssd.extra_metrics()
             assert metrics["simulated_overlap_s"] > 0 and metrics["drafter_idle_s"] >= 0
         finally:
@@ -540,9 +652,14 @@ def test_real_smollm2_ssd_batch_equals_transformers_greedy(smollm2):
     prompts = [render_prompt(tokenizer, prompt_turns(c)) for c in load_prompts("mt_bench", n=2)]
     expected = [hf_greedy(model, p, 8) for p in prompts]
     for fallback in ("jit", "fast"):
-        ssd = build_algorithm("ssd", ModelRunner.from_hf_model(model, max_seq_len=512, max_batch_size=2),
-                              ModelRunner.from_hf_model(draft, max_seq_len=512, max_batch_size=2), gamma=3,
-                              budget=6, fallback=fallback)
+        ssd = build_algorithm(
+            "ssd",
+            ModelRunner.from_hf_model(model, max_seq_len=512, max_batch_size=2),
+            ModelRunner.from_hf_model(draft, max_seq_len=512, max_batch_size=2),
+            gamma=3,
+            budget=6,
+            fallback=fallback,
+        )
         assert [r.tokens for r in ssd.generate_batch(prompts, max_new_tokens=8, sampling=GREEDY)] == expected
 
 
@@ -555,14 +672,31 @@ def test_evaluate_writes_ssd_metrics_per_run_in_batches(smollm2, tmp_path):
     model, tokenizer = smollm2
 
     def loaded() -> LoadedModel:  # the target drafting for itself: every fork guess is right at T=0
-        return LoadedModel("smollm2", ModelRunner.from_hf_model(model, max_seq_len=512, max_batch_size=2), tokenizer,
-                           model)
+        return LoadedModel(
+            "smollm2", ModelRunner.from_hf_model(model, max_seq_len=512, max_batch_size=2), tokenizer, model
+        )
 
-    cfg = evaluate_cli.parse_args(["algorithms=[ssd]", "drafter=smollm2", "n_prompts=2", "max_new_tokens=10",
-                                   "gamma=2", "ssd_budget=4", "batch_size=2", f"out={tmp_path}", "warmup=false"])
+    cfg = evaluate_cli.parse_args(
+        [
+            "algorithms=[ssd]",
+            "drafter=smollm2",
+            "n_prompts=2",
+            "max_new_tokens=10",
+            "gamma=2",
+            "ssd_budget=4",
+            "batch_size=2",
+            f"out={tmp_path}",
+            "warmup=false",
+        ]
+    )
     results = evaluate_cli.evaluate(cfg, target=loaded(), draft=loaded())
     ar, ssd = results["runs"]
     assert ssd["algorithm"] == "ssd" and ssd["greedy_equal_to_ar"] is True and ssd["new_tokens"] == 20
     assert ssd["cache_hit_rate"] > 0.5 and ssd["first_round_misses"] == 2
-    assert {"cache_hit_rate_by_k", "bonus_hit_rate", "fallback_counts", "drafter_idle_s",
-            "simulated_tokens_per_s"} <= set(ssd)
+    assert {
+        "cache_hit_rate_by_k",
+        "bonus_hit_rate",
+        "fallback_counts",
+        "drafter_idle_s",
+        "simulated_tokens_per_s",
+    } <= set(ssd)

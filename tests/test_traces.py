@@ -18,8 +18,15 @@ GREEDY = SamplingParams(temperature=0)
 
 def tiny_llama(seed: int, layers: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=61, max_position_embeddings=256)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=61,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)  # peaked distributions: the draft agrees with the target often
@@ -38,9 +45,13 @@ def pair():
 
 def sps_with_hook(target, draft, gamma=4):
     infos: list[RoundInfo] = []
-    sps = SpeculativeSampling(ModelRunner.from_hf_model(target, max_seq_len=160),
-                              ModelRunner.from_hf_model(draft, max_seq_len=160), gamma=gamma,
-                              on_round=infos.append, round_capture_layers=[1, 2])
+    sps = SpeculativeSampling(
+        ModelRunner.from_hf_model(target, max_seq_len=160),
+        ModelRunner.from_hf_model(draft, max_seq_len=160),
+        gamma=gamma,
+        on_round=infos.append,
+        round_capture_layers=[1, 2],
+    )
     return sps, infos
 
 
@@ -60,27 +71,31 @@ def test_round_hook_reports_what_the_round_did(pair):
     for info in infos:
         start = info.prefix_len - len(prompt)  # emitted tokens before the branch token
         n = info.num_accepted
-        assert info.draft_tokens[:n] == tokens[start:start + n]  # greedy: accepted = equal to the target
+        assert info.draft_tokens[:n] == tokens[start : start + n]  # greedy: accepted = equal to the target
         if n < len(info.draft_tokens) and start + n < len(tokens):
             assert info.draft_tokens[n] != tokens[start + n]
         before = info.prefix_len - 1  # the position whose output predicts the branch token
         for layer in (1, 2):
-            torch.testing.assert_close(info.hidden[layer], ref.hidden_states[layer + 1][0, before], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                info.hidden[layer], ref.hidden_states[layer + 1][0, before], atol=1e-5, rtol=1e-4
+            )
         torch.testing.assert_close(info.last_hidden, ref.hidden_states[-1][0, before], atol=1e-5, rtol=1e-4)
         # draft probabilities along its own chain (temperature 1)
         chain = torch.tensor([prompt + tokens[:start] + info.draft_tokens])
         with torch.no_grad():
-            draft_logits = draft(chain).logits[0, before:before + len(info.draft_tokens)].softmax(-1)
+            draft_logits = draft(chain).logits[0, before : before + len(info.draft_tokens)].softmax(-1)
         expected = draft_logits.gather(1, torch.tensor(info.draft_tokens)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(info.draft_probs), expected, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(torch.tensor(info.draft_max_probs), draft_logits.max(-1).values, atol=1e-5,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(info.draft_max_probs), draft_logits.max(-1).values, atol=1e-5, rtol=1e-4
+        )
 
 
 def test_hook_changes_nothing_about_the_output(pair):
     target, draft = pair
-    plain = SpeculativeSampling(ModelRunner.from_hf_model(target, max_seq_len=160),
-                                ModelRunner.from_hf_model(draft, max_seq_len=160), gamma=3)
+    plain = SpeculativeSampling(
+        ModelRunner.from_hf_model(target, max_seq_len=160), ModelRunner.from_hf_model(draft, max_seq_len=160), gamma=3
+    )
     hooked, infos = sps_with_hook(target, draft, gamma=3)
     sampling = SamplingParams(temperature=0.8)
     a = plain.generate([7, 8, 9], max_new_tokens=50, sampling=sampling, generator=torch.Generator().manual_seed(3))
@@ -106,14 +121,30 @@ def models(tmp_path_factory):
     prompts.write_text(prompts.read_text() + long_prompt)
     target = load_lm(str(target_dir), device="cpu", max_seq_len=160)
     draft = load_draft_lm(str(draft_dir), target, device="cpu", max_seq_len=160)
-    return {"root": root, "target_dir": target_dir, "draft_dir": draft_dir, "prompts": prompts,
-            "target": target, "draft": draft}
+    return {
+        "root": root,
+        "target_dir": target_dir,
+        "draft_dir": draft_dir,
+        "prompts": prompts,
+        "target": target,
+        "draft": draft,
+    }
 
 
 def traces_args(models, out, **extra) -> list[str]:
-    args = {"target": models["target_dir"], "drafter": models["draft_dir"], "source": f"jsonl:{models['prompts']}",
-            "n_samples": 7, "gamma": 3, "max_new_tokens": 20, "max_seq_len": 160, "shard_size": 4, "device": "cpu",
-            "out": out, **extra}
+    args = {
+        "target": models["target_dir"],
+        "drafter": models["draft_dir"],
+        "source": f"jsonl:{models['prompts']}",
+        "n_samples": 7,
+        "gamma": 3,
+        "max_new_tokens": 20,
+        "max_seq_len": 160,
+        "shard_size": 4,
+        "device": "cpu",
+        "out": out,
+        **extra,
+    }
     return [f"{k}={v}" for k, v in args.items()]
 
 
@@ -198,12 +229,13 @@ def test_traces_cli_errors(models, tmp_path, capsys):
     assert "drafter=PATH is required" in capsys.readouterr().err
     assert main(traces_args(models, tmp_path / "x", gama=3)) == 2
     assert "did you mean 'gamma'" in capsys.readouterr().err
-    for extra, message in (({"positions": "branch"}, "positions=branch is not one of sps, specbranch"),
-                           ({"policy": "oracle"}, "set positions=specbranch"),
-                           ({"positions": "specbranch", "gamma": 1}, "needs gamma >= 2"),
-                           ({"positions": "specbranch", "verifier": "block"}, "verifier=block is SpS's"),
-                           ({"positions": "specbranch", "policy": "oracle", "temperature": 1.0},
-                            "hrad=oracle needs temperature=0")):
+    for extra, message in (
+        ({"positions": "branch"}, "positions=branch is not one of sps, specbranch"),
+        ({"policy": "oracle"}, "set positions=specbranch"),
+        ({"positions": "specbranch", "gamma": 1}, "needs gamma >= 2"),
+        ({"positions": "specbranch", "verifier": "block"}, "verifier=block is SpS's"),
+        ({"positions": "specbranch", "policy": "oracle", "temperature": 1.0}, "hrad=oracle needs temperature=0"),
+    ):
         assert main(traces_args(models, tmp_path / "x", **extra)) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and err.count("\n") == 0, err
@@ -220,8 +252,11 @@ def test_traces_at_serving_positions(models, tmp_path):
     from spectrain.kinds.hrad.traces import load_trace_rows
 
     out = tmp_path / "serving"
-    manifest = record_traces(parse_args(traces_args(models, out, positions="specbranch", n_samples=4, gamma=4)),
-                             target=models["target"], draft=models["draft"])
+    manifest = record_traces(
+        parse_args(traces_args(models, out, positions="specbranch", n_samples=4, gamma=4)),
+        target=models["target"],
+        draft=models["draft"],
+    )
     assert manifest["args"]["positions"] == "specbranch" and manifest["args"]["policy"] == "none"
     rows = read_rows(out)
     assert len(rows) == manifest["num_rows"] > 4
@@ -233,8 +268,12 @@ def test_traces_at_serving_positions(models, tmp_path):
     for index in range(2):
         prompt = render_prompt(models["target"].tokenizer, prompt_turns(conversations[index]))
         with torch.no_grad():  # the target's greedy answer: what SpecBranch emits, and past its end
-            answer = model.generate(torch.tensor([prompt]), max_new_tokens=20 + 12, do_sample=False,
-                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0].tolist()
+            answer = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=20 + 12,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )[0].tolist()
         for r in (r for r in rows if int(r["sample_index"]) == index):
             position, tokens = int(r["position"]), r["draft_tokens"].tolist()
             assert answer[position] == tokens[0] == int(r["branch_token"])
@@ -270,9 +309,23 @@ def test_real_smollm2_traces_with_itself_as_drafter(smollm2, tmp_path):
     model, tokenizer = smollm2
     target = LoadedModel("smollm2", load_runner(model, max_seq_len=160), tokenizer, model)
     draft = LoadedModel("smollm2", load_runner(model, max_seq_len=160), tokenizer, model)
-    manifest = record_traces(parse_args(["target=smollm2", "drafter=smollm2", "source=mt_bench", "n_samples=1",
-                                         "gamma=2", "max_new_tokens=7", "max_seq_len=160", "device=cpu",
-                                         f"out={tmp_path / 'traces'}"]), target=target, draft=draft)
+    manifest = record_traces(
+        parse_args(
+            [
+                "target=smollm2",
+                "drafter=smollm2",
+                "source=mt_bench",
+                "n_samples=1",
+                "gamma=2",
+                "max_new_tokens=7",
+                "max_seq_len=160",
+                "device=cpu",
+                f"out={tmp_path / 'traces'}",
+            ]
+        ),
+        target=target,
+        draft=draft,
+    )
     rows = read_rows(tmp_path / "traces")
     assert manifest["layers"]["ids"] == [26, 27, 28] and len(rows) == manifest["num_rows"] == 2  # 7 = 1 + 2 * 3
     assert all(int(r["num_accepted"]) == 2 for r in rows)  # the target drafting for itself

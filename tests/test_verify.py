@@ -35,8 +35,6 @@ from inference.verify import (
 F64 = torch.float64
 
 
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-12) -> None:
     # Plain max-abs check: torch.testing.assert_close costs ~1 s of lazy imports on first use.
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
@@ -75,9 +73,7 @@ def make_toy_lm(V: int, depth: int, seed: int, kind: str = "dirichlet") -> tuple
         for prefix in itertools.product(range(V), repeat=length):
             p_rows[prefix] = _random_row(rng, V, kind)
             q_rows[prefix] = (
-                p_rows[prefix]
-                if kind == "identical"
-                else _random_row(rng, V, "dirichlet" if kind == "zeros" else kind)
+                p_rows[prefix] if kind == "identical" else _random_row(rng, V, "dirichlet" if kind == "zeros" else kind)
             )
         P.append(torch.tensor(p_rows, dtype=F64))
         Q.append(torch.tensor(q_rows, dtype=F64))
@@ -118,9 +114,7 @@ def continued_law_per_draft(outcome_law: torch.Tensor, drafts: torch.Tensor, P: 
     return continued
 
 
-def continued_law(
-    outcome_law: torch.Tensor, drafts: torch.Tensor, weights: torch.Tensor, P: list
-) -> torch.Tensor:
+def continued_law(outcome_law: torch.Tensor, drafts: torch.Tensor, weights: torch.Tensor, P: list) -> torch.Tensor:
     """§6 step 4: mix the continued per-draft laws with draft probabilities -> law over V^(γ+1)."""
     per_draft = continued_law_per_draft(outcome_law, drafts, P)
     return (weights.reshape((-1,) + (1,) * (per_draft.dim() - 1)) * per_draft).sum(0)
@@ -198,9 +192,7 @@ def test_hsd_capped_is_block_verification() -> None:
     P, Q = make_toy_lm(4, 4, seed=9)
     drafts = all_drafts(4, 4)
     q_rows, p_rows = rows_along(Q, drafts), rows_along(P, drafts)
-    assert torch.equal(
-        HSDVerifier().outcome_law(drafts, q_rows, p_rows), block.outcome_law(drafts, q_rows, p_rows)
-    )
+    assert torch.equal(HSDVerifier().outcome_law(drafts, q_rows, p_rows), block.outcome_law(drafts, q_rows, p_rows))
 
 
 def test_outcome_laws_are_distributions() -> None:
@@ -420,10 +412,7 @@ def test_verifier_call_is_the_planned_draw(verifier) -> None:
     for seed in range(30):
         result = verifier(x, q_rows, p_rows, torch.Generator().manual_seed(seed))
         tau, token = verifier.plan(x, q_rows, p_rows).draw(torch.Generator().manual_seed(seed))
-        assert (
-            result.num_accepted == int(tau)
-            and result.tokens.tolist() == x[: int(tau)].tolist() + token.tolist()
-        )
+        assert result.num_accepted == int(tau) and result.tokens.tolist() == x[: int(tau)].tolist() + token.tolist()
 
 
 def test_verifier_calls_follow_exact_law() -> None:
@@ -561,9 +550,7 @@ def test_tree_walk_samples_follow_exact_law() -> None:
     for _ in range(n):
         result = tree_walk(tokens, parents, rows, gen)
         emitted = tuple(result.tokens.tolist())
-        assert emitted[:-1] == tuple(tokens[i] for i in result.path) and result.num_accepted == len(
-            result.path
-        )
+        assert emitted[:-1] == tuple(tokens[i] for i in result.path) and result.num_accepted == len(result.path)
         counts[index[emitted]] += 1
     assert_within_4_sigma(counts, torch.tensor([law[s] for s in outcomes], dtype=F64), n, "tree walk")
 

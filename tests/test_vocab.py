@@ -44,12 +44,34 @@ def test_cli_from_dataset_and_from_source_agree(tmp_path, capsys):
     target = save_tiny_target(tmp_path / "target", layers=2)
     chats = write_jsonl(tmp_path / "chats.jsonl", 10)
     feats = tmp_path / "feats"
-    extract(parse_args([f"target={target}", f"source=jsonl:{chats}", "n_samples=10", "max_len=64",
-                        "layers=[0,1]", "device=cpu", f"out={feats}"]))
+    extract(
+        parse_args(
+            [
+                f"target={target}",
+                f"source=jsonl:{chats}",
+                "n_samples=10",
+                "max_len=64",
+                "layers=[0,1]",
+                "device=cpu",
+                f"out={feats}",
+            ]
+        )
+    )
     assert main([f"dataset={feats}", "draft_vocab_size=20", f"out={tmp_path / 'a.safetensors'}"]) == 0
     assert "cover" in capsys.readouterr().err
-    assert main([f"target={target}", f"source=jsonl:{chats}", "n_samples=10", "max_len=64", "draft_vocab_size=20",
-                 f"out={tmp_path / 'b.safetensors'}"]) == 0
+    assert (
+        main(
+            [
+                f"target={target}",
+                f"source=jsonl:{chats}",
+                "n_samples=10",
+                "max_len=64",
+                "draft_vocab_size=20",
+                f"out={tmp_path / 'b.safetensors'}",
+            ]
+        )
+        == 0
+    )
     d2t, t2d, meta = load_vocab_map(tmp_path / "a.safetensors")
     d2t_b, t2d_b, meta_b = load_vocab_map(tmp_path / "b.safetensors")
     assert torch.equal(d2t, d2t_b) and torch.equal(t2d, t2d_b)
@@ -67,10 +89,12 @@ def test_cli_from_dataset_and_from_source_agree(tmp_path, capsys):
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    for argv, message in (([f"out={tmp_path / 'x'}"], "exactly one of dataset=DIR or source="),
-                          (["source=sharegpt", f"out={tmp_path / 'x'}"], "source= needs target="),
-                          ([f"dataset={tmp_path}", "draft_vocab_size=5", f"out={tmp_path / 'x'}"], "no manifest.json"),
-                          (["dataset=x", "draft_vocab=5"], "did you mean 'draft_vocab_size'")):
+    for argv, message in (
+        ([f"out={tmp_path / 'x'}"], "exactly one of dataset=DIR or source="),
+        (["source=sharegpt", f"out={tmp_path / 'x'}"], "source= needs target="),
+        ([f"dataset={tmp_path}", "draft_vocab_size=5", f"out={tmp_path / 'x'}"], "no manifest.json"),
+        (["dataset=x", "draft_vocab=5"], "did you mean 'draft_vocab_size'"),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err

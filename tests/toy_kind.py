@@ -78,8 +78,15 @@ class ToyHeadDrafter(nn.Module):
         return ToyCache(batch_size)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: ToyCache,
-             attention_mask: torch.Tensor | None = None, counts: list[int] | None = None) -> SimpleNamespace:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ToyCache,
+        attention_mask: torch.Tensor | None = None,
+        counts: list[int] | None = None,
+    ) -> SimpleNamespace:
         counts = counts if counts is not None else [tokens.shape[1]] * cache.batch
         cache.held = [held + n for held, n in zip(cache.held, counts)]
         return SimpleNamespace(logits=self.fc(hidden), hidden=hidden)
@@ -91,24 +98,33 @@ class ToyHeadDrafter(nn.Module):
 # ---------------------------------------------------------------------------------------------- engine half
 
 
-def save_toy_head(drafter: ToyHeadDrafter, out: str | Path, target: dict[str, Any],
-                  metrics: dict[str, Any] | None = None) -> Path:
+def save_toy_head(
+    drafter: ToyHeadDrafter, out: str | Path, target: dict[str, Any], metrics: dict[str, Any] | None = None
+) -> Path:
     block = {"kind": KIND, "target": target, "architecture": drafter.config.to_dict()}
     return write_export_dir(out, {"fc.weight": drafter.fc.weight.detach().contiguous()}, block, metrics=metrics)
 
 
 def load_toy_head(path: str, target: Any) -> ToyHeadDrafter:
-    config, tensors, block = read_export_dir(path, kind=KIND, title="toy head", loader="the toy head's loader",
-                                             config_cls=ToyHeadConfig)
+    config, tensors, block = read_export_dir(
+        path, kind=KIND, title="toy head", loader="the toy head's loader", config_cls=ToyHeadConfig
+    )
     check_native_target(path, config, block.get("target"), target)
     drafter = ToyHeadDrafter(config)
     drafter.load_state_dict(tensors)
     return drafter.to(device=target.runner.device, dtype=target.runner.dtype).eval()
 
 
-ENGINE_KIND = register_engine_kind(EngineKind(
-    name=KIND, title="toy head", needs="a toy head export of python -m spectrain.export for this target",
-    config_class=ToyHeadConfig, load=load_toy_head, serves_as="eagle3"))
+ENGINE_KIND = register_engine_kind(
+    EngineKind(
+        name=KIND,
+        title="toy head",
+        needs="a toy head export of python -m spectrain.export for this target",
+        config_class=ToyHeadConfig,
+        load=load_toy_head,
+        serves_as="eagle3",
+    )
+)
 
 
 # -------------------------------------------------------------------------------------------- training half
@@ -129,8 +145,9 @@ class ToyHeadModule(pl.LightningModule):
         self.cfg = cfg
         self.frozen = {"target": AutoModelForCausalLM.from_pretrained(cfg.target).eval()}  # not a submodule
         model_config = self.frozen["target"].config
-        self.drafter = ToyHeadDrafter(ToyHeadConfig(model_config.vocab_size, model_config.hidden_size,
-                                                    [model_config.num_hidden_layers - 2]))
+        self.drafter = ToyHeadDrafter(
+            ToyHeadConfig(model_config.vocab_size, model_config.hidden_size, [model_config.num_hidden_layers - 2])
+        )
 
     def training_step(self, batch, _):
         (tokens,) = batch
@@ -145,15 +162,19 @@ class ToyHeadModule(pl.LightningModule):
         return torch.optim.Adam(self.drafter.parameters(), lr=self.cfg.optim.lr)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["spectrain"] = {"kind": KIND, "config": self.drafter.config.to_dict(),
-                                   "target": target_record(self.cfg.target)}
+        checkpoint["spectrain"] = {
+            "kind": KIND,
+            "config": self.drafter.config.to_dict(),
+            "target": target_record(self.cfg.target),
+        }
 
 
 class ToyHeadData(pl.LightningDataModule):
     def __init__(self, cfg: Any):
         super().__init__()
-        tokens = torch.randint(0, 1000, (cfg.model.sequences, cfg.model.length),
-                               generator=torch.Generator().manual_seed(cfg.seed))
+        tokens = torch.randint(
+            0, 1000, (cfg.model.sequences, cfg.model.length), generator=torch.Generator().manual_seed(cfg.seed)
+        )
         self.dataset, self.batch_size = torch.utils.data.TensorDataset(tokens), cfg.data.batch_size
 
     def train_dataloader(self):
@@ -167,5 +188,12 @@ def export_toy_head(path: Path, cfg: Any) -> Path:
     return save_toy_head(drafter, cfg.out, trained.target, trained.metrics)
 
 
-TRAINING_KIND = register_kind(DrafterKind(name=KIND, build_module=ToyHeadModule, build_datamodule=ToyHeadData,
-                                          model_schema=ToyHeadSchema, export_checkpoint=export_toy_head))
+TRAINING_KIND = register_kind(
+    DrafterKind(
+        name=KIND,
+        build_module=ToyHeadModule,
+        build_datamodule=ToyHeadData,
+        model_schema=ToyHeadSchema,
+        export_checkpoint=export_toy_head,
+    )
+)

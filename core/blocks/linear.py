@@ -37,14 +37,20 @@ class Linear(nn.Linear):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         cpu_bf16 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and not needs_grad
         if cpu_bf16 and ONEDNN_BF16:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight, out_features, _onednn_packed), bias,
-                                                      "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self._packed(weight, out_features, _onednn_packed), bias, "none", [], ""
+            )
         if self.exact and cpu_bf16:
-            return exact_cpu.linear(x.float(), self._packed(weight, out_features, exact_cpu.transposed_weight),
-                                    weight.shape[0], None if bias is None else bias.float()).to(x.dtype)
+            return exact_cpu.linear(
+                x.float(),
+                self._packed(weight, out_features, exact_cpu.transposed_weight),
+                weight.shape[0],
+                None if bias is None else bias.float(),
+            ).to(x.dtype)
         if self.exact and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not needs_grad:
-            return exact_cpu.linear(x, self._packed(weight, out_features, exact_cpu.transposed_weight),
-                                    weight.shape[0], bias)
+            return exact_cpu.linear(
+                x, self._packed(weight, out_features, exact_cpu.transposed_weight), weight.shape[0], bias
+            )
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         pad = -rows % 4 if rows in (2, 3) else 0
         if not pad or x.device.type != "cpu":
@@ -53,8 +59,9 @@ class Linear(nn.Linear):
         padded = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
 
-    def _packed(self, weight: torch.Tensor, out_features: int | None,
-                pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _packed(
+        self, weight: torch.Tensor, out_features: int | None, pack: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """``pack(weight)``, made on first use and again whenever the weight changes."""
         packs = self.__dict__.setdefault("_packs", {})  # not a buffer: state_dict and .to() stay as nn.Linear's
         stamp = (weight.data_ptr(), self.weight._version)

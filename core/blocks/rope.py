@@ -13,9 +13,7 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported by ModelRunner (supported: {STATIC_ROPE_TYPES})"
-        )
+        raise ValueError(f"rope_type {rope_type!r} is not supported by ModelRunner (supported: {STATIC_ROPE_TYPES})")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -29,8 +27,9 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, 1, T, D] at ``positions`` [B, T] (computed in fp32, scaled, then cast to ``dtype``)."""
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]

@@ -27,8 +27,10 @@ def vllm_layer_ids(output_ids: list[int]) -> list[int]:
 def verifier_reference(target: dict[str, Any]) -> str:
     """The target of a record as speculators/vLLM can resolve it; a record without a name is refused."""
     if not target.get("name"):
-        raise CheckpointError("the target record has no name: give verifier=PATH_OR_ID (the target's local HF "
-                              "directory or hub id) for the speculators layout")
+        raise CheckpointError(
+            "the target record has no name: give verifier=PATH_OR_ID (the target's local HF "
+            "directory or hub id) for the speculators layout"
+        )
     try:
         return portable_model_reference(target["name"])
     except AssetError as exc:
@@ -48,8 +50,9 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         try:
             return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except Exception as exc:  # a torn zip or pickle raises any of several types
-            raise CheckpointError(f"{directory}/pytorch_model.bin is damaged ({str(exc).splitlines()[0]}); "
-                                  "re-download the drafter") from None
+            raise CheckpointError(
+                f"{directory}/pytorch_model.bin is damaged ({str(exc).splitlines()[0]}); re-download the drafter"
+            ) from None
     raise CheckpointError(f"{directory} has no model.safetensors or pytorch_model.bin")
 
 
@@ -82,16 +85,19 @@ def checked_block(raw: dict[str, Any], directory: Path, kind: str, title: str) -
     is an export contradicting itself, refused."""
     block = raw.get("spectrain") if isinstance(raw.get("spectrain"), dict) else None
     if block is not None and block.get("kind") != kind:
-        raise CheckpointError(f"{directory}/config.json records a '{block.get('kind')}' drafter in a {title} layout; "
-                              f"{REEXPORT}")
+        raise CheckpointError(
+            f"{directory}/config.json records a '{block.get('kind')}' drafter in a {title} layout; {REEXPORT}"
+        )
     return block
 
 
 def check_trained_for(directory: Path, recorded: dict[str, Any] | None, config: Any, target: dict[str, Any]) -> None:
     """Refuse a checkpoint whose ``recorded`` target is not ``target``, or whose ``config`` does not fit it."""
     if recorded is not None and not same_target(recorded, target):
-        raise CheckpointError(f"{directory} was trained for target '{recorded.get('name')}', not "
-                              f"'{target.get('name')}'; use the target it was trained for")
+        raise CheckpointError(
+            f"{directory} was trained for target '{recorded.get('name')}', not "
+            f"'{target.get('name')}'; use the target it was trained for"
+        )
     check_against_target(config, target)
 
 
@@ -103,11 +109,17 @@ def check_against_target(config: Any, target: dict[str, Any]) -> None:
     """Refuse a drafter whose shapes do not fit ``target`` (a target record) with a one-line reason."""
     name = target.get("name")
     if config.vocab_size != target["vocab_size"]:
-        raise CheckpointError(f"drafter vocab_size {config.vocab_size} differs from target '{name}' vocab "
-                              f"{target['vocab_size']}: it was trained for another tokenizer")
+        raise CheckpointError(
+            f"drafter vocab_size {config.vocab_size} differs from target '{name}' vocab "
+            f"{target['vocab_size']}: it was trained for another tokenizer"
+        )
     if config.target_hidden_size != target["hidden_size"]:
-        raise CheckpointError(f"drafter reads target features of width {config.target_hidden_size} but target "
-                              f"'{name}' has hidden_size {target['hidden_size']}")
+        raise CheckpointError(
+            f"drafter reads target features of width {config.target_hidden_size} but target "
+            f"'{name}' has hidden_size {target['hidden_size']}"
+        )
     if max(config.aux_layer_ids) >= target["num_hidden_layers"]:
-        raise CheckpointError(f"drafter aux layers {config.aux_layer_ids} do not exist in target '{name}' "
-                              f"({target['num_hidden_layers']} layers)")
+        raise CheckpointError(
+            f"drafter aux layers {config.aux_layer_ids} do not exist in target '{name}' "
+            f"({target['num_hidden_layers']} layers)"
+        )

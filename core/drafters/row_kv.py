@@ -17,8 +17,9 @@ class RowKV:
     The lengths live in a Python list (``held``): every call reads them to size its slices and masks, and a
     one-row call must cost what the single-length cache did (no tensor ops where every row is equally long)."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], *, name: str = "drafter cache",
-                 unit: str = "rows"):
+    def __init__(
+        self, k: list[torch.Tensor], v: list[torch.Tensor], *, name: str = "drafter cache", unit: str = "rows"
+    ):
         if not k or len(k) != len(v) or any(t.shape != k[0].shape for t in (*k, *v)):
             raise ValueError("RowKV needs one K and one V tensor per layer, all [B, kv_heads, capacity, D]")
         self.k, self.v = k, v
@@ -26,12 +27,14 @@ class RowKV:
         self.held = [0] * k[0].shape[0]
 
     @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, like: torch.Tensor,
-              **names: str) -> RowKV:
+    def empty(
+        cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, like: torch.Tensor, **names: str
+    ) -> RowKV:
         """Zeroed K/V of ``like``'s dtype and device."""
         shape = (batch, kv_heads, capacity, head_dim)
-        return cls([like.new_zeros(shape) for _ in range(layers)], [like.new_zeros(shape) for _ in range(layers)],
-                   **names)
+        return cls(
+            [like.new_zeros(shape) for _ in range(layers)], [like.new_zeros(shape) for _ in range(layers)], **names
+        )
 
     @property
     def batch(self) -> int:
@@ -73,27 +76,32 @@ class RowKV:
             return [new] * self.batch
         counts = counts.reshape(-1).tolist() if isinstance(counts, torch.Tensor) else [int(n) for n in counts]
         if len(counts) != self.batch or any(not 0 <= n <= new for n in counts):
-            raise ValueError(f"counts must be {self.batch} numbers in 0..{new} (real new {self.unit} per cache row), "
-                             f"got {counts}")
+            raise ValueError(
+                f"counts must be {self.batch} numbers in 0..{new} (real new {self.unit} per cache row), got {counts}"
+            )
         return counts
 
     def append(self, kv: list[LayerKV], counts: torch.Tensor | list[int] | None = None) -> None:
         """Row ``b`` writes the first ``counts[b]`` of the ``T`` new rows of ``kv`` (per layer K, V [B, kv_heads,
         T, D]) at its slots ``lengths[b]..``; the rest of its rows (pads) are dropped. ``counts`` None: all T."""
         if len(kv) != len(self.k) or kv[0][0].shape[0] != self.batch:
-            raise ValueError(f"{self.name}: append got {len(kv)} layers of {kv[0][0].shape[0]} rows but it holds "
-                             f"{len(self.k)} layers of {self.batch} rows")
+            raise ValueError(
+                f"{self.name}: append got {len(kv)} layers of {kv[0][0].shape[0]} rows but it holds "
+                f"{len(self.k)} layers of {self.batch} rows"
+            )
         new = kv[0][0].shape[2]
         counts = self.counts(new, counts)
         ends = [n + c for n, c in zip(self.held, counts)]
         if max(ends, default=0) > self.capacity:
-            raise ValueError(f"{self.name} overflow: {max(ends)} {self.unit} needed, capacity {self.capacity}; "
-                             "build it with a larger max_len")
+            raise ValueError(
+                f"{self.name} overflow: {max(ends)} {self.unit} needed, capacity {self.capacity}; "
+                "build it with a larger max_len"
+            )
         if self.uniform and all(c == new for c in counts):  # every row writes the same slots: slice copies
             start = self.held[0] if self.held else 0
             for (k, v), k_cache, v_cache in zip(kv, self.k, self.v):
-                k_cache[:, :, start:start + new] = k
-                v_cache[:, :, start:start + new] = v
+                k_cache[:, :, start : start + new] = k
+                v_cache[:, :, start : start + new] = v
         else:
             self._scatter(kv, counts)
         self.held = ends

@@ -19,18 +19,26 @@ def check_native_target(path: str, config: Any, recorded: dict[str, Any] | None,
         raise UserError(f"drafter '{path}' does not record its target; re-export it with its target record")
     record = target_record(target.name)
     if not same_target(recorded, record):
-        raise UserError(f"drafter '{path}' was trained for target '{recorded.get('name')}' (config "
-                        f"{recorded.get('config_hash')}, weights {recorded.get('weights_hash')}), not "
-                        f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
-                        "drafter trained for this target")
-    if (config.vocab_size, config.target_hidden_size) != (target.runner.config.vocab_size,
-                                                          target.runner.config.hidden_size):
-        raise UserError(f"drafter '{path}' expects vocab {config.vocab_size} / hidden {config.target_hidden_size} "
-                        f"but target '{target.name}' has {target.runner.config.vocab_size} / "
-                        f"{target.runner.config.hidden_size}: it was trained for another target")
+        raise UserError(
+            f"drafter '{path}' was trained for target '{recorded.get('name')}' (config "
+            f"{recorded.get('config_hash')}, weights {recorded.get('weights_hash')}), not "
+            f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
+            "drafter trained for this target"
+        )
+    if (config.vocab_size, config.target_hidden_size) != (
+        target.runner.config.vocab_size,
+        target.runner.config.hidden_size,
+    ):
+        raise UserError(
+            f"drafter '{path}' expects vocab {config.vocab_size} / hidden {config.target_hidden_size} "
+            f"but target '{target.name}' has {target.runner.config.vocab_size} / "
+            f"{target.runner.config.hidden_size}: it was trained for another target"
+        )
     if max(config.aux_layer_ids) >= record["num_hidden_layers"]:
-        raise UserError(f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
-                        f"({record['num_hidden_layers']} layers) does not have")
+        raise UserError(
+            f"drafter '{path}' reads aux layers {config.aux_layer_ids} that target '{target.name}' "
+            f"({record['num_hidden_layers']} layers) does not have"
+        )
     assets.check_chat_template(f"drafter '{path}'", recorded, target.tokenizer)
 
 

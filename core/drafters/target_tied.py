@@ -65,10 +65,14 @@ class TargetTiedDrafter(nn.Module):
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > have:
             grown = max(need, 2 * have, ROPE_TABLE_MIN)
-            cos, sin = rope_cos_sin(torch.arange(have, grown, device=positions.device)[None], self._inv_freq,
-                                    self.rope_scale, torch.float32)
-            table = (cos[0, 0], sin[0, 0]) if table is None else \
-                (torch.cat([table[0], cos[0, 0]]), torch.cat([table[1], sin[0, 0]]))
+            cos, sin = rope_cos_sin(
+                torch.arange(have, grown, device=positions.device)[None], self._inv_freq, self.rope_scale, torch.float32
+            )
+            table = (
+                (cos[0, 0], sin[0, 0])
+                if table is None
+                else (torch.cat([table[0], cos[0, 0]]), torch.cat([table[1], sin[0, 0]]))
+            )
             self.__dict__["_rope_table"] = table
         return table[0][positions][:, None].to(dtype), table[1][positions][:, None].to(dtype)
 
@@ -81,11 +85,15 @@ class TargetTiedDrafter(nn.Module):
             if not self.ROW_EXACT_SERVING:
                 raise ValueError(f"{type(self).__name__} has no row-exact serving mode; serve it with row_exact off")
             if self.fc.weight.device.type != "cpu":
-                raise ValueError(f"row-exact serving runs on a CPU, this drafter is on {self.fc.weight.device}; "
-                                 "move it to the CPU or leave row_exact off")
+                raise ValueError(
+                    f"row-exact serving runs on a CPU, this drafter is on {self.fc.weight.device}; "
+                    "move it to the CPU or leave row_exact off"
+                )
             if self.config.hidden_act != "silu":
-                raise ValueError(f"row-exact serving computes SiLU, this drafter's MLP uses {self.config.hidden_act}; "
-                                 "leave row_exact off")
+                raise ValueError(
+                    f"row-exact serving computes SiLU, this drafter's MLP uses {self.config.hidden_act}; "
+                    "leave row_exact off"
+                )
             exact_cpu.library()  # raises KernelUnavailable with the reason before anything is switched
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm, MLP)):
@@ -95,8 +103,10 @@ class TargetTiedDrafter(nn.Module):
     def _check_embedding(self, weight: torch.Tensor) -> None:
         expected = (self.config.vocab_size, self.config.hidden_size)
         if tuple(weight.shape) != expected:
-            raise ValueError(f"target embedding is {tuple(weight.shape)} but this drafter needs {expected} "
-                             "(vocab_size, hidden_size); it was trained for another target")
+            raise ValueError(
+                f"target embedding is {tuple(weight.shape)} but this drafter needs {expected} "
+                "(vocab_size, hidden_size); it was trained for another target"
+            )
 
     def use_target_embedding(self, weight: torch.Tensor) -> None:
         """Share the target's embedding matrix (frozen); refuses a shape that does not fit this drafter."""
@@ -106,8 +116,10 @@ class TargetTiedDrafter(nn.Module):
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a reduced vocabulary (``data_prep.vocab`` output); refuses an inconsistent map."""
         if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
-            raise ValueError(f"vocab map has {d2t.numel()} draft / {t2d.numel()} target ids but the drafter has "
-                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
+            raise ValueError(
+                f"vocab map has {d2t.numel()} draft / {t2d.numel()} target ids but the drafter has "
+                f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}"
+            )
         check_vocab_mapping(d2t.cpu(), t2d.cpu())
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)

@@ -55,8 +55,9 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise KernelUnavailable(f"building the exact CPU kernels failed: {result.stderr.strip()[:300]}")
         os.replace(built, target)  # atomic: a concurrent build of the same source is harmless
@@ -79,12 +80,55 @@ def library() -> ctypes.CDLL:
             lib.exact_sigmoid.argtypes = [ptr, i32, i64, ptr]
             lib.exact_route.argtypes = [ptr, i32, i64, i32, i32, i32, ptr, ptr, ptr]
             lib.exact_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
-            lib.exact_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, f32,
-                                            ptr, i32]
-            lib.exact_attention_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i32, i32, i32, i32,
-                                                 ptr, ptr, ptr, f32, ptr, i32]
-            for fn in (lib.exact_rms_scale, lib.exact_silu, lib.exact_attention, lib.exact_attention_rows,
-                       lib.exact_linear_f32, lib.exact_route, lib.exact_sigmoid):
+            lib.exact_attention.argtypes = [
+                ptr,
+                ptr,
+                ptr,
+                i64,
+                i64,
+                i64,
+                i32,
+                i32,
+                i32,
+                i32,
+                ptr,
+                ptr,
+                ptr,
+                f32,
+                ptr,
+                i32,
+            ]
+            lib.exact_attention_rows.argtypes = [
+                i32,
+                ptr,
+                i64,
+                ptr,
+                i64,
+                ptr,
+                i64,
+                i64,
+                i64,
+                i64,
+                i32,
+                i32,
+                i32,
+                i32,
+                ptr,
+                ptr,
+                ptr,
+                f32,
+                ptr,
+                i32,
+            ]
+            for fn in (
+                lib.exact_rms_scale,
+                lib.exact_silu,
+                lib.exact_attention,
+                lib.exact_attention_rows,
+                lib.exact_linear_f32,
+                lib.exact_route,
+                lib.exact_sigmoid,
+            ):
                 fn.restype = None
             _library = lib
         return _library
@@ -132,8 +176,17 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     weights = torch.empty(*logits.shape[:-1], top_k, dtype=torch.float32)
     chosen = torch.empty(*logits.shape[:-1], top_k, dtype=torch.int64)
     scratch = torch.empty(experts + 16, dtype=torch.float32)
-    library().exact_route(logits.data_ptr(), _check(logits), rows, experts, top_k, int(normalize), weights.data_ptr(),
-                          chosen.data_ptr(), scratch.data_ptr())
+    library().exact_route(
+        logits.data_ptr(),
+        _check(logits),
+        rows,
+        experts,
+        top_k,
+        int(normalize),
+        weights.data_ptr(),
+        chosen.data_ptr(),
+        scratch.data_ptr(),
+    )
     return weights, chosen
 
 
@@ -145,8 +198,13 @@ def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-           threads: int | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
     """fp32 ``x @ W.T + bias`` whose rows are each fixed whatever else the call holds (each output one fused
     multiply-add per input feature, in order); ``weight_t`` from :func:`transposed_weight`."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or weight_t.dtype != torch.float32:
@@ -161,8 +219,17 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, out_features: int, bias: tor
         bias = bias.detach().to(torch.float32).contiguous()
     if threads is None:
         threads = torch.get_num_threads() if rows * padded * in_features >= THREAD_WORK else 1
-    library().exact_linear_f32(flat.data_ptr(), rows, in_features, weight_t.data_ptr(), out_features, padded,
-                               0 if bias is None else bias.data_ptr(), out.data_ptr(), threads)
+    library().exact_linear_f32(
+        flat.data_ptr(),
+        rows,
+        in_features,
+        weight_t.data_ptr(),
+        out_features,
+        padded,
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        threads,
+    )
     return out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
@@ -194,8 +261,13 @@ class KeyLists:
         """Causal, one row per entry of ``cached`` (each row's cached tokens): what :meth:`chain` gives each row."""
         cached = cached.to(device="cpu", dtype=torch.int32)
         prefix = (cached[:, None] + torch.arange(1, new + 1, dtype=torch.int32)).reshape(-1)
-        return cls(prefix, torch.zeros(prefix.shape[0] + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
-                   int(cached.max()) + new, cached.shape[0])
+        return cls(
+            prefix,
+            torch.zeros(prefix.shape[0] + 1, dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32),
+            int(cached.max()) + new,
+            cached.shape[0],
+        )
 
     @classmethod
     def from_mask(cls, allowed: torch.Tensor) -> KeyLists:
@@ -212,16 +284,19 @@ class KeyLists:
         return cls(prefix, offsets, rest.nonzero()[:, 1].to(torch.int32).contiguous(), longest, rows)
 
 
-def attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists,
-              threads: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists, threads: int | None = None
+) -> torch.Tensor:
     """Softmax attention of ``q`` [T, H, D] over one cache row, token t over the slots ``keys`` lists for it; fp32
     [T, H, D]. ``keys_t`` [KV, D, S] holds the row's keys transposed (slots contiguous, S a multiple of 16: scores
     are computed 16 slots at a time), ``values`` [KV, S', D] its values (features contiguous), both fp32."""
     tokens, heads, dim = q.shape
     kv_heads = keys_t.shape[0]
     if keys.tokens != tokens or heads % kv_heads or keys_t.shape[1] != dim or values.shape[-1] != dim:
-        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, keys {tuple(keys_t.shape)}, values "
-                         f"{tuple(values.shape)}, {keys.tokens} key lists")
+        raise ValueError(
+            f"attention shapes disagree: q {tuple(q.shape)}, keys {tuple(keys_t.shape)}, values "
+            f"{tuple(values.shape)}, {keys.tokens} key lists"
+        )
     if keys_t.dtype != torch.float32 or keys_t.stride(-1) != 1 or keys_t.stride(1) % 16 or keys_t.shape[-1] % 16:
         raise ValueError("keys_t must be fp32 [KV, D, S] with contiguous slots and S a multiple of 16")
     if values.dtype != torch.float32 or values.stride(-1) != 1 or values.stride(-2) != dim:
@@ -232,24 +307,48 @@ def attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys:
     out = torch.empty_like(q)
     if threads is None:
         threads = torch.get_num_threads() if tokens * heads * dim * keys.longest >= THREAD_WORK else 1
-    library().exact_attention(q.data_ptr(), keys_t.data_ptr(), values.data_ptr(), keys_t.stride(0),
-                              keys_t.stride(1), values.stride(0), tokens, heads, kv_heads, dim,
-                              keys.prefix.data_ptr(), keys.offsets.data_ptr(), keys.extra.data_ptr(), dim ** -0.5,
-                              out.data_ptr(), threads)
+    library().exact_attention(
+        q.data_ptr(),
+        keys_t.data_ptr(),
+        values.data_ptr(),
+        keys_t.stride(0),
+        keys_t.stride(1),
+        values.stride(0),
+        tokens,
+        heads,
+        kv_heads,
+        dim,
+        keys.prefix.data_ptr(),
+        keys.offsets.data_ptr(),
+        keys.extra.data_ptr(),
+        dim**-0.5,
+        out.data_ptr(),
+        threads,
+    )
     return out
 
 
-def attention_rows(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists,
-                   threads: int | None = None) -> torch.Tensor:
+def attention_rows(
+    q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: KeyLists, threads: int | None = None
+) -> torch.Tensor:
     """:func:`attention` for B cache rows at once: ``q`` [B, T, H, D], ``keys_t`` [B, KV, D, S] and ``values``
     [B, KV, S', D] (the rows of a cache), ``keys`` for B rows of T tokens; fp32 [B, T, H, D]. Each row's result is
     the one :func:`attention` gives it alone (the same code runs per row, work split by row, kv head and tokens)."""
     batch, tokens, heads, dim = q.shape
     kv_heads = keys_t.shape[1]
-    if keys.rows != batch or keys.tokens != tokens or keys_t.shape[0] != batch or values.shape[0] != batch \
-            or heads % kv_heads or keys_t.shape[2] != dim or values.shape[-1] != dim:
-        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, keys {tuple(keys_t.shape)}, values "
-                         f"{tuple(values.shape)}, {keys.rows} rows of {keys.tokens} key lists")
+    if (
+        keys.rows != batch
+        or keys.tokens != tokens
+        or keys_t.shape[0] != batch
+        or values.shape[0] != batch
+        or heads % kv_heads
+        or keys_t.shape[2] != dim
+        or values.shape[-1] != dim
+    ):
+        raise ValueError(
+            f"attention shapes disagree: q {tuple(q.shape)}, keys {tuple(keys_t.shape)}, values "
+            f"{tuple(values.shape)}, {keys.rows} rows of {keys.tokens} key lists"
+        )
     if keys_t.dtype != torch.float32 or keys_t.stride(-1) != 1 or keys_t.stride(2) % 16 or keys_t.shape[-1] % 16:
         raise ValueError("keys_t must be fp32 [B, KV, D, S] with contiguous slots and S a multiple of 16")
     if values.dtype != torch.float32 or values.stride(-1) != 1 or values.stride(-2) != dim:
@@ -260,9 +359,26 @@ def attention_rows(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, 
     out = torch.empty_like(q)
     if threads is None:
         threads = torch.get_num_threads() if batch * tokens * heads * dim * keys.longest >= THREAD_WORK else 1
-    library().exact_attention_rows(batch, q.data_ptr(), tokens * heads * dim, keys_t.data_ptr(), keys_t.stride(0),
-                                   values.data_ptr(), values.stride(0), keys_t.stride(1), keys_t.stride(2),
-                                   values.stride(1), tokens, heads, kv_heads, dim, keys.prefix.data_ptr(),
-                                   keys.offsets.data_ptr(), keys.extra.data_ptr(), dim ** -0.5, out.data_ptr(),
-                                   threads)
+    library().exact_attention_rows(
+        batch,
+        q.data_ptr(),
+        tokens * heads * dim,
+        keys_t.data_ptr(),
+        keys_t.stride(0),
+        values.data_ptr(),
+        values.stride(0),
+        keys_t.stride(1),
+        keys_t.stride(2),
+        values.stride(1),
+        tokens,
+        heads,
+        kv_heads,
+        dim,
+        keys.prefix.data_ptr(),
+        keys.offsets.data_ptr(),
+        keys.extra.data_ptr(),
+        dim**-0.5,
+        out.data_ptr(),
+        threads,
+    )
     return out

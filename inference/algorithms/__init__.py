@@ -43,6 +43,8 @@ def build_algorithm(name: str, target, draft=None, options=None, **keywords):
     if cls.drafter == "none":
         return cls(target, options, **keywords)
     if draft is None:
-        raise UserError(f"algorithm '{name}' needs {engine_kind(cls.drafter).needs}: pass drafter=PATH or "
-                         "drafters=DIR (a directory of exports)")
+        raise UserError(
+            f"algorithm '{name}' needs {engine_kind(cls.drafter).needs}: pass drafter=PATH or "
+            "drafters=DIR (a directory of exports)"
+        )
     return cls(target, draft, options, **keywords)

@@ -18,8 +18,14 @@ import torch
 
 from core.errors import UserError
 from inference.engine.loop import DecodeEngine
-from inference.engine.state import (GenerationResult, GenerationStats, OutputBuffer, RowRequest,  # noqa: F401
-                                    TokenCallback, fit_problem)
+from inference.engine.state import (
+    GenerationResult,
+    GenerationStats,
+    OutputBuffer,
+    RowRequest,  # noqa: F401
+    TokenCallback,
+    fit_problem,
+)
 from inference.engine.strategy import Strategy
 from inference.sampling import SamplingParams
 
@@ -77,8 +83,15 @@ class Algorithm(ABC):
         stats.new_tokens = len(out.tokens)
         return GenerationResult(out.tokens, stats)
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: SamplingParams,
-                       generator: torch.Generator | None = None, eos_ids: Sequence[int] = ()) -> list[GenerationResult]:
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        eos_ids: Sequence[int] = (),
+    ) -> list[GenerationResult]:
         """``prompts`` side by side on the engine loop, one row each (a ``batchable`` algorithm), sharing
         ``generator``: greedy answers are each prompt's answer alone; sampled ones follow the target's law. Each
         result's ``wall_s`` is the batch's wall time split evenly, so summed stats give the batch's tokens/s. A
@@ -92,8 +105,9 @@ class Algorithm(ABC):
             return [self.generate(prompt, **kw) for prompt in prompts]
         for prompt in prompts:
             self.check_fits(len(prompt), max_new_tokens)
-        engine = DecodeEngine(self.target, self.strategy(), rows=len(prompts), eos_ids=eos_ids,
-                              max_seq_len=self.max_seq_len)
+        engine = DecodeEngine(
+            self.target, self.strategy(), rows=len(prompts), eos_ids=eos_ids, max_seq_len=self.max_seq_len
+        )
         queue = [RowRequest(k, list(p), max_new_tokens, sampling, generator) for k, p in enumerate(prompts)]
         events = {}
         start = time.perf_counter()

@@ -31,19 +31,23 @@ class DFlash(ParallelDrafting, Algorithm):
     drafter = "dflash"
     batchable = True
 
-    def __init__(self, target, drafter, options: DFlashOptions | None = None, *, max_seq_len: int | None = None,
-                 **fields):
+    def __init__(
+        self, target, drafter, options: DFlashOptions | None = None, *, max_seq_len: int | None = None, **fields
+    ):
         super().__init__(target, max_seq_len=max_seq_len)
         self.options = options = with_fields(DFlashOptions, options, fields)
         if not hasattr(drafter, "draft") or not hasattr(drafter.config, "block_size"):
-            raise ValueError(f"dflash needs a DFlash drafter, got {type(drafter).__name__}: pass drafter.dflash=PATH "
-                             "(a DFlash export for this target)")
+            raise ValueError(
+                f"dflash needs a DFlash drafter, got {type(drafter).__name__}: pass drafter.dflash=PATH "
+                "(a DFlash export for this target)"
+            )
         check_drafter_fits(target, drafter.config, "DFlash")
         most = drafter.config.block_size - 1
         self._init_parallel(drafter, options.draft_tokens, most, f"this drafter's block drafts {most} tokens")
 
-    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None,
-                      gamma: int) -> torch.Tensor:
+    def _draft_logits(
+        self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None, gamma: int
+    ) -> torch.Tensor:
         if counts is None:  # one row
             return self.drafter.draft(cache, features, int(next_tokens[0, -1]))
         # each row's block is anchored at its last committed row's next token (the last emitted one)

@@ -49,8 +49,17 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
 
     context = ("adapt", "adapt_settings")
 
-    def __init__(self, target, drafter, options: Eagle3TreeOptions | None = None, *, max_seq_len: int | None = None,
-                 adapt: str = "none", adapt_settings=None, **fields):
+    def __init__(
+        self,
+        target,
+        drafter,
+        options: Eagle3TreeOptions | None = None,
+        *,
+        max_seq_len: int | None = None,
+        adapt: str = "none",
+        adapt_settings=None,
+        **fields,
+    ):
         """``adapt``: a round observer's name (``inference.round_observers``; none = no adaptation), with its
         ``adapt_settings`` (None: its defaults)."""
         super().__init__(target, max_seq_len=max_seq_len)
@@ -58,8 +67,10 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
         self.options = options = with_fields(Eagle3TreeOptions, options, fields)
         tree_depth, tree_topk, tree_total = options.tree_depth, options.tree_topk, options.tree_total
         if tree_depth < 1 or tree_topk < 1 or tree_total < 2:
-            raise ValueError(f"need tree_depth >= 1, tree_topk >= 1 and tree_total >= 2 (root + one node), got "
-                             f"{tree_depth}, {tree_topk}, {tree_total}")
+            raise ValueError(
+                f"need tree_depth >= 1, tree_topk >= 1 and tree_total >= 2 (root + one node), got "
+                f"{tree_depth}, {tree_topk}, {tree_total}"
+            )
         check_drafter_fits(target, drafter.config, "EAGLE-3")
         self.drafter = drafter.eval()
         self.tree_depth, self.tree_topk, self.tree_total = tree_depth, tree_topk, tree_total
@@ -78,8 +89,9 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
         """The drafter's cache for ``rows`` engine rows: a row's committed rows plus one tree's expanded levels."""
         return self.drafter.new_cache(self.max_seq_len + self.tree_topk * self.tree_depth, batch_size=rows)
 
-    def draft_trees(self, states: Sequence[RowState], cache,
-                    expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
+    def draft_trees(
+        self, states: Sequence[RowState], cache, expanded: Sequence[dict[int, torch.Tensor] | None]
+    ) -> list[DraftTree]:
         """Every running row's draft tree below its root, in batched drafter calls: each row reads the rows its
         last verification committed (step 1), then the trees grow level by level (step 2). ``expanded[k]`` (a
         dict, for the adapter) receives row k's drafter logits of every expanded node by tree index (-1: root)."""
@@ -106,29 +118,51 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
             state.stats.draft_forwards += 1
         # never draft past the token budget
         depths = [max(1, min(self.tree_depth, s.out.remaining - 1)) for s in states]
-        return self._grow_trees([step.logits[s.row, counts[s.row] - 1] for s in states],
-                                [step.hidden[s.row, counts[s.row] - 1] for s in states],
-                                [s.draft.committed for s in states], [s.row for s in states], cache, depths,
-                                [s.stats for s in states], expanded)
+        return self._grow_trees(
+            [step.logits[s.row, counts[s.row] - 1] for s in states],
+            [step.hidden[s.row, counts[s.row] - 1] for s in states],
+            [s.draft.committed for s in states],
+            [s.row for s in states],
+            cache,
+            depths,
+            [s.stats for s in states],
+            expanded,
+        )
 
-    def _grow_tree(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, committed: int, cache,
-                   depth: int, stats: GenerationStats, expanded: dict[int, torch.Tensor] | None = None) -> DraftTree:
+    def _grow_tree(
+        self,
+        root_logits: torch.Tensor,
+        root_hidden: torch.Tensor,
+        committed: int,
+        cache,
+        depth: int,
+        stats: GenerationStats,
+        expanded: dict[int, torch.Tensor] | None = None,
+    ) -> DraftTree:
         """One row's tree (a one-row drafter cache): :meth:`_grow_trees`."""
-        return self._grow_trees([root_logits], [root_hidden], [committed], [0], cache, [depth], [stats],
-                                [expanded])[0]
+        return self._grow_trees([root_logits], [root_hidden], [committed], [0], cache, [depth], [stats], [expanded])[0]
 
-    def _grow_trees(self, root_logits: Sequence[torch.Tensor], root_hidden: Sequence[torch.Tensor],
-                    committed: Sequence[int], rows: Sequence[int], cache, depths: Sequence[int],
-                    stats: Sequence[GenerationStats],
-                    expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
+    def _grow_trees(
+        self,
+        root_logits: Sequence[torch.Tensor],
+        root_hidden: Sequence[torch.Tensor],
+        committed: Sequence[int],
+        rows: Sequence[int],
+        cache,
+        depths: Sequence[int],
+        stats: Sequence[GenerationStats],
+        expanded: Sequence[dict[int, torch.Tensor] | None],
+    ) -> list[DraftTree]:
         """EAGLE-2 dynamic expansion by cumulative draft log-probability, then reranking to ``tree_total - 1``,
         for trees below the roots of drafter-cache rows ``rows`` at once (one drafter call a level; a row whose
         tree is deep enough sits the later levels out). ``expanded[k]`` (a dict, for the adapter) receives tree
         k's draft logits of every kept expanded node by its index in the returned tree (-1: the root)."""
         drafter, device = self.drafter, root_hidden[0].device
         k = min(self.tree_topk, drafter.config.draft_vocab_size)
-        grow = [_Growing(logits, *_log_probs(logits).topk(k), k, hidden, cache.held[row])
-                for logits, hidden, row in zip(root_logits, root_hidden, rows)]
+        grow = [
+            _Growing(logits, *_log_probs(logits).topk(k), k, hidden, cache.held[row])
+            for logits, hidden, row in zip(root_logits, root_hidden, rows)
+        ]
 
         for level in range(1, max(depths)):
             going = [t for t, depth in enumerate(depths) if level < depth]
@@ -140,7 +174,7 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
             counts = [0] * cache.batch
             for t in going:
                 tree, row = grow[t], rows[t]
-                mask[row, :, :tree.committed_rows] = True
+                mask[row, :, : tree.committed_rows] = True
                 for i, node in enumerate(tree.frontier):
                     ancestor = tree.parents[node]
                     while ancestor >= 0:
@@ -175,8 +209,15 @@ class _Growing:
     """One row's tree while it grows: every drafted node (draft id, cumulative score, parent, depth), the frontier
     that expands next and its hidden states, and the drafter-cache slot of each expanded node."""
 
-    def __init__(self, root_logits: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, k: int,
-                 root_hidden: torch.Tensor, committed_rows: int):
+    def __init__(
+        self,
+        root_logits: torch.Tensor,
+        scores: torch.Tensor,
+        ids: torch.Tensor,
+        k: int,
+        root_hidden: torch.Tensor,
+        committed_rows: int,
+    ):
         self.draft_ids, self.scores = ids.tolist(), scores.tolist()
         self.parents, self.depths = [-1] * k, [1] * k
         self.frontier, self.frontier_hidden = list(range(k)), root_hidden.expand(k, -1)
@@ -184,15 +225,17 @@ class _Growing:
         self.cache_row: dict[int, int] = {}
         self.root_logits = root_logits
 
-    def expand(self, logits: torch.Tensor, hidden: torch.Tensor, level: int, k: int,
-               expanded: dict[int, torch.Tensor] | None) -> None:
+    def expand(
+        self, logits: torch.Tensor, hidden: torch.Tensor, level: int, k: int, expanded: dict[int, torch.Tensor] | None
+    ) -> None:
         """The frontier's drafter outputs (``logits`` [k, Vd], ``hidden`` [k, H]): ``k`` children each; the next
         frontier is the ``k`` best children overall (stable sort: ties go to the earlier child)."""
         if expanded is not None:
             expanded.update({node: logits[i] for i, node in enumerate(self.frontier)})
         children = _log_probs(logits).topk(k, dim=-1)  # [width, k]
-        child_scores = torch.tensor([self.scores[n] for n in self.frontier], device=logits.device)[:, None] \
-            + children.values
+        child_scores = (
+            torch.tensor([self.scores[n] for n in self.frontier], device=logits.device)[:, None] + children.values
+        )
         first_child = len(self.draft_ids)
         width = len(self.frontier)
         self.draft_ids += children.indices.flatten().tolist()
@@ -204,13 +247,23 @@ class _Growing:
         self.frontier_hidden = hidden[order // k]
 
 
-def _step(drafter, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache,
-          mask: torch.Tensor | None, counts: list[int]):
+def _step(
+    drafter,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    cache,
+    mask: torch.Tensor | None,
+    counts: list[int],
+):
     """``drafter.step`` over the cache's rows; a call where every row is real passes no ``counts`` (the one-row
     call it always was)."""
     if all(n == tokens.shape[1] for n in counts):
-        return drafter.step(tokens, hidden, positions, cache, mask) if mask is not None else \
-            drafter.step(tokens, hidden, positions, cache)
+        return (
+            drafter.step(tokens, hidden, positions, cache, mask)
+            if mask is not None
+            else drafter.step(tokens, hidden, positions, cache)
+        )
     return drafter.step(tokens, hidden, positions, cache, mask, counts=counts)
 
 

@@ -23,22 +23,31 @@ from inference.verify import TreeWalkResult, tree_walk
 def check_drafter_fits(target, config, what: str) -> None:
     """Refuse a ``what`` drafter (EAGLE-3, SpecBlock) built for another target shape (one line each)."""
     if config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"{what} drafter vocab_size {config.vocab_size} differs from the target's "
-                         f"{target.config.vocab_size}: it was trained for another tokenizer")
+        raise ValueError(
+            f"{what} drafter vocab_size {config.vocab_size} differs from the target's "
+            f"{target.config.vocab_size}: it was trained for another tokenizer"
+        )
     if config.target_hidden_size != target.config.hidden_size:
-        raise ValueError(f"{what} drafter reads features of width {config.target_hidden_size} but the target's "
-                         f"hidden_size is {target.config.hidden_size}: it was trained for another target")
+        raise ValueError(
+            f"{what} drafter reads features of width {config.target_hidden_size} but the target's "
+            f"hidden_size is {target.config.hidden_size}: it was trained for another target"
+        )
     if max(config.aux_layer_ids) >= target.num_layers:
-        raise ValueError(f"{what} drafter aux layers {config.aux_layer_ids} do not exist in a "
-                         f"{target.num_layers}-layer target")
+        raise ValueError(
+            f"{what} drafter aux layers {config.aux_layer_ids} do not exist in a {target.num_layers}-layer target"
+        )
 
 
 def row_exact_drafter(drafter, target) -> None:
     """Where the target's rows are exact (a CPU in exact mode), make the drafter's batched rows bitwise its rows
     alone too (``set_row_exact``), so a request's drafts, and so its tokens, do not depend on its neighbours. Where
     the kernels cannot load, the drafter stays as it is: still lossless, rows just not bitwise their runs alone."""
-    if getattr(target, "exact", False) and getattr(drafter, "ROW_EXACT_SERVING", False) \
-            and drafter.fc.weight.device.type == "cpu" and drafter.config.hidden_act == "silu":
+    if (
+        getattr(target, "exact", False)
+        and getattr(drafter, "ROW_EXACT_SERVING", False)
+        and drafter.fc.weight.device.type == "cpu"
+        and drafter.config.hidden_act == "silu"
+    ):
         try:
             drafter.set_row_exact(True)
         except KernelUnavailable:
@@ -56,9 +65,9 @@ class FeatureDrafting:
         evaluate run) never see its updates."""
         self.adapter = None
         if adapt != "none":
-            self.drafter, self.adapter = observer_kind(adapt).attach(self.target, self.drafter, settings,
-                                                                     verify_tokens=verify_tokens,
-                                                                     max_accept=max_accept)
+            self.drafter, self.adapter = observer_kind(adapt).attach(
+                self.target, self.drafter, settings, verify_tokens=verify_tokens, max_accept=max_accept
+            )
 
     def _features(self, output) -> torch.Tensor:
         """[1, T, 3·H_t]: the aux layers concatenated in the drafter's order, in the drafter's dtype."""
@@ -119,12 +128,14 @@ class FeatureTrees(Strategy):
         lens = list(self.cache.held)
         for state, prompt_hidden in zip(states, hidden):
             prompt = list(state.request.prompt)
-            state.draft = FeatureRow(self.features(prompt_hidden, slice(None)), prompt[1:] + state.pending,
-                                     len(prompt), state.pending[-1])
+            state.draft = FeatureRow(
+                self.features(prompt_hidden, slice(None)), prompt[1:] + state.pending, len(prompt), state.pending[-1]
+            )
             lens[state.row] = 0
             if self.adapter is not None:
-                self.adapter.begin_query(state.request.key, prompt, state.draft.features, state.first_logits,
-                                         max_accept=self.max_accept)
+                self.adapter.begin_query(
+                    state.request.key, prompt, state.draft.features, state.first_logits, max_accept=self.max_accept
+                )
         self.cache.truncate(lens)
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
@@ -134,16 +145,17 @@ class FeatureTrees(Strategy):
         elapsed = time.perf_counter() - started  # the drafter's cost per round (CPU work is synchronous)
         for state in states:
             state.stats.draft_s += elapsed
-        return [Proposal(tokens=list(tree.tokens), tree=tree, extra=DraftedTree(child_logits))
-                for tree, child_logits in zip(trees, expanded)]
+        return [
+            Proposal(tokens=list(tree.tokens), tree=tree, extra=DraftedTree(child_logits))
+            for tree, child_logits in zip(trees, expanded)
+        ]
 
     def verify(self, state: RowState, proposal: Proposal, logits: RowLogits) -> TreeWalkResult:
         proposal.extra.rows = logits
         tree = proposal.tree
         return tree_walk(tree.tokens, tree.parents, WarpedRows(logits, state.sampling.warp), state.generator)
 
-    def verified(self, state: RowState, proposal: Proposal, result: TreeWalkResult, forward,
-                 row: int) -> None:
+    def verified(self, state: RowState, proposal: Proposal, result: TreeWalkResult, forward, row: int) -> None:
         pending = len(state.pending)
         kept = list(range(pending)) + [pending + node for node in result.path]
         row_hidden = {layer: forward.hidden[layer][row] for layer in self.aux_layers}
@@ -162,9 +174,14 @@ class FeatureTrees(Strategy):
         end = walk.path[-1] if walk.path else -1
         drafted_below = end in child_logits and any(parent == end for parent in tree.parents)
         rejected = (child_logits[end], int(walk.tokens[-1])) if drafted_below else None
-        self.adapter.observe_round(query, [root] + [tree.tokens[n] for n in walk.path], features,
-                                   proposal.extra.rows.stack([0] + [node + 1 for node in walk.path]),
-                                   walk.num_accepted, rejected)
+        self.adapter.observe_round(
+            query,
+            [root] + [tree.tokens[n] for n in walk.path],
+            features,
+            proposal.extra.rows.stack([0] + [node + 1 for node in walk.path]),
+            walk.num_accepted,
+            rejected,
+        )
 
     def release(self, state: RowState) -> None:
         if self.adapter is not None and isinstance(state.draft, FeatureRow):

@@ -131,9 +131,16 @@ class PEagleOptions:
 
 
 OPTIONS_BY_ALGORITHM: dict[str, type] = {
-    "ar": AROptions, "sps": SpsOptions, "eagle3_tree": Eagle3TreeOptions, "self_draft": SelfDraftOptions,
-    "pearl": PearlOptions, "specbranch": SpecBranchOptions, "specblock_tree": SpecBlockTreeOptions, "ssd": SSDOptions,
-    "dflash": DFlashOptions, "peagle": PEagleOptions,
+    "ar": AROptions,
+    "sps": SpsOptions,
+    "eagle3_tree": Eagle3TreeOptions,
+    "self_draft": SelfDraftOptions,
+    "pearl": PearlOptions,
+    "specbranch": SpecBranchOptions,
+    "specblock_tree": SpecBlockTreeOptions,
+    "ssd": SSDOptions,
+    "dflash": DFlashOptions,
+    "peagle": PEagleOptions,
 }
 ADAPTABLE = ("eagle3_tree", "specblock_tree")  # the algorithms that take adapt= (a round observer, adapt.NAME=...)
 
@@ -146,8 +153,9 @@ def with_fields(options_type: type[Options], options: Options | None, overrides:
     names = [f.name for f in fields(options_type)]
     unknown = [key for key in overrides if key not in names]
     if unknown:
-        raise TypeError(f"{options_type.__name__} has no option {', '.join(unknown)}; its options: "
-                        f"{', '.join(names) or 'none'}")
+        raise TypeError(
+            f"{options_type.__name__} has no option {', '.join(unknown)}; its options: {', '.join(names) or 'none'}"
+        )
     return replace(options if options is not None else options_type(), **overrides)
 
 
@@ -163,21 +171,30 @@ ALGORITHM_KEYS = frozenset(f"{name}.{key}" for name in OPTIONS_BY_ALGORITHM for 
 _SHARED_FLAT = ("gamma", "draft_vocab", "executor", "verifier", "hrad", "tree_depth", "tree_topk", "tree_total")
 _RENAMED_FLAT = {
     "hsd_final_ratio": "sps.final_ratio",
-    "specbranch_kmax": "specbranch.kmax", "specbranch_eps": "specbranch.epsilon",
+    "specbranch_kmax": "specbranch.kmax",
+    "specbranch_eps": "specbranch.epsilon",
     "specbranch_cut_from": "specbranch.cut_from",
-    **{f"ssd_{key}": f"ssd.{key}" for key in ("budget", "fanout", "fanout_miss", "fanout_r", "fallback", "fast",
-                                              "saguaro_c", "fork_vocab")},
+    **{
+        f"ssd_{key}": f"ssd.{key}"
+        for key in ("budget", "fanout", "fanout_miss", "fanout_r", "fallback", "fast", "saguaro_c", "fork_vocab")
+    },
     **{f"specblock_{key}": f"specblock_tree.{key}" for key in ("width", "budget", "widths", "blocks", "prob_caps")},
-    "self_draft_L": "self_draft.branch_len", "self_draft_N": "self_draft.branch_num",
-    "self_draft_G": "self_draft.gram_len", "self_draft_candidates": "self_draft.ctx_candidates",
+    "self_draft_L": "self_draft.branch_len",
+    "self_draft_N": "self_draft.branch_num",
+    "self_draft_G": "self_draft.gram_len",
+    "self_draft_candidates": "self_draft.ctx_candidates",
     "self_draft_corpus_candidates": "self_draft.corpus_candidates",
-    "self_draft_verify_branches": "self_draft.verify_branches", "self_draft_grid_vocab": "self_draft.grid_vocab",
-    "ngram_corpus": "self_draft.corpus", "compat_original_cap": "self_draft.compat_original_cap",
-    "dflash_draft_tokens": "dflash.draft_tokens", "peagle_draft_tokens": "peagle.draft_tokens",
+    "self_draft_verify_branches": "self_draft.verify_branches",
+    "self_draft_grid_vocab": "self_draft.grid_vocab",
+    "ngram_corpus": "self_draft.corpus",
+    "compat_original_cap": "self_draft.compat_original_cap",
+    "dflash_draft_tokens": "dflash.draft_tokens",
+    "peagle_draft_tokens": "peagle.draft_tokens",
 }
 FLAT_SPELLINGS: dict[str, tuple[str, ...]] = {
-    **{key: tuple(f"{name}.{key}" for name in OPTIONS_BY_ALGORITHM if key in option_keys(name))
-       for key in _SHARED_FLAT},
+    **{
+        key: tuple(f"{name}.{key}" for name in OPTIONS_BY_ALGORITHM if key in option_keys(name)) for key in _SHARED_FLAT
+    },
     **{old: (new,) for old, new in _RENAMED_FLAT.items()},
 }
 FLAT_ADAPT_PREFIX = "adapt_"  # adapt_NAME=VALUE, now adapt.NAME=VALUE
@@ -189,8 +206,10 @@ def oracle_temperature_error(hrad: object, temperature: float) -> str | None:
     """One line if ``hrad`` is an oracle policy and ``temperature`` > 0 (the oracles read the greedy target)."""
     name = str(hrad or "").strip().lower()
     if name in SPECBRANCH_ORACLES and float(temperature) != 0:
-        return (f"hrad={name} needs temperature=0 (the true class is the greedy target's), got "
-                f"temperature={temperature}; use an H-RAD export, none, class0 or class2 at temperature > 0")
+        return (
+            f"hrad={name} needs temperature=0 (the true class is the greedy target's), got "
+            f"temperature={temperature}; use an H-RAD export, none, class0 or class2 at temperature > 0"
+        )
     return None
 
 
@@ -220,8 +239,11 @@ def _is_not(*values: str) -> Callable[[Any], bool]:
 
 # hrad= policies that never apply the confidence rule (class 1), so neither ε nor the cut position is read
 NO_CONFIDENCE_RULE = ("class0", "class2", "oracle_keep")
-CONFIDENCE_RULE = Needs("hrad", _is_not(*NO_CONFIDENCE_RULE),
-                        "hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep never cut by confidence)")
+CONFIDENCE_RULE = Needs(
+    "hrad",
+    _is_not(*NO_CONFIDENCE_RULE),
+    "hrad=none, oracle or an H-RAD export (class0, class2 and oracle_keep never cut by confidence)",
+)
 
 # An option (ALGORITHM.KEY) that takes effect only when every one of its conditions holds: set where one fails in
 # every run that reads it, it would be ignored, so it is refused (inference.engine_args.check_algorithm_options).
@@ -231,8 +253,9 @@ ONLY_WITH: dict[str, tuple[Needs, ...]] = {
     "ssd.fast": (Needs("fallback", _is_not("jit"), "fallback=fast or auto"),),
     # which head the fork guesses come from: only a vocabulary-limited drafter has two
     "ssd.fork_vocab": (Needs("draft_vocab", _is_not("0"), "draft_vocab=N (a vocabulary-limited drafter)"),),
-    "self_draft.corpus_candidates": (Needs("corpus", lambda path: bool(path),
-                                           "corpus=FILE (python -m data_prep.ngram_corpus)"),),
+    "self_draft.corpus_candidates": (
+        Needs("corpus", lambda path: bool(path), "corpus=FILE (python -m data_prep.ngram_corpus)"),
+    ),
     "specbranch.epsilon": (CONFIDENCE_RULE,),
     "specbranch.cut_from": (CONFIDENCE_RULE,),
 }

@@ -33,8 +33,10 @@ class OneRowStrategy(Strategy):
 
     def open(self, rows: int) -> None:
         if rows != 1:
-            raise UserError(f"{self.name} takes one request at a time ({self.one_row_because}), got rows={rows}; "
-                            f"serve it with batch_size=1{self.other_ways}")
+            raise UserError(
+                f"{self.name} takes one request at a time ({self.one_row_because}), got rows={rows}; "
+                f"serve it with batch_size=1{self.other_ways}"
+            )
         self.executor = self.open_executor()
 
     def open_executor(self) -> Executor:
@@ -47,9 +49,18 @@ class OverlappedDraftAlgorithm(Algorithm):
 
     drafter = "draft_lm"
 
-    def __init__(self, target, draft, *, executor: str = "sequential", draft_path: str | None = None,
-                 draft_factory: DraftFactory | None = None, max_batch: int = 1, max_seq_len: int | None = None,
-                 executor_kwargs: dict | None = None):
+    def __init__(
+        self,
+        target,
+        draft,
+        *,
+        executor: str = "sequential",
+        draft_path: str | None = None,
+        draft_factory: DraftFactory | None = None,
+        max_batch: int = 1,
+        max_seq_len: int | None = None,
+        executor_kwargs: dict | None = None,
+    ):
         """``draft_factory`` builds the draft side (default: over ``draft`` in this process, or from
         ``draft_path`` in a child process for ``executor=multiprocess``)."""
         super().__init__(target, max_seq_len=max_seq_len)
@@ -60,14 +71,21 @@ class OverlappedDraftAlgorithm(Algorithm):
         if draft_factory is None:
             if executor == "multiprocess":
                 if not draft_path:
-                    raise ValueError("executor=multiprocess loads the draft LM in its own process and needs its path: "
-                                     "pass drafter=PATH (a directory), or use executor=sequential")
+                    raise ValueError(
+                        "executor=multiprocess loads the draft LM in its own process and needs its path: "
+                        "pass drafter=PATH (a directory), or use executor=sequential"
+                    )
                 # "cuda" = the child's current device (cuda:1 under NCCL), not the parent's draft device
                 device = "cuda" if torch.device(draft.device).type == "cuda" else "cpu"
-                draft_factory = functools.partial(draft_side_from_path, str(draft_path), device=device,
-                                                  max_seq_len=draft.max_seq_len, max_batch=max_batch,
-                                                  logit_vocab=getattr(draft, "logit_vocab", None),
-                                                  dtype=draft.dtype)
+                draft_factory = functools.partial(
+                    draft_side_from_path,
+                    str(draft_path),
+                    device=device,
+                    max_seq_len=draft.max_seq_len,
+                    max_batch=max_batch,
+                    logit_vocab=getattr(draft, "logit_vocab", None),
+                    dtype=draft.dtype,
+                )
             else:
                 draft_factory = functools.partial(draft_side_from_runner, draft, max_batch)
         self.executor_name = executor
@@ -97,8 +115,11 @@ class OverlappedDraftAlgorithm(Algorithm):
     def start_draft(self, generator: torch.Generator | None) -> None:
         """Reset the draft side for a new generation; its seed comes from the algorithm's generator, so one
         injected generator fixes both sides' random streams on every executor."""
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) \
-            if generator is not None else 0
+        seed = (
+            int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            if generator is not None
+            else 0
+        )
         self.executor.call("start", seed)
 
     def note_generation(self, wall_s: float, tokens: int) -> None:
@@ -114,5 +135,8 @@ class OverlappedDraftAlgorithm(Algorithm):
         wall, tokens = self._period["wall_s"], self._period["tokens"]
         simulated = max(wall - delta.wall_s + delta.simulated_s, 0.0)
         self._period = {"wall_s": 0.0, "tokens": 0, "stats": OverlapStats(**now.as_dict())}
-        return {"executor": self.executor_name, "overlap": {k: round(v, 4) for k, v in delta.as_dict().items()},
-                "simulated_tokens_per_s": round(tokens / simulated, 3) if simulated > 0 else 0.0}
+        return {
+            "executor": self.executor_name,
+            "overlap": {k: round(v, 4) for k, v in delta.as_dict().items()},
+            "simulated_tokens_per_s": round(tokens / simulated, 3) if simulated > 0 else 0.0,
+        }

@@ -45,8 +45,9 @@ class ParallelDrafting:
         """``draft_tokens``: the ``{name}.draft_tokens`` option, 1..``most`` (0: ``most``, what one drafter forward
         drafts); ``why_most`` says in the error what limits it, e.g. "this drafter's block drafts 7 tokens"."""
         if not 0 <= draft_tokens <= most:
-            raise ValueError(f"{self.name}.draft_tokens={draft_tokens} but {why_most}; give 1..{most} "
-                             "(0 = all of them)")
+            raise ValueError(
+                f"{self.name}.draft_tokens={draft_tokens} but {why_most}; give 1..{most} (0 = all of them)"
+            )
         self.drafter = drafter.eval()
         self.draft_tokens = draft_tokens or most
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
@@ -57,8 +58,9 @@ class ParallelDrafting:
             except (ValueError, KernelUnavailable):  # not on this host or drafter: rows stay lossless, not bitwise
                 pass
 
-    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor,
-                      counts: list[int] | None, gamma: int) -> torch.Tensor:
+    def _draft_logits(
+        self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None, gamma: int
+    ) -> torch.Tensor:
         """One drafter forward over the cache's B rows: row b appends its first ``counts[b]`` committed rows
         (``features`` [B, n, ·] of the positions after those its cache holds, ``next_tokens`` [B, n] the token after
         each; ``counts`` None: all n) and drafts after the last of them (whose next token, the last emitted one, is
@@ -125,13 +127,16 @@ class ParallelChain(Strategy):
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
         gammas = [max(1, min(self.draft_tokens, s.out.remaining - 1)) for s in states]  # never past the budget
-        groups = ({g: [k for k, gk in enumerate(gammas) if gk == g] for g in sorted(set(gammas))}
-                  if self.algorithm.depth_sensitive else {max(gammas): list(range(len(states)))})
+        groups = (
+            {g: [k for k, gk in enumerate(gammas) if gk == g] for g in sorted(set(gammas))}
+            if self.algorithm.depth_sensitive
+            else {max(gammas): list(range(len(states)))}
+        )
         logits: list[torch.Tensor | None] = [None] * len(states)
         for gamma, members in groups.items():
             out = self._call([states[k] for k in members], gamma)
             for k in members:
-                logits[k] = out[states[k].row, :gammas[k]]
+                logits[k] = out[states[k].row, : gammas[k]]
         proposals = []
         for state, row_logits in zip(states, logits):
             state.stats.draft_forwards += 1
@@ -144,8 +149,9 @@ class ParallelChain(Strategy):
         the last of them append nothing, and the rows after it sit the call out. Returns [rows called, ·, Vd]."""
         if self.cache.batch == 1:  # the one-row call (a row alone): its own tensors, unpadded
             (state,) = states
-            return self.algorithm._draft_logits(self.cache, state.draft.features[None],
-                                                torch.tensor([state.draft.next_tokens]), None, gamma)
+            return self.algorithm._draft_logits(
+                self.cache, state.draft.features[None], torch.tensor([state.draft.next_tokens]), None, gamma
+            )
         span = 1 + max(s.row for s in states)
         new = max(len(s.draft.next_tokens) for s in states)
         first = states[0].draft.features
@@ -173,8 +179,9 @@ class ParallelChain(Strategy):
         rows.held = self.cache.held[:span]
         return rows
 
-    def _draft(self, logits: torch.Tensor, sampling: SamplingParams,
-               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft(
+        self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocabulary logits [γ, Vd] -> target ids [γ] and, when sampling, the distributions they were drawn
         from over the target vocabulary [γ, V] (None: argmax drafts, a point mass for the verifier)."""
         to_target = self.drafter.draft_ids_in_target().to(logits.device)
@@ -185,9 +192,12 @@ class ParallelChain(Strategy):
         q[:, to_target] = q_draft
         return torch.stack([sample(row, generator) for row in q]), q
 
-    def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
-                 row: int) -> None:
+    def verified(
+        self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput, row: int
+    ) -> None:
         # the pending token and the accepted drafts are committed: their features are the drafter's next rows
         kept = 1 + result.num_accepted
-        state.draft = _ChainRow(self._features({i: forward.hidden[i][row, :kept] for i in self.capture_layers}),
-                                [int(t) for t in result.tokens])
+        state.draft = _ChainRow(
+            self._features({i: forward.hidden[i][row, :kept] for i in self.capture_layers}),
+            [int(t) for t in result.tokens],
+        )

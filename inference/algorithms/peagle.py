@@ -32,19 +32,23 @@ class PEagle(ParallelDrafting, Algorithm):
     batchable = True
     depth_sensitive = True  # the mask rows of a call: rows drafting fewer tokens get a call of their own
 
-    def __init__(self, target, drafter, options: PEagleOptions | None = None, *, max_seq_len: int | None = None,
-                 **fields):
+    def __init__(
+        self, target, drafter, options: PEagleOptions | None = None, *, max_seq_len: int | None = None, **fields
+    ):
         super().__init__(target, max_seq_len=max_seq_len)
         self.options = options = with_fields(PEagleOptions, options, fields)
         if not isinstance(drafter, PEagleDrafter):
-            raise ValueError(f"peagle needs a P-EAGLE drafter, got {type(drafter).__name__}: pass drafter.peagle=PATH "
-                             "(a P-EAGLE export for this target)")
+            raise ValueError(
+                f"peagle needs a P-EAGLE drafter, got {type(drafter).__name__}: pass drafter.peagle=PATH "
+                "(a P-EAGLE export for this target)"
+            )
         check_drafter_fits(target, drafter.config, "P-EAGLE")
         most = drafter.config.num_depths
         self._init_parallel(drafter, options.draft_tokens, most, f"this drafter drafts {most} tokens per forward")
 
-    def _draft_logits(self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None,
-                      gamma: int) -> torch.Tensor:
+    def _draft_logits(
+        self, cache, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None, gamma: int
+    ) -> torch.Tensor:
         if counts is None:  # one row
             return self.drafter.draft(cache, features, next_tokens[0].tolist(), depths=gamma)
         return self.drafter.draft(cache, features, next_tokens, depths=gamma, counts=counts)

@@ -35,16 +35,18 @@ from inference.verify import VerifyResult, tokenwise
 from inference.runner_loading import limited_draft
 
 
-def verify_without_bonus(tokens: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                         generator: torch.Generator | None) -> tuple[int, int | None]:
+def verify_without_bonus(
+    tokens: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int | None]:
     """Tokenwise verification of ``tokens`` [n] with one target row per token ([n, V], no bonus row):
     (accepted count, correction token or None when all were accepted)."""
     n, vocab = target_probs.shape
     # A point-mass placeholder bonus row: the verifier draws from it only when all n are accepted, and a point
     # mass is resolved without the generator, so it changes neither the law nor the random stream.
     placeholder = F.one_hot(torch.zeros(1, dtype=torch.long), vocab).to(target_probs)
-    result = tokenwise(torch.tensor(tokens, dtype=torch.long), draft_probs,
-                       torch.cat([target_probs, placeholder]), generator)
+    result = tokenwise(
+        torch.tensor(tokens, dtype=torch.long), draft_probs, torch.cat([target_probs, placeholder]), generator
+    )
     if result.num_accepted == n:
         return n, None
     return result.num_accepted, int(result.tokens[-1])
@@ -55,16 +57,32 @@ class Pearl(OverlappedDraftAlgorithm):
 
     context = ("draft_path",)
 
-    def __init__(self, target, draft, options: PearlOptions | None = None, *, draft_path: str | None = None,
-                 draft_factory: DraftFactory | None = None, max_seq_len: int | None = None,
-                 executor_kwargs: dict | None = None, **fields):
+    def __init__(
+        self,
+        target,
+        draft,
+        options: PearlOptions | None = None,
+        *,
+        draft_path: str | None = None,
+        draft_factory: DraftFactory | None = None,
+        max_seq_len: int | None = None,
+        executor_kwargs: dict | None = None,
+        **fields,
+    ):
         """``draft_path`` / ``draft_factory`` / ``executor_kwargs``: :class:`OverlappedDraftAlgorithm`'s."""
         self.options = options = with_fields(PearlOptions, options, fields)
         if options.gamma < 1:
             raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {options.gamma}")
-        super().__init__(target, limited_draft(draft, options.draft_vocab), executor=options.executor,
-                         draft_path=draft_path, draft_factory=draft_factory,
-                         max_batch=1, max_seq_len=max_seq_len, executor_kwargs=executor_kwargs)
+        super().__init__(
+            target,
+            limited_draft(draft, options.draft_vocab),
+            executor=options.executor,
+            draft_path=draft_path,
+            draft_factory=draft_factory,
+            max_batch=1,
+            max_seq_len=max_seq_len,
+            executor_kwargs=executor_kwargs,
+        )
         self.gamma = options.gamma
 
     def lookahead(self) -> int:
@@ -103,8 +121,9 @@ class PearlRows(OneRowStrategy):
             self.algorithm.start_draft(state.generator)
             state.draft = _PearlRow(list(state.request.prompt), [])
         row = state.draft
-        result, row.draft = self.executor.overlap(forward, "chain", row.committed + row.pending, self.gamma,
-                                                  state.sampling)
+        result, row.draft = self.executor.overlap(
+            forward, "chain", row.committed + row.pending, self.gamma, state.sampling
+        )
         return result
 
     def first(self, state: RowState, logits: torch.Tensor) -> list[int]:
@@ -126,8 +145,11 @@ class PearlRows(OneRowStrategy):
         row, draft = state.draft, state.draft.draft
         target_probs = state.sampling.warp(logits).float().cpu()
         judged = row.pending + draft.tokens[:1]
-        judged_q = None if draft.probs is None else torch.cat(
-            [row.pending_q if row.pending_q is not None else draft.probs[:0], draft.probs[:1]])
+        judged_q = (
+            None
+            if draft.probs is None
+            else torch.cat([row.pending_q if row.pending_q is not None else draft.probs[:0], draft.probs[:1]])
+        )
         accepted, correction = verify_without_bonus(judged, judged_q, target_probs, state.generator)
         row.judged, row.accepted = len(judged), accepted
         if correction is None:

@@ -94,8 +94,9 @@ class BranchGrid:
         self.branch_len = branch_len
 
     @classmethod
-    def initial(cls, prompt: Sequence[int], branch_len: int, branch_num: int, max_pad_len: int,
-                rng: random.Random) -> BranchGrid:
+    def initial(
+        cls, prompt: Sequence[int], branch_len: int, branch_num: int, max_pad_len: int, rng: random.Random
+    ) -> BranchGrid:
         """N + L - 3 padding-only columns copied at random from the prompt. The first L-2 columns, which
         become column 0 one after the other during warm-up, get a single padding token."""
         columns = []
@@ -121,7 +122,7 @@ class BranchGrid:
             if columns[0].pad_len == 0:
                 columns = columns[1:]
             first = columns[0]
-            columns[0] = Column(first.tokens[first.pad_len:], 0)
+            columns[0] = Column(first.tokens[first.pad_len :], 0)
         self.columns = columns
 
 
@@ -208,8 +209,14 @@ class NodeLogits(RowLogits):
     from full-vocabulary rows, computed by the runner's ``logits_from_hidden`` (its forward's own path).
     ``head_weight``: the lm_head's weight, for :class:`GridVocab`'s proposals."""
 
-    def __init__(self, hidden: torch.Tensor | None, logits_from_hidden: LogitsFromHidden | None, *,
-                 known: torch.Tensor | None, head_weight: torch.Tensor):
+    def __init__(
+        self,
+        hidden: torch.Tensor | None,
+        logits_from_hidden: LogitsFromHidden | None,
+        *,
+        known: torch.Tensor | None,
+        head_weight: torch.Tensor,
+    ):
         super().__init__(hidden, logits_from_hidden, known=known)
         self.head_weight = head_weight
 
@@ -225,8 +232,8 @@ class NodeLogits(RowLogits):
         if not num_grid:
             return root
         if self.known is not None and len(self.known) > num_grid:  # computed with the forward: nothing to save
-            return root + self.known[1:1 + num_grid].argmax(dim=-1).tolist()
-        hidden = self.hidden[1:1 + num_grid]
+            return root + self.known[1 : 1 + num_grid].argmax(dim=-1).tolist()
+        hidden = self.hidden[1 : 1 + num_grid]
         if vocab is not None:
             return root + vocab.argmax(hidden, self.head_weight)
         logits = self.logits_from_hidden(hidden)
@@ -281,9 +288,19 @@ class SelfDraft(Algorithm):
     batchable = True
     context = ("tokenizer",)
 
-    def __init__(self, target, options: SelfDraftOptions | None = None, *, tokenizer=None, context_cache: bool = True,
-                 max_pad_len: int = 2, flush_interval: int = 2, keep_num: int = 2, max_seq_len: int | None = None,
-                 **fields):
+    def __init__(
+        self,
+        target,
+        options: SelfDraftOptions | None = None,
+        *,
+        tokenizer=None,
+        context_cache: bool = True,
+        max_pad_len: int = 2,
+        flush_interval: int = 2,
+        keep_num: int = 2,
+        max_seq_len: int | None = None,
+        **fields,
+    ):
         super().__init__(target, max_seq_len=max_seq_len)
         self.options = options = with_fields(SelfDraftOptions, options, fields)
         branch_len, branch_num, gram_len = options.branch_len, options.branch_num, options.gram_len
@@ -294,11 +311,15 @@ class SelfDraft(Algorithm):
             (branch_num >= 1, f"branch_num (N) must be >= 1, got {branch_num}"),
             (gram_len >= 2, f"gram_len (G) must be >= 2, got {gram_len}"),
             (max_pad_len >= 1, f"max_pad_len must be >= 1, got {max_pad_len}"),
-            (ctx_candidates >= 0 and corpus_candidates >= 0,
-             f"candidate counts must be >= 0, got ctx={ctx_candidates} corpus={corpus_candidates}"),
+            (
+                ctx_candidates >= 0 and corpus_candidates >= 0,
+                f"candidate counts must be >= 0, got ctx={ctx_candidates} corpus={corpus_candidates}",
+            ),
             (grid_vocab >= 0, f"grid_vocab must be >= 0 (0 = the full vocabulary), got {grid_vocab}"),
-            (flush_interval >= 0 and keep_num >= 1,
-             f"need flush_interval >= 0 (0 = never) and keep_num >= 1, got {flush_interval}, {keep_num}"),
+            (
+                flush_interval >= 0 and keep_num >= 1,
+                f"need flush_interval >= 0 (0 = never) and keep_num >= 1, got {flush_interval}, {keep_num}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -316,8 +337,10 @@ class SelfDraft(Algorithm):
             self.corpus = CorpusCache.load(self.corpus, tokenizer_fingerprint=fingerprint)
         vocab = getattr(target.config, "vocab_size", None)
         if self.corpus is not None and vocab is not None and self.corpus.max_token_id >= vocab:
-            raise ValueError(f"n-gram corpus holds token id {self.corpus.max_token_id} >= the target's vocab_size "
-                             f"{vocab}: it was built for another tokenizer")
+            raise ValueError(
+                f"n-gram corpus holds token id {self.corpus.max_token_id} >= the target's vocab_size "
+                f"{vocab}: it was built for another tokenizer"
+            )
         self.grid_vocab = GridVocab(grid_vocab) if 0 < grid_vocab < (vocab or grid_vocab + 1) else None
         self._conversations = 0
 
@@ -366,8 +389,14 @@ class SelfDraft(Algorithm):
         layout = layout_step(row.grid.columns, self._candidates(row.text, row.context) if live else [])
         return Proposal(tokens=list(layout.tokens), tree=layout.tree, extra=(layout, live))
 
-    def verify(self, row: DraftRow, proposal: Proposal, rows: RowLogits, sampling: SamplingParams,
-               generator: torch.Generator | None) -> TrieWalk:
+    def verify(
+        self,
+        row: DraftRow,
+        proposal: Proposal,
+        rows: RowLogits,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> TrieWalk:
         """The grid's argmax (and the context cache's update from it), then the walk from the root."""
         layout, live = proposal.extra
         logits = NodeLogits.of(rows, self.target.lm_head.weight)  # row 0 = root, row i + 1 = node i
@@ -391,8 +420,14 @@ class SelfDraft(Algorithm):
             row.vocab.add(walk.tokens)
         row.grid.advance([walk.preds[1 + nodes[-1]] for nodes in layout.column_nodes])
 
-    def _walk(self, layout: StepLayout, logits: NodeLogits, first: int, sampling: SamplingParams,
-              generator: torch.Generator | None) -> tuple[list[int], int, list[list[int]]]:
+    def _walk(
+        self,
+        layout: StepLayout,
+        logits: NodeLogits,
+        first: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> tuple[list[int], int, list[list[int]]]:
         """Accepted node path, the correction/bonus token, and the walkable children per row (row 0 = root,
         row i + 1 = node i). Nodes before ``first`` are not offered at the root. Rows are warped lazily: only
         the visited ones (warping all T x V rows would cost more than the forward on a CPU)."""
@@ -419,11 +454,12 @@ class SelfDraft(Algorithm):
         context = self.context if context is None else context
         chosen = []
         if context is not None and self.ctx_candidates:
-            chosen = context.retrieve(text[-1])[-self.ctx_candidates:]
+            chosen = context.retrieve(text[-1])[-self.ctx_candidates :]
         if self.corpus is not None and self.corpus_candidates:
             full = len(chosen) >= self.ctx_candidates
-            slots = self.corpus_candidates - 1 if full else min(self.corpus_candidates,
-                                                                 self.ctx_candidates - len(chosen))
+            slots = (
+                self.corpus_candidates - 1 if full else min(self.corpus_candidates, self.ctx_candidates - len(chosen))
+            )
             chosen = chosen + self.corpus.lookup(text[-CORPUS_GRAM_LEN:], slots, exclude=chosen)
         return chosen
 
@@ -431,11 +467,18 @@ class SelfDraft(Algorithm):
         """Insert the prompt's complete grams before the prefill; returns the first position left to index."""
         g = self.gram_len
         for i in range(len(text) - g):
-            context.insert(text[i], text[i + 1:i + 1 + g])
+            context.insert(text[i], text[i + 1 : i + 1 + g])
         return max(len(text) - g, 0)
 
-    def _update_context(self, text: list[int], indexed: int, grid: BranchGrid, layout: StepLayout,
-                        preds: list[int], context: ContextCache | None = None) -> int:
+    def _update_context(
+        self,
+        text: list[int],
+        indexed: int,
+        grid: BranchGrid,
+        layout: StepLayout,
+        preds: list[int],
+        context: ContextCache | None = None,
+    ) -> int:
         """§7: grams from every column (G-1 chain tokens + the fresh argmax after them; the column
         attached to the root also yields the gram after the root), then the committed text since position
         ``indexed`` (padded with the root-attached column when short), then the freshly decoded gram, into
@@ -450,14 +493,14 @@ class SelfDraft(Algorithm):
                 tail = chain + chain_preds[-1:]
                 chain, chain_preds = [text[-1]] + chain, [t0] + chain_preds
             for start in range(len(chain) - g + 1):
-                cache.insert(chain[start], chain[start + 1:start + g] + [chain_preds[start + g - 1]])
+                cache.insert(chain[start], chain[start + 1 : start + g] + [chain_preds[start + g - 1]])
         for i in range(indexed, len(text)):
-            gram = text[i + 1:i + 1 + g]
-            gram = gram + tail[:g - len(gram)]
+            gram = text[i + 1 : i + 1 + g]
+            gram = gram + tail[: g - len(gram)]
             if len(gram) == g:
                 cache.insert(text[i], gram)
         if len(text) >= g:
-            cache.insert(text[-g], text[-g + 1:] + [t0])
+            cache.insert(text[-g], text[-g + 1 :] + [t0])
         return len(text)
 
 

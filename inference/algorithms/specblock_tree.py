@@ -51,18 +51,34 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
 
     context = ("adapt", "adapt_settings")
 
-    def __init__(self, target, drafter, options: SpecBlockTreeOptions | None = None, *, max_seq_len: int | None = None,
-                 adapt: str = "none", adapt_settings=None, **fields):
+    def __init__(
+        self,
+        target,
+        drafter,
+        options: SpecBlockTreeOptions | None = None,
+        *,
+        max_seq_len: int | None = None,
+        adapt: str = "none",
+        adapt_settings=None,
+        **fields,
+    ):
         """``adapt``: a round observer's name (``inference.round_observers``; none = no adaptation), with its
         ``adapt_settings`` (None: its defaults)."""
         super().__init__(target, max_seq_len=max_seq_len)
         check_observer(adapt)
         self.options = options = with_fields(SpecBlockTreeOptions, options, fields)
-        width, budget, widths, blocks, prob_caps = (options.width, options.budget, options.widths, options.blocks,
-                                                    options.prob_caps)
+        width, budget, widths, blocks, prob_caps = (
+            options.width,
+            options.budget,
+            options.widths,
+            options.blocks,
+            options.prob_caps,
+        )
         if not hasattr(drafter, "forward_leaves"):
-            raise ValueError(f"specblock_tree needs a SpecBlock drafter, got {type(drafter).__name__}: pass "
-                             "drafter.specblock=PATH (a SpecBlock export for this target)")
+            raise ValueError(
+                f"specblock_tree needs a SpecBlock drafter, got {type(drafter).__name__}: pass "
+                "drafter.specblock=PATH (a SpecBlock export for this target)"
+            )
         check_drafter_fits(target, drafter.config, "SpecBlock")
         self.drafter = drafter.eval()
         widths = list(drafter.config.widths if widths is None else widths)
@@ -84,8 +100,9 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
         """The cross cache for ``rows`` engine rows: one anchor per token of a row's target cache."""
         return self.drafter.new_cache(self.max_seq_len + 1, batch_size=rows)
 
-    def draft_trees(self, states: Sequence[RowState], cache,
-                    expanded: Sequence[dict[int, torch.Tensor] | None]) -> list[DraftTree]:
+    def draft_trees(
+        self, states: Sequence[RowState], cache, expanded: Sequence[dict[int, torch.Tensor] | None]
+    ) -> list[DraftTree]:
         """Every running row's draft tree below its root: ONE drafter call commits each row's new anchors (the
         rows its last verification committed) and drafts its block 1 (step 1), then every row's tree grows in
         one later-block call a round, each row against its own row of the cross cache (step 2). ``expanded[k]``
@@ -106,9 +123,13 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
             first = self.drafter.extend_and_draft(features, tokens, cache)
         else:
             first = self.drafter.extend_and_draft(features, tokens, cache, counts=counts)
-        built = self.builder.build_rows([_row_of(first, s.row) for s in states], cache, [s.row for s in states],
-                                        [max(1, s.out.remaining - 1) for s in states],  # never past the budget
-                                        expanded)
+        built = self.builder.build_rows(
+            [_row_of(first, s.row) for s in states],
+            cache,
+            [s.row for s in states],
+            [max(1, s.out.remaining - 1) for s in states],  # never past the budget
+            expanded,
+        )
         trees = []
         for state, (tree, later) in zip(states, built):
             state.stats.draft_forwards += 1 + later
@@ -119,5 +140,9 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
 def _row_of(block: BlockOutput, row: int) -> BlockOutput:
     """Row ``row`` of a batched block output, as a one-row output."""
     one = slice(row, row + 1)
-    return BlockOutput(block.logits[one], block.rank_logits[one], block.hidden[one],
-                       BlockKV([k[one] for k in block.kv.k], [v[one] for v in block.kv.v]))
+    return BlockOutput(
+        block.logits[one],
+        block.rank_logits[one],
+        block.hidden[one],
+        BlockKV([k[one] for k in block.kv.k], [v[one] for v in block.kv.v]),
+    )

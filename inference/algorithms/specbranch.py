@@ -159,27 +159,53 @@ class SpecBranch(OverlappedDraftAlgorithm):
 
     context = ("draft_path",)
 
-    def __init__(self, target, draft, options: SpecBranchOptions | None = None, *, on_round: RoundHook | None = None,
-                 on_branch: BranchHook | None = None, branch_capture_layers: Sequence[int] = (),
-                 branch_seed: int = 0, draft_path: str | None = None, draft_factory: DraftFactory | None = None,
-                 max_seq_len: int | None = None, executor_kwargs: dict | None = None, **fields: Any):
+    def __init__(
+        self,
+        target,
+        draft,
+        options: SpecBranchOptions | None = None,
+        *,
+        on_round: RoundHook | None = None,
+        on_branch: BranchHook | None = None,
+        branch_capture_layers: Sequence[int] = (),
+        branch_seed: int = 0,
+        draft_path: str | None = None,
+        draft_factory: DraftFactory | None = None,
+        max_seq_len: int | None = None,
+        executor_kwargs: dict | None = None,
+        **fields: Any,
+    ):
         """``options.hrad``: an H-RAD export path or predictor object, or a policy of :data:`POLICIES` (None =
         "none"). ``on_branch`` receives a :class:`BranchPoint` with the target's hidden states of
         ``branch_capture_layers`` at every surviving branch; at T > 0 its realised count draws on its own generator
         (``branch_seed``), never on the generation's. ``draft_path`` / ``draft_factory`` / ``executor_kwargs``:
         :class:`OverlappedDraftAlgorithm`'s."""
         self.options = options = with_fields(SpecBranchOptions, options, fields)
-        gamma, kmax, hrad, epsilon, cut_from = (options.gamma, options.kmax, options.hrad, options.epsilon,
-                                                options.cut_from)
+        gamma, kmax, hrad, epsilon, cut_from = (
+            options.gamma,
+            options.kmax,
+            options.hrad,
+            options.epsilon,
+            options.cut_from,
+        )
         if gamma < 1 or kmax < 1:
             raise UserError(f"gamma and kmax must be >= 1 (branch length, most branches), got {gamma} and {kmax}")
         if cut_from not in (1, 2):
-            raise UserError(f"specbranch.cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
-                             f"(it keeps at least one, as the authors' code), got {cut_from}")
+            raise UserError(
+                f"specbranch.cut_from must be 1 (the confidence rule may keep no continuation token) or 2 "
+                f"(it keeps at least one, as the authors' code), got {cut_from}"
+            )
         self.cut_from = cut_from
-        super().__init__(target, limited_draft(draft, options.draft_vocab), executor=options.executor,
-                         draft_path=draft_path, draft_factory=draft_factory,
-                         max_batch=kmax, max_seq_len=max_seq_len, executor_kwargs=executor_kwargs)
+        super().__init__(
+            target,
+            limited_draft(draft, options.draft_vocab),
+            executor=options.executor,
+            draft_path=draft_path,
+            draft_factory=draft_factory,
+            max_batch=kmax,
+            max_seq_len=max_seq_len,
+            executor_kwargs=executor_kwargs,
+        )
         self.gamma, self.kmax = gamma, kmax
         self.policy = policy_name(hrad)
         self.predictor = load_predictor(hrad, target)
@@ -195,8 +221,9 @@ class SpecBranch(OverlappedDraftAlgorithm):
     def lookahead(self) -> int:
         return 2 * self.gamma
 
-    def _hrad_class(self, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor, token: int,
-                    confidence: list[float]) -> int:
+    def _hrad_class(
+        self, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor, token: int, confidence: list[float]
+    ) -> int:
         """H-RAD's class for the survivor token, from the target's features at the position before it (``hidden``
         {layer: [H]}, ``last_hidden`` [H]) and, when the H-RAD reads it, the draft's confidence at the first
         continuation token."""
@@ -231,8 +258,14 @@ class SpecBranch(OverlappedDraftAlgorithm):
             accepted += 1
         return accepted
 
-    def _decide(self, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor | None, survivor: list[int],
-                confidence: list[float], realised: int | None) -> tuple[int, int]:
+    def _decide(
+        self,
+        hidden: dict[int, torch.Tensor],
+        last_hidden: torch.Tensor | None,
+        survivor: list[int],
+        confidence: list[float],
+        realised: int | None,
+    ) -> tuple[int, int]:
         """(class, continuation tokens to keep) for the surviving branch, by the predictor (on the target's features
         before it) or the policy."""
         gamma = len(survivor)
@@ -306,7 +339,6 @@ class BranchRows(OneRowStrategy):
     def wants_last_hidden(self) -> bool:
         return self.algorithm.predictor is not None or self.algorithm.on_branch is not None
 
-
     def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
         """The target forward, and beside it the draft side forking the branches at the point after S + U."""
         (state,) = states
@@ -317,8 +349,9 @@ class BranchRows(OneRowStrategy):
             algorithm.start_draft(state.generator)  # the draft side's seed: the row generator's first draw
             state.draft = _BranchRow(list(state.request.prompt), [])
         row = state.draft
-        result, row.branch = self.executor.overlap(forward, "branches", row.committed + row.pending,
-                                                   algorithm.kmax, self.gamma)
+        result, row.branch = self.executor.overlap(
+            forward, "branches", row.committed + row.pending, algorithm.kmax, self.gamma
+        )
         if prefill:
             row.prefill = result
         return result
@@ -330,8 +363,7 @@ class BranchRows(OneRowStrategy):
         at = len(state.request.prompt) - 1
         prefill, row.prefill = row.prefill, None
         last = prefill.last_hidden[0]
-        self._next(state, {layer: h[at] for layer, h in prefill.hidden[0].items()},
-                   None if last is None else last[at])
+        self._next(state, {layer: h[at] for layer, h in prefill.hidden[0].items()}, None if last is None else last[at])
         self.count_round(state, Proposal(), result)
         self._report(state)
         return result.tokens.tolist()
@@ -352,13 +384,15 @@ class BranchRows(OneRowStrategy):
         row.committed += result.tokens
         return VerifyResult(result.pending_accepted, torch.tensor(result.tokens, dtype=torch.long))
 
-    def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
-                 row: int) -> None:
+    def verified(
+        self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput, row: int
+    ) -> None:
         """H-RAD (or the policy) on the forward's features before the branch point: the next U."""
         at = len(state.pending) - 1 + len(proposal.tokens)  # the feed's index of the position before it
         last = forward.last_hidden
-        self._next(state, {layer: h[row, at] for layer, h in forward.hidden.items()},
-                   None if last is None else last[row, at])
+        self._next(
+            state, {layer: h[row, at] for layer, h in forward.hidden.items()}, None if last is None else last[row, at]
+        )
 
     def _next(self, state: RowState, hidden: dict[int, torch.Tensor], last_hidden: torch.Tensor | None) -> None:
         """How much of the survivor's continuation becomes the next U (none after a rejection)."""
@@ -367,15 +401,28 @@ class BranchRows(OneRowStrategy):
         if row.survivor is not None:
             tokens = list(row.branch.tokens[row.survivor])
             confidence = list(row.branch.confidence[row.survivor])
-            realised = algorithm._realised(tokens, state.sampling) \
-                if algorithm.policy in ORACLES or algorithm.on_branch is not None else None
+            realised = (
+                algorithm._realised(tokens, state.sampling)
+                if algorithm.policy in ORACLES or algorithm.on_branch is not None
+                else None
+            )
             row.hrad_class, row.keep = algorithm._decide(hidden, last_hidden, tokens, confidence, realised)
             if algorithm.on_branch is not None:
-                algorithm.on_branch(BranchPoint(
-                    row.rounds, len(row.committed) - 1, row.survivor, tuple(tokens), tuple(confidence),
-                    {layer: h.clone() for layer, h in hidden.items()}, last_hidden.clone(), realised,
-                    row.hrad_class, row.keep))
-            row.pending = tokens[1:1 + row.keep]
+                algorithm.on_branch(
+                    BranchPoint(
+                        row.rounds,
+                        len(row.committed) - 1,
+                        row.survivor,
+                        tuple(tokens),
+                        tuple(confidence),
+                        {layer: h.clone() for layer, h in hidden.items()},
+                        last_hidden.clone(),
+                        realised,
+                        row.hrad_class,
+                        row.keep,
+                    )
+                )
+            row.pending = tokens[1 : 1 + row.keep]
         row.rounds += 1
 
     def count_round(self, state: RowState, proposal: Proposal, result: VerifyResult) -> None:
@@ -389,8 +436,9 @@ class BranchRows(OneRowStrategy):
         counts["siblings"] += (k - 1) * self.gamma
         counts["speculated"] += row.judged + 1
 
-    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
-                 results: Sequence[VerifyResult | None]) -> None:
+    def accepted(
+        self, states: Sequence[RowState], proposals: Sequence[Proposal], results: Sequence[VerifyResult | None]
+    ) -> None:
         for state, result in zip(states, results):
             if result is not None:
                 self._report(state)
@@ -399,9 +447,19 @@ class BranchRows(OneRowStrategy):
         """The round to ``on_round``, once the target cache holds S but its last token."""
         row, algorithm = state.draft, self.algorithm
         if algorithm.on_round is not None:
-            algorithm.on_round(SpecBranchRound(
-                len(row.committed), len(row.pending), algorithm.target.length(), len(row.branch.tokens),
-                row.accepted, row.survivor, row.hrad_class, row.keep, tuple(row.committed + row.pending)))
+            algorithm.on_round(
+                SpecBranchRound(
+                    len(row.committed),
+                    len(row.pending),
+                    algorithm.target.length(),
+                    len(row.branch.tokens),
+                    row.accepted,
+                    row.survivor,
+                    row.hrad_class,
+                    row.keep,
+                    tuple(row.committed + row.pending),
+                )
+            )
 
     def release(self, state: RowState) -> None:
         if state.out.done:

@@ -57,8 +57,17 @@ class SpeculativeSampling(Algorithm):
     batchable = True
     squeezable = True
 
-    def __init__(self, target, draft, options: SpsOptions | None = None, *, max_seq_len: int | None = None,
-                 on_round: RoundHook | None = None, round_capture_layers: Sequence[int] = (), **fields):
+    def __init__(
+        self,
+        target,
+        draft,
+        options: SpsOptions | None = None,
+        *,
+        max_seq_len: int | None = None,
+        on_round: RoundHook | None = None,
+        round_capture_layers: Sequence[int] = (),
+        **fields,
+    ):
         """``options.verifier`` may be a verifier's name or a :class:`ChainVerifier`. ``on_round`` (optional)
         receives a :class:`RoundInfo` after every verification, with the target's hidden states of
         ``round_capture_layers``; without it nothing extra is computed or kept. ``options.draft_vocab`` limits the
@@ -106,8 +115,14 @@ class DraftChain(Strategy):
 
     name = "sps"
 
-    def __init__(self, draft, gamma: int, verifier: ChainVerifier, on_round: RoundHook | None = None,
-                 round_capture_layers: Sequence[int] = ()):
+    def __init__(
+        self,
+        draft,
+        gamma: int,
+        verifier: ChainVerifier,
+        on_round: RoundHook | None = None,
+        round_capture_layers: Sequence[int] = (),
+    ):
         self.draft, self.gamma, self.verifier, self.on_round = draft, gamma, verifier, on_round
         if on_round is not None:
             self.capture_layers, self.wants_last_hidden = tuple(round_capture_layers), True
@@ -132,8 +147,9 @@ class DraftChain(Strategy):
         drafts nothing (an AR step) sits out, its new tokens left for the draft to read later; once it has γ + 1 of
         them it reads them in the first draft forward (so a catch-up feed is never wider than a target step)."""
         gammas = [min(self.gamma, s.out.remaining, s.width - 1 if s.width else self.gamma) for s in states]
-        proposals = [Proposal(q=None if s.sampling.greedy or not g else [], extra=_Drafted())
-                     for s, g in zip(states, gammas)]
+        proposals = [
+            Proposal(q=None if s.sampling.greedy or not g else [], extra=_Drafted()) for s, g in zip(states, gammas)
+        ]
         catch_up = [not g and len(s.draft.pending) > self.gamma for s, g in zip(states, gammas)]
         if not any(gammas) and not any(catch_up):  # every row takes an AR step
             return proposals
@@ -177,27 +193,31 @@ class DraftChain(Strategy):
                 proposal.q = torch.stack(proposal.q)
         return proposals
 
-    def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
-                 row: int) -> None:
+    def verified(
+        self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput, row: int
+    ) -> None:
         if self.on_round is None or not proposal.tokens:
             return
         raw = proposal.extra.raw_logits
         softmax = torch.stack(raw).float().softmax(dim=-1)  # [γ, V], temperature 1
         tokens = torch.tensor(proposal.tokens, device=softmax.device)
-        self.on_round(RoundInfo(
-            index=state.draft.rounds,
-            prefix_len=state.context_len,
-            draft_tokens=proposal.tokens,
-            draft_probs=softmax.gather(1, tokens[:, None]).squeeze(1).tolist(),
-            draft_max_probs=softmax.max(dim=-1).values.tolist(),
-            num_accepted=result.num_accepted,
-            hidden={layer: h[row, 0] for layer, h in forward.hidden.items()},
-            last_hidden=forward.last_hidden[row, 0],
-        ))
+        self.on_round(
+            RoundInfo(
+                index=state.draft.rounds,
+                prefix_len=state.context_len,
+                draft_tokens=proposal.tokens,
+                draft_probs=softmax.gather(1, tokens[:, None]).squeeze(1).tolist(),
+                draft_max_probs=softmax.max(dim=-1).values.tolist(),
+                num_accepted=result.num_accepted,
+                hidden={layer: h[row, 0] for layer, h in forward.hidden.items()},
+                last_hidden=forward.last_hidden[row, 0],
+            )
+        )
         state.draft.rounds += 1
 
-    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
-                 results: Sequence[VerifyResult | None]) -> None:
+    def accepted(
+        self, states: Sequence[RowState], proposals: Sequence[Proposal], results: Sequence[VerifyResult | None]
+    ) -> None:
         lens = self.draft.cache_lens.clone()
         for state, proposal, result in zip(states, proposals, results):
             if result is None:

@@ -46,8 +46,20 @@ from inference.runner_contract import check_same_vocab
 from inference.saguaro import check_c, proposal_probs
 from inference.sampling import SamplingParams, random_device, sample
 from inference.ssd_cache import NO_KEY, AcceptanceEMA, geometric_fanout, largest_remainder_round, parse_fanout
-from inference.ssd_draft import (FALLBACKS, FAST, FAST_KINDS, FORK_VOCABS, HIT, IDLE, JIT, ServeRequest,
-                                 SpeculateRequest, Speculation, given_runner, draft_side_factory)
+from inference.ssd_draft import (
+    FALLBACKS,
+    FAST,
+    FAST_KINDS,
+    FORK_VOCABS,
+    HIT,
+    IDLE,
+    JIT,
+    ServeRequest,
+    SpeculateRequest,
+    Speculation,
+    given_runner,
+    draft_side_factory,
+)
 from inference.verify import LossyVerifierWarning, VerifyPlan, VerifyResult, tokenwise_plan
 from inference.runner_loading import limited_draft
 
@@ -127,10 +139,23 @@ class SSD(Algorithm):
 
     context = ("draft_path", "seed", "threads")
 
-    def __init__(self, target, draft=None, options: SSDOptions | None = None, *, ema: float = 0.2,
-                 executor_kwargs: dict | None = None, draft_source: Any = None, draft_path: str | None = None,
-                 seed: int = 0, threads: int = 0, fast_verify: str = "exact", max_seq_len: int | None = None,
-                 max_batch_size: int | None = None, **fields: Any):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        options: SSDOptions | None = None,
+        *,
+        ema: float = 0.2,
+        executor_kwargs: dict | None = None,
+        draft_source: Any = None,
+        draft_path: str | None = None,
+        seed: int = 0,
+        threads: int = 0,
+        fast_verify: str = "exact",
+        max_seq_len: int | None = None,
+        max_batch_size: int | None = None,
+        **fields: Any,
+    ):
         """``draft`` is an in-process drafter runner; ``draft_source`` (a draft LM path or a picklable callable
         building one; default ``draft_path``) is needed instead for ``executor=multiprocess``, where the drafter
         lives in another process, with ``threads`` CPU threads (0: torch's default) unless ``executor_kwargs`` says
@@ -138,10 +163,20 @@ class SSD(Algorithm):
         be sequences of K+1 ints."""
         super().__init__(target, max_seq_len=max_seq_len)
         self.options = options = with_fields(SSDOptions, options, fields)
-        gamma, budget, fanout, fanout_miss, fanout_r = (options.gamma, options.budget, options.fanout,
-                                                        options.fanout_miss, options.fanout_r)
-        fallback, fast, saguaro_c, executor, fork_vocab = (options.fallback, options.fast, options.saguaro_c,
-                                                           options.executor, options.fork_vocab)
+        gamma, budget, fanout, fanout_miss, fanout_r = (
+            options.gamma,
+            options.budget,
+            options.fanout,
+            options.fanout_miss,
+            options.fanout_r,
+        )
+        fallback, fast, saguaro_c, executor, fork_vocab = (
+            options.fallback,
+            options.fast,
+            options.saguaro_c,
+            options.executor,
+            options.fork_vocab,
+        )
         if executor == "multiprocess":
             draft_source = draft_source if draft_source is not None else draft_path
             executor_kwargs = {"threads": threads or None} if executor_kwargs is None else executor_kwargs
@@ -158,9 +193,12 @@ class SSD(Algorithm):
         if fast_verify not in FAST_VERIFY:
             raise UserError(f"fast_verify must be one of {', '.join(FAST_VERIFY)}, got {fast_verify!r}")
         if fast_verify == "reference_greedy":
-            warnings.warn("ssd fast_verify='reference_greedy' is the SSD reference's greedy check of fast-fallback "
-                          "tokens: lossy at temperature > 0, for regression tests only", LossyVerifierWarning,
-                          stacklevel=2)
+            warnings.warn(
+                "ssd fast_verify='reference_greedy' is the SSD reference's greedy check of fast-fallback "
+                "tokens: lossy at temperature > 0, for regression tests only",
+                LossyVerifierWarning,
+                stacklevel=2,
+            )
         check_c(saguaro_c)
         if draft is None and draft_source is None:
             raise UserError("ssd needs a drafter: pass a draft runner or draft_source=PATH")
@@ -169,8 +207,10 @@ class SSD(Algorithm):
             check_same_vocab(target, draft)
             self.max_seq_len = min(self.max_seq_len, draft.max_seq_len)
         if executor == "multiprocess" and draft_source is None:
-            raise UserError("executor=multiprocess builds the drafter in another process: pass draft_source (a draft "
-                             "LM path, e.g. drafter=PATH) or use executor=sequential / cuda_streams")
+            raise UserError(
+                "executor=multiprocess builds the drafter in another process: pass draft_source (a draft "
+                "LM path, e.g. drafter=PATH) or use executor=sequential / cuda_streams"
+            )
         self.k = gamma
         self.budget = budget
         self.vocab = target.config.vocab_size
@@ -178,8 +218,10 @@ class SSD(Algorithm):
         self.fan_miss = None if fanout_miss == "auto" else fanout_vector(fanout_miss, gamma, budget)
         for fan in (self.fan_hit, self.fan_miss):
             if fan is not None and sum(fan) != budget:
-                raise UserError(f"explicit fan-out {fan} sums to {sum(fan)} but budget={budget}: both hit and miss "
-                                 "vectors must sum to the budget (static shapes)")
+                raise UserError(
+                    f"explicit fan-out {fan} sums to {sum(fan)} but budget={budget}: both hit and miss "
+                    "vectors must sum to the budget (static shapes)"
+                )
         self.fanout_r, self.fallback, self.fast, self.c = fanout_r, fallback, fast, saguaro_c
         self.fast_verify = fast_verify
         self.fork_vocab = fork_vocab
@@ -207,9 +249,17 @@ class SSD(Algorithm):
             if source is None:
                 source = functools.partial(given_runner, self.draft)
             device = str(getattr(self.draft, "device", self.target.device))
-            factory = draft_side_factory(source, lookahead=self.k, budget=self.budget, seed=self.seed, device=device,
-                                         max_batch_size=self.draft_max_batch, max_seq_len=self.max_seq_len,
-                                         logit_vocab=self.logit_vocab, fork_vocab=self.fork_vocab)
+            factory = draft_side_factory(
+                source,
+                lookahead=self.k,
+                budget=self.budget,
+                seed=self.seed,
+                device=device,
+                max_batch_size=self.draft_max_batch,
+                max_seq_len=self.max_seq_len,
+                logit_vocab=self.logit_vocab,
+                fork_vocab=self.fork_vocab,
+            )
             # backend / threads only mean something for the draft process
             kwargs = self.executor_kwargs if self.executor_name == "multiprocess" else {}
             self._executor = make_executor(self.executor_name, factory, **kwargs)
@@ -232,8 +282,15 @@ class SSD(Algorithm):
     # -- generation ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate_batch(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: SamplingParams,
-                       generator: torch.Generator | None = None, eos_ids: Sequence[int] = ()) -> list[GenerationResult]:
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        eos_ids: Sequence[int] = (),
+    ) -> list[GenerationResult]:
         """Generate for several prompts of any lengths at once (one verify forward per round for the batch).
         Each result's ``wall_s`` is the batch wall time split evenly, so summed stats give the batch's tokens/s."""
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -253,14 +310,22 @@ class SSD(Algorithm):
     def strategy(self) -> SSDRow:
         return SSDRow(self)
 
-    def _run(self, prompts: list[list[int]], outs: list[OutputBuffer], stats: list[GenerationStats],
-             sampling: SamplingParams, generator: torch.Generator | None) -> None:
+    def _run(
+        self,
+        prompts: list[list[int]],
+        outs: list[OutputBuffer],
+        stats: list[GenerationStats],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
         """``prompts`` as one lockstep batch (generate_batch): one serve, one verify forward and one speculate call
         a round for every row, until each has ended; the rounds are those of :class:`SSDRow`."""
         target, executor, k_max, b = self.target, self.executor(), self.k, len(prompts)
         if b > target.max_batch_size:
-            raise UserError(f"batch of {b} prompts but the target runner holds {target.max_batch_size} rows; build "
-                             "it with max_batch_size >= the batch size")
+            raise UserError(
+                f"batch of {b} prompts but the target runner holds {target.max_batch_size} rows; build "
+                "it with max_batch_size >= the batch size"
+            )
         ex0 = executor.stats.as_dict()
         start = time.perf_counter()
         lengths = torch.tensor([len(p) for p in prompts])
@@ -278,8 +343,12 @@ class SSD(Algorithm):
                 break
             spec, fanout, fan_hit = self._serve(executor, keys, lengths, active, sampling)
             outcome, draft_forwards = self._overlap_round(
-                executor, functools.partial(self._verify, keys[:, 1], spec, active, lengths.clone(), sampling,
-                                            generator), fanout, fan_hit, sampling)
+                executor,
+                functools.partial(self._verify, keys[:, 1], spec, active, lengths.clone(), sampling, generator),
+                fanout,
+                fan_hit,
+                sampling,
+            )
             for row, (accepted, emitted) in outcome.items():
                 stats[row].record_round(k_max, accepted)
                 stats[row].target_forwards += 1
@@ -288,8 +357,13 @@ class SSD(Algorithm):
             keys = self._advance(outcome, spec, keys, lengths)
         self._note_run(executor, ex0, start, sum(len(o.tokens) for o in outs))
 
-    def _prefill(self, prompts: list[list[int]], lengths: torch.Tensor, sampling: SamplingParams,
-                 generator: torch.Generator | None) -> torch.Tensor:
+    def _prefill(
+        self,
+        prompts: list[list[int]],
+        lengths: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
         """Ragged prefill: right-pad, one forward, roll each row back to its prompt; first token per row."""
         target, b = self.target, len(prompts)
         target.reset(b)
@@ -300,8 +374,15 @@ class SSD(Algorithm):
         last = logits[torch.arange(b, device=logits.device), lengths.to(logits.device) - 1]
         return sample(sampling.warp(last), generator)
 
-    def _verify(self, bonus: torch.Tensor, spec: Speculation, active: torch.Tensor, lengths: torch.Tensor,
-                sampling: SamplingParams, generator: torch.Generator | None) -> dict[int, tuple[int, list[int]]]:
+    def _verify(
+        self,
+        bonus: torch.Tensor,
+        spec: Speculation,
+        active: torch.Tensor,
+        lengths: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> dict[int, tuple[int, list[int]]]:
         """The lockstep batch's target job: one forward over [bonus, s_1..s_K] per row, each active row judged
         (:meth:`_judge`), the cache rolled back to what each kept."""
         target = self.target
@@ -316,24 +397,45 @@ class SSD(Algorithm):
 
     # -- one round, shared by the lockstep batch and the engine strategy ----------------------------------------
 
-    def _serve(self, executor: Executor, keys: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor,
-               sampling: SamplingParams) -> tuple[Speculation, torch.Tensor, list[int]]:
+    def _serve(
+        self,
+        executor: Executor,
+        keys: torch.Tensor,
+        lengths: torch.Tensor,
+        active: torch.Tensor,
+        sampling: SamplingParams,
+    ) -> tuple[Speculation, torch.Tensor, list[int]]:
         """This round's speculation for every row (a cache hit, or the fallback's), the fan-out its next
         speculation forks with, and the hit fan-out."""
         k_max, b = self.k, keys.shape[0]
         fallback = self._choose_fallback(int(active.sum()))
         fan_hit, fan_jit, fan_fast = self._fanouts()
-        request = ServeRequest(keys, lengths, active, torch.tensor([[f + 1 for f in fan_jit[:k_max]]] * b),
-                               sampling.temperature, sampling.top_k, sampling.top_p, self.c,
-                               FALLBACKS[fallback], FAST_KINDS[self.fast])
+        request = ServeRequest(
+            keys,
+            lengths,
+            active,
+            torch.tensor([[f + 1 for f in fan_jit[:k_max]]] * b),
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            self.c,
+            FALLBACKS[fallback],
+            FAST_KINDS[self.fast],
+        )
         served_at = time.perf_counter()
         spec = Speculation.unpack(*executor.call("serve", request.pack()))
         self._record_lookup(keys, spec.source, active, fallback, time.perf_counter() - served_at)
         by_source = {HIT: fan_hit, JIT: fan_jit, FAST: fan_fast, IDLE: [0] * (k_max + 1)}
         return spec, torch.tensor([by_source[s] for s in spec.source.tolist()]), fan_hit
 
-    def _overlap_round(self, executor: Executor, target_job: Callable[[], Any], fanout: torch.Tensor,
-                       fan_hit: list[int], sampling: SamplingParams) -> tuple[Any, int]:
+    def _overlap_round(
+        self,
+        executor: Executor,
+        target_job: Callable[[], Any],
+        fanout: torch.Tensor,
+        fan_hit: list[int],
+        sampling: SamplingParams,
+    ) -> tuple[Any, int]:
         """``target_job()`` (the verification) while the draft side speculates the next round for every outcome;
         (its result, the draft forwards speculating took). Its time feeds the fallback policy's T_verify."""
         timed: dict[str, float] = {}
@@ -345,20 +447,38 @@ class SSD(Algorithm):
             timed["verify_s"] = time.perf_counter() - start
             return result
 
-        spec_request = SpeculateRequest(fanout, torch.tensor([[f + 1 for f in fan_hit[:self.k]]] * fanout.shape[0]),
-                                        sampling.temperature, sampling.top_k, sampling.top_p, self.c)
+        spec_request = SpeculateRequest(
+            fanout,
+            torch.tensor([[f + 1 for f in fan_hit[: self.k]]] * fanout.shape[0]),
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            self.c,
+        )
         result, draft_forwards = executor.overlap(verification, "speculate", spec_request.pack())
         self.t_verify.update(timed["verify_s"])
         self._last_fanout = fanout
         return result, draft_forwards
 
-    def _judge(self, spec: Speculation, p: torch.Tensor, rows: list[int], sampling: SamplingParams,
-               generator: torch.Generator | None) -> dict[int, tuple[int, list[int]]]:
+    def _judge(
+        self,
+        spec: Speculation,
+        p: torch.Tensor,
+        rows: list[int],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> dict[int, tuple[int, list[int]]]:
         """Tokenwise verification of each row of ``rows`` against the proposal its tokens were drawn from; ``p``
         [b, K+1, V]: the warped target rows of the speculation's rows. Returns {row: (accepted, emitted tokens)}."""
         device = p.device
-        q = proposal_probs(spec.tokens.to(device), spec.logits.to(device), spec.kinds.to(device),
-                           spec.tops.to(device), self.c, sampling)
+        q = proposal_probs(
+            spec.tokens.to(device),
+            spec.logits.to(device),
+            spec.kinds.to(device),
+            spec.tops.to(device),
+            self.c,
+            sampling,
+        )
         outcome: dict[int, tuple[int, list[int]]] = {}
         if self.fast_verify == "reference_greedy":  # the lossy rule, for the regression test only
             for row in [r for r in rows if int(spec.source[r]) == FAST]:
@@ -373,8 +493,9 @@ class SSD(Algorithm):
                 outcome[row] = (tau, tokens[i, :tau].tolist() + [int(bonus_tokens[i])])
         return outcome
 
-    def _advance(self, outcome: dict[int, tuple[int, list[int]]], spec: Speculation, keys: torch.Tensor,
-                 lengths: torch.Tensor) -> torch.Tensor:
+    def _advance(
+        self, outcome: dict[int, tuple[int, list[int]]], spec: Speculation, keys: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
         """After a round: the acceptance statistics, each row's committed length (``lengths``, in place) and the
         next round's cache keys (k accepted, bonus token)."""
         next_keys = keys.clone()
@@ -422,9 +543,11 @@ class SSD(Algorithm):
             p = min(max(self.hit_rate.value, 0.0), 1.0)
             a = min(self.ema_hit.value, 0.99)
             e_hit = (1 - a ** (self.k + 1)) / (1 - a)
-            delay = 1 - p ** batch
+            delay = 1 - p**batch
             per_token_jit = (self.t_verify.value + delay * self.t_jit.value) / e_hit
-            per_token_fast = (self.t_verify.value + delay * self.t_fast.value) / (p * e_hit + (1 - p) * self.e_fast.value)
+            per_token_fast = (self.t_verify.value + delay * self.t_fast.value) / (
+                p * e_hit + (1 - p) * self.e_fast.value
+            )
             choice = "fast" if per_token_fast < per_token_jit else "jit"
         if choice == "fast":
             self.metrics.fast_rounds_auto += 1
@@ -432,8 +555,9 @@ class SSD(Algorithm):
             self.metrics.jit_rounds_auto += 1
         return choice
 
-    def _record_lookup(self, keys: torch.Tensor, source: torch.Tensor, active: torch.Tensor, fallback: str,
-                       serve_s: float) -> None:
+    def _record_lookup(
+        self, keys: torch.Tensor, source: torch.Tensor, active: torch.Tensor, fallback: str, serve_s: float
+    ) -> None:
         m = self.metrics
         last = getattr(self, "_last_fanout", None)
         hits = 0
@@ -467,8 +591,12 @@ def _draw_rows(plan: VerifyPlan, generator: torch.Generator | None) -> tuple[tor
     The same scan as ``VerifyPlan.draw``, vectorised over rows."""
     stops = plan.stop_probs  # [n, K+1], last level always 1
     if bool(((stops > 0) & (stops < 1)).any()):
-        stopped = torch.rand(stops.shape, generator=generator, dtype=stops.dtype,
-                             device=random_device(generator, stops.device)).to(stops.device) < stops
+        stopped = (
+            torch.rand(
+                stops.shape, generator=generator, dtype=stops.dtype, device=random_device(generator, stops.device)
+            ).to(stops.device)
+            < stops
+        )
     else:
         stopped = stops == 1
     tau = stopped.to(torch.uint8).argmax(dim=-1)
@@ -476,7 +604,9 @@ def _draw_rows(plan: VerifyPlan, generator: torch.Generator | None) -> tuple[tor
     return tau, sample(plan.residuals[rows, tau], generator)
 
 
-def _reference_greedy(tokens: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None) -> tuple[int, list[int]]:
+def _reference_greedy(
+    tokens: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, list[int]]:
     """The SSD reference's check of fast-fallback tokens: accept iff the token is the target argmax, bonus from p.
     LOSSY at T > 0 (kept only so a test can show it failing)."""
     for j, token in enumerate(tokens.tolist()):
@@ -510,8 +640,9 @@ class SSDRow(OneRowStrategy):
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
         (state,) = states
-        self.spec, self.fanout, self.fan_hit = self.algorithm._serve(self.executor, self.keys, self.lengths,
-                                                                     torch.tensor([True]), state.sampling)
+        self.spec, self.fanout, self.fan_hit = self.algorithm._serve(
+            self.executor, self.keys, self.lengths, torch.tensor([True]), state.sampling
+        )
         return [Proposal(self.spec.tokens[0].tolist())]
 
     def beside(self, states: Sequence[RowState], forward: Callable[[], T], *, prefill: bool = False) -> T:
@@ -525,8 +656,9 @@ class SSDRow(OneRowStrategy):
             self.outcome = self.algorithm._judge(self.spec, p, [0], state.sampling, state.generator)
             return scored
 
-        scored, self.draft_forwards = self.algorithm._overlap_round(self.executor, verification, self.fanout,
-                                                                    self.fan_hit, state.sampling)
+        scored, self.draft_forwards = self.algorithm._overlap_round(
+            self.executor, verification, self.fanout, self.fan_hit, state.sampling
+        )
         return scored
 
     def verify(self, state: RowState, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
@@ -537,8 +669,9 @@ class SSDRow(OneRowStrategy):
         super().count_round(state, proposal, result)
         state.stats.draft_forwards += self.draft_forwards + self.spec.draft_forwards
 
-    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
-                 results: Sequence[VerifyResult | None]) -> None:
+    def accepted(
+        self, states: Sequence[RowState], proposals: Sequence[Proposal], results: Sequence[VerifyResult | None]
+    ) -> None:
         if results[0] is not None:
             self.keys = self.algorithm._advance(self.outcome, self.spec, self.keys, self.lengths)
 

@@ -29,8 +29,16 @@ import torch
 
 from core.errors import UserError
 from inference.engine.rows import RowsOutput, forward_rows, prefill_rows
-from inference.engine.state import (Failed, Finished, GenerationResult, GenerationStats, OutputBuffer, RowRequest,
-                                    RowState, fit_problem)
+from inference.engine.state import (
+    Failed,
+    Finished,
+    GenerationResult,
+    GenerationStats,
+    OutputBuffer,
+    RowRequest,
+    RowState,
+    fit_problem,
+)
 from inference.engine.strategy import Strategy
 from inference.engine.widths import StepBudget, WidthPolicy
 from inference.row_logits import RowLogits
@@ -54,8 +62,17 @@ class DecodeEngine:
     """Runs ``strategy`` for up to ``rows`` requests at once over ``target`` (a runner of at least ``rows`` rows;
     twice that lets new prompts prefill apart)."""
 
-    def __init__(self, target, strategy: Strategy, *, rows: int = 1, eos_ids: Sequence[int] = (),
-                 max_seq_len: int | None = None, max_step_tokens: int = 0, width_policy: WidthPolicy | None = None):
+    def __init__(
+        self,
+        target,
+        strategy: Strategy,
+        *,
+        rows: int = 1,
+        eos_ids: Sequence[int] = (),
+        max_seq_len: int | None = None,
+        max_step_tokens: int = 0,
+        width_policy: WidthPolicy | None = None,
+    ):
         """``max_seq_len``: the context a request must fit in (default the target's; an algorithm's can be less,
         its draft LM's). ``width_policy`` (``inference.engine.widths``) sets each row's width before a step;
         ``max_step_tokens=N`` is short for ``StepBudget(N)``: one step scores at most N target rows, so the more
@@ -65,11 +82,14 @@ class DecodeEngine:
         if max_step_tokens and width_policy is not None:
             raise UserError("give max_step_tokens or a width policy, not both")
         if not 1 <= rows <= target.max_batch_size:
-            raise UserError(f"the engine needs 1..{target.max_batch_size} rows (the target runner's max_batch_size), "
-                            f"got {rows}; load the target with max_batch_size >= {max(rows, 1)}")
+            raise UserError(
+                f"the engine needs 1..{target.max_batch_size} rows (the target runner's max_batch_size), "
+                f"got {rows}; load the target with max_batch_size >= {max(rows, 1)}"
+            )
         if rows > 1 and not hasattr(target, "row_block"):
-            raise UserError(f"{type(target).__name__} serves one request at a time; use batch_size=1 or the native "
-                            "runner")
+            raise UserError(
+                f"{type(target).__name__} serves one request at a time; use batch_size=1 or the native runner"
+            )
         self.target, self.strategy, self.rows = target, strategy, rows
         self.eos_ids = tuple(eos_ids)
         self.max_seq_len = min(max_seq_len or target.max_seq_len, target.max_seq_len)
@@ -89,16 +109,20 @@ class DecodeEngine:
 
     def open(self) -> None:
         """Empty caches, every row free (a running request is dropped)."""
-        self.width_policy.prepare(self.target, self.strategy.draft, self.rows,
-                                  self.strategy.lookahead())
+        self.width_policy.prepare(self.target, self.strategy.draft, self.rows, self.strategy.lookahead())
         self.target.reset(self.rows)
         self.strategy.open(self.rows)
         self.slots = [None] * self.rows
         self._open = True
 
     @torch.no_grad()
-    def admit(self, requests: Sequence[RowRequest], *, outputs: Sequence[OutputBuffer] | None = None,
-              stats: Sequence[GenerationStats] | None = None) -> list[Event]:
+    def admit(
+        self,
+        requests: Sequence[RowRequest],
+        *,
+        outputs: Sequence[OutputBuffer] | None = None,
+        stats: Sequence[GenerationStats] | None = None,
+    ) -> list[Event]:
         """Prefill ``requests`` in free rows (at most ``free_rows()``) and take each one's first token. Returns
         the events of those that ended at once (a one-token budget, EOS, an error of their own)."""
         if not self._open:
@@ -110,23 +134,43 @@ class DecodeEngine:
         if any(problems):  # a request that cannot run fails alone, before it takes a row
             keep = [k for k, problem in enumerate(problems) if not problem]
             refused = [Failed(requests[k].key, UserError(problem)) for k, problem in enumerate(problems) if problem]
-            return refused + (self.admit([requests[k] for k in keep],
-                                         outputs=[outputs[k] for k in keep] if outputs else None,
-                                         stats=[stats[k] for k in keep] if stats else None) if keep else [])
+            return refused + (
+                self.admit(
+                    [requests[k] for k in keep],
+                    outputs=[outputs[k] for k in keep] if outputs else None,
+                    stats=[stats[k] for k in keep] if stats else None,
+                )
+                if keep
+                else []
+            )
         now = time.perf_counter()
-        states = [RowState(req, row,
-                           outputs[k] if outputs else OutputBuffer(req.max_new_tokens, self.eos_ids, req.on_tokens),
-                           stats[k] if stats else GenerationStats(), now)
-                  for k, (req, row) in enumerate(zip(requests, free))]
+        states = [
+            RowState(
+                req,
+                row,
+                outputs[k] if outputs else OutputBuffer(req.max_new_tokens, self.eos_ids, req.on_tokens),
+                stats[k] if stats else GenerationStats(),
+                now,
+            )
+            for k, (req, row) in enumerate(zip(requests, free))
+        ]
         for state in states:
             self.slots[state.row] = state
         strategy = self.strategy
         if self.strategy.reads_prompt:
             return self._admit_unread(states)
         try:
-            prefill = strategy.beside(states, lambda: prefill_rows(
-                self.target, [s.row for s in states], [list(s.request.prompt) for s in states],
-                capture_layers=strategy.capture_layers, return_last_hidden=strategy.wants_last_hidden), prefill=True)
+            prefill = strategy.beside(
+                states,
+                lambda: prefill_rows(
+                    self.target,
+                    [s.row for s in states],
+                    [list(s.request.prompt) for s in states],
+                    capture_layers=strategy.capture_layers,
+                    return_last_hidden=strategy.wants_last_hidden,
+                ),
+                prefill=True,
+            )
         except Exception as exc:  # noqa: BLE001 - the new rows' batched prefill failed: they end, the rest goes on
             return [self._end(state, exc) for state in states]
         self.forwards += prefill.forwards
@@ -206,10 +250,18 @@ class DecodeEngine:
                 verdict.append(self._verify(active, proposals, scored, span))
                 return verdict[0].kept
 
-            scored = strategy.beside(active, lambda: forward_rows(
-                self.target, feeds, wanted, capture_layers=strategy.capture_layers,
-                return_last_hidden=strategy.wants_last_hidden or lazy, trees=row_trees if trees else None,
-                commit=walk if trees else None))
+            scored = strategy.beside(
+                active,
+                lambda: forward_rows(
+                    self.target,
+                    feeds,
+                    wanted,
+                    capture_layers=strategy.capture_layers,
+                    return_last_hidden=strategy.wants_last_hidden or lazy,
+                    trees=row_trees if trees else None,
+                    commit=walk if trees else None,
+                ),
+            )
             self.forwards += 1
         except Exception as exc:  # noqa: BLE001 - a batched call failed: every row in flight fails
             return [self._end(state, exc) for state in active]
@@ -224,8 +276,9 @@ class DecodeEngine:
             return scored.logits[state.row]
         width = len(state.pending) + len(proposal.tokens)
         if self.strategy.lazy_tree_rows:
-            return RowLogits(scored.forward.last_hidden[state.row, len(state.pending) - 1:width],
-                             self.target.logits_from_hidden)
+            return RowLogits(
+                scored.forward.last_hidden[state.row, len(state.pending) - 1 : width], self.target.logits_from_hidden
+            )
         return RowLogits.computed(scored.logits[state.row])
 
     def _verify(self, active: list[RowState], proposals, scored: RowsOutput, span: int) -> _Verdict:
@@ -244,8 +297,10 @@ class DecodeEngine:
                 # the pending tokens and the accepted drafts stay cached; the last emitted token is pending
                 verdict.keep[state.row] -= len(proposal.tokens) - result.num_accepted
                 verdict.kept[state.row] = list(range(pending)) + (
-                    [pending + node for node in result.path] if proposal.tree is not None
-                    else list(range(pending, pending + result.num_accepted)))
+                    [pending + node for node in result.path]
+                    if proposal.tree is not None
+                    else list(range(pending, pending + result.num_accepted))
+                )
                 state.out.extend(emitted)
                 state.pending = [emitted[-1]]
             except Exception as exc:  # noqa: BLE001 - this row's verification or callback: it ends alone
@@ -300,8 +355,9 @@ class DecodeEngine:
             for event in events:
                 on_event(event)
 
-    def run_one(self, request: RowRequest, out: OutputBuffer | None = None,
-                stats: GenerationStats | None = None) -> GenerationResult:
+    def run_one(
+        self, request: RowRequest, out: OutputBuffer | None = None, stats: GenerationStats | None = None
+    ) -> GenerationResult:
         """``request`` alone, from an empty cache; its error, if any, is raised."""
         self.open()
         try:

@@ -36,10 +36,16 @@ class RowsOutput:
     forward: RunnerOutput
 
 
-def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] | None], *,
-                 capture_layers: Sequence[int] = (), return_last_hidden: bool = False,
-                 trees: Sequence[DraftTree | None] | None = None,
-                 commit: Callable[[RowsOutput], Sequence[Sequence[int]]] | None = None) -> RowsOutput:
+def forward_rows(
+    runner,
+    feeds: Sequence[Feed],
+    wanted: Sequence[Sequence[int] | None],
+    *,
+    capture_layers: Sequence[int] = (),
+    return_last_hidden: bool = False,
+    trees: Sequence[DraftTree | None] | None = None,
+    commit: Callable[[RowsOutput], Sequence[Sequence[int]]] | None = None,
+) -> RowsOutput:
     """Feed rows ``0..len(feeds)-1`` of ``runner``'s batch their tokens in one forward; ``wanted[b]`` lists the
     positions (into row b's feed) whose logits row b needs. Rows after ``len(feeds)`` sit out; each row ends holding
     its cached tokens plus its feed (an idle row: nothing).
@@ -56,7 +62,7 @@ def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] |
     width = max(len(feeds[b]) for b in busy)
     ids = torch.full((n, width), PAD_ID, dtype=torch.long)
     for b in busy:
-        ids[b, :len(feeds[b])] = torch.tensor(list(feeds[b]), dtype=torch.long)
+        ids[b, : len(feeds[b])] = torch.tensor(list(feeds[b]), dtype=torch.long)
     fed = torch.tensor([len(feed) if feed else 0 for feed in feeds], dtype=torch.long, device=runner.device)
     with _first_rows(runner, n):
         idle = torch.tensor([feed is None for feed in feeds], device=runner.device)
@@ -69,16 +75,27 @@ def forward_rows(runner, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] |
             shape = {key: value.to(runner.device) for key, value in shape.items()}
         uniform = all(len(feeds[b]) == width for b in busy)
         if uniform and all(list(wanted[b]) == [width - 1] for b in busy):
-            out = runner.forward(ids.to(runner.device), only_last_logits=True, capture_layers=capture_layers,
-                                 return_last_hidden=return_last_hidden, **shape)
+            out = runner.forward(
+                ids.to(runner.device),
+                only_last_logits=True,
+                capture_layers=capture_layers,
+                return_last_hidden=return_last_hidden,
+                **shape,
+            )
             logits = [out.logits[b].float() if feeds[b] else None for b in range(n)]
         elif runner.scores_every_row or (uniform and all(list(wanted[b]) == list(range(width)) for b in busy)):
-            out = runner.forward(ids.to(runner.device), capture_layers=capture_layers,
-                                 return_last_hidden=return_last_hidden, **shape)
+            out = runner.forward(
+                ids.to(runner.device), capture_layers=capture_layers, return_last_hidden=return_last_hidden, **shape
+            )
             logits = [out.logits[b, list(wanted[b])].float() if feeds[b] else None for b in range(n)]
         else:
-            out = runner.forward(ids.to(runner.device), logit_rows=slice(0, 0), capture_layers=capture_layers,
-                                 return_last_hidden=True, **shape)
+            out = runner.forward(
+                ids.to(runner.device),
+                logit_rows=slice(0, 0),
+                capture_layers=capture_layers,
+                return_last_hidden=True,
+                **shape,
+            )
             logits = _score_rows(runner, out.last_hidden, feeds, wanted)
         result = RowsOutput(logits, out)
         if commit is None:
@@ -112,8 +129,9 @@ def _causal(size: int) -> torch.Tensor:
     return steps[:, None] >= steps[None, :]
 
 
-def _tree_shape(feeds: Sequence[Feed], trees: Sequence[DraftTree | None], before: torch.Tensor,
-                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tree_shape(
+    feeds: Sequence[Feed], trees: Sequence[DraftTree | None], before: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [B, W] and short-form mask [B, W, W] of a forward where some rows feed trees: chains read
     causally, a tree row as :func:`tree_feed` says, and pads see only themselves (their outputs are never read)."""
     batch = len(feeds)
@@ -133,8 +151,9 @@ def _tree_shape(feeds: Sequence[Feed], trees: Sequence[DraftTree | None], before
     return positions, mask
 
 
-def _score_rows(runner, last_hidden: torch.Tensor, feeds: Sequence[Feed],
-                wanted: Sequence[Sequence[int] | None]) -> list[torch.Tensor | None]:
+def _score_rows(
+    runner, last_hidden: torch.Tensor, feeds: Sequence[Feed], wanted: Sequence[Sequence[int] | None]
+) -> list[torch.Tensor | None]:
     """The wanted rows of every busy row, scored in one ``logits_from_hidden`` call and split back per row."""
     picks = [(b, t) for b, feed in enumerate(feeds) if feed for t in wanted[b]]
     if not picks:  # every row's logits are read later, from the forward's last hidden states
@@ -149,7 +168,7 @@ def _score_rows(runner, last_hidden: torch.Tensor, feeds: Sequence[Feed],
             logits.append(None)
             continue
         count = len(wanted[b])
-        logits.append(scored[start:start + count])
+        logits.append(scored[start : start + count])
         start += count
     return logits
 
@@ -162,8 +181,10 @@ class _first_rows:
             raise ValueError(f"{n} rows fed but the runner's batch holds {runner.batch_size}")
         self.inner = runner.first_rows(n) if n < runner.batch_size and hasattr(runner, "first_rows") else None
         if self.inner is None and n < runner.batch_size:
-            raise UserError(f"{type(runner).__name__} cannot step part of its batch; serve one request at a time "
-                            "(batch_size=1) or use the native runner")
+            raise UserError(
+                f"{type(runner).__name__} cannot step part of its batch; serve one request at a time "
+                "(batch_size=1) or use the native runner"
+            )
 
     def __enter__(self) -> None:
         if self.inner is not None:
@@ -185,8 +206,15 @@ class Prefill:
     last_hidden: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, logits: bool = True,
-                 capture_layers: Sequence[int] = (), return_last_hidden: bool = False) -> Prefill:
+def prefill_rows(
+    runner,
+    rows: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    *,
+    logits: bool = True,
+    capture_layers: Sequence[int] = (),
+    return_last_hidden: bool = False,
+) -> Prefill:
     """Write each prompt into its row's cache, emptied first; the other rows keep theirs. With spare rows (a runner
     of at least ``batch_size + len(rows)`` rows) the prompts run together in a block of spare rows and are copied
     into place; otherwise each runs in its own row, alone. An empty prompt leaves its row empty."""
@@ -219,17 +247,24 @@ def prefill_rows(runner, rows: Sequence[int], prompts: Sequence[Sequence[int]], 
     return results
 
 
-def _prefill_block(runner, prompts: Sequence[Sequence[int]], logits: bool, capture_layers: Sequence[int],
-                   results: Prefill, slots: Sequence[int], last_hidden: bool = False) -> None:
+def _prefill_block(
+    runner,
+    prompts: Sequence[Sequence[int]],
+    logits: bool,
+    capture_layers: Sequence[int],
+    results: Prefill,
+    slots: Sequence[int],
+    last_hidden: bool = False,
+) -> None:
     """One forward over ``prompts`` (rows 0.. of the runner's current view), results written at ``slots``."""
     # no logits (a draft LM's prefill): no row is scored, the lm_head does not run
     wanted = [[len(p) - 1] if logits else [] for p in prompts]
     out = forward_rows(runner, prompts, wanted, capture_layers=capture_layers, return_last_hidden=last_hidden)
     for i, k in enumerate(slots):
         results.logits[k] = out.logits[i][0] if logits else None
-        results.hidden[k] = {layer: h[i, :len(prompts[i])] for layer, h in out.forward.hidden.items()}
+        results.hidden[k] = {layer: h[i, : len(prompts[i])] for layer, h in out.forward.hidden.items()}
         if last_hidden:
-            results.last_hidden[k] = out.forward.last_hidden[i, :len(prompts[i])]
+            results.last_hidden[k] = out.forward.last_hidden[i, : len(prompts[i])]
 
 
 def _empty(runner, rows: Sequence[int]) -> None:

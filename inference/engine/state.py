@@ -194,6 +194,8 @@ def fit_problem(prompt_len: int, max_new_tokens: int, lookahead: int, max_seq_le
     needed = prompt_len + max_new_tokens + lookahead
     if needed <= max_seq_len:
         return ""
-    return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} lookahead) needs "
-            f"{needed} cache slots but max_seq_len={max_seq_len}; shorten the prompt, lower max_new_tokens or "
-            "raise max_seq_len")
+    return (
+        f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} lookahead) needs "
+        f"{needed} cache slots but max_seq_len={max_seq_len}; shorten the prompt, lower max_new_tokens or "
+        "raise max_seq_len"
+    )

@@ -119,12 +119,14 @@ class Strategy:
             state.stats.record_round(proposal.drafted, result.num_accepted)
             state.stats.drafted_tokens += len(proposal.tokens) - proposal.drafted
 
-    def verified(self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput,
-                 row: int) -> None:
+    def verified(
+        self, state: RowState, proposal: Proposal, result: VerifyResult, forward: RunnerOutput, row: int
+    ) -> None:
         """Per row, after verification and before its tokens are emitted (``row``: its index in ``forward``)."""
 
-    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal],
-                 results: Sequence[VerifyResult | None]) -> None:
+    def accepted(
+        self, states: Sequence[RowState], proposals: Sequence[Proposal], results: Sequence[VerifyResult | None]
+    ) -> None:
         """After a step, once for every row that took part (None: the row failed); the drafter's rollback."""
 
     def release(self, state: RowState) -> None:

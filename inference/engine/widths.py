@@ -87,14 +87,16 @@ class StepCosts:
         return seconds[lo] + slope * (rows - points[lo])
 
     def as_dict(self) -> dict:
-        return {"target_s_by_rows": dict(zip(self.tokens, [round(s, 6) for s in self.target_s])),
-                "draft_s": round(self.draft_s, 6)}
+        return {
+            "target_s_by_rows": dict(zip(self.tokens, [round(s, 6) for s in self.target_s])),
+            "draft_s": round(self.draft_s, 6),
+        }
 
 
 def expected_tokens(acceptance: float, width: int) -> float:
     """New tokens a row emits in expectation at ``width`` when each drafted position is accepted with probability
     ``acceptance`` (given the ones before it): ``1 + α + ... + α^(width-1)``."""
-    return float(sum(acceptance ** k for k in range(width)))
+    return float(sum(acceptance**k for k in range(width)))
 
 
 class CostModelWidths(WidthPolicy):
@@ -104,10 +106,15 @@ class CostModelWidths(WidthPolicy):
 
     name = "cost"
 
-    def __init__(self, costs: StepCosts | None = None, *, prior_acceptance: float = 0.5, prior_weight: int = 8,
-                 context: int = 64):
-        self.costs, self.prior_acceptance, self.prior_weight, self.context = costs, prior_acceptance, prior_weight, \
-            context
+    def __init__(
+        self, costs: StepCosts | None = None, *, prior_acceptance: float = 0.5, prior_weight: int = 8, context: int = 64
+    ):
+        self.costs, self.prior_acceptance, self.prior_weight, self.context = (
+            costs,
+            prior_acceptance,
+            prior_weight,
+            context,
+        )
         self.judged, self.accepted = 0, 0  # over every row that has ended (their counters leave with them)
         self.last_widths: list[int] = []
 
@@ -159,7 +166,7 @@ def choose_widths(costs: StepCosts, acceptance: Sequence[float], caps: Sequence[
         choice = None
         for i, (a, w, cap) in enumerate(zip(acceptance, widths, caps)):
             if w < cap:
-                value = rate(expected + a ** w, rows + 1, max(widest, w + 1))
+                value = rate(expected + a**w, rows + 1, max(widest, w + 1))
                 if choice is None or value > choice[0]:  # ties go to the earlier row
                     choice = (value, i)
         if choice is None or choice[0] <= best:
@@ -170,13 +177,12 @@ def choose_widths(costs: StepCosts, acceptance: Sequence[float], caps: Sequence[
         rows, widest = rows + 1, max(widest, widths[i])
 
 
-def measure_step_costs(target, draft, rows: int, max_width: int, *, context: int = 64,
-                       repeats: int = 3) -> StepCosts:
+def measure_step_costs(target, draft, rows: int, max_width: int, *, context: int = 64, repeats: int = 3) -> StepCosts:
     """Time target forwards that score 1 .. ``rows * max_width`` rows (powers of two and the largest), each over
     ``rows`` rows holding ``context`` tokens, and one batched draft forward of ``rows`` rows (a token each); the
     median of ``repeats`` timings each. Leaves both runners' caches empty."""
     largest = rows * max_width
-    points = sorted({1, largest, *(2 ** k for k in range(largest.bit_length()) if 2 ** k <= largest)})
+    points = sorted({1, largest, *(2**k for k in range(largest.bit_length()) if 2**k <= largest)})
     target_s = [_median_forward(target, rows, n, context, repeats) for n in points]
     draft_s = _median_forward(draft, rows, rows, context, repeats) if draft is not None else 0.0
     return StepCosts(points, target_s, draft_s)

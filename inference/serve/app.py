@@ -36,8 +36,16 @@ from inference.serve.engine import ServedModel
 from inference.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from inference.serve.metrics import ServeMetrics
 from inference.serve.scheduler import Chunk, Closed, Failed, Finished, Generation, QueueFull, Scheduler
-from inference.serve.schemas import (APIError, ChatRequest, CompletionRequest, GenerationRequest, ResponseShape,
-                                     error_body, new_id, usage_body)
+from inference.serve.schemas import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ResponseShape,
+    error_body,
+    new_id,
+    usage_body,
+)
 from inference.serve.text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -57,8 +65,9 @@ def retry_after(seconds: int | None) -> dict[str, str] | None:
     return {"Retry-After": str(seconds)} if seconds is not None else None
 
 
-def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, *,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     app = FastAPI(title="spectrain", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     _add_error_handlers(app, metrics)
@@ -66,9 +75,11 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, 
     @app.get("/health")
     async def health() -> Response:
         ok, state = scheduler.health()
-        return JSONResponse({**state, "exactness": model.exactness, "batching": model.batching},
-                            status_code=200 if ok else 503,
-                            headers=None if ok else retry_after(scheduler.retry_after()))
+        return JSONResponse(
+            {**state, "exactness": model.exactness, "batching": model.batching},
+            status_code=200 if ok else 503,
+            headers=None if ok else retry_after(scheduler.retry_after()),
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -76,9 +87,19 @@ def create_app(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
-                                            "owned_by": "spectrain", "algorithm": model.label,
-                                            "max_model_len": model.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "spectrain",
+                    "algorithm": model.label,
+                    "max_model_len": model.max_seq_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -121,8 +142,13 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
         incident = new_id("incident")  # its text (paths, shapes) stays in the log, found by this id
         log.error("%s %s failed (%s)", request.method, request.url.path, incident, exc_info=exc)
-        return answer(request, 500, error_body(f"internal error ({type(exc).__name__}; {incident}: the server's log "
-                                               "has the details)", "server_error"))
+        return answer(
+            request,
+            500,
+            error_body(
+                f"internal error ({type(exc).__name__}; {incident}: the server's log has the details)", "server_error"
+            ),
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -132,16 +158,24 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
 
 def _check_model(model: ServedModel, body: GenerationRequest) -> None:
     if body.model != model.name:
-        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{model.name}'",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model '{body.model}' does not exist; this server serves '{model.name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _check_text_length(model: ServedModel, chars: int, param: str) -> None:
     """Text the context cannot hold is refused before it is tokenised (which, for megabytes, takes seconds)."""
     if chars > model.max_prompt_chars:
-        raise APIError(400, f"the prompt's text has {chars} characters, more than this model's context of "
-                            f"{model.max_seq_len} tokens can hold; shorten the prompt", param=param,
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt's text has {chars} characters, more than this model's context of "
+            f"{model.max_seq_len} tokens can hold; shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _completion_prompt(model: ServedModel, body: CompletionRequest) -> list[int]:
@@ -164,10 +198,14 @@ def _max_tokens(model: ServedModel, body: GenerationRequest, prompt_len: int) ->
         return min(model.default_max_tokens, room)
     if room < 1 or asked > room:
         wanted = f" + max_tokens={asked}" if asked is not None else ""
-        raise APIError(400, f"this model's context is {model.max_seq_len} tokens, but the prompt has {prompt_len} "
-                            f"tokens{wanted} (+{model.algorithm.lookahead()} the algorithm reserves); shorten the "
-                            "prompt or lower max_tokens", param="messages" if hasattr(body, "messages") else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's context is {model.max_seq_len} tokens, but the prompt has {prompt_len} "
+            f"tokens{wanted} (+{model.algorithm.lookahead()} the algorithm reserves); shorten the "
+            "prompt or lower max_tokens",
+            param="messages" if hasattr(body, "messages") else "prompt",
+            code="context_length_exceeded",
+        )
     return asked
 
 
@@ -175,25 +213,49 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, request: Request,
-                  body: GenerationRequest, prompt_ids: list[int], *, chat: bool) -> Response:
+async def _answer(
+    model: ServedModel,
+    scheduler: Scheduler,
+    metrics: ServeMetrics,
+    request: Request,
+    body: GenerationRequest,
+    prompt_ids: list[int],
+    *,
+    chat: bool,
+) -> Response:
     max_tokens = _max_tokens(model, body, len(prompt_ids))
     default = model.default_sampling  # checked at start-up; the request's own fields by its schema
-    sampling = SamplingParams(default.temperature if body.temperature is None else body.temperature,
-                              default.top_k if body.top_k is None else max(body.top_k, 0),
-                              default.top_p if body.top_p is None else body.top_p)
+    sampling = SamplingParams(
+        default.temperature if body.temperature is None else body.temperature,
+        default.top_k if body.top_k is None else max(body.top_k, 0),
+        default.top_p if body.top_p is None else body.top_p,
+    )
     events: asyncio.Queue = asyncio.Queue()
     send = event_sender(asyncio.get_running_loop(), events)
 
     seed = body.seed if body.seed is not None else model.request_seed()
     shape = ResponseShape(chat, model.name, body.return_token_ids)
-    gen = Generation(prompt_ids, max_tokens, sampling, seed, TextAssembler(model.tokenizer, body.stop_list()), send,
-                     model.eos_ids, stream=body.stream, request_id=shape.id)
+    gen = Generation(
+        prompt_ids,
+        max_tokens,
+        sampling,
+        seed,
+        TextAssembler(model.tokenizer, body.stop_list()),
+        send,
+        model.eos_ids,
+        stream=body.stream,
+        request_id=shape.id,
+    )
     try:
         scheduler.submit(gen)
     except QueueFull as full:
-        raise Unavailable(429, f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
-                          full.retry_after, type="rate_limit_error", code="queue_full") from None
+        raise Unavailable(
+            429,
+            f"the server's queue is full ({scheduler.max_queue} requests waiting); retry later",
+            full.retry_after,
+            type="rate_limit_error",
+            code="queue_full",
+        ) from None
     except Closed as closed:
         raise Unavailable(503, closed.message, closed.retry_after, type="server_error", code=closed.code) from None
     usage = _usage_builder(model, len(prompt_ids))
@@ -203,8 +265,11 @@ async def _answer(model: ServedModel, scheduler: Scheduler, metrics: ServeMetric
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EndingStream(_stream(scheduler, gen, events, shape, usage, include_usage, count),
-                            media_type="text/event-stream", on_unstarted=lambda: _client_gone(scheduler, gen, count))
+        return EndingStream(
+            _stream(scheduler, gen, events, shape, usage, include_usage, count),
+            media_type="text/event-stream",
+            on_unstarted=lambda: _client_gone(scheduler, gen, count),
+        )
     return await _collect(scheduler, gen, events, shape, usage, request, count)
 
 
@@ -260,8 +325,15 @@ class EndingStream(StreamingResponse):
                 await self._body.aclose()
 
 
-async def _stream(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
-                  include_usage: bool, count: Callable[[int], None]) -> AsyncIterator[str]:
+async def _stream(
+    scheduler: Scheduler,
+    gen: Generation,
+    events: asyncio.Queue,
+    shape: ResponseShape,
+    usage,
+    include_usage: bool,
+    count: Callable[[int], None],
+) -> AsyncIterator[str]:
     status = CLIENT_GONE  # until the end event says otherwise
     try:
         if shape.chat:
@@ -301,8 +373,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue, shape: ResponseShape, usage,
-                   request: Request, count: Callable[[int], None]) -> Response:
+async def _collect(
+    scheduler: Scheduler,
+    gen: Generation,
+    events: asyncio.Queue,
+    shape: ResponseShape,
+    usage,
+    request: Request,
+    count: Callable[[int], None],
+) -> Response:
     response = Response(status_code=CLIENT_GONE)
     text, token_ids = [], []
     gone = asyncio.ensure_future(_disconnected(request))
@@ -318,8 +397,11 @@ async def _collect(scheduler: Scheduler, gen: Generation, events: asyncio.Queue,
                 text.append(event.text)
                 token_ids.extend(event.token_ids)
             elif isinstance(event, Failed):
-                response = JSONResponse(error_body(event.message, "server_error", code=event.code),
-                                        status_code=event.status, headers=retry_after(event.retry_after))
+                response = JSONResponse(
+                    error_body(event.message, "server_error", code=event.code),
+                    status_code=event.status,
+                    headers=retry_after(event.retry_after),
+                )
                 return response
             else:
                 assert isinstance(event, Finished)

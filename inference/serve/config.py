@@ -7,19 +7,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.overrides import OverrideError
-from inference.engine_args import (EngineArgs, check_algorithm_options, check_placement, parse_engine_cli,
-                                   parse_variant, with_overrides)
+from inference.engine_args import (
+    EngineArgs,
+    check_algorithm_options,
+    check_placement,
+    parse_engine_cli,
+    parse_variant,
+    with_overrides,
+)
 from inference.round_observers import check_observer
 from inference.serve.limits import DEFAULT_MAX_BODY_BYTES
 
-USAGE = ("python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
-         "[any option of inference.evaluate, e.g. adapt=bandit or algorithm=sps@gamma=3]")
+USAGE = (
+    "python -m inference.serve target=smollm2 drafters=DIR algorithm=eagle3_tree host=127.0.0.1 port=8000 "
+    "[any option of inference.evaluate, e.g. adapt=bandit or algorithm=sps@gamma=3]"
+)
 
-TIME_LIMITS_HELP = ("time limits, in seconds: max_queue_wait_s=120 (a request not started by then gets 503), "
-                    "stall_s=60 (/health answers 503 while the engine has work but no token for this long), "
-                    "draft_timeout_s=60 (executor=multiprocess: a slower draft call fails its request and the draft "
-                    "process restarts), shutdown_timeout_s=10 (at SIGTERM, after the queue is answered 503, open "
-                    "connections get this long)")
+TIME_LIMITS_HELP = (
+    "time limits, in seconds: max_queue_wait_s=120 (a request not started by then gets 503), "
+    "stall_s=60 (/health answers 503 while the engine has work but no token for this long), "
+    "draft_timeout_s=60 (executor=multiprocess: a slower draft call fails its request and the draft "
+    "process restarts), shutdown_timeout_s=10 (at SIGTERM, after the queue is answered 503, open "
+    "connections get this long)"
+)
 
 
 @dataclass
@@ -66,8 +76,9 @@ def parse_args(argv: Sequence[str]) -> Any:
     for arg in argv:  # before parsing: a list would fail there with a vaguer message
         key, _, value = arg.partition("=")
         if key == "algorithms" or (key == "algorithm" and ("," in value or value.startswith("["))):
-            raise OverrideError(f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per "
-                                "algorithm")
+            raise OverrideError(
+                f"{arg}: a server runs one algorithm; write algorithm=NAME and start one server per algorithm"
+            )
     cfg, given = parse_engine_cli(argv, ServeConfig, USAGE)
     for key, low in (("max_new_tokens", 1), ("max_queue", 1), ("batch_size", 0), ("max_step_tokens", 0)):
         if cfg[key] < low:
@@ -94,5 +105,7 @@ def parse_args(argv: Sequence[str]) -> Any:
     except ValueError as exc:
         raise OverrideError(str(exc)) from None
     if variant.max_new_tokens < 1:  # the default budget of every request
-        raise OverrideError(f"algorithm variant '{cfg.algorithm}': max_new_tokens={variant.max_new_tokens} must be >= 1")
+        raise OverrideError(
+            f"algorithm variant '{cfg.algorithm}': max_new_tokens={variant.max_new_tokens} must be >= 1"
+        )
     return cfg

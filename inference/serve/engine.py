@@ -24,8 +24,15 @@ from inference.algorithms import ALGORITHMS, algorithm_class
 from inference.algorithms.base import Algorithm
 from inference.drafters import LoadedModel, eos_token_ids, load_lm, model_dtype, pick_device
 from inference.engine.widths import CostModelWidths, StepBudget, WidthPolicy
-from inference.engine_args import (build_variant, check_drafters, drafter_paths, load_drafters, parse_variant,
-                                   resolved_config, sampling_params)
+from inference.engine_args import (
+    build_variant,
+    check_drafters,
+    drafter_paths,
+    load_drafters,
+    parse_variant,
+    resolved_config,
+    sampling_params,
+)
 from inference.round_observers import ObserverTap
 from inference.runner_contract import default_dtype
 from inference.sampling import SamplingParams
@@ -60,13 +67,22 @@ class ServedModel:
         """How requests share the engine, for ``/health``."""
         widths = self.widths.describe()
         budget = widths.get("max_step_tokens", 0)
-        shrink = {"budget": f"; each step scores at most {budget} target rows, so drafts shrink as requests join, "
-                            "down to AR steps",
-                  "cost": "; each step's drafts are as long as this host's measured forward costs and the rows' "
-                          "acceptance make worth it, down to AR steps"}.get(widths["width_policy"], "")
-        return {"batch_size": self.batch_size, "max_step_tokens": budget, **widths,
-                "policy": ("one request at a time" if not self.batched else
-                           f"up to {self.batch_size} requests side by side" + shrink)}
+        shrink = {
+            "budget": f"; each step scores at most {budget} target rows, so drafts shrink as requests join, "
+            "down to AR steps",
+            "cost": "; each step's drafts are as long as this host's measured forward costs and the rows' "
+            "acceptance make worth it, down to AR steps",
+        }.get(widths["width_policy"], "")
+        return {
+            "batch_size": self.batch_size,
+            "max_step_tokens": budget,
+            **widths,
+            "policy": (
+                "one request at a time"
+                if not self.batched
+                else f"up to {self.batch_size} requests side by side" + shrink
+            ),
+        }
 
     def room(self, prompt_len: int) -> int:
         """New tokens the context leaves after a prompt of ``prompt_len`` tokens (the algorithm's lookahead
@@ -104,8 +120,10 @@ def claim_runner(runner: Any) -> None:
     """Hold ``runner`` for one served model; a second claim fails in one line until ``release_runner``."""
     with _SERVED_LOCK:
         if runner in _SERVED_RUNNERS:
-            raise UserError("this target's runner (its KV cache) already serves another server; close that server "
-                             "first, or load the target again for this one")
+            raise UserError(
+                "this target's runner (its KV cache) already serves another server; close that server "
+                "first, or load the target again for this one"
+            )
         _SERVED_RUNNERS.add(runner)
 
 
@@ -132,8 +150,10 @@ def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype, device: s
     batch-invariant, and a server's greedy answers must be AR's."""
     if not algorithm_class(algorithm).batchable:
         if batch_size > 1:
-            raise UserError(f"batch_size={batch_size}: {algorithm} serves one request at a time; batched serving "
-                            f"runs {', '.join(batchable_algorithms())} (or set batch_size=1)")
+            raise UserError(
+                f"batch_size={batch_size}: {algorithm} serves one request at a time; batched serving "
+                f"runs {', '.join(batchable_algorithms())} (or set batch_size=1)"
+            )
         return 1
     if batch_size:
         return batch_size
@@ -141,8 +161,13 @@ def serving_batch(batch_size: int, algorithm: str, dtype: torch.dtype, device: s
     return AUTO_BATCH if exact or dtype == torch.float32 else 1
 
 
-def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[str, Any] | None = None,
-                      on_decision: Callable[[dict], None] | None = None) -> ServedModel:
+def load_served_model(
+    cfg: Any,
+    *,
+    target: LoadedModel | None = None,
+    drafters: dict[str, Any] | None = None,
+    on_decision: Callable[[dict], None] | None = None,
+) -> ServedModel:
     """Load (or take) the target and the algorithm's drafter, and build ``cfg.algorithm`` over them. A batched
     algorithm with ``batch_size`` > 1 loads its target (and draft LM) with ``2 * batch_size`` rows: new prompts
     prefill in spare rows.
@@ -157,27 +182,40 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)), device)
     if batch > 1 and getattr(cfg, "adapt", "none") != "none":  # the adapter watches one query at a time
         if cfg.batch_size > 1:
-            raise UserError(f"batch_size={cfg.batch_size} with adapt={cfg.adapt}: the adapter learns from one "
-                            "request at a time; set batch_size=1")
+            raise UserError(
+                f"batch_size={cfg.batch_size} with adapt={cfg.adapt}: the adapter learns from one "
+                "request at a time; set batch_size=1"
+            )
         batch = 1
     if target is None:
-        target = load_lm(cfg.target, device=cfg.device, max_seq_len=cfg.max_seq_len,
-                         max_batch_size=2 * batch if batch > 1 else 1, dtype=dtype, chat_template=cfg.chat_template)
+        target = load_lm(
+            cfg.target,
+            device=cfg.device,
+            max_seq_len=cfg.max_seq_len,
+            max_batch_size=2 * batch if batch > 1 else 1,
+            dtype=dtype,
+            chat_template=cfg.chat_template,
+        )
     if batch > 1 and not hasattr(target.runner, "row_block"):  # the transformers fallback: one row at a time
         if cfg.batch_size:
-            raise UserError(f"batch_size={batch}: this target runs on the transformers fallback, which serves one "
-                            "request at a time; set batch_size=1")
+            raise UserError(
+                f"batch_size={batch}: this target runs on the transformers fallback, which serves one "
+                "request at a time; set batch_size=1"
+            )
         batch = 1
     for key, value, unset in (("max_step_tokens", cfg.max_step_tokens, 0), ("width_policy", cfg.width_policy, "full")):
         if value != unset and (batch <= 1 or not algorithm_class(name).squeezable):
             squeezable = ", ".join(n for n in ALGORITHMS if algorithm_class(n).squeezable)
-            raise UserError(f"{key}={value} does nothing here: it sets the drafts of batched speculative serving "
-                            f"(batch_size > 1 with {squeezable}); drop it")
+            raise UserError(
+                f"{key}={value} does nothing here: it sets the drafts of batched speculative serving "
+                f"(batch_size > 1 with {squeezable}); drop it"
+            )
     check_rows(target.runner, batch, "target")
     claim_runner(target.runner)
     try:
-        loaded = load_drafters(cfg, paths, {kind} - {"none"}, target, preloaded,
-                               max_batch_size=2 * batch if batch > 1 else 1)
+        loaded = load_drafters(
+            cfg, paths, {kind} - {"none"}, target, preloaded, max_batch_size=2 * batch if batch > 1 else 1
+        )
         if kind == CAUSAL_LM_KIND:
             check_rows(loaded[kind], batch, "draft LM")
         algorithm, variant_cfg = build_variant(cfg.algorithm, resolved_config(cfg, paths), target, loaded, {})
@@ -188,18 +226,35 @@ def load_served_model(cfg: Any, *, target: LoadedModel | None = None, drafters: 
     adapter = getattr(algorithm, "adapter", None)
     if adapter is not None:  # the tap reports each query's decision; the algorithm calls it like the adapter
         adapter = algorithm.adapter = ObserverTap(adapter, on_decision or (lambda row: None))
-    return ServedModel(served_name(cfg), cfg.algorithm, algorithm, target.tokenizer,
-                       eos_token_ids(target.tokenizer, target.model.config), algorithm.max_seq_len, batch,
-                       variant_cfg.max_new_tokens, sampling_params(variant_cfg), adapter,
-                       target.runner.exactness.as_dict(), random.Random(variant_cfg.seed),
-                       widths=(CostModelWidths() if cfg.width_policy == "cost" else
-                               StepBudget(cfg.max_step_tokens) if cfg.max_step_tokens else WidthPolicy()))
+    return ServedModel(
+        served_name(cfg),
+        cfg.algorithm,
+        algorithm,
+        target.tokenizer,
+        eos_token_ids(target.tokenizer, target.model.config),
+        algorithm.max_seq_len,
+        batch,
+        variant_cfg.max_new_tokens,
+        sampling_params(variant_cfg),
+        adapter,
+        target.runner.exactness.as_dict(),
+        random.Random(variant_cfg.seed),
+        widths=(
+            CostModelWidths()
+            if cfg.width_policy == "cost"
+            else StepBudget(cfg.max_step_tokens)
+            if cfg.max_step_tokens
+            else WidthPolicy()
+        ),
+    )
 
 
 def check_rows(runner: Any, batch: int, what: str) -> None:
     if batch > 1 and runner.max_batch_size < batch:
-        raise UserError(f"batch_size={batch} but the {what} runner holds {runner.max_batch_size} rows; load it with "
-                        f"max_batch_size={2 * batch}")
+        raise UserError(
+            f"batch_size={batch} but the {what} runner holds {runner.max_batch_size} rows; load it with "
+            f"max_batch_size={2 * batch}"
+        )
 
 
 def limit_draft_calls(algorithm: Algorithm, seconds: float | None) -> None:
@@ -215,9 +270,13 @@ def warm_up(model: ServedModel) -> None:
     """One short greedy generation: allocation and kernel selection happen now, not in the first request; then
     the width policy measures what it needs (``width_policy=cost``: this host's forward costs)."""
     prompt = model.tokenizer("Hello", add_special_tokens=False)["input_ids"] or [0]
-    model.algorithm.generate(prompt, max_new_tokens=min(4, max(1, model.room(len(prompt)))),
-                             sampling=SamplingParams(0.0), generator=torch.Generator().manual_seed(0),
-                             eos_ids=model.eos_ids)
+    model.algorithm.generate(
+        prompt,
+        max_new_tokens=min(4, max(1, model.room(len(prompt)))),
+        sampling=SamplingParams(0.0),
+        generator=torch.Generator().manual_seed(0),
+        eos_ids=model.eos_ids,
+    )
     if model.batched:
         strategy = model.algorithm.strategy()
         model.widths.prepare(model.algorithm.target, strategy.draft, model.batch_size, strategy.lookahead())

@@ -54,5 +54,8 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     def _refuse(self) -> None:
-        raise HTTPException(413, f"the request body is over {self.max_bytes} bytes, this server's limit; send a "
-                                 "shorter prompt, or start the server with a larger max_body_bytes=")
+        raise HTTPException(
+            413,
+            f"the request body is over {self.max_bytes} bytes, this server's limit; send a "
+            "shorter prompt, or start the server with a larger max_body_bytes=",
+        )

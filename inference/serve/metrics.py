@@ -18,35 +18,51 @@ class ServeMetrics:
     def __init__(self, algorithm: str):
         r = self.registry = CollectorRegistry()
         label = {"algorithm": algorithm}
-        self.requests = Counter("spectrain_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "spectrain_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("spectrain_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.completion_tokens = Counter("spectrain_completion_tokens", "tokens returned by finished requests",
-                                         registry=r)
-        self.target_forwards = Counter("spectrain_target_forwards", "target forwards of finished requests",
-                                       registry=r)
-        self.accepted_tokens = Counter("spectrain_accepted_draft_tokens", "drafted tokens the target accepted",
-                                       registry=r)
-        self.tau = Histogram("spectrain_tau", "new tokens per target forward, per finished request",
-                             buckets=TAU_BUCKETS, registry=r)
-        self.accept_length = Histogram("spectrain_acceptance_length",
-                                       "drafted tokens kept per verification round", buckets=ACCEPT_BUCKETS,
-                                       registry=r)
-        self.latency = Histogram("spectrain_request_seconds", "from queued to last token", buckets=SECONDS_BUCKETS,
-                                 registry=r)
-        self.first_token = Histogram("spectrain_time_to_first_token_seconds", "from queued to first token",
-                                     buckets=SECONDS_BUCKETS, registry=r)
+        self.completion_tokens = Counter(
+            "spectrain_completion_tokens", "tokens returned by finished requests", registry=r
+        )
+        self.target_forwards = Counter("spectrain_target_forwards", "target forwards of finished requests", registry=r)
+        self.accepted_tokens = Counter(
+            "spectrain_accepted_draft_tokens", "drafted tokens the target accepted", registry=r
+        )
+        self.tau = Histogram(
+            "spectrain_tau", "new tokens per target forward, per finished request", buckets=TAU_BUCKETS, registry=r
+        )
+        self.accept_length = Histogram(
+            "spectrain_acceptance_length",
+            "drafted tokens kept per verification round",
+            buckets=ACCEPT_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "spectrain_request_seconds", "from queued to last token", buckets=SECONDS_BUCKETS, registry=r
+        )
+        self.first_token = Histogram(
+            "spectrain_time_to_first_token_seconds", "from queued to first token", buckets=SECONDS_BUCKETS, registry=r
+        )
         self.queue_depth = Gauge("spectrain_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("spectrain_running", "requests the engine is generating", registry=r)
-        self.cancelled = Counter("spectrain_cancelled", "requests dropped before their end (client went away)",
-                                 registry=r)
+        self.cancelled = Counter(
+            "spectrain_cancelled", "requests dropped before their end (client went away)", registry=r
+        )
         self.failed = Counter("spectrain_failed", "requests the engine failed on", registry=r)
-        self.decisions = Counter("spectrain_adapter_decisions", "serving-time adapter decisions by arm", ["arm"],
-                                 registry=r)
+        self.decisions = Counter(
+            "spectrain_adapter_decisions", "serving-time adapter decisions by arm", ["arm"], registry=r
+        )
         Gauge("spectrain_info", "what this server runs", list(label), registry=r).labels(**label).set(1)
 
-    def finished(self, prompt_tokens: int, completion_tokens: int, stats: GenerationStats, submitted: float,
-                 first_token_s: float | None) -> None:
+    def finished(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        stats: GenerationStats,
+        submitted: float,
+        first_token_s: float | None,
+    ) -> None:
         """Count one finished request (called on the engine's thread); ``submitted`` is its perf_counter time
         of queueing, ``first_token_s`` how long its first token took from there."""
         self.prompt_tokens.inc(prompt_tokens)

@@ -109,9 +109,19 @@ class Generation:
     new tokens and ``finish`` at its end; ``send`` delivers the events to the client's handler
     (thread-safe)."""
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, seed: int,
-                 text: TextAssembler, send: Callable[[object], None], eos_ids: list[int], *, stream: bool = True,
-                 request_id: str | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int,
+        text: TextAssembler,
+        send: Callable[[object], None],
+        eos_ids: list[int],
+        *,
+        stream: bool = True,
+        request_id: str | None = None,
+    ):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
         self.request_id = request_id or new_id("req")  # the answer's id: failures are logged under it
         self.text, self.send, self.eos_ids = text, send, set(eos_ids)
@@ -155,8 +165,15 @@ class Generation:
 
 
 class Scheduler:
-    def __init__(self, model: ServedModel, metrics: ServeMetrics, *, max_queue: int,
-                 max_queue_wait_s: float = math.inf, stall_s: float = math.inf):
+    def __init__(
+        self,
+        model: ServedModel,
+        metrics: ServeMetrics,
+        *,
+        max_queue: int,
+        max_queue_wait_s: float = math.inf,
+        stall_s: float = math.inf,
+    ):
         self.model, self.metrics, self.max_queue = model, metrics, max_queue
         self.max_queue_wait_s, self.stall_s = max_queue_wait_s, stall_s
         self._queue: deque[Generation] = deque()
@@ -188,8 +205,10 @@ class Scheduler:
         elif not self._thread.is_alive():
             status = "engine stopped; restart the server"
         elif busy and age > self.stall_s:
-            status = (f"stalled: the engine has made no progress for {age:.1f} s (stall_s={self.stall_s:g}); a "
-                      "draft process or kernel may hang")
+            status = (
+                f"stalled: the engine has made no progress for {age:.1f} s (stall_s={self.stall_s:g}); a "
+                "draft process or kernel may hang"
+            )
         else:
             status = "ok"
         return status == "ok", {"status": status, "last_progress_s": round(age, 3), "queue": waiting}
@@ -205,8 +224,11 @@ class Scheduler:
     def submit(self, gen: Generation) -> None:
         with self._cond:
             if self._closing or not self._thread.is_alive():
-                raise Closed(self._stopped or SHUTTING_DOWN, self.retry_after(),
-                             "engine_stopped" if self._stopped else "shutting_down")
+                raise Closed(
+                    self._stopped or SHUTTING_DOWN,
+                    self.retry_after(),
+                    "engine_stopped" if self._stopped else "shutting_down",
+                )
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(self.retry_after())
             self._queue.append(gen)
@@ -225,9 +247,15 @@ class Scheduler:
                 for gen in late:
                     if self._end(gen):
                         gen.cancelled.set()
-                        gen.send(Failed(f"the request waited {self.max_queue_wait_s:g} s in the queue "
-                                        "(max_queue_wait_s) without being served; retry later", status=503,
-                                        code="queue_timeout", retry_after=self.retry_after()))
+                        gen.send(
+                            Failed(
+                                f"the request waited {self.max_queue_wait_s:g} s in the queue "
+                                "(max_queue_wait_s) without being served; retry later",
+                                status=503,
+                                code="queue_timeout",
+                                retry_after=self.retry_after(),
+                            )
+                        )
                 head = self._queue[0].submitted + self.max_queue_wait_s - now if self._queue else None
                 self._timer.wait(head)
 
@@ -298,8 +326,10 @@ class Scheduler:
             incident = new_id("incident")
             log.critical("the engine's worker stopped (%s)", incident, exc_info=exc)
             # The exception's text (paths, shapes) stays in the log; clients and /health get its type and an id.
-            self._stopped = (f"engine stopped ({type(exc).__name__}; {incident}: the server's log has the details); "
-                             "restart the server")
+            self._stopped = (
+                f"engine stopped ({type(exc).__name__}; {incident}: the server's log has the details); "
+                "restart the server"
+            )
             self._refuse_all(Failed(self._stopped, status=503, code="engine_stopped", retry_after=RESTART_RETRY_S))
 
     def _accept(self, gen: Generation, new: list[int]) -> bool:
@@ -331,10 +361,14 @@ class Scheduler:
         model = self.model
         self.metrics.running.set(1)
         try:
-            result = model.algorithm.generate(gen.prompt_ids, max_new_tokens=gen.max_tokens, sampling=gen.sampling,
-                                              generator=seeded_generator(gen.seed),
-                                              eos_ids=model.eos_ids,
-                                              on_tokens=lambda new: self._accept(gen, new))
+            result = model.algorithm.generate(
+                gen.prompt_ids,
+                max_new_tokens=gen.max_tokens,
+                sampling=gen.sampling,
+                generator=seeded_generator(gen.seed),
+                eos_ids=model.eos_ids,
+                on_tokens=lambda new: self._accept(gen, new),
+            )
             self._done(gen, result.stats)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
             self._fail(gen, exc)
@@ -345,9 +379,14 @@ class Scheduler:
         """Decode ``first`` and whatever else arrives, ``batch_size`` rows at a time on the engine loop, until the
         queue is empty. A row that fails ends alone; a failing batched call fails every row in flight."""
         model, waiting, started = self.model, [first], set()
-        engine = DecodeEngine(model.algorithm.target, model.algorithm.strategy(), rows=model.batch_size,
-                              eos_ids=model.eos_ids, max_seq_len=model.max_seq_len,
-                              width_policy=model.widths)
+        engine = DecodeEngine(
+            model.algorithm.target,
+            model.algorithm.strategy(),
+            rows=model.batch_size,
+            eos_ids=model.eos_ids,
+            max_seq_len=model.max_seq_len,
+            width_policy=model.widths,
+        )
 
         def next_request() -> RowRequest | None:
             while True:
@@ -363,8 +402,14 @@ class Scheduler:
                     continue
                 started.add(gen)
                 self.metrics.running.set(len(started))
-                return RowRequest(gen, gen.prompt_ids, gen.max_tokens, gen.sampling, generator,
-                                  lambda new, gen=gen: self._accept(gen, new))
+                return RowRequest(
+                    gen,
+                    gen.prompt_ids,
+                    gen.max_tokens,
+                    gen.sampling,
+                    generator,
+                    lambda new, gen=gen: self._accept(gen, new),
+                )
 
         def on_event(event: RowFinished | RowFailed) -> None:
             gen = event.key

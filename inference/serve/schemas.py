@@ -25,8 +25,15 @@ from inference.serve.limits import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MIN_TEMP
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -41,20 +48,31 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 _TOOLS = "tool and function calling"
 # field -> (its neutral values, what is not served): set to anything else, a request is refused naming the field
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "frequency_penalty": ((0,), "a frequency penalty"), "presence_penalty": ((0,), "a presence penalty"),
-    "repetition_penalty": ((1,), "a repetition penalty"), "logit_bias": (({},), "a logit bias"),
-    "min_p": ((0,), "min_p filtering (top_k and top_p are)"), "min_tokens": ((0,), "a minimum length"),
-    "ignore_eos": ((False,), "ignoring EOS"), "top_logprobs": ((0,), "logprobs"), "best_of": ((1,), "best_of"),
-    "suffix": (("",), "insertion (a suffix)"), "response_format": (({"type": "text"},), "structured output"),
-    "tools": (([],), _TOOLS), "tool_choice": (("none",), _TOOLS), "functions": (([],), _TOOLS),
-    "function_call": (("none",), _TOOLS), "prediction": ((), "a predicted output"), "audio": ((), "audio output"),
+    "frequency_penalty": ((0,), "a frequency penalty"),
+    "presence_penalty": ((0,), "a presence penalty"),
+    "repetition_penalty": ((1,), "a repetition penalty"),
+    "logit_bias": (({},), "a logit bias"),
+    "min_p": ((0,), "min_p filtering (top_k and top_p are)"),
+    "min_tokens": ((0,), "a minimum length"),
+    "ignore_eos": ((False,), "ignoring EOS"),
+    "top_logprobs": ((0,), "logprobs"),
+    "best_of": ((1,), "best_of"),
+    "suffix": (("",), "insertion (a suffix)"),
+    "response_format": (({"type": "text"},), "structured output"),
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none",), _TOOLS),
+    "functions": (([],), _TOOLS),
+    "function_call": (("none",), _TOOLS),
+    "prediction": ((), "a predicted output"),
+    "audio": ((), "audio output"),
     "modalities": ((["text"],), "output other than text"),
 }
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    return value is None or any(type(value) is not bool and value == n if type(n) is not bool else value is n
-                                for n in neutral)
+    return value is None or any(
+        type(value) is not bool and value == n if type(n) is not bool else value is n for n in neutral
+    )
 
 
 class StreamOptions(BaseModel):
@@ -86,8 +104,9 @@ class GenerationRequest(BaseModel):
         for name, (neutral, what) in UNSERVED.items():
             if isinstance(data, dict) and name in data and not _neutral(data[name], neutral):
                 shown = "null" + "".join(f" or {n!r}" for n in neutral) if neutral else "null"
-                raise PydanticCustomError("unserved", f"{what} is not served; leave it unset ({shown})",
-                                          {"param": name})
+                raise PydanticCustomError(
+                    "unserved", f"{what} is not served; leave it unset ({shown})", {"param": name}
+                )
         return data
 
     @model_validator(mode="after")
@@ -97,20 +116,27 @@ class GenerationRequest(BaseModel):
         default decides, which the client may not know: nothing is refused then)."""
         if self.temperature != 0:
             return self
-        for name, on in (("top_k", self.top_k not in (None, 0, -1)), ("top_p", self.top_p not in (None, 1)),
-                         ("seed", self.seed is not None)):
+        for name, on in (
+            ("top_k", self.top_k not in (None, 0, -1)),
+            ("top_p", self.top_p not in (None, 1)),
+            ("seed", self.seed is not None),
+        ):
             if on:
-                raise PydanticCustomError("greedy", f"{name} does nothing at temperature=0 (greedy: the argmax, "
-                                          f"nothing drawn); set temperature > 0 to sample, or leave {name} unset",
-                                          {"param": name})
+                raise PydanticCustomError(
+                    "greedy",
+                    f"{name} does nothing at temperature=0 (greedy: the argmax, "
+                    f"nothing drawn); set temperature > 0 to sample, or leave {name} unset",
+                    {"param": name},
+                )
         return self
 
     @field_validator("temperature")
     @classmethod
     def _greedy_or_at_least_the_minimum(cls, temperature):
         if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}; use 0 for "
-                             "greedy decoding")
+            raise ValueError(
+                f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}; use 0 for greedy decoding"
+            )
         return temperature
 
     @field_validator("stop")
@@ -173,11 +199,18 @@ def new_id(prefix: str) -> str:
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, stats: GenerationStats, algorithm: str) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "speculative": {"algorithm": algorithm, "target_forwards": stats.target_forwards,
-                            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_draft_tokens,
-                            "tau": round(stats.tau, 4)}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": {
+            "algorithm": algorithm,
+            "target_forwards": stats.target_forwards,
+            "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_draft_tokens,
+            "tau": round(stats.tau, 4),
+        },
+    }
 
 
 class ResponseShape:
@@ -194,13 +227,19 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def _choice(self, text: str | None, token_ids: list[int] | None, finish_reason: str | None,
-                delta: bool) -> dict[str, Any]:
+    def _choice(
+        self, text: str | None, token_ids: list[int] | None, finish_reason: str | None, delta: bool
+    ) -> dict[str, Any]:
         if self.chat:
-            content = {"role": "assistant", "content": text} if not delta else ({} if text is None else
-                                                                                  {"content": text})
-            choice = {"index": 0, "delta" if delta else "message": content, "logprobs": None,
-                      "finish_reason": finish_reason}
+            content = (
+                {"role": "assistant", "content": text} if not delta else ({} if text is None else {"content": text})
+            )
+            choice = {
+                "index": 0,
+                "delta" if delta else "message": content,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         if self.return_token_ids and token_ids is not None:
@@ -208,18 +247,26 @@ class ResponseShape:
         return choice
 
     def full(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict[str, Any]:
-        return self._envelope("chat.completion" if self.chat else "text_completion",
-                              [self._choice(text, token_ids, finish_reason, delta=False)], usage)
+        return self._envelope(
+            "chat.completion" if self.chat else "text_completion",
+            [self._choice(text, token_ids, finish_reason, delta=False)],
+            usage,
+        )
 
-    def chunk(self, text: str | None, token_ids: list[int] | None = None,
-              finish_reason: str | None = None) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion",
-                              [self._choice(text, token_ids, finish_reason, delta=True)])
+    def chunk(
+        self, text: str | None, token_ids: list[int] | None = None, finish_reason: str | None = None
+    ) -> dict[str, Any]:
+        return self._envelope(
+            "chat.completion.chunk" if self.chat else "text_completion",
+            [self._choice(text, token_ids, finish_reason, delta=True)],
+        )
 
     def role_chunk(self) -> dict[str, Any]:
         """A chat stream's first chunk: the assistant role, no content yet."""
-        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}])
+        return self._envelope(
+            "chat.completion.chunk",
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+        )
 
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

@@ -56,10 +56,10 @@ def build_server(cfg: Any, *, target: LoadedModel | None = None, drafters: dict[
     except BaseException:
         model.close()
         raise
-    scheduler = Scheduler(model, metrics, max_queue=cfg.max_queue, max_queue_wait_s=cfg.max_queue_wait_s,
-                          stall_s=cfg.stall_s)
-    return Server(create_app(model, scheduler, metrics, max_body_bytes=cfg.max_body_bytes), model, scheduler,
-                  metrics)
+    scheduler = Scheduler(
+        model, metrics, max_queue=cfg.max_queue, max_queue_wait_s=cfg.max_queue_wait_s, stall_s=cfg.stall_s
+    )
+    return Server(create_app(model, scheduler, metrics, max_body_bytes=cfg.max_body_bytes), model, scheduler, metrics)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -133,11 +133,16 @@ def _run(argv: list[str]) -> None:
     sock = bind(cfg.host, cfg.port)
     server = build_server(cfg)
     host, port = sock.getsockname()[:2]
-    print(f"serving '{server.model.name}' with {cfg.algorithm} on http://{host}:{port} (OpenAI API under /v1; "
-          "/health, /metrics)", file=sys.stderr, flush=True)
+    print(
+        f"serving '{server.model.name}' with {cfg.algorithm} on http://{host}:{port} (OpenAI API under /v1; "
+        "/health, /metrics)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         EngineFirstUvicorn(uvicorn_config(server.app, cfg.log_level, cfg.shutdown_timeout_s), server).run(
-            sockets=[sock])
+            sockets=[sock]
+        )
     finally:
         server.close()
 

@@ -43,12 +43,12 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        text = self._decode(self.tokens[self.prefix_offset:])
+        text = self._decode(self.tokens[self.prefix_offset :])
         if len(text) <= len(self._prefix_text) or (text.endswith("\ufffd") and not final):
             return ""
-        new = text[len(self._prefix_text):]
+        new = text[len(self._prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        self._prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        self._prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         return new
 
 
@@ -101,7 +101,7 @@ class TextAssembler:
         self._held += piece
         if hits:  # it starts in held text, never in sent text: that would have been held (``_holding``)
             self.stopped = True
-            self._held = self._held[:max(min(hits) - len(self._context), 0)]
+            self._held = self._held[: max(min(hits) - len(self._context), 0)]
             return self._hand_out(len(self._held))
         return self._hand_out(len(self._held) - self._holding(window))
 
@@ -109,7 +109,7 @@ class TextAssembler:
         delta, self._held = self._held[:n], self._held[n:]
         if delta:
             self._sent.append(delta)
-            self._context = (self._context + delta)[-self._keep:] if self._keep else ""
+            self._context = (self._context + delta)[-self._keep :] if self._keep else ""
         return delta
 
     def _holding(self, window: str) -> int:
@@ -117,7 +117,7 @@ class TextAssembler:
         the held text."""
         longest = 0
         for s in self.stop:
-            tail = window[max(len(window) - len(s) + 1, 0):]
+            tail = window[max(len(window) - len(s) + 1, 0) :]
             start = tail.find(s[0])
             while start >= 0 and len(tail) - start > longest:
                 if s.startswith(tail[start:]):

@@ -118,8 +118,10 @@ class AdaptSettings:
             arm = name.split("_", 1)[0]
             if arm in UPDATE_ARMS and arm not in settings.arm_list():
                 example = " (e.g. adapt.arms=head,full,lora)" if arm == "lora" else ""
-                raise UserError(f"adapt.{name} does nothing with adapt.arms={settings.arms}; set adapt.arms with "
-                                f"{arm} in it{example} or drop adapt.{name}")
+                raise UserError(
+                    f"adapt.{name} does nothing with adapt.arms={settings.arms}; set adapt.arms with "
+                    f"{arm} in it{example} or drop adapt.{name}"
+                )
         return settings
 
     @classmethod
@@ -129,8 +131,9 @@ class AdaptSettings:
         if isinstance(base, dict):
             base = cls(**{f.name: base[f.name] for f in fields(cls) if f.name in base})
         try:
-            merged = OmegaConf.merge(OmegaConf.structured(base),
-                                     OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]))
+            merged = OmegaConf.merge(
+                OmegaConf.structured(base), OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()])
+            )
         except OmegaConfBaseException as error:
             key = getattr(error, "full_key", None) or "*"
             raise UserError(f"bad setting adapt.{key}: {str(error).splitlines()[0]}") from None
@@ -151,21 +154,31 @@ class _Watch:
 
 
 class BanditAdapter:
-    def __init__(self, adaptable: AdaptableDrafter, costs: CostModel, settings: AdaptSettings | None = None, *,
-                 write_traces: bool = True, manifest: dict[str, Any] | None = None,
-                 serving: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        adaptable: AdaptableDrafter,
+        costs: CostModel,
+        settings: AdaptSettings | None = None,
+        *,
+        write_traces: bool = True,
+        manifest: dict[str, Any] | None = None,
+        serving: torch.nn.Module | None = None,
+    ):
         """``serving``: with ``background``, the drafter the engine serves from (``adaptable`` trains a private
         copy of it, published into it by :mod:`spectrain.adapt.background`). Replay passes none and publishes
         itself."""
         self.settings = settings = settings or AdaptSettings()
         if settings.min_gap < 1 or settings.patience < 1 or settings.watch < settings.patience:
-            raise UserError(f"need adapt.min_gap >= 1 and adapt.watch >= adapt.patience >= 1, got "
-                             f"{settings.min_gap}, {settings.watch}, {settings.patience}")
+            raise UserError(
+                f"need adapt.min_gap >= 1 and adapt.watch >= adapt.patience >= 1, got "
+                f"{settings.min_gap}, {settings.watch}, {settings.patience}"
+            )
         if settings.rollback_to not in ("last", "origin"):
             raise UserError(f"adapt.rollback_to must be last or origin, got {settings.rollback_to}")
         if settings.origin_check < 0:
-            raise UserError(f"adapt.origin_check must be >= 0 (queries between checks; 0 = off), got "
-                             f"{settings.origin_check}")
+            raise UserError(
+                f"adapt.origin_check must be >= 0 (queries between checks; 0 = off), got {settings.origin_check}"
+            )
         if settings.backoff < 0:
             raise UserError(f"adapt.backoff must be >= 0 (doublings of min_gap), got {settings.backoff}")
         if settings.buffer < 1:
@@ -209,17 +222,30 @@ class BanditAdapter:
 
     @staticmethod
     def updater_for(adaptable: AdaptableDrafter, settings: AdaptSettings) -> Updater:
-        return Updater(adaptable, {"head": ArmUpdate(settings.head_steps, settings.head_lr),
-                                   "full": ArmUpdate(settings.full_steps, settings.full_lr),
-                                   "lora": ArmUpdate(settings.lora_steps, settings.lora_lr)}, clip=settings.clip)
+        return Updater(
+            adaptable,
+            {
+                "head": ArmUpdate(settings.head_steps, settings.head_lr),
+                "full": ArmUpdate(settings.full_steps, settings.full_lr),
+                "lora": ArmUpdate(settings.lora_steps, settings.lora_lr),
+            },
+            clip=settings.clip,
+        )
 
     # -- the policy (online and replay) ------------------------------------------------------------------------
 
     def process(self, record: QueryRecord, *, tau: float, signal: float, iter_ratio: float) -> dict[str, Any]:
         """Everything that happens after one query; returns (and logs) its decision row."""
         s = self.settings
-        row: dict[str, Any] = {"query": self.query, "rows": record.num_rows, "signal": signal, "tau": tau,
-                               "iter_ratio": iter_ratio, "rolled_back": False, "reset": False}
+        row: dict[str, Any] = {
+            "query": self.query,
+            "rows": record.num_rows,
+            "signal": signal,
+            "tau": tau,
+            "iter_ratio": iter_ratio,
+            "rolled_back": False,
+            "reset": False,
+        }
         max_accept = record.max_accept
         if len(self.recent) == s.buffer:
             self.held_out = self.recent[0]  # about to leave the training window
@@ -232,8 +258,11 @@ class BanditAdapter:
             if arm == "skip":
                 old = self.skip_ema.get(context, tau)
                 self.skip_ema[context] = (1 - s.ema) * old + s.ema * tau
-            row.update(prev_arm=arm, realised_dtau=dtau,
-                       realised_reward=saving(dtau, baseline, iter_ratio, s.horizon, max_accept) - paid)
+            row.update(
+                prev_arm=arm,
+                realised_dtau=dtau,
+                realised_reward=saving(dtau, baseline, iter_ratio, s.horizon, max_accept) - paid,
+            )
         if self.watch is not None and self.watch.delay > 0:  # served before the update was published
             self.watch.delay -= 1
         elif self.watch is not None:  # 2. rollback watch
@@ -258,8 +287,9 @@ class BanditAdapter:
 
         context = self.buckets.observe(signal)  # 3. context and decision
         costs = {arm: self.costs.cost(arm, rows) for arm in self.bandit.arms}
-        decision = self.bandit.decide(context, tau=tau, iter_ratio=iter_ratio, horizon=s.horizon,
-                                      max_accept=max_accept, costs=costs)
+        decision = self.bandit.decide(
+            context, tau=tau, iter_ratio=iter_ratio, horizon=s.horizon, max_accept=max_accept, costs=costs
+        )
         self.since_update += 1
         gap = s.min_gap * 2 ** min(self.undone, s.backoff)
         if decision.arm != "skip" and self.since_update < gap:
@@ -268,8 +298,13 @@ class BanditAdapter:
             decision = Decision("skip", decision.ucb, decision.value, decision.cost, forced="no_held_out")
         row.update(context=context, arm=decision.arm, forced=decision.forced)
         for arm in self.bandit.arms:
-            row.update({f"ucb_{arm}": decision.ucb[arm], f"value_{arm}": decision.value[arm],
-                        f"cost_{arm}": decision.cost[arm]})
+            row.update(
+                {
+                    f"ucb_{arm}": decision.ucb[arm],
+                    f"value_{arm}": decision.value[arm],
+                    f"cost_{arm}": decision.cost[arm],
+                }
+            )
 
         paid = 0.0
         if decision.arm != "skip":  # 4. bounded update with a snapshot
@@ -316,8 +351,12 @@ class BanditAdapter:
             self.adapted = False
         else:
             self.updater.restore(adapted)
-        return {f"check_{s.validate_on}_adapted": now, f"check_{s.validate_on}_origin": original, "reset": reset,
-                "check_s": time.perf_counter() - started}
+        return {
+            f"check_{s.validate_on}_adapted": now,
+            f"check_{s.validate_on}_origin": original,
+            "reset": reset,
+            "check_s": time.perf_counter() - started,
+        }
 
     def _scorer(self, record: QueryRecord) -> Callable[[], float]:
         """``record``'s score under the drafter as it stands at each call: its training loss (lower is better), or
@@ -337,16 +376,26 @@ class BanditAdapter:
 
     # -- engine hooks ------------------------------------------------------------------------------------------
 
-    def begin_query(self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor,
-                    max_accept: int) -> None:
+    def begin_query(
+        self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor, max_accept: int
+    ) -> None:
         """After prefill of query ``query``: the prompt's features [P, F] and the target's logits at its last
         position [V]."""
         teacher, in_vocab = self.adaptable.teacher_rows(last_logits[None])
-        self.recorders[query] = (QueryRecorder(prompt_ids, features, teacher, in_vocab, max_accept),
-                                 time.perf_counter())
+        self.recorders[query] = (
+            QueryRecorder(prompt_ids, features, teacher, in_vocab, max_accept),
+            time.perf_counter(),
+        )
 
-    def observe_round(self, query: Hashable, tokens: list[int], features: torch.Tensor, target_logits: torch.Tensor,
-                      accepted: int, rejected: tuple[torch.Tensor, int] | None) -> None:
+    def observe_round(
+        self,
+        query: Hashable,
+        tokens: list[int],
+        features: torch.Tensor,
+        target_logits: torch.Tensor,
+        accepted: int,
+        rejected: tuple[torch.Tensor, int] | None,
+    ) -> None:
         """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F] and
         target logits [n, V]; ``rejected`` = (draft logits at the rejected position, the target's token there)
         or None when the walk ended where nothing had been drafted."""
@@ -363,11 +412,16 @@ class BanditAdapter:
         if record.rounds == 0:  # a one-token answer: nothing was drafted, nothing to learn or judge
             return {}
         iter_s = record.decode_s / max(record.rounds, 1)
-        observed = dict(tau=record.tau, iter_ratio=iter_s / self.costs.target_forward_s,
-                        signal=query_signal(record.rejection_q, record.rounds, self.settings.signal_floor))
+        observed = dict(
+            tau=record.tau,
+            iter_ratio=iter_s / self.costs.target_forward_s,
+            signal=query_signal(record.rejection_q, record.rounds, self.settings.signal_floor),
+        )
         if self.settings.background and self.background is None:
-            raise RuntimeError("adapt.background: this adapter was built without the serving drafter "
-                               "(spectrain.adapt.engine.build_adapter passes it)")
+            raise RuntimeError(
+                "adapt.background: this adapter was built without the serving drafter "
+                "(spectrain.adapt.engine.build_adapter passes it)"
+            )
         collected = self.background.collect() if self.background else None  # before self.query is read
         if self.write_traces:
             write_record(self.log_dir, self.query, record)

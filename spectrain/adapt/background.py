@@ -32,8 +32,10 @@ class Publisher:
         for name, param in training.named_parameters():
             if id(param) in by_id:
                 if name not in serving_params or serving_params[name].shape != param.shape:
-                    raise ValueError(f"background adaptation: the serving drafter has no parameter '{name}' shaped "
-                                     f"{tuple(param.shape)}; build it as a copy of the training drafter")
+                    raise ValueError(
+                        f"background adaptation: the serving drafter has no parameter '{name}' shaped "
+                        f"{tuple(param.shape)}; build it as a copy of the training drafter"
+                    )
                 self.pairs.append((param, serving_params[name]))
         if len(self.pairs) != len(by_id):
             raise ValueError("background adaptation: some trainable parameters are not in the training drafter")

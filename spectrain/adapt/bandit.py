@@ -74,8 +74,16 @@ class CostAwareUCB:
                 return self.prior
         return stats.mean + self.ucb_c * math.sqrt(2.0 * math.log(tried + 1) / stats.count)
 
-    def decide(self, context: int, *, tau: float, iter_ratio: float, horizon: int, max_accept: float,
-               costs: Mapping[str, float]) -> Decision:
+    def decide(
+        self,
+        context: int,
+        *,
+        tau: float,
+        iter_ratio: float,
+        horizon: int,
+        max_accept: float,
+        costs: Mapping[str, float],
+    ) -> Decision:
         """Best arm by expected saving − cost; ``skip`` unless some update arm's value is > 0."""
         decision = Decision("skip")
         best = 0.0

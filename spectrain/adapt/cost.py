@@ -113,8 +113,7 @@ def cache_key(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def cached_costs(path: str | Path | None, key_payload: dict[str, Any],
-                 measure: Callable[[], CostModel]) -> CostModel:
+def cached_costs(path: str | Path | None, key_payload: dict[str, Any], measure: Callable[[], CostModel]) -> CostModel:
     """The cost model stored under ``key_payload`` in the JSON file ``path``, else ``measure()`` (and store it).
     ``path`` None: always measure."""
     if path is None:

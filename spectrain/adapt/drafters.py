@@ -76,8 +76,9 @@ class FeatureDrafterAdaptable:
         if max_rows < 2:
             raise UserError(f"adapt.max_rows must be >= 2, got {max_rows}")
         if teacher_temperature < 0:
-            raise UserError(f"adapt.teacher_temperature must be >= 0 (0: the target's greedy token), got "
-                             f"{teacher_temperature}")
+            raise UserError(
+                f"adapt.teacher_temperature must be >= 0 (0: the target's greedy token), got {teacher_temperature}"
+            )
         self.module, self.max_rows, self.teacher_temperature = drafter, max_rows, teacher_temperature
         self.lora = self._lora_parameters()  # adapters already on the module (a copy of one with them)
         # target id -> draft id (the drafted ids are the sorted members of t2d; data_prep.vocab's layout)
@@ -127,16 +128,19 @@ class FeatureDrafterAdaptable:
         vd = record.teacher.shape[-1]
         # teacher rows cover positions prompt-1 .. rows-1; the appended last token gets a zero row (never read)
         teacher = torch.zeros(rows + 1, vd)
-        teacher[prompt - 1: rows] = sharpened(record.teacher, self.teacher_temperature)
+        teacher[prompt - 1 : rows] = sharpened(record.teacher, self.teacher_temperature)
         in_vocab = torch.zeros(rows + 1, dtype=torch.bool)
-        in_vocab[prompt - 1: rows] = record.in_vocab
+        in_vocab[prompt - 1 : rows] = record.in_vocab
         supervised = torch.arange(rows + 1) >= prompt
         features = torch.cat([record.features, record.features.new_zeros(1, record.features.shape[1])])
         window = slice(start, rows + 1)
-        return {"input_ids": record.tokens[window][None].to(device),
-                "aux_hidden": features[window][None].to(device=device, dtype=dtype),
-                "teacher": teacher[window][None].to(device), "in_vocab": in_vocab[window][None].to(device),
-                "supervised": supervised[window][None].to(device)}
+        return {
+            "input_ids": record.tokens[window][None].to(device),
+            "aux_hidden": features[window][None].to(device=device, dtype=dtype),
+            "teacher": teacher[window][None].to(device),
+            "in_vocab": in_vocab[window][None].to(device),
+            "supervised": supervised[window][None].to(device),
+        }
 
     def synthetic_record(self, rows: int, prompt_len: int, seed: int = 0) -> QueryRecord:
         """Random rows shaped like a real query (for timing the update arms only)."""
@@ -149,15 +153,25 @@ class FeatureDrafterAdaptable:
             tokens=torch.randint(config.vocab_size, (rows + 1,), generator=generator),
             features=torch.randn(rows, 3 * config.target_hidden_size, generator=generator),
             teacher=torch.randn(teacher_rows, config.draft_vocab_size, generator=generator),
-            in_vocab=torch.ones(teacher_rows, dtype=torch.bool), accepted=[0], max_accept=2)
+            in_vocab=torch.ones(teacher_rows, dtype=torch.bool),
+            accepted=[0],
+            max_accept=2,
+        )
 
 
 class Eagle3Adaptable(FeatureDrafterAdaptable):
     """EAGLE-3: the loss is the training-time-test loss of ``spectrain.kinds.eagle3.module`` over the query's
     committed sequence (prompt rows as attention context only, generated rows supervised)."""
 
-    def __init__(self, drafter, *, ttt_steps: int = 3, step_weight: float = 0.8, max_rows: int = 384,
-                 teacher_temperature: float = 1.0):
+    def __init__(
+        self,
+        drafter,
+        *,
+        ttt_steps: int = 3,
+        step_weight: float = 0.8,
+        max_rows: int = 384,
+        teacher_temperature: float = 1.0,
+    ):
         if ttt_steps < 1:
             raise UserError(f"adapt.ttt_steps must be >= 1, got {ttt_steps}")
         super().__init__(drafter, max_rows=max_rows, teacher_temperature=teacher_temperature)
@@ -224,8 +238,16 @@ class SpecBlockAdaptable(FeatureDrafterAdaptable):
     ``head_parameters``): the trunk is frozen, so its graph is never built. Cuts between blocks are fixed
     (``block_size // 2``), so an update is deterministic."""
 
-    def __init__(self, drafter, *, blocks: int = 2, slot_weight: float = 0.8, rank_weight: float = 1.0,
-                 max_rows: int = 384, teacher_temperature: float = 1.0):
+    def __init__(
+        self,
+        drafter,
+        *,
+        blocks: int = 2,
+        slot_weight: float = 0.8,
+        rank_weight: float = 1.0,
+        max_rows: int = 384,
+        teacher_temperature: float = 1.0,
+    ):
         if blocks < 1:
             raise ValueError(f"SpecBlock adaptation needs blocks >= 1, got {blocks}")
         super().__init__(drafter, max_rows=max_rows, teacher_temperature=teacher_temperature)
@@ -279,7 +301,11 @@ def adaptable_for(drafter, **settings) -> AdaptableDrafter:
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Adaptable(drafter, **settings)
     if hasattr(drafter, "forward_block") and hasattr(drafter, "head_parameters"):  # SpecBlockDrafter
-        return SpecBlockAdaptable(drafter, max_rows=settings.get("max_rows", 384),
-                                  teacher_temperature=settings.get("teacher_temperature", 1.0))
-    raise UserError(f"adapt=bandit does not support a {type(drafter).__name__} drafter; supported: "
-                     "Eagle3Drafter, SpecBlockDrafter")
+        return SpecBlockAdaptable(
+            drafter,
+            max_rows=settings.get("max_rows", 384),
+            teacher_temperature=settings.get("teacher_temperature", 1.0),
+        )
+    raise UserError(
+        f"adapt=bandit does not support a {type(drafter).__name__} drafter; supported: Eagle3Drafter, SpecBlockDrafter"
+    )

@@ -15,8 +15,16 @@ from spectrain.adapt.drafters import AdaptableDrafter, adaptable_for
 from spectrain.adapt.updater import Updater
 
 
-def measure_costs(target, adaptable: AdaptableDrafter, updater: Updater, arms: list[str], *, verify_tokens: int,
-                  context: int, rows: int) -> CostModel:
+def measure_costs(
+    target,
+    adaptable: AdaptableDrafter,
+    updater: Updater,
+    arms: list[str],
+    *,
+    verify_tokens: int,
+    context: int,
+    rows: int,
+) -> CostModel:
     """Time a verification forward of ``verify_tokens`` tokens after ``context`` cached ones, and one bounded
     update per arm on a synthetic ``rows``-row record (the drafter is restored after each)."""
     target_s = measure_target_forward(target, verify_tokens, context)
@@ -25,8 +33,11 @@ def measure_costs(target, adaptable: AdaptableDrafter, updater: Updater, arms: l
     for arm in arms:
         snapshot = updater.snapshot()
         try:
-            seconds = time_call(lambda arm=arm: updater.update(record, arm), repeats=1,
-                                device=next(adaptable.module.parameters()).device)
+            seconds = time_call(
+                lambda arm=arm: updater.update(record, arm),
+                repeats=1,
+                device=next(adaptable.module.parameters()).device,
+            )
         finally:
             updater.restore(snapshot)
         per_row[arm] = seconds / min(rows, getattr(adaptable, "max_rows", rows))
@@ -41,8 +52,12 @@ def _device_name(device: torch.device) -> str:
 
 def adaptable_options(settings: AdaptSettings) -> dict[str, Any]:
     """The settings a drafter's adapter class takes (how its update loss is built)."""
-    return {"ttt_steps": settings.ttt_steps, "step_weight": settings.step_weight, "max_rows": settings.max_rows,
-            "teacher_temperature": settings.teacher_temperature}
+    return {
+        "ttt_steps": settings.ttt_steps,
+        "step_weight": settings.step_weight,
+        "max_rows": settings.max_rows,
+        "teacher_temperature": settings.teacher_temperature,
+    }
 
 
 def adaptable_with_settings(drafter, settings: AdaptSettings) -> AdaptableDrafter:
@@ -77,20 +92,38 @@ def build_adapter(target, drafter, settings: AdaptSettings, *, verify_tokens: in
     arms = settings.arm_list()
     context = min(settings.cost_rows, max(1, target.max_seq_len - verify_tokens))
     key: dict[str, Any] = {
-        "device": _device_name(target.device), "dtype": str(target.dtype), "torch": torch.__version__,
-        "target": {k: getattr(target.config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
-                                                                "intermediate_size", "num_attention_heads")},
-        "drafter": type(drafter).__name__, "drafter_config": getattr(getattr(drafter, "config", None), "to_dict",
-                                                                     dict)(),
-        "settings": {k: v for k, v in asdict(settings).items()
-                     if k in ("head_steps", "full_steps", "lora_steps", "lora_rank", "ttt_steps", "max_rows",
-                              "cost_rows")},
-        "arms": arms, "verify_tokens": verify_tokens, "context": context}
-    costs = cached_costs(settings.cost_cache, key, lambda: measure_costs(
-        target, adaptable, probe, arms, verify_tokens=verify_tokens, context=context, rows=settings.cost_rows))
-    return BanditAdapter(adaptable, costs, settings, serving=drafter if settings.background else None,
-                         manifest={"max_accept": max_accept, "verify_tokens": verify_tokens,
-                                   "drafter": type(drafter).__name__})
+        "device": _device_name(target.device),
+        "dtype": str(target.dtype),
+        "torch": torch.__version__,
+        "target": {
+            k: getattr(target.config, k, None)
+            for k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads")
+        },
+        "drafter": type(drafter).__name__,
+        "drafter_config": getattr(getattr(drafter, "config", None), "to_dict", dict)(),
+        "settings": {
+            k: v
+            for k, v in asdict(settings).items()
+            if k in ("head_steps", "full_steps", "lora_steps", "lora_rank", "ttt_steps", "max_rows", "cost_rows")
+        },
+        "arms": arms,
+        "verify_tokens": verify_tokens,
+        "context": context,
+    }
+    costs = cached_costs(
+        settings.cost_cache,
+        key,
+        lambda: measure_costs(
+            target, adaptable, probe, arms, verify_tokens=verify_tokens, context=context, rows=settings.cost_rows
+        ),
+    )
+    return BanditAdapter(
+        adaptable,
+        costs,
+        settings,
+        serving=drafter if settings.background else None,
+        manifest={"max_accept": max_accept, "verify_tokens": verify_tokens, "drafter": type(drafter).__name__},
+    )
 
 
 class BanditObservers:
@@ -99,11 +132,13 @@ class BanditObservers:
     def settings(self, given: dict[str, str]) -> AdaptSettings:
         return AdaptSettings.from_given(given)
 
-    def attach(self, target, drafter, settings: AdaptSettings | None, *, verify_tokens: int,
-               max_accept: int) -> tuple[Any, BanditAdapter]:
+    def attach(
+        self, target, drafter, settings: AdaptSettings | None, *, verify_tokens: int, max_accept: int
+    ) -> tuple[Any, BanditAdapter]:
         served = private_copy(drafter)
-        return served, build_adapter(target, served, settings or AdaptSettings(), verify_tokens=verify_tokens,
-                                     max_accept=max_accept)
+        return served, build_adapter(
+            target, served, settings or AdaptSettings(), verify_tokens=verify_tokens, max_accept=max_accept
+        )
 
 
 BANDIT = BanditObservers()

@@ -73,8 +73,14 @@ class QueryRecord:
 class QueryRecorder:
     """Collects one query's rows while the engine runs (the engine hook's buffer)."""
 
-    def __init__(self, prompt_ids: list[int], features: torch.Tensor, teacher: torch.Tensor,
-                 in_vocab: torch.Tensor, max_accept: int):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        features: torch.Tensor,
+        teacher: torch.Tensor,
+        in_vocab: torch.Tensor,
+        max_accept: int,
+    ):
         self.prompt_len = len(prompt_ids)
         self.tokens = list(prompt_ids)
         self.features, self.teacher, self.in_vocab = [features.detach()], [teacher.detach()], [in_vocab.detach()]
@@ -82,8 +88,15 @@ class QueryRecorder:
         self.accepted: list[int] = []
         self.max_accept = max_accept
 
-    def add_round(self, tokens: list[int], features: torch.Tensor, teacher: torch.Tensor, in_vocab: torch.Tensor,
-                  accepted: int, rejection_q: float | None) -> None:
+    def add_round(
+        self,
+        tokens: list[int],
+        features: torch.Tensor,
+        teacher: torch.Tensor,
+        in_vocab: torch.Tensor,
+        accepted: int,
+        rejection_q: float | None,
+    ) -> None:
         """``tokens`` committed this round (root + accepted path) with their features and teacher rows."""
         self.tokens += tokens
         self.features.append(features.detach())
@@ -95,10 +108,16 @@ class QueryRecorder:
 
     def finish(self, last_token: int, decode_s: float) -> QueryRecord:
         return QueryRecord(
-            prompt_len=self.prompt_len, tokens=torch.tensor(self.tokens + [int(last_token)], dtype=torch.long),
-            features=torch.cat(self.features).float().cpu(), teacher=torch.cat(self.teacher).float().cpu(),
-            in_vocab=torch.cat(self.in_vocab).bool().cpu(), rejection_q=self.rejection_q, accepted=self.accepted,
-            decode_s=decode_s, max_accept=self.max_accept)
+            prompt_len=self.prompt_len,
+            tokens=torch.tensor(self.tokens + [int(last_token)], dtype=torch.long),
+            features=torch.cat(self.features).float().cpu(),
+            teacher=torch.cat(self.teacher).float().cpu(),
+            in_vocab=torch.cat(self.in_vocab).bool().cpu(),
+            rejection_q=self.rejection_q,
+            accepted=self.accepted,
+            decode_s=decode_s,
+            max_accept=self.max_accept,
+        )
 
 
 def write_manifest(directory: Path, payload: dict[str, Any]) -> None:
@@ -119,12 +138,16 @@ def read_trace(directory: str | Path) -> tuple[dict[str, Any], list[QueryRecord]
     directory = Path(directory)
     manifest_path = directory / "manifest.json"
     if not manifest_path.is_file():
-        raise FileNotFoundError(f"traces={directory} has no manifest.json: record traces with adapt=bandit "
-                                "adapt.log=DIR on eagle3_tree first")
+        raise FileNotFoundError(
+            f"traces={directory} has no manifest.json: record traces with adapt=bandit "
+            "adapt.log=DIR on eagle3_tree first"
+        )
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != TRACE_FORMAT or manifest.get("version") != TRACE_VERSION:
-        raise UserError(f"{manifest_path} is not a {TRACE_FORMAT} v{TRACE_VERSION} manifest (got "
-                         f"{manifest.get('format')} v{manifest.get('version')}); re-record the traces")
+        raise UserError(
+            f"{manifest_path} is not a {TRACE_FORMAT} v{TRACE_VERSION} manifest (got "
+            f"{manifest.get('format')} v{manifest.get('version')}); re-record the traces"
+        )
     paths = sorted((directory / "queries").glob("q*.pt"))
     if not paths:
         raise UserError(f"traces={directory} holds no queries/q*.pt records; the recorded run served no query")

@@ -75,8 +75,9 @@ def parse_args(argv: Sequence[str]) -> tuple[ReplayConfig, dict[str, str]]:
     return config, overrides
 
 
-def replay(records, adaptable, settings: AdaptSettings, costs: CostModel, *, gamma: int,
-           out: Path | None) -> list[dict[str, Any]]:
+def replay(
+    records, adaptable, settings: AdaptSettings, costs: CostModel, *, gamma: int, out: Path | None
+) -> list[dict[str, Any]]:
     """Run the policy over ``records`` (in order) with ``adaptable``'s drafter; returns the decision rows. With
     ``background``, τ is measured on a serving copy that receives the policy's weight changes one query late, at
     the points the engine publishes them (:mod:`spectrain.adapt.background`)."""
@@ -98,8 +99,14 @@ def replay(records, adaptable, settings: AdaptSettings, costs: CostModel, *, gam
                 publisher.publish()  # the engine publishes the previous query's work at the end of this one
             iter_ratio = record.decode_s / max(record.rounds, 1) / costs.target_forward_s
             adapter.log.extra = {"tau_none": tau_none}
-            rows.append(adapter.process(record, tau=tau, iter_ratio=iter_ratio,
-                                        signal=query_signal(rejection_q, chains, settings.signal_floor)))
+            rows.append(
+                adapter.process(
+                    record,
+                    tau=tau,
+                    iter_ratio=iter_ratio,
+                    signal=query_signal(rejection_q, chains, settings.signal_floor),
+                )
+            )
     finally:
         adapter.close()
     return rows
@@ -124,12 +131,15 @@ def run(cfg: ReplayConfig, overrides: dict[str, str]) -> Path:
     adaptable = adaptable_with_settings(drafter, settings)
     rows = replay(records, adaptable, settings, CostModel.from_dict(manifest["costs"]), gamma=gamma, out=out)
     plot_tau(rows, out / "tau.png", title=f"replay of {Path(cfg.traces).name}: τ_sim (γ={gamma}) over queries")
+
     def mean(key: str) -> float:
         return sum(float(r[key]) for r in rows) / len(rows)
 
-    print(f"{len(rows)} queries: mean τ_sim {mean('tau'):.3f} with adaptation, {mean('tau_none'):.3f} without; "
-          f"{sum(r['arm'] != 'skip' for r in rows)} updates, {sum(bool(r['rolled_back']) for r in rows)} rollbacks, "
-          f"{sum(bool(r['reset']) for r in rows)} returns to the original drafter (origin check)")
+    print(
+        f"{len(rows)} queries: mean τ_sim {mean('tau'):.3f} with adaptation, {mean('tau_none'):.3f} without; "
+        f"{sum(r['arm'] != 'skip' for r in rows)} updates, {sum(bool(r['rolled_back']) for r in rows)} rollbacks, "
+        f"{sum(bool(r['reset']) for r in rows)} returns to the original drafter (origin check)"
+    )
     return out
 
 
@@ -137,8 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     def action(args: list[str]) -> Path:
         return run(*parse_args(args))
 
-    return run_cli(argv, action, doc=__doc__, schema=ReplayConfig,
-                   report=lambda out: print(f"replay written to {out}/decisions.csv and {out}/tau.png"))
+    return run_cli(
+        argv,
+        action,
+        doc=__doc__,
+        schema=ReplayConfig,
+        report=lambda out: print(f"replay written to {out}/decisions.csv and {out}/tau.png"),
+    )
 
 
 if __name__ == "__main__":

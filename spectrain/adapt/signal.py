@@ -21,8 +21,7 @@ def query_signal(rejection_q: Sequence[float], rounds: int, floor: float = 1e-6)
     return sum(-math.log(max(q, floor)) for q in rejection_q) / max(1, rounds)
 
 
-def draft_prob_of(draft_logits: torch.Tensor, target_token: int, draft_index: torch.Tensor,
-                  t2d: torch.Tensor) -> float:
+def draft_prob_of(draft_logits: torch.Tensor, target_token: int, draft_index: torch.Tensor, t2d: torch.Tensor) -> float:
     """Drafter probability (softmax of ``draft_logits`` over the draft vocabulary) of a TARGET token id; 0 when
     the token is outside the draft vocabulary."""
     if not bool(t2d[target_token]):

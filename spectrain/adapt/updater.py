@@ -41,8 +41,7 @@ class Updater:
     def __init__(self, adaptable: AdaptableDrafter, arms: dict[str, ArmUpdate], *, clip: float = 1.0):
         for arm, spec in arms.items():
             if spec.steps < 1 or spec.lr <= 0:
-                raise UserError(f"adapt_{arm}_steps must be >= 1 and adapt_{arm}_lr > 0, got {spec.steps}, "
-                                 f"{spec.lr}")
+                raise UserError(f"adapt_{arm}_steps must be >= 1 and adapt_{arm}_lr > 0, got {spec.steps}, {spec.lr}")
         if clip <= 0:
             raise UserError(f"adapt.clip (gradient-norm bound) must be > 0, got {clip}")
         self.adaptable, self.arms, self.clip = adaptable, arms, clip

@@ -39,14 +39,17 @@ DrafterT = TypeVar("DrafterT", bound=torch.nn.Module)
 def check_mask_token_and_attention(model: Any) -> None:
     """The recipe checks of the drafters whose later slots read a mask token (DFlash, P-EAGLE)."""
     if model.mask_token_id is None:
-        raise RecipeError("model.mask_token_id is not set: give the id of a special token the training data never "
-                          "holds (SmolLM2: 16, <empty_output>; Llama-3: 128002, <|reserved_special_token_0|>)")
+        raise RecipeError(
+            "model.mask_token_id is not set: give the id of a special token the training data never "
+            "holds (SmolLM2: 16, <empty_output>; Llama-3: 128002, <|reserved_special_token_0|>)"
+        )
     if model.attention not in MASK_ATTENTION_KINDS:
         raise RecipeError(f"model.attention={model.attention} is not one of {', '.join(MASK_ATTENTION_KINDS)}")
 
 
-def build_drafter(cfg: Any, make: Callable[[], DrafterT],
-                  vocab_map: tuple[torch.Tensor, torch.Tensor] | None) -> DrafterT:
+def build_drafter(
+    cfg: Any, make: Callable[[], DrafterT], vocab_map: tuple[torch.Tensor, torch.Tensor] | None
+) -> DrafterT:
     """``make()``'s drafter, its vocabulary map set (not on a dry run). A dry run (fit builds the target on the meta
     device) builds the drafter there too: shapes, no memory."""
     with torch.device("meta" if cfg.dry_run else "cpu"):
@@ -56,8 +59,14 @@ def build_drafter(cfg: Any, make: Callable[[], DrafterT],
     return drafter
 
 
-def chain_hits(shape: torch.Size, right: torch.Tensor, position: torch.Tensor, rows: torch.Tensor,
-               anchors: torch.Tensor, positions: range) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def chain_hits(
+    shape: torch.Size,
+    right: torch.Tensor,
+    position: torch.Tensor,
+    rows: torch.Tensor,
+    anchors: torch.Tensor,
+    positions: range,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per chain position p in ``positions`` (a depth or a block slot): the [B, T] map of whether the row drafted at
     p from (batch row, anchor) was right, and the mask of the anchors that have such a row — what
     :class:`spectrain.metrics.SimulatedAcceptance` takes. ``right``, ``position``, ``rows``, ``anchors``: one entry per
@@ -101,8 +110,9 @@ class DrafterModule(L.LightningModule):
 
     def target_model(self):
         """The target (loaded once per process; NOT a submodule, so it is neither trained nor checkpointed)."""
-        return loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
-                             chat_template=self.cfg.data.chat_template).model
+        return loaded_target(
+            self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size, chat_template=self.cfg.data.chat_template
+        ).model
 
     def teacher_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits recomputed from its final (normed) hidden state."""
@@ -113,9 +123,13 @@ class DrafterModule(L.LightningModule):
         (its weights hashed once per run), the recipe and the last validation metrics."""
         if getattr(self, "_target_record", None) is None:
             self._target_record = {**target_record(self.cfg.target), **trained_template(self.cfg)}
-        return {"kind": kind, "config": self.drafter.config.to_dict(), "target": self._target_record,
-                "recipe": dict(self.hparams["recipe"]),
-                "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()}}
+        return {
+            "kind": kind,
+            "config": self.drafter.config.to_dict(),
+            "target": self._target_record,
+            "recipe": dict(self.hparams["recipe"]),
+            "metrics": {f"val/{k}": v for k, v in self.last_val_metrics.items()},
+        }
 
     FSDP_FORWARD_METHODS: tuple[str, ...] = ()  # drafter methods besides forward that training_step calls
 
@@ -140,7 +154,8 @@ class DrafterModule(L.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
         total = self.cfg.trainer.max_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler))
+            optimizer, lambda step: cosine_with_warmup(step, optim.warmup_steps, total, optim.scheduler)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -65,35 +65,62 @@ class DFlashConfig(TargetShapedConfig):
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
         if self.head_dim is None:  # stored resolved, so configs compare equal whatever their source wrote
             self.head_dim = self.hidden_size // self.num_attention_heads
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "draft_vocab_size", "target_hidden_size", "num_layers"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "num_layers",
+        ):
             if int(getattr(self, name)) < 1:
                 raise UserError(f"DFlash config: {name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
-            raise UserError(f"DFlash block_size must be >= 2 (the anchor + at least one drafted token), got "
-                             f"{self.block_size}")
+            raise UserError(
+                f"DFlash block_size must be >= 2 (the anchor + at least one drafted token), got {self.block_size}"
+            )
         if not self.aux_layer_ids or any(i < 0 for i in self.aux_layer_ids):
             raise UserError(f"DFlash needs at least one non-negative aux layer id, got {self.aux_layer_ids}")
         if self.hidden_size != self.target_hidden_size:
-            raise UserError(f"DFlash drafter hidden_size {self.hidden_size} must equal the target's "
-                             f"{self.target_hidden_size}: it embeds with the target's matrix")
+            raise UserError(
+                f"DFlash drafter hidden_size {self.hidden_size} must equal the target's "
+                f"{self.target_hidden_size}: it embeds with the target's matrix"
+            )
         if self.draft_vocab_size > self.vocab_size:
-            raise UserError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size "
-                             f"{self.vocab_size}")
+            raise UserError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise UserError(f"mask_token_id {self.mask_token_id} is not a token id of the {self.vocab_size}-token "
-                             "vocabulary; pick an unused or special token of the target's tokenizer")
+            raise UserError(
+                f"mask_token_id {self.mask_token_id} is not a token id of the {self.vocab_size}-token "
+                "vocabulary; pick an unused or special token of the target's tokenizer"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UserError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise UserError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
 
     @classmethod
-    def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], block_size: int,
-                   num_layers: int, mask_token_id: int, **overrides: Any) -> DFlashConfig:
+    def for_target(
+        cls,
+        target_config,
+        *,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        block_size: int,
+        num_layers: int,
+        mask_token_id: int,
+        **overrides: Any,
+    ) -> DFlashConfig:
         """Decoder layers with ``target_config``'s per-layer shapes and RoPE (as z-lab's releases)."""
         values = target_layer_shape(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
-        values.update(block_size=block_size, num_layers=num_layers, mask_token_id=mask_token_id,
-                      attention_bias=bool(getattr(target_config, "attention_bias", False)))
+        values.update(
+            block_size=block_size,
+            num_layers=num_layers,
+            mask_token_id=mask_token_id,
+            attention_bias=bool(getattr(target_config, "attention_bias", False)),
+        )
         values.update(overrides)
         return cls(**values)
 
@@ -130,14 +157,22 @@ class DFlashAttention(nn.Module):
         out = proj(x).view(*x.shape[:2], heads, self.head_dim)
         return (out if norm is None else norm(out)).transpose(1, 2)
 
-    def context_kv(self, context: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused context [B, P, H] at cos/sin [B, 1, P, D] -> RoPE'd K and V [B, kv_heads, P, D]."""
         k = apply_rope(self._heads(self.k_proj, context, self.num_kv_heads, self.k_norm), cos, sin)
         return k, self._heads(self.v_proj, context, self.num_kv_heads, None)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
-                context_v: torch.Tensor, layout: AnchorLayout | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        layout: AnchorLayout | None,
+    ) -> torch.Tensor:
         """Block rows x [B, Q, H] (normed) -> attention output [B, Q, H]. ``layout`` None: every row sees all of
         the context and all Q rows (one block, serving); else the anchors' block-sparse pattern (training)."""
         q = apply_rope(self._heads(self.q_proj, x, self.num_heads, self.q_norm), cos, sin)
@@ -174,8 +209,9 @@ class DFlashDrafter(TargetTiedDrafter):
 
     ROW_EXACT_SERVING = True
 
-    def __init__(self, config: DFlashConfig, embed_weight: torch.Tensor | None = None,
-                 head_weight: torch.Tensor | None = None):
+    def __init__(
+        self, config: DFlashConfig, embed_weight: torch.Tensor | None = None, head_weight: torch.Tensor | None = None
+    ):
         """``embed_weight`` [V, H]: the target's token embedding, shared and frozen; ``head_weight`` [V, H]: the
         target's lm_head, whose draft-vocabulary rows become this drafter's frozen ``lm_head``."""
         super().__init__()
@@ -197,8 +233,10 @@ class DFlashDrafter(TargetTiedDrafter):
         """Take the frozen ``lm_head`` from the target's [V, H] head: its rows of the draft vocabulary (kept in
         sync by :meth:`set_vocab_map`)."""
         if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
-            raise ValueError(f"target lm_head is {tuple(weight.shape)} but this drafter needs "
-                             f"{(self.config.vocab_size, self.config.hidden_size)}; it was built for another target")
+            raise ValueError(
+                f"target lm_head is {tuple(weight.shape)} but this drafter needs "
+                f"{(self.config.vocab_size, self.config.hidden_size)}; it was built for another target"
+            )
         self._target_head = weight
         rows = weight.detach()[self.draft_ids_in_target().to(weight.device)]
         self.lm_head.weight = nn.Parameter(rows.to(self.lm_head.weight.dtype), requires_grad=False)
@@ -227,13 +265,22 @@ class DFlashDrafter(TargetTiedDrafter):
 
     def block_tokens(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """Anchor tokens [B, A] -> block tokens [B, A·block_size]: each anchor followed by mask tokens."""
-        tokens = torch.full((*anchor_tokens.shape, self.config.block_size), self.config.mask_token_id,
-                            dtype=torch.long, device=anchor_tokens.device)
+        tokens = torch.full(
+            (*anchor_tokens.shape, self.config.block_size),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor_tokens.device,
+        )
         tokens[..., 0] = anchor_tokens
         return tokens.flatten(1)
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                layout: AnchorLayout | ContextLengths | None) -> torch.Tensor:
+    def _layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: AnchorLayout | ContextLengths | None,
+    ) -> torch.Tensor:
         """Block tokens [B, Q] at ``positions`` [B, Q] -> last-layer hidden states (pre-norm) [B, Q, H]."""
         dtype = self.fc.weight.dtype
         cos, sin = self._rope(positions, dtype)
@@ -248,8 +295,15 @@ class DFlashDrafter(TargetTiedDrafter):
 
     # -- training --------------------------------------------------------------------------------------------
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, *,
-                attention: str = "block_sparse", chunk_anchors: int = CHUNK_ANCHORS) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        *,
+        attention: str = "block_sparse",
+        chunk_anchors: int = CHUNK_ANCHORS,
+    ) -> torch.Tensor:
         """Training forward: blocks at ``anchors`` [B, A] (positions in the sequence) over whole sequences.
 
         ``features`` [B, T, n·H_t] and ``input_ids`` [B, T] are unshifted (row t = the target's features at t and
@@ -271,8 +325,13 @@ class DFlashDrafter(TargetTiedDrafter):
     # -- serving ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, cache: DFlashCache, features: torch.Tensor, anchor_token: int | torch.Tensor,
-              counts: torch.Tensor | None = None) -> torch.Tensor:
+    def draft(
+        self,
+        cache: DFlashCache,
+        features: torch.Tensor,
+        anchor_token: int | torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """For each of the cache's B rows: append the context of its newly committed positions (``features`` [B, n,
         n·H_t], the positions right after those the row caches; ``counts`` [B]: row b's first ``counts[b]`` are real,
         None: all n), then draft the block of its next position: the anchor ``anchor_token[b]`` sits at position
@@ -280,8 +339,10 @@ class DFlashDrafter(TargetTiedDrafter):
         device = self.fc.weight.device
         batch, new = features.shape[:2]
         if cache.batch != batch:
-            raise ValueError(f"draft got {batch} rows but the DFlash cache holds {cache.batch}; build the cache with "
-                             f"new_cache(max_len, batch_size={batch})")
+            raise ValueError(
+                f"draft got {batch} rows but the DFlash cache holds {cache.batch}; build the cache with "
+                f"new_cache(max_len, batch_size={batch})"
+            )
         counts = cache.counts(new, counts)
         if new:
             positions = cache.lengths[:, None] + torch.arange(new, device=device)

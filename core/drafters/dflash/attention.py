@@ -47,7 +47,7 @@ class AnchorLayout:
         if "chunks" not in self._masks:
             chunks, k = [], self.block_size
             for start in range(0, self.anchors.shape[1], self.chunk_anchors):
-                anchors = self.anchors[:, start:start + self.chunk_anchors]
+                anchors = self.anchors[:, start : start + self.chunk_anchors]
                 seen = min(int(anchors.max()), context)
                 rows = slice(start * k, (start + anchors.shape[1]) * k)
                 chunks.append((rows, seen, self._mask(anchors, seen)[:, None]))
@@ -80,25 +80,38 @@ class ContextLengths:
         return torch.cat([held, held.new_ones(held.shape[0], block)], dim=-1)[:, None, None]
 
 
-def anchor_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_k: torch.Tensor,
-                           context_v: torch.Tensor, layout: AnchorLayout | ContextLengths | None) -> torch.Tensor:
+def anchor_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    layout: AnchorLayout | ContextLengths | None,
+) -> torch.Tensor:
     """``q`` [B, heads, Q, D] of the block rows, their ``k``, ``v`` [B, kv_heads, Q, D], the context's
     ``context_k`` / ``context_v`` [B, kv_heads, T, D] -> [B, heads, Q, D]. ``layout`` None: every row sees the
     whole context and all rows (one block); :class:`ContextLengths`: one block per row over its own context."""
     heads = q.shape[1]
     if q.is_cuda and heads != k.shape[1]:  # CUDA's memory-efficient kernel takes masks but not GQA
-        k, v, context_k, context_v = (t.repeat_interleave(heads // t.shape[1], dim=1)
-                                      for t in (k, v, context_k, context_v))
+        k, v, context_k, context_v = (
+            t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v, context_k, context_v)
+        )
     gqa = heads != k.shape[1]
     if isinstance(layout, ContextLengths):
         return _ragged_blocks(q, k, v, context_k, context_v, layout, gqa)
     if layout is None:
-        return F.scaled_dot_product_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2), enable_gqa=gqa
+        )
     context = context_k.shape[2]
     if layout.dense:
-        return F.scaled_dot_product_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
-                                              attn_mask=layout.dense_mask(context), enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q,
+            torch.cat([context_k, k], dim=2),
+            torch.cat([context_v, v], dim=2),
+            attn_mask=layout.dense_mask(context),
+            enable_gqa=gqa,
+        )
     outputs = []
     for rows, seen, mask in layout.chunks(context):
         keys = torch.cat([context_k[:, :, :seen], k[:, :, rows]], dim=2)
@@ -107,16 +120,24 @@ def anchor_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     return torch.cat(outputs, dim=2)
 
 
-def _ragged_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_k: torch.Tensor,
-                   context_v: torch.Tensor, layout: ContextLengths, gqa: bool) -> torch.Tensor:
+def _ragged_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    layout: ContextLengths,
+    gqa: bool,
+) -> torch.Tensor:
     """One block per row, row b over its first ``layout.lengths[b]`` context slots and its own block."""
     if not layout.per_row:
         mask = layout.key_mask(context_k.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
-                                              attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2), attn_mask=mask, enable_gqa=gqa
+        )
     rows = []
     for b, held in enumerate(layout.lengths.tolist()):
-        row_keys = torch.cat([context_k[b:b + 1, :, :held], k[b:b + 1]], dim=2)
-        row_values = torch.cat([context_v[b:b + 1, :, :held], v[b:b + 1]], dim=2)
-        rows.append(F.scaled_dot_product_attention(q[b:b + 1], row_keys, row_values, enable_gqa=gqa))
+        row_keys = torch.cat([context_k[b : b + 1, :, :held], k[b : b + 1]], dim=2)
+        row_values = torch.cat([context_v[b : b + 1, :, :held], v[b : b + 1]], dim=2)
+        rows.append(F.scaled_dot_product_attention(q[b : b + 1], row_keys, row_values, enable_gqa=gqa))
     return torch.cat(rows)

@@ -16,11 +16,18 @@ def load_dflash(path: str, target: Any) -> DFlashDrafter:
     config, tensors, block = read_native(path)
     check_native_target(path, config, block.get("target"), target)
     runner = target.runner
-    drafter = build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight,
-                            head_weight=runner.lm_head.weight)
+    drafter = build_drafter(config, tensors, embed_weight=runner.embed_tokens.weight, head_weight=runner.lm_head.weight)
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
 
 
-DFLASH = register_engine_kind(EngineKind(name=KIND, title="DFlash", needs=export_needs("a DFlash"),
-                                         config_class=DFlashConfig, layouts=LAYOUTS, load=load_dflash,
-                                         layout_of=layout_of))
+DFLASH = register_engine_kind(
+    EngineKind(
+        name=KIND,
+        title="DFlash",
+        needs=export_needs("a DFlash"),
+        config_class=DFlashConfig,
+        layouts=LAYOUTS,
+        load=load_dflash,
+        layout_of=layout_of,
+    )
+)

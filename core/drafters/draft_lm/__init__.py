@@ -44,8 +44,9 @@ def layer_drop_init(target, keep_layers: Sequence[int]):
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ValueError(f"layer-drop init could not map the target's weights: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"layer-drop init could not map the target's weights: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     if getattr(config, "tie_word_embeddings", False):
         draft.tie_weights()
     return draft
@@ -62,8 +63,12 @@ def add_lora(draft, rank: int, alpha: int | None = None):
     """Wrap the copied decoder layers with LoRA adapters (peft); embeddings and lm_head stay frozen."""
     from peft import LoraConfig, get_peft_model  # peft: a heavy import, deferred to first use
 
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha or 2 * rank,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     return get_peft_model(draft, config)
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from core.drafters.kinds import EngineKind, register_engine_kind
 
-DRAFT_LM = register_engine_kind(EngineKind(
-    name="draft_lm", title="draft LM",
-    needs="a draft LM (an exported draft_lm or a HF directory sharing the target's tokenizer)"))
+DRAFT_LM = register_engine_kind(
+    EngineKind(
+        name="draft_lm",
+        title="draft LM",
+        needs="a draft LM (an exported draft_lm or a HF directory sharing the target's tokenizer)",
+    )
+)

@@ -119,8 +119,10 @@ class Eagle3Config(TargetShapedConfig):
         check_drafter_config(self, self.KIND)
         self.attention_window = window = int(self.attention_window)
         if window and window < MIN_WINDOW:
-            raise UserError(f"{self.KIND} attention_window={window} is narrower than a round's drafted rows may "
-                            f"reach; give attention_window=0 (every position) or attention_window >= {MIN_WINDOW}")
+            raise UserError(
+                f"{self.KIND} attention_window={window} is narrower than a round's drafted rows may "
+                f"reach; give attention_window=0 (every position) or attention_window >= {MIN_WINDOW}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The fields; the EAGLE-3.1 flags and the window only when set, so an EAGLE-3 drafter's record (exports,
@@ -132,8 +134,9 @@ class Eagle3Config(TargetShapedConfig):
         return values
 
     @classmethod
-    def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int],
-                   **overrides: Any) -> Eagle3Config:
+    def for_target(
+        cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any
+    ) -> Eagle3Config:
         """A drafter shaped like one layer of ``target_config`` (a transformers config), as EAGLE-3 recipes do."""
         values = target_layer_shape(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
         values.update(overrides)
@@ -152,15 +155,25 @@ def check_drafter_config(config: Any, kind: str, extra_positive: tuple[str, ...]
         config.head_dim = config.hidden_size // config.num_attention_heads
     if len(config.aux_layer_ids) != NUM_AUX_LAYERS or any(i < 0 for i in config.aux_layer_ids):
         raise UserError(f"{kind} needs {NUM_AUX_LAYERS} non-negative aux layer ids, got {config.aux_layer_ids}")
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                 "draft_vocab_size", "target_hidden_size", *extra_positive):
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "draft_vocab_size",
+        "target_hidden_size",
+        *extra_positive,
+    ):
         if int(getattr(config, name)) < 1:
             raise UserError(f"{kind} config: {name} must be >= 1, got {getattr(config, name)}")
     if config.draft_vocab_size > config.vocab_size:
         raise UserError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocab_size {config.vocab_size}")
     if config.num_attention_heads % config.num_key_value_heads:
-        raise UserError(f"num_attention_heads {config.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads {config.num_key_value_heads}")
+        raise UserError(
+            f"num_attention_heads {config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {config.num_key_value_heads}"
+        )
 
 
 def norm_eps(target_config) -> float:
@@ -177,13 +190,19 @@ def target_layer_shape(target_config, *, draft_vocab_size: int, aux_layer_ids: l
     SpecBlock both do), reading its aux layers and predicting over ``draft_vocab_size`` ids."""
     theta, scaling = rope_of(target_config)
     return dict(
-        hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
         num_attention_heads=target_config.num_attention_heads,
         num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
-        head_dim=getattr(target_config, "head_dim", None), vocab_size=target_config.vocab_size,
-        draft_vocab_size=draft_vocab_size, target_hidden_size=target_config.hidden_size,
-        aux_layer_ids=list(aux_layer_ids), rms_norm_eps=norm_eps(target_config), rope_theta=theta,
-        rope_scaling=scaling, max_position_embeddings=target_config.max_position_embeddings,
+        head_dim=getattr(target_config, "head_dim", None),
+        vocab_size=target_config.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target_config.hidden_size,
+        aux_layer_ids=list(aux_layer_ids),
+        rms_norm_eps=norm_eps(target_config),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=target_config.max_position_embeddings,
         hidden_act=getattr(target_config, "hidden_act", "silu"),
     )
 
@@ -193,11 +212,18 @@ def layer_llama_config(config: Any, *, num_layers: int):
     from transformers import LlamaConfig  # transformers: a heavy import, deferred to first use
 
     return LlamaConfig(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.resolved_head_dim, vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta, rope_scaling=dict(config.rope_scaling) if config.rope_scaling else None,
-        max_position_embeddings=config.max_position_embeddings, hidden_act=config.hidden_act,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.resolved_head_dim,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
+        rope_scaling=dict(config.rope_scaling) if config.rope_scaling else None,
+        max_position_embeddings=config.max_position_embeddings,
+        hidden_act=config.hidden_act,
         tie_word_embeddings=False,
     )
 
@@ -245,9 +271,15 @@ class Eagle3Attention(nn.Module):
         self.v_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, mask: torch.Tensor | Attend) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                    torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        mask: torch.Tensor | Attend,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, input width]; past K/V [B, kv_heads, P, D] or None; mask bool [B, T, P + T] (True = attend), or
         an :data:`Attend` function (a training layout that never builds its dense mask, e.g. P-EAGLE's chains).
         Returns (output [B, T, H], this call's K, V [B, kv_heads, T, D])."""
@@ -256,12 +288,14 @@ class Eagle3Attention(nn.Module):
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         if callable(mask):
             return self.merge(mask(q, keys, values)), k, v
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], enable_gqa=self.num_kv_heads != self.num_heads
+        )
         return self.merge(out), k, v
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, input width] -> RoPE'd q [B, heads, T, D] and k, v [B, kv_heads, T, D]."""
         batch, new, _ = x.shape
         q = self.q_proj(x).view(batch, new, self.num_heads, self.head_dim).transpose(1, 2)
@@ -331,8 +365,9 @@ class Eagle3Drafter(TargetTiedDrafter):
         hidden = config.hidden_size
         self.fc = Linear(NUM_AUX_LAYERS * config.target_hidden_size, hidden, bias=False)
         if config.fc_norm:  # absent when off: an EAGLE-3 drafter's modules and state dict are unchanged
-            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
-                                         for _ in range(NUM_AUX_LAYERS))
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(NUM_AUX_LAYERS)
+            )
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
@@ -344,10 +379,16 @@ class Eagle3Drafter(TargetTiedDrafter):
 
     # -- the one code path -----------------------------------------------------------------------------------
 
-    def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-              mask: torch.Tensor | Attend, heads: bool = True) -> tuple[torch.Tensor | None, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor]:
+    def _rows(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        mask: torch.Tensor | Attend,
+        heads: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows (token [B, T], hidden [B, T, H]) at ``positions`` [B, T] against past K/V under ``mask``
         [B, T, P + T] (or an :data:`Attend` function) -> (logits [B, T, Vd] or None without ``heads``, next hidden
         [B, T, H], K, V of these rows)."""
@@ -366,8 +407,15 @@ class Eagle3Drafter(TargetTiedDrafter):
 
     # -- training --------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, steps: int = 1,
-                attention_mask: torch.Tensor | None = None, heads: bool = True) -> Eagle3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        *,
+        steps: int = 1,
+        attention_mask: torch.Tensor | None = None,
+        heads: bool = True,
+    ) -> Eagle3Output:
         """Training forward over whole sequences, ``steps`` training-time-test steps.
 
         ``input_ids`` [B, T] and ``aux_hidden`` [B, T, 3·H_t] are UNshifted (row t = token t and the target's
@@ -396,8 +444,9 @@ class Eagle3Drafter(TargetTiedDrafter):
         for j in range(steps):
             # step-0 keys causally, then the same row's keys of steps 1..j (diagonal blocks)
             mask = self._step_mask(causal, diagonal, j)
-            logits, hidden, k, v = self._rows(shift_left(input_ids, j + 1), hidden, positions + j, past_k, past_v,
-                                              mask, heads)
+            logits, hidden, k, v = self._rows(
+                shift_left(input_ids, j + 1), hidden, positions + j, past_k, past_v, mask, heads
+            )
             past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
             past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
             if heads:
@@ -414,8 +463,10 @@ class Eagle3Drafter(TargetTiedDrafter):
             return torch.cat([causal] + [diagonal] * j, dim=-1)
         rows = torch.arange(causal.shape[-1], device=causal.device)
         first = causal & (rows[None, :] > rows[:, None] + j - window)
-        return torch.cat([first] + [diagonal if j - earlier < window else torch.zeros_like(diagonal)
-                                    for earlier in range(1, j + 1)], dim=-1)
+        return torch.cat(
+            [first] + [diagonal if j - earlier < window else torch.zeros_like(diagonal) for earlier in range(1, j + 1)],
+            dim=-1,
+        )
 
     # -- serving ---------------------------------------------------------------------------------------------
 
@@ -428,8 +479,15 @@ class Eagle3Drafter(TargetTiedDrafter):
         return self.fc(aux_hidden)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Eagle3Cache,
-             attention_mask: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> Eagle3Step:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Eagle3Cache,
+        attention_mask: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> Eagle3Step:
         """Serve new rows of B cache rows at once, then append their K/V to ``cache``.
 
         ``tokens`` [B, T], ``hidden`` [B, T, H] (``project``-ed target features or a parent's ``g'``), ``positions``
@@ -441,8 +499,10 @@ class Eagle3Drafter(TargetTiedDrafter):
         new rows, and each row sees itself. Pad rows' outputs are meaningless."""
         batch, new = tokens.shape
         if cache.batch != batch:
-            raise ValueError(f"step got {batch} rows but the drafter cache holds {cache.batch}; build the cache with "
-                             f"new_cache(max_len, batch_size={batch})")
+            raise ValueError(
+                f"step got {batch} rows but the drafter cache holds {cache.batch}; build the cache with "
+                f"new_cache(max_len, batch_size={batch})"
+            )
         counts = cache.counts(new, counts)
         positions = positions.expand(batch, new)
         mask = self._serving_mask(cache, new, counts, attention_mask)
@@ -454,8 +514,9 @@ class Eagle3Drafter(TargetTiedDrafter):
         cache.append([(k, v)], counts)
         return Eagle3Step(logits, out)
 
-    def _serving_mask(self, cache: RowKV, new: int, counts: list[int],
-                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _serving_mask(
+        self, cache: RowKV, new: int, counts: list[int], attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """bool [B, T, P + T] of :meth:`step`: the caller's mask limited to held slots and real rows, plus self.
         (Rows of one length and no pads skip the limiting: a one-row call builds the mask it always did.)"""
         batch, past, device = cache.batch, cache.longest, cache.device
@@ -463,10 +524,16 @@ class Eagle3Drafter(TargetTiedDrafter):
             mask = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past).expand(batch, new, -1)
         else:
             mask = attention_mask.to(device=device, dtype=torch.bool)
-            if mask.dim() != 3 or mask.shape[0] not in (1, batch) or mask.shape[1] != new \
-                    or mask.shape[2] not in (new, past + new):
-                raise ValueError(f"drafter mask must be [B, {new}, {new}] (new rows) or [B, {new}, {past + new}] "
-                                 f"(cache slots, then new rows), B = {batch}, got {tuple(attention_mask.shape)}")
+            if (
+                mask.dim() != 3
+                or mask.shape[0] not in (1, batch)
+                or mask.shape[1] != new
+                or mask.shape[2] not in (new, past + new)
+            ):
+                raise ValueError(
+                    f"drafter mask must be [B, {new}, {new}] (new rows) or [B, {new}, {past + new}] "
+                    f"(cache slots, then new rows), B = {batch}, got {tuple(attention_mask.shape)}"
+                )
             mask = mask.expand(batch, new, -1)
             if mask.shape[2] == new and past:  # short form: the row's whole cache
                 mask = torch.cat([mask.new_ones(batch, new, past), mask], dim=-1)
@@ -503,11 +570,12 @@ def per_row_attention(mask: torch.Tensor, lengths: list[int], counts: list[int])
             if count == 0:
                 continue
             cols = torch.cat([torch.arange(held), torch.arange(past, past + count)]).to(mask.device)
-            row_keys = torch.cat([keys[b:b + 1, :, :held], keys[b:b + 1, :, past:past + count]], dim=2)
-            row_values = torch.cat([values[b:b + 1, :, :held], values[b:b + 1, :, past:past + count]], dim=2)
-            row_mask = mask[b:b + 1, :count, cols][:, None]
-            out[b:b + 1, :, :count] = F.scaled_dot_product_attention(q[b:b + 1, :, :count], row_keys, row_values,
-                                                                     attn_mask=row_mask, enable_gqa=gqa)
+            row_keys = torch.cat([keys[b : b + 1, :, :held], keys[b : b + 1, :, past : past + count]], dim=2)
+            row_values = torch.cat([values[b : b + 1, :, :held], values[b : b + 1, :, past : past + count]], dim=2)
+            row_mask = mask[b : b + 1, :count, cols][:, None]
+            out[b : b + 1, :, :count] = F.scaled_dot_product_attention(
+                q[b : b + 1, :, :count], row_keys, row_values, attn_mask=row_mask, enable_gqa=gqa
+            )
         return out
 
     return attend

@@ -19,14 +19,18 @@ def load_eagle3(path: str, target: Any) -> Eagle3Drafter:
     token embedding. Refuses (one line) a drafter trained for another target, hidden size or vocabulary."""
     ckpt = read_checkpoint(path)
     if ckpt.target is None:
-        raise UserError(f"drafter '{path}' does not record its target; import it first: python -m spectrain.export "
-                        f"import={path} target={target.name} out=DIR")
+        raise UserError(
+            f"drafter '{path}' does not record its target; import it first: python -m spectrain.export "
+            f"import={path} target={target.name} out=DIR"
+        )
     record = target_record(target.name)
     if not same_target(ckpt.target, record):
-        raise UserError(f"drafter '{path}' was trained for target '{ckpt.target.get('name')}' (config "
-                        f"{ckpt.target.get('config_hash')}, weights {ckpt.target.get('weights_hash')}), not "
-                        f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
-                        "drafter trained for this target")
+        raise UserError(
+            f"drafter '{path}' was trained for target '{ckpt.target.get('name')}' (config "
+            f"{ckpt.target.get('config_hash')}, weights {ckpt.target.get('weights_hash')}), not "
+            f"'{target.name}' (config {record['config_hash']}, weights {record['weights_hash']}): use a "
+            "drafter trained for this target"
+        )
     check_against_target(ckpt.config, record)
     assets.check_chat_template(f"drafter '{path}'", ckpt.target, target.tokenizer)
     runner = target.runner
@@ -34,6 +38,14 @@ def load_eagle3(path: str, target: Any) -> Eagle3Drafter:
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
 
 
-EAGLE3 = register_engine_kind(EngineKind(name="eagle3", title="EAGLE-3", needs=export_needs("an EAGLE-3"),
-                                         config_class=Eagle3Config, layouts=LAYOUTS, load=load_eagle3,
-                                         layout_of=layout_of))
+EAGLE3 = register_engine_kind(
+    EngineKind(
+        name="eagle3",
+        title="EAGLE-3",
+        needs=export_needs("an EAGLE-3"),
+        config_class=Eagle3Config,
+        layouts=LAYOUTS,
+        load=load_eagle3,
+        layout_of=layout_of,
+    )
+)

@@ -40,8 +40,15 @@ from typing import Any
 import torch
 
 from core.assets import AssetError, model_tensor, read_json
-from core.drafters.checkpoint_files import (CheckpointError, check_against_target, config_or_none, read_weights,
-                                           same_target, verifier_reference, vllm_layer_ids)
+from core.drafters.checkpoint_files import (
+    CheckpointError,
+    check_against_target,
+    config_or_none,
+    read_weights,
+    same_target,
+    verifier_reference,
+    vllm_layer_ids,
+)
 from core.drafters.eagle3 import EAGLE31_FLAGS, NUM_AUX_LAYERS, Eagle3Config, Eagle3Drafter, rope_of
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers
 from core.vocab import check_vocab_mapping
@@ -52,9 +59,11 @@ SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # b
 SPECULATORS_VERSION = "0.3.0"
 LAYER_PREFIX = {"native": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
 # Decoder-layer tensors (after the layer prefix) and the rest, as our module names them.
-LAYER_TENSORS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
-    f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")) + tuple(
-    f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
+LAYER_TENSORS = (
+    tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+    + tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+    + tuple(f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
+)
 TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 EMBED = "embed_tokens.weight"
 # speculators flags we do not run: reading refuses them rather than drop them.
@@ -82,8 +91,9 @@ class Eagle3Checkpoint:
             reference = Eagle3Drafter(self.config).state_dict()
         for name, tensor in self.tensors.items():
             if tuple(tensor.shape) != tuple(reference[name].shape):
-                raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)} but the config gives "
-                                      f"{tuple(reference[name].shape)}")
+                raise CheckpointError(
+                    f"tensor {name} has shape {tuple(tensor.shape)} but the config gives {tuple(reference[name].shape)}"
+                )
 
     def build(self, embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
         """The module holding these tensors (no copies). ``embed_weight``: the target's embedding, shared; required
@@ -106,8 +116,9 @@ def drafter_tensors(state_dict: dict[str, torch.Tensor], config: Eagle3Config) -
     unknown = sorted(set(state_dict) - expected - {EMBED})
     missing = sorted(expected - set(state_dict))
     if unknown or missing:
-        raise CheckpointError(f"drafter state dict does not match EAGLE-3: unknown {unknown[:4]}, missing "
-                              f"{missing[:4]}")
+        raise CheckpointError(
+            f"drafter state dict does not match EAGLE-3: unknown {unknown[:4]}, missing {missing[:4]}"
+        )
     return {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k in expected}
 
 
@@ -124,10 +135,16 @@ def expected_names(config: Eagle3Config, layout: str = "native") -> set[str]:
 def spectrain_block(ckpt: Eagle3Checkpoint, layout: str) -> dict[str, Any]:
     config = ckpt.config
     return {
-        "format_version": FORMAT_VERSION, "kind": "eagle3", "layout": layout, "target": ckpt.target,
+        "format_version": FORMAT_VERSION,
+        "kind": "eagle3",
+        "layout": layout,
+        "target": ckpt.target,
         "architecture": config.to_dict(),
-        "layers": {"ids": list(config.aux_layer_ids), "convention": LAYER_CONVENTION,
-                   "vllm_input_ids": vllm_layer_ids(config.aux_layer_ids)},
+        "layers": {
+            "ids": list(config.aux_layer_ids),
+            "convention": LAYER_CONVENTION,
+            "vllm_input_ids": vllm_layer_ids(config.aux_layer_ids),
+        },
         "vocab": {"vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size},
         "embed_tokens": "own" if config.own_embedding else "target",
     }
@@ -135,18 +152,29 @@ def spectrain_block(ckpt: Eagle3Checkpoint, layout: str) -> dict[str, Any]:
 
 def _llama_fields(config: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
     return {
-        "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1, "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.resolved_head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
-        "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
-        "hidden_act": config.hidden_act, "tie_word_embeddings": False, "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.resolved_head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "hidden_act": config.hidden_act,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
-def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, speculative_tokens: int = 3,
-                  verifier: str | None = None) -> dict[str, Any]:
+def layout_config(
+    ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, speculative_tokens: int = 3, verifier: str | None = None
+) -> dict[str, Any]:
     """``config.json`` of ``layout``; refuses combinations an engine would load silently wrong. ``verifier``:
     what the speculators layout names as its verifier (a local HF directory or a hub id); default: the target's
     local directory (``portable_model_reference``), since speculators loads the verifier's embedding, final norm
@@ -155,27 +183,38 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
     if layout == "native":
         return {"spectrain": block}
     if ckpt.target is None:
-        raise CheckpointError(f"the {layout} layout names the verifier: this checkpoint has no target record; "
-                              "give target=NAME_OR_DIR")
+        raise CheckpointError(
+            f"the {layout} layout names the verifier: this checkpoint has no target record; give target=NAME_OR_DIR"
+        )
     if layout == "sglang":
         flags = [flag for flag in EAGLE31_FLAGS if getattr(config, flag)]
         if flags:
-            raise CheckpointError(f"the sglang layout has no EAGLE-3.1 fields but this drafter was trained with "
-                                  f"{flags[0]}=true: export format=speculators (or native)")
+            raise CheckpointError(
+                f"the sglang layout has no EAGLE-3.1 fields but this drafter was trained with "
+                f"{flags[0]}=true: export format=speculators (or native)"
+            )
         if config.attention_window:
-            raise CheckpointError(f"the sglang layout has no sliding-window field but this drafter attends over a "
-                                  f"window of {config.attention_window} positions: export format=speculators "
-                                  "(or native)")
+            raise CheckpointError(
+                f"the sglang layout has no sliding-window field but this drafter attends over a "
+                f"window of {config.attention_window} positions: export format=speculators "
+                "(or native)"
+            )
         if config.norm_before_residual:
-            raise CheckpointError("SGLang's llama_eagle3 takes the residual before hidden_norm "
-                                  "(norm_before_residual=false) but this drafter was trained with true: export "
-                                  "format=speculators for vLLM, or retrain with norm_before_residual=false")
+            raise CheckpointError(
+                "SGLang's llama_eagle3 takes the residual before hidden_norm "
+                "(norm_before_residual=false) but this drafter was trained with true: export "
+                "format=speculators for vLLM, or retrain with norm_before_residual=false"
+            )
         return {
-            "architectures": [SGLANG_ARCHITECTURES[0]], **_llama_fields(config, dtype),
-            "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
+            "architectures": [SGLANG_ARCHITECTURES[0]],
+            **_llama_fields(config, dtype),
+            "draft_vocab_size": config.draft_vocab_size,
+            "target_hidden_size": config.target_hidden_size,
             "norm_before_residual": False,  # what SGLang runs; explicit for vLLM (which defaults it to False here)
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-                             "use_aux_hidden_state": True},
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            },
             "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(config.aux_layer_ids),  # vLLM: input-of-layer
             "spectrain": block,
         }
@@ -185,22 +224,29 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
         layer = _llama_fields(config, dtype)
         layer.pop("torch_dtype")
         if config.attention_window:  # the fields speculators' Eagle3DraftModel reads (one layer, a sliding one)
-            layer.update(sliding_window=config.attention_window, use_sliding_window=True,
-                         layer_types=["sliding_attention"])
+            layer.update(
+                sliding_window=config.attention_window, use_sliding_window=True, layer_types=["sliding_attention"]
+            )
         return {
-            "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+            "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3Speculator"],
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": layer,
             "draft_vocab_size": config.draft_vocab_size,
             "norm_before_residual": bool(config.norm_before_residual),  # always explicit: vLLM defaults to True
             "target_hidden_size": config.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(config.aux_layer_ids),
-            "norm_before_fc": False, "fc_norm": bool(config.fc_norm), "norm_output": bool(config.norm_output),
+            "norm_before_fc": False,
+            "fc_norm": bool(config.fc_norm),
+            "norm_output": bool(config.norm_output),
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier or verifier_reference(ckpt.target),
-                             "architectures": list(ckpt.target.get("architectures") or [])},
+                "verifier": {
+                    "name_or_path": verifier or verifier_reference(ckpt.target),
+                    "architectures": list(ckpt.target.get("architectures") or []),
+                },
             },
             "torch_dtype": str(dtype).removeprefix("torch."),
             "spectrain": block,
@@ -208,8 +254,9 @@ def layout_config(ckpt: Eagle3Checkpoint, layout: str, *, dtype: torch.dtype, sp
     raise CheckpointError(f"unknown layout '{layout}'; use one of {', '.join(LAYOUTS)}")
 
 
-def layout_tensors(tensors: dict[str, torch.Tensor], layout: str,
-                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def layout_tensors(
+    tensors: dict[str, torch.Tensor], layout: str, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Our tensor names -> ``layout``'s; floating tensors cast to ``dtype`` when given (d2t/t2d never)."""
     if layout not in LAYOUTS:
         raise CheckpointError(f"unknown layout '{layout}'; use one of {', '.join(LAYOUTS)}")
@@ -223,8 +270,15 @@ def layout_tensors(tensors: dict[str, torch.Tensor], layout: str,
     return out
 
 
-def write_layout(ckpt: Eagle3Checkpoint, layout: str, directory: Path, *, dtype: torch.dtype | None = None,
-                 speculative_tokens: int = 3, verifier: str | None = None) -> None:
+def write_layout(
+    ckpt: Eagle3Checkpoint,
+    layout: str,
+    directory: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    speculative_tokens: int = 3,
+    verifier: str | None = None,
+) -> None:
     """Write ``config.json`` and ``model.safetensors`` of ``layout`` into an existing ``directory``."""
     from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
 
@@ -233,8 +287,11 @@ def write_layout(ckpt: Eagle3Checkpoint, layout: str, directory: Path, *, dtype:
     tensors = ckpt.tensors
     if layout == "speculators" and EMBED not in tensors:
         tensors = {**tensors, EMBED: target_embedding(ckpt, verifier)}
-    save_file(layout_tensors(tensors, layout, dtype), str(directory / "model.safetensors"),
-              metadata={"format": "pt", "spectrain_layout": layout})
+    save_file(
+        layout_tensors(tensors, layout, dtype),
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt", "spectrain_layout": layout},
+    )
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -246,8 +303,10 @@ def target_embedding(ckpt: Eagle3Checkpoint, verifier: str | None) -> torch.Tens
     try:
         return model_tensor(source, EMBED)
     except AssetError as exc:
-        raise CheckpointError(f"the speculators layout ships the target's embedding, which could not be read "
-                              f"({exc}); give verifier=DIR, the target's local HF directory") from None
+        raise CheckpointError(
+            f"the speculators layout ships the target's embedding, which could not be read "
+            f"({exc}); give verifier=DIR, the target's local HF directory"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -264,8 +323,10 @@ def detect_layout(config: dict[str, Any]) -> str:
         return "sglang"
     if "spectrain" in config and "model_type" not in config:
         return "native"
-    raise CheckpointError(f"config.json is not an EAGLE-3 checkpoint (architectures {architectures}; expected "
-                          f"{' or '.join(SGLANG_ARCHITECTURES)}, speculators_model_type eagle3, or a spectrain block)")
+    raise CheckpointError(
+        f"config.json is not an EAGLE-3 checkpoint (architectures {architectures}; expected "
+        f"{' or '.join(SGLANG_ARCHITECTURES)}, speculators_model_type eagle3, or a spectrain block)"
+    )
 
 
 def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> Eagle3Checkpoint:
@@ -273,12 +334,15 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
     foreign checkpoint lacks (identity; default layer ids) and is checked against what it states."""
     directory = Path(path)
     if not directory.exists():
-        raise CheckpointError(f"drafter '{directory}' does not exist; give an export directory of "
-                              "python -m spectrain.export")
+        raise CheckpointError(
+            f"drafter '{directory}' does not exist; give an export directory of python -m spectrain.export"
+        )
     if not (directory / "config.json").is_file():
         if (directory / "model.safetensors").is_file():
-            raise CheckpointError(f"{directory} has model.safetensors but no config.json: an interrupted or "
-                                  "incomplete copy of an export; re-export it (python -m spectrain.export)")
+            raise CheckpointError(
+                f"{directory} has model.safetensors but no config.json: an interrupted or "
+                "incomplete copy of an export; re-export it (python -m spectrain.export)"
+            )
         raise CheckpointError(f"{directory} has no config.json: not an EAGLE-3 checkpoint directory")
     try:
         raw = read_json(directory / "config.json", fix="re-export the drafter (python -m spectrain.export)")
@@ -287,9 +351,11 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
     block = raw.get("spectrain")
     kind = block.get("kind") if isinstance(block, dict) else None
     if kind not in (None, "eagle3"):  # an export contradicting itself must not run as an EAGLE-3 drafter
-        raise CheckpointError(f"{directory}/config.json records a '{kind}' drafter, not eagle3: EAGLE-3 algorithms "
-                              "cannot load it; give an eagle3 export of python -m spectrain.export (or use this one "
-                              f"with an algorithm for {kind} drafters)")
+        raise CheckpointError(
+            f"{directory}/config.json records a '{kind}' drafter, not eagle3: EAGLE-3 algorithms "
+            "cannot load it; give an eagle3 export of python -m spectrain.export (or use this one "
+            f"with an algorithm for {kind} drafters)"
+        )
     layout = detect_layout(raw)
     weights = read_weights(directory)
     if layout == "speculators" and block is not None and block.get("embed_tokens") == "target":
@@ -301,14 +367,17 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> E
         # A checkpoint that carries an embedding keeps it: never drop weights silently.
         config.own_embedding = EMBED in weights
         if block is not None and block.get("architecture") != config.to_dict():
-            raise CheckpointError(f"{directory}/config.json: its {layout} fields disagree with its spectrain block "
-                                  "(edited by hand?); re-export it")
+            raise CheckpointError(
+                f"{directory}/config.json: its {layout} fields disagree with its spectrain block "
+                "(edited by hand?); re-export it"
+            )
     recorded = block.get("target") if block else None
     if recorded is not None and target is not None and not same_target(recorded, target):
-        raise CheckpointError(f"{directory} was trained for target '{recorded.get('name')}', not "
-                              f"'{target.get('name')}'; use the target it was trained for")
-    ckpt = Eagle3Checkpoint(config, tensors_from_layout(weights, layout, config, directory),
-                            recorded or target, layout)
+        raise CheckpointError(
+            f"{directory} was trained for target '{recorded.get('name')}', not "
+            f"'{target.get('name')}'; use the target it was trained for"
+        )
+    ckpt = Eagle3Checkpoint(config, tensors_from_layout(weights, layout, config, directory), recorded or target, layout)
     if target is not None:
         check_against_target(config, target)
     return ckpt
@@ -323,9 +392,11 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
             raise CheckpointError("speculators config has no transformer_layer_config")
         for flag in UNSUPPORTED_FLAGS:
             if raw.get(flag):
-                raise CheckpointError(f"speculators checkpoint sets {flag}=true (one norm over the concatenated aux "
-                                      "layers), which spectrain does not run; export it with fc_norm (a norm per "
-                                      "layer) or without that option")
+                raise CheckpointError(
+                    f"speculators checkpoint sets {flag}=true (one norm over the concatenated aux "
+                    "layers), which spectrain does not run; export it with fc_norm (a norm per "
+                    "layer) or without that option"
+                )
         norm_before_residual = raw.get("norm_before_residual", True)  # vLLM's default when absent
         output_ids = _from_vllm_ids(raw.get("eagle_aux_hidden_state_layer_ids"))
     else:
@@ -333,41 +404,59 @@ def config_from_engine(raw: dict[str, Any], layout: str, target: dict[str, Any] 
         nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         top = _from_vllm_ids(raw.get("eagle_aux_hidden_state_layer_ids"))
         if nested is not None and top is not None and list(nested) != top:
-            raise CheckpointError(f"config's eagle_config ids {list(nested)} (output-of-layer) and top-level ids "
-                                  f"{raw['eagle_aux_hidden_state_layer_ids']} (vLLM input-of-layer) name different "
-                                  "layers; fix one of them")
+            raise CheckpointError(
+                f"config's eagle_config ids {list(nested)} (output-of-layer) and top-level ids "
+                f"{raw['eagle_aux_hidden_state_layer_ids']} (vLLM input-of-layer) name different "
+                "layers; fix one of them"
+            )
         output_ids = list(nested) if nested is not None else top
         if (raw.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
             raise CheckpointError("eagle_config.use_aux_hidden_state=false is an EAGLE(-2) drafter, not EAGLE-3")
         norm_before_residual = False  # SGLang runs it this way whatever the config says
         for flag in EAGLE31_FLAGS:
             if raw.get(flag):
-                raise CheckpointError(f"sglang-layout config sets {flag}=true, a field that layout does not carry; "
-                                      "convert it to the speculators layout instead")
+                raise CheckpointError(
+                    f"sglang-layout config sets {flag}=true, a field that layout does not carry; "
+                    "convert it to the speculators layout instead"
+                )
         if raw.get("norm_before_residual"):
-            raise CheckpointError("sglang-layout config sets norm_before_residual=true, which SGLang ignores; "
-                                  "convert it to the speculators layout instead")
+            raise CheckpointError(
+                "sglang-layout config sets norm_before_residual=true, which SGLang ignores; "
+                "convert it to the speculators layout instead"
+            )
     if int(fields.get("num_hidden_layers", 1)) != 1:
-        raise CheckpointError(f"EAGLE-3 drafter with {fields['num_hidden_layers']} decoder layers; spectrain runs "
-                              "one (num_hidden_layers=1)")
+        raise CheckpointError(
+            f"EAGLE-3 drafter with {fields['num_hidden_layers']} decoder layers; spectrain runs "
+            "one (num_hidden_layers=1)"
+        )
     if output_ids is None:
         if target is None:
-            raise CheckpointError("checkpoint does not name its aux layers; give target=NAME_OR_DIR to use the "
-                                  "EAGLE-3 default [1, L//2-1, L-4]")
+            raise CheckpointError(
+                "checkpoint does not name its aux layers; give target=NAME_OR_DIR to use the "
+                "EAGLE-3 default [1, L//2-1, L-4]"
+            )
         output_ids = eagle3_layers(int(target["num_hidden_layers"]))
     theta, scaling = rope_of(fields)
     draft_vocab = raw.get("draft_vocab_size") or fields["vocab_size"]
     window = engine_window(fields) if layout == "speculators" else 0
     return Eagle3Config(
-        hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+        hidden_size=fields["hidden_size"],
+        intermediate_size=fields["intermediate_size"],
         num_attention_heads=fields["num_attention_heads"],
         num_key_value_heads=fields.get("num_key_value_heads") or fields["num_attention_heads"],
-        head_dim=fields.get("head_dim"), vocab_size=fields["vocab_size"], draft_vocab_size=draft_vocab,
-        target_hidden_size=raw.get("target_hidden_size") or fields["hidden_size"], aux_layer_ids=output_ids,
-        rms_norm_eps=fields.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        head_dim=fields.get("head_dim"),
+        vocab_size=fields["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=raw.get("target_hidden_size") or fields["hidden_size"],
+        aux_layer_ids=output_ids,
+        rms_norm_eps=fields.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=fields.get("max_position_embeddings", 2048),
-        hidden_act=fields.get("hidden_act", "silu"), norm_before_residual=bool(norm_before_residual),
-        **{flag: True for flag in EAGLE31_FLAGS if layout == "speculators" and raw.get(flag)}, attention_window=window,
+        hidden_act=fields.get("hidden_act", "silu"),
+        norm_before_residual=bool(norm_before_residual),
+        **{flag: True for flag in EAGLE31_FLAGS if layout == "speculators" and raw.get(flag)},
+        attention_window=window,
     )
 
 
@@ -378,8 +467,10 @@ def engine_window(layer: dict[str, Any]) -> int:
     if "sliding_attention" not in types:
         return 0
     if not layer.get("sliding_window"):
-        raise CheckpointError("speculators config marks its layer sliding_attention but gives no sliding_window; "
-                              "set transformer_layer_config.sliding_window to the window it was trained with")
+        raise CheckpointError(
+            "speculators config marks its layer sliding_attention but gives no sliding_window; "
+            "set transformer_layer_config.sliding_window to the window it was trained with"
+        )
     return int(layer["sliding_window"])
 
 
@@ -387,8 +478,9 @@ def _from_vllm_ids(ids: list[int] | None) -> list[int] | None:
     return None if ids is None else [int(i) - 1 for i in ids]
 
 
-def tensors_from_layout(weights: dict[str, torch.Tensor], layout: str, config: Eagle3Config,
-                        directory: Path) -> dict[str, torch.Tensor]:
+def tensors_from_layout(
+    weights: dict[str, torch.Tensor], layout: str, config: Eagle3Config, directory: Path
+) -> dict[str, torch.Tensor]:
     """A layout's EAGLE-3 tensors under our names, strictly (nothing unknown or missing; ``t2d`` rebuilt from ``d2t``
     where an engine layout omits it), the vocabulary map checked."""
     prefix = LAYER_PREFIX[layout]
@@ -398,12 +490,16 @@ def tensors_from_layout(weights: dict[str, torch.Tensor], layout: str, config: E
     unknown, missing = sorted(set(weights) - names), sorted(names - set(weights))
     if set(FC_NORM_TENSORS) & set(missing if config.fc_norm else unknown):
         said, holds = ("sets fc_norm=true", "lack") if config.fc_norm else ("leaves fc_norm off", "hold")
-        raise CheckpointError(f"{directory}: config.json {said} but the weights {holds} "
-                              f"{', '.join(FC_NORM_TENSORS)}; re-export the drafter with its config and weights "
-                              "together")
+        raise CheckpointError(
+            f"{directory}: config.json {said} but the weights {holds} "
+            f"{', '.join(FC_NORM_TENSORS)}; re-export the drafter with its config and weights "
+            "together"
+        )
     if unknown or missing:
-        raise CheckpointError(f"{directory}: {layout} layout has unknown tensors {unknown[:4]} and lacks "
-                              f"{missing[:4]}; refusing to skip or invent weights")
+        raise CheckpointError(
+            f"{directory}: {layout} layout has unknown tensors {unknown[:4]} and lacks "
+            f"{missing[:4]}; refusing to skip or invent weights"
+        )
     tensors = {}
     for name, tensor in weights.items():
         if name.startswith(prefix):
@@ -422,11 +518,15 @@ def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def _check_vocab(tensors: dict[str, torch.Tensor], config: Eagle3Config, where: Path) -> None:
     rows = tensors["lm_head.weight"].shape[0]
     if rows != config.draft_vocab_size or tensors["d2t"].numel() != rows:
-        raise CheckpointError(f"{where}: draft_vocab_size {config.draft_vocab_size}, lm_head rows {rows} and d2t "
-                              f"length {tensors['d2t'].numel()} must all be equal")
+        raise CheckpointError(
+            f"{where}: draft_vocab_size {config.draft_vocab_size}, lm_head rows {rows} and d2t "
+            f"length {tensors['d2t'].numel()} must all be equal"
+        )
     if tensors["t2d"].numel() != config.vocab_size:
-        raise CheckpointError(f"{where}: t2d covers {tensors['t2d'].numel()} ids but vocab_size is "
-                              f"{config.vocab_size} (vocab_size must be the TARGET vocabulary)")
+        raise CheckpointError(
+            f"{where}: t2d covers {tensors['t2d'].numel()} ids but vocab_size is "
+            f"{config.vocab_size} (vocab_size must be the TARGET vocabulary)"
+        )
     try:
         check_vocab_mapping(tensors["d2t"].long(), tensors["t2d"].bool())
     except ValueError as exc:

@@ -82,12 +82,17 @@ def default_boundaries(gamma: int) -> list[int]:
 def check_boundaries(boundaries: Any, gamma: int) -> list[int]:
     """Two increasing thresholds 1 <= b1 < b2 <= γ-1 on the accepted continuation count, or a one-line error."""
     values = list(boundaries) if isinstance(boundaries, Sequence) and not isinstance(boundaries, str) else None
-    if (values is None or len(values) != NUM_CLASSES - 1
-            or not all(isinstance(b, int) and not isinstance(b, bool) for b in values)
-            or not 1 <= values[0] < values[1] <= gamma - 1):
-        raise HRADError(f"boundaries={boundaries!r} must be two integers 1 <= b1 < b2 <= gamma-1 = {gamma - 1} "
-                        f"(accepted continuation tokens that start classes 1 and 2); default {default_boundaries(gamma)}"
-                        + (" (gamma must be >= 3 for 3 classes)" if gamma < 3 else ""))
+    if (
+        values is None
+        or len(values) != NUM_CLASSES - 1
+        or not all(isinstance(b, int) and not isinstance(b, bool) for b in values)
+        or not 1 <= values[0] < values[1] <= gamma - 1
+    ):
+        raise HRADError(
+            f"boundaries={boundaries!r} must be two integers 1 <= b1 < b2 <= gamma-1 = {gamma - 1} "
+            f"(accepted continuation tokens that start classes 1 and 2); default {default_boundaries(gamma)}"
+            + (" (gamma must be >= 3 for 3 classes)" if gamma < 3 else "")
+        )
     return [int(b) for b in values]
 
 
@@ -117,11 +122,14 @@ class HRADConfig:
 
     def __post_init__(self) -> None:
         if self.confidence_path not in CONFIDENCE_PATHS:
-            raise HRADError(f"confidence_path={self.confidence_path!r} is not one of {', '.join(CONFIDENCE_PATHS)} "
-                            "(input: one more MLP input; logit: a direct linear path to the logits)")
+            raise HRADError(
+                f"confidence_path={self.confidence_path!r} is not one of {', '.join(CONFIDENCE_PATHS)} "
+                "(input: one more MLP input; logit: a direct linear path to the logits)"
+            )
         if self.confidence_path == "logit" and not self.confidence_feature:
-            raise HRADError("confidence_path=logit routes the draft's confidence to the logits: it needs "
-                            "confidence_feature=true")
+            raise HRADError(
+                "confidence_path=logit routes the draft's confidence to the logits: it needs confidence_feature=true"
+            )
 
     @property
     def in_features(self) -> int:
@@ -176,20 +184,24 @@ class HRAD(nn.Module):
         if self.confidence_logit is not None:  # the MLP's weight in the logits: 1 in training, then fitted on
             self.register_buffer("mlp_scale", torch.ones(()))  # held-out rows with the confidence path (stacking)
 
-    def features(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
-                 confidence: torch.Tensor | None = None) -> torch.Tensor:
+    def features(
+        self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """z = [hidden_lastk flattened in tuple order ; token_emb (; confidence)], float32 [n, (K+1)·d (+1)]."""
         n = hidden_lastk.shape[0]
         parts = [hidden_lastk.reshape(n, -1).float(), token_emb.reshape(n, -1).float()]
         if self.config.confidence_feature:
             if confidence is None:
-                raise HRADError("this H-RAD reads the draft's confidence at the first continuation token "
-                                "(confidence_feature); pass confidence=[n]")
+                raise HRADError(
+                    "this H-RAD reads the draft's confidence at the first continuation token "
+                    "(confidence_feature); pass confidence=[n]"
+                )
             parts.append(confidence.reshape(n, 1).float().to(parts[0].device))
         return torch.cat(parts, dim=-1)
 
-    def forward(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
-                confidence: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.logits_from_features(self.features(hidden_lastk, token_emb, confidence))
 
     def logits_from_features(self, z: torch.Tensor) -> torch.Tensor:
@@ -227,14 +239,21 @@ def embedding_probe(embed_weight: torch.Tensor) -> torch.Tensor:
     weights from a runner alone, whatever dtype the runner holds them in."""
     vocab, dims = embed_weight.shape
     rows = torch.linspace(0, vocab - 1, PROBE_ROWS).long().to(embed_weight.device)
-    return embed_weight[rows, :min(dims, PROBE_DIMS)].detach().float().cpu()
+    return embed_weight[rows, : min(dims, PROBE_DIMS)].detach().float().cpu()
 
 
 # ------------------------------------------------------------------------------------------------ export
 
 
-def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], recipe: Mapping[str, Any] | None = None,
-                metrics: Mapping[str, Any] | None = None, confusion_png: bytes | None = None) -> Path:
+def save_native(
+    model: HRAD,
+    out: str | Path,
+    *,
+    target: Mapping[str, Any],
+    recipe: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    confusion_png: bytes | None = None,
+) -> Path:
     """Write an export dir atomically (it must not exist). ``target``: the target record (name, config/weights
     hashes, model_type, vocab_size, num_layers, hidden_size, embed_probe)."""
     from safetensors.torch import save_file  # safetensors: a heavy import, deferred to first use
@@ -247,16 +266,30 @@ def save_native(model: HRAD, out: str | Path, *, target: Mapping[str, Any], reci
         raise HRADError(f"the target record lacks {missing}: export from a checkpoint trained by kind=hrad")
     config = model.config
     if int(target["hidden_size"]) != config.hidden_size:
-        raise HRADError(f"H-RAD reads hidden size {config.hidden_size} but the target record says "
-                        f"{target['hidden_size']}")
-    block = {"kind": KIND, "target": dict(target), "hidden_size": config.hidden_size, "last_k": config.last_k,
-             "layers": {"ids": capture_layers(int(target["num_layers"]), config.last_k), "plus_final_norm": True,
-                        "convention": LAYER_CONVENTION, "position": "branch token position - 1"},
-             "classes": list(CLASS_NAMES), "boundaries": list(config.boundaries), "gamma": config.gamma,
-             "epsilon": config.epsilon, "confidence_feature": config.confidence_feature,
-             "confidence_path": config.confidence_path,
-             **({"mlp_scale": float(model.mlp_scale)} if config.late_confidence else {}),
-             "temperature": float(model.temperature), "config": config.to_dict()}
+        raise HRADError(
+            f"H-RAD reads hidden size {config.hidden_size} but the target record says {target['hidden_size']}"
+        )
+    block = {
+        "kind": KIND,
+        "target": dict(target),
+        "hidden_size": config.hidden_size,
+        "last_k": config.last_k,
+        "layers": {
+            "ids": capture_layers(int(target["num_layers"]), config.last_k),
+            "plus_final_norm": True,
+            "convention": LAYER_CONVENTION,
+            "position": "branch token position - 1",
+        },
+        "classes": list(CLASS_NAMES),
+        "boundaries": list(config.boundaries),
+        "gamma": config.gamma,
+        "epsilon": config.epsilon,
+        "confidence_feature": config.confidence_feature,
+        "confidence_path": config.confidence_path,
+        **({"mlp_scale": float(model.mlp_scale)} if config.late_confidence else {}),
+        "temperature": float(model.temperature),
+        "config": config.to_dict(),
+    }
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps({"architectures": ["HRAD"], "spectrain": block}, indent=2) + "\n")
@@ -275,8 +308,10 @@ def load_native(path: str | Path) -> tuple[HRAD, dict[str, Any]]:
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise HRADError(f"'{path}' is not an H-RAD export (no config.json); make one with python -m spectrain.export "
-                        "ckpt=runs/<run>/checkpoints/last.ckpt out=DIR")
+        raise HRADError(
+            f"'{path}' is not an H-RAD export (no config.json); make one with python -m spectrain.export "
+            "ckpt=runs/<run>/checkpoints/last.ckpt out=DIR"
+        )
     block = read_json(config_file, fix="re-export it (python -m spectrain.export)").get("spectrain") or {}
     if block.get("kind") != KIND:
         raise HRADError(f"'{path}' holds a '{block.get('kind')}' drafter, not an H-RAD (kind=hrad)")
@@ -287,8 +322,10 @@ def load_native(path: str | Path) -> tuple[HRAD, dict[str, Any]]:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise HRADError(f"'{path}/model.safetensors' does not fit its config.json "
-                        f"({str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else exc}); re-export") from None
+        raise HRADError(
+            f"'{path}/model.safetensors' does not fit its config.json "
+            f"({str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else exc}); re-export"
+        ) from None
     return model.eval(), block
 
 
@@ -321,29 +358,37 @@ class HRADPredictor:
         return self
 
     @torch.no_grad()
-    def predict(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
-                confidence: torch.Tensor | None = None) -> torch.Tensor:
+    def predict(
+        self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Calibrated probabilities [n, 3] (float32, on the model's device) for ``hidden_lastk`` [n, K, d] and
         ``token_emb`` [n, d] (any float dtype/device; moved to the model's), and ``confidence`` [n] when the
         H-RAD reads it (``confidence_feature``)."""
         k, d = self.last_k, self.hidden_size
         if hidden_lastk.dim() != 3 or tuple(hidden_lastk.shape[1:]) != (k, d):
-            raise ValueError(f"hidden_lastk must be [n, {k}, {d}] (last {k} hidden_states entries), got "
-                             f"{list(hidden_lastk.shape)}")
+            raise ValueError(
+                f"hidden_lastk must be [n, {k}, {d}] (last {k} hidden_states entries), got {list(hidden_lastk.shape)}"
+            )
         if token_emb.dim() != 2 or token_emb.shape != (hidden_lastk.shape[0], d):
-            raise ValueError(f"token_emb must be [{hidden_lastk.shape[0]}, {d}] (input embedding of the branch token), "
-                             f"got {list(token_emb.shape)}")
+            raise ValueError(
+                f"token_emb must be [{hidden_lastk.shape[0]}, {d}] (input embedding of the branch token), "
+                f"got {list(token_emb.shape)}"
+            )
         if self.confidence_feature and (confidence is None or confidence.numel() != hidden_lastk.shape[0]):
-            raise ValueError(f"this H-RAD reads the draft's confidence at the first continuation token: pass "
-                             f"confidence=[{hidden_lastk.shape[0]}], got "
-                             f"{None if confidence is None else list(confidence.shape)}")
+            raise ValueError(
+                f"this H-RAD reads the draft's confidence at the first continuation token: pass "
+                f"confidence=[{hidden_lastk.shape[0]}], got "
+                f"{None if confidence is None else list(confidence.shape)}"
+            )
         device = self.model.temperature.device
-        logits = self.model(hidden_lastk.to(device), token_emb.to(device),
-                            None if confidence is None else confidence.to(device))
+        logits = self.model(
+            hidden_lastk.to(device), token_emb.to(device), None if confidence is None else confidence.to(device)
+        )
         return self.model.calibrated_probs(logits)
 
-    def predict_class(self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor,
-                      confidence: torch.Tensor | None = None) -> torch.Tensor:
+    def predict_class(
+        self, hidden_lastk: torch.Tensor, token_emb: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """argmax class [n] (0 all_reject, 1 confidence, 2 all_accept), as SpecBranch uses it."""
         return self.predict(hidden_lastk, token_emb, confidence).argmax(-1)
 
@@ -367,10 +412,12 @@ def check_target(block: Mapping[str, Any], target: Any, where: str = "this H-RAD
         # bf16 / fp16 runners round the embedding: compare at a tolerance far above rounding, far below any retrain
         same = mine.shape == probe.shape and bool((mine - probe).abs().max() <= 1e-2 * probe.abs().max() + 1e-6)
     if not same:
-        raise HRADError(f"{where} was trained for target '{record.get('name')}' (hidden {want[0]}, {want[1]} layers, "
-                        f"vocab {want[2]}, weights {record.get('weights_hash')}), not this one (hidden {have[0]}, "
-                        f"{have[1]} layers, vocab {have[2]}{', other weights' if have == want else ''}): train an "
-                        "H-RAD for this target (python -m spectrain.fit recipe=hrad_* target=...)")
+        raise HRADError(
+            f"{where} was trained for target '{record.get('name')}' (hidden {want[0]}, {want[1]} layers, "
+            f"vocab {want[2]}, weights {record.get('weights_hash')}), not this one (hidden {have[0]}, "
+            f"{have[1]} layers, vocab {have[2]}{', other weights' if have == want else ''}): train an "
+            "H-RAD for this target (python -m spectrain.fit recipe=hrad_* target=...)"
+        )
 
 
 def load_hrad(path: str | Path, target_runner: Any) -> HRADPredictor:

@@ -14,5 +14,6 @@ def load_predictor(path: str, target: Any) -> HRADPredictor:
     return load_hrad(path, target)
 
 
-HRAD_KIND = register_engine_kind(EngineKind(name=KIND, title="H-RAD", needs=export_needs("an H-RAD"),
-                                            config_class=HRADConfig, load=load_predictor))
+HRAD_KIND = register_engine_kind(
+    EngineKind(name=KIND, title="H-RAD", needs=export_needs("an H-RAD"), config_class=HRADConfig, load=load_predictor)
+)

@@ -46,13 +46,17 @@ class PEagleConfig(Eagle3Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.fc_norm or self.norm_output:  # its layouts carry neither: refused rather than dropped on export
-            raise ValueError("P-EAGLE runs without EAGLE-3.1's fc_norm and norm_output; set both false (they are "
-                             "options of kind=eagle3)")
+            raise ValueError(
+                "P-EAGLE runs without EAGLE-3.1's fc_norm and norm_output; set both false (they are "
+                "options of kind=eagle3)"
+            )
         if self.num_depths < 1:
             raise ValueError(f"P-EAGLE num_depths must be >= 1 (tokens one forward drafts), got {self.num_depths}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is not a token id of the {self.vocab_size}-token "
-                             "vocabulary; pick an unused or special token of the target's tokenizer")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is not a token id of the {self.vocab_size}-token "
+                "vocabulary; pick an unused or special token of the target's tokenizer"
+            )
 
 
 @dataclass
@@ -87,8 +91,10 @@ class PEagleDrafter(Eagle3Drafter):
         right-padded: causal rows never read the padding). Row i of depth 0 predicts token i + 2; chain row n
         (anchor a, depth d) predicts token a + d + 2."""
         if self.config.attention_window:  # its chain attention (core.drafters.peagle.attention) has none: refused
-            raise ValueError(f"P-EAGLE trains without a sliding window; this drafter sets attention_window="
-                             f"{self.config.attention_window} (serving honours it): train with attention_window=0")
+            raise ValueError(
+                f"P-EAGLE trains without a sliding window; this drafter sets attention_window="
+                f"{self.config.attention_window} (serving honours it): train with attention_window=0"
+            )
         batch, length = input_ids.shape
         dtype = self.fc.weight.dtype
         tokens, hidden = self.mask_rows(chains.rows, dtype)
@@ -102,8 +108,14 @@ class PEagleDrafter(Eagle3Drafter):
     # -- serving ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def draft(self, cache: Eagle3Cache, features: torch.Tensor, next_tokens: list[int] | torch.Tensor,
-              depths: int | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def draft(
+        self,
+        cache: Eagle3Cache,
+        features: torch.Tensor,
+        next_tokens: list[int] | torch.Tensor,
+        depths: int | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """For each of the cache's B rows: append the rows of its newly committed positions (``features`` [B, n,
         3·H_t] of the positions right after those the row caches, each paired with the token after it,
         ``next_tokens`` [B, n], a list of n for one row), then draft ``depths`` (default K) tokens after the last of
@@ -116,30 +128,35 @@ class PEagleDrafter(Eagle3Drafter):
         batch, new = features.shape[:2]
         next_tokens = torch.as_tensor(next_tokens, dtype=torch.long, device=self.fc.weight.device)
         if new < 1 or next_tokens.numel() != batch * new:
-            raise ValueError(f"draft needs >= 1 committed row and one next token per row, got {new} rows and "
-                             f"{next_tokens.numel()} tokens for {batch} cache rows")
+            raise ValueError(
+                f"draft needs >= 1 committed row and one next token per row, got {new} rows and "
+                f"{next_tokens.numel()} tokens for {batch} cache rows"
+            )
         counts = cache.counts(new, counts)
         start = list(cache.held)
         tokens, hidden = self._draft_rows(features, next_tokens.view(batch, new), counts, depths)
-        positions = torch.tensor(start, device=tokens.device)[:, None] + torch.arange(tokens.shape[1],
-                                                                                      device=tokens.device)
+        positions = torch.tensor(start, device=tokens.device)[:, None] + torch.arange(
+            tokens.shape[1], device=tokens.device
+        )
         step = self.step(tokens, hidden, positions, cache, counts=[c + depths - 1 if c else 0 for c in counts])
         cache.truncate([n + c for n, c in zip(start, counts)])  # the mask rows are this round's only
         if all(c == new for c in counts):  # every row's drafts sit in the same columns
-            return step.logits[:, new - 1:]
+            return step.logits[:, new - 1 :]
         first = torch.tensor([max(c - 1, 0) for c in counts], device=tokens.device)[:, None]
         rows = first + torch.arange(depths, device=tokens.device)  # [B, depths]
         return step.logits.gather(1, rows[..., None].expand(-1, -1, step.logits.shape[-1]))
 
-    def _draft_rows(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
-                    depths: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_rows(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int], depths: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B, n + depths - 1] and hidden [B, n + depths - 1, H] of a draft call: per row its ``counts[b]``
         committed rows, then ``depths - 1`` mask rows, then pads."""
         batch, new = next_tokens.shape
         if all(c == new for c in counts):  # no pads: every row's mask rows follow its n committed ones
             mask_tokens, mask_hidden = self.mask_rows(depths - 1, self.fc.weight.dtype)
-            return torch.cat([next_tokens, mask_tokens.expand(batch, -1)], dim=1), \
-                torch.cat([self.project(features.to(mask_hidden.dtype)), mask_hidden.expand(batch, -1, -1)], dim=1)
+            return torch.cat([next_tokens, mask_tokens.expand(batch, -1)], dim=1), torch.cat(
+                [self.project(features.to(mask_hidden.dtype)), mask_hidden.expand(batch, -1, -1)], dim=1
+            )
         _, mask_hidden = self.mask_rows(1, self.fc.weight.dtype)
         slot = torch.arange(new + depths - 1, device=next_tokens.device)[None]
         real = torch.tensor(counts, device=next_tokens.device)[:, None]

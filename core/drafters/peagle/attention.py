@@ -80,12 +80,22 @@ class ChainLayout:
         if self.dense:
             if "dense" not in self._masks:
                 self._masks["dense"] = self.mask(context)[:, None]
-            outputs.append(F.scaled_dot_product_attention(q[:, :, context:], keys, values,
-                                                          attn_mask=self._masks["dense"], enable_gqa=gqa))
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, context:], keys, values, attn_mask=self._masks["dense"], enable_gqa=gqa
+                )
+            )
         else:
             for start, stop, seen, lo, mask in self.chunks(context):
-                chunk_keys = torch.cat([k0[:, :, :seen], keys[:, :, context + lo: context + stop]], dim=2)
-                chunk_values = torch.cat([v0[:, :, :seen], values[:, :, context + lo: context + stop]], dim=2)
-                outputs.append(F.scaled_dot_product_attention(q[:, :, context + start: context + stop], chunk_keys,
-                                                              chunk_values, attn_mask=mask, enable_gqa=gqa))
+                chunk_keys = torch.cat([k0[:, :, :seen], keys[:, :, context + lo : context + stop]], dim=2)
+                chunk_values = torch.cat([v0[:, :, :seen], values[:, :, context + lo : context + stop]], dim=2)
+                outputs.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, context + start : context + stop],
+                        chunk_keys,
+                        chunk_values,
+                        attn_mask=mask,
+                        enable_gqa=gqa,
+                    )
+                )
         return torch.cat(outputs, dim=2)

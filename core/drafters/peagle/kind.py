@@ -21,6 +21,14 @@ def load_peagle(path: str, target: Any) -> PEagleDrafter:
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
 
 
-PEAGLE = register_engine_kind(EngineKind(name=KIND, title="P-EAGLE", needs=export_needs("a P-EAGLE"),
-                                         config_class=PEagleConfig, layouts=LAYOUTS, load=load_peagle,
-                                         layout_of=layout_of))
+PEAGLE = register_engine_kind(
+    EngineKind(
+        name=KIND,
+        title="P-EAGLE",
+        needs=export_needs("a P-EAGLE"),
+        config_class=PEagleConfig,
+        layouts=LAYOUTS,
+        load=load_peagle,
+        layout_of=layout_of,
+    )
+)

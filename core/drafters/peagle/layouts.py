@@ -25,10 +25,22 @@ from typing import Any
 import torch
 
 from core.assets import AssetError
-from core.drafters.checkpoint_files import (CheckpointError, check_trained_for, checked_block, config_or_none,
-                                            read_config, read_weights, vllm_layer_ids)
-from core.drafters.eagle3.layouts import (EMBED, Eagle3Checkpoint, config_from_engine, target_embedding,
-                                          tensors_from_layout)
+from core.drafters.checkpoint_files import (
+    CheckpointError,
+    check_trained_for,
+    checked_block,
+    config_or_none,
+    read_config,
+    read_weights,
+    vllm_layer_ids,
+)
+from core.drafters.eagle3.layouts import (
+    EMBED,
+    Eagle3Checkpoint,
+    config_from_engine,
+    target_embedding,
+    tensors_from_layout,
+)
 from core.drafters.eagle3.layouts import layout_config as eagle3_layout_config
 from core.drafters.eagle3.layouts import layout_tensors as eagle3_layout_tensors
 from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
@@ -42,15 +54,25 @@ MASK_HIDDEN = "mask_hidden"
 VLLM_NORM_BEFORE_RESIDUAL = False  # vLLM's update_peagle default when the field is absent (update_eagle3: True)
 
 
-def spectrain_block(config: PEagleConfig, target: dict[str, Any], extra: dict[str, Any] | None = None,
-                    layout: str = "native") -> dict[str, Any]:
+def spectrain_block(
+    config: PEagleConfig, target: dict[str, Any], extra: dict[str, Any] | None = None, layout: str = "native"
+) -> dict[str, Any]:
     return {
-        "format_version": FORMAT_VERSION, "kind": KIND, "layout": layout, "target": target,
-        "architecture": config.to_dict(), "num_depths": config.num_depths, "mask_token_id": config.mask_token_id,
-        "layers": {"ids": list(config.aux_layer_ids), "convention": LAYER_CONVENTION,
-                   "vllm_input_ids": vllm_layer_ids(config.aux_layer_ids)},
+        "format_version": FORMAT_VERSION,
+        "kind": KIND,
+        "layout": layout,
+        "target": target,
+        "architecture": config.to_dict(),
+        "num_depths": config.num_depths,
+        "mask_token_id": config.mask_token_id,
+        "layers": {
+            "ids": list(config.aux_layer_ids),
+            "convention": LAYER_CONVENTION,
+            "vllm_input_ids": vllm_layer_ids(config.aux_layer_ids),
+        },
         "vocab": {"vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size},
-        "embed_tokens": "own" if config.own_embedding else "target", **(extra or {}),
+        "embed_tokens": "own" if config.own_embedding else "target",
+        **(extra or {}),
     }
 
 
@@ -68,26 +90,47 @@ def stored_tensors(drafter: PEagleDrafter) -> dict[str, torch.Tensor]:
 # Writing
 
 
-def layout_config(config: PEagleConfig, tensors: dict[str, torch.Tensor], layout: str, target: dict[str, Any], *,
-                  dtype: torch.dtype, verifier: str | None = None) -> dict[str, Any]:
+def layout_config(
+    config: PEagleConfig,
+    tensors: dict[str, torch.Tensor],
+    layout: str,
+    target: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    verifier: str | None = None,
+) -> dict[str, Any]:
     """The engine fields of ``layout``'s ``config.json`` (beside the ``spectrain`` block): EAGLE-3's speculators
     fields with P-EAGLE's on top."""
     if layout == "native":
         return {}
     if layout != "speculators":
         raise CheckpointError(f"unknown P-EAGLE layout '{layout}'; use one of {', '.join(LAYOUTS)}")
-    fields = eagle3_layout_config(Eagle3Checkpoint(config, tensors, target), "speculators", dtype=dtype,
-                                  speculative_tokens=config.num_depths, verifier=verifier)
+    fields = eagle3_layout_config(
+        Eagle3Checkpoint(config, tensors, target),
+        "speculators",
+        dtype=dtype,
+        speculative_tokens=config.num_depths,
+        verifier=verifier,
+    )
     fields.pop("spectrain")
-    fields.update(speculators_model_type=KIND, architectures=[ARCHITECTURE], mask_token_id=config.mask_token_id,
-                  norm_before_residual=bool(config.norm_before_residual),  # explicit: engines' defaults differ
-                  embed_requires_grad=False)  # we train with the target's embedding frozen
+    fields.update(
+        speculators_model_type=KIND,
+        architectures=[ARCHITECTURE],
+        mask_token_id=config.mask_token_id,
+        norm_before_residual=bool(config.norm_before_residual),  # explicit: engines' defaults differ
+        embed_requires_grad=False,
+    )  # we train with the target's embedding frozen
     fields["speculators_config"]["algorithm"] = KIND
     return fields
 
 
-def layout_tensors(config: PEagleConfig, tensors: dict[str, torch.Tensor], layout: str, target: dict[str, Any],
-                   verifier: str | None = None) -> dict[str, torch.Tensor]:
+def layout_tensors(
+    config: PEagleConfig,
+    tensors: dict[str, torch.Tensor],
+    layout: str,
+    target: dict[str, Any],
+    verifier: str | None = None,
+) -> dict[str, torch.Tensor]:
     """What ``layout`` stores: native, our tensors; speculators, EAGLE-3's names plus ``mask_hidden`` and the
     target's embedding (speculators' loader leaves a missing one uninitialised)."""
     if layout == "native":
@@ -99,26 +142,43 @@ def layout_tensors(config: PEagleConfig, tensors: dict[str, torch.Tensor], layou
     return out
 
 
-def save_layout(drafter: PEagleDrafter, out_dir: str | Path, *, target: dict[str, Any] | None, layout: str = "native",
-                recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
-                extra: dict[str, Any] | None = None, verifier: str | None = None) -> Path:
+def save_layout(
+    drafter: PEagleDrafter,
+    out_dir: str | Path,
+    *,
+    target: dict[str, Any] | None,
+    layout: str = "native",
+    recipe: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    verifier: str | None = None,
+) -> Path:
     """Write ``drafter`` as a ``layout`` export dir atomically; refuses an existing non-empty ``out_dir``, a drafter
     without a target record, non-finite weights and an unknown layout."""
     if layout not in LAYOUTS:
         raise CheckpointError(f"unknown P-EAGLE layout '{layout}'; use one of {', '.join(LAYOUTS)}")
     if target is None:
-        raise CheckpointError("this P-EAGLE drafter does not record its target: give target=NAME_OR_DIR (the model "
-                              "it drafts for)")
+        raise CheckpointError(
+            "this P-EAGLE drafter does not record its target: give target=NAME_OR_DIR (the model it drafts for)"
+        )
     config = drafter.config
     tensors = stored_tensors(drafter)
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"the drafter's tensor '{name}' holds NaN/inf (training diverged?): export an "
-                                  "earlier checkpoint (runs/<run>/checkpoints/stepN.ckpt) or retrain")
+            raise CheckpointError(
+                f"the drafter's tensor '{name}' holds NaN/inf (training diverged?): export an "
+                "earlier checkpoint (runs/<run>/checkpoints/stepN.ckpt) or retrain"
+            )
     block = spectrain_block(config, target, extra, layout)
     engine = layout_config(config, tensors, layout, target, dtype=drafter.fc.weight.dtype, verifier=verifier)
-    return write_export_dir(out_dir, layout_tensors(config, tensors, layout, target, verifier), block, recipe=recipe,
-                            metrics=metrics, engine_config=engine)
+    return write_export_dir(
+        out_dir,
+        layout_tensors(config, tensors, layout, target, verifier),
+        block,
+        recipe=recipe,
+        metrics=metrics,
+        engine_config=engine,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -161,8 +221,11 @@ def _speculators_config(raw: dict[str, Any], target: dict[str, Any] | None, wher
     methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
     try:
         base = config_from_engine(fields, "speculators", target)
-        return PEagleConfig(**base.to_dict(), mask_token_id=int(raw["mask_token_id"]),
-                            num_depths=int(methods[0].get("speculative_tokens") or 8))
+        return PEagleConfig(
+            **base.to_dict(),
+            mask_token_id=int(raw["mask_token_id"]),
+            num_depths=int(methods[0].get("speculative_tokens") or 8),
+        )
     except ValueError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
 
@@ -175,14 +238,17 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> P
     raw = read_config(directory, "P-EAGLE")
     layout = detect_layout(raw)
     if layout is None:
-        raise CheckpointError(f"{directory}/config.json is not a P-EAGLE checkpoint (expected speculators_model_type "
-                              f"peagle or a spectrain peagle block; got speculators_model_type "
-                              f"{raw.get('speculators_model_type')})")
+        raise CheckpointError(
+            f"{directory}/config.json is not a P-EAGLE checkpoint (expected speculators_model_type "
+            f"peagle or a spectrain peagle block; got speculators_model_type "
+            f"{raw.get('speculators_model_type')})"
+        )
     block = checked_block(raw, directory, KIND, "P-EAGLE")
     if layout == "native":
         try:
-            config, tensors, block = read_export_dir(directory, kind=KIND, title="P-EAGLE", loader="the peagle "
-                                                     "algorithm", config_cls=PEagleConfig)
+            config, tensors, block = read_export_dir(
+                directory, kind=KIND, title="P-EAGLE", loader="the peagle algorithm", config_cls=PEagleConfig
+            )
         except (AssetError, ValueError) as exc:
             raise CheckpointError(str(exc)) from None
     else:
@@ -193,8 +259,9 @@ def read_checkpoint(path: str | Path, target: dict[str, Any] | None = None) -> P
             weights.pop(EMBED, None)  # the target's own, shipped for speculators' loader
         config.own_embedding = EMBED in weights  # a checkpoint that carries an embedding keeps it
         if block is not None and block.get("architecture") != config.to_dict():
-            raise CheckpointError(f"{where}: its speculators fields disagree with its spectrain block (edited by "
-                                  "hand?); re-export it")
+            raise CheckpointError(
+                f"{where}: its speculators fields disagree with its spectrain block (edited by hand?); re-export it"
+            )
         mask_hidden = weights.pop(MASK_HIDDEN, None)
         if mask_hidden is None:
             raise CheckpointError(f"{directory}: a P-EAGLE checkpoint without '{MASK_HIDDEN}'; refusing to invent it")
@@ -210,13 +277,16 @@ def read_native(path: str | Path) -> tuple[PEagleConfig, dict[str, torch.Tensor]
     checkpoint lacks the block and is refused, pointing at ``import=``."""
     ckpt = read_checkpoint(path)
     if ckpt.block is None:
-        raise CheckpointError(f"drafter '{path}' is a P-EAGLE checkpoint without a spectrain block (another tool's); "
-                              f"import it first: python -m spectrain.export import={path} target=NAME_OR_DIR out=DIR")
+        raise CheckpointError(
+            f"drafter '{path}' is a P-EAGLE checkpoint without a spectrain block (another tool's); "
+            f"import it first: python -m spectrain.export import={path} target=NAME_OR_DIR out=DIR"
+        )
     return ckpt.config, ckpt.tensors, ckpt.block
 
 
-def build_drafter(config: PEagleConfig, tensors: dict[str, torch.Tensor],
-                  embed_weight: torch.Tensor | None = None) -> PEagleDrafter:
+def build_drafter(
+    config: PEagleConfig, tensors: dict[str, torch.Tensor], embed_weight: torch.Tensor | None = None
+) -> PEagleDrafter:
     """The module holding ``tensors`` (strict: no missing or unknown tensor, shapes checked) with the target's
     embedding unless it owns one (a zero placeholder when not given: inspection and re-export only, never serving)."""
     with torch.device("meta"):

@@ -44,11 +44,23 @@ from core.errors import UserError
 from core.blocks.linear import Linear
 from core.blocks.mlp import MLP
 from core.blocks.norm import RMSNorm
-from core.drafters.eagle3 import (NUM_AUX_LAYERS, Eagle3Attention, TargetShapedConfig, check_drafter_config,
-                                  layer_llama_config, per_row_attention, target_layer_shape)
+from core.drafters.eagle3 import (
+    NUM_AUX_LAYERS,
+    Eagle3Attention,
+    TargetShapedConfig,
+    check_drafter_config,
+    layer_llama_config,
+    per_row_attention,
+    target_layer_shape,
+)
 from core.drafters.row_kv import RowKV
-from core.drafters.specblock.attention import (ATTENTION_KINDS, CHUNK_ANCHORS, CHUNK_ANCHORS_CUDA, BlockLayout,
-                                                block_sparse_attention)
+from core.drafters.specblock.attention import (
+    ATTENTION_KINDS,
+    CHUNK_ANCHORS,
+    CHUNK_ANCHORS_CUDA,
+    BlockLayout,
+    block_sparse_attention,
+)
 from core.drafters.native_export import assign_strict, read_export_dir, write_export_dir
 from core.drafters.target_tied import TargetTiedDrafter
 from core.kernels import exact_cpu
@@ -81,15 +93,27 @@ class SpecBlockConfig(TargetShapedConfig):
         self.widths = [int(w) for w in self.widths]
         check_drafter_config(self, self.KIND, ("block_size", "num_layers", "rank_topk", "rank_hidden_size"))
         if self.rank_buckets != len(RANK_BUCKET_UPPER) + 1:
-            raise UserError(f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
-                             f"{self.rank_buckets}")
+            raise UserError(
+                f"rank_buckets must be {len(RANK_BUCKET_UPPER) + 1} (ranks 1 | 2-4 | 5-10 | >10), got "
+                f"{self.rank_buckets}"
+            )
         if len(self.widths) != self.rank_buckets or any(w < 0 for w in self.widths):
-            raise UserError(f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
-                             f"bucket), got {self.widths}")
+            raise UserError(
+                f"widths must give {self.rank_buckets} non-negative candidate counts (one per rank "
+                f"bucket), got {self.widths}"
+            )
 
     @classmethod
-    def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], block_size: int = 4,
-                   num_layers: int = 2, **overrides: Any) -> SpecBlockConfig:
+    def for_target(
+        cls,
+        target_config,
+        *,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        block_size: int = 4,
+        num_layers: int = 2,
+        **overrides: Any,
+    ) -> SpecBlockConfig:
         """A drafter whose decoder layers have the target's per-layer shapes (§3), like the release.
         RoPE: the target's unless ``rope_theta`` / ``rope_scaling`` are overridden."""
         values = target_layer_shape(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
@@ -161,8 +185,15 @@ def _same_anchor_below(anchors: int, k: int, valid: int, device) -> torch.Tensor
     return (anchor[None, :] == anchor[:, None]) & (slot[None, :] < valid)
 
 
-def later_block_mask(anchors: int, k: int, *, first_block: bool, ttt_valid: Sequence[int],
-                     other_anchors: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
+def later_block_mask(
+    anchors: int,
+    k: int,
+    *,
+    first_block: bool,
+    ttt_valid: Sequence[int],
+    other_anchors: bool = False,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """[A·K, keys] of a training block ``b >= 2``; keys = [first block (if given)] + [one group per previous block
     (``ttt_valid``)] + [this block], each group A·K wide (§4)."""
     groups = []
@@ -185,9 +216,15 @@ class SpecBlockAttention(Eagle3Attention):
     ``Attend`` function over them (row-exact serving: one call per row), or the :class:`BlockLayout` of a
     training block (block-sparse, same result)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: Sequence[torch.Tensor],
-                past_v: Sequence[torch.Tensor],
-                attention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past_k: Sequence[torch.Tensor],
+        past_v: Sequence[torch.Tensor],
+        attention,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not isinstance(attention, BlockLayout):
             return super().forward(x, cos, sin, _joined(past_k), _joined(past_v), attention)
         q, k, v = self.project(x, cos, sin)
@@ -241,8 +278,10 @@ class BlockKV:
     @staticmethod
     def cat(parts: Sequence[BlockKV]) -> BlockKV:
         layers = len(parts[0].k)
-        return BlockKV([torch.cat([p.k[i] for p in parts], dim=2) for i in range(layers)],
-                       [torch.cat([p.v[i] for p in parts], dim=2) for i in range(layers)])
+        return BlockKV(
+            [torch.cat([p.k[i] for p in parts], dim=2) for i in range(layers)],
+            [torch.cat([p.v[i] for p in parts], dim=2) for i in range(layers)],
+        )
 
 
 @dataclass
@@ -305,8 +344,11 @@ class SpecBlockDrafter(TargetTiedDrafter):
         self.shift = nn.ModuleList(Linear(2 * hidden, hidden, bias=False) for _ in range(config.num_layers - 1))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)  # RMSNorm_out
         self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
-        self.rank_head = nn.Sequential(Linear(hidden + NUM_RANK_FEATURES, config.rank_hidden_size, bias=False),
-                                       nn.SiLU(), Linear(config.rank_hidden_size, config.rank_buckets, bias=False))
+        self.rank_head = nn.Sequential(
+            Linear(hidden + NUM_RANK_FEATURES, config.rank_hidden_size, bias=False),
+            nn.SiLU(),
+            Linear(config.rank_hidden_size, config.rank_buckets, bias=False),
+        )
 
     def init_weights_(self, init: str) -> None:
         """``random``: leave the modules' own random init. ``identity``: an identity-style start, every layer-wise
@@ -332,16 +374,29 @@ class SpecBlockDrafter(TargetTiedDrafter):
     def new_cache(self, max_anchors: int, batch_size: int = 1) -> SpecBlockCache:
         """An empty cross cache for ``max_anchors`` committed anchors (K entries each)."""
         ref = self.fc.weight
-        shape = (batch_size, self.config.num_key_value_heads, max_anchors * self.config.block_size,
-                 self.config.resolved_head_dim)
+        shape = (
+            batch_size,
+            self.config.num_key_value_heads,
+            max_anchors * self.config.block_size,
+            self.config.resolved_head_dim,
+        )
         layers = self.config.num_layers
-        return SpecBlockCache([ref.new_zeros(shape) for _ in range(layers)],
-                              [ref.new_zeros(shape) for _ in range(layers)], self.config.block_size)
+        return SpecBlockCache(
+            [ref.new_zeros(shape) for _ in range(layers)],
+            [ref.new_zeros(shape) for _ in range(layers)],
+            self.config.block_size,
+        )
 
     # -- the one code path -----------------------------------------------------------------------------------
 
-    def _trunk(self, cond: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, past: Sequence[BlockKV],
-               attention: torch.Tensor | BlockLayout) -> tuple[torch.Tensor, BlockKV]:
+    def _trunk(
+        self,
+        cond: torch.Tensor,
+        tokens: torch.Tensor,
+        anchors: torch.Tensor,
+        past: Sequence[BlockKV],
+        attention: torch.Tensor | BlockLayout,
+    ) -> tuple[torch.Tensor, BlockKV]:
         """Block forward of A anchors: ``cond`` [B, A, H] (RMSNorm_c input), ``tokens`` [B, A] target ids,
         ``anchors`` [B, A] anchor indices (slot k at position anchor + 1 + k), ``past`` the key groups before this
         block's, ``attention`` a bool mask [B, A·K, P + A·K] over them or their :class:`BlockLayout`
@@ -384,8 +439,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
             self.__dict__["_fuse_packs"] = packed
         return packed[1]
 
-    def _heads(self, hidden: torch.Tensor,
-               counts: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _heads(self, hidden: torch.Tensor, counts: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """G [B, A, ..., H] -> (draft logits [B, A, ..., Vd], rank logits [B, A, ..., buckets]); the rank head
         reads no gradient path into the trunk (detached hidden, no-grad features). Row-exact: one call per row
         over its ``counts[b]`` real anchors (None: all A), the rest zero (the rank features' and SiLU's vectorised
@@ -398,7 +452,7 @@ class SpecBlockDrafter(TargetTiedDrafter):
         rank = hidden.new_zeros(*hidden.shape[:-1], self.config.rank_buckets)
         for b, n in enumerate(counts):
             if n:
-                logits[b:b + 1, :n], rank[b:b + 1, :n] = self._row_heads(hidden[b:b + 1, :n])
+                logits[b : b + 1, :n], rank[b : b + 1, :n] = self._row_heads(hidden[b : b + 1, :n])
         return logits, rank
 
     def _row_heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,9 +467,17 @@ class SpecBlockDrafter(TargetTiedDrafter):
 
     # -- training --------------------------------------------------------------------------------------------
 
-    def forward_block(self, cond: torch.Tensor, tokens: torch.Tensor, *, from_target: bool,
-                      first_block_kv: BlockKV | None = None, ttt_kv: Sequence[BlockKV] = (),
-                      ttt_valid: Sequence[int] = (), attention: str = "block_sparse") -> BlockOutput:
+    def forward_block(
+        self,
+        cond: torch.Tensor,
+        tokens: torch.Tensor,
+        *,
+        from_target: bool,
+        first_block_kv: BlockKV | None = None,
+        ttt_kv: Sequence[BlockKV] = (),
+        ttt_valid: Sequence[int] = (),
+        attention: str = "block_sparse",
+    ) -> BlockOutput:
         """Training-mode forward of one block for all anchors of a batch.
 
         ``cond``: [B, S, 3·H_t] target aux features (W_c + RMSNorm_c applied here) when ``from_target``, else
@@ -440,13 +502,26 @@ class SpecBlockDrafter(TargetTiedDrafter):
         past = ([first_block_kv] if first_block_kv is not None else []) + list(ttt_kv)
         other_anchors = self.config.train_block2_sees_other_anchors
         structure: torch.Tensor | BlockLayout = BlockLayout(
-            count, k, first_block=first_block_kv is not None, ttt_valid=tuple(int(m) for m in ttt_valid),
+            count,
+            k,
+            first_block=first_block_kv is not None,
+            ttt_valid=tuple(int(m) for m in ttt_valid),
             own_sees_earlier=from_target or other_anchors,
-            chunk_anchors=CHUNK_ANCHORS_CUDA if device.type == "cuda" else CHUNK_ANCHORS)
+            chunk_anchors=CHUNK_ANCHORS_CUDA if device.type == "cuda" else CHUNK_ANCHORS,
+        )
         if attention == "dense":
-            mask = first_block_mask(count, k, device) if from_target else later_block_mask(
-                count, k, first_block=first_block_kv is not None, ttt_valid=ttt_valid, other_anchors=other_anchors,
-                device=device)
+            mask = (
+                first_block_mask(count, k, device)
+                if from_target
+                else later_block_mask(
+                    count,
+                    k,
+                    first_block=first_block_kv is not None,
+                    ttt_valid=ttt_valid,
+                    other_anchors=other_anchors,
+                    device=device,
+                )
+            )
             structure = mask.expand(batch, *mask.shape)
         anchors = torch.arange(count, device=device).expand(batch, count)
         hidden, kv = self._trunk(cond, tokens, anchors, past, structure)
@@ -456,8 +531,9 @@ class SpecBlockDrafter(TargetTiedDrafter):
     # -- serving ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def extend_and_draft(self, features: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache,
-                         counts: list[int] | None = None) -> BlockOutput:
+    def extend_and_draft(
+        self, features: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache, counts: list[int] | None = None
+    ) -> BlockOutput:
         """Commit new anchors and draft the first block of the last one, for the B rows of ``cache`` at once.
 
         ``features`` [B, T, 3·H_t]: the target's aux features of positions ``n_b .. n_b + T - 1`` (``n_b`` =
@@ -470,8 +546,10 @@ class SpecBlockDrafter(TargetTiedDrafter):
         batch, count = tokens.shape
         k = self.config.block_size
         if cache.batch != batch:
-            raise ValueError(f"extend_and_draft got {batch} rows but the cross cache holds {cache.batch}; build it "
-                             f"with new_cache(max_anchors, batch_size={batch})")
+            raise ValueError(
+                f"extend_and_draft got {batch} rows but the cross cache holds {cache.batch}; build it "
+                f"with new_cache(max_anchors, batch_size={batch})"
+            )
         entries = cache.counts(count * k, None if counts is None else [int(n) * k for n in counts])
         ragged = not cache.uniform or any(n != count * k for n in entries)
         past = [cache.view()] if cache.longest else []
@@ -489,8 +567,9 @@ class SpecBlockDrafter(TargetTiedDrafter):
         last = [max(n // k, 1) - 1 for n in entries]
         if not ragged:
             logits, rank = self._heads(hidden[:, -1:])
-            return BlockOutput(logits, rank, hidden[:, -1:],
-                               kv.select(torch.arange((count - 1) * k, count * k, device=tokens.device)))
+            return BlockOutput(
+                logits, rank, hidden[:, -1:], kv.select(torch.arange((count - 1) * k, count * k, device=tokens.device))
+            )
         rows = torch.arange(batch, device=tokens.device)
         at = torch.tensor(last, device=tokens.device)
         hidden = hidden[rows, at][:, None]  # [B, 1, K, H]
@@ -511,10 +590,18 @@ class SpecBlockDrafter(TargetTiedDrafter):
         return torch.cat([cache.key_mask(new).to(own.device), mine], dim=-1).expand(batch, new, -1)
 
     @torch.no_grad()
-    def forward_leaves(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache, *,
-                       current_valid: torch.Tensor, ttt: BlockKV | None = None,
-                       ttt_visible: torch.Tensor | None = None, counts: list[int] | None = None,
-                       ttt_counts: list[int] | None = None) -> BlockOutput:
+    def forward_leaves(
+        self,
+        cond: torch.Tensor,
+        tokens: torch.Tensor,
+        cache: SpecBlockCache,
+        *,
+        current_valid: torch.Tensor,
+        ttt: BlockKV | None = None,
+        ttt_visible: torch.Tensor | None = None,
+        counts: list[int] | None = None,
+        ttt_counts: list[int] | None = None,
+    ) -> BlockOutput:
         """Later blocks of L pending tree leaves of the CURRENT anchor (the last one in ``cache``), in one forward.
 
         ``cond`` [B, L, H]: the pre-norm hidden G of each leaf's source slot; ``tokens`` [B, L]: the leaf tokens
@@ -534,8 +621,9 @@ class SpecBlockDrafter(TargetTiedDrafter):
         device = tokens.device
         current = cache.anchors - 1
         if current < 0:
-            raise ValueError("forward_leaves needs the current anchor's first block in the cache: call "
-                             "extend_and_draft first")
+            raise ValueError(
+                "forward_leaves needs the current anchor's first block in the cache: call extend_and_draft first"
+            )
         slot = torch.arange(k, device=device)
         earlier = torch.ones(count * k, current * k, dtype=torch.bool, device=device)
         block1 = (slot[None, :] < current_valid.to(device)[:, None]).repeat_interleave(k, dim=0)  # [L·K, K]
@@ -552,24 +640,35 @@ class SpecBlockDrafter(TargetTiedDrafter):
         logits, rank = self._heads(hidden)
         return BlockOutput(logits, rank, hidden, kv)
 
-    def _leaves_of_rows(self, cond: torch.Tensor, tokens: torch.Tensor, cache: SpecBlockCache,
-                        current_valid: torch.Tensor, ttt: BlockKV | None, ttt_visible: torch.Tensor | None,
-                        counts: list[int], ttt_counts: list[int] | None) -> BlockOutput:
+    def _leaves_of_rows(
+        self,
+        cond: torch.Tensor,
+        tokens: torch.Tensor,
+        cache: SpecBlockCache,
+        current_valid: torch.Tensor,
+        ttt: BlockKV | None,
+        ttt_visible: torch.Tensor | None,
+        counts: list[int],
+        ttt_counts: list[int] | None,
+    ) -> BlockOutput:
         """:meth:`forward_leaves` over ragged rows (see there)."""
         batch, count = tokens.shape
         k, device = self.config.block_size, tokens.device
         if cache.batch != batch or len(counts) != batch or any(not 0 <= n <= count for n in counts):
-            raise ValueError(f"forward_leaves got {batch} rows and counts {list(counts)} for a cross cache of "
-                             f"{cache.batch} rows; give one count in 0..{count} per cache row")
+            raise ValueError(
+                f"forward_leaves got {batch} rows and counts {list(counts)} for a cross cache of "
+                f"{cache.batch} rows; give one count in 0..{count} per cache row"
+            )
         held = cache.held
         if any(n and h < k for n, h in zip(counts, held)):
-            raise ValueError("forward_leaves needs each row's current anchor's first block in the cache: call "
-                             "extend_and_draft first")
+            raise ValueError(
+                "forward_leaves needs each row's current anchor's first block in the cache: call extend_and_draft first"
+            )
         past, entries = cache.longest, (0 if ttt is None else ttt.entries)
         current = torch.tensor([max(h // k - 1, 0) for h in held], device=device)  # [B]
         column = torch.arange(past, device=device)
         start = (current * k)[:, None, None]  # the current anchor's first entry
-        slot = (column[None, None, :] - start)  # [B, 1, P]: slot of the current anchor, < 0 for earlier anchors
+        slot = column[None, None, :] - start  # [B, 1, P]: slot of the current anchor, < 0 for earlier anchors
         valid = current_valid.to(device).repeat_interleave(k, dim=1)[:, :, None]  # [B, L·K, 1]
         groups = [(slot < 0) | ((slot < k) & (slot < valid))]  # [B, L·K, P]
         parts = [cache.view()]
@@ -607,9 +706,13 @@ def span_attention(mask: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]
             if queries == 0:
                 continue
             cols = torch.cat([torch.arange(start, start + n) for start, n in row]).to(mask.device)
-            out[b:b + 1, :, :queries] = F.scaled_dot_product_attention(
-                q[b:b + 1, :, :queries], keys[b:b + 1, :, cols], values[b:b + 1, :, cols],
-                attn_mask=mask[b:b + 1, :queries, cols][:, None], enable_gqa=gqa)
+            out[b : b + 1, :, :queries] = F.scaled_dot_product_attention(
+                q[b : b + 1, :, :queries],
+                keys[b : b + 1, :, cols],
+                values[b : b + 1, :, cols],
+                attn_mask=mask[b : b + 1, :queries, cols][:, None],
+                enable_gqa=gqa,
+            )
         return out
 
     return attend
@@ -619,39 +722,58 @@ def span_attention(mask: torch.Tensor, spans: Sequence[Sequence[tuple[int, int]]
 # Native export directory (docs/architecture.md §5.3)
 
 
-def spectrain_block(config: SpecBlockConfig, target: dict[str, Any] | None,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def spectrain_block(
+    config: SpecBlockConfig, target: dict[str, Any] | None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
-        "format_version": FORMAT_VERSION, "kind": KIND, "layout": "native", "target": target,
-        "architecture": config.to_dict(), "block_size": config.block_size, "num_layers": config.num_layers,
+        "format_version": FORMAT_VERSION,
+        "kind": KIND,
+        "layout": "native",
+        "target": target,
+        "architecture": config.to_dict(),
+        "block_size": config.block_size,
+        "num_layers": config.num_layers,
         "layers": {"ids": list(config.aux_layer_ids), "convention": LAYER_CONVENTION},
-        "rank_buckets": {"count": config.rank_buckets, "rank_upper_bounds": list(RANK_BUCKET_UPPER),
-                         "topk_features": config.rank_topk},
+        "rank_buckets": {
+            "count": config.rank_buckets,
+            "rank_upper_bounds": list(RANK_BUCKET_UPPER),
+            "topk_features": config.rank_topk,
+        },
         "widths": list(config.widths),
         "vocab": {"vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size},
-        "embed_tokens": "target", **(extra or {}),
+        "embed_tokens": "target",
+        **(extra or {}),
     }
 
 
-def save_native(drafter: SpecBlockDrafter, out_dir: str | Path, *, target: dict[str, Any],
-                recipe: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
-                extra: dict[str, Any] | None = None) -> Path:
+def save_native(
+    drafter: SpecBlockDrafter,
+    out_dir: str | Path,
+    *,
+    target: dict[str, Any],
+    recipe: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write the native export dir atomically: ``config.json`` (``spectrain`` block), ``model.safetensors``
     (without the frozen target embedding), ``metrics.json`` and ``recipe.yaml`` when given. Refuses an existing
     non-empty ``out_dir`` (exports are never overwritten)."""
     tensors = {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items() if name != EMBED}
-    return write_export_dir(out_dir, tensors, spectrain_block(drafter.config, target, extra), recipe=recipe,
-                            metrics=metrics)
+    return write_export_dir(
+        out_dir, tensors, spectrain_block(drafter.config, target, extra), recipe=recipe, metrics=metrics
+    )
 
 
 def read_native(path: str | Path) -> tuple[SpecBlockConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, spectrain block) of a native SpecBlock export; one-line errors for anything else."""
-    return read_export_dir(path, kind=KIND, title="SpecBlock", loader="SpecBlock algorithms",
-                           config_cls=SpecBlockConfig)
+    return read_export_dir(
+        path, kind=KIND, title="SpecBlock", loader="SpecBlock algorithms", config_cls=SpecBlockConfig
+    )
 
 
-def build_drafter(config: SpecBlockConfig, tensors: dict[str, torch.Tensor],
-                  embed_weight: torch.Tensor | None = None) -> SpecBlockDrafter:
+def build_drafter(
+    config: SpecBlockConfig, tensors: dict[str, torch.Tensor], embed_weight: torch.Tensor | None = None
+) -> SpecBlockDrafter:
     """The module holding ``tensors`` (strict: no missing or unknown tensor, shapes checked)."""
     with torch.device("meta"):
         drafter = SpecBlockDrafter(config)

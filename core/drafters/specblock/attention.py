@@ -99,17 +99,25 @@ def chunk_plan(layout: BlockLayout, device: torch.device) -> ChunkPlan:
         earlier = (prefix[None, :] // k) < anchor[:, None]
         offset = torch.arange(len(local)) % len(pattern)
         owner = start + torch.arange(len(local)) // len(pattern)
-        own_anchor = (owner[None, :] == anchor[:, None]) & ((offset[None, :] < seen)
-                                                            | (offset[None, :] - seen <= slot[:, None]))
+        own_anchor = (owner[None, :] == anchor[:, None]) & (
+            (offset[None, :] < seen) | (offset[None, :] - seen <= slot[:, None])
+        )
         masks.append(torch.cat([earlier] * n_earlier + [own_anchor], dim=-1).to(device))
         key_counts.append(n_earlier * len(prefix) + len(local))
         query_counts.append(len(rows))
     return ChunkPlan(torch.cat(index).to(device), key_counts, query_counts, masks)
 
 
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: Sequence[torch.Tensor],
-                           past_v: Sequence[torch.Tensor], layout: BlockLayout, *,
-                           expand_kv: bool = False) -> torch.Tensor:
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_k: Sequence[torch.Tensor],
+    past_v: Sequence[torch.Tensor],
+    layout: BlockLayout,
+    *,
+    expand_kv: bool = False,
+) -> torch.Tensor:
     """Attention of one block: ``q`` [B, heads, A·K, D], this block's ``k``, ``v`` [B, kv_heads, A·K, D],
     ``past_k`` / ``past_v`` the earlier blocks' groups in ``layout`` order ([first block] + one per
     ``ttt_valid``) -> [B, heads, A·K, D]. ``expand_kv``: later blocks repeat the K/V heads per chunk instead of
@@ -119,8 +127,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
     n_first = int(layout.first_block)
     if len(past_k) != n_first + len(layout.ttt_valid) or len(past_v) != len(past_k):
-        raise ValueError(f"block_sparse_attention got {len(past_k)} past groups for a layout of {n_first} first "
-                         f"block + {len(layout.ttt_valid)} previous blocks")
+        raise ValueError(
+            f"block_sparse_attention got {len(past_k)} past groups for a layout of {n_first} first "
+            f"block + {len(layout.ttt_valid)} previous blocks"
+        )
     plan = chunk_plan(layout, q.device)
     own = [k] if layout.own_sees_earlier else []
     # One gather and one split for all chunks: slicing per chunk would zero-fill a full-size gradient per chunk.
@@ -132,9 +142,15 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     def heads_of(t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(heads // t.shape[1], dim=1) if expand else t
 
-    outputs = [F.scaled_dot_product_attention(query, heads_of(key), heads_of(value), attn_mask=mask,
-                                              enable_gqa=k.shape[1] != heads and not expand)
-               for query, key, value, mask in zip(q.split(plan.query_counts, dim=2),
-                                                  keys.split(plan.key_counts, dim=2),
-                                                  values.split(plan.key_counts, dim=2), plan.masks)]
+    outputs = [
+        F.scaled_dot_product_attention(
+            query, heads_of(key), heads_of(value), attn_mask=mask, enable_gqa=k.shape[1] != heads and not expand
+        )
+        for query, key, value, mask in zip(
+            q.split(plan.query_counts, dim=2),
+            keys.split(plan.key_counts, dim=2),
+            values.split(plan.key_counts, dim=2),
+            plan.masks,
+        )
+    ]
     return torch.cat(outputs, dim=2)

@@ -20,5 +20,13 @@ def load_specblock(path: str, target: Any) -> SpecBlockDrafter:
     return drafter.to(device=runner.device, dtype=runner.dtype).eval()
 
 
-SPECBLOCK = register_engine_kind(EngineKind(name=KIND, title="SpecBlock", needs=export_needs("a SpecBlock"),
-                                            config_class=SpecBlockConfig, load=load_specblock, layout_of=layout_of))
+SPECBLOCK = register_engine_kind(
+    EngineKind(
+        name=KIND,
+        title="SpecBlock",
+        needs=export_needs("a SpecBlock"),
+        config_class=SpecBlockConfig,
+        load=load_specblock,
+        layout_of=layout_of,
+    )
+)

@@ -17,9 +17,12 @@ from core.layer_ids import eagle3_layers
 # The reference release (SpecForge-based SpecBlock): its tensor names -> ours. Its config.json is a LlamaConfig with
 # num_hidden_layers = drafter layers, draft_vocab_size, diffspec_draft_token_num (K) and rank_classes.
 REFERENCE_NAMES = {
-    "input_layer.condition_proj.weight": "fc.weight", "input_layer.condition_norm.weight": "cond_norm.weight",
-    "input_layer.token_norm.weight": "embed_norm.weight", "input_layer.position_queries.weight": "position_queries",
-    "input_layer.query_norm.weight": "query_norm.weight", "input_layer.fuse.weight": "fuse.weight",
+    "input_layer.condition_proj.weight": "fc.weight",
+    "input_layer.condition_norm.weight": "cond_norm.weight",
+    "input_layer.token_norm.weight": "embed_norm.weight",
+    "input_layer.position_queries.weight": "position_queries",
+    "input_layer.query_norm.weight": "query_norm.weight",
+    "input_layer.fuse.weight": "fuse.weight",
 }
 REFERENCE_SKIPPED = ("input_layer.embed_tokens.weight",)  # the target's embedding (frozen, shared): not stored
 
@@ -38,17 +41,24 @@ def reference_config(raw: dict[str, Any], target: dict[str, Any]) -> SpecBlockCo
     hidden = raw["hidden_size"]
     try:
         return SpecBlockConfig(
-            block_size=int(raw["diffspec_draft_token_num"]), num_layers=int(raw.get("num_hidden_layers", 1)),
-            hidden_size=hidden, intermediate_size=raw["intermediate_size"],
+            block_size=int(raw["diffspec_draft_token_num"]),
+            num_layers=int(raw.get("num_hidden_layers", 1)),
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
             num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-            head_dim=hidden // raw["num_attention_heads"], vocab_size=raw["vocab_size"],
+            head_dim=hidden // raw["num_attention_heads"],
+            vocab_size=raw["vocab_size"],
             draft_vocab_size=raw.get("draft_vocab_size", 32000),
             target_hidden_size=raw.get("target_hidden_size", hidden),
             aux_layer_ids=eagle3_layers(int(target["num_hidden_layers"])),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=float(raw.get("rope_theta") or 10000.0),
-            rope_scaling=raw.get("rope_scaling"), max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            hidden_act=raw.get("hidden_act", "silu"), rank_buckets=int(raw.get("rank_classes", 4)))
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=float(raw.get("rope_theta") or 10000.0),
+            rope_scaling=raw.get("rope_scaling"),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            hidden_act=raw.get("hidden_act", "silu"),
+            rank_buckets=int(raw.get("rank_classes", 4)),
+        )
     except KeyError as exc:
         raise ValueError(f"reference SpecBlock config.json lacks {exc}; it is not a complete release config") from None
 
@@ -59,8 +69,9 @@ def reference_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     for name, tensor in weights.items():
         if name in REFERENCE_SKIPPED:
             continue
-        ours = REFERENCE_NAMES.get(name) or (name.replace("shift_proj.", "shift.", 1)
-                                             if name.startswith("shift_proj.") else name)
+        ours = REFERENCE_NAMES.get(name) or (
+            name.replace("shift_proj.", "shift.", 1) if name.startswith("shift_proj.") else name
+        )
         tensors[ours] = tensor
     return tensors
 
@@ -80,23 +91,42 @@ def warm_start_from_eagle3(drafter: SpecBlockDrafter, eagle: Any) -> list[str]:
     e_cfg = eagle.config
     flags = [flag for flag in EAGLE31_FLAGS if getattr(e_cfg, flag, False)]
     if flags:  # its fc was trained on normed aux layers, and SpecBlock has no per-layer norms to carry them
-        raise UserError(f"warm start: the EAGLE-3 checkpoint is an EAGLE-3.1 drafter ({', '.join(flags)}), whose fc "
-                        "reads per-layer normed features SpecBlock does not compute; warm-start from a plain EAGLE-3 "
-                        "export or drop warm_start")
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "target_hidden_size", "draft_vocab_size", "aux_layer_ids"):
+        raise UserError(
+            f"warm start: the EAGLE-3 checkpoint is an EAGLE-3.1 drafter ({', '.join(flags)}), whose fc "
+            "reads per-layer normed features SpecBlock does not compute; warm-start from a plain EAGLE-3 "
+            "export or drop warm_start"
+        )
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "target_hidden_size",
+        "draft_vocab_size",
+        "aux_layer_ids",
+    ):
         if getattr(e_cfg, name) != getattr(cfg, name):
-            raise ValueError(f"warm start: the EAGLE-3 checkpoint has {name}={getattr(e_cfg, name)} but this "
-                             f"SpecBlock drafter has {getattr(cfg, name)}; warm-start from a drafter of this target")
+            raise ValueError(
+                f"warm start: the EAGLE-3 checkpoint has {name}={getattr(e_cfg, name)} but this "
+                f"SpecBlock drafter has {getattr(cfg, name)}; warm-start from a drafter of this target"
+            )
     hidden = cfg.hidden_size
-    mapping = {"fc.weight": src["fc.weight"], "lm_head.weight": src["lm_head.weight"], "norm.weight": src["norm.weight"],
-               "cond_norm.weight": src["midlayer.hidden_norm.weight"],
-               "embed_norm.weight": src["midlayer.input_layernorm.weight"]}
+    mapping = {
+        "fc.weight": src["fc.weight"],
+        "lm_head.weight": src["lm_head.weight"],
+        "norm.weight": src["norm.weight"],
+        "cond_norm.weight": src["midlayer.hidden_norm.weight"],
+        "embed_norm.weight": src["midlayer.input_layernorm.weight"],
+    }
     for proj in ("q_proj", "k_proj", "v_proj"):
         mapping[f"layers.0.self_attn.{proj}.weight"] = src[f"midlayer.self_attn.{proj}.weight"][:, hidden:]
     mapping["layers.0.self_attn.o_proj.weight"] = src["midlayer.self_attn.o_proj.weight"]
-    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "post_attention_layernorm.weight"):
+    for name in (
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "post_attention_layernorm.weight",
+    ):
         mapping[f"layers.0.{name}"] = src[f"midlayer.{name}"]
     fuse = drafter.fuse.weight.detach().clone()
     fuse[:, :hidden] = torch.eye(hidden, dtype=fuse.dtype)

@@ -16,8 +16,16 @@ from typing import Any
 from core.assets import check_model_reference, target_record
 from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
-from core.drafters.dflash.layouts import (FROM_TARGET, LAYOUTS, build_drafter, check_head, full_vocabulary,
-                                          read_checkpoint, save_layout, target_head)
+from core.drafters.dflash.layouts import (
+    FROM_TARGET,
+    LAYOUTS,
+    build_drafter,
+    check_head,
+    full_vocabulary,
+    read_checkpoint,
+    save_layout,
+    target_head,
+)
 from spectrain.checkpoint_contract import DTYPES
 from spectrain.checkpoint_reading import directory_target, export_dir_notes, read_trained_drafter
 from spectrain.resume import is_sharded_checkpoint
@@ -41,8 +49,10 @@ def export_dflash_checkpoint(path: Path, cfg: Any) -> Path:
     """A dflash Lightning checkpoint, FSDP checkpoint directory or DFlash directory (any layout) -> the export dir
     ``cfg.out`` in layout ``cfg.format``."""
     if cfg.format not in LAYOUTS:
-        raise CheckpointError(f"a dflash drafter exports as format={', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]}; "
-                              f"'{cfg.format}' is not a DFlash layout")
+        raise CheckpointError(
+            f"a dflash drafter exports as format={', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]}; "
+            f"'{cfg.format}' is not a DFlash layout"
+        )
     if path.is_dir() and not is_sharded_checkpoint(path):
         config, tensors, target, recipe, metrics, training = _from_directory(path, cfg)
     else:
@@ -58,5 +68,13 @@ def export_dflash_checkpoint(path: Path, cfg: Any) -> Path:
     drafter: DFlashDrafter = build_drafter(config, tensors, head_weight=head)
     if DTYPES[cfg.dtype] is not None:
         drafter = drafter.to(DTYPES[cfg.dtype])
-    return save_layout(drafter, cfg.out, target=target, layout=cfg.format, recipe=recipe, metrics=metrics,
-                       extra={"training": training} if training is not None else None, verifier=verifier)
+    return save_layout(
+        drafter,
+        cfg.out,
+        target=target,
+        layout=cfg.format,
+        recipe=recipe,
+        metrics=metrics,
+        extra={"training": training} if training is not None else None,
+        verifier=verifier,
+    )

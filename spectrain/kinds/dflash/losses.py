@@ -30,8 +30,9 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return weights
 
 
-def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, block_size: int, max_anchors: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors [B, A], valid [B, A]) with A = the most any row got (<= ``max_anchors``). Each row's anchors are
     sorted; rows with fewer are padded at the FRONT with position 0 (``valid`` False), so every row stays sorted
     (the chunked attention reads less context that way)."""
@@ -46,13 +47,14 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
     anchors = torch.zeros(len(rows), width, dtype=torch.long)
     valid = torch.zeros(len(rows), width, dtype=torch.bool)
     for i, chosen in enumerate(rows):
-        anchors[i, width - len(chosen):] = chosen
-        valid[i, width - len(chosen):] = True
+        anchors[i, width - len(chosen) :] = chosen
+        valid[i, width - len(chosen) :] = True
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
-def scored_slots(anchors: torch.Tensor, valid: torch.Tensor, supervised: torch.Tensor,
-                 block_size: int) -> tuple[torch.Tensor, ...]:
+def scored_slots(
+    anchors: torch.Tensor, valid: torch.Tensor, supervised: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, ...]:
     """The slots that carry a loss, as index lists: (row b, anchor a, slot k, position p + k) with k >= 1, the anchor
     valid and token p + k supervised."""
     slots = torch.arange(1, block_size, device=anchors.device)

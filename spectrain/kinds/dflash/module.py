@@ -26,8 +26,13 @@ from core.distributed import process_rank
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
-from spectrain.kinds.base import (DrafterModule, build_datamodule, build_drafter, chain_hits,
-                                    check_mask_token_and_attention)
+from spectrain.kinds.base import (
+    DrafterModule,
+    build_datamodule,
+    build_drafter,
+    chain_hits,
+    check_mask_token_and_attention,
+)
 from spectrain.kinds.dflash.export import export_dflash_checkpoint
 from spectrain.kinds.dflash.losses import sample_anchors, scored_slots, slot_weights, weighted_kl
 from spectrain.kinds.eagle3.module import draft_vocabulary
@@ -50,9 +55,11 @@ class DFlashSchema:
 def _check_schema(model: Any) -> None:
     check_mask_token_and_attention(model)
     if model.block_size < 2 or model.num_layers < 1 or model.max_anchors < 1 or model.loss_decay_gamma <= 0:
-        raise RecipeError(f"model.block_size must be >= 2, num_layers and max_anchors >= 1 and loss_decay_gamma > 0, "
-                          f"got {model.block_size}, {model.num_layers}, {model.max_anchors}, "
-                          f"{model.loss_decay_gamma}")
+        raise RecipeError(
+            f"model.block_size must be >= 2, num_layers and max_anchors >= 1 and loss_decay_gamma > 0, "
+            f"got {model.block_size}, {model.num_layers}, {model.max_anchors}, "
+            f"{model.loss_decay_gamma}"
+        )
 
 
 class DFlashModule(DrafterModule):
@@ -66,12 +73,23 @@ class DFlashModule(DrafterModule):
         model_cfg = cfg.model
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
         vocab_map, draft_vocab = draft_vocabulary(cfg, target.config.vocab_size)
-        config = DFlashConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
-                                         block_size=model_cfg.block_size, num_layers=model_cfg.num_layers,
-                                         mask_token_id=model_cfg.mask_token_id)
-        self.drafter = build_drafter(cfg, lambda: DFlashDrafter(
-            config, embed_weight=target.get_input_embeddings().weight.detach(),
-            head_weight=target.get_output_embeddings().weight.detach()), vocab_map)
+        config = DFlashConfig.for_target(
+            target.config,
+            draft_vocab_size=draft_vocab,
+            aux_layer_ids=list(layers),
+            block_size=model_cfg.block_size,
+            num_layers=model_cfg.num_layers,
+            mask_token_id=model_cfg.mask_token_id,
+        )
+        self.drafter = build_drafter(
+            cfg,
+            lambda: DFlashDrafter(
+                config,
+                embed_weight=target.get_input_embeddings().weight.detach(),
+                head_weight=target.get_output_embeddings().weight.detach(),
+            ),
+            vocab_map,
+        )
         self.register_buffer("weights", slot_weights(config.block_size, model_cfg.loss_decay_gamma), persistent=False)
         self.val_blocks = SimulatedAcceptance(config.block_size - 1)
 
@@ -93,8 +111,9 @@ class DFlashModule(DrafterModule):
         teacher = (rows @ head.T).softmax(-1)[inverse]
         return drafter.head(hidden[b, a, k]), teacher, k, (b, a), anchors.shape
 
-    def _anchors(self, supervised: torch.Tensor, attention_mask: torch.Tensor, salt: int,
-                 first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _anchors(
+        self, supervised: torch.Tensor, attention_mask: torch.Tensor, salt: int, first_row: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchors [B, A], valid [B, A]) as :func:`sample_anchors` draws them, each row alone: over its own length
         (not the batch's padded width) with a generator of (seed, ``salt``, ``first_row`` + its index), so a row's
         anchors do not depend on which rows share its batch or process. Rows with fewer anchors are padded at the
@@ -103,13 +122,14 @@ class DFlashModule(DrafterModule):
         rows = []
         for i, length in enumerate(attention_mask.sum(1).tolist()):  # right-padded rows: the length is the count
             seed = ((int(self.cfg.seed) * 1_000_003 + int(salt)) * 1_000_003 + first_row + i) % (1 << 63)
-            rows.append(sample_anchors(supervised[i: i + 1, : int(length)], block, most,
-                                       torch.Generator().manual_seed(seed)))
+            rows.append(
+                sample_anchors(supervised[i : i + 1, : int(length)], block, most, torch.Generator().manual_seed(seed))
+            )
         width = max(int(a.shape[1]) for a, _ in rows)
         anchors = supervised.new_zeros(len(rows), width, dtype=torch.long)
         valid = supervised.new_zeros(len(rows), width, dtype=torch.bool)
         for i, (row, ok) in enumerate(rows):
-            anchors[i, width - row.shape[1]:], valid[i, width - row.shape[1]:] = row[0], ok[0]
+            anchors[i, width - row.shape[1] :], valid[i, width - row.shape[1] :] = row[0], ok[0]
         return anchors, valid
 
     def training_step(self, batch, batch_idx):
@@ -138,5 +158,12 @@ class DFlashModule(DrafterModule):
         checkpoint["spectrain"] = self.checkpoint_block("dflash")
 
 
-register_kind(DrafterKind(name="dflash", build_module=DFlashModule, build_datamodule=build_datamodule,
-                          model_schema=DFlashSchema, export_checkpoint=export_dflash_checkpoint))
+register_kind(
+    DrafterKind(
+        name="dflash",
+        build_module=DFlashModule,
+        build_datamodule=build_datamodule,
+        model_schema=DFlashSchema,
+        export_checkpoint=export_dflash_checkpoint,
+    )
+)

@@ -24,8 +24,7 @@ from omegaconf import OmegaConf
 from core import assets
 from core.distributed import process_mean
 from core.drafters.checkpoint_files import CheckpointError
-from core.drafters.draft_lm import (add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings,
-                                    layer_drop_init)
+from core.drafters.draft_lm import add_lora, evenly_spaced_layers, export_draft_lm, freeze_embeddings, layer_drop_init
 from core.overrides import OverrideError
 from spectrain.checkpoint_reading import read_lightning_checkpoint
 from spectrain.data import build_feature_datamodule
@@ -69,13 +68,20 @@ class DraftLMModule(DrafterModule):
         self.train_vocab = int(model_cfg.get("train_vocab", 0) or 0)
         self.train_vocab_labels = bool(model_cfg.get("train_vocab_labels", False))
         if self.train_vocab_labels and not (self.train_vocab > 0 and self.hard_labels):
-            raise ValueError("model.train_vocab_labels=true needs model.train_vocab=K > 0 and model.teacher=tokens "
-                             "(it extends the K trained ids); set both, or model.train_vocab_labels=false")
+            raise ValueError(
+                "model.train_vocab_labels=true needs model.train_vocab=K > 0 and model.teacher=tokens "
+                "(it extends the K trained ids); set both, or model.train_vocab_labels=false"
+            )
         if self.train_vocab and not self.hard_labels:
-            raise ValueError("model.train_vocab needs model.teacher=tokens (a soft teacher's mass outside the K ids "
-                             "has nowhere to go); set model.train_vocab=0 or model.teacher=tokens")
-        keep = list(model_cfg.layers) if model_cfg.layers else evenly_spaced_layers(
-            target.config.num_hidden_layers, model_cfg.num_layers)
+            raise ValueError(
+                "model.train_vocab needs model.teacher=tokens (a soft teacher's mass outside the K ids "
+                "has nowhere to go); set model.train_vocab=0 or model.teacher=tokens"
+            )
+        keep = (
+            list(model_cfg.layers)
+            if model_cfg.layers
+            else evenly_spaced_layers(target.config.num_hidden_layers, model_cfg.num_layers)
+        )
         self.kept_layers = keep
         draft = layer_drop_init(target, keep)
         if model_cfg.freeze_embeddings:
@@ -111,7 +117,7 @@ class DraftLMModule(DrafterModule):
             loss = process_mean(-(log_q_label * weights).sum(), weights.sum())
             with torch.no_grad():  # a one-hot teacher: α = 1[argmax q = label] greedy, q(label) at T=1
                 sampled = log_q_label.exp() * in_vocab
-                drafted = student[..., :self.train_vocab] if batch_labels else student  # draft_vocab=K's argmax
+                drafted = student[..., : self.train_vocab] if batch_labels else student  # draft_vocab=K's argmax
                 return loss, (drafted.argmax(-1) == labels).float(), sampled, predicts_answer
         student = self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         teacher = self.teacher_logits(batch["last_hidden"]).softmax(-1)[:, :-1]
@@ -126,8 +132,9 @@ class DraftLMModule(DrafterModule):
             return self.drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return self.drafter.train_vocab_logits(batch["input_ids"], batch["attention_mask"])
 
-    def _batch_label_logits(self, batch: dict[str, torch.Tensor], labels: torch.Tensor,
-                            supervised: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch_label_logits(
+        self, batch: dict[str, torch.Tensor], labels: torch.Tensor, supervised: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits per position t predicting t+1 over the K lowest ids plus the batch's extra ids U, each label's
         column): column K + j stands for id U[j], U the sorted distinct supervised labels >= K. A label >= K at an
         unsupervised position gets column K + len(U), outside the logits (no loss), as without the option."""
@@ -135,7 +142,9 @@ class DraftLMModule(DrafterModule):
         extra_ids = torch.unique(labels[supervised & (labels >= k)])  # sorted
         student = self.drafter.train_vocab_logits(batch["input_ids"], batch["attention_mask"], extra_ids)[:, :-1]
         outside = torch.full_like(labels, k + len(extra_ids))
-        extra_columns = torch.where(torch.isin(labels, extra_ids), k + torch.searchsorted(extra_ids, labels.contiguous()), outside)
+        extra_columns = torch.where(
+            torch.isin(labels, extra_ids), k + torch.searchsorted(extra_ids, labels.contiguous()), outside
+        )
         return student, torch.where(labels < k, labels, extra_columns)
 
     def training_step(self, batch, batch_idx):
@@ -160,28 +169,43 @@ class DraftLMModule(DrafterModule):
             if key.startswith("acc_"):
                 self.log(f"val/{key}", value)
         self.log("val/top1_agreement", greedy["acc_1"])
-        self.last_val_metrics = {"val/tau_sim": float(greedy["tau_sim"]), "val/tau_sim_t1": float(sampled["tau_sim"]),
-                                 **{f"val/{k}": float(v) for k, v in greedy.items() if k.startswith("acc_")}}
+        self.last_val_metrics = {
+            "val/tau_sim": float(greedy["tau_sim"]),
+            "val/tau_sim_t1": float(sampled["tau_sim"]),
+            **{f"val/{k}": float(v) for k, v in greedy.items() if k.startswith("acc_")},
+        }
         self.val_greedy.reset()
         self.val_sampled.reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What spectrain.export reads: the kind, and the metrics the exported model was selected by.
-        checkpoint["spectrain"] = {"kind": "draft_lm", "kept_layers": self.kept_layers,
-                                   "metrics": self.last_val_metrics}
+        checkpoint["spectrain"] = {
+            "kind": "draft_lm",
+            "kept_layers": self.kept_layers,
+            "metrics": self.last_val_metrics,
+        }
 
     def export(self, out_dir, metrics: dict | None = None) -> None:
         """A loadable draft-LM directory: HF weights + tokenizer + the ``spectrain`` block."""
-        tokenizer = loaded_target(self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size,
-                                  chat_template=self.cfg.data.chat_template).tokenizer
-        block = {"kind": "draft_lm", "target": {**assets.model_identity(self.cfg.target), **trained_template(self.cfg)},
-                 "kept_layers": self.kept_layers,
-                 "metrics": metrics or {}}
+        tokenizer = loaded_target(
+            self.cfg.target, self.cfg.data.max_len, self.cfg.data.batch_size, chat_template=self.cfg.data.chat_template
+        ).tokenizer
+        block = {
+            "kind": "draft_lm",
+            "target": {**assets.model_identity(self.cfg.target), **trained_template(self.cfg)},
+            "kept_layers": self.kept_layers,
+            "metrics": metrics or {},
+        }
         export_draft_lm(self.drafter, tokenizer, out_dir, spectrain_block=block)
 
 
-def train_vocab_logits(drafter: torch.nn.Module, k: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       extra_ids: torch.Tensor | None = None) -> torch.Tensor:
+def train_vocab_logits(
+    drafter: torch.nn.Module,
+    k: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    extra_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``drafter``'s logits over its first ``k`` ids only: the final hidden state times ``k`` rows of lm_head;
     with ``extra_ids`` (ids >= k), their rows' logits follow as columns k, k+1, ... (``train_vocab_labels``)."""
     causal_lm = drafter.get_base_model() if hasattr(drafter, "get_base_model") else drafter
@@ -200,8 +224,9 @@ def build_draft_lm_datamodule(cfg: Any):
 def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
     """A draft LM is a plain causal LM: exported as a loadable HF directory (weights, tokenizer, spectrain block)."""
     if cfg.format != "native":
-        raise OverrideError(f"a draft_lm exports only as format=native (a Hugging Face directory); "
-                            f"'{cfg.format}' is an EAGLE-3 layout")
+        raise OverrideError(
+            f"a draft_lm exports only as format=native (a Hugging Face directory); '{cfg.format}' is an EAGLE-3 layout"
+        )
     out = Path(cfg.out)
     if out.exists():
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
@@ -215,5 +240,12 @@ def export_draft_lm_checkpoint(path: Path, cfg: Any) -> Path:
     return out
 
 
-register_kind(DrafterKind(name="draft_lm", build_module=DraftLMModule, build_datamodule=build_draft_lm_datamodule,
-                          model_schema=DraftLMSchema, export_checkpoint=export_draft_lm_checkpoint))
+register_kind(
+    DrafterKind(
+        name="draft_lm",
+        build_module=DraftLMModule,
+        build_datamodule=build_draft_lm_datamodule,
+        model_schema=DraftLMSchema,
+        export_checkpoint=export_draft_lm_checkpoint,
+    )
+)

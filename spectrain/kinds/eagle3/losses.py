@@ -20,8 +20,9 @@ def teacher_in_draft_vocab(logits: torch.Tensor, t2d: torch.Tensor) -> tuple[tor
     return logits[..., t2d], t2d[logits.argmax(-1)]
 
 
-def ttt_targets(teacher_logits: torch.Tensor, in_vocab: torch.Tensor, supervised: torch.Tensor,
-                steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def ttt_targets(
+    teacher_logits: torch.Tensor, in_vocab: torch.Tensor, supervised: torch.Tensor, steps: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per TTT step j: (teacher probs [B, T, Vd], mask [B, T]) aligned with the drafter's rows.
 
     ``teacher_logits`` [B, T, Vd] / ``in_vocab`` [B, T]: the target's distribution at position t (over the draft
@@ -36,8 +37,9 @@ def ttt_targets(teacher_logits: torch.Tensor, in_vocab: torch.Tensor, supervised
     return targets
 
 
-def teacher_rows(project: Any, last_hidden: torch.Tensor, supervised: torch.Tensor,
-                 t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_rows(
+    project: Any, last_hidden: torch.Tensor, supervised: torch.Tensor, t2d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher at the positions a training-time-test loss reads, computed once for every step.
 
     Step j's row i is scored against the target's distribution at p = i+1+j when token p+1 is supervised and the
@@ -61,8 +63,13 @@ def scored_rows(index: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Ten
     return b, i, shifted[b, i]
 
 
-def ttt_loss(students: Sequence[torch.Tensor], teachers: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
-             *, step_weight: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def ttt_loss(
+    students: Sequence[torch.Tensor],
+    teachers: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    *,
+    step_weight: float,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Σ_j step_weight^j · soft-CE(student_j, teacher_j, mask_j), and the unweighted per-step losses."""
     losses = [soft_cross_entropy(s, t, m) for s, t, m in zip(students, teachers, masks)]
     return torch.stack([step_weight**j * loss for j, loss in enumerate(losses)]).sum(), losses

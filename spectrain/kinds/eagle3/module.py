@@ -49,21 +49,33 @@ def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor
     if model.vocab_map:
         d2t, t2d, _ = load_vocab_map(model.vocab_map)
         if t2d.numel() != vocab_size:
-            raise UserError(f"model.vocab_map={model.vocab_map} maps a {t2d.numel()}-token vocabulary but target "
-                             f"'{cfg.target}' has {vocab_size} tokens (built for another tokenizer); rebuild it with "
-                             f"python -m data_prep.vocab target={cfg.target} ...")
+            raise UserError(
+                f"model.vocab_map={model.vocab_map} maps a {t2d.numel()}-token vocabulary but target "
+                f"'{cfg.target}' has {vocab_size} tokens (built for another tokenizer); rebuild it with "
+                f"python -m data_prep.vocab target={cfg.target} ..."
+            )
         if model.draft_vocab_size and d2t.numel() != model.draft_vocab_size:
-            raise UserError(f"model.vocab_map={model.vocab_map} has {d2t.numel()} draft ids but "
-                             f"model.draft_vocab_size={model.draft_vocab_size}; set model.draft_vocab_size="
-                             f"{d2t.numel()} (or 0: the map's size) or rebuild the map with that size")
+            raise UserError(
+                f"model.vocab_map={model.vocab_map} has {d2t.numel()} draft ids but "
+                f"model.draft_vocab_size={model.draft_vocab_size}; set model.draft_vocab_size="
+                f"{d2t.numel()} (or 0: the map's size) or rebuild the map with that size"
+            )
         return d2t, t2d
     if not model.draft_vocab_size or model.draft_vocab_size >= vocab_size:
         return None
-    counting = OmegaConf.create({"source": cfg.data.source, "n_samples": cfg.data.n_samples,
-                                 "max_len": cfg.data.max_len, "split": "train", "seed": cfg.seed})
+    counting = OmegaConf.create(
+        {
+            "source": cfg.data.source,
+            "n_samples": cfg.data.n_samples,
+            "max_len": cfg.data.max_len,
+            "split": "train",
+            "seed": cfg.seed,
+        }
+    )
     # the target's tokenizer as loaded for this run (same chat template): no second load
-    tokenizer = loaded_target(cfg.target, cfg.data.max_len, cfg.data.batch_size,
-                              chat_template=cfg.data.chat_template).tokenizer
+    tokenizer = loaded_target(
+        cfg.target, cfg.data.max_len, cfg.data.batch_size, chat_template=cfg.data.chat_template
+    ).tokenizer
     counts = source_token_counts(counting, tokenizer, vocab_size)
     return build_vocab_map(counts, model.draft_vocab_size)
 
@@ -87,16 +99,23 @@ class Eagle3Module(DrafterModule):
         target = self.target_model()
         model_cfg = cfg.model
         if model_cfg.gamma > model_cfg.ttt_steps:
-            raise UserError(f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}: the "
-                             f"draft steps simulated must be trained; set model.ttt_steps >= {model_cfg.gamma} or a "
-                             "smaller model.gamma")
+            raise UserError(
+                f"model.gamma={model_cfg.gamma} exceeds model.ttt_steps={model_cfg.ttt_steps}: the "
+                f"draft steps simulated must be trained; set model.ttt_steps >= {model_cfg.gamma} or a "
+                "smaller model.gamma"
+            )
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
         vocab_map = vocab_map_for(cfg, target.config.vocab_size)
         draft_vocab = target.config.vocab_size if vocab_map is None else int(vocab_map[0].numel())
-        config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
-                                         norm_before_residual=model_cfg.norm_before_residual,
-                                         fc_norm=model_cfg.fc_norm, norm_output=model_cfg.norm_output,
-                                         attention_window=model_cfg.attention_window)
+        config = Eagle3Config.for_target(
+            target.config,
+            draft_vocab_size=draft_vocab,
+            aux_layer_ids=list(layers),
+            norm_before_residual=model_cfg.norm_before_residual,
+            fc_norm=model_cfg.fc_norm,
+            norm_output=model_cfg.norm_output,
+            attention_window=model_cfg.attention_window,
+        )
         self.drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach())
         if vocab_map is not None:
             self.drafter.set_vocab_map(*vocab_map)
@@ -105,8 +124,13 @@ class Eagle3Module(DrafterModule):
     def _steps(self, batch: dict[str, torch.Tensor]):
         """Per TTT step: (student logits [N_j, Vd], teacher probs [N_j, Vd], their rows (batch, row)), over the
         rows that carry a loss only (``scored_rows``): the same rows and values as ``ttt_targets``' masks."""
-        out = self.drafter(batch["input_ids"], batch["aux_hidden"].to(self.drafter.fc.weight.dtype),
-                           steps=self.cfg.model.ttt_steps, attention_mask=batch["attention_mask"], heads=False)
+        out = self.drafter(
+            batch["input_ids"],
+            batch["aux_hidden"].to(self.drafter.fc.weight.dtype),
+            steps=self.cfg.model.ttt_steps,
+            attention_mask=batch["attention_mask"],
+            heads=False,
+        )
         supervised = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         index, probs = teacher_rows(self.teacher_logits, batch["last_hidden"], supervised, self.drafter.t2d)
         for j, hidden in enumerate(out.hidden):
@@ -143,10 +167,20 @@ class Eagle3Module(DrafterModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         target = {**target_record(self.cfg.target), **trained_template(self.cfg)}
-        checkpoint["spectrain"] = checkpoint_metadata(self.drafter, target,
-                                                      recipe=dict(self.hparams["recipe"]),
-                                                      metrics={f"val/{k}": v for k, v in self.last_val_metrics.items()})
+        checkpoint["spectrain"] = checkpoint_metadata(
+            self.drafter,
+            target,
+            recipe=dict(self.hparams["recipe"]),
+            metrics={f"val/{k}": v for k, v in self.last_val_metrics.items()},
+        )
 
 
-register_kind(DrafterKind(name="eagle3", build_module=Eagle3Module, build_datamodule=build_datamodule,
-                          model_schema=Eagle3Schema, export_checkpoint=export_eagle3_checkpoint))
+register_kind(
+    DrafterKind(
+        name="eagle3",
+        build_module=Eagle3Module,
+        build_datamodule=build_datamodule,
+        model_schema=Eagle3Schema,
+        export_checkpoint=export_eagle3_checkpoint,
+    )
+)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from core.drafters.hrad import NUM_CLASSES
 
+
 def minimise_lbfgs(params: list[torch.Tensor], loss_fn, max_iter: int) -> None:
     """Minimise ``loss_fn()`` over ``params`` in place (LBFGS, strong-Wolfe line search): the small convex fits
     done after training (temperature, late fusion)."""
@@ -37,8 +38,13 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 
     return temperature if better else 1.0
 
 
-def fit_late_fusion(mlp_logits: torch.Tensor, confidence: torch.Tensor, labels: torch.Tensor,
-                    weight: torch.Tensor | None = None, max_iter: int = 200) -> tuple[float, torch.Tensor, torch.Tensor]:
+def fit_late_fusion(
+    mlp_logits: torch.Tensor,
+    confidence: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    max_iter: int = 200,
+) -> tuple[float, torch.Tensor, torch.Tensor]:
     """``confidence_path=logit``'s stacking step: (α >= 0, W [3, 1], b [3]) minimising the (class-weighted) NLL of
     ``labels`` under logits = α·``mlp_logits`` + W·``confidence`` + b on held-out rows (LBFGS; ``confidence`` [n, 1]
     standardised). The MLP gets only the weight those rows support: where its logits do not generalise, α -> 0

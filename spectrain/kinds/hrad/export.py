@@ -13,6 +13,7 @@ from core.overrides import OverrideError
 from spectrain.checkpoint_reading import read_lightning_checkpoint
 from spectrain.kinds.hrad.report import confusion_png
 
+
 def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
     """``python -m spectrain.export ckpt=PATH out=DIR`` for a kind=hrad Lightning checkpoint (native only)."""
     if cfg.format != "native":
@@ -23,13 +24,16 @@ def export_hrad_checkpoint(path: Path, cfg: Any) -> Path:
         raise CheckpointError(f"{path} has no target record: export a checkpoint saved by kind=hrad training")
     if cfg.target:
         want = model_identity(str(cfg.target))
-        if (meta["target"]["config_hash"], meta["target"]["weights_hash"]) != (want["config_hash"],
-                                                                             want["weights_hash"]):
+        if (meta["target"]["config_hash"], meta["target"]["weights_hash"]) != (
+            want["config_hash"],
+            want["weights_hash"],
+        ):
             raise CheckpointError(f"{path} was trained for target '{meta['target']['name']}', not '{cfg.target}'")
     model = HRAD(HRADConfig.from_dict(meta["config"]))
     state = {k.removeprefix("drafter."): v for k, v in raw["state_dict"].items() if k.startswith("drafter.")}
     model.load_state_dict(state, strict=True)
     metrics = {**(meta.get("metrics") or {}), "global_step": raw.get("global_step"), "source": str(path)}
     png = confusion_png(meta["confusion"]) if meta.get("confusion") else None
-    return save_native(model, cfg.out, target=meta["target"], recipe=meta.get("recipe"), metrics=metrics,
-                       confusion_png=png)
+    return save_native(
+        model, cfg.out, target=meta["target"], recipe=meta.get("recipe"), metrics=metrics, confusion_png=png
+    )

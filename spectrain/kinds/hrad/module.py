@@ -37,8 +37,15 @@ from omegaconf import OmegaConf
 
 from core.assets import AssetError, resolve_model_dir
 from core.distributed import process_mean
-from core.drafters.hrad import (DEFAULT_EPSILON, HRAD, NUM_CLASSES, HRADConfig, HRADError,
-                                check_boundaries, default_boundaries)
+from core.drafters.hrad import (
+    DEFAULT_EPSILON,
+    HRAD,
+    NUM_CLASSES,
+    HRADConfig,
+    HRADError,
+    check_boundaries,
+    default_boundaries,
+)
 from core.overrides import RecipeError
 from data_prep.manifest import DatasetError
 from spectrain.kinds.base import DrafterModule
@@ -83,11 +90,17 @@ class HRADModule(L.LightningModule):
             target_config = json.loads((resolve_model_dir(cfg.target) / "config.json").read_text())
             manifest = read_traces_manifest(cfg.data.dataset_dir, cfg.target, last_k)
             gamma = int(manifest["args"]["gamma"])
-            config = HRADConfig(hidden_size=int((target_config.get("text_config") or target_config)["hidden_size"]),
-                                last_k=last_k, mlp_hidden=list(model.mlp_hidden), dropout=model.dropout, gamma=gamma,
-                                boundaries=check_boundaries(model.boundaries or default_boundaries(gamma), gamma),
-                                epsilon=model.epsilon, confidence_feature=bool(model.confidence_feature),
-                                confidence_path=str(model.confidence_path))
+            config = HRADConfig(
+                hidden_size=int((target_config.get("text_config") or target_config)["hidden_size"]),
+                last_k=last_k,
+                mlp_hidden=list(model.mlp_hidden),
+                dropout=model.dropout,
+                gamma=gamma,
+                boundaries=check_boundaries(model.boundaries or default_boundaries(gamma), gamma),
+                epsilon=model.epsilon,
+                confidence_feature=bool(model.confidence_feature),
+                confidence_path=str(model.confidence_path),
+            )
         except (AssetError, DatasetError, HRADError) as exc:
             raise RecipeError(str(exc)) from None
         self.drafter = HRAD(config)
@@ -122,8 +135,11 @@ class HRADModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         logits, labels = self._logits(batch)
         # Class-weighted mean over the global batch (F.cross_entropy's weighted mean, over every process's rows).
-        weight = self.class_weights[labels] if self.cfg.model.balance == "weights" else torch.ones_like(labels,
-                                                                                                     dtype=torch.float)
+        weight = (
+            self.class_weights[labels]
+            if self.cfg.model.balance == "weights"
+            else torch.ones_like(labels, dtype=torch.float)
+        )
         loss = process_mean((F.cross_entropy(logits, labels, reduction="none") * weight).sum(), weight.sum())
         self.log("train/loss", loss, prog_bar=True, batch_size=len(labels))
         self._train_outputs.append((logits.detach().float().cpu(), labels.cpu()))
@@ -190,42 +206,60 @@ class HRADModule(L.LightningModule):
         was_training = self.training
         self.eval()
         fusion = self._refit_fusion() if self.drafter.confidence_logit is not None else None
-        outputs = [self._logits(tuple(t.to(self.device) for t in batch))
-                   for batch in self.trainer.datamodule.val_dataloader()]
+        outputs = [
+            self._logits(tuple(t.to(self.device) for t in batch)) for batch in self.trainer.datamodule.val_dataloader()
+        ]
         logits, labels = (torch.cat([x.float().cpu() for x in part]) for part in zip(*outputs))
         report = self._calibrate(logits, labels)
         if fusion is not None:
             report["fusion"] = fusion
-            print(f"[hrad] late fusion refitted on validation: MLP weight {fusion['mlp_scale']:.4f}, confidence "
-                  f"path W {[round(x, 3) for x in fusion['confidence_weight']]}")
+            print(
+                f"[hrad] late fusion refitted on validation: MLP weight {fusion['mlp_scale']:.4f}, confidence "
+                f"path W {[round(x, 3) for x in fusion['confidence_weight']]}"
+            )
         self.train(was_training)
         callback = self.trainer.checkpoint_callback
-        directory = Path(callback.dirpath if callback is not None and callback.dirpath else
-                         self.trainer.default_root_dir)
+        directory = Path(
+            callback.dirpath if callback is not None and callback.dirpath else self.trainer.default_root_dir
+        )
         if self.trainer.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "confusion_matrix.png").write_bytes(confusion_png(report["confusion"]))
             (directory / "hrad_metrics.json").write_text(
-                json.dumps({**report, "data": self.data_summary}, indent=2) + "\n")
+                json.dumps({**report, "data": self.data_summary}, indent=2) + "\n"
+            )
         self.trainer.save_checkpoint(str(directory / "last.ckpt"))
-        print(f"[hrad] val: recall {report['recall']}, ECE {report['ece_raw']:.4f} -> {report['ece']:.4f} "
-              f"(T={report['temperature']:.3f}), NLL {report['nll']:.4f} -> {report['nll_calibrated']:.4f}; "
-              f"confusion matrix: {directory / 'confusion_matrix.png'}")
+        print(
+            f"[hrad] val: recall {report['recall']}, ECE {report['ece_raw']:.4f} -> {report['ece']:.4f} "
+            f"(T={report['temperature']:.3f}), NLL {report['nll']:.4f} -> {report['nll_calibrated']:.4f}; "
+            f"confusion matrix: {directory / 'confusion_matrix.png'}"
+        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What spectrain.export reads (export_hrad_checkpoint): kind, model config, target record, metrics.
         metrics = {f"val/{k}": v for k, v in self.final_metrics.items() if k not in ("confusion", "fusion")}
         if "fusion" in self.final_metrics:
             metrics["fusion"] = self.final_metrics["fusion"]
-        checkpoint["spectrain"] = {"kind": "hrad", "config": self.drafter.config.to_dict(),
-                                   "target": self.target_record, "recipe": dict(self.hparams["recipe"]),
-                                   "metrics": {**metrics, "data": self.data_summary},
-                                   "confusion": self.final_metrics.get("confusion")}
+        checkpoint["spectrain"] = {
+            "kind": "hrad",
+            "config": self.drafter.config.to_dict(),
+            "target": self.target_record,
+            "recipe": dict(self.hparams["recipe"]),
+            "metrics": {**metrics, "data": self.data_summary},
+            "confusion": self.final_metrics.get("confusion"),
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("spectrain") or {}
         self.target_record = meta.get("target") or self.target_record
 
 
-register_kind(DrafterKind(name="hrad", build_module=HRADModule, build_datamodule=HRADDataModule,
-                          model_schema=HRADSchema, export_checkpoint=export_hrad_checkpoint))
+register_kind(
+    DrafterKind(
+        name="hrad",
+        build_module=HRADModule,
+        build_datamodule=HRADDataModule,
+        model_schema=HRADSchema,
+        export_checkpoint=export_hrad_checkpoint,
+    )
+)

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 
 from core.drafters.hrad import CLASS_NAMES, NUM_CLASSES
 
-def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                           ece_bins: int = 10) -> dict[str, Any]:
+
+def classification_metrics(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ece_bins: int = 10
+) -> dict[str, Any]:
     """Recall per class, confusion matrix (rows: true, columns: predicted), NLL and ECE raw and at
     ``temperature`` (argmax decisions do not depend on it)."""
     # torchmetrics: a heavy import, deferred to first use
-    from torchmetrics.classification import (MulticlassCalibrationError, MulticlassConfusionMatrix,
-                                             MulticlassRecall)
+    from torchmetrics.classification import MulticlassCalibrationError, MulticlassConfusionMatrix, MulticlassRecall
 
     logits, labels = logits.detach().float().cpu(), labels.long().cpu()
     recall = MulticlassRecall(num_classes=NUM_CLASSES, average=None)(logits, labels)
@@ -53,8 +54,15 @@ def confusion_png(confusion: list[list[int]], title: str = "H-RAD confusion (val
     ax.imshow(rates.numpy(), cmap="Blues", vmin=0, vmax=1)
     for i in range(NUM_CLASSES):
         for j in range(NUM_CLASSES):
-            ax.text(j, i, f"{int(matrix[i, j])}\n{100 * rates[i, j]:.0f}%", ha="center", va="center",
-                    color="white" if rates[i, j] > 0.6 else "black", fontsize=9)
+            ax.text(
+                j,
+                i,
+                f"{int(matrix[i, j])}\n{100 * rates[i, j]:.0f}%",
+                ha="center",
+                va="center",
+                color="white" if rates[i, j] > 0.6 else "black",
+                fontsize=9,
+            )
     ax.set_xticks(range(NUM_CLASSES), CLASS_NAMES, fontsize=8)
     ax.set_yticks(range(NUM_CLASSES), CLASS_NAMES, fontsize=8)
     ax.set_xlabel("predicted")

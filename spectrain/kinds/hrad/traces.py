@@ -26,8 +26,9 @@ def last_k_of(layers: Any) -> int:
     """K from the recipe's ``data.layers`` (H-RAD reads ``lastK``, SpecBranch uses last4)."""
     match = _LAST_K.match(str(layers))
     if not match:
-        raise RecipeError(f"data.layers={layers} but H-RAD reads the last K hidden_states entries: set "
-                            "data.layers=last4 (or lastK)")
+        raise RecipeError(
+            f"data.layers={layers} but H-RAD reads the last K hidden_states entries: set data.layers=last4 (or lastK)"
+        )
     return int(match.group(1))
 
 
@@ -35,27 +36,36 @@ def read_traces_manifest(directory: Any, target: str | None, last_k: int) -> dic
     """The manifest of a complete traces directory made for ``target`` with ``last{K}``, or a one-line
     ``DatasetError``."""
     if not directory:
-        raise DatasetError("data.dataset_dir is not set: give a traces directory (python -m data_prep.traces "
-                           "target=... drafter=... gamma=7 out=DIR)")
+        raise DatasetError(
+            "data.dataset_dir is not set: give a traces directory (python -m data_prep.traces "
+            "target=... drafter=... gamma=7 out=DIR)"
+        )
     manifest = read_manifest(directory)
     if manifest.get("kind") != "traces":
-        raise DatasetError(f"{directory} holds {manifest.get('kind')}, not acceptance traces (python -m "
-                           "data_prep.traces makes those)")
+        raise DatasetError(
+            f"{directory} holds {manifest.get('kind')}, not acceptance traces (python -m data_prep.traces makes those)"
+        )
     if not manifest["complete"]:
-        raise DatasetError(f"{directory} is incomplete ({manifest['num_rows']} rounds so far): re-run its "
-                           "data_prep.traces command to finish it")
+        raise DatasetError(
+            f"{directory} is incomplete ({manifest['num_rows']} rounds so far): re-run its "
+            "data_prep.traces command to finish it"
+        )
     layers = manifest["layers"]
     if layers["convention"] != LAYER_CONVENTION or not layers.get("plus_final_norm"):
         raise DatasetError(f"{directory} names layers as '{layers['convention']}': re-record the traces")
     if layers["spec"] != f"last{last_k}":
-        raise DatasetError(f"{directory} holds {layers['spec']} hidden states, the recipe reads last{last_k}: "
-                           f"re-record with last_k={last_k} or set data.layers={layers['spec']}")
+        raise DatasetError(
+            f"{directory} holds {layers['spec']} hidden states, the recipe reads last{last_k}: "
+            f"re-record with last_k={last_k} or set data.layers={layers['spec']}"
+        )
     if target is not None:
         have, want = manifest["target"], model_identity(str(target))
         if (have["config_hash"], have["weights_hash"]) != (want["config_hash"], want["weights_hash"]):
-            raise DatasetError(f"{directory} was recorded with target '{have['name']}' (weights "
-                               f"{have['weights_hash']}), not '{target}' (weights {want['weights_hash']}): "
-                               f"record traces with target={target}")
+            raise DatasetError(
+                f"{directory} was recorded with target '{have['name']}' (weights "
+                f"{have['weights_hash']}), not '{target}' (weights {want['weights_hash']}): "
+                f"record traces with target={target}"
+            )
     return manifest
 
 
@@ -69,8 +79,10 @@ def read_input_embeddings(target: str) -> torch.Tensor:
             for key in handle.keys():
                 if key.endswith("embed_tokens.weight"):
                     return handle.get_tensor(key)
-    raise HRADError(f"no '*embed_tokens.weight' tensor in {directory}/*.safetensors: H-RAD needs the target's "
-                    "input embeddings (a Llama-family checkpoint in safetensors)")
+    raise HRADError(
+        f"no '*embed_tokens.weight' tensor in {directory}/*.safetensors: H-RAD needs the target's "
+        "input embeddings (a Llama-family checkpoint in safetensors)"
+    )
 
 
 @dataclass
@@ -116,9 +128,12 @@ def load_trace_rows(directory: Any, manifest: dict[str, Any], boundaries: list[i
     truncated = (draft_len < gamma) & ~rejected
     keep = ~rejected & ~truncated
     hidden = to_tensor(_numpy_column(reader, "hidden_lastk"), reader.columns["hidden_lastk"])[keep.numpy()]
-    return TraceRows(hidden=hidden.view(-1, last_k, hidden_size),
-                     tokens=torch.from_numpy(_numpy_column(reader, "branch_token")).long()[keep],
-                     labels=hrad_labels(accepted[keep], boundaries),
-                     prompts=torch.from_numpy(_numpy_column(reader, "sample_index")).long()[keep],
-                     dropped_rejected=int(rejected.sum()), dropped_truncated=int(truncated.sum()),
-                     confidence=first_continuation_confidence(reader)[keep])
+    return TraceRows(
+        hidden=hidden.view(-1, last_k, hidden_size),
+        tokens=torch.from_numpy(_numpy_column(reader, "branch_token")).long()[keep],
+        labels=hrad_labels(accepted[keep], boundaries),
+        prompts=torch.from_numpy(_numpy_column(reader, "sample_index")).long()[keep],
+        dropped_rejected=int(rejected.sum()),
+        dropped_truncated=int(truncated.sum()),
+        confidence=first_continuation_confidence(reader)[keep],
+    )

@@ -34,14 +34,19 @@ def export_peagle_checkpoint(path: Path, cfg: Any) -> Path:
     """A peagle Lightning checkpoint, FSDP checkpoint directory or P-EAGLE directory (either layout) -> the export
     dir ``cfg.out`` in layout ``cfg.format``."""
     if cfg.format not in LAYOUTS:
-        raise CheckpointError(f"a peagle drafter exports as format={' or '.join(LAYOUTS)}; '{cfg.format}' is not a "
-                              "P-EAGLE layout")
+        raise CheckpointError(
+            f"a peagle drafter exports as format={' or '.join(LAYOUTS)}; '{cfg.format}' is not a P-EAGLE layout"
+        )
     if path.is_dir() and not is_sharded_checkpoint(path):
         config, tensors, target, recipe, metrics = _from_directory(path, cfg)
     else:
         trained = read_trained_drafter(path, cfg.target)
-        config, target, recipe, metrics = (PEagleConfig.from_dict(trained.meta["config"]), trained.target,
-                                           trained.recipe, trained.metrics)
+        config, target, recipe, metrics = (
+            PEagleConfig.from_dict(trained.meta["config"]),
+            trained.target,
+            trained.recipe,
+            trained.metrics,
+        )
         tensors = {name: t for name, t in trained.tensors.items() if name not in from_target(config)}
     if target is None:
         raise CheckpointError(f"{path} does not record its target: give target=NAME_OR_DIR")
@@ -49,5 +54,6 @@ def export_peagle_checkpoint(path: Path, cfg: Any) -> Path:
     drafter = build_drafter(config, tensors)
     if DTYPES[cfg.dtype] is not None:
         drafter = drafter.to(DTYPES[cfg.dtype])
-    return save_layout(drafter, cfg.out, target=target, layout=cfg.format, recipe=recipe, metrics=metrics,
-                       verifier=verifier)
+    return save_layout(
+        drafter, cfg.out, target=target, layout=cfg.format, recipe=recipe, metrics=metrics, verifier=verifier
+    )

@@ -31,8 +31,14 @@ def scored_rows(supervised: torch.Tensor) -> torch.Tensor:
     return shift_left(supervised.bool(), 2, fill=False)
 
 
-def cod_sample(scored: torch.Tensor, num_depths: int, ratio: float, ratio_min: float, max_anchors: int | None,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def cod_sample(
+    scored: torch.Tensor,
+    num_depths: int,
+    ratio: float,
+    ratio_min: float,
+    max_anchors: int | None,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain rows of ONE sequence: ``scored`` [T] bool -> (anchors [N], depths [N] in 1..num_depths - 1), sorted by
     (anchor, depth). ``ratio`` = r, ``ratio_min`` = r_min (see the module docstring)."""
     scored = scored.bool().cpu()
@@ -77,8 +83,9 @@ def every_chain(scored: torch.Tensor, num_depths: int) -> tuple[torch.Tensor, to
     return anchors[a], depth[d]
 
 
-def batch_chains(per_row: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str, *,
-                 dense: bool = False) -> ChainLayout:
+def batch_chains(
+    per_row: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str, *, dense: bool = False
+) -> ChainLayout:
     """Per-sequence (anchors, depths) -> one :class:`ChainLayout`, shorter rows padded at the front (anchor 0, depth
     1, not valid) so every row stays sorted."""
     width = max([len(a) for a, _ in per_row] + [0])
@@ -87,5 +94,5 @@ def batch_chains(per_row: list[tuple[torch.Tensor, torch.Tensor]], device: torch
     valid = torch.zeros(len(per_row), width, dtype=torch.bool)
     for i, (a, d) in enumerate(per_row):
         if len(a):
-            anchors[i, width - len(a):], depths[i, width - len(a):], valid[i, width - len(a):] = a, d, True
+            anchors[i, width - len(a) :], depths[i, width - len(a) :], valid[i, width - len(a) :] = a, d, True
     return ChainLayout(anchors.to(device), depths.to(device), valid.to(device), dense=dense)

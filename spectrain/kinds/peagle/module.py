@@ -27,8 +27,13 @@ from core.distributed import process_rank
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.layer_ids import resolve_layers
 from core.overrides import RecipeError
-from spectrain.kinds.base import (DrafterModule, build_datamodule, build_drafter, chain_hits,
-                                    check_mask_token_and_attention)
+from spectrain.kinds.base import (
+    DrafterModule,
+    build_datamodule,
+    build_drafter,
+    chain_hits,
+    check_mask_token_and_attention,
+)
 from spectrain.kinds.dflash.losses import weighted_kl
 from spectrain.kinds.eagle3.module import draft_vocabulary
 from spectrain.kinds.peagle.export import export_peagle_checkpoint
@@ -54,11 +59,14 @@ class PEagleSchema:
 def _check_schema(model: Any) -> None:
     check_mask_token_and_attention(model)
     if model.num_depths < 1 or model.max_anchors < 0:
-        raise RecipeError(f"model.num_depths must be >= 1 and model.max_anchors >= 0, got {model.num_depths}, "
-                          f"{model.max_anchors}")
+        raise RecipeError(
+            f"model.num_depths must be >= 1 and model.max_anchors >= 0, got {model.num_depths}, {model.max_anchors}"
+        )
     if not (0 < model.down_sample_ratio <= 1 and 0 <= model.down_sample_ratio_min <= 1):
-        raise RecipeError(f"model.down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1], got "
-                          f"{model.down_sample_ratio}, {model.down_sample_ratio_min}")
+        raise RecipeError(
+            f"model.down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1], got "
+            f"{model.down_sample_ratio}, {model.down_sample_ratio_min}"
+        )
 
 
 class PEagleModule(DrafterModule):
@@ -72,11 +80,17 @@ class PEagleModule(DrafterModule):
         model_cfg = cfg.model
         layers = resolve_layers(cfg.data.layers, target.config.num_hidden_layers)
         vocab_map, draft_vocab = draft_vocabulary(cfg, target.config.vocab_size)
-        config = PEagleConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
-                                         mask_token_id=model_cfg.mask_token_id, num_depths=model_cfg.num_depths,
-                                         norm_before_residual=model_cfg.norm_before_residual)
+        config = PEagleConfig.for_target(
+            target.config,
+            draft_vocab_size=draft_vocab,
+            aux_layer_ids=list(layers),
+            mask_token_id=model_cfg.mask_token_id,
+            num_depths=model_cfg.num_depths,
+            norm_before_residual=model_cfg.norm_before_residual,
+        )
         self.drafter = build_drafter(
-            cfg, lambda: PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), vocab_map)
+            cfg, lambda: PEagleDrafter(config, embed_weight=target.get_input_embeddings().weight.detach()), vocab_map
+        )
         self.val_chains = SimulatedAcceptance(config.num_depths)
 
     # -- one batch -------------------------------------------------------------------------------------------
@@ -103,8 +117,9 @@ class PEagleModule(DrafterModule):
         teacher = (batch["last_hidden"].flatten(0, 1)[unique].float() @ head.T).softmax(-1)[inverse]
         return drafter.head(hidden), teacher, depth, rows_b, anchor
 
-    def _chains(self, scored: torch.Tensor, attention_mask: torch.Tensor, salt: int, first_row: int,
-                every_chain: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _chains(
+        self, scored: torch.Tensor, attention_mask: torch.Tensor, salt: int, first_row: int, every_chain: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per batch row, its chain rows (anchors, depths): COD's draw over its own length (not the batch's padded
         width) with a generator of (seed, ``salt``, ``first_row`` + its index), so a row's draw depends neither on
         the rows sharing its batch nor on the process count; ``every_chain``: all of them (validation)."""
@@ -115,9 +130,16 @@ class PEagleModule(DrafterModule):
                 per_row.append(full_chains(scored[i, : int(length)], depths))
                 continue
             seed = ((int(self.cfg.seed) * 1_000_003 + int(salt)) * 1_000_003 + first_row + i) % (1 << 63)
-            per_row.append(cod_sample(scored[i, : int(length)], depths, model_cfg.down_sample_ratio,
-                                      model_cfg.down_sample_ratio_min, model_cfg.max_anchors or None,
-                                      torch.Generator().manual_seed(seed)))
+            per_row.append(
+                cod_sample(
+                    scored[i, : int(length)],
+                    depths,
+                    model_cfg.down_sample_ratio,
+                    model_cfg.down_sample_ratio_min,
+                    model_cfg.max_anchors or None,
+                    torch.Generator().manual_seed(seed),
+                )
+            )
         return per_row
 
     def training_step(self, batch, batch_idx):
@@ -133,13 +155,18 @@ class PEagleModule(DrafterModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        student, teacher, depth, b, a = self._batch_rows(batch, -1, batch_idx * int(self.cfg.data.batch_size),
-                                                   every_chain=True)
-        self.log("val/loss", weighted_kl(student, teacher, torch.ones(len(student), device=student.device)),
-                 batch_size=len(batch["input_ids"]))
+        student, teacher, depth, b, a = self._batch_rows(
+            batch, -1, batch_idx * int(self.cfg.data.batch_size), every_chain=True
+        )
+        self.log(
+            "val/loss",
+            weighted_kl(student, teacher, torch.ones(len(student), device=student.device)),
+            batch_size=len(batch["input_ids"]),
+        )
         right = student.argmax(-1) == teacher.argmax(-1)
-        self.val_chains.update(*chain_hits(batch["input_ids"].shape, right, depth, b, a,
-                                           range(self.drafter.config.num_depths)))
+        self.val_chains.update(
+            *chain_hits(batch["input_ids"].shape, right, depth, b, a, range(self.drafter.config.num_depths))
+        )
 
     def on_validation_epoch_end(self):
         self.last_val_metrics = self.log_simulated_acceptance(self.val_chains)
@@ -148,5 +175,12 @@ class PEagleModule(DrafterModule):
         checkpoint["spectrain"] = self.checkpoint_block("peagle")
 
 
-register_kind(DrafterKind(name="peagle", build_module=PEagleModule, build_datamodule=build_datamodule,
-                          model_schema=PEagleSchema, export_checkpoint=export_peagle_checkpoint))
+register_kind(
+    DrafterKind(
+        name="peagle",
+        build_module=PEagleModule,
+        build_datamodule=build_datamodule,
+        model_schema=PEagleSchema,
+        export_checkpoint=export_peagle_checkpoint,
+    )
+)

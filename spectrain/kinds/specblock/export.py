@@ -23,16 +23,25 @@ def export_specblock_checkpoint(path: Any, cfg: Any) -> Any:
     if layout_of(path) == "reference":
         return import_specblock_reference(path, cfg)
     if cfg.format != "native":
-        raise CheckpointError(f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 "
-                              "engine layout")
+        raise CheckpointError(
+            f"a specblock drafter exports only as format=native; '{cfg.format}' is an EAGLE-3 engine layout"
+        )
     trained = read_trained_drafter(path, cfg.target, frozen=("embed_tokens.weight",))
     drafter = build_drafter(SpecBlockConfig.from_dict(trained.meta["config"]), trained.tensors)
     if DTYPES[cfg.dtype] is not None:
         drafter = drafter.to(DTYPES[cfg.dtype])
-    training = {key: (trained.recipe or {}).get("model", {}).get(key) for key in
-                ("train_blocks", "slot_weight", "rank_mask", "rank_freq_budget", "warm_start")}
-    return save_native(drafter, cfg.out, target=trained.target, recipe=trained.recipe, metrics=trained.metrics,
-                       extra={"training": training})
+    training = {
+        key: (trained.recipe or {}).get("model", {}).get(key)
+        for key in ("train_blocks", "slot_weight", "rank_mask", "rank_freq_budget", "warm_start")
+    }
+    return save_native(
+        drafter,
+        cfg.out,
+        target=trained.target,
+        recipe=trained.recipe,
+        metrics=trained.metrics,
+        extra={"training": training},
+    )
 
 
 def import_specblock_reference(path: Any, cfg: Any) -> Any:
@@ -41,21 +50,29 @@ def import_specblock_reference(path: Any, cfg: Any) -> Any:
 
     directory = Path(path)
     if not cfg.target:
-        raise CheckpointError(f"{directory} is a reference SpecBlock checkpoint without a target record: give "
-                              "target=NAME_OR_DIR (the model it drafts for)")
+        raise CheckpointError(
+            f"{directory} is a reference SpecBlock checkpoint without a target record: give "
+            "target=NAME_OR_DIR (the model it drafts for)"
+        )
     if cfg.format != "native":
         raise CheckpointError(f"a specblock drafter exports only as format=native, not '{cfg.format}'")
     target = target_record(cfg.target)
     raw = json.loads((directory / "config.json").read_text())
     config = reference_config(raw, target)
     if config.target_hidden_size != target["hidden_size"]:
-        raise CheckpointError(f"{directory} drafts for hidden size {config.target_hidden_size} but target "
-                              f"'{cfg.target}' has {target['hidden_size']}; use the target it was trained for")
+        raise CheckpointError(
+            f"{directory} drafts for hidden size {config.target_hidden_size} but target "
+            f"'{cfg.target}' has {target['hidden_size']}; use the target it was trained for"
+        )
     weights = load_safetensors(directory / "model.safetensors", fix="re-download the reference checkpoint")
     tensors = reference_tensors(weights)
     drafter = build_drafter(config, tensors)  # strict: unknown or missing tensors fail in one line
     if DTYPES[cfg.dtype] is not None:
         drafter = drafter.to(DTYPES[cfg.dtype])
-    return save_native(drafter, cfg.out, target=target, metrics={"source": str(directory),
-                                                                  "source_layout": "specblock_reference"},
-                       extra={"imported_from": "specblock_reference"})
+    return save_native(
+        drafter,
+        cfg.out,
+        target=target,
+        metrics={"source": str(directory), "source_layout": "specblock_reference"},
+        extra={"imported_from": "specblock_reference"},
+    )

@@ -64,8 +64,9 @@ def smoothing_table(n: int = NUM_RANK_BUCKETS, dtype: torch.dtype = torch.float3
     return (raw / raw.sum(-1, keepdim=True)).to(dtype)
 
 
-def frequency_weights(labels: torch.Tensor, valid: torch.Tensor, budget: float = 10.0,
-                      n: int = NUM_RANK_BUCKETS) -> torch.Tensor:
+def frequency_weights(
+    labels: torch.Tensor, valid: torch.Tensor, budget: float = 10.0, n: int = NUM_RANK_BUCKETS
+) -> torch.Tensor:
     """Per-class weights ``min(1, budget / count_c)`` [n], ``count_c`` = valid samples with label c (one slot of
     the local batch); classes with no samples get 1. ``budget <= 0`` disables (all ones)."""
     if budget <= 0:
@@ -97,9 +98,17 @@ class BlockLosses:
     draft_count: torch.Tensor
 
 
-def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs: torch.Tensor,
-                 position_mask: torch.Tensor, off: int, *, rank_mask: str = "rank_chain",
-                 freq_budget: float = 10.0, valid_prefix: str = "chain") -> BlockLosses:
+def block_losses(
+    logits: torch.Tensor,
+    rank_logits: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    position_mask: torch.Tensor,
+    off: int,
+    *,
+    rank_mask: str = "rank_chain",
+    freq_budget: float = 10.0,
+    valid_prefix: str = "chain",
+) -> BlockLosses:
     """§5 losses of one block: ``logits`` [B, S, K, Vd], ``rank_logits`` [B, S, K, 4], ``teacher_probs``
     [B, S, Vd] and ``position_mask`` [B, S] in the row frame, ``off`` the block's cumulative offset.
     ``valid_prefix``: how each slot's draft loss weighs and normalises its rows (``VALID_PREFIX``; ``chain`` is
@@ -129,7 +138,7 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         draft.append(process_mean((w * ce).sum(), count))
         counts.append(count)
         target_ids = target.argmax(-1)
-        hit = (student.detach().argmax(-1) == target_ids)
+        hit = student.detach().argmax(-1) == target_ids
         chain = chain * hit.float()
 
         label = rank_labels(student, target_ids)
@@ -149,9 +158,16 @@ def block_losses(logits: torch.Tensor, rank_logits: torch.Tensor, teacher_probs:
         labels.append(label)
         preds.append(pred)
         valid_slots.append((anchor * valid).bool())
-    return BlockLosses(torch.stack(draft), process_mean(rank_num, rank_den), torch.stack(correct, -1),
-                       torch.stack(weights, -1), torch.stack(labels, -1), torch.stack(preds, -1),
-                       torch.stack(valid_slots, -1), torch.stack(counts))
+    return BlockLosses(
+        torch.stack(draft),
+        process_mean(rank_num, rank_den),
+        torch.stack(correct, -1),
+        torch.stack(weights, -1),
+        torch.stack(labels, -1),
+        torch.stack(preds, -1),
+        torch.stack(valid_slots, -1),
+        torch.stack(counts),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,10 +183,19 @@ class Unrolled:
     cuts: list[int]
 
 
-def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, teacher_probs: torch.Tensor,
-                  position_mask: torch.Tensor, cuts: Sequence[int], *, rank_mask: str = "rank_chain",
-                  freq_budget: float = 10.0, attention: str = "block_sparse",
-                  valid_prefix: str = "chain") -> Unrolled:
+def unroll_blocks(
+    drafter: Any,
+    aux_hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    position_mask: torch.Tensor,
+    cuts: Sequence[int],
+    *,
+    rank_mask: str = "rank_chain",
+    freq_budget: float = 10.0,
+    attention: str = "block_sparse",
+    valid_prefix: str = "chain",
+) -> Unrolled:
     """Cross-block training (§5): ``len(cuts) + 1`` blocks. Block 1 reads target features ``aux_hidden``
     [B, S, 3·H_t] and ``tokens`` [B, S] in the row frame (row i holds x_{i+1}); leaving a block at cut ``M``
     (1..K, one value for the whole batch), the next block reads the pre-norm hidden of slot ``M − 1`` of every
@@ -185,10 +210,27 @@ def unroll_blocks(drafter: Any, aux_hidden: torch.Tensor, tokens: torch.Tensor, 
     first_kv, ttt_kv, ttt_valid = None, [], []
     blocks, offsets = [], []
     for b in range(len(cuts) + 1):
-        out = drafter.forward_block(cond, toks, from_target=(b == 0), first_block_kv=first_kv,
-                                    ttt_kv=tuple(ttt_kv), ttt_valid=tuple(ttt_valid), attention=attention)
-        blocks.append(block_losses(out.logits, out.rank_logits, teacher_probs, position_mask, off,
-                                   rank_mask=rank_mask, freq_budget=freq_budget, valid_prefix=valid_prefix))
+        out = drafter.forward_block(
+            cond,
+            toks,
+            from_target=(b == 0),
+            first_block_kv=first_kv,
+            ttt_kv=tuple(ttt_kv),
+            ttt_valid=tuple(ttt_valid),
+            attention=attention,
+        )
+        blocks.append(
+            block_losses(
+                out.logits,
+                out.rank_logits,
+                teacher_probs,
+                position_mask,
+                off,
+                rank_mask=rank_mask,
+                freq_budget=freq_budget,
+                valid_prefix=valid_prefix,
+            )
+        )
         offsets.append(off)
         if b < len(cuts):
             m = int(cuts[b])

@@ -67,11 +67,15 @@ def _check_schema(model: Any) -> None:
     if model.valid_prefix not in VALID_PREFIX:
         raise RecipeError(f"model.valid_prefix={model.valid_prefix} is not one of {', '.join(VALID_PREFIX)}")
     if model.slot_weight < 0 or model.rank_weight < 0:
-        raise RecipeError(f"model.slot_weight and rank_weight must be >= 0 (0 = slot 0's draft loss only / no rank "
-                          f"loss), got {model.slot_weight}, {model.rank_weight}")
+        raise RecipeError(
+            f"model.slot_weight and rank_weight must be >= 0 (0 = slot 0's draft loss only / no rank "
+            f"loss), got {model.slot_weight}, {model.rank_weight}"
+        )
     if model.block_size < 1 or model.num_layers < 1 or model.train_blocks < 1:
-        raise RecipeError(f"model.block_size, num_layers and train_blocks must be >= 1, got {model.block_size}, "
-                          f"{model.num_layers}, {model.train_blocks}")
+        raise RecipeError(
+            f"model.block_size, num_layers and train_blocks must be >= 1, got {model.block_size}, "
+            f"{model.num_layers}, {model.train_blocks}"
+        )
 
 
 class SpecBlockModule(DrafterModule):
@@ -92,9 +96,14 @@ class SpecBlockModule(DrafterModule):
         overrides = {"train_block2_sees_other_anchors": model_cfg.train_block2_sees_other_anchors}
         if model_cfg.widths is not None:
             overrides["widths"] = list(model_cfg.widths)
-        config = SpecBlockConfig.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=list(layers),
-                                            block_size=model_cfg.block_size, num_layers=model_cfg.num_layers,
-                                            **overrides)
+        config = SpecBlockConfig.for_target(
+            target.config,
+            draft_vocab_size=draft_vocab,
+            aux_layer_ids=list(layers),
+            block_size=model_cfg.block_size,
+            num_layers=model_cfg.num_layers,
+            **overrides,
+        )
         embed = target.get_input_embeddings().weight.detach()
         # A dry run (fit builds the target on the meta device) builds the drafter there too: shapes, no memory.
         with torch.device("meta" if cfg.dry_run else "cpu"):
@@ -117,8 +126,10 @@ class SpecBlockModule(DrafterModule):
         if eagle is not None:  # the warm-started lm_head only makes sense with its own vocabulary map
             draft = eagle.config.draft_vocab_size
             if model_cfg.draft_vocab_size and model_cfg.draft_vocab_size != draft:
-                raise ValueError(f"model.warm_start={model_cfg.warm_start} has draft_vocab_size={draft} but "
-                                 f"model.draft_vocab_size={model_cfg.draft_vocab_size}; set it to {draft} or 0")
+                raise ValueError(
+                    f"model.warm_start={model_cfg.warm_start} has draft_vocab_size={draft} but "
+                    f"model.draft_vocab_size={model_cfg.draft_vocab_size}; set it to {draft} or 0"
+                )
             return eagle.tensors["d2t"], eagle.tensors["t2d"]
         if self.cfg.dry_run:  # counting the vocabulary reads the whole source: left to the real run
             return None
@@ -148,19 +159,30 @@ class SpecBlockModule(DrafterModule):
         ranked = self.global_step >= model_cfg.rank_start_step
         cuts = self.cuts_for_step(self.global_step, model_cfg.train_blocks if ranked else 1)
         aux, tokens, teacher, pm = self._rows(batch)
-        out = unroll_blocks(self.drafter, aux, tokens, teacher, pm, cuts, rank_mask=model_cfg.rank_mask,
-                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention,
-                            valid_prefix=model_cfg.valid_prefix)
-        loss = total_loss(out, slot_weight=model_cfg.slot_weight,
-                          rank_weight=model_cfg.rank_weight if ranked else 0.0)
+        out = unroll_blocks(
+            self.drafter,
+            aux,
+            tokens,
+            teacher,
+            pm,
+            cuts,
+            rank_mask=model_cfg.rank_mask,
+            freq_budget=model_cfg.rank_freq_budget,
+            attention=model_cfg.attention,
+            valid_prefix=model_cfg.valid_prefix,
+        )
+        loss = total_loss(out, slot_weight=model_cfg.slot_weight, rank_weight=model_cfg.rank_weight if ranked else 0.0)
         size = len(batch["input_ids"])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/draft_loss_b1_s0", out.blocks[0].draft[0], batch_size=size)
         self.log("train/rank_loss", torch.stack([b.rank for b in out.blocks]).sum(), batch_size=size)
         for b, block in enumerate(out.blocks):
             valid = block.slot_valid[..., 0]
-            self.log(f"train/acc_b{b + 1}_s1", block.correct[..., 0][valid].float().mean() if valid.any()
-                     else torch.zeros(()), batch_size=size)
+            self.log(
+                f"train/acc_b{b + 1}_s1",
+                block.correct[..., 0][valid].float().mean() if valid.any() else torch.zeros(()),
+                batch_size=size,
+            )
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -169,19 +191,33 @@ class SpecBlockModule(DrafterModule):
         aux, tokens, teacher, pm = self._rows(batch)
         # The serving chain: block 1 from target features, then block 2 from its last slot (cut M = K).
         cuts = [K] if model_cfg.train_blocks > 1 else []
-        out = unroll_blocks(self.drafter, aux, tokens, teacher, pm, cuts, rank_mask=model_cfg.rank_mask,
-                            freq_budget=model_cfg.rank_freq_budget, attention=model_cfg.attention,
-                            valid_prefix=model_cfg.valid_prefix)
+        out = unroll_blocks(
+            self.drafter,
+            aux,
+            tokens,
+            teacher,
+            pm,
+            cuts,
+            rank_mask=model_cfg.rank_mask,
+            freq_budget=model_cfg.rank_freq_budget,
+            attention=model_cfg.attention,
+            valid_prefix=model_cfg.valid_prefix,
+        )
         first = out.blocks[0]
-        self.log("val/loss", total_loss(out, slot_weight=model_cfg.slot_weight, rank_weight=model_cfg.rank_weight),
-                 batch_size=len(batch["input_ids"]))
+        self.log(
+            "val/loss",
+            total_loss(out, slot_weight=model_cfg.slot_weight, rank_weight=model_cfg.rank_weight),
+            batch_size=len(batch["input_ids"]),
+        )
         alphas = [first.correct[..., k].float() for k in range(K)]
         valid = [first.slot_valid[..., k] for k in range(K)]
         self.val_block1.update(alphas, valid)
         if len(out.blocks) > 1:
             second = out.blocks[1]
-            self.val_two_blocks.update(alphas + [second.correct[..., k].float() for k in range(K)],
-                                       valid + [second.slot_valid[..., k] for k in range(K)])
+            self.val_two_blocks.update(
+                alphas + [second.correct[..., k].float() for k in range(K)],
+                valid + [second.slot_valid[..., k] for k in range(K)],
+            )
         mask = first.slot_valid
         self.val_rank_confusion.update(first.rank_pred[mask], first.labels[mask])
 
@@ -205,5 +241,12 @@ class SpecBlockModule(DrafterModule):
         checkpoint["spectrain"] = self.checkpoint_block("specblock")
 
 
-register_kind(DrafterKind(name="specblock", build_module=SpecBlockModule, build_datamodule=build_datamodule,
-                          model_schema=SpecBlockSchema, export_checkpoint=export_specblock_checkpoint))
+register_kind(
+    DrafterKind(
+        name="specblock",
+        build_module=SpecBlockModule,
+        build_datamodule=build_datamodule,
+        model_schema=SpecBlockSchema,
+        export_checkpoint=export_specblock_checkpoint,
+    )
+)
