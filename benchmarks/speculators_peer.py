@@ -11,7 +11,7 @@ library). Both freeze ``lm_head`` here, as speculators always does (it copies th
 vocabulary; our recipes train it). Prints per-step losses (ours is soft cross-entropy = KL + the teacher's
 entropy, so it also prints ours minus that entropy) and, on held-out conversations, speculators' ``full_acc_j``
 for both drafters, each computed by its own forward. The helpers are shared with
-``tests/test_speculators_interop.py``.
+``tests/spectrain/test_speculators_interop.py``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class PeerConfig:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# One batch through both forwards (also used by tests/test_speculators_interop.py)
+# One batch through both forwards (also used by tests/spectrain/test_speculators_interop.py)
 
 
 def features(target: LoadedModel, ids: torch.Tensor, aux: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ place (``copy_rows``); otherwise each new prompt runs in its own row alone. A ru
 
 In exact mode (``ModelRunner`` on a CPU, fp32 or bf16: ``inference.exactness``) a row's logits are bitwise those
 of the same prompt run alone, whoever its neighbours are, so each answer, greedy or seeded, is one-prompt AR's
-token for token (``tests/test_exact_batch.py``). Elsewhere (a GPU, the transformers backend, the approximate path)
+token for token (``tests/inference/test_exact_batch.py``). Elsewhere (a GPU, the transformers backend, the approximate path)
 a padded batch computes the same math in another summation order, and a near-tie in the logits may resolve
 differently; ``benchmarks/regenerate_throughput.py`` counts the answers equal to AR's.
 """

@@ -6,7 +6,7 @@ rule: z ~ p_b is always the emitted token and the branch equal to z, if any, sur
 ``inference.verify.multi_candidate``; this module only chains them and gives the exact law for the tests.
 
 The public code's rule (keep argmax_i p_b(y_i), accept with min(1, p/q), else the greedy residual) is NOT lossless
-under sampling (§12 item 2); tests/test_match.py keeps it as a regression fixture.
+under sampling (§12 item 2); tests/inference/test_match.py keeps it as a regression fixture.
 """
 
 from __future__ import annotations

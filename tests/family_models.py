@@ -26,7 +26,7 @@ BASE = dict(
 
 
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"] * 2
-# 8 experts of width 16, two a token, layer 0 dense (tests/test_moe_target.py covers the MoE path in depth)
+# 8 experts of width 16, two a token, layer 0 dense (tests/inference/test_moe_target.py covers the MoE path in depth)
 MOE = {
     "head_dim": 8,
     "moe_intermediate_size": 16,

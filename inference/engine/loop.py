@@ -13,7 +13,7 @@ work runs beside the target (an executor) runs the target forwards through ``Str
 ``run_one`` is a request run alone: what ``Algorithm.generate`` is for every algorithm with a strategy, so a request
 served beside others and the same request run alone share one code path. On a CPU in exact mode
 (``inference.exactness``) a row's logits do not depend on its neighbours, so a request's tokens, greedy or seeded,
-are those of its run alone (``tests/test_engine_loop.py``).
+are those of its run alone (``tests/inference/test_engine_loop.py``).
 
 Failures: a failing batched call (the drafter's proposals, the target forward) fails every row in flight, and the
 engine serves the next requests; a failing verification or callback ends that row alone.

@@ -8,7 +8,7 @@ torch 2.13 has no flex-attention backward on a CPU ("FlexAttention does not supp
 SDPA kernel skips nothing under an explicit mask. So training cuts the (sorted) anchors into chunks of
 ``chunk_anchors``: a chunk attends, in ONE softmax, to the context prefix its last anchor can see plus its own
 blocks' entries, under a small mask; other chunks' blocks and the context past the chunk are never touched. Same
-result as the dense mask (``tests/test_dflash.py``); the work it saves is measured in ``benchmarks/dflash_attention.py``.
+result as the dense mask (``tests/core/test_dflash.py``); the work it saves is measured in ``benchmarks/dflash_attention.py``.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def write_layout(
 def target_embedding(ckpt: Eagle3Checkpoint, verifier: str | None) -> torch.Tensor:
     """The target's token embedding, for the speculators layout: ``Eagle3DraftModel.from_pretrained`` (speculators
     0.9.0) leaves a missing ``embed_tokens.weight`` as uninitialised memory (its NaN check for "not loaded" then
-    fails) instead of reading it from the verifier (``tests/test_speculators_interop.py``)."""
+    fails) instead of reading it from the verifier (``tests/spectrain/test_speculators_interop.py``)."""
     source = verifier if verifier and Path(verifier).is_dir() else (ckpt.target or {}).get("name")
     try:
         return model_tensor(source, EMBED)

@@ -8,7 +8,7 @@ rows. torch 2.13 has no flex-attention backward on a CPU, and the CPU SDPA kerne
 mask, so the two parts run apart: the depth-0 rows as one causal SDPA (no mask), the chain rows (sorted by anchor,
 then depth) in chunks of ``chunk_rows``, each chunk in ONE softmax over the depth-0 prefix its last anchor can see
 plus the chain rows that may share its chains, under a small mask. DFlash's anchor blocks are cut the same way
-(:mod:`core.drafters.dflash.attention`). Same result as the dense mask (``tests/test_peagle.py``).
+(:mod:`core.drafters.dflash.attention`). Same result as the dense mask (``tests/core/test_peagle.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Following vLLM's ``speculators`` 0.9.0 (``models/peagle/data.py:generate_cod_sam
   ``d``'s weight is its share of the sampled rows. speculators divides by (rows + 1e-5).
 
 Differences: the draws come from an injected ``torch.Generator`` (speculators: the global RNG; the same generator
-state gives the same rows, ``tests/test_peagle_speculators.py``), and a chain whose anchor would be before position 0
+state gives the same rows, ``tests/spectrain/test_peagle_speculators.py``), and a chain whose anchor would be before position 0
 is dropped (speculators would index position -1).
 """
 

@@ -203,7 +203,7 @@ def test_the_domain_shift_benchmark_serves_each_query_once_in_abba_blocks():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         from adapt_domain_shift import interleaved
     finally:
@@ -232,7 +232,7 @@ def test_the_domain_shift_benchmark_serves_a_specblock_export_with_and_without_t
     from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, save_native
     from inference.drafters import load_lm
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         from adapt_domain_shift import ShiftConfig, main, run_pair
     finally:

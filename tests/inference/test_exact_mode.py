@@ -2,7 +2,7 @@
 batched, so greedy speculative output equals AR's token for token (inference.llama.EXACT_ROWS, inference.exactness).
 Every equality below compares the engine's own decode with its own chains and trees; none rests on two kernel calls
 of different shapes agreeing, except where the probe checks exactly that. Every algorithm's greedy output against AR's,
-on a target whose every step is a near-tie: tests/test_near_ties.py."""
+on a target whose every step is a near-tie: tests/inference/test_near_ties.py."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_the_mode_is_on_for_cpu_rows_in_fp32_and_bf16_only(target):
     for dtype in (torch.float32, torch.bfloat16):
         runner = exact_runner(target, dtype)
         assert runner.exact and runner.exactness.path == exactness.EXACT and runner.exactness.bitwise
-    batched = exact_runner(target, max_batch_size=4)  # batches too (tests/test_exact_batch.py)
+    batched = exact_runner(target, max_batch_size=4)  # batches too (tests/inference/test_exact_batch.py)
     assert batched.exact and batched.exactness.path == exactness.EXACT and batched.exactness.bitwise
     assert not exact_runner(target, torch.float16, max_seq_len=64).exact
     assert exact_runner(target, exact=False).exactness.reason == "exact mode is off"

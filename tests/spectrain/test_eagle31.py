@@ -41,7 +41,7 @@ from spectrain.adapt.drafters import Eagle3Adaptable
 
 FLAGS = {"fc_norm": True, "norm_output": True}
 GREEDY = SamplingParams(0.0)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

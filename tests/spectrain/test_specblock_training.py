@@ -391,7 +391,7 @@ def test_warm_start_copies_what_maps_from_an_eagle3_checkpoint():
 # Recipes, fit -> export -> load
 
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

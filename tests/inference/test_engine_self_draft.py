@@ -1,6 +1,6 @@
 """Self-Draft on the engine loop: requests run side by side, each in its own row, get exactly the tokens and counters
 of the same request run alone, greedy and seeded, prefill apart and in place, fp32 and bf16, as
-``tests/test_engine_loop.py`` checks for chains and ``tests/test_engine_trees.py`` for drafter trees.
+``tests/inference/test_engine_loop.py`` checks for chains and ``tests/inference/test_engine_trees.py`` for drafter trees.
 
 A row's drafts are its grid and its view of the context cache: a copy of the shared cache taken when the request
 is admitted, plus its own grams (they go into the shared cache when it ends). So "its run alone" is the request run

@@ -27,8 +27,8 @@ from data_prep.features import FeatureDataset
 from data_prep.manifest import DatasetError, read_manifest
 from data_prep.shards import ShardReader
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 

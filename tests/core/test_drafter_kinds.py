@@ -23,7 +23,7 @@ from spectrain import export as export_cli
 from spectrain import fit as fit_cli
 from spectrain.registry import get_kind
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY_RECIPE = """# @package _global_
 kind: toy_head
 run_name: toy_head

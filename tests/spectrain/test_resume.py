@@ -19,8 +19,8 @@ from fit_recipes import TOY_RECIPE
 from spectrain import fit as fit_cli
 from spectrain import resume
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 BATCHES_PER_EPOCH = 4  # the toy data: 64 rows, batch_size 16
 # dropout > 0: the steps draw from the global RNG, so a resume that does not restore it diverges at once.
 RUN = [

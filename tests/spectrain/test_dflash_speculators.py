@@ -5,7 +5,7 @@ Conventions pinned here: the library's ``aux_hidden_state_layer_ids`` are ours +
 its teacher applies the target's final norm itself (``verifier_norm``) to the last layer's output, ours reads the
 normed state; its loss divides by (scored slots + 1e-5), ours by the scored slots; anchors are drawn by its own
 ``select_anchors`` from the same RNG state. The export layouts the engines load, loaded and converted by the same
-library: ``tests/test_dflash_export.py``.
+library: ``tests/spectrain/test_dflash_export.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Width policies (inference.engine.widths): the cost model drafts where a wider step costs little and takes AR
 steps where it costs as much as another request's token; either way output stays the target's (greedy = AR, seeded
-AR steps = AR's own draws). The server's side: tests/test_serve.py."""
+AR steps = AR's own draws). The server's side: tests/inference/test_serve.py."""
 
 from __future__ import annotations
 

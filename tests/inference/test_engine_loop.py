@@ -2,7 +2,7 @@
 and counters of the same request run alone (``Algorithm.generate``, itself a one-row engine run), greedy and seeded,
 whoever their neighbours are: rows are admitted as others end (prefill apart in spare rows, or in place), drafts are
 ragged (a row near its budget drafts fewer tokens), some rows stop at EOS inside an accepted draft. On a CPU in exact
-mode a row's logits do not depend on its neighbours (tests/test_exact_batch.py), so equality is bitwise."""
+mode a row's logits do not depend on its neighbours (tests/inference/test_exact_batch.py), so equality is bitwise."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from data_prep.extract import extract, main, parse_args
 from data_prep.features import FeatureDataset
 from data_prep.manifest import read_manifest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

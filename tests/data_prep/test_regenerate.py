@@ -21,7 +21,7 @@ from inference.batched_generation import ContinuousBatcher, Job
 from inference.drafters import eos_token_ids, load_lm
 from inference.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ from tiny_targets import save_tiny_target, write_jsonl
 from spectrain import export as export_cli
 from spectrain import fit as fit_cli
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-4, 1e-4
 B = 2  # the per-process batch; the single-process reference trains on 2 * B
 # An interval past max_steps: no periodic checkpoint, only last.ckpt after the final step (spectrain.resume's

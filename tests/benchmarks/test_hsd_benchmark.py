@@ -12,7 +12,7 @@ import torch
 from pearl_helpers import noisy_copy
 from tiny_targets import runner, tiny_llama
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 try:
     import hsd_block_efficiency as bench
 finally:

@@ -1,6 +1,6 @@
 """Tree strategies on the engine loop (EAGLE-3 trees and chains, SpecBlock trees): requests run side by side, each in its own row,
 get exactly the tokens and counters of the same request run alone, greedy and seeded, prefill apart and in place, as
-``tests/test_engine_loop.py`` checks for chains. Each row's tree is scored under its own ancestor mask in the step's
+``tests/inference/test_engine_loop.py`` checks for chains. Each row's tree is scored under its own ancestor mask in the step's
 one padded target forward and committed per row; the drafter is row-exact (``set_row_exact``), so a row's trees do
 not depend on its neighbours either."""
 

@@ -29,7 +29,7 @@ from spectrain.kinds.hrad.calibration import fit_temperature
 from spectrain.kinds.hrad.data import class_weights
 from spectrain.kinds.hrad.report import classification_metrics, confusion_png
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,7 +8,7 @@ mirroring SGLang 0.5.23 (the PyPI wheel), ``sglang/srt/models/llama_eagle3.py``:
 ``sglang/srt/models/llama.py:set_eagle3_layers_to_capture`` (``eagle_config`` ids + 1). vLLM's side
 (``Eagle3LlamaForCausalLM.load_weights`` + the speculators config conversion: d2t -> ``draft_id_to_target_id``,
 top-level INPUT-of-layer ids, ``norm_before_residual`` default True) is re-implemented too; the speculators layout is
-also checked against the speculators library itself in ``tests/test_speculators_interop.py``.
+also checked against the speculators library itself in ``tests/spectrain/test_speculators_interop.py``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from data_prep.datamodules import resumable_loader
 from spectrain import fit as fit_cli
 from spectrain.registry import DrafterKind, register_kind
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -237,7 +237,7 @@ def test_wandb_logger_is_offline_without_an_api_key(recipes, tmp_path, monkeypat
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_fsdp_and_ddp_build_their_cpu_strategies_by_a_dry_run(recipes, tmp_path):
-    # Multi-process runs of these strategies: tests/test_distributed_training.py.
+    # Multi-process runs of these strategies: tests/spectrain/test_distributed_training.py.
     built = {
         name: fit_cli.fit(compose(recipes, "recipe=toy", f"runs_dir={tmp_path}", f"strategy={name}", "dry_run=true"))[
             "strategy"
