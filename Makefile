@@ -38,7 +38,7 @@ demo: $(STAMP)
 # The suite on TEST_WORKERS processes (pytest-xdist); each module's tests stay on one worker, so a module's fixtures
 # are built once. test-fast leaves out the real model and the tests marked slow (the multi-process ones among them).
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_PARALLEL) $(PYTEST_ARGS)

@@ -19,7 +19,22 @@ pytest.register_assert_rewrite(
 )
 
 
+def _module_cost_class(items) -> dict[str, int]:
+    """0 for a module with a test marked ``slow`` (multi-process runs), 1 for one that loads the real model, 2 for
+    the rest."""
+    cost: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        here = 0 if "slow" in item.keywords else 1 if "real_model" in item.keywords else 2
+        cost[module] = min(cost.get(module, 2), here)
+    return cost
+
+
 def pytest_collection_modifyitems(config, items):
+    # The longest modules first: pytest-xdist's loadscope hands out whole modules in this order (the Makefile turns
+    # off its own reordering by test count), so a long module never starts last while the other worker idles.
+    cost = _module_cost_class(items)
+    items.sort(key=lambda item: cost[item.nodeid.split("::")[0]])  # stable: collection order within a class
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
