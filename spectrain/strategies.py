@@ -11,7 +11,10 @@ into place, so a kill mid-write leaves the previous checkpoint intact.
 
 ``deepspeed_stage_2|3`` without CUDA runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), whose
 communication backend is gloo when oneCCL is not installed; Lightning's DeepSpeedStrategy only needs its CUDA checks
-lifted for that (``cpu_deepspeed_class``).
+lifted for that (``cpu_deepspeed_class``). Its CPU backend would JIT-compile a shared-memory all-reduce op on every
+machine that lacks it (ninja and g++, 1-4 minutes of both cores of a 2-core host, seen here); that op serves only
+DeepSpeed-Inference's tensor-parallel ``inference_all_reduce``, which falls back to torch.distributed without it,
+and ZeRO training never calls it, so training marks it unavailable (``skip_shm_comm_build``).
 """
 
 from __future__ import annotations
@@ -107,6 +110,23 @@ def cpu_deepspeed_class() -> type:
             # As DeepSpeedStrategy's, without its check that CUDA device indices match the local ranks.
             reset_seed()
             self.set_world_ranks()
+            skip_shm_comm_build()
             self._init_deepspeed_distributed()
 
     return CPUDeepSpeed
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in DeepSpeed's CPU op builders
+
+
+def skip_shm_comm_build() -> None:
+    """Mark DeepSpeed's shared-memory all-reduce op unavailable, so that its torch backend does not JIT-compile it
+    when the process group starts (the module docstring says why training never needs it)."""
+    import deepspeed.ops  # DeepSpeed: deepspeed strategies only
+
+    compatible = deepspeed.ops.__compatible_ops__  # probed once per process; the dict DeepSpeed itself reads
+    if SHM_COMM_OP not in compatible:
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed.__version__} has no op named {SHM_COMM_OP}: update skip_shm_comm_build"
+        )
+    compatible[SHM_COMM_OP] = False

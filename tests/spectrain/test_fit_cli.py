@@ -326,6 +326,21 @@ def test_deepspeed_strategies_are_built_by_a_dry_run(recipes, tmp_path, stage):
     assert fit_cli.build_strategy(strategy, cuda=True).config["zero_optimization"]["stage"] == stage
 
 
+@needs_deepspeed
+def test_deepspeed_training_skips_the_shm_all_reduce_build():
+    """The CPU backend's shared-memory op (minutes of JIT compile on a fresh host) is never built for training:
+    DeepSpeed's own builder then returns nothing, and its inference all-reduce falls back to torch.distributed."""
+    import importlib
+
+    import deepspeed.ops
+
+    from spectrain.strategies import SHM_COMM_OP, skip_shm_comm_build
+
+    skip_shm_comm_build()
+    assert deepspeed.ops.__compatible_ops__[SHM_COMM_OP] is False
+    assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None
+
+
 @pytest.fixture()
 def llama8b_args(tmp_path: Path) -> list[str]:
     """The real eagle3_llama8b recipe with a tiny local HF directory as the 8B target and a small prompt file."""
