@@ -10,6 +10,7 @@ from adapt_helpers import adapter_for, forcing_settings, tiny_pair
 from engine_helpers import jobs, side_by_side, solo
 from tiny_targets import GREEDY, runner
 
+from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from inference.algorithms import build_algorithm
 from inference.engine.loop import DecodeEngine
 from inference.engine.state import Finished, RowRequest
@@ -23,29 +24,45 @@ def tiny():
     return tiny_pair()
 
 
-def eagle3(tiny, costs, **settings):
-    """EAGLE-3 trees with ``adapt=bandit`` under forcing settings (the head arm; the costs measured once into the
-    file ``costs``)."""
+def eagle3(tiny, costs, name: str = "eagle3_tree", **settings):
+    """EAGLE-3 (or SpecBlock) trees with ``adapt=bandit`` under forcing settings (the head arm; the costs measured
+    once into the file ``costs``)."""
     target, drafter = tiny
     settings = forcing_settings(arms="head", cost_cache=str(costs), **settings)
+    options = TREE
+    if name == "specblock_tree":
+        drafter, options = specblock_drafter(target), {"width": 3, "budget": 12}
     return build_algorithm(
-        "eagle3_tree", runner(target, rows=2 * ROWS), drafter, adapt="bandit", adapt_settings=settings, **TREE
+        name, runner(target, rows=2 * ROWS), drafter, adapt="bandit", adapt_settings=settings, **options
     )
+
+
+def specblock_drafter(target) -> SpecBlockDrafter:
+    config = SpecBlockConfig.for_target(
+        target.config,
+        draft_vocab_size=target.config.vocab_size,
+        aux_layer_ids=[0, 1, 2],
+        block_size=4,
+        rank_hidden_size=16,
+    )
+    torch.manual_seed(0)
+    return SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
 
 
 def four_jobs() -> list[tuple]:
     """Mixed prompts, greedy and seeded, one a one-token answer (no round, no decision)."""
-    return [(prompt, min(budget, 12), sampling, seed) for prompt, budget, sampling, seed in jobs()[:4]]
+    return [(prompt, min(budget, 8), sampling, seed) for prompt, budget, sampling, seed in jobs()[:4]]
 
 
-def test_requests_side_by_side_get_their_tokens_alone_while_the_adapter_learns(tiny, tmp_path):
+@pytest.mark.parametrize("name", ["eagle3_tree", "specblock_tree"])
+def test_requests_side_by_side_get_their_tokens_alone_while_the_adapter_learns(tiny, tmp_path, name):
     """Greedy, with an update after every request (the drafter changes under the rows in flight): every answer is
     AR's. Seeded, with an adapter that never updates: every answer is the request's own run alone, bitwise (the
     served drafter is row-exact). Each request's decision is logged under its key."""
     target, _ = tiny
     ar = build_algorithm("ar", runner(target))
     greedy = [(prompt, budget, GREEDY, seed) for prompt, budget, _, seed in four_jobs()]
-    learning = eagle3(tiny, tmp_path / "costs.json")
+    learning = eagle3(tiny, tmp_path / "costs.json", name)
     assert learning.drafter.row_exact
     events = side_by_side(learning, greedy, rows=ROWS)
     for k, job in enumerate(greedy):
@@ -54,7 +71,7 @@ def test_requests_side_by_side_get_their_tokens_alone_while_the_adapter_learns(t
     assert {row["request"] for row in rows} == {str(k) for k, job in enumerate(greedy) if job[1] > 1}
     assert any(row["arm"] != "skip" and row["kept"] for row in rows)  # it did update, with rows in flight
 
-    still = eagle3(tiny, tmp_path / "costs.json", prior=0.0)  # no update is ever worth it: the drafter stays
+    still = eagle3(tiny, tmp_path / "costs.json", name, prior=0.0)  # no update is ever worth it: the drafter stays
     events = side_by_side(still, four_jobs(), rows=ROWS)
     for k, job in enumerate(four_jobs()):
         assert events[k].result.tokens == solo(still, job).tokens, k
