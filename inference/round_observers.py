@@ -24,7 +24,7 @@ _REGISTERED: dict[str, Any] = {}  # name -> ObserverKind added by register_obser
 
 class RoundObserver(Protocol):
     """Every call names its query (the engine's request key, unique among the queries under way), so an observer
-    can tell apart queries whose rounds interleave."""
+    can tell apart queries whose rounds interleave (requests served side by side, ``batch_size`` > 1)."""
 
     def begin_query(
         self, query: Hashable, prompt_ids: list[int], features: torch.Tensor, last_logits: torch.Tensor, max_accept: int
@@ -39,10 +39,13 @@ class RoundObserver(Protocol):
         target_logits: torch.Tensor,
         accepted: int,
         rejected: tuple[torch.Tensor, int] | None,
+        seconds: float,
     ) -> None:
         """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F], target
-        logits [n, V], and (draft logits, the target's token) at the rejected position, if the drafter drafted
-        there."""
+        logits [n, V], (draft logits, the target's token) at the rejected position, if the drafter drafted
+        there, and ``seconds``: the query's share of the engine step that ran the round (the step's wall seconds
+        x the target rows the query's tree was scored on / all rows the step scored; a query alone: the whole
+        step), so a round costs the same thing whether the query ran alone or beside others."""
 
     def end_query(self, query: Hashable, last_token: int) -> Any:
         """After the last verification of a query."""

@@ -61,7 +61,7 @@ def own_target(tiny) -> LoadedModel:
 def serve_config(tiny, *keys: str):
     """The tiny server's config: ``ROWS`` rows side by side for an algorithm that batches, one otherwise."""
     name = next((k.split("=", 1)[1].split("@")[0] for k in keys if k.startswith("algorithm=")), "ar")
-    rows = ROWS if algorithm_class(name).batchable and not any(k.startswith("adapt=") for k in keys) else 1
+    rows = ROWS if algorithm_class(name).batchable else 1
     return parse_args(
         [
             f"target={tiny['dir']}",

@@ -45,7 +45,7 @@ from inference.tree import DraftTree, keep_best, subtree
 class Eagle3Tree(FeatureDrafting, Algorithm):
     name = "eagle3_tree"
     drafter = "eagle3"
-    batchable = True  # without an adapter (``adapt=`` watches one query at a time)
+    batchable = True  # with an adapter too (it is told each round's request and its share of the step)
 
     context = ("adapt", "adapt_settings")
 
@@ -76,8 +76,8 @@ class Eagle3Tree(FeatureDrafting, Algorithm):
         self.tree_depth, self.tree_topk, self.tree_total = tree_depth, tree_topk, tree_total
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self._build_adapter(adapt, adapt_settings, verify_tokens=tree_total, max_accept=tree_depth + 1)
-        if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
-            row_exact_drafter(self.drafter, target)
+        # the served drafter (an adapter's copy too: it trains with torch's kernels, spectrain.adapt.adapter)
+        row_exact_drafter(self.drafter, target)
 
     def lookahead(self) -> int:
         return self.tree_total

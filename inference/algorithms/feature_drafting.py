@@ -88,10 +88,11 @@ class FeatureRow:
 @dataclass
 class DraftedTree:
     """What a tree proposal keeps for the hooks: the drafter's logits of every expanded node by tree index (-1:
-    the root; for the adapter, else None) and the target's rows the walk read."""
+    the root; for the adapter, else None), the target's rows the walk read, and the verified round."""
 
     child_logits: dict[int, torch.Tensor] | None
     rows: RowLogits | None = None
+    verified: tuple | None = None  # (root, walk, committed features): the round the adapter is told of
 
 
 class FeatureTrees(Strategy):
@@ -101,8 +102,19 @@ class FeatureTrees(Strategy):
     the kept rows become the row's next drafter input. The drafter's cache holds one row per engine row.
 
     ``draft_s``: each row is charged the wall time of the step's batched drafting (a row alone: its own).
-    The serving-time adapter (``adapt=``) watches one query at a time: with one, the strategy takes one row (the
-    server serves ``adapt=`` one request at a time)."""
+
+    The serving-time adapter (``adapt=``) is told each row's round under the row's request key, once the step is
+    over (``accepted``), with the row's share of the step's wall seconds: the step (drafting, the target forward,
+    verification) times the target rows the row's tree was scored on over all the rows the step scored. Why that
+    rule: the adapter weighs the seconds an update saves (``H`` future tokens at the round's cost, ``spectrain.adapt
+    .cost.saving``) against the seconds the update takes; an update stops the whole engine, and the next ``H``
+    tokens are served by steps shared with other rows, so both sides are engine seconds only if a round costs its
+    row's share of its step. Charging each row the whole step (its run alone's rule) would count a step once per
+    row, so ``B`` rows side by side would make updates look ``B`` times more worth it. The share is by rows scored
+    because a CPU step's cost grows with them (``inference.engine.widths``); a row alone is charged its whole step,
+    as before."""
+
+    clock = staticmethod(time.perf_counter)  # the step's wall clock
 
     def __init__(self, algorithm, *, max_accept: int):
         self.algorithm, self.drafter, self.adapter = algorithm, algorithm.drafter, algorithm.adapter
@@ -116,8 +128,6 @@ class FeatureTrees(Strategy):
         return self.algorithm.lookahead()
 
     def open(self, rows: int) -> None:
-        if self.adapter is not None and rows != 1:
-            raise ValueError("a serving-time adapter (adapt=) watches one query at a time: serve with batch_size=1")
         self.cache = self.algorithm.new_drafter_cache(rows)
 
     def features(self, hidden: dict[int, torch.Tensor], rows) -> torch.Tensor:
@@ -139,10 +149,10 @@ class FeatureTrees(Strategy):
         self.cache.truncate(lens)
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
-        started = time.perf_counter()
+        started = self.step_started = self.clock()
         expanded = [None if self.adapter is None else {} for _ in states]
         trees = self.algorithm.draft_trees(states, self.cache, expanded)
-        elapsed = time.perf_counter() - started  # the drafter's cost per round (CPU work is synchronous)
+        elapsed = self.clock() - started  # the drafter's cost per round (CPU work is synchronous)
         for state in states:
             state.stats.draft_s += elapsed
         return [
@@ -163,11 +173,26 @@ class FeatureTrees(Strategy):
         draft = state.draft
         draft.features, draft.next_tokens = self.features(row_hidden, kept), state.pending[1:] + emitted
         draft.committed += len(kept)
-        if self.adapter is not None:
-            self._observe(state.request.key, draft.root, proposal, result, draft.features)
+        if self.adapter is not None:  # told once the step is over (``accepted``), when its seconds are known
+            proposal.extra.verified = (draft.root, result, draft.features)
         draft.root = emitted[-1]
 
-    def _observe(self, query, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor) -> None:
+    def accepted(self, states: Sequence[RowState], proposals: Sequence[Proposal], results) -> None:
+        """The adapter is told each verified row's round (a row whose callback failed after its verification
+        too: its round happened), with the row's share of the step's seconds (class docstring)."""
+        if self.adapter is None:
+            return
+        step_s = self.clock() - self.step_started
+        scored = sum(proposal.width for proposal in proposals)
+        for state, proposal in zip(states, proposals):
+            if proposal.extra.verified is not None:
+                root, walk, features = proposal.extra.verified
+                share = step_s * proposal.width / scored
+                self._observe(state.request.key, root, proposal, walk, features, share)
+
+    def _observe(
+        self, query, root: int, proposal: Proposal, walk: TreeWalkResult, features: torch.Tensor, seconds: float
+    ) -> None:
         """The adapter's view of a round: the committed rows and, where the walk stopped at a node with drafted
         children, the drafter's distribution there with the target's token (the rejected position)."""
         tree, child_logits = proposal.tree, proposal.extra.child_logits
@@ -181,6 +206,7 @@ class FeatureTrees(Strategy):
             proposal.extra.rows.stack([0] + [node + 1 for node in walk.path]),
             walk.num_accepted,
             rejected,
+            seconds,
         )
 
     def release(self, state: RowState) -> None:

@@ -30,6 +30,13 @@ request reads everything the previous ones left, as before. The tokens never dep
 the target's argmax, seeded each is one draw from the target's row with the row's generator. The cost: the step
 that admits a request is as wide as its prompt plus its tree for every running row.
 
+Under a width policy (``max_step_tokens``, ``width_policy=cost``; ``inference.engine.widths``) a row whose tree has
+more nodes than its width allows proposes the first nodes of its candidate trie only, the grid sitting the step out
+(``squeezed``); at width 1 it proposes nothing and the step is an AR step for it: the root's token sampled from
+the target's row as AR samples it (``multi_candidate`` with no candidate is one draw from the row), so its tokens
+are batched AR's. A squeezed row's drafts depend on the load, so its seeded tokens follow the target's law but are
+not those of its run alone (greedy ones still are).
+
 Differences from the original code, all lossless (they change speed, never the output):
 
 * a fully matched candidate also emits the bonus token (the original stops at G tokens, §6);
@@ -188,6 +195,16 @@ def layout_step(columns: Sequence[Column], candidates: Sequence[Sequence[int]]) 
     return StepLayout(tokens, parents, depths, column_nodes, num_grid)
 
 
+def squeezed(candidates: Sequence[Sequence[int]], nodes: int) -> StepLayout:
+    """A step of at most ``nodes`` nodes: the first ``nodes`` of the candidate trie, the grid left out. A trie node
+    comes after its parent, so any first nodes are a tree; the grid is all or nothing (each column's last token
+    feeds its Jacobi update), and under a cap the candidates, the context's and the corpus' grams, are the cheaper
+    bet. The grid sits the step out unchanged; the context cache still indexes the emitted text. Lossless like any
+    tree: the walk verifies whatever is proposed."""
+    full = layout_step([], candidates)
+    return StepLayout(full.tokens[:nodes], full.parents[:nodes], full.depths[:nodes], [], 0)
+
+
 def attention_inputs(layout: StepLayout, head_len: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [T] and the new-token mask [T, T] (True = may attend; the KV cache is visible to all) for
     the head (``head_len`` tokens from position ``start``, causal) followed by the layout's nodes: a node at
@@ -286,6 +303,7 @@ class SelfDraft(Algorithm):
     name = "self_draft"
     drafter = "none"
     batchable = True
+    squeezable = True  # a row under a width cap proposes fewer nodes (``squeezed``), none at width 1
     context = ("tokenizer",)
 
     def __init__(
@@ -383,10 +401,15 @@ class SelfDraft(Algorithm):
         if self.flush_interval and self._conversations % self.flush_interval == 0:
             self.context.trim(self.keep_num)
 
-    def propose(self, row: DraftRow) -> Proposal:
-        """The row's grid and candidate trie as one draft tree below its root (``text[-1]``)."""
+    def propose(self, row: DraftRow, width: int = 0) -> Proposal:
+        """The row's grid and candidate trie as one draft tree below its root (``text[-1]``). ``width``: the target
+        rows the engine lets the row's step score (0 = no cap): a tree of more nodes than ``width - 1`` is squeezed
+        (:func:`squeezed`); width 1 proposes nothing, an AR step."""
         live = not self.compat or row.grid.full  # the original has no candidates before steady state
-        layout = layout_step(row.grid.columns, self._candidates(row.text, row.context) if live else [])
+        candidates = self._candidates(row.text, row.context) if live else []
+        layout = layout_step(row.grid.columns, candidates)
+        if width and len(layout) > width - 1:
+            layout = squeezed(candidates, width - 1)
         return Proposal(tokens=list(layout.tokens), tree=layout.tree, extra=(layout, live))
 
     def verify(
@@ -418,7 +441,8 @@ class SelfDraft(Algorithm):
         row.text.extend(walk.tokens)
         if row.vocab is not None:
             row.vocab.add(walk.tokens)
-        row.grid.advance([walk.preds[1 + nodes[-1]] for nodes in layout.column_nodes])
+        if layout.column_nodes:  # a squeezed step left the grid out: it waits as it is
+            row.grid.advance([walk.preds[1 + nodes[-1]] for nodes in layout.column_nodes])
 
     def _walk(
         self,
@@ -486,6 +510,7 @@ class SelfDraft(Algorithm):
         g, cache, t0 = self.gram_len, self.context if context is None else context, preds[0]
         tail: list[int] = []  # the root-attached column's continuation (the text's noisy future)
         order = list(range(1, len(grid.columns))) + [0]  # the original inserts column 0 last
+        order = order if layout.column_nodes else []  # a squeezed step scored no grid
         for j in order:
             column, nodes = grid.columns[j], layout.column_nodes[j]
             chain, chain_preds = column.tokens, [preds[1 + n] for n in nodes]
@@ -559,7 +584,7 @@ class SelfDraftSteps(Strategy):
             state.draft = self.algorithm.new_row(state.request.prompt)
 
     def propose(self, states: Sequence[RowState]) -> list[Proposal]:
-        return [self.algorithm.propose(state.draft) for state in states]
+        return [self.algorithm.propose(state.draft, state.width) for state in states]
 
     def verify(self, state: RowState, proposal: Proposal, logits: RowLogits) -> TrieWalk:
         return self.algorithm.verify(state.draft, proposal, logits, state.sampling, state.generator)

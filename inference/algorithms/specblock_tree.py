@@ -47,7 +47,7 @@ from inference.tree import DraftTree
 class SpecBlockTree(FeatureDrafting, Algorithm):
     name = "specblock_tree"
     drafter = "specblock"
-    batchable = True  # without an adapter (``adapt=`` watches one query at a time)
+    batchable = True  # with an adapter too (it is told each round's request and its share of the step)
 
     context = ("adapt", "adapt_settings")
 
@@ -86,8 +86,8 @@ class SpecBlockTree(FeatureDrafting, Algorithm):
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.max_accept = blocks * drafter.config.block_size + 1
         self._build_adapter(adapt, adapt_settings, verify_tokens=budget + 1, max_accept=self.max_accept)
-        if self.adapter is None:  # an adapter trains its copy (autograd), and serves one row anyway
-            row_exact_drafter(self.drafter, target)
+        # the served drafter (an adapter's copy too: it trains with torch's kernels, spectrain.adapt.adapter)
+        row_exact_drafter(self.drafter, target)
         self.builder = SpecBlockTreeBuilder(self.drafter, self.shape)  # after: adaptation may copy the drafter
 
     def lookahead(self) -> int:

@@ -44,15 +44,15 @@ class ServeConfig(EngineArgs):
     temperature: float = 1.0
     # a request that sets no seed draws one from a stream seeded by this; None: by the OS's entropy
     seed: int | None = None
-    # ar, sps, dflash, peagle, eagle3_tree (without adapt=): rows decoded side by side on the engine loop (continuous
-    # batching); 0 = auto: 8 on a CPU (exact mode: a row's answer is the request's own) and in fp32 elsewhere, 1 in a
+    # ar, sps, dflash, peagle, eagle3_tree, specblock_tree (adapt= too), self_draft: rows decoded side by side on the
+    # engine loop (continuous batching); 0 = auto: 8 on a CPU (exact mode: a row's answer is the request's own) and in fp32 elsewhere, 1 in a
     # GPU's bf16, where the batched path is not batch-invariant. Other algorithms serve one at a time (batch_size > 1
     # is refused for them).
     batch_size: int = 0
-    # batched sps: one engine step scores at most this many target rows (0 = no cap), so as requests join, each
-    # drafts fewer tokens, down to none (an AR step, still lossless); refused where it does nothing
+    # batched sps and self_draft: one engine step scores at most this many target rows (0 = no cap), so as requests
+    # join, each drafts fewer tokens, down to none (an AR step, still lossless); refused where it does nothing
     max_step_tokens: int = 0
-    # batched sps: full (every row drafts gamma tokens) | cost (each step's widths maximise expected tokens per
+    # batched sps and self_draft: full (every row drafts what it drafts alone) | cost (each step's widths maximise expected tokens per
     # second from this host's measured forward costs, measured at start-up, and each row's acceptance so far; down
     # to AR steps under load, still lossless)
     width_policy: str = "full"

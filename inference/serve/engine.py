@@ -57,6 +57,7 @@ class ServedModel:
     seeds: random.Random = field(default_factory=random.Random)
 
     widths: WidthPolicy = field(default_factory=WidthPolicy)  # each step's row widths (inference.engine.widths)
+    adapt: str = "none"  # the adapter's name (adapt=NAME)
 
     @property
     def batched(self) -> bool:
@@ -73,15 +74,22 @@ class ServedModel:
             "cost": "; each step's drafts are as long as this host's measured forward costs and the rows' "
             "acceptance make worth it, down to AR steps",
         }.get(widths["width_policy"], "")
+        adapting = (
+            f"; adapt={self.adapt} learns from every request, each round charged its share of the step"
+            if self.adapter is not None
+            else ""
+        )
         return {
             "batch_size": self.batch_size,
             "max_step_tokens": budget,
             **widths,
+            "adapter": self.adapt,
             "policy": (
                 "one request at a time"
                 if not self.batched
                 else f"up to {self.batch_size} requests side by side" + shrink
-            ),
+            )
+            + adapting,
         }
 
     def room(self, prompt_len: int) -> int:
@@ -180,13 +188,6 @@ def load_served_model(
     device = pick_device(cfg.device)
     dtype = target.runner.dtype if target is not None else model_dtype(cfg.dtype, device)
     batch = serving_batch(cfg.batch_size, name, dtype or default_dtype(torch.device(device)), device)
-    if batch > 1 and getattr(cfg, "adapt", "none") != "none":  # the adapter watches one query at a time
-        if cfg.batch_size > 1:
-            raise UserError(
-                f"batch_size={cfg.batch_size} with adapt={cfg.adapt}: the adapter learns from one "
-                "request at a time; set batch_size=1"
-            )
-        batch = 1
     if target is None:
         target = load_lm(
             cfg.target,
@@ -246,6 +247,7 @@ def load_served_model(
             if cfg.max_step_tokens
             else WidthPolicy()
         ),
+        adapt=getattr(cfg, "adapt", "none") if adapter is not None else "none",
     )
 
 

@@ -135,6 +135,10 @@ class Generation:
         self.started: float | None = None  # when the engine took it from the queue
         self.first_token_s: float | None = None
 
+    def __str__(self) -> str:
+        """Its answer's id: how logs (the adapter's decisions) name the request, whose engine key it is."""
+        return self.request_id
+
     def accept(self, new: list[int]) -> bool:
         """Hand new tokens to the client; False ends the generation (cancelled, or a stop string was met)."""
         if self.cancelled.is_set():

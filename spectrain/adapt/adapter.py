@@ -29,6 +29,14 @@ With ``background`` (our addition), all of this runs on a worker thread while qu
 changes serve from query k+2 on; feedback and the rollback watch account for that lag
 (:mod:`spectrain.adapt.background`).
 
+Queries served side by side (the engine's ``batch_size`` > 1) end in any order, and a query that ends after a
+decision may have started before it. Each query is stamped at ``begin_query`` with the decisions whose weights
+serve it from its start (``published``), so "the first query after a decision" is the first query to end that
+STARTED after the decision served: that query gives the decision its feedback (every decision it is the first
+after, when several are), and only such queries count in the rollback watch. Served one at a time, that is the
+next query (the one after with ``background``), as before. Each round's cost is the query's share of its engine
+step (``inference.round_observers``), so ``iter_ratio`` means the same whatever the batch.
+
 The same :meth:`BanditAdapter.process` runs online (τ and S measured by the engine) and in replay (τ and S
 simulated from recorded traces), so the CI replay test exercises the production policy.
 
@@ -44,7 +52,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -148,9 +157,24 @@ class _Watch:
     snapshot: Snapshot
     pre_ema: float
     snapshot_adapted: bool  # whether the snapshot itself holds adapted weights (restoring it keeps them)
-    delay: int = 0  # queries still served before the update (background: it is published one query late)
+    decision: int  # the update's decision index: queries stamped after it are watched
     since: int = 0
     below: int = 0
+
+
+@contextmanager
+def torch_kernels(module: torch.nn.Module) -> Iterator[None]:
+    """Torch's kernels inside the block for a drafter served row-exact (``set_row_exact``, batched rows on a CPU):
+    some of its row-exact ops have no autograd, so training and scoring run without them, and they are back for
+    serving after. A drafter served as is: nothing changes."""
+    exact = getattr(module, "row_exact", False)
+    if exact:
+        module.set_row_exact(False)
+    try:
+        yield
+    finally:
+        if exact:
+            module.set_row_exact(True)
 
 
 class BanditAdapter:
@@ -199,18 +223,20 @@ class BanditAdapter:
         self.query = 0
         self.tau_ema: float | None = None
         self.skip_ema: dict[int, float] = {}
-        # decisions awaiting feedback, oldest first: (context, arm, baseline τ, cost paid). A decision's first
-        # query is the next one, or with ``background`` the one after (lag): its τ gives the feedback.
+        # decisions awaiting feedback, oldest first: (decision index, context, arm, baseline τ, cost paid). The
+        # first query stamped after a decision gives its feedback: served one at a time, the next query, or with
+        # ``background`` the one after (lag).
         self.lag = 1 if settings.background else 0
-        self.pending: deque[tuple[int, str, float, float]] = deque()
+        self.pending: deque[tuple[int, int, str, float, float]] = deque()
+        self.published = 0  # decisions whose weights serve now (online: the stamp of a query that begins)
         self.watch: _Watch | None = None
         self.origin: Snapshot | None = None  # the drafter before its first update
         self.adapted = False  # the drafter serves weights an update changed (not the origin's)
         self.since_check = 0  # queries served on adapted weights since the last origin check
         self.since_update = settings.min_gap  # queries since the last update; the first query may update
         self.undone = 0  # consecutive updates undone by validation (backoff)
-        # the queries under way, by the engine's query id: (their recorder, when they started)
-        self.recorders: dict[Hashable, tuple[QueryRecorder, float]] = {}
+        # the queries under way, by the engine's query id: (their recorder, the decisions serving at their start)
+        self.recorders: dict[Hashable, tuple[QueryRecorder, int]] = {}
         self.recent: deque[QueryRecord] = deque(maxlen=settings.buffer)
         self.held_out: QueryRecord | None = None  # the newest query not in ``recent`` (validation)
         self.background = None
@@ -234,11 +260,36 @@ class BanditAdapter:
 
     # -- the policy (online and replay) ------------------------------------------------------------------------
 
-    def process(self, record: QueryRecord, *, tau: float, signal: float, iter_ratio: float) -> dict[str, Any]:
-        """Everything that happens after one query; returns (and logs) its decision row."""
+    def process(
+        self,
+        record: QueryRecord,
+        *,
+        tau: float,
+        signal: float,
+        iter_ratio: float,
+        stamp: int | None = None,
+        request: Hashable = None,
+    ) -> dict[str, Any]:
+        """Everything that happens after one query; returns (and logs) its decision row. ``stamp``: the decisions
+        that served the query from its start (None: queries served one at a time, as replay runs them);
+        ``request``: its engine key, logged."""
+        with torch_kernels(self.adaptable.module):
+            return self._process(
+                record,
+                tau=tau,
+                signal=signal,
+                iter_ratio=iter_ratio,
+                stamp=self.query - self.lag if stamp is None else stamp,
+                request=request,
+            )
+
+    def _process(
+        self, record: QueryRecord, *, tau: float, signal: float, iter_ratio: float, stamp: int, request: Hashable
+    ) -> dict[str, Any]:
         s = self.settings
         row: dict[str, Any] = {
             "query": self.query,
+            "request": "" if request is None else str(request),
             "rows": record.num_rows,
             "signal": signal,
             "tau": tau,
@@ -251,8 +302,8 @@ class BanditAdapter:
             self.held_out = self.recent[0]  # about to leave the training window
         self.recent.append(record)
         rows = sum(min(r.num_rows, s.max_rows) for r in self.recent)  # what an update would train on
-        if len(self.pending) > self.lag:  # 1. feedback for the decision this query is the first to show
-            context, arm, baseline, paid = self.pending.popleft()
+        while self.pending and self.pending[0][0] < stamp:  # 1. feedback for the decisions this query first shows
+            _, context, arm, baseline, paid = self.pending.popleft()
             dtau = tau - baseline
             self.bandit.feedback(context, arm, dtau)
             if arm == "skip":
@@ -263,9 +314,7 @@ class BanditAdapter:
                 realised_dtau=dtau,
                 realised_reward=saving(dtau, baseline, iter_ratio, s.horizon, max_accept) - paid,
             )
-        if self.watch is not None and self.watch.delay > 0:  # served before the update was published
-            self.watch.delay -= 1
-        elif self.watch is not None:  # 2. rollback watch
+        if self.watch is not None and stamp > self.watch.decision:  # 2. rollback watch: queries begun after it
             watch = self.watch
             watch.since += 1
             watch.below = watch.below + 1 if tau < watch.pre_ema else 0
@@ -325,11 +374,11 @@ class BanditAdapter:
             seconds = time.perf_counter() - started
             paid = self.costs.cost(decision.arm, rows)  # the estimate the decision used
             self.costs.observe_update(decision.arm, rows, seconds)
-            self.watch = _Watch(snapshot, self.tau_ema, self.adapted, delay=self.lag) if kept else None
+            self.watch = _Watch(snapshot, self.tau_ema, self.adapted, self.query) if kept else None
             self.adapted = self.adapted or kept
             self.since_update = 0
             row.update(update_s=seconds, loss_before=result.loss_before, loss_after=result.loss_after, kept=kept)
-        self.pending.append((context, decision.arm, self.skip_ema.get(context, tau), paid))
+        self.pending.append((self.query, context, decision.arm, self.skip_ema.get(context, tau), paid))
         self.log.add(row)
         self.query += 1
         return row
@@ -382,10 +431,7 @@ class BanditAdapter:
         """After prefill of query ``query``: the prompt's features [P, F] and the target's logits at its last
         position [V]."""
         teacher, in_vocab = self.adaptable.teacher_rows(last_logits[None])
-        self.recorders[query] = (
-            QueryRecorder(prompt_ids, features, teacher, in_vocab, max_accept),
-            time.perf_counter(),
-        )
+        self.recorders[query] = (QueryRecorder(prompt_ids, features, teacher, in_vocab, max_accept), self.published)
 
     def observe_round(
         self,
@@ -395,20 +441,21 @@ class BanditAdapter:
         target_logits: torch.Tensor,
         accepted: int,
         rejected: tuple[torch.Tensor, int] | None,
+        seconds: float,
     ) -> None:
         """After one verification: the committed ``tokens`` (root + accepted path), their features [n, F] and
         target logits [n, V]; ``rejected`` = (draft logits at the rejected position, the target's token there)
-        or None when the walk ended where nothing had been drafted."""
+        or None when the walk ended where nothing had been drafted; ``seconds``: the query's share of the step."""
         teacher, in_vocab = self.adaptable.teacher_rows(target_logits)
         q = None if rejected is None else self.adaptable.draft_prob(*rejected)
-        self.recorders[query][0].add_round(tokens, features, teacher, in_vocab, accepted, q)
+        self.recorders[query][0].add_round(tokens, features, teacher, in_vocab, accepted, q, seconds)
 
     def end_query(self, query: Hashable, last_token: int) -> dict[str, Any]:
         """After the last verification of a query: decide and maybe update (its time counts in the query's).
         With ``background``: collect the previous query's work (waiting for it if it still runs; its weight
         changes now serve), then start this query's on the worker; returns the collected row."""
-        recorder, started = self.recorders.pop(query)
-        record = recorder.finish(last_token, time.perf_counter() - started)
+        recorder, stamp = self.recorders.pop(query)
+        record = recorder.finish(last_token)
         if record.rounds == 0:  # a one-token answer: nothing was drafted, nothing to learn or judge
             return {}
         iter_s = record.decode_s / max(record.rounds, 1)
@@ -416,6 +463,8 @@ class BanditAdapter:
             tau=record.tau,
             iter_ratio=iter_s / self.costs.target_forward_s,
             signal=query_signal(record.rejection_q, record.rounds, self.settings.signal_floor),
+            stamp=stamp,
+            request=query,
         )
         if self.settings.background and self.background is None:
             raise RuntimeError(
@@ -423,10 +472,14 @@ class BanditAdapter:
                 "(spectrain.adapt.engine.build_adapter passes it)"
             )
         collected = self.background.collect() if self.background else None  # before self.query is read
+        if collected is not None:
+            self.published += 1  # its weights serve from now on
         if self.write_traces:
             write_record(self.log_dir, self.query, record)
         if self.background is None:
-            return self.process(record, **observed)
+            row = self.process(record, **observed)
+            self.published += 1
+            return row
         self.background.submit(lambda: self.process(record, **observed))
         return collected or {}
 

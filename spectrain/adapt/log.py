@@ -8,6 +8,7 @@ from typing import Any
 
 FIELDS = [
     "query",
+    "request",  # the engine's request key (online; empty in replay)
     "rows",
     "signal",
     "context",

@@ -9,8 +9,9 @@ A :class:`QueryRecord` holds what verification gave for free:
   (the last prompt position from prefill, then each verified row), ``in_vocab`` [L - P + 1] whether the target's
   argmax is in the draft vocabulary (EAGLE-3's position mask);
 - the per-query signal inputs: ``rejection_q`` (drafter probability of the target's token at each rejected
-  position), ``accepted`` (accepted draft tokens per verification round), ``decode_s`` (wall time without any
-  update), ``max_accept`` (the longest possible accept length per round, tree depth + 1).
+  position), ``accepted`` (accepted draft tokens per verification round), ``decode_s`` (the rounds' seconds:
+  each round's share of its engine step, without any update), ``max_accept`` (the longest possible accept length
+  per round, tree depth + 1).
 
 Trace directory (written by the engine hook when ``adapt.log=DIR``; read by ``python -m spectrain.adapt.replay``)::
 
@@ -87,6 +88,7 @@ class QueryRecorder:
         self.rejection_q: list[float] = []
         self.accepted: list[int] = []
         self.max_accept = max_accept
+        self.decode_s = 0.0  # the rounds' seconds, as the engine charged them
 
     def add_round(
         self,
@@ -96,8 +98,11 @@ class QueryRecorder:
         in_vocab: torch.Tensor,
         accepted: int,
         rejection_q: float | None,
+        seconds: float,
     ) -> None:
-        """``tokens`` committed this round (root + accepted path) with their features and teacher rows."""
+        """``tokens`` committed this round (root + accepted path) with their features and teacher rows; the round
+        cost ``seconds`` (the query's share of the engine step, ``inference.round_observers``)."""
+        self.decode_s += seconds
         self.tokens += tokens
         self.features.append(features.detach())
         self.teacher.append(teacher.detach())
@@ -106,7 +111,7 @@ class QueryRecorder:
         if rejection_q is not None:
             self.rejection_q.append(float(rejection_q))
 
-    def finish(self, last_token: int, decode_s: float) -> QueryRecord:
+    def finish(self, last_token: int) -> QueryRecord:
         return QueryRecord(
             prompt_len=self.prompt_len,
             tokens=torch.tensor(self.tokens + [int(last_token)], dtype=torch.long),
@@ -115,7 +120,7 @@ class QueryRecorder:
             in_vocab=torch.cat(self.in_vocab).bool().cpu(),
             rejection_q=self.rejection_q,
             accepted=self.accepted,
-            decode_s=decode_s,
+            decode_s=self.decode_s,
             max_accept=self.max_accept,
         )
 

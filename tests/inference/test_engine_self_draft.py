@@ -1,5 +1,6 @@
 """Self-Draft on the engine loop: requests run side by side, each in its own row, get exactly the tokens and counters
-of the same request run alone, greedy and seeded, prefill apart and in place, fp32 and bf16, as
+of the same request run alone, greedy and seeded, prefill apart and in place, fp32 and bf16 (and under a step budget
+the trees shrink, down to batched AR's tokens at width 1), as
 ``tests/inference/test_engine_loop.py`` checks for chains and ``tests/inference/test_engine_trees.py`` for drafter trees.
 
 A row's drafts are its grid and its view of the context cache: a copy of the shared cache taken when the request
@@ -14,7 +15,8 @@ from engine_helpers import after_a_failing_forward, counters, jobs, side_by_side
 from tiny_targets import tiny_llama
 
 from inference.algorithms import build_algorithm
-from inference.engine.state import Failed, Finished
+from inference.engine.loop import DecodeEngine
+from inference.engine.state import Failed, Finished, RowRequest
 from inference.runner import ModelRunner
 
 VOCAB = 97
@@ -98,3 +100,43 @@ def test_a_failing_row_ends_alone_and_a_failing_forward_fails_the_rows_in_flight
     assert isinstance(events[2], Failed) and "consumer gone" in str(events[2].error)
     assert all(events[k].result.tokens == expected[k] for k in (0, 1, 3, 4, 5, 6))
     assert after_a_failing_forward(self_draft(target, rows=2), all_jobs) == expected[2:4]
+
+
+def run_with(algorithm, rows: int, **policy) -> dict:
+    """The jobs side by side on ``rows`` rows under a width policy (``DecodeEngine``'s keywords)."""
+    queue = [RowRequest(k, p, b, s, torch.Generator().manual_seed(seed)) for k, (p, b, s, seed) in enumerate(jobs())]
+    events = {}
+    DecodeEngine(algorithm.target, algorithm.strategy(), rows=rows, **policy).run(
+        lambda: queue.pop(0) if queue else None, lambda event: events.setdefault(event.key, event)
+    )
+    return events
+
+
+def test_under_a_one_row_step_budget_every_row_takes_batched_ars_tokens(target):
+    """``max_step_tokens=1``: every row's width is 1, so its step proposes no node, an AR step: greedy and seeded,
+    each request gets batched AR's tokens, one target forward a token."""
+    ar = build_algorithm("ar", ModelRunner.from_hf_model(target, max_batch_size=6, max_seq_len=160))
+    expected = side_by_side(ar, jobs(), rows=3)
+    events = run_with(self_draft(target, rows=3), 3, max_step_tokens=1)
+    for k in expected:
+        stats = events[k].result.stats
+        assert events[k].result.tokens == expected[k].result.tokens, k
+        assert stats.target_forwards == stats.new_tokens and stats.rounds == stats.drafted_tokens == 0, k
+
+
+def test_a_budget_squeezes_the_trees_losslessly_and_one_every_tree_fits_changes_nothing(target):
+    """A budget of 12 rows a step (4 a row while 3 run): squeezed trees keep their first candidate nodes, the grid sits
+    those steps out, and greedy
+    answers are still the target's. A budget every tree fits in: the tokens and counters of no budget."""
+    plain = side_by_side(self_draft(target, rows=3), jobs(), rows=3)
+    tight = run_with(self_draft(target, rows=3), 3, max_step_tokens=3 * 4)
+    roomy = self_draft(target, rows=3)
+    fits = run_with(roomy, 3, max_step_tokens=3 * roomy.lookahead())
+    for k, (_, _, sampling, _) in enumerate(jobs()):
+        if not sampling.temperature:
+            assert tight[k].result.tokens == plain[k].result.tokens, k
+        assert fits[k].result.tokens == plain[k].result.tokens, k
+        assert counters(fits[k].result.stats) == counters(plain[k].result.stats), k
+    squeezed = [tight[k].result.stats for k in tight]
+    assert sum(s.accepted_draft_tokens for s in squeezed) > 0  # candidates still get accepted
+    assert sum(s.drafted_tokens for s in squeezed) < sum(plain[k].result.stats.drafted_tokens for k in plain)

@@ -415,7 +415,7 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
         assert paced.calls <= 2 + 4  # the dropped stream's prefill (+ at most one step), then the 4-token answer
 
 
-def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
+def test_adapter_learns_from_requests_side_by_side_and_output_stays_ar(tiny):
     forcing = [
         "adapt_prior=5",
         "adapt_min_gap=1",
@@ -426,17 +426,25 @@ def test_adapter_learns_while_serving_and_output_stays_ar(tiny):
         "adapt_validate=false",
     ]
     before = {k: v.clone() for k, v in tiny["eagle3"].state_dict().items()}
+    contents = ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree.")
+    answers: dict[int, list[int]] = {}
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         api = client(server)
-        for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
-            answer = api.chat.completions.create(
+        batching = httpx.get(f"{server.url}/health").json()["batching"]
+        assert batching["batch_size"] == ROWS and batching["adapter"] == "bandit"  # side by side, adapting
+
+        def ask(i, content):
+            answers[i] = api.chat.completions.create(
                 model="tiny",
                 messages=[{"role": "user", "content": content}],
                 max_tokens=12,
                 temperature=0,
                 extra_body={"return_token_ids": True},
             )
-            assert answer.choices[0].token_ids == reference(tiny, chat_ids(tiny, content), 12)
+
+        at_once(ask, [(content,) for content in contents], timeout=120)
+        for i, content in enumerate(contents):
+            assert answers[i].choices[0].token_ids == reference(tiny, chat_ids(tiny, content), 12), i
         text = httpx.get(f"{server.url}/metrics").text
         updates = sum(
             float(v)

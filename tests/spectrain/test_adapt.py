@@ -173,7 +173,7 @@ class RecordingObserver:
     def begin_query(self, query, prompt_ids, features, last_logits, max_accept):
         self.calls.append(("begin", query))
 
-    def observe_round(self, query, tokens, features, target_logits, accepted, rejected):
+    def observe_round(self, query, tokens, features, target_logits, accepted, rejected, seconds):
         self.calls.append(("round", query))
 
     def end_query(self, query, last_token):
@@ -218,10 +218,12 @@ def test_the_bandit_keeps_interleaved_queries_apart(tiny):
             torch.randn(n, vocab, generator=generator),
             n - 1,
             None,
+            0.5,
         )
     x, y = adapter.recorders["x"][0], adapter.recorders["y"][0]
     assert x.accepted == [2, 1] and x.tokens == [1, 2, 3, 4, 5, 0, 1, 2, 0, 1]
     assert y.accepted == [0] and y.tokens == [6, 7, 8, 9, 10, 0] and len(y.features) == 2
+    assert x.decode_s == 1.0 and y.decode_s == 0.5  # each query's rounds' seconds, as the engine charged them
     adapter.end_query("x", 7)
     assert set(adapter.recorders) == {"y"}
     adapter.end_query("y", 7)
