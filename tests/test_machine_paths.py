@@ -17,7 +17,7 @@ RECORDS = ("benchmarks/results/",)
 MACHINE_PATH = re.compile(
     r"(?<![\w.$}-])/(?:" + "tmp|work|root|home|Users|mnt|scratch" + r")/"  # absolute machine folders
     r"|[A-Za-z]:\\" + r"\\?Users"  # a Windows home
-    r"|~/(?!\.cache/spectrain)"  # a home directory other than the documented cache default
+    r"|~" + r"/(?!\.cache/spectrain)"  # a home directory other than the documented cache default
 )
 
 
@@ -59,7 +59,7 @@ def test_no_tracked_file_names_a_machine_path():
         ("drafter: str = '/" + "tmp/exports/e3'", True),
         ("cd /" + "work/wt/x && make", True),
         ("out=/" + "root/out/gpu", True),
-        ("see ~/" + "runs/x", True),
+        ("see ~" + "/runs/x", True),
         ("C:\\" + "Users\\me", True),
         ("a temporary file in /tmp and shutil.move", False),
         ("dequantised into ~/.cache/spectrain", False),

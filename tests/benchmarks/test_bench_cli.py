@@ -7,10 +7,10 @@ import ast
 import dataclasses
 import importlib
 import re
-import shlex
 from pathlib import Path
 
 import pytest
+from doc_commands import benchmark_commands
 from omegaconf import OmegaConf
 
 from benchmarks import config
@@ -19,12 +19,10 @@ from core.overrides import OverrideError
 from inference.engine_args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "BENCHMARKS.md")
-# `python -m benchmarks.NAME ...` or `python benchmarks/NAME.py ...` inside backticks (possibly over several lines)
-COMMAND = re.compile(r"`([^`]*?python[0-9.]* +(?:-m +benchmarks\.\w+|benchmarks/\w+\.py)[^`]*)`", re.S)
-MODULE = re.compile(r"^(?:-m +benchmarks\.(\w+)|benchmarks/(\w+)\.py)$")
-ELIDED = ("...", "…")
 NOT_KEY_VALUE = {"summary"}  # argparse flags; tests/benchmarks/test_benchmarks_summary.py runs it
+# importing speculators takes tens of seconds: tests/spectrain/test_speculators_interop.py, which imports it anyway,
+# parses this benchmark's commands
+HEAVY = {"speculators_peer"}
 SHARED = {
     name
     for group in vars(config).values()
@@ -51,41 +49,23 @@ def benchmark_modules() -> list[str]:
     return sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in skip)
 
 
-def documented_commands() -> list[tuple[str, str, list[str]]]:
-    """(where, module, argv) of every benchmark command the docs show; a line break inside a list is no space."""
-    found = []
-    for doc in DOCS:
-        text = (ROOT / doc).read_text(encoding="utf-8")
-        for m in COMMAND.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            command = re.sub(r"([,\[])\n\s*", r"\1", m.group(1)).replace("\n", " ")
-            words = shlex.split(command.partition("python")[2].split(" ", 1)[1])
-            start = next(i for i, w in enumerate(words) if w == "-m" or w.startswith("benchmarks/"))
-            where = " ".join(words[start : start + 2]) if words[start] == "-m" else words[start]
-            name = next(g for g in MODULE.match(where).groups() if g)
-            argv = [w for w in words[start + (2 if words[start] == "-m" else 1) :] if w not in ELIDED]
-            found.append((f"{doc}:{line}", name, argv))
-    return found
-
-
-COMMANDS = documented_commands()
+SHOWN = benchmark_commands()
+COMMANDS = [(where, name, argv) for where, name, argv in SHOWN if name not in NOT_KEY_VALUE | HEAVY]
 
 
 def test_the_docs_show_commands_of_most_benchmarks():
-    shown = {name for _, name, _ in COMMANDS}
-    assert len(COMMANDS) > 50 and len(shown - NOT_KEY_VALUE) >= 18, sorted(shown)
+    shown = {name for _, name, _ in SHOWN}
+    assert len(SHOWN) > 50 and len(shown - NOT_KEY_VALUE) >= 18, sorted(shown)
     assert shown <= {*benchmark_modules(), *NOT_KEY_VALUE}, shown - {*benchmark_modules(), *NOT_KEY_VALUE}
 
 
 @pytest.mark.parametrize(("where", "name", "argv"), COMMANDS, ids=[where for where, _, _ in COMMANDS])
 def test_every_documented_command_parses(where, name, argv, tmp_path, monkeypatch):
-    if name in NOT_KEY_VALUE:
-        pytest.skip(f"{name} takes argparse flags")
     monkeypatch.chdir(tmp_path)  # a default output directory is checked relative to here
     importlib.import_module(f"benchmarks.{name}").parse_args(argv)
 
 
-@pytest.mark.parametrize("name", benchmark_modules())
+@pytest.mark.parametrize("name", sorted(set(benchmark_modules()) - HEAVY))
 def test_every_benchmark_parses_on_the_shared_base(name):
     """Each CLI has a parse-only ``parse_args`` and a schema on the shared base (or the engine's arguments)."""
     module = importlib.import_module(f"benchmarks.{name}")
