@@ -8,11 +8,12 @@
 ``specblock_tree`` (a SpecBlock export; tree ``specblock_width``/``specblock_budget``).
 
 Streams: ``shift`` = n_prompts HumanEval prompts then n_prompts GSM-symbolic prompts (a drafter trained on
-ShareGPT sees code, then math); ``in_domain`` = 2 n_prompts held-out ShareGPT prompts (the ``eval`` split). Each mode loads a FRESH drafter
-(the bandit updates its copy in place); both serve the stream in order, interleaved in blocks of ``block`` prompts
-(default 1) in ABBA order so machine load hits both alike; one process, one thread. Reported
-per run: τ (new tokens per target forward), accept length per round, tokens/s over the whole stream with every
-update's time included (updates run inside ``generate``; with ``adapt_background=true`` on a worker thread: a
+ShareGPT sees code, then math); ``in_domain`` = 2 n_prompts held-out ShareGPT prompts (the ``eval`` split). Each
+mode loads a FRESH drafter (the bandit updates its copy in place); both serve the stream in order, interleaved in
+blocks of ``block`` prompts (default 1) in ABBA order so machine load hits both alike; one process, ``threads``
+threads (one by default). Reported per run: τ (new tokens per target forward), accept length per round,
+tokens/s over the whole stream with every update's time included (updates run inside ``generate``; with
+``adapt_background=true`` on a worker thread: a
 wait for it counts, and so does finishing it before an ``adapt=none`` query starts, which it must not slow;
 ``close_s`` is the wait for the last query's work, which serves no token), the number of updates / rollbacks,
 and whether the

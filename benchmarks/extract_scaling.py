@@ -1,10 +1,10 @@
 """``python -m benchmarks.extract_scaling [n_samples=32] [max_len=256] [source=sharegpt] [processes=[1,2]] [threads=1]``
 
 Feature extraction (``data_prep.extract``, SmolLM2-135M-Instruct, EAGLE-3 layers, bf16 storage) by 1 process and
-by 2 processes under torchrun, ``threads`` intra-op threads each, on the same source items, one run after the other in this
-script (repeat a count, e.g. ``processes=[1,2,1,2]``, to interleave): wall time from launch to the final manifest
-(model loading included), tokens written, tokens/s and the ratio to the first run. Each run writes a fresh directory
-under a temporary folder, deleted afterwards.
+by 2 processes under torchrun, ``threads`` intra-op threads each, on the same source items, one run after the
+other in this script (repeat a count, e.g. ``processes=[1,2,1,2]``, to interleave): wall time from launch to the
+final manifest (model loading included), tokens written, tokens/s and the ratio to the first run. Each run writes a
+fresh directory under a temporary folder, deleted afterwards.
 """
 
 from __future__ import annotations

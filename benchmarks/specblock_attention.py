@@ -1,7 +1,8 @@
 """``python -m benchmarks.specblock_attention [anchors=300] [chunks=[8,16,32,64]] [steps=6] [precision=32-true] [threads=1]
 [key=value ...]``
 
-Where SpecBlock's training attention time goes, dense masks against block-sparse, in ONE process (``threads``, one by default):
+Where SpecBlock's training attention time goes, dense masks against block-sparse, in ONE process
+(``threads``, one by default):
 
 1. kernel: forward + backward of one layer's attention for blocks 1, 2 and 3 (cuts 2 and 3) at ``anchors``
    anchors with the SmolLM2 drafter's heads (B = 4, 9 heads, 3 K/V heads, D = 64), random tensors: the dense
