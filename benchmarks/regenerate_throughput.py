@@ -3,8 +3,9 @@
 
 Batched regeneration (``inference.batched_generation``, what ``data_prep.regenerate`` runs) against one-prompt AR
 (``inference.algorithms.ar``) on the same held-out prompts (GSM-symbolic unless ``bench``), in one process:
-generated tokens/s, the ratio to AR, and how many answers equal AR's token for token (all of them on the exact path, which covers batched
-CPU rows; on the approximate path a padded batch sums in another order, so a near-tie may resolve differently).
+generated tokens/s, the ratio to AR, and how many answers equal AR's token for token (all of them on the exact
+path, which covers batched CPU rows; on the approximate path a padded batch sums in another order, so a near-tie
+may resolve differently).
 Prompts are answered greedily up to ``max_new_tokens`` or EOS. ``out=DIR`` also writes ``DIR/results.json``.
 """
 
