@@ -2,9 +2,9 @@
 
 Every benchmark's config dataclass extends :class:`BenchConfig` and the groups of options it reads, so a shared
 option has one spelling, one type and one default (``threads=1``, ``target=smollm2``, ``out=``, ...). A benchmark
-whose measurement is sized differently restates only a size's default (``n_prompts``, ``max_new_tokens``,
-``repeats``). Benchmarks over the engine (``tau_context``, ``serve_load``) take the engine's own arguments
-(``inference.engine_args.EngineArgs``) instead.
+restates an option only where its measurement needs another default (a size such as ``n_prompts``; each one is
+listed, with why, in tests/benchmarks/test_bench_cli.py). Benchmarks over the engine (``tau_context``,
+``serve_load``) also take the engine's own arguments (``inference.engine_args.EngineArgs``).
 """
 
 from __future__ import annotations
