@@ -1,18 +1,19 @@
 """Serving-time adaptation on a domain shift: a feature drafter's tree with ``adapt=none`` vs ``adapt=bandit``, greedy.
 
-    python benchmarks/adapt_domain_shift.py drafter=/tmp/exports/e3 [algorithm=eagle3_tree] [target=smollm2] [n=4]
-        [max_new_tokens=64] [streams=[shift,in_domain]] [threads=1] [block=1] [out=runs/adapt_shift]
+    python benchmarks/adapt_domain_shift.py drafter=DIR [algorithm=eagle3_tree] [target=smollm2] [n_prompts=6]
+        [max_new_tokens=128] [streams=[shift,in_domain]] [threads=1] [block=1] [out=runs/adapt_domain_shift]
         [key=value of adapt_*]
 
 ``algorithm``: ``eagle3_tree`` (an EAGLE-3 export; tree ``tree_depth``/``tree_topk``/``tree_total``) or
 ``specblock_tree`` (a SpecBlock export; tree ``specblock_width``/``specblock_budget``).
 
-Streams: ``shift`` = n HumanEval prompts then n GSM-symbolic prompts (a drafter trained on ShareGPT sees code,
-then math); ``in_domain`` = 2n held-out ShareGPT prompts (the ``eval`` split). Each mode loads a FRESH drafter
-(the bandit updates its copy in place); both serve the stream in order, interleaved in blocks of ``block`` prompts
-(default 1) in ABBA order so machine load hits both alike; one process, one thread. Reported
-per run: τ (new tokens per target forward), accept length per round, tokens/s over the whole stream with every
-update's time included (updates run inside ``generate``; with ``adapt_background=true`` on a worker thread: a
+Streams: ``shift`` = n_prompts HumanEval prompts then n_prompts GSM-symbolic prompts (a drafter trained on
+ShareGPT sees code, then math); ``in_domain`` = 2 n_prompts held-out ShareGPT prompts (the ``eval`` split). Each
+mode loads a FRESH drafter (the bandit updates its copy in place); both serve the stream in order, interleaved in
+blocks of ``block`` prompts (default 1) in ABBA order so machine load hits both alike; one process, ``threads``
+threads (one by default). Reported per run: τ (new tokens per target forward), accept length per round,
+tokens/s over the whole stream with every update's time included (updates run inside ``generate``; with
+``adapt_background=true`` on a worker thread: a
 wait for it counts, and so does finishing it before an ``adapt=none`` query starts, which it must not slow;
 ``close_s`` is the wait for the last query's work, which serves no token), the number of updates / rollbacks,
 and whether the
@@ -26,31 +27,32 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-import torch
+from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, Drafter, Output, Target, Workload, parse_bench, renamed, run_dir, split_own
 from core.drafters.eagle3.kind import load_eagle3
 from core.drafters.specblock.kind import load_specblock
 from core.errors import UserError
 from core.overrides import OverrideError, split_key_values
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_lm
 from inference.sampling import SamplingParams
 from spectrain.adapt.adapter import AdaptSettings
 from spectrain.adapt.log import plot_tau
 
+USAGE = __doc__.splitlines()[2].strip()
+OLD_SPELLINGS = {"n": "n_prompts"}
+
 
 @dataclass
-class ShiftConfig:
-    drafter: str = "/tmp/exports/e3"
-    target: str = "smollm2"
-    n: int = 4  # prompts per domain
-    max_new_tokens: int = 64
+class ShiftConfig(BenchConfig, Output, Target, Drafter, Workload):
+    """``n_prompts``: prompts per domain; ``out``: a directory (default runs/adapt_domain_shift)."""
+
     streams: list[str] = field(default_factory=lambda: ["shift", "in_domain"])
-    threads: int = 1
-    out: str = "runs/adapt_shift"
     tree_depth: int = 4  # a small tree: CPU verification cost grows with tree_total
     tree_topk: int = 4
     tree_total: int = 16
@@ -177,32 +179,34 @@ def run_pair(cfg: ShiftConfig, target, eos, prompts, settings: AdaptSettings) ->
     return runs
 
 
-def main(argv: list[str]) -> int:
-    known = set(ShiftConfig.__dataclass_fields__)
+def parse_args(argv: list[str]) -> tuple[Any, dict[str, str], AdaptSettings]:
+    """The benchmark's config, the adapter's settings given (``adapt.NAME``, ``adapt_NAME`` or ``NAME``), and the
+    adapter's settings with them (type-checked now, before any model loads)."""
+    own, rest = split_own(renamed(argv, OLD_SPELLINGS, USAGE), ShiftConfig)
     adapt_fields = set(AdaptSettings.__dataclass_fields__)
-    cfg_values, adapt_values = {}, {}
-    for key, value in split_key_values(argv, __doc__.splitlines()[2]):
-        if key in known:
-            cfg_values[key] = value
-        elif key.removeprefix("adapt.").removeprefix("adapt_") in adapt_fields:  # adapt.NAME (adapt_NAME: as before)
-            adapt_values[key.removeprefix("adapt.").removeprefix("adapt_")] = value
-        else:
-            raise OverrideError(f"unknown key '{key}'")
-    defaults = ShiftConfig()
-    for key, value in list(cfg_values.items()):
-        kind = type(getattr(defaults, key))
-        cfg_values[key] = value.strip("[]").split(",") if kind is list else kind(value)
-    cfg = ShiftConfig(**cfg_values)
+    adapt_values = {}
+    for key, value in split_key_values(rest, USAGE):
+        if key.removeprefix("adapt.").removeprefix("adapt_") not in adapt_fields:  # adapt.NAME (adapt_NAME: as before)
+            keys = ", ".join(ShiftConfig.__dataclass_fields__)
+            raise OverrideError(f"unknown key '{key}': neither one of {keys} nor an adapter setting (adapt.NAME)")
+        adapt_values[key.removeprefix("adapt.").removeprefix("adapt_")] = value
+    cfg = parse_bench(own, ShiftConfig, USAGE)
     if cfg.algorithm not in TREE_ALGORITHMS:
         raise OverrideError(f"algorithm={cfg.algorithm} is not one of {', '.join(TREE_ALGORITHMS)}")
-    base = AdaptSettings.with_overrides(AdaptSettings(), adapt_values)  # type-checked now, before any model loads
-    torch.set_num_threads(cfg.threads)
+    if not cfg.drafter:
+        raise OverrideError(f"drafter=DIR (an EAGLE-3 or SpecBlock export) is required; usage: {USAGE}")
+    return cfg, adapt_values, AdaptSettings.with_overrides(AdaptSettings(), adapt_values)
+
+
+def main(argv: list[str]) -> int:
+    cfg, adapt_values, base = parse_args(argv)
+    apply_threads(cfg)
     target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 64)
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    out = Path(cfg.out)
-    summary = {"config": cfg.__dict__, "adapt_overrides": adapt_values, "streams": {}}
+    out = run_dir(cfg, "adapt_domain_shift")
+    summary = {"config": OmegaConf.to_container(cfg), "adapt_overrides": adapt_values, "streams": {}}
     for stream in cfg.streams:
-        prompts = stream_prompts(stream, cfg.n, target.tokenizer, cfg.max_prompt_tokens)
+        prompts = stream_prompts(stream, cfg.n_prompts, target.tokenizer, cfg.max_prompt_tokens)
         settings = AdaptSettings.with_overrides(base, {"log": str(out / stream)})
         runs = run_pair(cfg, target, eos, prompts, settings)
         none, bandit = runs["none"], runs["bandit"]

@@ -1,4 +1,4 @@
-"""``python benchmarks/dflash_attention.py [length=640] [anchors=32] [block_size=8] [chunks=[4,8,16,32]] [threads=1] [repeats=3]``
+"""``python benchmarks/dflash_attention.py [length=640] [anchors=32] [block_size=8] [chunks=[4,8,16,32]] [threads=1] [repeats=7]``
 
 Why DFlash trains with chunked anchor attention on a CPU (``core.drafters.dflash.attention``): milliseconds for one
 forward + backward of one layer's anchor attention with SmolLM2-135M's head shapes (9 heads, 3 KV heads, head dim
@@ -11,26 +11,27 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from benchmarks.config import BenchConfig, Repeats, parse_bench
 from core.drafters.dflash.attention import AnchorLayout, anchor_block_attention
-from core.overrides import parse_cli
+from inference.algorithms.options import apply_threads
 
 USAGE = (
-    "python benchmarks/dflash_attention.py length=640 anchors=32 block_size=8 chunks=[4,8,16,32] threads=1 repeats=3"
+    "python benchmarks/dflash_attention.py length=640 anchors=32 block_size=8 chunks=[4,8,16,32] threads=1 repeats=7"
 )
 
 
 @dataclass
-class AttentionBenchConfig:
+class AttentionBenchConfig(BenchConfig, Repeats):
     length: int = 640
     anchors: int = 32
     block_size: int = 8
     chunks: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
-    threads: int = 1
-    repeats: int = 3
 
 
 def _step_ms(tensors: list[torch.Tensor], layout: AnchorLayout, repeats: int) -> float:
@@ -45,7 +46,7 @@ def _step_ms(tensors: list[torch.Tensor], layout: AnchorLayout, repeats: int) ->
 
 
 def run(cfg: AttentionBenchConfig) -> None:
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     torch.manual_seed(0)
     heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2-135M
     queries = cfg.anchors * cfg.block_size
@@ -70,8 +71,12 @@ def run(cfg: AttentionBenchConfig) -> None:
         print(f"| chunks of {chunk} anchors | {ms:.1f} | {entries / dense_entries:.2f} |")
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, AttentionBenchConfig, USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
-    run(parse_cli(sys.argv[1:] if argv is None else argv, AttentionBenchConfig, USAGE))
+    run(parse_args(sys.argv[1:] if argv is None else argv))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.draft_agreement drafter=DIR [bench=gsm_symbolic] [n_prompts=6] [max_new_tokens=192]
+"""``python -m benchmarks.draft_agreement drafter=DIR [bench=gsm_symbolic] [n_prompts=6] [max_new_tokens=128]
 [draft_vocab=8192] [dtype=auto] [out=FILE.json]``
 
 How often a draft LM's guesses are the target's token, on held-out prompts: the target answers each prompt
@@ -15,47 +15,43 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from benchmarks.config import Bench, BenchConfig, DraftLM, Dtype, Output, SeqLen, Target, Workload, parse_bench
 from core.atomic import atomic_write_text
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
 from inference.algorithms import build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_drafter, load_lm, model_dtype, serving_dtype
 from inference.evaluate import load_bench_prompts
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 USAGE = (
-    "python -m benchmarks.draft_agreement drafter=DIR bench=gsm_symbolic n_prompts=6 max_new_tokens=192 "
+    "python -m benchmarks.draft_agreement drafter=DIR bench=gsm_symbolic n_prompts=6 max_new_tokens=128 "
     "draft_vocab=8192 dtype=auto out=FILE.json"
 )
 TOP_K = (1, 2, 4, 8)
 
 
 @dataclass
-class AgreementConfig:
-    target: str = "smollm2"
-    drafter: str | None = None
-    bench: str = "gsm_symbolic"
-    n_prompts: int = 6
-    max_new_tokens: int = 192
-    draft_vocab: int = 0  # as the engine's: the draft proposes from the K lowest ids (0 = all)
-    dtype: str = "auto"  # auto = bf16 on a CPU with native bf16 (as the serving benchmarks), else fp32
-    threads: int = 1
-    out: str | None = None  # FILE.json (optional)
+class AgreementConfig(BenchConfig, Output, Target, Dtype, SeqLen, DraftLM, Bench, Workload):
+    """``out``: FILE.json (optional)."""
 
 
-def agreement(cfg: AgreementConfig) -> dict:
+def agreement(cfg: Any) -> dict:
     if not cfg.drafter:
         raise OverrideError(f"drafter=DIR (a draft LM) is required; usage: {USAGE}")
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     dtype = serving_dtype(cfg.dtype)
-    target = load_lm(cfg.target, device="cpu", max_seq_len=2048, dtype=model_dtype(dtype, "cpu"))
+    target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_seq_len, dtype=model_dtype(dtype, "cpu"))
     draft = with_logit_vocab(
-        load_drafter("draft_lm", cfg.drafter, target, device="cpu", max_seq_len=2048), cfg.draft_vocab
+        load_drafter("draft_lm", cfg.drafter, target, device="cpu", max_seq_len=cfg.max_seq_len), cfg.draft_vocab
     )
     prompts = load_bench_prompts(cfg.bench, target.tokenizer, cfg.n_prompts)
     eos = eos_token_ids(target.tokenizer, target.model.config)
@@ -95,10 +91,14 @@ def report(result: dict) -> None:
     )
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, AgreementConfig, USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
         argv,
-        lambda args: agreement(parse_cli(args, AgreementConfig, USAGE)),
+        lambda args: agreement(parse_args(args)),
         doc=__doc__,
         schema=AgreementConfig,
         report=report,

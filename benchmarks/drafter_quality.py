@@ -35,12 +35,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, Dtype, Output, Workload, parse_bench, run_dir
 from benchmarks.hsd_block_efficiency import GOAL as HSD_GOAL
 from benchmarks.scaling import answer_tokens_per_sample, run_series, tau_at_tokens
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
+from inference.device import cpu_has_native_bf16
 from inference.drafters import serving_dtype
 from spectrain.pipeline import Stage, run_pipeline, select
-from inference.device import cpu_has_native_bf16
 
 USAGE = "python -m benchmarks.drafter_quality setting=gsm out=runs/drafter_quality stages=all"
 SETTINGS = ("gsm", "general")
@@ -56,17 +57,18 @@ EAGLE3_STEPS = {"gsm": 480, "general": 200}
 
 
 @dataclass
-class QualityConfig:
+class QualityConfig(BenchConfig, Output, Dtype, Workload):
+    """``out``: a directory (default runs/drafter_quality); ``n_prompts``, ``max_new_tokens``: the held-out
+    evaluation; ``dtype``: the target's for regeneration and evaluation; ``threads``: the evaluate and HSD
+    stages' (training runs one core each)."""
+
+    max_new_tokens: int = 192  # the evaluation's answers (what the README's figures were measured with)
     setting: str = "gsm"
-    out: str = "runs/drafter_quality"
     n_samples: int = 800  # training prompts answered by the target
     draftlm_steps: int = 500
     eagle3_steps: int | None = None  # None: the setting's default (EAGLE3_STEPS)
-    n_prompts: int = 6  # held-out evaluation prompts
-    max_new_tokens: int = 192
     hsd_rounds: int = 1000  # verification rounds per verifier for the HSD figure (T = 1)
     precision: str = "auto"  # trainer precision; auto = bf16-mixed on a CPU with native bf16, else 32-true
-    dtype: str = "auto"  # the target's dtype for regeneration and evaluation; auto = bf16 on a CPU with native bf16
     stages: list[str] = field(default_factory=lambda: ["all"])
 
 
@@ -108,7 +110,7 @@ def eagle3_steps(cfg: QualityConfig) -> int:
 
 
 def gsm_stages(cfg: QualityConfig) -> list[Stage]:
-    out = Path(cfg.out) / "gsm"
+    out = run_dir(cfg, "drafter_quality") / "gsm"
     steps = eagle3_steps(cfg)
     runs, exports, data = out / "runs", out / "exports", out / "regenerated.jsonl"
     source = f"data.source=jsonl:{data}"
@@ -138,7 +140,7 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
             f"n_prompts={cfg.n_prompts}",
             f"max_new_tokens={cfg.max_new_tokens}",
             "temperature=0",
-            "threads=1",
+            f"threads={cfg.threads}",
             dtype,
             f"out={out / name}",
         )
@@ -358,7 +360,7 @@ def gsm_stages(cfg: QualityConfig) -> list[Stage]:
                 "temperature=1.0",
                 f"min_rounds={cfg.hsd_rounds}",
                 f"draft_vocab={DRAFT_VOCAB}",
-                "threads=1",
+                f"threads={cfg.threads}",
                 f"out={out / 'hsd.json'}",
             ),
             out / "hsd.json",
@@ -538,7 +540,7 @@ def raw_arm_steps(steps: int, regenerated: Path, n_samples: int, max_len: int) -
 
 
 def general_stages(cfg: QualityConfig) -> list[Stage]:
-    out = Path(cfg.out) / "general"
+    out = run_dir(cfg, "drafter_quality") / "general"
     runs, data, val_data = out / "runs", out / "regenerated.jsonl", out / "regenerated_val.jsonl"
     exports, probe = out / "exports", out / "step_seconds.json"
     max_len = 512
@@ -577,7 +579,7 @@ def general_stages(cfg: QualityConfig) -> list[Stage]:
         f"n_prompts={cfg.n_prompts}",
         f"max_new_tokens={cfg.max_new_tokens}",
         "temperature=0",
-        "threads=1",
+        f"threads={cfg.threads}",
         dtype,
     )
     return [
@@ -1052,7 +1054,7 @@ def run(cfg: QualityConfig) -> str:
     if cfg.setting not in SETTINGS:
         raise OverrideError(f"setting must be one of {', '.join(SETTINGS)}, got '{cfg.setting}'")
     build = gsm_stages if cfg.setting == "gsm" else general_stages
-    out = Path(cfg.out) / cfg.setting
+    out = run_dir(cfg, "drafter_quality") / cfg.setting
     label = f"drafter_quality/{cfg.setting}"
     stages = select(build(cfg), cfg.stages)
     names = [s.name for s in stages]
@@ -1073,10 +1075,12 @@ def run(cfg: QualityConfig) -> str:
     return table
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, QualityConfig, USAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(
-        argv, lambda args: run(parse_cli(args, QualityConfig, USAGE)), doc=__doc__, schema=QualityConfig, report=print
-    )
+    return run_cli(argv, lambda args: run(parse_args(args)), doc=__doc__, schema=QualityConfig, report=print)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from benchmarks.config import BenchConfig, Repeats, parse_bench
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.peagle import PEagleConfig, PEagleDrafter
-from core.overrides import parse_cli, run_cli
+from core.overrides import run_cli
+from inference.algorithms.options import apply_threads
 
 USAGE = "python benchmarks/drafter_rows.py rows=[1,8] threads=1 repeats=7 context=200"
 HIDDEN, VOCAB = 576, 49152
@@ -39,10 +42,8 @@ CALLS_PER_BLOCK = 5
 
 
 @dataclass
-class DrafterRowsConfig:
+class DrafterRowsConfig(BenchConfig, Repeats):
     rows: list[int] = field(default_factory=lambda: [1, 8])
-    threads: int = 1
-    repeats: int = 7
     context: int = 200
 
 
@@ -98,7 +99,7 @@ def _call(name: str, drafter, rows: int, context: int, new: int) -> Callable[[],
 
 @torch.no_grad()
 def measure(cfg: DrafterRowsConfig) -> list[dict]:
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     drafters = _drafters()
     cases = [
         ("eagle3", 1, "EAGLE-3 step, 1 new row"),
@@ -119,8 +120,12 @@ def measure(cfg: DrafterRowsConfig) -> list[dict]:
     return results
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, DrafterRowsConfig, USAGE)
+
+
 def _run(argv: list[str]) -> None:
-    cfg = parse_cli(argv, DrafterRowsConfig, usage=USAGE)
+    cfg = parse_args(argv)
     results = measure(cfg)
     print(
         f"SmolLM2-135M-shaped drafters, fp32, {cfg.threads} thread(s), ~{cfg.context} cached rows, "

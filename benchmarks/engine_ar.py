@@ -1,6 +1,7 @@
 """Engine AR vs transformers ``generate`` on SmolLM2: same prompts, same process, greedy.
 
-    python benchmarks/engine_ar.py [n_prompts=3] [max_new_tokens=128] [device=auto] [dtype=fp32|bf16|fp16] [repeats=2] [threads=0]
+    python benchmarks/engine_ar.py [target=smollm2] [bench=gsm_symbolic] [n_prompts=6] [max_new_tokens=128]
+        [device=auto] [dtype=auto|fp32|bf16] [repeats=7] [threads=1]
 
 Prints tokens/s of both and their ratio, and checks that both produced the same tokens. Timings on shared
 machines are noisy: each configuration is run ``repeats`` times interleaved and the best run is kept.
@@ -10,26 +11,25 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from core.overrides import parse_cli
+from benchmarks.config import Bench, BenchConfig, Dtype, Repeats, SeqLen, Target, Workload, parse_bench
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
-from inference.drafters import eos_token_ids, load_lm
+from inference.algorithms.options import apply_threads
+from inference.drafters import eos_token_ids, load_lm, model_dtype, pick_device, serving_dtype
 from inference.sampling import SamplingParams
+
+USAGE = "python benchmarks/engine_ar.py n_prompts=6 max_new_tokens=128 device=auto dtype=auto repeats=7 threads=1"
 
 
 @dataclass
-class BenchConfig:
-    n_prompts: int = 3
-    max_new_tokens: int = 128
+class EngineArConfig(BenchConfig, Target, Dtype, SeqLen, Bench, Workload, Repeats):
     device: str = "auto"
-    dtype: str = "fp32"
-    repeats: int = 2
-    bench: str = "mt_bench"
-    threads: int = 0  # intra-op threads; 0 = torch's default
 
 
 def _sync(device) -> None:
@@ -37,12 +37,15 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, EngineArConfig, USAGE)
+
+
 def main(argv: list[str]) -> int:
-    cfg = parse_cli(argv, BenchConfig, __doc__.strip().splitlines()[2].strip())
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    target = load_lm("smollm2", device=cfg.device, dtype=dtype, max_seq_len=2048)
+    cfg = parse_args(argv)
+    apply_threads(cfg)
+    dtype = model_dtype(serving_dtype(cfg.dtype), pick_device(cfg.device))
+    target = load_lm(cfg.target, device=cfg.device, dtype=dtype, max_seq_len=cfg.max_seq_len)
     device = target.runner.device
     prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n_prompts)]
     eos = eos_token_ids(target.tokenizer, target.model.config)

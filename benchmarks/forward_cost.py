@@ -22,11 +22,15 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from core.overrides import parse_cli, run_cli
+from benchmarks.config import BenchConfig, Repeats, Target, parse_bench
+from core.overrides import run_cli
+from inference.algorithms.options import apply_threads
 from inference.drafters import load_lm, model_dtype
 
 USAGE = (
@@ -36,16 +40,13 @@ USAGE = (
 
 
 @dataclass
-class ForwardCostConfig:
-    target: str = "smollm2"
+class ForwardCostConfig(BenchConfig, Target, Repeats):
     tokens: list[int] = field(default_factory=lambda: [1, 2, 5, 16, 48, 64])
     contexts: list[int] = field(default_factory=lambda: [300, 1000, 2000])
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     paths: list[str] = field(default_factory=lambda: ["exact", "plain"])
     trees: list[int] = field(default_factory=lambda: [16, 48])
     tree_depth: int = 6
-    repeats: int = 9
-    threads: int = 1
     decode_pairs: int = 40  # alternating exact / plain decode steps for their ratio
 
 
@@ -103,8 +104,8 @@ def decode_ratio(target: str, dtype: torch.dtype, context: torch.Tensor, pairs: 
     return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
 
 
-def run(cfg: ForwardCostConfig) -> str:
-    torch.set_num_threads(cfg.threads)
+def run(cfg: Any) -> str:
+    apply_threads(cfg)
     generator = torch.Generator().manual_seed(0)
     longest = max(cfg.contexts)
     text = torch.randint(0, 8192, (1, longest), generator=generator)
@@ -173,10 +174,14 @@ def run(cfg: ForwardCostConfig) -> str:
     return "\n".join(lines)
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, ForwardCostConfig, USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
         argv,
-        lambda args: run(parse_cli(args, ForwardCostConfig, USAGE)),
+        lambda args: run(parse_args(args)),
         doc=__doc__,
         schema=ForwardCostConfig,
         report=print,

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.fp8_features [n_train=256] [n_val=32] [max_len=384] [steps=60] [out=DIR] [work=DIR]``
+"""``python -m benchmarks.fp8_features [n_train=256] [n_val=32] [max_len=384] [steps=60] [threads=1] [out=DIR]
+[work=DIR]``
 
 FP8 against bf16 feature storage (``data_prep.extract dtype=fp8`` / ``dtype=bf16``) on SmolLM2-135M-Instruct and
 GSM-symbolic (``gsm_symbolic_train``: the dataset's worked solutions; train split for training, eval split for
@@ -21,17 +22,20 @@ import csv
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.overrides import parse_cli
+from benchmarks.config import BenchConfig, Output, Seeded, parse_bench
 from data_prep.capture import HiddenCapture
-from data_prep.extract import extract, parse_args
+from data_prep.extract import extract
+from data_prep.extract import parse_args as extract_args
 from data_prep.fp8 import FP8, FP8_MAX, dequantize, quantize
 from data_prep.samples import SampleBuilder, load_source
+from inference.algorithms.options import apply_threads
 from inference.drafters import load_lm
 from spectrain import fit as fit_cli
 
@@ -41,16 +45,16 @@ RECIPE = "eagle3_smollm2_gsm"
 
 
 @dataclass
-class Fp8BenchConfig:
+class Fp8BenchConfig(BenchConfig, Output, Seeded):
+    """``out``: a directory for results.json (optional)."""
+
     n_train: int = 256  # source conversations of the train split
     n_val: int = 32  # of the eval split
     n_error: int = 4  # validation samples whose quantization error is measured
     max_len: int = 384
     batch_size: int = 8  # extraction batch
     steps: int = 60
-    seed: int = 0
     work: str = "runs/fp8_features"
-    out: str | None = None
 
 
 def relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -129,7 +133,7 @@ def extract_dataset(cfg: Any, target, dtype: str, split: str, n: int) -> dict[st
     out = Path(cfg.work) / f"{dtype}_{split}"
     start = time.perf_counter()
     manifest = extract(
-        parse_args(
+        extract_args(
             [
                 "target=smollm2",
                 f"source={SOURCE}",
@@ -195,8 +199,13 @@ def train(cfg: Any, dtype: str) -> dict[str, Any]:
     }
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, Fp8BenchConfig, USAGE)
+
+
 def main(argv: list[str]) -> None:
-    cfg = parse_cli(argv, Fp8BenchConfig, USAGE)
+    cfg = parse_args(argv)
+    apply_threads(cfg)
     torch.manual_seed(cfg.seed)
     # The approximate path: extraction verifies nothing, and on a CPU the exact one (load_lm's default there) costs
     # several times more for [B, T] forwards. Both datasets come from this one runner.

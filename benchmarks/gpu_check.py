@@ -72,6 +72,7 @@ import transformers
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.config import BenchConfig, Output, Repeats, Seeded, parse_bench, run_dir
 from core.drafters.dflash import DFlashConfig, DFlashDrafter
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.hrad import HRAD, HRADConfig, HRADPredictor, capture_layers
@@ -79,11 +80,12 @@ from core.drafters.peagle import PEagleConfig, PEagleDrafter
 from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from core.errors import UserError
 from core.layer_ids import eagle3_layers, resolve_layers
-from core.overrides import parse_cli, run_cli
+from core.overrides import run_cli
 from data_prep.capture import HiddenCapture
 from data_prep.features import collate_features
 from data_prep.samples import TokenSample
 from inference.algorithms import ALGORITHMS, build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.exactness import tree_mask
 from inference.round_observers import observer_names, register_observer
 from inference.runner import ModelRunner
@@ -91,9 +93,9 @@ from inference.sampling import SamplingParams
 from spectrain.adapt.adapter import AdaptSettings
 from spectrain.adapt.engine import BANDIT
 from spectrain.config import FitConfig
-from spectrain.memory import estimate, parameter_counts
 from spectrain.kinds.eagle3.module import Eagle3Module, Eagle3Schema
 from spectrain.kinds.specblock.module import SpecBlockModule, SpecBlockSchema
+from spectrain.memory import estimate, parameter_counts
 
 REPO = Path(__file__).resolve().parents[1]
 USAGE = "python -m benchmarks.gpu_check out=DIR [cpu_dry_run=false] [sections=[lossless,ar_speed,...]] [commit=SHA]"
@@ -133,8 +135,11 @@ TINY = dict(
 
 
 @dataclass
-class GpuCheckConfig:
-    out: str = "gpu_check"  # directory for results.json and report.md
+class GpuCheckConfig(BenchConfig, Output, Seeded, Repeats):
+    """``out``: the directory for results.json and report.md (default runs/gpu_check)."""
+
+    threads: int = 0  # torch's default: the device machine's CPU is not shared
+    repeats: int = 10  # timed forwards per verification-cost cell (what the recorded H100 run used)
     cpu_dry_run: bool = False  # tiny models, a few tokens, fp32, on the CPU: checks this script in seconds
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))  # which to run (in SECTIONS order)
     commit: str = ""  # recorded as the git commit when set (else `git rev-parse HEAD`, else unknown)
@@ -142,10 +147,8 @@ class GpuCheckConfig:
     speed_tokens: int = 256  # new tokens per timed AR generation
     mc_runs: int = 2000  # T=1 generations per exact-law check, stopped early after mc_seconds
     mc_seconds: float = 30.0
-    repeats: int = 10  # timed forwards per verification-cost cell (median)
     tie_fp32: float = 1e-4  # a divergence whose top-2 logit gap is below this is a near-tie flip (fp32)
     tie_bf16: float = 0.05  # the same in bf16
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -1074,11 +1077,12 @@ def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
     if unknown:
         raise UserError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
     plan = Plan.of(cfg)
-    out = Path(cfg.out)
+    out = run_dir(cfg, "gpu_check")
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"environment": environment(plan, cfg, argv), "sections": {}}
     models = Models(plan)
     threads = torch.get_num_threads()
+    apply_threads(cfg)
     if plan.dry:  # the toy models' matmuls are too small for threads, which only spin against other work here
         torch.set_num_threads(1)
     try:
@@ -1095,11 +1099,15 @@ def run(cfg: GpuCheckConfig, argv: Sequence[str]) -> str:
     return f"wrote {out / 'results.json'} and {out / 'report.md'}"
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, GpuCheckConfig, USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     return run_cli(
         argv,
-        lambda args: run(parse_cli(args, GpuCheckConfig, USAGE), args),
+        lambda args: run(parse_args(args), args),
         doc=__doc__,
         schema=GpuCheckConfig,
         report=print,

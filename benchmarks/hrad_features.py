@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, Output, Target, parse_bench
 from core.atomic import atomic_write_text
 from core.drafters.hrad import HRAD, NUM_CLASSES, HRADConfig, check_boundaries, default_boundaries
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
+from inference.algorithms.options import apply_threads
 from spectrain.kinds.base import cosine_with_warmup
 from spectrain.kinds.hrad.calibration import fit_late_fusion
 from spectrain.kinds.hrad.data import class_weights, feature_stats, split_prompts
@@ -50,8 +52,9 @@ TRAINED = FEATURES[:-1]  # the arms that train an H-RAD; "conf" is the rule's ra
 
 
 @dataclass
-class HRADFeaturesConfig:
-    target: str = "smollm2"
+class HRADFeaturesConfig(BenchConfig, Output, Target):
+    """``out``: FILE.json (optional)."""
+
     traces: list[str] = field(default_factory=list)  # trace directories (data_prep.traces)
     val_fraction: float = 0.3  # prompts held out (the same prompts in every directory)
     split_seed: int = 0
@@ -64,8 +67,6 @@ class HRADFeaturesConfig:
     warmup_steps: int = 20
     fusion_val_fraction: float = 0.2  # hidden+conf_logit: training prompts its fusion is refitted on (recipe's 0.2)
     bootstrap: int = 1000  # prompt resamples for the CI
-    threads: int = 1
-    out: str | None = None  # FILE.json
 
 
 # --------------------------------------------------------------------------------------------------- metrics
@@ -228,7 +229,7 @@ def run(cfg: HRADFeaturesConfig) -> dict[str, Any]:
         raise OverrideError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
     if not 0 < cfg.fusion_val_fraction < 1:
         raise OverrideError(f"fusion_val_fraction must be in (0, 1), got {cfg.fusion_val_fraction}")
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     embeddings = read_input_embeddings(cfg.target)
     data: dict[str, tuple[Split, int, list[int]]] = {}
     for directory in cfg.traces:
@@ -319,10 +320,14 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + f"\n\nRows per class (0 / 1 / 2): {counts}\n"
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, HRADFeaturesConfig, USAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(
         argv,
-        lambda args: table(run(parse_cli(args, HRADFeaturesConfig, USAGE))),
+        lambda args: table(run(parse_args(args))),
         doc=__doc__,
         schema=HRADFeaturesConfig,
         report=print,

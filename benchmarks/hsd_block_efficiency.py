@@ -61,15 +61,18 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, DraftLM, Output, Seeded, SeqLen, Target, Workload, parse_bench
 from core.errors import UserError
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
 from inference.algorithms import build_algorithm
 from inference.algorithms.base import GenerationStats
+from inference.algorithms.options import apply_threads
 from inference.drafter_index import export_kind
 from inference.drafters import eos_token_ids, load_drafter, load_lm
 from inference.evaluate import load_bench_prompts
@@ -104,22 +107,17 @@ BLOCK_TOLERANCE = 1e-9  # |E_block - E_capped| allowed per round (the same rule:
 
 
 @dataclass
-class BenchConfig:
-    target: str = "smollm2"
-    drafter: str | None = None  # a draft-LM export (or HF directory sharing the target's tokenizer)
-    bench: list[str] = field(default_factory=lambda: ["gsm_symbolic"])
-    n_prompts: int = 8  # per bench
-    max_new_tokens: int = 128
+class HSDConfig(BenchConfig, Output, Target, SeqLen, DraftLM, Workload, Seeded):
+    """``drafter``: a draft-LM export (or HF directory sharing the target's tokenizer); ``n_prompts``: per bench;
+    ``seed``: generation i uses seed + i, and it seeds the bootstrap; ``out``: an optional JSON with the summary and
+    per-generation counts."""
+
+    bench: list[str] = field(default_factory=lambda: ["gsm_symbolic"])  # several: one pooled comparison
     gamma: int = 4
     temperature: float = 1.0
-    seed: int = 0  # generation i uses seed + i; also seeds the bootstrap
     min_rounds: int = 1000  # per verifier
-    draft_vocab: int = 0  # K > 0: the draft proposes only ids < K (evaluate's draft_vocab); 0 = all
-    threads: int = 1
     resamples: int = 10000  # bootstrap resamples
-    max_seq_len: int = 2048
     goal: float = GOAL  # the ratio the lossless HSD must reach (default: the paper's lowest lossless Blockwise gain)
-    out: str | None = None  # optional JSON with the summary and per-generation counts
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -493,8 +491,12 @@ def report(summary: dict, header: str, goal: float = GOAL) -> str:
 # --------------------------------------------------------------------------------------------------------
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, HSDConfig, USAGE)
+
+
 def run(argv: Sequence[str]) -> str:
-    cfg = parse_cli(argv, BenchConfig, USAGE)
+    cfg = parse_args(argv)
     check_sampled(cfg.temperature)
     if not cfg.drafter:
         raise OverrideError("drafter=PATH is required (a draft-LM export directory)")
@@ -504,8 +506,7 @@ def run(argv: Sequence[str]) -> str:
     kind = export_kind(Path(cfg.drafter))
     if kind not in (None, "draft_lm"):
         raise UserError(f"drafter '{cfg.drafter}' is a '{kind}' export; this benchmark needs a draft_lm")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_seq_len)
     draft = load_drafter("draft_lm", cfg.drafter, target, device="cpu", max_seq_len=cfg.max_seq_len)
     if cfg.draft_vocab:
@@ -565,7 +566,7 @@ def run(argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(argv, run, doc=__doc__, schema=BenchConfig, report=print)
+    return run_cli(argv, run, doc=__doc__, schema=HSDConfig, report=print)
 
 
 if __name__ == "__main__":

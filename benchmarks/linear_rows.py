@@ -13,15 +13,19 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, Output, Repeats, parse_bench
 from core.blocks.linear import Linear
-from core.overrides import OverrideError, parse_cli
+from core.overrides import OverrideError
+from inference.algorithms.options import apply_threads
 from inference.device import cpu_description
 
 USAGE = "python benchmarks/linear_rows.py rows=[1,2,3,4,6,8] threads=1 repeats=7"
@@ -29,11 +33,10 @@ HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152  # SmolLM2-1
 
 
 @dataclass
-class LinearRowsConfig:
+class LinearRowsConfig(BenchConfig, Output, Repeats):
+    """``out``: a directory for results.json (optional)."""
+
     rows: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
-    threads: int = 1
-    repeats: int = 7
-    out: str | None = None  # DIR: results.json there
 
 
 def _modules(shapes: list[tuple[int, int]]) -> list[Linear]:
@@ -57,8 +60,8 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def measure(cfg: LinearRowsConfig) -> list[dict]:
-    torch.set_num_threads(cfg.threads)
+def measure(cfg: Any) -> list[dict]:
+    apply_threads(cfg)
     layer_shapes = [
         (HIDDEN, HIDDEN),
         (HIDDEN, KV),
@@ -89,9 +92,13 @@ def measure(cfg: LinearRowsConfig) -> list[dict]:
     return results
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, LinearRowsConfig, USAGE)
+
+
 def main(argv: list[str]) -> None:
     try:
-        cfg = parse_cli(argv, LinearRowsConfig, usage=USAGE)
+        cfg = parse_args(argv)
     except OverrideError as error:
         sys.exit(f"error: {error}")
     results = measure(cfg)

@@ -25,14 +25,18 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from core.overrides import parse_cli, run_cli
+from benchmarks.config import BenchConfig, Output, Repeats, parse_bench
+from core.overrides import run_cli
+from inference.algorithms.options import apply_threads
 from inference.llama import SparseMoe
 from inference.runner import ModelRunner
 
@@ -43,12 +47,12 @@ USAGE = (
 
 
 @dataclass
-class MoeRowsConfig:
+class MoeRowsConfig(BenchConfig, Output, Repeats):
+    """``out``: a directory for results.json (optional)."""
+
     rows: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 64])
     context: int = 256
     paths: list[str] = field(default_factory=lambda: ["exact", "plain"])
-    threads: int = 1
-    repeats: int = 7
     hidden: int = 512
     layers: int = 6
     heads: int = 8
@@ -58,7 +62,6 @@ class MoeRowsConfig:
     expert_width: int = 192
     vocab: int = 8192
     routing: str = "random"  # random | spread (spread_routers)
-    out: str | None = None
 
 
 def targets(cfg: MoeRowsConfig) -> dict[str, torch.nn.Module]:
@@ -158,7 +161,7 @@ def forward_ms(runner: ModelRunner, ids: torch.Tensor) -> float:
 
 
 def measure(cfg: MoeRowsConfig) -> dict:
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     generator = torch.Generator().manual_seed(0)
     text = torch.randint(0, cfg.vocab, (1, cfg.context), generator=generator)
     continuation = torch.randint(0, cfg.vocab, (1, max(cfg.rows)), generator=generator)
@@ -243,10 +246,12 @@ def run(cfg: MoeRowsConfig) -> str:
     return table(result)
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, MoeRowsConfig, USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(
-        argv, lambda args: run(parse_cli(args, MoeRowsConfig, USAGE)), doc=__doc__, schema=MoeRowsConfig, report=print
-    )
+    return run_cli(argv, lambda args: run(parse_args(args)), doc=__doc__, schema=MoeRowsConfig, report=print)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python benchmarks/peagle_attention.py [length=640] [answer=0.6] [num_depths=6] [chunks=[16,32,64,128,256]] [threads=1] [repeats=3]``
+"""``python benchmarks/peagle_attention.py [length=640] [answer=0.6] [num_depths=6] [chunks=[16,32,64,128,256]] [threads=1] [repeats=7]``
 
 Why P-EAGLE trains with chunked chain attention on a CPU (``core.drafters.peagle.attention``): milliseconds for one
 forward + backward of one layer's attention with SmolLM2-135M's head shapes (9 heads, 3 KV heads, head dim 64),
@@ -12,28 +12,29 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from benchmarks.config import BenchConfig, Repeats, parse_bench
 from core.drafters.peagle.attention import ChainLayout
-from core.overrides import parse_cli
+from inference.algorithms.options import apply_threads
 from spectrain.kinds.peagle.losses import cod_sample
 
 USAGE = (
     "python benchmarks/peagle_attention.py length=640 answer=0.6 num_depths=6 chunks=[16,32,64,128,256] "
-    "threads=1 repeats=3"
+    "threads=1 repeats=7"
 )
 
 
 @dataclass
-class ChainBenchConfig:
+class ChainBenchConfig(BenchConfig, Repeats):
     length: int = 640
     answer: float = 0.6  # the scored share of the sequence (its end)
     num_depths: int = 6
     chunks: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
-    threads: int = 1
-    repeats: int = 3
 
 
 def _step_ms(tensors: list[torch.Tensor], layout: ChainLayout, repeats: int) -> float:
@@ -48,7 +49,7 @@ def _step_ms(tensors: list[torch.Tensor], layout: ChainLayout, repeats: int) -> 
 
 
 def run(cfg: ChainBenchConfig) -> None:
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     torch.manual_seed(0)
     scored = torch.zeros(cfg.length, dtype=torch.bool)
     scored[int(cfg.length * (1 - cfg.answer)) : cfg.length - 2] = True
@@ -69,8 +70,12 @@ def run(cfg: ChainBenchConfig) -> None:
         print(f"| chunks of {chunk} rows | {ms:.1f} | {entries / dense_entries:.2f} |")
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, ChainBenchConfig, USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
-    run(parse_cli(sys.argv[1:] if argv is None else argv, ChainBenchConfig, USAGE))
+    run(parse_args(sys.argv[1:] if argv is None else argv))
     return 0
 
 

@@ -1,10 +1,11 @@
 """``python -m benchmarks.regenerate_throughput [n_prompts=24] [max_new_tokens=128] [batch_sizes=[8,16,24]] [threads=1]
-[dtype=auto|fp32|bf16] [out=DIR]``
+[dtype=auto|fp32|bf16] [bench=gsm_symbolic] [out=DIR]``
 
 Batched regeneration (``inference.batched_generation``, what ``data_prep.regenerate`` runs) against one-prompt AR
-(``inference.algorithms.ar``) on the same held-out GSM-symbolic prompts, in one process: generated tokens/s,
-the ratio to AR, and how many answers equal AR's token for token (all of them on the exact path, which covers batched
-CPU rows; on the approximate path a padded batch sums in another order, so a near-tie may resolve differently).
+(``inference.algorithms.ar``) on the same held-out prompts (GSM-symbolic unless ``bench``), in one process:
+generated tokens/s, the ratio to AR, and how many answers equal AR's token for token (all of them on the exact
+path, which covers batched CPU rows; on the approximate path a padded batch sums in another order, so a near-tie
+may resolve differently).
 Prompts are answered greedily up to ``max_new_tokens`` or EOS. ``out=DIR`` also writes ``DIR/results.json``.
 """
 
@@ -13,48 +14,51 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
-from core.overrides import parse_cli
+from benchmarks.config import Bench, BenchConfig, Dtype, Output, Target, Workload, parse_bench
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.batched_generation import ContinuousBatcher, Job
-from inference.drafters import eos_token_ids, load_lm, model_dtype
+from inference.drafters import eos_token_ids, load_lm, model_dtype, serving_dtype
 from inference.sampling import SamplingParams
 
 USAGE = "python -m benchmarks.regenerate_throughput n_prompts=24 max_new_tokens=128 batch_sizes=[8,16,24] threads=1"
 
 
 @dataclass
-class ThroughputConfig:
-    target: str = "smollm2"
-    n_prompts: int = 24
-    max_new_tokens: int = 128
+class ThroughputConfig(BenchConfig, Output, Target, Dtype, Bench, Workload):
+    """``out``: a directory for results.json (optional)."""
+
+    n_prompts: int = 24  # as many as the largest batch
     batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 24])
-    threads: int = 1
-    dtype: str = "auto"  # the target's compute dtype (auto = fp32 on a CPU; bf16 needs native bf16)
     exact: bool | None = None  # the runner's exact mode (default: on for CPU rows); false: the approximate path
-    out: str | None = None  # DIR: results.json there
+
+
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, ThroughputConfig, USAGE)
 
 
 def main(argv: list[str]) -> None:
-    cfg = parse_cli(argv, ThroughputConfig, USAGE)
-    torch.set_num_threads(cfg.threads)
+    cfg = parse_args(argv)
+    apply_threads(cfg)
     largest = max(cfg.batch_sizes)
     target = load_lm(
         cfg.target,
         device="cpu",
         max_seq_len=1024,
         max_batch_size=2 * largest,
-        dtype=model_dtype(cfg.dtype, "cpu"),
+        dtype=model_dtype(serving_dtype(cfg.dtype), "cpu"),
         exact=cfg.exact,
     )
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts("gsm_symbolic", n=cfg.n_prompts)]
+    prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n_prompts)]
     greedy = SamplingParams(0.0)
 
     ar = build_algorithm("ar", target.runner)

@@ -12,23 +12,28 @@ from __future__ import annotations
 import csv
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, Output, parse_bench
 from core.assets import load_tokenizer
-from core.overrides import OverrideError, parse_cli
+from core.overrides import OverrideError
 from data_prep.samples import SampleBuilder, load_source
+from inference.algorithms.options import apply_threads
 
 USAGE = "python -m benchmarks.scaling runs=[runs/x/eagle3_smollm2_gsm,runs/x/specblock_smollm2_gsm] out=scaling.png"
 
 
 @dataclass
-class ScalingConfig:
+class ScalingConfig(BenchConfig, Output):
+    """``out``: FILE.png (optional)."""
+
     runs: list[str] = field(default_factory=list)
-    out: str | None = None
     extrapolate: list[float] = field(default_factory=lambda: [10.0, 100.0])
 
 
@@ -84,10 +89,15 @@ def fit_log_linear(tokens: np.ndarray, tau: np.ndarray) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, ScalingConfig, USAGE)
+
+
 def main(argv: list[str]) -> None:
-    cfg = parse_cli(argv, ScalingConfig, USAGE)
+    cfg = parse_args(argv)
     if not cfg.runs:
         raise OverrideError(f"runs=[DIR,...] is required; usage: {USAGE}")
+    apply_threads(cfg)  # the answers' tokenization
     series = {}
     for run in cfg.runs:
         name, steps, tokens, tau = run_series(Path(run))

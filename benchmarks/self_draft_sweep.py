@@ -1,4 +1,4 @@
-"""``python benchmarks/self_draft_sweep.py [grid=[[4,2],[5,3],[6,6]]] [candidates=[10]] [bench=humaneval] ...``
+"""``python benchmarks/self_draft_sweep.py [grid=[[4,2],[5,3],[6,6]]] [candidates=[10]] [bench=gsm_symbolic] ...``
 
 Self-Draft against ``ar`` on SmolLM2 over a small (L, N) grid: τ (tokens per target forward, prefill and
 warm-up included), tokens/s, and the tokens/s ratio to ``ar`` measured in the same run. Prompts are the outer
@@ -14,12 +14,15 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from benchmarks.config import Bench, BenchConfig, SeqLen, Target, Workload, parse_bench
 from core.assets import tokenizer_fingerprint
-from core.overrides import OverrideError, parse_cli
+from core.overrides import OverrideError
 from inference.algorithms import build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_lm
 from inference.evaluate import load_bench_prompts
 from inference.ngram_cache import CorpusCache
@@ -27,24 +30,18 @@ from inference.sampling import SamplingParams
 
 USAGE = (
     "python benchmarks/self_draft_sweep.py target=smollm2 bench=humaneval n_prompts=3 max_new_tokens=96 "
-    "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 grid_vocab=0 threads=0"
+    "grid=[[4,2],[5,3]] candidates=[4,10] ngram_corpus=FILE corpus_candidates=3 grid_vocab=0 threads=1"
 )
 
 
 @dataclass
-class SweepConfig:
-    target: str = "smollm2"
-    bench: str = "humaneval"
-    n_prompts: int = 3
-    max_new_tokens: int = 96
+class SweepConfig(BenchConfig, Target, SeqLen, Bench, Workload):
     grid: list[list[int]] = field(default_factory=lambda: [[4, 2], [5, 3], [6, 6]])  # [L, N] pairs
     candidates: list[int] = field(default_factory=lambda: [10])  # context-cache candidates per step
     corpus_candidates: int = 3  # corpus-cache candidates per step (with ngram_corpus)
     grid_vocab: int = 0  # grid argmax over the K lowest ids + the text's tokens; 0 = full vocabulary
     ngram_corpus: str | None = None
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
     forward_cost: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48])  # [] = skip
-    max_seq_len: int = 2048
 
 
 def settings(cfg) -> dict[str, dict]:
@@ -82,8 +79,7 @@ def forward_costs(runner, sizes: Sequence[int], cached: int = 300, repeats: int 
 
 
 def sweep(cfg) -> tuple[list[dict], dict[int, float]]:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     target = load_lm(cfg.target, device="cpu", max_seq_len=cfg.max_seq_len)
     corpus = None
     if cfg.ngram_corpus:
@@ -132,13 +128,17 @@ def sweep(cfg) -> tuple[list[dict], dict[int, float]]:
     return rows, costs
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, SweepConfig, USAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
     try:
-        cfg = parse_cli(argv, SweepConfig, USAGE)
+        cfg = parse_args(argv)
         settings(cfg)
         rows, costs = sweep(cfg)
     except (OverrideError, ValueError) as exc:

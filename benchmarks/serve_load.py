@@ -22,34 +22,38 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 from omegaconf import OmegaConf
 
-from core.overrides import OverrideError, parse_cli, run_cli
+from benchmarks.config import Bench, Output, parse_bench
+from core.overrides import OverrideError, run_cli
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms.options import apply_threads
 from inference.device import cpu_description
 from inference.sampling import SamplingParams
-from inference.serve.config import ServeConfig, parse_args
+from inference.serve.config import ServeConfig
+from inference.serve.config import parse_args as parse_serve_args
 from inference.serve.server import RunningServer, build_server
 
 USAGE = "python -m benchmarks.serve_load target=smollm2 algorithm=ar clients=[1,4] requests=8 max_tokens=64"
-LOAD_KEYS = ("clients", "requests", "max_tokens", "bench", "time_limit", "poisoned", "out")
 
 
 @dataclass
-class LoadConfig(ServeConfig):
+class LoadConfig(ServeConfig, Output, Bench):
+    """The server's arguments and the load's; ``out``: a directory for results.json (optional); ``bench``: where
+    the prompts come from (their first user turn)."""
+
     clients: list[int] = field(default_factory=lambda: [1, 4])  # concurrent clients, one run each
     requests: int = 8  # requests per run
     max_tokens: int = 64  # per request (greedy, so every run generates the same tokens)
-    bench: str = "gsm_symbolic"  # where the prompts come from (their first user turn)
     time_limit: float = 600.0  # seconds per run after which no new request starts
     poisoned: bool = True  # one more run of the most clients, beside a client sending requests that must be refused
-    out: str | None = None  # DIR: results.json there
 
 
 @dataclass
@@ -209,11 +213,17 @@ def server_run(
     return Run(label, latencies, sum(map(len, answers.values())), wall, answers), statuses
 
 
-def _run(argv: list[str]) -> None:
-    load = parse_cli([a for a in argv if a.partition("=")[0] in LOAD_KEYS], LoadConfig, USAGE)  # the server's: below
+def parse_args(argv: Sequence[str]) -> tuple[Any, Any]:
+    """The load's config (the keys the server lacks) and the server's (every other key)."""
+    load_keys = set(LoadConfig.__dataclass_fields__) - set(ServeConfig.__dataclass_fields__)
+    load = parse_bench([a for a in argv if a.partition("=")[0] in load_keys], LoadConfig, USAGE)
     if load.requests < 1 or load.max_tokens < 1 or min(load.clients, default=0) < 1:
         raise OverrideError("requests, max_tokens and every clients entry must be >= 1")
-    cfg = parse_args([a for a in argv if a.partition("=")[0] not in LOAD_KEYS])
+    return load, parse_serve_args([a for a in argv if a.partition("=")[0] not in load_keys])
+
+
+def _run(argv: list[str]) -> None:
+    load, cfg = parse_args(argv)
     apply_threads(cfg)
     server = build_server(cfg)
     tokenizer = server.model.tokenizer

@@ -1,6 +1,8 @@
-"""``python -m benchmarks.specblock_attention [anchors=300] [chunks=[8,16,32,64]] [steps=6] [precision=32-true] [key=value ...]``
+"""``python -m benchmarks.specblock_attention [anchors=300] [chunks=[8,16,32,64]] [steps=6] [precision=32-true] [threads=1]
+[key=value ...]``
 
-Where SpecBlock's training attention time goes, dense masks against block-sparse, in ONE process (one thread):
+Where SpecBlock's training attention time goes, dense masks against block-sparse, in ONE process
+(``threads``, one by default):
 
 1. kernel: forward + backward of one layer's attention for blocks 1, 2 and 3 (cuts 2 and 3) at ``anchors``
    anchors with the SmolLM2 drafter's heads (B = 4, 9 heads, 3 K/V heads, D = 64), random tensors: the dense
@@ -15,23 +17,28 @@ from __future__ import annotations
 import collections
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.config import BenchConfig, parse_bench, split_own
 from core.drafters.specblock import first_block_mask, later_block_mask
 from core.drafters.specblock.attention import BlockLayout, block_sparse_attention
-from core.overrides import parse_cli
+from inference.algorithms.options import apply_threads
 from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
 
-USAGE = "python -m benchmarks.specblock_attention anchors=300 chunks=[8,16,32,64] steps=6 precision=32-true [overrides]"
-OWN_KEYS = ("anchors", "chunks", "steps", "precision")
+USAGE = (
+    "python -m benchmarks.specblock_attention anchors=300 chunks=[8,16,32,64] steps=6 precision=32-true threads=1 "
+    "[overrides]"
+)
 
 
 @dataclass
-class AttentionBenchConfig:
+class AttentionBenchConfig(BenchConfig):
     anchors: int = 300
     chunks: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
     steps: int = 6
@@ -131,12 +138,18 @@ def step_table(cfg: AttentionBenchConfig, overrides: list[str]) -> None:
         )
 
 
+def parse_args(argv: Sequence[str]) -> tuple[Any, list[str]]:
+    """The benchmark's own config, and the recipe overrides (every other ``key=value``)."""
+    own, overrides = split_own(argv, AttentionBenchConfig)
+    return parse_bench(own, AttentionBenchConfig, USAGE), overrides
+
+
 def main(argv: list[str]) -> None:
-    own = parse_cli([a for a in argv if a.split("=", 1)[0] in OWN_KEYS], AttentionBenchConfig, USAGE)
-    torch.set_num_threads(1)
+    own, overrides = parse_args(argv)
+    apply_threads(own)
     kernel_table(own.anchors, list(own.chunks), torch.bfloat16 if own.precision == "bf16-mixed" else torch.float32)
     if own.steps > 0:
-        step_table(own, [a for a in argv if a.split("=", 1)[0] not in OWN_KEYS])
+        step_table(own, overrides)
 
 
 if __name__ == "__main__":

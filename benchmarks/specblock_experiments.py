@@ -15,8 +15,8 @@ same data, seed and steps, one arm per hypothesis, each ending in one validation
 * ``valid``: ``model.valid_prefix=valid`` (no valid-prefix chain: every valid row counts at every slot).
 
 Every arm is one ``python -m spectrain.fit`` stage (``spectrain.pipeline``: printed before it runs, skipped once
-done, resumed after a kill), run one after the other with one thread. The table is printed at the end and
-written to ``OUT/results.md``; each arm's wall minutes are in its marker under ``OUT/.done/``.
+done, resumed after a kill), run one after the other on ``threads`` threads (one by default). The table is printed
+at the end and written to ``OUT/results.md``; each arm's wall minutes are in its marker under ``OUT/.done/``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from core.overrides import OverrideError, parse_cli, run_cli
+from benchmarks.config import BenchConfig, Output, Seeded, parse_bench, run_dir
+from core.overrides import OverrideError, run_cli
 from spectrain.pipeline import Stage, run_pipeline, select
 
 USAGE = "python -m benchmarks.specblock_experiments out=runs/specblock_experiments arms=all steps=60"
@@ -94,18 +96,18 @@ ARMS = (
 
 
 @dataclass
-class ExperimentsConfig:
-    out: str = "runs/specblock_experiments"
+class ExperimentsConfig(BenchConfig, Output, Seeded):
+    """``out``: a directory (default runs/specblock_experiments); ``threads``: each arm's (one at a time)."""
+
     source: str = SOURCE  # a JSONL file of conversations (the GSM pipeline's regenerated answers)
     arms: list[str] = field(default_factory=lambda: ["all"])
     steps: int = 60
     n_val_samples: int = 16
     precision: str = "bf16-mixed"  # the GSM pipeline trains in bf16 autocast
-    seed: int = 0
 
 
 def stages(cfg: ExperimentsConfig) -> list[Stage]:
-    out = Path(cfg.out)
+    out = run_dir(cfg, "specblock_experiments")
     runs = out / "runs"
     common = (
         f"data.source=jsonl:{cfg.source}",
@@ -164,7 +166,7 @@ def sha256(path: Path) -> str:
 
 def table(cfg: ExperimentsConfig) -> str:
     """Markdown table of every finished arm's final validation."""
-    out = Path(cfg.out)
+    out = run_dir(cfg, "specblock_experiments")
     lines = [
         f"data: {cfg.source} (sha256 {sha256(Path(cfg.source))[:16]}), {cfg.steps} steps, seed {cfg.seed}, "
         f"{cfg.precision}, {cfg.n_val_samples} validation conversations",
@@ -195,9 +197,10 @@ def run(cfg: ExperimentsConfig) -> str:
             "setting=gsm stages=[regenerate]"
         )
     todo = select(stages(cfg), cfg.arms)
-    out = Path(cfg.out)
-    # one arm at a time, one thread each: arms never share the machine with each other
-    run_pipeline(todo, label="specblock_experiments", rerun_hint="the same command", env={"OMP_NUM_THREADS": "1"})
+    out = run_dir(cfg, "specblock_experiments")
+    # one arm at a time, on cfg.threads threads: arms never share the machine with each other
+    env = {"OMP_NUM_THREADS": str(cfg.threads)} if cfg.threads else {}
+    run_pipeline(todo, label="specblock_experiments", rerun_hint="the same command", env=env)
     result = table(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(result)
@@ -215,10 +218,14 @@ def run(cfg: ExperimentsConfig) -> str:
     return result
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, ExperimentsConfig, USAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(
         argv,
-        lambda args: run(parse_cli(args, ExperimentsConfig, USAGE)),
+        lambda args: run(parse_args(args)),
         doc=__doc__,
         schema=ExperimentsConfig,
         report=print,

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,22 +29,23 @@ from speculators.losses import resolve_loss_config
 from speculators.models import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.models.eagle3.data import shift_batch
 
+from benchmarks.config import BenchConfig, Seeded, parse_bench
 from core.assets import target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from core.drafters.eagle3.layouts import Eagle3Checkpoint
-from core.overrides import parse_cli
 from core.prompts import load_prompts, tokenize_conversation
 from core.vocab import build_vocab_map
+from inference.algorithms.options import apply_threads
 from inference.drafters import LoadedModel, load_lm
-from spectrain.kinds.eagle3.losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_loss
 from spectrain.kinds.eagle3.export import write_export
+from spectrain.kinds.eagle3.losses import scored_rows, teacher_in_draft_vocab, teacher_rows, ttt_loss
 
 USAGE = "python -m benchmarks.speculators_peer steps=40 ttt_steps=7 lr=1e-3 n_train=40 n_val=8 max_len=128"
 AUX = [1, 13, 26]  # EAGLE-3's default triple for SmolLM2's 30 layers, as data_prep uses it
 
 
 @dataclass
-class PeerConfig:
+class PeerConfig(BenchConfig, Seeded):
     steps: int = 40
     ttt_steps: int = 7
     decay: float = 0.8  # loss weight of TTT step j is decay ** j (speculators: ttt_step_loss_decay)
@@ -51,7 +54,6 @@ class PeerConfig:
     n_val: int = 8
     max_len: int = 128
     draft_vocab_size: int = 4096
-    seed: int = 0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -259,9 +261,13 @@ def report_validation(cfg: PeerConfig, target: LoadedModel, ours: Eagle3Drafter,
     print(" ".join(f"{j}: {m / r:.3f} | {t / r:.3f}" for j, (m, t, r) in enumerate(zip(mine, library, rows))))
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, PeerConfig, USAGE)
+
+
 def main(argv: list[str]) -> None:
-    cfg = parse_cli(argv, PeerConfig, USAGE)
-    torch.set_num_threads(1)
+    cfg = parse_args(argv)
+    apply_threads(cfg)
     run(cfg)
 
 

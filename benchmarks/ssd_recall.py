@@ -35,13 +35,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from benchmarks.config import BenchConfig, Drafter, Output, SeqLen, parse_bench
 from core.atomic import atomic_write_text
 from core.errors import UserError
-from core.overrides import OverrideError, parse_cli, run_cli
+from core.overrides import OverrideError, run_cli
 from inference.algorithms import build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_drafter, load_lm, model_dtype
 from inference.evaluate import load_bench_prompts
 from inference.sampling import SamplingParams
@@ -51,14 +54,14 @@ NEVER = 1 << 30  # rank of a token the fork ranking cannot contain
 
 
 @dataclass
-class RecallConfig:
+class RecallConfig(BenchConfig, Output, SeqLen, Drafter):
+    """``drafter``: the draft LM those runs served (unlimited: draft_vocab is read from each run); ``out``: FILE.json
+    (optional)."""
+
     eval: str | None = None  # an inference.evaluate results.json with greedy ssd runs
-    drafter: str | None = None  # the draft LM those runs served (unlimited: draft_vocab is read from each run)
-    target: str | None = None  # default: the evaluate run's target
-    dtype: str | None = None  # default: the evaluate run's dtype
-    threads: int = 1
-    max_seq_len: int = 2048
-    out: str | None = None  # FILE.json (optional)
+    # the evaluate run's own unless given (so not the shared target= and dtype=, whose defaults are fixed)
+    target: str | None = None
+    dtype: str | None = None
     runs: list[str] = field(default_factory=list)  # ssd run labels to compare; empty = every greedy ssd run
 
 
@@ -281,7 +284,7 @@ def measure(cfg) -> dict:
     results = json.loads(Path(cfg.eval).read_text())
     ecfg = results["config"]
     runs = ssd_runs(results, cfg.runs)
-    torch.set_num_threads(cfg.threads)
+    apply_threads(cfg)
     dtype = cfg.dtype or ecfg.get("dtype", "auto")
     target_name = cfg.target or ecfg["target"]
     start = time.perf_counter()
@@ -373,8 +376,12 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_args(argv: Sequence[str]) -> Any:
+    return parse_bench(argv, RecallConfig, USAGE)
+
+
 def run(argv: Sequence[str]) -> str:
-    cfg = parse_cli(argv, RecallConfig, USAGE)
+    cfg = parse_args(argv)
     result = measure(cfg)
     if cfg.out:
         atomic_write_text(Path(cfg.out), json.dumps(result, indent=2) + "\n")

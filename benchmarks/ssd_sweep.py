@@ -1,8 +1,8 @@
 """SSD vs SpS on a real target + draft LM: hit rate, τ, tokens/s (real and simulated-overlap), batch 1 and b.
 
-    python benchmarks/ssd_sweep.py [drafter=/tmp/exports/draftlm] [target=smollm2] [n=4] [max_new_tokens=48]
+    python benchmarks/ssd_sweep.py drafter=DIR [target=smollm2] [n_prompts=6] [max_new_tokens=128]
         [batches=[1,4]] [gamma=4] [configs=[jit:8:1.0,fast:8:1.0]] [temperature=0] [threads=1]
-        [executor=sequential] [bench=mt_bench] [draft_vocab=0] [fork_vocab=full] [fanout=geometric]
+        [executor=sequential] [bench=gsm_symbolic] [draft_vocab=0] [fork_vocab=full] [fanout=geometric]
         [out=runs/ssd_sweep]
 
 ``configs`` entries are ``fallback:B:C`` (fallback jit | fast | auto; B = cache budget per sequence; C = SAGUARO
@@ -21,50 +21,43 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
-from core.overrides import OverrideError, split_key_values
+from benchmarks.config import Bench, BenchConfig, DraftLM, Output, Seeded, Target, Workload, parse_bench, run_dir
+from core.overrides import OverrideError
 from core.prompts import load_prompts, prompt_turns, render_prompt
 from inference.algorithms import build_algorithm
+from inference.algorithms.options import apply_threads
 from inference.drafters import eos_token_ids, load_draft_lm, load_lm
 from inference.runner_loading import with_logit_vocab
 from inference.sampling import SamplingParams
 
 
 @dataclass
-class SweepConfig:
-    drafter: str = "/tmp/exports/draftlm"
-    target: str = "smollm2"
-    n: int = 4
-    max_new_tokens: int = 48
+class SweepConfig(BenchConfig, Output, Target, DraftLM, Bench, Workload, Seeded):
+    """``out``: a directory (default runs/ssd_sweep)."""
+
     batches: list[int] = field(default_factory=lambda: [1, 4])
     gamma: int = 4
     configs: list[str] = field(default_factory=lambda: ["jit:8:1.0", "fast:8:1.0"])
     temperature: float = 0.0
-    threads: int = 1
     executor: str = "sequential"
-    bench: str = "mt_bench"
-    seed: int = 0
-    draft_vocab: int = 0  # K > 0: the draft proposes only ids < K (evaluate's draft_vocab); 0 = all
     fork_vocab: str = "full"  # SSD's fork guesses from the drafter's whole head (full) or its limited one (draft)
     fanout: str = "geometric"  # geometric | uniform | K+1 ints
-    out: str = "runs/ssd_sweep"
 
 
-def parse(argv: list[str]) -> SweepConfig:
-    defaults, values = SweepConfig(), {}
-    for key, value in split_key_values(argv, __doc__.splitlines()[2]):
-        if key not in SweepConfig.__dataclass_fields__:
-            raise OverrideError(f"unknown key '{key}'; valid: {', '.join(SweepConfig.__dataclass_fields__)}")
-        default = getattr(defaults, key)
-        if isinstance(default, list):
-            items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-            values[key] = [int(v) for v in items] if key == "batches" else items
-        else:
-            values[key] = type(default)(value)
-    return SweepConfig(**values)
+USAGE = __doc__.splitlines()[2].strip()
+OLD_SPELLINGS = {"n": "n_prompts"}
+
+
+def parse_args(argv: list[str]) -> Any:
+    cfg = parse_bench(argv, SweepConfig, USAGE, OLD_SPELLINGS)
+    if not cfg.drafter:
+        raise OverrideError(f"drafter=DIR (a draft LM) is required; usage: {USAGE}")
+    return cfg
 
 
 def run_sps(cfg, target, draft, prompts, eos, sampling) -> dict:
@@ -141,15 +134,15 @@ def run_ssd(cfg, target, draft, prompts, eos, sampling, spec: str, batch: int) -
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse(argv)
-    torch.set_num_threads(cfg.threads)
+    cfg = parse_args(argv)
+    apply_threads(cfg)
     max_batch = max(cfg.batches)
     target = load_lm(cfg.target, device="cpu", max_seq_len=1024, max_batch_size=max_batch)
     draft = load_draft_lm(cfg.drafter, target, device="cpu", max_seq_len=1024, max_batch_size=max_batch)
     if cfg.draft_vocab:
         draft = dataclasses.replace(draft, runner=with_logit_vocab(draft.runner, cfg.draft_vocab))
     eos = eos_token_ids(target.tokenizer, target.model.config)
-    prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n)]
+    prompts = [render_prompt(target.tokenizer, prompt_turns(c)) for c in load_prompts(cfg.bench, n=cfg.n_prompts)]
     sampling = SamplingParams(cfg.temperature)
     runs = [run_sps(cfg, target, draft, prompts, eos, sampling)]
     print(f"sps        b=1  tok/s={runs[0]['tokens_per_s']:.2f} tau={runs[0]['tau']:.2f}", flush=True)
@@ -170,9 +163,10 @@ def main(argv: list[str]) -> int:
             )
     for run in runs:
         run.pop("outputs")
-    out = Path(cfg.out)
+    out = run_dir(cfg, "ssd_sweep")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"config": cfg.__dict__, "runs": runs}, indent=2) + "\n")
+    config = OmegaConf.to_container(cfg)
+    (out / "results.json").write_text(json.dumps({"config": config, "runs": runs}, indent=2) + "\n")
     print(f"wrote {out / 'results.json'}")
     return 0
 

@@ -1,5 +1,5 @@
 """``python -m benchmarks.tau_context drafters=DIR [algorithms=[eagle3_tree,peagle,dflash]]
-[contexts=[512,2048,4096,8192]] [attention_windows=[256]] [n_prompts=2] [max_new_tokens=64] [threads=1] [out=DIR]
+[contexts=[512,2048,4096,8192]] [attention_windows=[256]] [n_prompts=2] [max_new_tokens=128] [threads=1] [out=DIR]
 [figure=FILE.png]``
 
 τ against context length. The bench: held-out GSM-symbolic problems (``gsm_symbolic``, the evaluation seeds), each
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from benchmarks.config import BenchConfig, Output, Workload, run_dir
 from core.atomic import atomic_write_text, check_output
 from core.drafters.eagle3 import Eagle3Drafter
 from core.errors import UserError
@@ -53,26 +54,27 @@ from inference.evaluate import generation_settings, greedy_equal, run_record
 
 USAGE = (
     "python -m benchmarks.tau_context drafters=DIR algorithms=[eagle3_tree,peagle,dflash] "
-    "contexts=[512,2048,4096,8192] attention_windows=[256] n_prompts=2 max_new_tokens=64 threads=1 out=DIR"
+    "contexts=[512,2048,4096,8192] attention_windows=[256] n_prompts=2 max_new_tokens=128 threads=1 out=DIR"
 )
 LIST_KEYS = ("algorithms", "contexts", "attention_windows")
 SHOT_POOL = 96  # solved problems a prompt may carry (~250 tokens each with SmolLM2's tokenizer: 8k needs ~32)
 
 
 @dataclass
-class TauContextConfig(EngineArgs):
+class TauContextConfig(BenchConfig, Output, Workload, EngineArgs):
+    """The engine's arguments, with the benchmarks' threads (one), and ``out``: a directory (default
+    runs/tau_context)."""
+
     algorithms: list[str] = field(default_factory=lambda: ["eagle3_tree", "peagle", "dflash"])
     contexts: list[int] = field(default_factory=lambda: [512, 2048, 4096, 8192])  # prompt tokens, at most
     attention_windows: list[int] = field(default_factory=list)  # serving-time windows of EAGLE-3 / P-EAGLE drafters
-    n_prompts: int = 2
-    max_new_tokens: int = 64
+    n_prompts: int = 2  # per context length: a long prompt's prefill takes minutes on a CPU
     max_seq_len: int = 8192  # SmolLM2's window
     warmup: bool = True
     # false: the target's plain CPU kernels (one GEMM and one attention call per layer for a whole prompt) instead of
     # the exact path's (bitwise batch-invariant, attention planned per row), whose prefill of thousands of tokens
     # takes minutes on a CPU; greedy output then equals AR's up to rounding, and the run says whether it did
     exact: bool = True
-    out: str = "results/tau_context"
     figure: str | None = None  # another copy of the plot (e.g. benchmarks/figures/tau_context.png)
 
 
@@ -101,6 +103,7 @@ def parse_args(argv: Sequence[str]) -> Any:
         )
     if "ar" in cfg.algorithms:
         raise OverrideError("ar always runs (the baseline); list only the speculative algorithms in algorithms=")
+    cfg.out = str(run_dir(cfg, "tau_context"))
     check_output(cfg.out)
     check_placement(cfg)
     check_algorithm_options(cfg, given, cfg.algorithms)

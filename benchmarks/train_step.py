@@ -16,35 +16,47 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from core.overrides import parse_cli
+from benchmarks.config import BenchConfig, Output, parse_bench, split_own
+from core.overrides import OverrideError
+from inference.algorithms.options import apply_threads
 from spectrain.fit import build_module_and_data, compose_recipe, import_kind_modules
 
 USAGE = "python -m benchmarks.train_step recipe=NAME steps=6 threads=1 profile=false out=FILE [recipe overrides]"
-OWN_KEYS = ("steps", "threads", "profile", "out")
 
 
 @dataclass
-class TrainStepConfig:
+class TrainStepConfig(BenchConfig, Output):
+    """``out``: FILE.json (optional)."""
+
     steps: int = 6
-    threads: int = 1
     profile: bool = False
-    out: str | None = None
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Any, list[str], list[str]]:
+    """The benchmark's own config, the recipes named (``recipe=NAME`` or ``recipe=[A,B]``) and the recipe overrides
+    (every other ``key=value``)."""
+    own, rest = split_own(argv, TrainStepConfig)
+    named = [arg.split("=", 1)[1] for arg in rest if arg.startswith("recipe=")]
+    if not named:
+        raise OverrideError(f"recipe=NAME is required; usage: {USAGE}")
+    recipes = [name.strip() for name in named[-1].strip("[]").split(",")]
+    return parse_bench(own, TrainStepConfig, USAGE), recipes, [a for a in rest if not a.startswith("recipe=")]
 
 
 def main(argv: list[str]) -> None:
-    own = parse_cli([a for a in argv if a.split("=", 1)[0] in OWN_KEYS], TrainStepConfig, USAGE)
-    torch.set_num_threads(own.threads)
-    overrides = [a for a in argv if a.split("=", 1)[0] not in OWN_KEYS and a.split("=", 1)[0] != "recipe"]
-    recipes = next((a.split("=", 1)[1] for a in argv if a.startswith("recipe=")), "")
+    own, recipes, overrides = parse_args(argv)
+    apply_threads(own)
     import_kind_modules()
     seconds = {}
-    for recipe in recipes.strip("[]").split(","):
-        cfg = compose_recipe([f"recipe={recipe.strip()}", *overrides])
+    for recipe in recipes:
+        cfg = compose_recipe([f"recipe={recipe}", *overrides])
         seconds[cfg.kind] = time_steps(cfg, own)
     if own.out:
         Path(own.out).parent.mkdir(parents=True, exist_ok=True)

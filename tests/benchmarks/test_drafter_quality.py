@@ -18,13 +18,10 @@ from spectrain.pipeline import Stage
 CLIS = {
     **PARSERS,
     "data_prep.regenerate": lambda argv: importlib.import_module("data_prep.regenerate").parse_args(argv),
-    "benchmarks.train_step": lambda argv: None,  # its own keys are checked in its main; recipes below
-    "benchmarks.hsd_block_efficiency": lambda argv: parse_cli(
-        argv, importlib.import_module("benchmarks.hsd_block_efficiency").BenchConfig, "usage"
-    ),
-    "benchmarks.draft_agreement": lambda argv: parse_cli(
-        argv, importlib.import_module("benchmarks.draft_agreement").AgreementConfig, "usage"
-    ),
+    **{
+        name: importlib.import_module(name).parse_args
+        for name in ("benchmarks.train_step", "benchmarks.hsd_block_efficiency", "benchmarks.draft_agreement")
+    },
 }
 
 

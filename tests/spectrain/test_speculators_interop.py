@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 # Imported, never skipped: `make install` installs speculators, and a missing one must fail the suite.
 from speculators.models import Eagle3DraftModel
+from doc_commands import benchmark_commands
 from eagle3_export_builders import AUX, VOCAB, lightning_ckpt, make_drafter
 from speculators_builders import (
     DECAY,
@@ -43,7 +44,7 @@ from speculators_builders import (
     their_chain,
 )
 
-from benchmarks.speculators_peer import features, load_theirs, our_loss, our_steps
+from benchmarks.speculators_peer import features, load_theirs, our_loss, our_steps, parse_args
 from core.assets import portable_model_reference, target_record
 from core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from inference.algorithms import build_algorithm
@@ -204,3 +205,11 @@ def test_smollm2_export_loads_and_agrees_in_speculators(smollm2_trained):
     gamma = 4
     ours, start = our_chain(target, drafter, ids[0, :20].tolist(), gamma)
     assert their_chain(theirs, start, ours, gamma) == ours
+
+
+@pytest.mark.parametrize(
+    ("where", "argv"), [(where, argv) for where, _, argv in benchmark_commands("speculators_peer")]
+)
+def test_the_documented_peer_benchmark_commands_parse(where, argv):
+    """Here, where speculators is imported anyway (tests/benchmarks/test_bench_cli.py parses the other benchmarks')."""
+    assert parse_args(argv).threads == 1, where
