@@ -185,7 +185,6 @@ class MultiprocessExecutor(Executor):
         self.call_timeout_s = call_timeout_s
 
         import torch.distributed as dist  # torch: a heavy import, deferred to first use
-        import torch.multiprocessing as mp
 
         if dist.is_initialized():
             raise RuntimeError(
@@ -200,8 +199,10 @@ class MultiprocessExecutor(Executor):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = threads or torch.get_num_threads()
-        self.process = mp.get_context("spawn").Process(
-            target=_draft_worker, args=(draft_factory, init_method, self.backend, threads, timeout_s), daemon=True
+        self.process = draft_process_context().Process(
+            target=_draft_worker,
+            args=(draft_factory, init_method, self.backend, threads, timeout_s, dict(os.environ)),
+            daemon=True,
         )
         self.process.start()
         dist.init_process_group(
@@ -280,8 +281,40 @@ class MultiprocessExecutor(Executor):
                 self.process.kill()
 
 
-def _draft_worker(draft_factory: DraftFactory, init_method: str, backend: str, threads: int, timeout_s: float) -> None:
-    """Child process: build the draft side, then serve method calls until told to close."""
+# What the fork server imports once, so that each draft process starts from a copy of it: the executor (torch), the
+# draft sides' module (the engine's layers and drafters), and transformers' modelling code, which loading a draft LM
+# from a directory needs (the Llama family's module pulls in the shared part: seconds of import per process).
+DRAFT_PROCESS_PRELOAD = ("inference.executors", "inference.draft_side", "transformers.models.llama.modeling_llama")
+
+
+@functools.cache
+def draft_process_context() -> Any:
+    """The multiprocessing context draft processes start in: ``forkserver`` (Linux), whose server process imports
+    DRAFT_PROCESS_PRELOAD once and forks each draft process from that clean, single-threaded, CUDA-free state, so a
+    start costs milliseconds instead of an interpreter start and torch's import (seconds, each time ``spawn`` is
+    used); ``spawn`` where the platform has no fork server. Both are safe with CUDA and with threads in this
+    process, which ``fork`` is not."""
+    import torch.multiprocessing as mp  # torch: a heavy import, deferred to first use
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(DRAFT_PROCESS_PRELOAD))
+    return context
+
+
+def _draft_worker(
+    draft_factory: DraftFactory,
+    init_method: str,
+    backend: str,
+    threads: int,
+    timeout_s: float,
+    environment: dict[str, str],
+) -> None:
+    """Child process: build the draft side, then serve method calls until told to close. ``environment`` is the
+    parent's at the start: a forked child has the fork server's, which may be older."""
+    os.environ.clear()
+    os.environ.update(environment)
 
     import torch.distributed as dist  # torch: a heavy import, deferred to first use
 
