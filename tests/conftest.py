@@ -19,15 +19,15 @@ pytest.register_assert_rewrite(
 )
 
 
-def _module_cost_class(items) -> dict[str, int]:
-    """0 for a module with a test marked ``slow`` (multi-process runs), 1 for one that loads the real model, 2 for
-    the rest."""
-    cost: dict[str, int] = {}
+def _module_cost_class(items) -> dict[str, tuple[int, int]]:
+    """A sort key per module, longest first: class 0 for a module with tests marked ``slow`` (multi-process runs),
+    1 for one with tests that load the real model, 2 for the rest; within a class, more such tests first."""
+    marked: dict[str, list[int]] = {}
     for item in items:
-        module = item.nodeid.split("::")[0]
-        here = 0 if "slow" in item.keywords else 1 if "real_model" in item.keywords else 2
-        cost[module] = min(cost.get(module, 2), here)
-    return cost
+        counts = marked.setdefault(item.nodeid.split("::")[0], [0, 0])
+        counts[0] += "slow" in item.keywords
+        counts[1] += "real_model" in item.keywords
+    return {module: (0, -slow) if slow else (1, -real) if real else (2, 0) for module, (slow, real) in marked.items()}
 
 
 def pytest_collection_modifyitems(config, items):
