@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from eagle3_tree_builders import random_drafter
 from tiny_targets import tiny_llama
+
+from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
 from spectrain.adapt.adapter import AdaptSettings, BanditAdapter
 from spectrain.adapt.cost import CostModel
@@ -40,3 +43,16 @@ def adapter_for(drafter, costs_per_row: float = 1e-6, **kw) -> tuple[BanditAdapt
     # depend on how busy the machine was.
     costs = CostModel(1e-3, {"head": costs_per_row, "full": costs_per_row}, refine=0.0)
     return BanditAdapter(adaptable, costs, forcing_settings(**{"arms": "head", "min_gap": 3, **kw})), adaptable
+
+
+def specblock_drafter(target) -> SpecBlockDrafter:
+    """A seeded random SpecBlock drafter over ``target``'s three first layers, block size 4."""
+    config = SpecBlockConfig.for_target(
+        target.config,
+        draft_vocab_size=target.config.vocab_size,
+        aux_layer_ids=[0, 1, 2],
+        block_size=4,
+        rank_hidden_size=16,
+    )
+    torch.manual_seed(0)
+    return SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()

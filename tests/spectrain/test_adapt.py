@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from adapt_helpers import PROMPTS, adapter_for, forcing_settings, tiny_pair
+from adapt_helpers import PROMPTS, adapter_for, forcing_settings, specblock_drafter, tiny_pair
 from tiny_targets import GREEDY, runner, set_random_vocab_map
 
 from inference.algorithms import build_algorithm
@@ -456,20 +456,11 @@ def test_replay_is_deterministic(tiny, tmp_path):
 
 def test_specblock_plugs_in_with_its_own_losses(tiny):
     """A SpecBlock drafter gets its adapter class from adaptable_for; updates use spectrain.kinds.specblock.losses."""
-    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
     from spectrain.adapt.drafters import SpecBlockAdaptable, adaptable_for
     from spectrain.adapt.updater import ArmUpdate, Updater
 
     target, _ = tiny
-    config = SpecBlockConfig.for_target(
-        target.config,
-        draft_vocab_size=target.config.vocab_size,
-        aux_layer_ids=[0, 1, 2],
-        block_size=4,
-        rank_hidden_size=16,
-    )
-    torch.manual_seed(0)
-    drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
+    drafter = specblock_drafter(target)
     adaptable = adaptable_for(drafter, max_rows=64)
     assert isinstance(adaptable, SpecBlockAdaptable)
     record = adaptable.synthetic_record(24, prompt_len=6)
@@ -543,18 +534,9 @@ def test_replay_cli_is_deterministic_and_writes_csv_and_png(tmp_path):
 
 def test_specblock_tree_greedy_output_equals_ar_with_adaptation_on(tiny, tmp_path):
     """adapt=bandit on specblock_tree: the drafter changes between queries, the output never does."""
-    from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 
     target, _ = tiny
-    config = SpecBlockConfig.for_target(
-        target.config,
-        draft_vocab_size=target.config.vocab_size,
-        aux_layer_ids=[0, 1, 2],
-        block_size=4,
-        rank_hidden_size=16,
-    )
-    torch.manual_seed(0)
-    drafter = SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
+    drafter = specblock_drafter(target)
     assert_adapts_and_stays_greedy_equal(target, drafter, "specblock_tree", tmp_path, width=3, budget=12)
 
 

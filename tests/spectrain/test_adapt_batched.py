@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapt_helpers import adapter_for, forcing_settings, tiny_pair
+from adapt_helpers import adapter_for, forcing_settings, specblock_drafter, tiny_pair
 from engine_helpers import jobs, side_by_side, solo
 from tiny_targets import GREEDY, runner
 
-from core.drafters.specblock import SpecBlockConfig, SpecBlockDrafter
 from inference.algorithms import build_algorithm
 from inference.engine.loop import DecodeEngine
 from inference.engine.state import Finished, RowRequest
@@ -35,18 +34,6 @@ def eagle3(tiny, costs, name: str = "eagle3_tree", **settings):
     return build_algorithm(
         name, runner(target, rows=2 * ROWS), drafter, adapt="bandit", adapt_settings=settings, **options
     )
-
-
-def specblock_drafter(target) -> SpecBlockDrafter:
-    config = SpecBlockConfig.for_target(
-        target.config,
-        draft_vocab_size=target.config.vocab_size,
-        aux_layer_ids=[0, 1, 2],
-        block_size=4,
-        rank_hidden_size=16,
-    )
-    torch.manual_seed(0)
-    return SpecBlockDrafter(config, embed_weight=target.model.embed_tokens.weight.detach()).eval()
 
 
 def four_jobs() -> list[tuple]:
