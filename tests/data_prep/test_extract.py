@@ -328,3 +328,20 @@ def test_real_smollm2_eagle3_features(smollm2, tmp_path):
     expected = torch.cat([ref.hidden_states[i][0] for i in (2, 15, 27)], dim=-1)
     torch.testing.assert_close(sample["aux_hidden"].float(), expected, atol=0.05, rtol=0.02)  # bf16 storage
     torch.testing.assert_close(sample["last_hidden"].float(), ref.hidden_states[-1][0], atol=0.05, rtol=0.02)
+
+
+def test_extraction_runs_the_plain_kernels_unless_exact_is_asked(tiny, chats, tmp_path, monkeypatch):
+    """Extraction verifies nothing, so the exact kernels (docs/numerics.md) are off unless exact=true; the option
+    joins the dataset's arguments only when set, so datasets made before it resume."""
+    from data_prep import extract as extract_module
+
+    paths, load = [], extract_module.load_lm
+    monkeypatch.setattr(extract_module, "load_lm", lambda *a, **kw: paths.append(load(*a, **kw)) or paths[-1])
+    base = [f"target={tiny}", f"source=jsonl:{chats}", "n_samples=3", "max_len=32", "layers=[0,1]", "device=cpu"]
+    plain = run_extract([*base, f"out={tmp_path / 'plain'}"])
+    exact = run_extract([*base, "exact=true", f"out={tmp_path / 'exact'}"])
+    assert [lm.runner.exactness.path for lm in paths] == ["approximate", "exact"]
+    assert "exact" not in plain["args"] and exact["args"]["exact"] is True
+    for a, b in zip(rows(tmp_path / "plain"), rows(tmp_path / "exact")):  # the same features up to rounding
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"])
