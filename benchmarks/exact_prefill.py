@@ -1,4 +1,5 @@
-"""``python -m benchmarks.exact_prefill [baseline=REV] [lengths=[512,2048]] [repeats=2] [threads=1] [out=DIR]``
+"""``python -m benchmarks.exact_prefill [baseline=REV] [lengths=[512,2048]] [repeats=2] [threads=1] [max_seq_len=N]
+[out=DIR]``
 
 What an exact-mode prefill of a long prompt costs on SmolLM2-135M in fp32: seconds of one runner forward over a
 random prompt of each length (the last token's logits only, as the engine prefills), on
@@ -11,8 +12,9 @@ random prompt of each length (the last token's logits only, as the engine prefil
 Each measurement runs in a process of its own (SmolLM2 loaded, the probe run, one short forward to pack the weights,
 then the timed prefill), the variants in turn, ``repeats`` rounds, so that a change in a shared machine's load hits
 them alike: compare the ratios of one run, not absolute seconds. Each run records wall seconds and the CPU seconds of
-its process (``time.process_time``, which another job on the machine inflates less). Each exact run also hashes its whole KV cache and
-the logits it returned; ``bitwise_equal`` says whether the baseline's hashes equal this checkout's (the exact path's
+its process (``time.process_time``, which another job on the machine inflates less). The runners hold
+``max_seq_len`` positions (default: the prompt's length + 16). Each exact run also hashes the KV cache's written slots
+and the logits it returned; ``bitwise_equal`` says whether the baseline's hashes equal this checkout's (the exact path's
 promise is that a change of its speed changes no bit). Prints a table; ``out=DIR`` writes ``DIR/results.json``.
 """
 
@@ -32,7 +34,9 @@ from omegaconf import OmegaConf
 from core.overrides import OverrideError, parse_cli, run_cli
 from inference.device import cpu_description
 
-USAGE = "python -m benchmarks.exact_prefill [baseline=REV] lengths=[512,2048] repeats=2 threads=1 out=DIR"
+USAGE = (
+    "python -m benchmarks.exact_prefill [baseline=REV] lengths=[512,2048] repeats=2 threads=1 [max_seq_len=N] out=DIR"
+)
 REPO = Path(__file__).resolve().parents[1]
 
 # Run in the checkout under test (its own imports only, the API every revision of it has): prints one JSON line.
@@ -42,10 +46,10 @@ import torch
 from core import assets
 from inference.runner import ModelRunner
 
-length, path, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+length, path, threads, max_seq_len = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(threads)
 model = assets.load_model("smollm2")
-runner = ModelRunner.from_hf_model(model, dtype=torch.float32, max_seq_len=length + 16, exact=path != "plain")
+runner = ModelRunner.from_hf_model(model, dtype=torch.float32, max_seq_len=max_seq_len, exact=path != "plain")
 ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
 runner.reset(1)
 runner.forward(ids[:, :8], only_last_logits=True)  # packs the weights, loads the kernels: not timed
@@ -54,7 +58,9 @@ start, cpu = time.perf_counter(), time.process_time()
 logits = runner.forward(ids, only_last_logits=True).logits
 seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
 digest = hashlib.sha256()
-for tensor in (runner.k_cache, runner.v_cache, logits):
+# the written slots only (the caches' padding may differ between revisions); exact mode keeps keys transposed
+keys = runner.k_cache[..., :length] if path != "plain" else runner.k_cache[:, :, :, :length]
+for tensor in (keys, runner.v_cache[:, :, :, :length], logits):
     digest.update(tensor.detach().contiguous().numpy().tobytes())
 print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "sha256": digest.hexdigest(), "exactness": runner.exactness.summary()}))
 """
@@ -66,12 +72,13 @@ class ExactPrefillConfig:
     lengths: list[int] = field(default_factory=lambda: [512, 2048])
     repeats: int = 2
     threads: int = 1
+    max_seq_len: int = 0  # the runners' cache length; 0: each prompt's length + 16
     out: str | None = None  # DIR: results.json there
 
 
-def _run_child(tree: Path, length: int, path: str, threads: int) -> dict:
+def _run_child(tree: Path, length: int, path: str, threads: int, max_seq_len: int) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(length), path, str(threads)],
+        [sys.executable, "-c", CHILD, str(length), path, str(threads), str(max_seq_len)],
         cwd=tree,
         env={**_environment(), "PYTHONPATH": str(tree)},
         capture_output=True,
@@ -107,7 +114,13 @@ def measure(cfg) -> dict:
                 for _ in range(cfg.repeats):
                     for name, tree in trees.items():
                         runs[name].append(
-                            _run_child(tree, length, "plain" if name == "plain" else "exact", cfg.threads)
+                            _run_child(
+                                tree,
+                                length,
+                                "plain" if name == "plain" else "exact",
+                                cfg.threads,
+                                cfg.max_seq_len or length + 16,
+                            )
                         )
                         print(f"  {length} tokens, {name}: {runs[name][-1]['seconds']:.1f} s", file=sys.stderr)
                 rows.append(_summary(length, runs))
