@@ -6,6 +6,7 @@ that is unambiguous; an unknown key names the closest valid one and lists them a
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import errno
 import os
@@ -128,6 +129,12 @@ def is_user_error(exc: BaseException) -> bool:
     return type(exc).__name__ == "SafetensorError" and "No space left on device" in str(exc)
 
 
+def help_keys(schema: type) -> list[str]:
+    """A schema's keys as a user writes them: a field set from another spelling (``metadata={"cli": "drafter.KIND"}``,
+    filled from ``drafter.<kind>=PATH``) shows that spelling, not its internal name."""
+    return [item.metadata.get("cli", item.name) for item in dataclasses.fields(schema)]
+
+
 def run_cli(
     argv: Sequence[str] | None,
     action: Callable[[list[str]], Any],
@@ -143,7 +150,7 @@ def run_cli(
     if argv and argv[0] in ("-h", "--help"):
         print(doc or "")
         if schema is not None:
-            print("keys:", ", ".join(schema.__dataclass_fields__))
+            print("keys:", ", ".join(help_keys(schema)))
         return 0
     try:
         result = action(argv)

@@ -9,7 +9,8 @@ Keys: ``layers`` = eagle3 | lastK | [i,j,...] (output-of-layer ids, 0-based; ``c
 ``dtype`` = bf16 | fp16 | fp32 | fp8 (storage; fp8: float8_e4m3fn with a power-of-two scale per token and layer,
 read back as bf16, ``data_prep.fp8``), ``regenerate=true`` answers the prompts with the target itself
 (engine ``ar``; ``max_new_tokens``, ``temperature``: refused without it), ``split`` = all | train | eval,
-``batch_size``, ``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``.
+``batch_size``, ``shard_size`` (samples per shard; default about 1 GB), ``device``, ``seed``, ``exact`` (the
+target's exact CPU kernels; off: extraction verifies nothing, see ``ExtractConfig.exact``).
 
 Re-running the same command after an interruption (even kill -9) resumes without losing or duplicating a
 sample; other arguments into an existing DIR are refused (another dtype in one line: one dataset holds one storage
@@ -79,6 +80,10 @@ class ExtractConfig:
     max_new_tokens: int = 1024  # per regenerated answer
     temperature: float = 0.0  # for regenerated answers (0 = greedy)
     device: str = "auto"
+    # The target's exact CPU kernels (docs/numerics.md): they make a sample's features bitwise independent of its
+    # batch neighbours, which extraction does not need (it verifies no draft; training reads the features up to
+    # rounding anyway), so it runs the plain kernels unless exact=true.
+    exact: bool = False
     out: str | None = None
 
 
@@ -116,7 +121,7 @@ def content_args(cfg: Any) -> dict[str, Any]:
     args = OmegaConf.to_container(cfg, resolve=True)
     for key in RUN_ONLY_KEYS:
         args.pop(key, None)
-    for key, default in (("window", "start"), ("chat_template", "auto")):
+    for key, default in (("window", "start"), ("chat_template", "auto"), ("exact", False)):
         if args[key] == default:  # the default, and what datasets made before the option hold
             args.pop(key)
     if not args["regenerate"]:  # generation settings mean nothing without regeneration (and are refused)
@@ -276,6 +281,7 @@ def extract(cfg: Any, target=None) -> dict[str, Any]:
             max_seq_len=cfg.max_len + 1,
             max_batch_size=cfg.batch_size,
             chat_template=cfg.chat_template,
+            exact=cfg.exact,
         )
     runner, tokenizer = target.runner, target.tokenizer
     config = runner.config

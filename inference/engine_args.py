@@ -53,8 +53,9 @@ class EngineArgs(AlgorithmOptions):
     target: str = "smollm2"
     drafters: str | None = None  # a directory of exports (spectrain.export), found by kind
     drafter: str | None = None  # a draft LM (exported dir, HF dir or registry name), or any export (by its kind)
-    # drafter.<kind>=PATH on the command line (split_drafter_args): one drafter per kind, when several run together
-    drafter_by_kind: dict[str, str] = field(default_factory=dict)
+    # drafter.<kind>=PATH on the command line (split_drafter_args): one drafter per kind, when several run together;
+    # --help shows that spelling, not the field
+    drafter_by_kind: dict[str, str] = field(default_factory=dict, metadata={"cli": "drafter.KIND"})
     max_new_tokens: int = 128
 
 
@@ -166,7 +167,13 @@ def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
     for item in overrides:
         # a key of the run's schema that a variant may not change; before parsing: a list key's value would fail
         # there with a vaguer message (an unknown key fails in parsing, with the closest valid one)
-        key = item.split("=", 1)[0]
+        key, _, value = item.partition("=")
+        if key.lstrip("+") in OLD_DRAFTER_KEYS or key.lstrip("+").startswith("drafter."):  # drafters load once
+            spelled = f"drafter.{OLD_DRAFTER_KEYS.get(key.lstrip('+'), key.lstrip('+').removeprefix('drafter.'))}"
+            raise OverrideError(
+                f"algorithm variant '{label}': '{spelled}' cannot differ per variant; set {spelled}={value} for the "
+                "whole run instead"
+            )
         if key in cfg and key not in RUN_VARIANT_KEYS and not OmegaConf.is_dict(cfg[key]):
             raise OverrideError(
                 f"algorithm variant '{label}': '{key}' cannot differ per variant; set {item} for the whole run instead"

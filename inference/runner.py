@@ -98,11 +98,14 @@ class ModelRunner(nn.Module):
 
     def _allocate_cache(self, device: torch.device) -> None:
         """Empty K/V caches in the layout of the path: exact mode keeps fp32 caches (bf16 values convert exactly),
-        keys transposed with slots padded to a multiple of 16 (the exact kernel scores 16 slots at a time from
-        contiguous memory)."""
+        keys transposed with slots padded to an odd number of 16-slot tiles (the exact kernel scores 16 slots at a
+        time from contiguous memory)."""
         rows, seq = self.max_batch_size, self.max_seq_len
         if self.exact:
-            k_shape = (self.num_layers, rows, self.num_kv_heads, self.head_dim, -(-seq // 16) * 16)
+            # An odd number of 16-slot tiles: a key tile's D rows (one slot row apart) then fall on distinct L1 sets;
+            # with 2048 slots they all fell on one and attention ran ~2x slower.
+            tiles = -(-seq // 16)
+            k_shape = (self.num_layers, rows, self.num_kv_heads, self.head_dim, (tiles + 1 - tiles % 2) * 16)
             v_shape = (self.num_layers, rows, self.num_kv_heads, seq, self.head_dim)
             cache_dtype = torch.float32
         else:

@@ -11,7 +11,8 @@ the prefix ``drafter.`` (the LightningModule keeps the ``nn.Module`` as ``self.d
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,37 @@ from spectrain.checkpoint_contract import DRAFTER_PREFIX
 from spectrain.resume import is_sharded_checkpoint
 
 
+# While reading_once() is active: each checkpoint read so far, by resolved path.
+_read: dict[Path, dict[str, Any]] | None = None
+
+
+@contextmanager
+def reading_once() -> Iterator[None]:
+    """Inside, :func:`read_lightning_checkpoint` reads each checkpoint from disk once: the export CLI asks a
+    checkpoint for its kind, then the kind's exporter reads it for its tensors (a checkpoint holds the optimizer's
+    state too; reading it twice doubled an export's time). Outside, nothing is kept."""
+    global _read
+    outer, _read = _read, {} if _read is None else _read
+    try:
+        yield
+    finally:
+        _read = outer
+
+
 def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     """A Lightning checkpoint's content; a file that is not one (damaged, truncated, another format) is refused
     in one line. It also pickles training state (loops, hyper-parameters): it is the user's own artifact, so
     full unpickling is acceptable here (weights_only would refuse omegaconf objects). A sharded (FSDP) checkpoint
-    directory is gathered into one full state dict in this process."""
+    directory is gathered into one full state dict in this process. Inside :func:`reading_once`, read once."""
+    if _read is None:
+        return _read_lightning_checkpoint(path)
+    key = Path(path).resolve()
+    if key not in _read:
+        _read[key] = _read_lightning_checkpoint(path)
+    return _read[key]
+
+
+def _read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     if is_sharded_checkpoint(path):
         # Lightning's own reader of the format its ModelParallelStrategy writes (CPU, no process group).
         from lightning.fabric.utilities.load import _load_distributed_checkpoint  # Lightning: heavy, deferred

@@ -32,7 +32,7 @@ from core.drafters.checkpoint_files import CheckpointError
 from core.drafters.kinds import engine_kinds, kind_of_directory
 from core.overrides import OverrideError, parse_cli, run_cli
 from spectrain.checkpoint_contract import DTYPES
-from spectrain.checkpoint_reading import checkpoint_kind
+from spectrain.checkpoint_reading import checkpoint_kind, reading_once
 from spectrain.registry import get_kind
 from spectrain.resume import is_sharded_checkpoint
 
@@ -96,10 +96,11 @@ def export(cfg: Any) -> Path:
     if out.is_dir() and any(out.iterdir()):
         raise CheckpointError(f"out={out} already exists; choose a new directory (exports are never overwritten)")
     source = cfg.ckpt or cfg.import_path
-    kind = get_kind(source_kind(source))
-    if kind.export_checkpoint is None:
-        raise CheckpointError(f"{source} holds a '{kind.name}' drafter, and that kind registers no exporter")
-    return kind.export_checkpoint(Path(source), cfg)
+    with reading_once():  # the kind is read from the checkpoint the exporter reads again
+        kind = get_kind(source_kind(source))
+        if kind.export_checkpoint is None:
+            raise CheckpointError(f"{source} holds a '{kind.name}' drafter, and that kind registers no exporter")
+        return kind.export_checkpoint(Path(source), cfg)
 
 
 def parse_args(argv: Sequence[str]) -> Any:

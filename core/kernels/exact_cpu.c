@@ -10,7 +10,7 @@
  * Lane sums: a sum over n terms is accumulated in 16 lanes by the term's index mod 16 (term i goes to lane i % 16,
  * terms in increasing i), then the lanes are added pairwise in a fixed tree. Zero terms pad n up to a multiple of 16.
  */
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 #include <math.h>
@@ -35,13 +35,34 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef float vf_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
 
+/* c in every lane, as 0 + c (a -0 becomes +0). On AVX2, GCC built (vf){0} + c lane by lane through memory, which
+ * made it the costliest line of the attention kernel: there it is one broadcast into both halves. */
+#if !defined(__AVX512F__) && defined(__AVX__)
+union halves {
+    vf v;
+    __m256 h[2];
+};
+static inline vf splat(float c) {
+    union halves r;
+    r.h[0] = r.h[1] = _mm256_set1_ps(0.0f + c);
+    return r.v;
+}
+#else
 static inline vf splat(float c) { return (vf){0} + c; }
+#endif
 
 /* a * b + c with one rounding in every lane: the same bits from the AVX-512 instruction, two AVX2 ones or libm's
  * fmaf (IEEE 754 fixes the fused result). */
 static inline vf vfma(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    /* two 8-lane halves (AVX2): GCC left the per-lane loop below as 16 scalar fmaf in the attention kernel, which
+     * made it the slowest part of an exact prefill */
+    union halves x = {a}, y = {b}, z = {c}, r;
+    r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+    r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+    return r.v;
 #else
     vf r;
     for (int l = 0; l < LANES; l++) r[l] = fmaf(a[l], b[l], c[l]);
@@ -221,19 +242,94 @@ static inline __attribute__((always_inline)) void scores16_n(const float *const 
     for (int j = 0; j < NQ; j++) out[j] = ((a0[j] + a1[j]) + (a2[j] + a3[j])) * scale;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* scores16_n on AVX2 (16 vector registers: 4 partial sums of 16 lanes for 3 or 4 queries would live in memory): 8 keys
+ * at a time, up to 3 queries, each lane still A_r = q[d] * k[d] + A_r over d = r mod 4 in increasing order, then
+ * ((A0 + A1) + (A2 + A3)) * scale: the same bits. */
+#define ATTENTION_AVX2 1
+static inline __attribute__((always_inline)) void scores8_n(const float *const *q, const float *kt, long stride, int D,
+                                                            float scale, float *out[], const int NQ) {
+    __m256 a0[3], a1[3], a2[3], a3[3];
+    for (int j = 0; j < NQ; j++) a0[j] = a1[j] = a2[j] = a3[j] = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 4 <= D; d += 4) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * stride);
+        for (int j = 0; j < NQ; j++) a0[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d]), k0, a0[j]);
+        const __m256 k1 = _mm256_loadu_ps(kt + (d + 1) * stride);
+        for (int j = 0; j < NQ; j++) a1[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d + 1]), k1, a1[j]);
+        const __m256 k2 = _mm256_loadu_ps(kt + (d + 2) * stride);
+        for (int j = 0; j < NQ; j++) a2[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d + 2]), k2, a2[j]);
+        const __m256 k3 = _mm256_loadu_ps(kt + (d + 3) * stride);
+        for (int j = 0; j < NQ; j++) a3[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d + 3]), k3, a3[j]);
+    }
+    for (int j = 0; j < NQ; j++) { /* the tail, as scores16_n takes it */
+        if (d < D) a0[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d]), _mm256_loadu_ps(kt + d * stride), a0[j]);
+        if (d + 1 < D)
+            a1[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d + 1]), _mm256_loadu_ps(kt + (d + 1) * stride), a1[j]);
+        if (d + 2 < D)
+            a2[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d + 2]), _mm256_loadu_ps(kt + (d + 2) * stride), a2[j]);
+    }
+    for (int j = 0; j < NQ; j++)
+        _mm256_storeu_ps(out[j], _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_add_ps(a2[j], a3[j])),
+                                               _mm256_set1_ps(scale)));
+}
+#endif
+
 /* The same for nq (1..HEADS) queries: each count compiled on its own, so no lane of work is wasted. */
 static void scores16(const float *const q[HEADS], const float *kt, long stride, int D, float scale, vf out[HEADS],
                      int nq) {
+#ifdef ATTENTION_AVX2
+    for (int half = 0; half < 2; half++)
+        for (int j0 = 0; j0 < nq; j0 += 3) {
+            float *dst[3];
+            for (int j = 0; j < 3; j++) dst[j] = (float *)&out[j0 + j < HEADS ? j0 + j : 0] + 8 * half;
+            switch (nq - j0 < 3 ? nq - j0 : 3) {
+            case 1: scores8_n(q + j0, kt + 8 * half, stride, D, scale, dst, 1); break;
+            case 2: scores8_n(q + j0, kt + 8 * half, stride, D, scale, dst, 2); break;
+            default: scores8_n(q + j0, kt + 8 * half, stride, D, scale, dst, 3); break;
+            }
+        }
+#else
     switch (nq) {
     case 1: scores16_n(q, kt, stride, D, scale, out, 1); break;
     case 2: scores16_n(q, kt, stride, D, scale, out, 2); break;
     case 3: scores16_n(q, kt, stride, D, scale, out, 3); break;
     default: scores16_n(q, kt, stride, D, scale, out, HEADS); break;
     }
+#endif
 }
 
 /* out[c] = p[i] * row_i[c] + out[c] for rows i in [lo, hi) in order, rows at v + slot * D: the partial sums live in
  * `out` between calls, so a query's sum over its keys can be taken in blocks (still in key order). */
+#ifdef ATTENTION_AVX2
+/* On AVX2: 64 features at a time in 8 registers (then 32, 8, 1), each output the same fused multiply-adds in the same
+ * order as below (the weights p are never -0, so broadcasting p[i] is splat(p[i])). */
+static inline __attribute__((always_inline)) void accumulate_width(const float *p, const float *v, long D, int lo,
+                                                                   int hi, const int32_t *slots, float *out,
+                                                                   const int W) {
+    __m256 a[8];
+    for (int j = 0; j < W; j++) a[j] = _mm256_loadu_ps(out + 8 * j);
+    for (int i = lo; i < hi; i++) {
+        const float *row = v + (slots ? slots[i] : i) * D;
+        const __m256 w = _mm256_set1_ps(p[i]);
+        for (int j = 0; j < W; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * j), a[j]);
+    }
+    for (int j = 0; j < W; j++) _mm256_storeu_ps(out + 8 * j, a[j]);
+}
+
+static inline void accumulate_values(const float *p, const float *v, long D, int lo, int hi, const int32_t *slots,
+                                     float *out) {
+    long c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) accumulate_width(p, v + c0, D, lo, hi, slots, out + c0, 8);
+    for (; c0 + 32 <= D; c0 += 32) accumulate_width(p, v + c0, D, lo, hi, slots, out + c0, 4);
+    for (; c0 + 8 <= D; c0 += 8) accumulate_width(p, v + c0, D, lo, hi, slots, out + c0, 1);
+    for (; c0 < D; c0++) {
+        float a = out[c0];
+        for (int i = lo; i < hi; i++) a = fmaf(p[i], v[(slots ? slots[i] : i) * D + c0], a);
+        out[c0] = a;
+    }
+}
+#else
 static inline void accumulate_values(const float *p, const float *v, long D, int lo, int hi, const int32_t *slots,
                                      float *out) {
     int c0 = 0;
@@ -265,6 +361,73 @@ static inline void accumulate_values(const float *p, const float *v, long D, int
         out[c0] = a;
     }
 }
+#endif
+
+/* s[0 .. 16 nv) (64-byte aligned) -> exp(s_i - max s), 0 where s_i = -inf; returns their total in lanes i % 16. */
+#ifdef ATTENTION_AVX2
+/* On AVX2: two 8-lane halves (lanes 0-7 and 8-15 of each 16), the same operations lane by lane as vexp, vselect and
+ * vtotal below (GCC compiled their 16-lane selects and conversions piece by piece through memory here). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_blendv_ps(x, _mm256_set1_ps(-87.0f), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+    x = _mm256_blendv_ps(x, _mm256_set1_ps(88.0f), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+static inline float softmax_weights(float *s, int nv) {
+    __m256 m[2] = {_mm256_load_ps(s), _mm256_load_ps(s + 8)};
+    for (int c = 1; c < nv; c++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 v = _mm256_load_ps(s + c * LANES + 8 * h);
+            m[h] = _mm256_blendv_ps(m[h], v, _mm256_cmp_ps(v, m[h], _CMP_GT_OQ));
+        }
+    float lanes[LANES];
+    _mm256_storeu_ps(lanes, m[0]);
+    _mm256_storeu_ps(lanes + 8, m[1]);
+    float mx = lanes[0];
+    for (int l = 1; l < LANES; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+    const __m256 top = _mm256_set1_ps(mx), none = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    __m256 total[2] = {zero, zero};
+    for (int c = 0; c < nv; c++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 v = _mm256_load_ps(s + c * LANES + 8 * h);
+            const __m256 e = _mm256_blendv_ps(exp8(_mm256_sub_ps(v, top)), zero, _mm256_cmp_ps(v, none, _CMP_EQ_OQ));
+            _mm256_store_ps(s + c * LANES + 8 * h, e);
+            total[h] = _mm256_add_ps(total[h], e);
+        }
+    /* vtotal: lane l + lane l+8, then l + l+4, l + l+2, l + l+1 */
+    __m256 v = _mm256_add_ps(total[0], total[1]);
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(v);
+}
+#else
+static inline float softmax_weights(float *s, int nv) {
+    vf *sv = (vf *)s;
+    vf m = sv[0];
+    for (int c = 1; c < nv; c++) m = vselect(sv[c] > m, sv[c], m);
+    float mx = m[0];
+    for (int l = 1; l < LANES; l++) mx = m[l] > mx ? m[l] : mx;
+    vf total = {0};
+    for (int c = 0; c < nv; c++) {
+        sv[c] = vselect(sv[c] == splat(-INFINITY), splat(0.0f), vexp(sv[c] - mx));
+        total = total + sv[c];
+    }
+    return vtotal(total);
+}
+#endif
 
 typedef struct {
     float *scores; /* [GROUP * G][Np] */
@@ -323,17 +486,7 @@ static void attention_unit(const attention_job *job, int unit, scratch *sc) {
         for (int g = 0; g < G; g++) {
             float *s = sc->scores + (long)((t - t0) * G + g) * Np;
             for (int i = n; i < nv * LANES; i++) s[i] = -INFINITY;
-            vf *sv = (vf *)s;
-            vf m = sv[0];
-            for (int c = 1; c < nv; c++) m = vselect(sv[c] > m, sv[c], m);
-            float mx = m[0];
-            for (int l = 1; l < LANES; l++) mx = m[l] > mx ? m[l] : mx;
-            vf total = {0};
-            for (int c = 0; c < nv; c++) {
-                sv[c] = vselect(sv[c] == splat(-INFINITY), splat(0.0f), vexp(sv[c] - mx));
-                total = total + sv[c];
-            }
-            sc->totals[(t - t0) * G + g] = vtotal(total);
+            sc->totals[(t - t0) * G + g] = softmax_weights(s, nv);
             float *o = job->out + ((long)t * job->H + h * G + g) * D;
             for (int d = 0; d < D; d++) o[d] = 0.0f;
         }
@@ -429,10 +582,12 @@ void exact_attention(const float *q, const float *kt, const float *v, long kt_he
 /* ---- fp32 linear -------------------------------------------------------------------------------------------------
  * out[m][n] = (x[m][0] * w[n][0] + ... + x[m][K-1] * w[n][K-1]) + bias[n]: one fused multiply-add per k, in increasing
  * k, for every output alike, so a row's outputs never depend on how many rows share the call (MKL's fp32 GEMM keeps a
- * row's bits only inside full 4-row tiles). wt is the weight transposed, [K][Np] with Np = N rounded up to 16 and zero
- * columns after N. Rows are taken 4 at a time (then 1) against 64 columns (or fewer at the end); k runs in blocks
- * of KB so that a block of the weight stays in L1 while every row takes it, the partial sums kept in `out` between
- * blocks (an fp32 store and load: the same value). */
+ * row's bits only inside full 4-row tiles). wt is the weight transposed tile by tile, [Np / 16][K][16] with Np = N
+ * rounded up to 16 and zero columns after N: a tile's 16 columns are contiguous over k (a row-major [K][Np] layout put
+ * a block's k rows Np floats apart, which for Np = 1536 mapped them onto two L1 sets). Rows are taken 4 at a time
+ * (6 on AVX2, then the rest together, then 1) against 64 columns (or fewer at the end); k runs in blocks of KB so
+ * that a block of the weight stays in L1 while every row takes it, the partial sums kept in `out` between blocks (an
+ * fp32 store and load: the same value). */
 #define KB 96
 
 static inline __attribute__((always_inline)) void linear_block(const float *x, long K, const float *wt, long Np,
@@ -443,9 +598,8 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, l
         for (int c = 0; c < cols; c++)
             acc[m][c] = k0 == 0 ? splat(0.0f) : *(const vf_unaligned *)(out[m] + n0 + c * LANES);
     for (long k = k0; k < k1; k++) {
-        const float *w = wt + k * Np + n0;
         vf wv[4];
-        for (int c = 0; c < cols; c++) wv[c] = *(const vf_unaligned *)(w + c * LANES);
+        for (int c = 0; c < cols; c++) wv[c] = *(const vf_unaligned *)(wt + ((n0 / LANES + c) * K + k) * LANES);
         for (int m = 0; m < MB; m++) {
             const vf xv = splat(x[m * K + k]);
             for (int c = 0; c < cols; c++) acc[m][c] = vfma(xv, wv[c], acc[m][c]);
@@ -459,9 +613,10 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, l
 /* The same block on AVX2 (16 vector registers: the 16-lane tiles above would live in memory): 16 columns at a time
  * as two 8-lane halves, each output still one fused multiply-add per k in increasing k, so the bits are the same. */
 #define LINEAR_AVX2 1
+#define AVX2_ROWS 6 /* rows taken together: 12 of the 16 vector registers hold partial sums */
 static inline __attribute__((always_inline)) void linear_block_avx2(const float *x, long K, const float *wt, long Np,
                                                                     long n0, long k0, long k1, int cols,
-                                                                    float *const out[4], const int MB) {
+                                                                    float *const out[AVX2_ROWS], const int MB) {
     if (MB == 1) {
         /* One row: all (up to) 4 column tiles in one k loop, so 8 independent accumulator chains hide the FMA's
          * latency (two chains, one tile at a time, left the row latency-bound at ~1/4 of the FMA units). Each
@@ -470,22 +625,23 @@ static inline __attribute__((always_inline)) void linear_block_avx2(const float 
         for (int c = 0; c < cols; c++)
             for (int h = 0; h < 2; h++)
                 acc[c][h] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out[0] + n0 + c * LANES + 8 * h);
+        const float *tile = wt + n0 * K; /* column tile c's row k at tile + (c * K + k) * 16 */
         if (cols == 4) {
             for (long k = k0; k < k1; k++) {
-                const float *w = wt + k * Np + n0;
                 const __m256 xv = _mm256_set1_ps(x[k]);
                 for (int c = 0; c < 4; c++) {
-                    acc[c][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES), acc[c][0]);
-                    acc[c][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES + 8), acc[c][1]);
+                    const float *w = tile + (c * K + k) * LANES;
+                    acc[c][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w), acc[c][0]);
+                    acc[c][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8), acc[c][1]);
                 }
             }
         } else {
             for (long k = k0; k < k1; k++) {
-                const float *w = wt + k * Np + n0;
                 const __m256 xv = _mm256_set1_ps(x[k]);
                 for (int c = 0; c < cols; c++) {
-                    acc[c][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES), acc[c][0]);
-                    acc[c][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + c * LANES + 8), acc[c][1]);
+                    const float *w = tile + (c * K + k) * LANES;
+                    acc[c][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w), acc[c][0]);
+                    acc[c][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8), acc[c][1]);
                 }
             }
         }
@@ -495,12 +651,13 @@ static inline __attribute__((always_inline)) void linear_block_avx2(const float 
     }
     for (int c = 0; c < cols; c++) {
         const long n = n0 + c * LANES;
-        __m256 acc[4][2];
+        __m256 acc[AVX2_ROWS][2];
         for (int m = 0; m < MB; m++)
             for (int h = 0; h < 2; h++)
                 acc[m][h] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out[m] + n + 8 * h);
+        const float *tile = wt + n * K;
         for (long k = k0; k < k1; k++) {
-            const __m256 w0 = _mm256_loadu_ps(wt + k * Np + n), w1 = _mm256_loadu_ps(wt + k * Np + n + 8);
+            const __m256 w0 = _mm256_loadu_ps(tile + k * LANES), w1 = _mm256_loadu_ps(tile + k * LANES + 8);
             for (int m = 0; m < MB; m++) {
                 const __m256 xv = _mm256_set1_ps(x[m * K + k]);
                 acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
@@ -529,21 +686,35 @@ static void *linear_columns(void *arg) {
         for (long k0 = 0; k0 < K; k0 += KB) {
             const long k1 = k0 + KB < K ? k0 + KB : K;
             long m = 0;
+#ifdef LINEAR_AVX2
+            while (m + 1 < job->M) { /* 6 rows at a time, then the 2 to 5 left over together */
+                const int rows = job->M - m < AVX2_ROWS ? (int)(job->M - m) : AVX2_ROWS;
+                float *out[AVX2_ROWS];
+                for (int r = 0; r < AVX2_ROWS; r++) out[r] = job->out + (m + (r < rows ? r : 0)) * Np;
+                const float *xm = job->x + m * K;
+                switch (rows) {
+                case 2: linear_block_avx2(xm, K, job->wt, Np, n0, k0, k1, cols, out, 2); break;
+                case 3: linear_block_avx2(xm, K, job->wt, Np, n0, k0, k1, cols, out, 3); break;
+                case 4: linear_block_avx2(xm, K, job->wt, Np, n0, k0, k1, cols, out, 4); break;
+                case 5: linear_block_avx2(xm, K, job->wt, Np, n0, k0, k1, cols, out, 5); break;
+                default: linear_block_avx2(xm, K, job->wt, Np, n0, k0, k1, cols, out, AVX2_ROWS); break;
+                }
+                m += rows;
+            }
+#else
             for (; m + 4 <= job->M; m += 4) {
                 float *out[4] = {job->out + m * Np, job->out + (m + 1) * Np, job->out + (m + 2) * Np,
                                  job->out + (m + 3) * Np};
-#ifdef LINEAR_AVX2
-                linear_block_avx2(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 4);
-#else
                 if (cols == 4) linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, 4, out, 4);
                 else linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 4);
-#endif
             }
+#endif
             for (; m < job->M; m++) {
-                float *out[4] = {job->out + m * Np, NULL, NULL, NULL};
 #ifdef LINEAR_AVX2
+                float *out[AVX2_ROWS] = {job->out + m * Np};
                 linear_block_avx2(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 1);
 #else
+                float *out[4] = {job->out + m * Np, NULL, NULL, NULL};
                 if (cols == 4) linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, 4, out, 1);
                 else linear_block(job->x + m * K, K, job->wt, Np, n0, k0, k1, cols, out, 1);
 #endif

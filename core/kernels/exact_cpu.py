@@ -42,13 +42,14 @@ def _cpu_flags() -> str:
         return os.uname().machine
 
 
-def _build() -> Path:
+def build(flags: tuple[str, ...] = CFLAGS) -> Path:
+    """The kernels compiled with ``flags`` into the kernel cache (once per source, flags, compiler and CPU)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler found for the exact CPU kernels; install gcc (apt-get install gcc)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # -march=native: the library is built for this CPU, so its flags are part of the key.
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_flags()]).encode())
     target = _cache_dir() / f"exact_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -56,7 +57,7 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+            [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise KernelUnavailable(f"building the exact CPU kernels failed: {result.stderr.strip()[:300]}")
@@ -73,65 +74,70 @@ def library() -> ctypes.CDLL:
     global _library
     with _lock:
         if _library is None:
-            lib = ctypes.CDLL(str(_build()))
-            ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-            lib.exact_rms_scale.argtypes = [ptr, i32, i64, i32, f32, ptr]
-            lib.exact_silu.argtypes = [ptr, i32, i64, ptr]
-            lib.exact_sigmoid.argtypes = [ptr, i32, i64, ptr]
-            lib.exact_route.argtypes = [ptr, i32, i64, i32, i32, i32, ptr, ptr, ptr]
-            lib.exact_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
-            lib.exact_attention.argtypes = [
-                ptr,
-                ptr,
-                ptr,
-                i64,
-                i64,
-                i64,
-                i32,
-                i32,
-                i32,
-                i32,
-                ptr,
-                ptr,
-                ptr,
-                f32,
-                ptr,
-                i32,
-            ]
-            lib.exact_attention_rows.argtypes = [
-                i32,
-                ptr,
-                i64,
-                ptr,
-                i64,
-                ptr,
-                i64,
-                i64,
-                i64,
-                i64,
-                i32,
-                i32,
-                i32,
-                i32,
-                ptr,
-                ptr,
-                ptr,
-                f32,
-                ptr,
-                i32,
-            ]
-            for fn in (
-                lib.exact_rms_scale,
-                lib.exact_silu,
-                lib.exact_attention,
-                lib.exact_attention_rows,
-                lib.exact_linear_f32,
-                lib.exact_route,
-                lib.exact_sigmoid,
-            ):
-                fn.restype = None
-            _library = lib
+            _library = load(build())
         return _library
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The kernels built at ``path``, their signatures declared (:func:`library` is the one the engine uses)."""
+    lib = ctypes.CDLL(str(path))
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    lib.exact_rms_scale.argtypes = [ptr, i32, i64, i32, f32, ptr]
+    lib.exact_silu.argtypes = [ptr, i32, i64, ptr]
+    lib.exact_sigmoid.argtypes = [ptr, i32, i64, ptr]
+    lib.exact_route.argtypes = [ptr, i32, i64, i32, i32, i32, ptr, ptr, ptr]
+    lib.exact_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
+    lib.exact_attention.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i32,
+        i32,
+        i32,
+        i32,
+        ptr,
+        ptr,
+        ptr,
+        f32,
+        ptr,
+        i32,
+    ]
+    lib.exact_attention_rows.argtypes = [
+        i32,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i32,
+        i32,
+        i32,
+        i32,
+        ptr,
+        ptr,
+        ptr,
+        f32,
+        ptr,
+        i32,
+    ]
+    for fn in (
+        lib.exact_rms_scale,
+        lib.exact_silu,
+        lib.exact_attention,
+        lib.exact_attention_rows,
+        lib.exact_linear_f32,
+        lib.exact_route,
+        lib.exact_sigmoid,
+    ):
+        fn.restype = None
+    return lib
 
 
 def _check(x: torch.Tensor) -> int:
@@ -191,11 +197,13 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 
 def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] as :func:`linear` takes it: fp32 [K, N rounded up to 16], zero columns after N."""
+    """``weight`` [N, K] as :func:`linear` takes it: transposed in tiles of 16 outputs, fp32 [ceil(N / 16), K, 16]
+    (tile j holds outputs 16j..16j+15, each tile's rows contiguous over K), zeros past output N."""
     out_features, in_features = weight.shape
-    packed = weight.new_zeros(in_features, -(-out_features // 16) * 16, dtype=torch.float32)
-    packed[:, :out_features] = weight.detach().t()
-    return packed
+    tiles = -(-out_features // 16)
+    padded = weight.new_zeros(tiles * 16, in_features, dtype=torch.float32)
+    padded[:out_features] = weight.detach()
+    return padded.view(tiles, 16, in_features).transpose(1, 2).contiguous()
 
 
 def linear(
@@ -210,10 +218,11 @@ def linear(
     if x.dtype != torch.float32 or x.device.type != "cpu" or weight_t.dtype != torch.float32:
         raise ValueError(f"the exact linear takes fp32 CPU tensors, got {x.dtype} on {x.device}")
     in_features = x.shape[-1]
-    if weight_t.shape[0] != in_features or weight_t.shape[1] % 16 or weight_t.shape[1] < out_features:
+    fits = weight_t.dim() == 3 and weight_t.shape[1:] == (in_features, 16) and weight_t.shape[0] * 16 >= out_features
+    if not fits or not weight_t.is_contiguous():
         raise ValueError(f"weight_t {tuple(weight_t.shape)} does not fit {in_features} inputs, {out_features} outputs")
     flat = x.reshape(-1, in_features).contiguous()
-    rows, padded = flat.shape[0], weight_t.shape[1]
+    rows, padded = flat.shape[0], weight_t.shape[0] * 16
     out = torch.empty(rows, padded, dtype=torch.float32)
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()

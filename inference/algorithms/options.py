@@ -300,7 +300,8 @@ class AlgorithmOptions(SamplingOptions, PlacementOptions):
     # serving-time adaptation of eagle3_tree / specblock_tree: a round observer (inference.round_observers), none |
     # bandit; its settings are the observer's own (spectrain.adapt.AdaptSettings for bandit), given as adapt.NAME=VALUE
     adapt: str = "none"
-    adapt_settings: dict[str, str] = field(default_factory=dict)  # adapt.NAME=VALUE, passed through as written
+    # adapt.NAME=VALUE, passed through as written (--help shows that spelling)
+    adapt_settings: dict[str, str] = field(default_factory=dict, metadata={"cli": "adapt.NAME"})
 
 
 def apply_threads(cfg) -> None:

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_targets import save_tiny_target
 
 from core.drafters import kinds
@@ -49,7 +50,7 @@ def toy_kind(monkeypatch):
     monkeypatch.setitem(kinds.KIND_MODULES, "toy_head", ("toy_kind", "toy_kind"))
 
 
-def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_kind, tmp_path):
+def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_kind, tmp_path, monkeypatch):
     target = save_tiny_target(tmp_path / "target", layers=2, hidden=16)
     recipes = tmp_path / "recipes"
     (recipes / "recipe").mkdir(parents=True)
@@ -63,7 +64,11 @@ def test_a_kind_from_the_test_folder_trains_exports_and_serves_losslessly(toy_ki
     assert trained["trained"] and trained["global_step"] == 4
 
     ckpt = tmp_path / "runs" / "toy_head" / "checkpoints" / "last.ckpt"
+    loads, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **kw: loads.append(f) or load(f, *a, **kw))
     assert export_cli.main([f"ckpt={ckpt}", f"out={tmp_path / 'export'}"]) == 0
+    assert [str(f) for f in loads] == [str(ckpt)]  # read once: for its kind and for its tensors
+    monkeypatch.setattr(torch, "load", load)
     assert json.loads((tmp_path / "export" / "config.json").read_text())["spectrain"]["kind"] == "toy_head"
     assert serving_algorithms("toy_head") == ["eagle3_tree"]  # it serves as an EAGLE-3 drafter
 

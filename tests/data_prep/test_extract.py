@@ -17,7 +17,7 @@ from tiny_targets import save_tiny_target, write_jsonl
 
 from core.layer_ids import LAYER_CONVENTION, eagle3_layers, resolve_layers
 from core.prompts import load_prompts, tokenize_conversation
-from data_prep.extract import extract, main, parse_args
+from data_prep.extract import content_args, extract, main, parse_args
 from data_prep.features import FeatureDataset
 from data_prep.manifest import read_manifest
 
@@ -328,3 +328,17 @@ def test_real_smollm2_eagle3_features(smollm2, tmp_path):
     expected = torch.cat([ref.hidden_states[i][0] for i in (2, 15, 27)], dim=-1)
     torch.testing.assert_close(sample["aux_hidden"].float(), expected, atol=0.05, rtol=0.02)  # bf16 storage
     torch.testing.assert_close(sample["last_hidden"].float(), ref.hidden_states[-1][0], atol=0.05, rtol=0.02)
+
+
+def test_extraction_runs_the_plain_kernels_unless_exact_is_asked(tiny, chats, tmp_path, monkeypatch):
+    """Extraction verifies nothing, so the exact kernels (docs/numerics.md) are off unless exact=true (whose features
+    are each sample's own whatever its batch: tests/inference/test_moe_target.py); the key joins a dataset's
+    arguments only when set, so datasets made before it resume."""
+    from data_prep import extract as extract_module
+
+    loaded, load = [], extract_module.load_lm
+    monkeypatch.setattr(extract_module, "load_lm", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
+    base = [f"target={tiny}", f"source=jsonl:{chats}", "n_samples=3", "max_len=32", "layers=[0,1]", "device=cpu"]
+    manifest = run_extract([*base, f"out={tmp_path / 'plain'}"])
+    assert [lm.runner.exactness.path for lm in loaded] == ["approximate"] and "exact" not in manifest["args"]
+    assert content_args(parse_args([*base, "exact=true", f"out={tmp_path / 'exact'}"]))["exact"] is True

@@ -181,3 +181,22 @@ def test_generate_refuses_options_its_algorithm_does_not_read(capsys):
 def test_a_variant_may_not_change_what_is_fixed_for_the_run(key, value, tmp_path):
     with pytest.raises(OverrideError, match=f"'{key}' cannot differ per variant; set {key}={value} for the whole run"):
         evaluate_cli.parse_args([f"algorithms=[sps@{key}={value}]", f"out={tmp_path}"])
+
+
+@pytest.mark.parametrize(
+    "item, spelled",
+    [("drafter.eagle3=/tmp/a", "drafter.eagle3"), ("feature_drafter=/tmp/a", "drafter.eagle3")],
+)
+def test_a_variant_may_not_change_a_drafter_of_one_kind(item, spelled, tmp_path):
+    """Drafters load once for the whole run: a variant's drafter.KIND= is refused as such, not as an unknown key."""
+    with pytest.raises(
+        OverrideError, match=f"'{spelled}' cannot differ per variant; set {spelled}=/tmp/a for the whole"
+    ):
+        evaluate_cli.parse_args([f"algorithms=[eagle3_tree@{item}]", f"out={tmp_path}"])
+
+
+def test_help_shows_the_keys_as_written_not_internal_fields(capsys):
+    assert generate_cli.main(["--help"]) == 0
+    keys = capsys.readouterr().out.split("keys: ", 1)[1]
+    assert "drafter.KIND" in keys and "adapt.NAME" in keys
+    assert "drafter_by_kind" not in keys and "adapt_settings" not in keys

@@ -128,6 +128,24 @@ def test_prefill_chunk_edges_do_not_change_the_cache(target, dtype):
     assert all(torch.equal(o, outcomes[0]) for o in outcomes[1:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_prefill_equals_decoding_its_prompt_token_by_token(dtype):
+    """A 200-token prompt prefilled in one forward gives every position the logits, and the cache every slot, that
+    decoding the prompt one token at a time (AR's path) gives: however the prefill is tiled (chunks, attention
+    units and key blocks), no bit moves. Heads of 64 (the kernels' AVX2 paths), 3 query heads per key head."""
+    model = tiny_llama(6, vocab=512, layers=1, hidden=192, intermediate=256, heads=3, kv_heads=1)
+    runner = exact_runner(model, dtype, max_seq_len=208, probe=False)  # the chunked path, probed or not
+    assert runner.exactness.path == exactness.EXACT
+    prompt = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(5))
+    runner.reset(1)
+    prefilled = runner.forward(prompt).logits[0]
+    keys, values = runner.k_cache[:, 0, ..., :200].clone(), runner.v_cache[:, 0, :, :200].clone()
+    runner.reset(1)
+    decoded = torch.cat([runner.forward(prompt[:, j : j + 1]).logits[0] for j in range(200)])
+    assert torch.equal(prefilled, decoded)
+    assert torch.equal(keys, runner.k_cache[:, 0, ..., :200]) and torch.equal(values, runner.v_cache[:, 0, :, :200])
+
+
 def random_parents(generator: torch.Generator, nodes: int) -> list[int]:
     """A random tree in topological order (each node's parent comes before it; -1: a root below the cache)."""
     return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, nodes)]

@@ -311,6 +311,7 @@ def test_feature_extraction_captures_the_moe_targets_layers(moe_recipe):
                 "layers=[0,1,2]",
                 "dtype=fp32",
                 "batch_size=3",
+                "exact=true",  # each sample's features bitwise its own, whatever the batch (checked below)
                 f"out={tmp / 'feats'}",
             ]
         )
