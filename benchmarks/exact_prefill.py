@@ -26,12 +26,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from core.overrides import OverrideError, parse_cli, run_cli
+from benchmarks.config import BenchConfig, Output, Repeats, parse_bench
+from core.overrides import OverrideError, run_cli
 from inference.device import cpu_description
 
 USAGE = (
@@ -67,13 +69,17 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "sha256": dige
 
 
 @dataclass
-class ExactPrefillConfig:
+class ExactPrefillConfig(BenchConfig, Output, Repeats):
+    """``out``: a directory for results.json (optional)."""
+
     baseline: str | None = None  # a git revision whose exact path is timed beside this checkout's
     lengths: list[int] = field(default_factory=lambda: [512, 2048])
-    repeats: int = 2
-    threads: int = 1
+    repeats: int = 2  # each run is a process that loads SmolLM2 and prefills for up to a minute
     max_seq_len: int = 0  # the runners' cache length; 0: each prompt's length + 16
-    out: str | None = None  # DIR: results.json there
+
+
+def parse_args(argv: Sequence[str]) -> ExactPrefillConfig:
+    return parse_bench(argv, ExactPrefillConfig, USAGE)
 
 
 def _run_child(tree: Path, length: int, path: str, threads: int, max_seq_len: int) -> dict:
@@ -157,7 +163,7 @@ def _summary(length: int, runs: dict[str, list[dict]]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     def run(args: list[str]) -> dict:
-        cfg = parse_cli(args, ExactPrefillConfig, USAGE)
+        cfg = parse_args(args)
         if cfg.repeats < 1 or not cfg.lengths or min(cfg.lengths) < 8:
             raise OverrideError("repeats must be >= 1 and every length >= 8 (the untimed warm-up forward's tokens)")
         return measure(cfg)

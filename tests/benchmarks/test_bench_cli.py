@@ -41,6 +41,8 @@ RESTATED = {
     ("hsd_block_efficiency", "bench"),  # a list: several benches pooled
     ("ssd_recall", "target"),  # default: the evaluate run's
     ("ssd_recall", "dtype"),  # default: the evaluate run's
+    ("exact_prefill", "repeats"),  # each run is a process that loads SmolLM2 and prefills for up to a minute
+    ("exact_prefill", "max_seq_len"),  # default: each prompt's length + 16
 }
 
 
