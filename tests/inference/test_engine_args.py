@@ -185,12 +185,12 @@ def test_a_variant_may_not_change_what_is_fixed_for_the_run(key, value, tmp_path
 
 @pytest.mark.parametrize(
     "item, spelled",
-    [("drafter.eagle3=/tmp/a", "drafter.eagle3"), ("feature_drafter=/tmp/a", "drafter.eagle3")],
+    [("drafter.eagle3=exports/a", "drafter.eagle3"), ("feature_drafter=exports/a", "drafter.eagle3")],
 )
 def test_a_variant_may_not_change_a_drafter_of_one_kind(item, spelled, tmp_path):
     """Drafters load once for the whole run: a variant's drafter.KIND= is refused as such, not as an unknown key."""
     with pytest.raises(
-        OverrideError, match=f"'{spelled}' cannot differ per variant; set {spelled}=/tmp/a for the whole"
+        OverrideError, match=f"'{spelled}' cannot differ per variant; set {spelled}=exports/a for the whole"
     ):
         evaluate_cli.parse_args([f"algorithms=[eagle3_tree@{item}]", f"out={tmp_path}"])
 
