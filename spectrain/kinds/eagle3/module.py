@@ -4,7 +4,7 @@ Per step j = 0..ttt_steps-1 the drafter reads its own hidden states of step j-1 
 loss is the soft cross-entropy against the target's distribution restricted to the draft vocabulary, weighted
 0.8^j, on assistant tokens whose target argmax lies in the draft vocabulary (EAGLE-3's position mask). The
 teacher comes from the stored final hidden state through the target's lm_head (no stored logits).
-``model.objective=accept`` adds ``accept_weight`` × (γ − the expected accepted length of a γ-token chain),
+``model.objective=accept`` adds ``accept_weight`` × −log(E/γ), E the expected accepted length of a γ-token chain,
 Σ_k Π_{j≤k} Σ_v min(p_j, q_j) over the first γ steps (docs/algorithms/eagle3.md §9).
 """
 
@@ -26,7 +26,14 @@ from data_prep.vocab import source_token_counts
 from spectrain.checkpoint_contract import checkpoint_metadata
 from spectrain.kinds.base import DrafterModule, build_datamodule
 from spectrain.kinds.eagle3.export import export_eagle3_checkpoint
-from spectrain.kinds.eagle3.losses import OBJECTIVES, expected_accepted_length, scored_rows, teacher_rows, ttt_loss
+from spectrain.kinds.eagle3.losses import (
+    OBJECTIVES,
+    acceptance_term,
+    expected_accepted_length,
+    scored_rows,
+    teacher_rows,
+    ttt_loss,
+)
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
 from spectrain.registry import DrafterKind, register_kind
@@ -44,7 +51,9 @@ class Eagle3Schema:
     norm_output: bool = False  # EAGLE-3.1: drafted rows read the final norm's output (core.drafters.eagle3)
     attention_window: int = 0  # sliding-window drafter attention: a row reads its last positions (0: all)
     gamma: int = 4  # draft length the simulated acceptance assumes (<= ttt_steps)
-    objective: str = "kl"  # kl: soft cross-entropy only; accept: + accept_weight x (gamma - expected accepted length)
+    objective: str = (
+        "kl"  # kl: soft cross-entropy only; accept: + accept_weight x -log(expected accepted length / gamma)
+    )
     accept_weight: float = 1.0  # weight of the expected-acceptance term (objective=accept)
 
 
@@ -170,7 +179,7 @@ class Eagle3Module(DrafterModule):
             accepted = expected_accepted_length(
                 students[:gamma], teachers[:gamma], rows[:gamma], batch["input_ids"].shape
             )
-            loss = loss + model_cfg.accept_weight * (gamma - accepted)
+            loss = loss + model_cfg.accept_weight * acceptance_term(accepted, gamma)
             self.log("train/accepted_length", accepted)
         self.log("train/loss", loss, prog_bar=True)
         return loss
