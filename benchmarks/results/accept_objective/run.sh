@@ -8,7 +8,7 @@
 # Run from the repository root.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-60}  # the plain run's steps; BUDGET_S=seconds sets them from the probe's wall s/step instead
 MAX_LEN=${MAX_LEN:-256}
 WEIGHT=${WEIGHT:-1.0}
 SETTINGS=${SETTINGS:-"gsm general"}
@@ -30,6 +30,10 @@ for setting in $SETTINGS; do
   done
   cpu() { grep -A2 '^| s/step' "$RUNS/$setting.probe.$1.log" | tail -1 | awk -F'|' '{gsub(/ /, "", $7); print $7}'; }
   kl_s=$(cpu kl); accept_s=$(cpu accept)
+  if [ -n "${BUDGET_S:-}" ]; then  # the plain run's steps from a wall budget and the probe's wall s/step
+    wall=$(grep -A2 '^| s/step' "$RUNS/$setting.probe.kl.log" | tail -1 | awk -F'|' '{gsub(/ /, "", $2); print $2}')
+    STEPS=$("$PYTHON" -c "print(max(1, round($BUDGET_S / $wall)))")
+  fi
   accept_steps=$("$PYTHON" -c "print(max(1, round($STEPS * $kl_s / $accept_s)))")
   echo "$setting probe CPU s/step: kl $kl_s, accept $accept_s -> steps kl $STEPS, accept $accept_steps"
   echo "{\"kl\": {\"cpu_s_per_step\": $kl_s, \"steps\": $STEPS}, \"accept\": {\"cpu_s_per_step\": $accept_s, \"steps\": $accept_steps}}" \
