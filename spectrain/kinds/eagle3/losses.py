@@ -107,5 +107,5 @@ def expected_accepted_length(
 def acceptance_term(accepted: torch.Tensor, gamma: int) -> torch.Tensor:
     """−log(E[accepted] / γ), what ``objective=accept`` adds (times its weight) to the cross-entropy: ≥ 0, and 0 when
     every chain keeps all γ drafts. Its gradient is E's divided by E, so it does not vanish while every α is small
-    (a young drafter's near-uniform q overlaps p by ~1/V, and so does E's own gradient)."""
+    (a young drafter's near-uniform q puts ~1/V on every token: E and its own gradient are tiny)."""
     return -(accepted / gamma).clamp_min(1e-6).log()
