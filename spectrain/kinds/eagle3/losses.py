@@ -10,8 +10,13 @@ from typing import Any
 
 import torch
 
+from core.distributed import process_mean
 from core.drafters.eagle3 import shift_left
 from spectrain.losses import soft_cross_entropy
+from spectrain.metrics import token_acceptance
+
+# model.objective: the soft cross-entropy alone, or with the expected accepted length (docs/algorithms/eagle3.md §9)
+OBJECTIVES = ("kl", "accept")
 
 
 def teacher_in_draft_vocab(logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,3 +78,34 @@ def ttt_loss(
     """Σ_j step_weight^j · soft-CE(student_j, teacher_j, mask_j), and the unweighted per-step losses."""
     losses = [soft_cross_entropy(s, t, m) for s, t, m in zip(students, teachers, masks)]
     return torch.stack([step_weight**j * loss for j, loss in enumerate(losses)]).sum(), losses
+
+
+def expected_accepted_length(
+    students: Sequence[torch.Tensor],
+    teachers: Sequence[torch.Tensor],
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    shape: torch.Size | tuple[int, int],
+) -> torch.Tensor:
+    """Mean over chain starts of Σ_k Π_{j≤k} α_j, differentiable in the students' logits.
+
+    Per step j: ``students[j]`` [N_j, Vd], ``teachers[j]`` [N_j, Vd] and ``rows[j]`` (batch b, row i) [N_j] are the
+    rows step j scores (``scored_rows``); α_j = Σ_v min(p_j(v), q_j(v)), the probability that a sampled draft at
+    step j is accepted. The chain starting at row i reads step j at row i (it drafts token i+2+j); a chain starts
+    at every row step 0 scores and ends at the first step that does not score its row (past the answer, or where
+    the target's argmax is outside the draft vocabulary): that step's α counts as 0. With γ steps this is the
+    sampled τ_sim − 1 of the batch (``spectrain.metrics``)."""
+    total = torch.zeros((), device=students[0].device)
+    product = None
+    for student, teacher, (b, i) in zip(students, teachers, rows):
+        alpha = torch.zeros(shape, device=student.device).index_put((b, i), token_acceptance(student, teacher, False))
+        product = alpha if product is None else product * alpha
+        total = total + product.sum()
+    starts = torch.tensor(float(len(rows[0][0])), device=total.device)
+    return process_mean(total, starts)
+
+
+def acceptance_term(accepted: torch.Tensor, gamma: int) -> torch.Tensor:
+    """−log(E[accepted] / γ), what ``objective=accept`` adds (times its weight) to the cross-entropy: ≥ 0, and 0 when
+    every chain keeps all γ drafts. Its gradient is E's divided by E, so it does not vanish while every α is small
+    (a young drafter's near-uniform q puts ~1/V on every token: E and its own gradient are tiny)."""
+    return -(accepted / gamma).clamp_min(1e-6).log()

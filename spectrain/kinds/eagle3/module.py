@@ -4,10 +4,13 @@ Per step j = 0..ttt_steps-1 the drafter reads its own hidden states of step j-1 
 loss is the soft cross-entropy against the target's distribution restricted to the draft vocabulary, weighted
 0.8^j, on assistant tokens whose target argmax lies in the draft vocabulary (EAGLE-3's position mask). The
 teacher comes from the stored final hidden state through the target's lm_head (no stored logits).
+``model.objective=accept`` adds ``accept_weight`` × −log(E/γ), E the expected accepted length of a γ-token chain,
+Σ_k Π_{j≤k} Σ_v min(p_j, q_j) over the first γ steps (docs/algorithms/eagle3.md §9).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +26,14 @@ from data_prep.vocab import source_token_counts
 from spectrain.checkpoint_contract import checkpoint_metadata
 from spectrain.kinds.base import DrafterModule, build_datamodule
 from spectrain.kinds.eagle3.export import export_eagle3_checkpoint
-from spectrain.kinds.eagle3.losses import scored_rows, teacher_rows, ttt_loss
+from spectrain.kinds.eagle3.losses import (
+    OBJECTIVES,
+    acceptance_term,
+    expected_accepted_length,
+    scored_rows,
+    teacher_rows,
+    ttt_loss,
+)
 from spectrain.losses import soft_cross_entropy
 from spectrain.metrics import SimulatedAcceptance, token_acceptance
 from spectrain.registry import DrafterKind, register_kind
@@ -41,6 +51,10 @@ class Eagle3Schema:
     norm_output: bool = False  # EAGLE-3.1: drafted rows read the final norm's output (core.drafters.eagle3)
     attention_window: int = 0  # sliding-window drafter attention: a row reads its last positions (0: all)
     gamma: int = 4  # draft length the simulated acceptance assumes (<= ttt_steps)
+    objective: str = (
+        "kl"  # kl: soft cross-entropy only; accept: + accept_weight x -log(expected accepted length / gamma)
+    )
+    accept_weight: float = 1.0  # weight of the expected-acceptance term (objective=accept)
 
 
 def vocab_map_for(cfg: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -92,8 +106,24 @@ def draft_vocabulary(cfg: Any, vocab_size: int) -> tuple[tuple[torch.Tensor, tor
     return vocab_map, draft_vocab_size(cfg.model, vocab_map, vocab_size)
 
 
+def check_objective(model: Any) -> None:
+    """Refuse, in one line, an objective this kind does not train or a weight that is not a positive number."""
+    if model.objective not in OBJECTIVES:
+        raise UserError(
+            f"model.objective={model.objective} is not one of {', '.join(OBJECTIVES)} (kl: soft cross-entropy; "
+            "accept: also maximise the expected accepted length)"
+        )
+    weight = model.accept_weight
+    if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+        raise UserError(
+            f"model.accept_weight={weight} must be a finite number > 0 (the expected-acceptance term's weight, "
+            "e.g. 1.0)"
+        )
+
+
 class Eagle3Module(DrafterModule):
     def __init__(self, cfg: Any):
+        check_objective(cfg.model)  # before the target loads
         super().__init__(cfg)
 
         target = self.target_model()
@@ -120,6 +150,7 @@ class Eagle3Module(DrafterModule):
         if vocab_map is not None:
             self.drafter.set_vocab_map(*vocab_map)
         self.val_greedy = SimulatedAcceptance(model_cfg.gamma)
+        self.val_sampled = SimulatedAcceptance(model_cfg.gamma)  # at T = 1: what objective=accept maximises
 
     def _steps(self, batch: dict[str, torch.Tensor]):
         """Per TTT step: (student logits [N_j, Vd], teacher probs [N_j, Vd], their rows (batch, row)), over the
@@ -138,16 +169,24 @@ class Eagle3Module(DrafterModule):
             yield self.drafter.head(hidden[b, i]), probs[n], (b, i)
 
     def training_step(self, batch, batch_idx):
-        students, teachers, _ = zip(*self._steps(batch))
+        model_cfg = self.cfg.model
+        students, teachers, rows = zip(*self._steps(batch))
         masks = [torch.ones(len(s), dtype=torch.bool, device=s.device) for s in students]
-        loss, losses = ttt_loss(students, teachers, masks, step_weight=self.cfg.model.step_weight)
-        self.log("train/loss", loss, prog_bar=True)
+        loss, losses = ttt_loss(students, teachers, masks, step_weight=model_cfg.step_weight)
         self.log("train/loss_step0", losses[0])
+        if model_cfg.objective == "accept":
+            gamma = model_cfg.gamma
+            accepted = expected_accepted_length(
+                students[:gamma], teachers[:gamma], rows[:gamma], batch["input_ids"].shape
+            )
+            loss = loss + model_cfg.accept_weight * acceptance_term(accepted, gamma)
+            self.log("train/accepted_length", accepted)
+        self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
         # A chain from row t drafts with step k at position k+1 (its own hidden states, as when serving).
-        alphas, masks = [], []
+        alphas, sampled, masks = [], [], []
         shape = batch["input_ids"].shape
         for k, (student, teacher, (b, i)) in enumerate(self._steps(batch)):
             if k == 0:
@@ -156,14 +195,24 @@ class Eagle3Module(DrafterModule):
             if k < self.cfg.model.gamma:
                 alpha = torch.zeros(shape, device=student.device)
                 alpha[b, i] = token_acceptance(student, teacher, greedy=True)
+                sampled.append(
+                    torch.zeros(shape, device=student.device).index_put(
+                        (b, i), token_acceptance(student, teacher, greedy=False)
+                    )
+                )
                 mask = torch.zeros(shape, dtype=torch.bool, device=student.device)
                 mask[b, i] = True
                 alphas.append(alpha)
                 masks.append(mask)
         self.val_greedy.update(alphas, masks)
+        self.val_sampled.update(sampled, masks)
 
     def on_validation_epoch_end(self):
         self.last_val_metrics = self.log_simulated_acceptance(self.val_greedy)
+        tau_t1 = self.val_sampled.compute()["tau_sim"]
+        self.val_sampled.reset()
+        self.log("val/tau_sim_t1", tau_t1)
+        self.last_val_metrics["tau_sim_t1"] = float(tau_t1)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         target = {**target_record(self.cfg.target), **trained_template(self.cfg)}
