@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fit_recipes import TOY_RECIPE
+from fit_recipes import TOY_RECIPE  # importing it registers the kind toy_regression
 
 from spectrain import fit as fit_cli
 from spectrain import resume
@@ -59,7 +59,7 @@ def kill_after_checkpoint(recipes: Path, runs: Path, step: int) -> None:
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
         SPECTRAIN_RECIPES=str(recipes),
-        SPECTRAIN_KIND_MODULES="test_fit_cli",  # registers kind toy_regression in the child
+        SPECTRAIN_KIND_MODULES="fit_recipes",  # registers kind toy_regression in the child
         PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]),
     )
     proc = subprocess.Popen(
