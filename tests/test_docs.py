@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import re
-import subprocess
 from pathlib import Path
+
+from repo_files import tracked_files
 
 import pytest
 
@@ -35,17 +36,6 @@ OUTSIDE = (
     "specblock_ssd_" + "eagle3",
     "export_" + "contract.md",
 )
-
-
-def tracked_files() -> list[Path]:
-    """The repository's .py/.md/.yaml files and Makefile (git's list; a plain walk where git is missing)."""
-    try:
-        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        paths = [ROOT / name for name in names.splitlines()]
-    except (OSError, subprocess.CalledProcessError):
-        skip = {".git", ".venv", "runs", "outputs", "build", "dist"}
-        paths = [p for p in ROOT.rglob("*") if not skip & set(p.relative_to(ROOT).parts)]
-    return sorted(p for p in paths if p.is_file() and (p.suffix in SUFFIXES or p.name == "Makefile"))
 
 
 @functools.cache
@@ -101,7 +91,7 @@ def problems(path: Path, text: str) -> list[str]:
 
 
 def test_every_cited_page_and_section_exists():
-    files = [p for p in tracked_files() if p != Path(__file__).resolve()]
+    files = [p for p in tracked_files(SUFFIXES) if p != Path(__file__).resolve()]
     assert any(DOCS in p.parents for p in files), "docs/ is not in the file list"
     found = [msg for p in files for msg in problems(p, p.read_text(encoding="utf-8", errors="replace"))]
     assert not found, "\n".join(found)

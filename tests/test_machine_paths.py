@@ -5,8 +5,9 @@ goes under the run's output directory, ``$SPECTRAIN_CACHE`` or ``tempfile``). Ra
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
+
+from repo_files import tracked_files
 
 import pytest
 
@@ -21,29 +22,12 @@ MACHINE_PATH = re.compile(
 )
 
 
-def tracked_files() -> list[Path]:
-    """The repository's text files (git's list; a plain walk where git is missing), raw run records excluded."""
-    try:
-        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        paths = [ROOT / name for name in names.splitlines()]
-    except (OSError, subprocess.CalledProcessError):
-        skip = {".git", ".venv", "runs", "outputs", "build", "dist"}
-        paths = [p for p in ROOT.rglob("*") if not skip & set(p.relative_to(ROOT).parts)]
-    return sorted(
-        p
-        for p in paths
-        if p.is_file()
-        and (p.suffix in SUFFIXES or p.name == "Makefile")
-        and not str(p.relative_to(ROOT)).startswith(RECORDS)
-    )
-
-
 def machine_paths(text: str) -> list[tuple[int, str]]:
     return [(i, m.group(0)) for i, line in enumerate(text.splitlines(), 1) for m in MACHINE_PATH.finditer(line)]
 
 
 def test_no_tracked_file_names_a_machine_path():
-    files = tracked_files()
+    files = tracked_files(SUFFIXES, exclude=RECORDS)
     assert any(p.name == "config.py" and p.parent.name == "benchmarks" for p in files), "the file list is wrong"
     found = [
         f"{p.relative_to(ROOT)}:{line}: {match}"
