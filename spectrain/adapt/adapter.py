@@ -109,7 +109,7 @@ class AdaptSettings:
     step_weight: float = 0.8
     signal_floor: float = 1e-6
     cost_rows: int = 256  # rows of the synthetic record the start-up measurement times
-    cost_cache: str | None = "~/.cache/spectrain/adapt_costs.json"  # None: measure every start-up
+    cost_cache: str | None = "auto"  # auto: adapt_costs.json in $SPECTRAIN_CACHE; a file; None: measure every start
     log: str | None = None  # adapt.log=DIR: decisions.csv + per-query trace records for replay
     wandb: str | None = None  # wandb project for the decision log (None: CSV only)
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from core.assets import cache_dir
+
 
 @dataclass
 class CostModel:
@@ -113,12 +115,24 @@ def cache_key(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+DEFAULT_COST_CACHE = "auto"  # adapt.cost_cache's default: COST_CACHE_NAME in the project's cache ($SPECTRAIN_CACHE)
+COST_CACHE_NAME = "adapt_costs.json"
+
+
+def cost_cache_path(path: str | Path | None) -> Path | None:
+    """Where ``adapt.cost_cache`` keeps measured costs: ``auto`` is the project's cache folder (``$SPECTRAIN_CACHE``,
+    default ``~/.cache/spectrain``), None keeps nothing."""
+    if path is None:
+        return None
+    return cache_dir() / COST_CACHE_NAME if str(path) == DEFAULT_COST_CACHE else Path(path).expanduser()
+
+
 def cached_costs(path: str | Path | None, key_payload: dict[str, Any], measure: Callable[[], CostModel]) -> CostModel:
-    """The cost model stored under ``key_payload`` in the JSON file ``path``, else ``measure()`` (and store it).
-    ``path`` None: always measure."""
+    """The cost model stored under ``key_payload`` in the JSON file ``path`` (:func:`cost_cache_path`), else
+    ``measure()`` (and store it). ``path`` None: always measure."""
+    path = cost_cache_path(path)
     if path is None:
         return measure()
-    path = Path(path).expanduser()
     key = cache_key(key_payload)
     stored = json.loads(path.read_text()) if path.is_file() else {}
     if key in stored:

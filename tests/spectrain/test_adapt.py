@@ -624,3 +624,14 @@ def test_teacher_temperature_sharpens_the_update_target_without_moving_its_argma
     assert sharp.simulate(record, 2) == plain.simulate(record, 2)
     with pytest.raises(ValueError, match="adapt.teacher_temperature must be >= 0"):
         Eagle3Adaptable(drafter, teacher_temperature=-1.0)
+
+
+def test_the_cost_cache_defaults_to_the_projects_cache_folder(tmp_path, monkeypatch):
+    """adapt.cost_cache=auto (the default) follows $SPECTRAIN_CACHE like every other cache; a path is that file."""
+    from spectrain.adapt.adapter import AdaptSettings
+    from spectrain.adapt.cost import cost_cache_path
+
+    monkeypatch.setenv("SPECTRAIN_CACHE", str(tmp_path / "cache"))
+    assert cost_cache_path(AdaptSettings().cost_cache) == tmp_path / "cache" / "adapt_costs.json"
+    assert cost_cache_path(str(tmp_path / "costs.json")) == tmp_path / "costs.json"
+    assert cost_cache_path(None) is None
