@@ -102,3 +102,26 @@ def test_real_smollm2_greedy_continuation_is_stable(smollm2):
     identity = assets.model_identity("smollm2")
     assert identity["model_type"] == "llama" and identity["vocab_size"] == 49152
     assert Path(assets.resolve_model_dir("smollm2"), "model.safetensors").is_file()
+
+
+def test_each_tokenizer_load_is_a_copy_of_its_own_and_rewritten_files_are_read_again(tmp_path):
+    """load_tokenizer caches one load per directory: a caller that changes its tokenizer (a template, added
+    tokens) changes no other caller's, and a directory whose tokenizer is rewritten is loaded again."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def save(vocab: dict[str, int]) -> None:
+        backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path)
+
+    (tmp_path / "config.json").write_text("{}")
+    save({"<unk>": 0, "a": 1, "b": 2})
+    first = assets.load_tokenizer(tmp_path)
+    first.add_tokens(["c"])
+    first.chat_template = "{{ messages }}"
+    second = assets.load_tokenizer(tmp_path)
+    assert second is not first and len(second) == 3 and not second.chat_template
+    assert second("a b c")["input_ids"] == [1, 2, 0]
+    save({"<unk>": 0, "b": 1, "a": 2, "c": 3})
+    assert assets.load_tokenizer(tmp_path)("a b c")["input_ids"] == [2, 1, 3]
