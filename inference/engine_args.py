@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from core.drafters.kinds import CAUSAL_LM_KIND, KIND_MODULES, engine_kind
-from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, split_key_values
+from core.overrides import OverrideError, leaf_keys, parse_cli, resolve_key, schema_config, split_key_values
 from inference.algorithms import ALGORITHMS, algorithm_class, build_algorithm
 from inference.algorithms.options import (
     ADAPTABLE,
@@ -109,7 +109,7 @@ def parse_engine_cli(argv: Sequence[str], schema: type, usage: str) -> tuple[Any
     observer to parse), one drafter per kind ``drafter.KIND=PATH`` (:func:`split_drafter_args`); a flat spelling of
     the previous release (``ssd_budget=8``, ``gamma=3``, ``adapt_horizon=7``, ``feature_drafter=``) still works,
     with a one-line warning naming the new one."""
-    valid = leaf_keys(OmegaConf.structured(schema))
+    valid = leaf_keys(schema_config(schema))
     argv, by_kind = split_drafter_args(argv)
     rest, adapt, given = [], {}, []
     for key, value in split_key_values(argv, usage):
@@ -155,7 +155,7 @@ def variant_items(name: str, overrides: Sequence[str], label: str, *, warn: bool
 
 @functools.cache
 def _engine_keys() -> list[str]:
-    return leaf_keys(OmegaConf.structured(EngineArgs))
+    return leaf_keys(schema_config(EngineArgs))
 
 
 def with_overrides(cfg: Any, overrides: Sequence[str], label: str) -> Any:
