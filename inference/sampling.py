@@ -11,7 +11,6 @@ import numbers
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from core.errors import UserError
@@ -54,8 +53,8 @@ def warp_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float 
     validate_sampling(temperature, top_k, top_p)
     if not logits.is_floating_point():
         logits = logits.float()
-    if temperature == 0:
-        return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
+    if temperature == 0:  # (a scatter into zeros: one_hot's int64 tensor and its cast cost twice as much)
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     # Shifted by the max before dividing: logits / 1e-45 overflow to inf and softmax gives NaN, while the shifted
     # scores are <= 0, so a tiny temperature gives the argmax's one-hot (softmax ignores the shift).
     scores = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
@@ -84,7 +83,7 @@ def _keep_top_p(scores: Tensor, top_p: float) -> Tensor:
 
 def is_point_mass(probs: Tensor) -> bool:
     """True when every row [..., V] has exactly one nonzero entry (e.g. greedy one-hot rows)."""
-    return bool(((probs != 0).sum(dim=-1) == 1).all())
+    return bool((torch.count_nonzero(probs, dim=-1) == 1).all())
 
 
 def random_device(generator: torch.Generator | None, device: torch.device) -> torch.device:
