@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,13 @@ from inference.serve.server import RunningServer, build_server
 from inference.serve.text import TextAssembler
 
 MAX_SEQ, ROWS = 256, 8
+
+# One client for the tests' plain HTTP requests: httpx.get/post build a client per call, and each loads the CA bundle
+# into a new SSL context (tens of milliseconds of CPU; about 20 CPU-s over the serve tests). No keep-alive: servers
+# come and go, and a later one may listen on a port an earlier one used.
+http_client = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
+# The same SSL context for every OpenAI client (one per test server), for the same reason.
+CLIENT_TLS = ssl.create_default_context()
 
 
 PROMPT = "Name a prime."
@@ -111,7 +119,7 @@ def chat_ids(tiny, content: str) -> list[int]:
 
 def metric(server: RunningServer, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples whose labels include ``labels``."""
-    text = httpx.get(f"{server.url}/metrics").text
+    text = http_client.get(f"{server.url}/metrics").text
     total = 0.0
     for found, value in re.findall(rf"^{re.escape(name)}(?:{{(.*)}})? ([0-9.e+-]+)$", text, re.M):
         have = dict(re.findall(r'(\w+)="([^"]*)"', found))

@@ -14,6 +14,8 @@ import openai
 import pytest
 import torch
 from serve_helpers import (
+    CLIENT_TLS,
+    http_client,
     ALGORITHMS,
     MAX_SEQ,
     PROMPT,
@@ -44,7 +46,13 @@ def tiny(tmp_path_factory):
 
 
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=60,
+        http_client=openai.DefaultHttpxClient(verify=CLIENT_TLS),
+    )
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
@@ -161,7 +169,7 @@ def test_concurrent_speculative_clients_get_their_answers_alone(tiny, keys):
     with start(tiny, *keys) as server:
         api, model = client(server), server.server.model
         assert model.batch_size == ROWS
-        health = httpx.get(f"{server.url}/health").json()
+        health = http_client.get(f"{server.url}/health").json()
         budget = "max_step_tokens=8" in keys
         assert health["batching"]["max_step_tokens"] == (8 if budget else 0)
 
@@ -282,14 +290,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
         ({k: v for k, v in ok.items() if k != "messages"}, 400, "messages", None),
     ]
     for body, status, param, code in cases:
-        response = httpx.post(url, json=body)
+        response = http_client.post(url, json=body)
         assert response.status_code == status, body
         error = error_of(response)
         assert (error["param"], error["code"]) == (param, code), error
-    assert error_of(httpx.post(url, json={**ok, "logit_bias": {"42": 5}}))["message"] == (
+    assert error_of(http_client.post(url, json={**ok, "logit_bias": {"42": 5}}))["message"] == (
         "logit_bias: a logit bias is not served; leave it unset (null or {})"
     )
-    assert error_of(httpx.post(url, json={**ok, "seed": 3}))["message"] == (
+    assert error_of(http_client.post(url, json={**ok, "seed": 3}))["message"] == (
         "seed: seed does nothing at temperature=0 (greedy: the argmax, nothing drawn); set temperature > 0 to "
         "sample, or leave seed unset"
     )
@@ -318,14 +326,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny, ar_se
     assert sampled.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client(ar_server).chat.completions.create(model="tiny", messages=ok["messages"], frequency_penalty=1.0)
-    not_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    not_json = http_client.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert not_json.status_code == 400 and error_of(not_json)["type"] == "invalid_request_error"
-    nothing = httpx.get(f"{ar_server.url}/v1/nothing")
+    nothing = http_client.get(f"{ar_server.url}/v1/nothing")
     assert nothing.status_code == 404 and error_of(nothing)["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client(ar_server).chat.completions.create(model="gpt-4", messages=ok["messages"])
-    assert httpx.post(url, json=ok).json()["choices"][0]["finish_reason"] == "length"
-    health = httpx.get(f"{ar_server.url}/health").json()  # batched AR rows on a CPU: exact, and it says so
+    assert http_client.post(url, json=ok).json()["choices"][0]["finish_reason"] == "length"
+    health = http_client.get(f"{ar_server.url}/health").json()  # batched AR rows on a CPU: exact, and it says so
     assert (
         health["status"] == "ok"
         and health["queue"] == 0
@@ -350,7 +358,7 @@ def test_metrics_count_one_request_its_tokens_forwards_and_tau(ar_server):
     ok = {"endpoint": "/v1/completions", "status": "200"}
     before = {name: metric(ar_server, name) for name in counted}
     answered = metric(ar_server, "spectrain_requests_total", **ok)
-    response = httpx.post(
+    response = http_client.post(
         f"{ar_server.url}/v1/completions",
         json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
     )
@@ -363,7 +371,7 @@ def test_metrics_count_one_request_its_tokens_forwards_and_tau(ar_server):
 
 def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
     with Paced(runner_of(ar_server)) as paced:
-        with httpx.stream(
+        with http_client.stream(
             "POST",
             f"{ar_server.url}/v1/completions",
             json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True},
@@ -374,7 +382,7 @@ def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
         )
         assert paced.calls < 100  # the row stopped long before its 200 tokens
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
-            httpx.post(
+            http_client.post(
                 f"{ar_server.url}/v1/completions",
                 timeout=0.3,
                 json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0},
@@ -383,7 +391,7 @@ def test_a_client_that_disconnects_frees_its_row(tiny, ar_server):
             lambda: metric(ar_server, "spectrain_cancelled_total") >= 2 and metric(ar_server, "spectrain_running") == 0
         )
         assert paced.calls < 200
-    answer = httpx.post(
+    answer = http_client.post(
         f"{ar_server.url}/v1/completions",
         json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0},
     )
@@ -398,14 +406,14 @@ def test_a_full_queue_answers_429_and_a_dropped_stream_lets_the_next_one_in(tiny
         url = f"{server.url}/v1/completions"
         body = {"model": "tiny", "prompt": [5, 6, 7], "temperature": 0}
         waiting: dict = {}
-        with httpx.stream("POST", url, json={**body, "max_tokens": 200, "stream": True}):
+        with http_client.stream("POST", url, json={**body, "max_tokens": 200, "stream": True}):
             wait_for(lambda: metric(server, "spectrain_running") == 1)  # held at its first forward
             thread = threading.Thread(
-                target=lambda: waiting.update(r=httpx.post(url, json={**body, "max_tokens": 4}, timeout=60))
+                target=lambda: waiting.update(r=http_client.post(url, json={**body, "max_tokens": 4}, timeout=60))
             )
             thread.start()
             wait_for(lambda: metric(server, "spectrain_queue_depth") == 1)
-            refused = httpx.post(url, json={**body, "max_tokens": 4})
+            refused = http_client.post(url, json={**body, "max_tokens": 4})
             assert refused.status_code == 429 and error_of(refused)["code"] == "queue_full"
         wait_for(lambda: metric(server, "spectrain_cancelled_total") == 1)
         gate.set()
@@ -430,7 +438,7 @@ def test_adapter_learns_from_requests_side_by_side_and_output_stays_ar(tiny):
     answers: dict[int, list[int]] = {}
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         api = client(server)
-        batching = httpx.get(f"{server.url}/health").json()["batching"]
+        batching = http_client.get(f"{server.url}/health").json()["batching"]
         assert batching["batch_size"] == ROWS and batching["adapter"] == "bandit"  # side by side, adapting
 
         def ask(i, content):
@@ -445,7 +453,7 @@ def test_adapter_learns_from_requests_side_by_side_and_output_stays_ar(tiny):
         at_once(ask, [(content,) for content in contents], timeout=120)
         for i, content in enumerate(contents):
             assert answers[i].choices[0].token_ids == reference(tiny, chat_ids(tiny, content), 12), i
-        text = httpx.get(f"{server.url}/metrics").text
+        text = http_client.get(f"{server.url}/metrics").text
         updates = sum(
             float(v)
             for arm, v in re.findall(r'spectrain_adapter_decisions_total\{arm="(\w+)"\} (\S+)', text)
@@ -492,7 +500,7 @@ def test_a_step_budget_where_it_does_nothing_is_refused(tiny):
 
 def test_the_server_measures_its_costs_reports_the_policy_and_answers_as_ar(tiny):
     with start(tiny, "algorithm=sps", "gamma=3", "width_policy=cost") as server:
-        batching = httpx.get(f"{server.url}/health").json()["batching"]
+        batching = http_client.get(f"{server.url}/health").json()["batching"]
         assert batching["width_policy"] == "cost" and "measured" in batching["policy"]
         assert set(batching["target_s_by_rows"]) >= {"1", str(8 * 4)} and batching["draft_s"] > 0
         for content, n in (("Count to 3.", 9), ("Name a colour.", 6)):
@@ -503,7 +511,7 @@ def test_the_server_measures_its_costs_reports_the_policy_and_answers_as_ar(tiny
                 "temperature": 0,
                 "return_token_ids": True,
             }
-            answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+            answer = http_client.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
             assert answer["choices"][0]["token_ids"] == reference(tiny, chat_ids(tiny, content), n)
     for keys, match in (
         (["algorithm=sps", "width_policy=widest"], "width_policy=widest is unknown"),

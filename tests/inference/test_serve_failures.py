@@ -9,10 +9,10 @@ import logging
 import re
 import threading
 
-import httpx
 import pytest
 import torch
 from serve_helpers import (
+    http_client,
     MAX_SEQ,
     PROMPT,
     Paced,
@@ -63,7 +63,7 @@ def test_poisoned_requests_are_refused_and_a_full_batch_beside_them_is_answered_
         url = f"{server.url}/v1/chat/completions"
 
         def ask(key, body):
-            results[key] = httpx.post(url, json={"model": "tiny", "return_token_ids": True, **body}, timeout=60)
+            results[key] = http_client.post(url, json={"model": "tiny", "return_token_ids": True, **body}, timeout=60)
 
         bodies = {
             i: {
@@ -120,13 +120,13 @@ def test_oversized_bodies_are_refused_with_413(tiny):
     body = {"model": "tiny", "prompt": "word " * 1000, "max_tokens": 2, "temperature": 0}
     with start(tiny, "max_body_bytes=4096") as server:
         url = f"{server.url}/v1/completions"
-        declared = httpx.post(url, json=body)
-        chunked = httpx.post(
+        declared = http_client.post(url, json=body)
+        chunked = http_client.post(
             url,
             content=iter([b'{"model": "tiny", "prompt": "', b"word " * 1000, b'"}']),
             headers={"content-type": "application/json"},
         )  # no Content-Length: counted
-        small = httpx.post(url, json={**body, "prompt": "word " * 10})
+        small = http_client.post(url, json={**body, "prompt": "word " * 10})
         assert metric(server, "spectrain_requests_total", endpoint="/v1/completions", status="413") == 2
     for response in (declared, chunked):
         assert response.status_code == 413 and "max_body_bytes=" in error_of(response)["message"]
@@ -156,13 +156,13 @@ def test_target_and_draft_process_failures_leave_the_next_request_correct(tiny, 
             raise RuntimeError("injected target failure")
 
         runner.forward = fail_once
-        failed = httpx.post(url, json=body, timeout=120)
-        after_target = httpx.post(url, json=body, timeout=120)
+        failed = http_client.post(url, json=body, timeout=120)
+        after_target = http_client.post(url, json=body, timeout=120)
         executor = server.server.model.algorithm.executor
         executor.process.kill()
         executor.process.join(30)
-        lost = httpx.post(url, json=body, timeout=120)
-        after_draft = httpx.post(url, json=body, timeout=120)
+        lost = http_client.post(url, json=body, timeout=120)
+        after_draft = http_client.post(url, json=body, timeout=120)
     # The client hears the failure's type and its request's id; the log has its text under that id.
     for answer, text in ((failed, "injected target failure"), (lost, "draft process is gone")):
         message = error_of(answer)["message"]

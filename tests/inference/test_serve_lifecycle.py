@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from serve_helpers import (
+    http_client,
     ALGORITHMS,
     PROMPT,
     Paced,
@@ -68,13 +69,13 @@ def test_shutdown_with_work_in_flight_answers_it_and_returns_within_a_bound(tiny
     with Paced(runner_of(server), delay=0.05) as paced:
 
         def stream() -> None:
-            with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=30) as response:
+            with http_client.stream("POST", url, json={**LONG, "stream": True}, timeout=30) as response:
                 streamed.extend(line for line in response.iter_lines() if line.startswith("data:"))
 
         clients = [
-            threading.Thread(target=lambda: answers.update(running=httpx.post(url, json=LONG, timeout=30))),
+            threading.Thread(target=lambda: answers.update(running=http_client.post(url, json=LONG, timeout=30))),
             threading.Thread(target=stream),
-            threading.Thread(target=lambda: answers.update(queued=httpx.post(url, json=LONG, timeout=30))),
+            threading.Thread(target=lambda: answers.update(queued=http_client.post(url, json=LONG, timeout=30))),
         ]
         for client in clients:
             client.start()
@@ -116,7 +117,7 @@ def test_closing_collects_the_adapters_last_background_update(tiny):
     ]
     with start(tiny, *ALGORITHMS["eagle3_tree"], "adapt=bandit", *forcing) as server:
         for content in ("Name a prime.", "Name a colour.", "Name a city.", "Name a tree."):
-            response = httpx.post(
+            response = http_client.post(
                 f"{server.url}/v1/chat/completions",
                 timeout=60,
                 json={
@@ -140,14 +141,14 @@ def test_a_stream_is_counted_when_it_ends_by_its_outcome(tiny):
         url = f"{server.url}/v1/chat/completions"
         body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "stream": True}
         ok = {"endpoint": "/v1/chat/completions", "status": "200"}
-        with httpx.stream("POST", url, json={**body, "max_tokens": 4}) as response:
+        with http_client.stream("POST", url, json={**body, "max_tokens": 4}) as response:
             lines = (line for line in response.iter_lines() if line.startswith("data:"))
             assert '"role": "assistant"' in next(lines)  # the stream has begun; its outcome is not known yet
             assert metric(server, "spectrain_requests_total", **ok) == 0
             gate.set()
             assert list(lines)[-1] == "data: [DONE]"
         wait_for(lambda: metric(server, "spectrain_requests_total", **ok) == 1)
-        with httpx.stream("POST", url, json={**body, "max_tokens": 200}) as response:  # dropped mid-answer
+        with http_client.stream("POST", url, json={**body, "max_tokens": 200}) as response:  # dropped mid-answer
             next(line for line in response.iter_lines() if line.startswith("data:"))
         wait_for(lambda: metric(server, "spectrain_requests_total", status="499") == 1)
         assert metric(server, "spectrain_requests_total", **ok) == 1

@@ -19,7 +19,18 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import Paced, error_of, metric, own_target, runner_of, serve_config, start, tiny_models, wait_for
+from serve_helpers import (
+    http_client,
+    Paced,
+    error_of,
+    metric,
+    own_target,
+    runner_of,
+    serve_config,
+    start,
+    tiny_models,
+    wait_for,
+)
 
 import inference.serve.app as serve_app
 from core.errors import UserError
@@ -35,7 +46,7 @@ def tiny(tmp_path_factory):
 
 
 def post_in_thread(url: str, body: dict, into: dict, key: str) -> threading.Thread:
-    thread = threading.Thread(target=lambda: into.update({key: httpx.post(url, json=body, timeout=5)}))
+    thread = threading.Thread(target=lambda: into.update({key: http_client.post(url, json=body, timeout=5)}))
     thread.start()
     return thread
 
@@ -66,9 +77,9 @@ def test_a_dead_engine_fails_its_requests_and_refuses_new_ones(tiny, monkeypatch
             assert answers[key].status_code == 503 and answers[key].headers["retry-after"].isdigit()
             message = error_of(answers[key])["message"]
             assert "EngineDeath" in message and "loop is gone" not in message and "incident-" in message
-        later = httpx.post(url, json={**BODY, "max_tokens": 4}, timeout=5)
+        later = http_client.post(url, json={**BODY, "max_tokens": 4}, timeout=5)
         assert later.status_code == 503 and "engine stopped" in error_of(later)["message"]
-        health = httpx.get(f"{server.url}/health", timeout=5)
+        health = http_client.get(f"{server.url}/health", timeout=5)
         assert health.status_code == 503 and "EngineDeath" in health.json()["status"]
 
 
@@ -79,40 +90,40 @@ def test_a_request_waits_at_most_max_queue_wait_s_and_every_refusal_says_when_to
     gate = threading.Event()
     with start(tiny, "batch_size=1", "max_queue=1", "max_queue_wait_s=1.5") as server, Paced(runner_of(server), gate):
         url, answers = f"{server.url}/v1/completions", {}
-        with httpx.stream("POST", url, json={**BODY, "max_tokens": 50, "stream": True}, timeout=5):
+        with http_client.stream("POST", url, json={**BODY, "max_tokens": 50, "stream": True}, timeout=5):
             wait_for(lambda: metric(server, "spectrain_running") == 1, timeout=5)
             started = time.monotonic()
             waiting = post_in_thread(url, {**BODY, "max_tokens": 4}, answers, "waiting")
             wait_for(lambda: metric(server, "spectrain_queue_depth") == 1, timeout=5)
-            full = httpx.post(url, json={**BODY, "max_tokens": 4}, timeout=5)
+            full = http_client.post(url, json={**BODY, "max_tokens": 4}, timeout=5)
             assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
             waiting.join(5)
             assert time.monotonic() - started < 5
             answer = answers["waiting"]
             assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1
             assert error_of(answer)["code"] == "queue_timeout"
-            with httpx.stream("POST", url, json={**BODY, "max_tokens": 4, "stream": True}, timeout=5) as queued:
+            with http_client.stream("POST", url, json={**BODY, "max_tokens": 4, "stream": True}, timeout=5) as queued:
                 lines = [line for line in queued.iter_lines() if line]
         assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
         assert "queue" in lines[-2] and "max_queue_wait_s" in lines[-2]
         gate.set()
-        assert httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=5).status_code == 200
+        assert http_client.post(url, json={**BODY, "max_tokens": 3}, timeout=5).status_code == 200
 
 
 def test_health_reports_an_engine_that_makes_no_progress(tiny):
     gate = threading.Event()
     with start(tiny, "batch_size=1", "stall_s=0.2") as server, Paced(runner_of(server), gate):
-        health = httpx.get(f"{server.url}/health", timeout=5)
+        health = http_client.get(f"{server.url}/health", timeout=5)
         assert health.status_code == 200 and health.json()["last_progress_s"] >= 0
         answers = {}
         thread = post_in_thread(f"{server.url}/v1/completions", {**BODY, "max_tokens": 4}, answers, "held")
-        wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=5)
-        stalled = httpx.get(f"{server.url}/health").json()
+        wait_for(lambda: http_client.get(f"{server.url}/health").status_code == 503, timeout=5)
+        stalled = http_client.get(f"{server.url}/health").json()
         assert "stalled" in stalled["status"] and stalled["last_progress_s"] >= 0.2
         gate.set()
         thread.join(5)
         assert answers["held"].status_code == 200
-        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert http_client.get(f"{server.url}/health").status_code == 200
 
 
 def test_a_draft_process_that_hangs_fails_its_call_within_the_timeout(tiny):
@@ -241,7 +252,7 @@ def test_a_failure_tells_the_client_its_type_and_id_and_the_log_its_text(tiny, m
             raise RuntimeError("cannot read /srv/models/secret.bin: shape [3, 4] != [4, 3]")
 
         monkeypatch.setattr(algorithm, "generate", failing)
-        for answer in (httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=10), _stream_error(url)):
+        for answer in (http_client.post(url, json={**BODY, "max_tokens": 3}, timeout=10), _stream_error(url)):
             message = answer if isinstance(answer, str) else error_of(answer)["message"]
             assert "RuntimeError" in message and "secret" not in message and "shape" not in message
             request_id = re.search(r"cmpl-[0-9a-f]+", message).group()
@@ -251,14 +262,14 @@ def test_a_failure_tells_the_client_its_type_and_id_and_the_log_its_text(tiny, m
             raise UserError("max_new_tokens=3 leaves no room: lower it")
 
         monkeypatch.setattr(algorithm, "generate", refused)
-        answer = httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=10)
+        answer = http_client.post(url, json={**BODY, "max_tokens": 3}, timeout=10)
         assert answer.status_code == 500 and error_of(answer)["message"] == "max_new_tokens=3 leaves no room: lower it"
 
         def broken_route(*args, **kwargs):
             raise ValueError("template at /srv/templates/chat.jinja line 3")
 
         monkeypatch.setattr(serve_app, "_completion_prompt", broken_route)
-        answer = httpx.post(url, json={**BODY, "max_tokens": 3}, timeout=10)
+        answer = http_client.post(url, json={**BODY, "max_tokens": 3}, timeout=10)
         message = error_of(answer)["message"]
         assert answer.status_code == 500 and "ValueError" in message and "/srv" not in message
         incident = re.search(r"incident-[0-9a-f]+", message).group()
@@ -267,7 +278,7 @@ def test_a_failure_tells_the_client_its_type_and_id_and_the_log_its_text(tiny, m
 
 def _stream_error(url: str) -> str:
     """A streamed request's error event's message."""
-    with httpx.stream("POST", url, json={**BODY, "max_tokens": 3, "stream": True}, timeout=10) as stream:
+    with http_client.stream("POST", url, json={**BODY, "max_tokens": 3, "stream": True}, timeout=10) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: {")]
     return json.loads(events[-1][len("data: ") :])["error"]["message"]
 
