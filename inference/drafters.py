@@ -67,9 +67,10 @@ def eos_token_ids(tokenizer, model_config=None) -> list[int]:
         ids.add(eos)
     elif isinstance(eos, (list, tuple)):
         ids.update(int(e) for e in eos)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-    if im_end is not None:  # chat models end a turn with it even when config.eos says otherwise
-        ids.add(int(im_end))
+    # (looked up, and read back to tell it from the unknown token's id: get_vocab() builds the whole vocabulary)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and tokenizer.convert_ids_to_tokens(im_end) == "<|im_end|>":
+        ids.add(im_end)  # chat models end a turn with it even when config.eos says otherwise
     return sorted(ids)
 
 

@@ -72,6 +72,8 @@ _library: ctypes.CDLL | None = None
 def library() -> ctypes.CDLL:
     """The loaded kernels, built on first use (raises :class:`KernelUnavailable` with the reason)."""
     global _library
+    if _library is not None:  # (every kernel call asks: no lock once built)
+        return _library
     with _lock:
         if _library is None:
             _library = load(build())

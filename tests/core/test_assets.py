@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -118,10 +119,16 @@ def test_each_tokenizer_load_is_a_copy_of_its_own_and_rewritten_files_are_read_a
     (tmp_path / "config.json").write_text("{}")
     save({"<unk>": 0, "a": 1, "b": 2})
     first = assets.load_tokenizer(tmp_path)
+    before = assets.tokenizer_fingerprint(first)
     first.add_tokens(["c"])
     first.chat_template = "{{ messages }}"
     second = assets.load_tokenizer(tmp_path)
     assert second is not first and len(second) == 3 and not second.chat_template
     assert second("a b c")["input_ids"] == [1, 2, 0]
+    # the fingerprint, kept per loaded files, follows a tokenizer's own vocabulary
+    assert assets.tokenizer_fingerprint(second) == before != assets.tokenizer_fingerprint(first)
+    assert assets.tokenizer_fingerprint(first) == assets.tokenizer_fingerprint(copy.deepcopy(first))
     save({"<unk>": 0, "b": 1, "a": 2, "c": 3})
-    assert assets.load_tokenizer(tmp_path)("a b c")["input_ids"] == [2, 1, 3]
+    third = assets.load_tokenizer(tmp_path)
+    assert third("a b c")["input_ids"] == [2, 1, 3]
+    assert assets.tokenizer_fingerprint(third) not in (before, assets.tokenizer_fingerprint(first))
