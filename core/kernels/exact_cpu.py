@@ -202,10 +202,15 @@ def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] as :func:`linear` takes it: transposed in tiles of 16 outputs, fp32 [ceil(N / 16), K, 16]
     (tile j holds outputs 16j..16j+15, each tile's rows contiguous over K), zeros past output N."""
     out_features, in_features = weight.shape
-    tiles = -(-out_features // 16)
-    padded = weight.new_zeros(tiles * 16, in_features, dtype=torch.float32)
-    padded[:out_features] = weight.detach()
-    return padded.view(tiles, 16, in_features).transpose(1, 2).contiguous()
+    weight = weight.detach()
+    full, rest = divmod(out_features, 16)
+    # One strided copy per tile (a padded copy, then a transposed one, read and wrote the weight three times)
+    tiled = torch.empty(full + bool(rest), in_features, 16, dtype=torch.float32)
+    tiled[:full] = weight[: full * 16].view(full, 16, in_features).transpose(1, 2)
+    if rest:
+        tiled[full] = 0.0
+        tiled[full, :, :rest] = weight[full * 16 :].T
+    return tiled
 
 
 def linear(
