@@ -13,7 +13,8 @@ launch (``tests/run_many.py``); only the run that is killed has a launch of its 
 Tolerance: the per-process losses are means over the global batch (``core.distributed.process_mean``) and DDP
 averages the gradients, so the two trainings differ only in float summation order. AdamW divides each gradient by
 its own running scale, so a rounding difference in a near-zero gradient can move that weight by a fraction of a
-step: |Δw| <= 1e-4 + 1e-4·|w|, a hundredth of one step at lr 1e-2 (seen: at most 2e-5, on 1 of 40,960 weights)."""
+step: |Δw| <= 1e-4 + 1e-4·|w|, a hundredth of one step at lr 1e-2 (seen in 6-step runs: at most 2e-5, on 1 of 40,960
+weights)."""
 
 from __future__ import annotations
 
