@@ -153,8 +153,8 @@ def kind_args(root: Path, kind: str, checkpoint_every: int = 2) -> list[str]:
 # data path, not in what a strategy shards). Under FSDP and DeepSpeed ZeRO-2/3 the kinds whose modules differ in
 # what sharding must get right (frozen weights shared with the target: EAGLE-3, DFlash, SpecBlock; a whole LM; a
 # small classifier); SPECTRAIN_TEST_FULL_MATRIX=1 trains every kind under every strategy (about twice the time).
-# specblock under fsdp is the run with sharded checkpoints that is resumed from step 2. DFlash draws each row's anchors from (seed, step,
-# global row), so 2 x b processes draw what 1 x 2b draws and it is held to the same equality.
+# specblock under fsdp is the run with sharded checkpoints that is resumed from step 2. DFlash draws each row's
+# anchors from (seed, step, global row), so 2 x b processes draw what 1 x 2b draws and it is held to the same equality.
 KINDS = (
     "draft_lm",
     "draft_lm_gsm",
