@@ -2,16 +2,19 @@
 per-process batch of b end with the weights of 1 process with batch 2b, for every kind (and each GSM recipe's own
 training path) under DDP, and the kinds that differ in what sharding must get right under FSDP and DeepSpeed
 ZeRO-2/3 (every kind under every strategy with ``SPECTRAIN_TEST_FULL_MATRIX=1``); a run whose launcher is killed
-with SIGKILL mid-epoch resumes (``resume=auto``) to the uninterrupted run's weights bit for bit under DDP, and from
-its sharded checkpoint under FSDP (exported afterwards).
+with SIGKILL mid-epoch resumes (``resume=auto``) to the uninterrupted run's weights bit for bit under DDP; under FSDP
+a run saves sharded checkpoints, and a run resumed from its sharded step-2 checkpoint ends on the uninterrupted
+run's weights bit for bit and exports the single-process tensors. (What a kill leaves of a sharded write is
+``tests/spectrain/test_resume.py``'s: the atomic directory swap, and which checkpoint ``resume=auto`` takes.)
 
 Interpreter starts are most of a small multi-process run, so every uninterrupted run and both resumes share ONE
-launch (``tests/run_many.py``); only the two runs that are killed have launches of their own.
+launch (``tests/run_many.py``); only the run that is killed has a launch of its own.
 
 Tolerance: the per-process losses are means over the global batch (``core.distributed.process_mean``) and DDP
 averages the gradients, so the two trainings differ only in float summation order. AdamW divides each gradient by
 its own running scale, so a rounding difference in a near-zero gradient can move that weight by a fraction of a
-step: |Δw| <= 1e-4 + 1e-4·|w|, a hundredth of one step at lr 1e-2 (seen: at most 2e-5, on 1 of 40,960 weights)."""
+step: |Δw| <= 1e-4 + 1e-4·|w|, a hundredth of one step at lr 1e-2 (seen in 6-step runs: at most 2e-5, on 1 of 40,960
+weights)."""
 
 from __future__ import annotations
 
@@ -36,10 +39,22 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-4, 1e-4
 B = 2  # the per-process batch; the single-process reference trains on 2 * B
+STEPS = 4  # every run's length; the killed run and the sharded resume start again after step 2
 # An interval past max_steps: no periodic checkpoint, only last.ckpt after the final step (spectrain.resume's
 # FinalStepCheckpoint). DeepSpeed and FSDP write a directory per checkpoint, a cost a run pays for nothing it reads.
 FINAL_ONLY = 100
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The module's fixtures run tiny models on one intra-op thread, as every test does (conftest): a module fixture
+    is set up before that applies, and idle pool threads spinning on a busy 2-core host cost CPU time for nothing
+    (here 3-4 times the work itself)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +104,13 @@ def setup(tmp_path_factory):
 
 
 def kind_args(root: Path, kind: str, checkpoint_every: int = 2) -> list[str]:
-    """The kind's CPU recipe on the tiny setup: 6 steps (a checkpoint every ``checkpoint_every``), per-process batch
+    """The kind's CPU recipe on the tiny setup: STEPS steps (a checkpoint every ``checkpoint_every``), per-process batch
     B. A ``_gsm`` name is that kind's GSM recipe, on the same chats: it trains its own path (batches bucketed by
     length; the draft LM on the data's tokens with a truncated head, ``train_vocab``)."""
     common = [
         f"target={root / 'target'}",
-        "max_steps=6",
-        "val_check_interval=6",
+        f"max_steps={STEPS}",
+        f"val_check_interval={STEPS}",
         f"checkpoint_every_n_steps={checkpoint_every}",
         "warmup_steps=2",
         "log_every_n_steps=1",
@@ -138,8 +153,8 @@ def kind_args(root: Path, kind: str, checkpoint_every: int = 2) -> list[str]:
 # data path, not in what a strategy shards). Under FSDP and DeepSpeed ZeRO-2/3 the kinds whose modules differ in
 # what sharding must get right (frozen weights shared with the target: EAGLE-3, DFlash, SpecBlock; a whole LM; a
 # small classifier); SPECTRAIN_TEST_FULL_MATRIX=1 trains every kind under every strategy (about twice the time).
-# specblock under fsdp is the killed run, resumed in that launch. DFlash draws each row's anchors from (seed, step,
-# global row), so 2 x b processes draw what 1 x 2b draws and it is held to the same equality.
+# specblock under fsdp is the run with sharded checkpoints that is resumed from step 2. DFlash draws each row's
+# anchors from (seed, step, global row), so 2 x b processes draw what 1 x 2b draws and it is held to the same equality.
 KINDS = (
     "draft_lm",
     "draft_lm_gsm",
@@ -205,7 +220,7 @@ def checkpoints(runs: Path) -> Path:
     return run / "checkpoints"
 
 
-def last_weights(runs: Path, name: str = "last.ckpt", step: int = 6) -> dict[str, torch.Tensor]:
+def last_weights(runs: Path, name: str = "last.ckpt", step: int = STEPS) -> dict[str, torch.Tensor]:
     """The weights of checkpoint ``name`` (written at ``step``) of a run, whatever the strategy wrote: one file, a
     sharded (fsdp) or a DeepSpeed directory."""
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
@@ -231,7 +246,7 @@ def single_process_run(root: Path, kind: str) -> Path:
             [*kind_args(root, kind), f"batch_size={2 * B}", "trainer.devices=1", f"runs_dir={runs}"],
             directory=root / "recipes",
         )
-        assert fit_cli.fit(cfg)["global_step"] == 6
+        assert fit_cli.fit(cfg)["global_step"] == STEPS
     return runs
 
 
@@ -264,31 +279,29 @@ def reap_group(group: int, grace: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def trained(setup) -> dict[str, object]:
-    """The two killed launches (eagle3 under ddp, specblock under fsdp, each killed after its first checkpoint),
-    then the one launch that resumes both and trains everything in ``TRAINED``. Returns what the kills left."""
+    """The killed launch (eagle3 under ddp, killed after its first checkpoint), then the one launch that resumes it,
+    trains everything in ``TRAINED``, trains specblock under fsdp with a sharded checkpoint every 2 steps and
+    resumes a copy of that run from its step-2 checkpoint. Returns the step the kill left."""
     recipes = setup / "recipes"
-    killed_ddp, killed_fsdp = setup / "ddp_killed", setup / "fsdp_killed"
+    killed_ddp = setup / "ddp_killed"
     ddp_args = two_process_args(setup, "eagle3", "ddp", killed_ddp)
-    fsdp_args = two_process_args(setup, "specblock", "fsdp", killed_fsdp)
     kill_after(
         launch(["-m", "spectrain.fit", *ddp_args], recipes),
         killed_ddp / "eagle3_smollm2" / "checkpoints" / "step2.ckpt",
-    )
-    kill_after(
-        launch(["-m", "spectrain.fit", *fsdp_args], recipes),
-        killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt",
     )
     from spectrain.checkpoint_reading import read_lightning_checkpoint
 
     left = {
         "ddp_stopped_at": read_lightning_checkpoint(fit_cli.latest_checkpoint(killed_ddp / "eagle3_smollm2"))[
             "global_step"
-        ],
-        "fsdp_step2_sharded": export_cli.is_sharded_checkpoint(
-            killed_fsdp / "specblock_smollm2" / "checkpoints" / "step2.ckpt"
-        ),
+        ]
     }
-    runs = [[*ddp_args, "resume=auto"], [*fsdp_args, "resume=auto"]]
+    fsdp_step2 = setup / "fsdp_sharded" / "specblock_smollm2" / "checkpoints" / "step2.ckpt"
+    runs = [
+        [*ddp_args, "resume=auto"],
+        two_process_args(setup, "specblock", "fsdp", setup / "fsdp_sharded"),
+        [*two_process_args(setup, "specblock", "fsdp", setup / "fsdp_resumed"), f"resume={fsdp_step2}"],
+    ]
     runs += [
         two_process_args(setup, kind, strategy, setup / f"{strategy}_{kind}", checkpoint_every=FINAL_ONLY)
         for strategy, kinds in TRAINED.items()
@@ -318,7 +331,7 @@ def test_two_processes_with_batch_b_train_like_one_process_with_batch_2b(setup, 
 
 
 def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup, trained):
-    assert 2 <= trained["ddp_stopped_at"] < 6  # killed mid-run, after its first checkpoint
+    assert 2 <= trained["ddp_stopped_at"] < STEPS  # killed mid-run, after its first checkpoint
     resumed, uninterrupted = last_weights(setup / "ddp_killed"), last_weights(setup / "ddp_eagle3")
     assert resumed.keys() == uninterrupted.keys()
     for name, value in uninterrupted.items():
@@ -326,17 +339,23 @@ def test_killed_two_process_run_resumes_to_the_uninterrupted_weights(setup, trai
 
 
 def test_fsdp_on_two_processes_saves_sharded_resumes_and_exports_the_single_process_tensors(setup, trained, tmp_path):
-    """trainer.strategy=fsdp (FSDP2 over gloo): the launcher is killed after the first sharded checkpoint, the run
-    resumes from it (resume=auto), and its export equals the export of 1 process with batch 2B."""
-    assert trained["fsdp_step2_sharded"]  # one directory, a shard per process
-    ckpts = checkpoints(setup / "fsdp_killed")
-    assert export_cli.is_sharded_checkpoint(ckpts / "last.ckpt")
+    """trainer.strategy=fsdp (FSDP2 over gloo): every checkpoint is sharded; a run resumed from the step-2 one
+    (resume=PATH) ends on the uninterrupted run's weights, and its export equals the export of 1 process with
+    batch 2B."""
+    full, resumed = checkpoints(setup / "fsdp_sharded"), checkpoints(setup / "fsdp_resumed")
+    for ckpt in (full / "step2.ckpt", full / "last.ckpt", resumed / "last.ckpt"):
+        assert export_cli.is_sharded_checkpoint(ckpt), ckpt  # one directory, a shard per process
+    assert not (resumed / "step2.ckpt").exists()  # it started after step 2
+    uninterrupted, again = last_weights(setup / "fsdp_sharded"), last_weights(setup / "fsdp_resumed")
+    assert uninterrupted.keys() == again.keys() and uninterrupted
+    for name, value in uninterrupted.items():
+        assert torch.equal(again[name], value), name
 
     def exported(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
         assert export_cli.main([f"ckpt={ckpt}", "format=native", f"out={out}"]) == 0
         return load_file(out / "model.safetensors")
 
-    sharded = exported(ckpts / "last.ckpt", tmp_path / "fsdp_export")
+    sharded = exported(resumed / "last.ckpt", tmp_path / "fsdp_export")
     single = exported(checkpoints(single_process_run(setup, "specblock")) / "last.ckpt", tmp_path / "single_export")
     assert sharded.keys() == single.keys() and sharded
     for name, value in single.items():
