@@ -30,6 +30,14 @@ def _module_cost_class(items) -> dict[str, tuple[int, int]]:
     return {module: (0, -slow) if slow else (1, -real) if real else (2, 0) for module, (slow, real) in marked.items()}
 
 
+def pytest_configure(config):
+    # Several pytest-xdist workers share the cores: every torch op of a worker runs on one thread, in module and
+    # session fixtures too (the autouse fixture below applies per test, after those are set up). Two threads per
+    # worker on a busy 2-core machine cost a fixture 3-4 times its work.
+    if getattr(config, "workerinput", {}).get("workercount", 1) > 1:
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     # The longest modules first: pytest-xdist's loadscope hands out whole modules in this order (the Makefile turns
     # off its own reordering by test count), so a long module never starts last while the other worker idles.
