@@ -224,14 +224,18 @@ def linear(
     multiply-add per input feature, in order); ``weight_t`` from :func:`transposed_weight`."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or weight_t.dtype != torch.float32:
         raise ValueError(f"the exact linear takes fp32 CPU tensors, got {x.dtype} on {x.device}")
+    # (a decode step calls this for every projection of every layer: each tensor op below costs a microsecond or
+    # more, so the ones with nothing to do are skipped)
     in_features = x.shape[-1]
     fits = weight_t.dim() == 3 and weight_t.shape[1:] == (in_features, 16) and weight_t.shape[0] * 16 >= out_features
     if not fits or not weight_t.is_contiguous():
         raise ValueError(f"weight_t {tuple(weight_t.shape)} does not fit {in_features} inputs, {out_features} outputs")
-    flat = x.reshape(-1, in_features).contiguous()
+    flat = x.reshape(-1, in_features)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     rows, padded = flat.shape[0], weight_t.shape[0] * 16
     out = torch.empty(rows, padded, dtype=torch.float32)
-    if bias is not None:
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.detach().to(torch.float32).contiguous()
     if threads is None:
         threads = torch.get_num_threads() if rows * padded * in_features >= THREAD_WORK else 1
@@ -246,7 +250,8 @@ def linear(
         out.data_ptr(),
         threads,
     )
-    return out[:, :out_features].reshape(*x.shape[:-1], out_features)
+    shape = (*x.shape[:-1], out_features)
+    return out.view(shape) if padded == out_features else out[:, :out_features].reshape(shape)
 
 
 @dataclass(frozen=True)
