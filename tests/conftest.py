@@ -65,6 +65,17 @@ def _seed_and_threads(request):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """A module whose module fixtures run tiny models (``pytest.mark.usefixtures("one_thread")``): they run on one
+    intra-op thread, as its tests do, also outside pytest-xdist. Idle pool threads spinning on a busy 2-core host
+    cost a fixture 3-4 times its work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded real target (SmolLM2-135M-Instruct) and its tokenizer, loaded once per session."""

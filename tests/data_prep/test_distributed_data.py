@@ -29,18 +29,7 @@ from data_prep.shards import ShardReader
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The module's fixtures run tiny models on one intra-op thread, as every test does (conftest): a module fixture
-    is set up before that applies, and idle pool threads spinning on a busy 2-core host cost CPU time for nothing
-    (here 3-4 times the work itself)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
