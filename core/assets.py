@@ -371,13 +371,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".n
 def _tokenizer_files_stamp(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
     """Name, size and modification time of every file a tokenizer load may read in ``model_dir``: a rewritten
     tokenizer (or config) gives another stamp, so the cache below never serves a stale load."""
-    return tuple(
-        sorted(
-            (entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-            for entry in os.scandir(model_dir)
-            if entry.is_file() and not entry.name.endswith(_WEIGHT_SUFFIXES)
-        )
-    )
+    files = [e for e in os.scandir(model_dir) if e.is_file() and not e.name.endswith(_WEIGHT_SUFFIXES)]
+    return tuple(sorted((e.name, (st := e.stat()).st_size, st.st_mtime_ns) for e in files))
 
 
 # Each tokenizer load_tokenizer handed out: the files it came from and its size then (a token added since changes it).

@@ -69,8 +69,9 @@ def resolve_key(key: str, valid: list[str]) -> str:
 
 @functools.cache
 def schema_config(schema: type) -> DictConfig:
-    """``OmegaConf.structured(schema)``, built once per schema (a few hundred milliseconds for the engine's and the
-    trainer's): never handed out, only merged from (``OmegaConf.merge`` copies it)."""
+    """``OmegaConf.structured(schema)``, built once per schema (tens of milliseconds each, parsed hundreds of times
+    in a process that runs many commands). Shared: read it or merge from it (``OmegaConf.merge`` copies), never
+    change it."""
     return OmegaConf.structured(schema)
 
 

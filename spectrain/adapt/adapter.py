@@ -65,7 +65,7 @@ from omegaconf.errors import OmegaConfBaseException
 from core.errors import UserError
 from spectrain.adapt.background import BackgroundRunner, Publisher
 from spectrain.adapt.bandit import UPDATE_ARMS, CostAwareUCB, Decision
-from spectrain.adapt.cost import CostModel, saving
+from spectrain.adapt.cost import DEFAULT_COST_CACHE, CostModel, saving
 from spectrain.adapt.drafters import AdaptableDrafter
 from spectrain.adapt.log import DecisionLog
 from spectrain.adapt.record import QueryRecord, QueryRecorder, write_manifest, write_record
@@ -109,7 +109,7 @@ class AdaptSettings:
     step_weight: float = 0.8
     signal_floor: float = 1e-6
     cost_rows: int = 256  # rows of the synthetic record the start-up measurement times
-    cost_cache: str | None = "auto"  # auto: adapt_costs.json in $SPECTRAIN_CACHE; a file; None: measure every start
+    cost_cache: str | None = DEFAULT_COST_CACHE  # $SPECTRAIN_CACHE/adapt_costs.json; a file; None: always measure
     log: str | None = None  # adapt.log=DIR: decisions.csv + per-query trace records for replay
     wandb: str | None = None  # wandb project for the decision log (None: CSV only)
 
