@@ -356,11 +356,12 @@ def check_chat_template(what: str, recorded: dict | None, tokenizer) -> None:
 def load_tokenizer(name_or_path: str | os.PathLike, chat_template: str | None = None):
     """The tokenizer of a target; ``chat_template`` (auto|none|PATH, see :func:`use_chat_template`) sets how it
     renders conversations (None: as it comes). Each call returns a tokenizer of its own (a copy of the one this
-    process loaded from the same files), so a caller may change it freely."""
+    process loaded from the same tokenizer files, wherever they lie), so a caller may change it freely."""
     model_dir = resolve_model_dir(name_or_path)
-    source = (str(model_dir), _tokenizer_files_stamp(model_dir))
-    tokenizer = copy.deepcopy(_tokenizer_from_files(*source))
-    _LOADED_FROM[tokenizer] = (source, len(tokenizer))
+    content = _tokenizer_content(str(model_dir), _tokenizer_files_stamp(model_dir))
+    tokenizer = copy.deepcopy(_tokenizer_from_files(str(model_dir), content))
+    tokenizer.name_or_path = tokenizer.init_kwargs["name_or_path"] = str(model_dir)  # its own directory's
+    _LOADED_FROM[tokenizer] = (content, len(tokenizer))
     return tokenizer if chat_template is None else use_chat_template(tokenizer, chat_template, name_or_path)
 
 
@@ -375,17 +376,48 @@ def _tokenizer_files_stamp(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple(sorted((e.name, (st := e.stat()).st_size, st.st_mtime_ns) for e in files))
 
 
-# Each tokenizer load_tokenizer handed out: the files it came from and its size then (a token added since changes it).
+# Each tokenizer load_tokenizer handed out: the content of its files and its size then (a token added since changes
+# it).
 _LOADED_FROM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Of config.json, what picks a tokenizer's class when tokenizer_config.json names none: the rest (sizes, layers)
+# differs between models that share a tokenizer, a drafter and its target say.
+_TOKENIZER_CONFIG_KEYS = ("model_type", "tokenizer_class", "auto_map")
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer_from_files(model_dir: str, stamp: tuple) -> Any:
-    """One load per directory and stamp (about a second for a 49k-token vocabulary, a copy about a quarter of
-    that: an evaluation loads the target's tokenizer with every drafter). Only copies leave this cache."""
+@functools.lru_cache(maxsize=64)
+def _tokenizer_content(model_dir: str, stamp: tuple) -> str:
+    """Hash of what a tokenizer load reads in ``model_dir`` (``stamp``: its files, so a rewrite is hashed again):
+    two directories with the same tokenizer files share one load."""
+    digest = hashlib.sha256()
+    for name, _, _ in stamp:
+        data = (Path(model_dir) / name).read_bytes()
+        if name == "config.json":
+            try:
+                config = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                config = None  # the whole file is hashed; the load itself says what is wrong
+            if isinstance(config, dict):
+                data = json.dumps({k: config.get(k) for k in _TOKENIZER_CONFIG_KEYS}, sort_keys=True).encode()
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+_TOKENIZERS: dict[str, Any] = {}  # content hash -> the tokenizer loaded from such files (the last few)
+_TOKENIZERS_KEPT = 4
+
+
+def _tokenizer_from_files(model_dir: str, content: str) -> Any:
+    """One load per tokenizer content (about a second for a 49k-token vocabulary, a copy about a quarter of that:
+    an evaluation loads the target's tokenizer with every drafter, often from a copy of the same files). Only
+    copies leave this cache."""
     from transformers import AutoTokenizer  # transformers: a heavy import, deferred to first use
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    if content not in _TOKENIZERS:
+        loaded = AutoTokenizer.from_pretrained(model_dir)
+        while len(_TOKENIZERS) >= _TOKENIZERS_KEPT:
+            del _TOKENIZERS[next(iter(_TOKENIZERS))]
+        _TOKENIZERS[content] = loaded
+    return _TOKENIZERS[content]
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cpu"):
@@ -456,15 +488,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of the vocabulary (token -> id), so two tokenizers that map ids differently are told apart. Computed
     once per tokenizer files for those :func:`load_tokenizer` loaded and nobody added tokens to (a quarter of a
     second for a 49k vocabulary; a drafter's load compares its tokenizer with the target's)."""
-    source, size = _LOADED_FROM.get(tokenizer, (None, None))
-    if source is not None and size == len(tokenizer):
-        return _files_fingerprint(*source)
+    content, size = _LOADED_FROM.get(tokenizer, (None, None))
+    if content is not None and size == len(tokenizer):
+        if content not in _FINGERPRINTS:  # (of the files as loaded: this copy may have been changed in place)
+            _FINGERPRINTS[content] = _vocabulary_hash(_TOKENIZERS.get(content, tokenizer))
+        return _FINGERPRINTS[content]
     return _vocabulary_hash(tokenizer)
 
 
-@functools.lru_cache(maxsize=4)
-def _files_fingerprint(model_dir: str, stamp: tuple) -> str:
-    return _vocabulary_hash(_tokenizer_from_files(model_dir, stamp))
+_FINGERPRINTS: dict[str, str] = {}  # tokenizer content hash -> its vocabulary's hash
 
 
 def _vocabulary_hash(tokenizer) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,7 +107,7 @@ def test_real_smollm2_greedy_continuation_is_stable(smollm2):
 
 
 def test_each_tokenizer_load_is_a_copy_of_its_own_and_rewritten_files_are_read_again(tmp_path):
-    """load_tokenizer caches one load per directory: a caller that changes its tokenizer (a template, added
+    """load_tokenizer caches one load per tokenizer content: a caller that changes its tokenizer (a template, added
     tokens) changes no other caller's, and a directory whose tokenizer is rewritten is loaded again."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -132,3 +133,29 @@ def test_each_tokenizer_load_is_a_copy_of_its_own_and_rewritten_files_are_read_a
     third = assets.load_tokenizer(tmp_path)
     assert third("a b c")["input_ids"] == [2, 1, 3]
     assert assets.tokenizer_fingerprint(third) not in (before, assets.tokenizer_fingerprint(first))
+
+
+def test_directories_with_the_same_tokenizer_files_share_one_load(tmp_path, monkeypatch):
+    """A drafter beside its target (same tokenizer files, another config) costs a copy, not a load; each copy names
+    its own directory. A config whose model_type differs (it can pick another tokenizer class) is loaded again."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "shared": 1}, unk_token="<unk>"))  # no other test's files
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    for name, config in (
+        ("target", {"hidden_size": 64}),
+        ("draft", {"hidden_size": 32}),
+        ("other", {"model_type": "x"}),
+    ):
+        PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    loads = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda path, **kw: loads.append(path) or real(path, **kw))
+    target, draft = assets.load_tokenizer(tmp_path / "target"), assets.load_tokenizer(tmp_path / "draft")
+    assert loads == [str(tmp_path / "target")]
+    assert (target.name_or_path, draft.name_or_path) == (str(tmp_path / "target"), str(tmp_path / "draft"))
+    assert assets.tokenizer_fingerprint(target) == assets.tokenizer_fingerprint(draft)
+    assets.load_tokenizer(tmp_path / "other")
+    assert loads == [str(tmp_path / "target"), str(tmp_path / "other")]
