@@ -304,7 +304,10 @@ class Decoder(nn.Module):
 
     def __init__(self, config, qkv_bias: bool, out_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # (_weight: no random init; a runner builds this on the meta device and loads the target's weights)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, out_bias, qk_norm, sparse) for sparse in sparse_layers(config)
         )

@@ -28,6 +28,11 @@ class Linear(nn.Linear):
 
     exact: bool = False
 
+    def reset_parameters(self) -> None:
+        if self.weight.is_meta:  # a shell on the meta device, filled from a state dict: nothing to draw
+            return
+        super().reset_parameters()
+
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         """``out_features`` computes only the first that many outputs (a vocabulary-limited lm_head)."""
         weight, bias = self.weight, self.bias

@@ -126,6 +126,8 @@ def test_each_tokenizer_load_is_a_copy_of_its_own_and_rewritten_files_are_read_a
     second = assets.load_tokenizer(tmp_path)
     assert second is not first and len(second) == 3 and not second.chat_template
     assert second("a b c")["input_ids"] == [1, 2, 0]
+    second.backend_tokenizer.enable_truncation(max_length=1)  # the backend's own settings are each copy's own
+    assert first.backend_tokenizer.truncation is None and first("a b c")["input_ids"] == [1, 2, 3]
     # the fingerprint, kept per loaded files, follows a tokenizer's own vocabulary
     assert assets.tokenizer_fingerprint(second) == before != assets.tokenizer_fingerprint(first)
     assert assets.tokenizer_fingerprint(first) == assets.tokenizer_fingerprint(copy.deepcopy(first))
@@ -159,3 +161,22 @@ def test_directories_with_the_same_tokenizer_files_share_one_load(tmp_path, monk
     assert assets.tokenizer_fingerprint(target) == assets.tokenizer_fingerprint(draft)
     assets.load_tokenizer(tmp_path / "other")
     assert loads == [str(tmp_path / "target"), str(tmp_path / "other")]
+
+
+def test_a_copy_of_smollm2s_tokenizer_is_that_tokenizer():
+    """A copy (its backend rebuilt around the loaded vocabulary) serialises, encodes and renders chats exactly as a
+    fresh load of the files does, and a token added to one copy is not in another."""
+    from transformers import AutoTokenizer
+
+    fresh = AutoTokenizer.from_pretrained(assets.resolve_model_dir("smollm2"))
+    one, other = assets.load_tokenizer("smollm2"), assets.load_tokenizer("smollm2")
+    assert one.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    chat = [{"role": "user", "content": "Déjà vu? 12345 <|im_end|> tabs\tand  spaces"}]
+    for tokenizer in (one, other):
+        assert tokenizer.apply_chat_template(chat, tokenize=False) == fresh.apply_chat_template(chat, tokenize=False)
+        text = fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert tokenizer(text)["input_ids"] == fresh(text)["input_ids"]
+        assert tokenizer.decode(fresh(text)["input_ids"]) == fresh.decode(fresh(text)["input_ids"])
+    one.add_tokens(["<|only_in_one|>"])
+    assert len(one) == len(fresh) + 1 and len(other) == len(fresh)
+    assert "<|only_in_one|>" not in other.get_vocab()
