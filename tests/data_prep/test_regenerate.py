@@ -185,10 +185,11 @@ def test_regenerate_resumes_after_kill_9(tiny, target, tmp_path):
     assert read_jsonl(out)[1] == read_jsonl(reference)[1]
 
 
-def test_two_process_merge_waits_for_parts_finished_for_this_run(target, tiny, tmp_path, monkeypatch):
+def test_two_process_merge_waits_for_parts_finished_for_this_run(target, tiny, tmp_path, monkeypatch, capsys):
     """A 2-process run of 4 conversations whose rank 0 died before merging leaves rank 1's part and its done
-    marker; re-run with n_samples=8, rank 0 must not merge that stale part but wait for rank 1's new one. The
-    ranks run here in turn (they coordinate only through files); rank 1 finishes while rank 0 waits."""
+    marker; a 1-process run into them is refused; re-run with n_samples=8, rank 0 must not merge that stale part but
+    wait for rank 1's new one. The ranks run here in turn (they coordinate only through files); rank 1 finishes while
+    rank 0 waits."""
     from data_prep import regenerate as module
 
     source = prompts_file(tmp_path / "prompts.jsonl", 8)
@@ -210,6 +211,13 @@ def test_two_process_merge_waits_for_parts_finished_for_this_run(target, tiny, t
 
     as_rank(1, 4)  # the earlier run: rank 1 finished; rank 0 never merged
     assert module.done_marker(module.part_file(out, 1, 2)).is_file()
+    capsys.readouterr()
+    with monkeypatch.context() as alone:  # one process into those parts: refused in one line, before any work
+        alone.delenv("RANK")
+        alone.delenv("WORLD_SIZE")
+        assert module.main([*common, "n_samples=8", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds the unfinished parts of a 2-process run, this is a 1-process run" in err
     waited = []
 
     def rank_1_finishes_meanwhile(done, what: str) -> None:

@@ -412,8 +412,10 @@ def test_a_sampling_variant_in_a_greedy_run_samples_with_its_own_settings(tiny_e
 
 def test_a_sampling_variant_follows_the_target_law(tiny_eval, tmp_path):
     """Monte Carlo through evaluate: the first 2 tokens of sps@temperature=1 (a different draft, so the second
-    token goes through verification) follow the tiny target's law, enumerated exactly; greedy would not."""
-    vocab, runs, prompt = 4, 800, [1, 2]
+    token goes through verification) follow the tiny target's law, enumerated exactly; greedy would not. (What a
+    variant's settings reach is checked here; the law tests of every algorithm, with their power, are
+    ``test_sampling_laws.py``'s.)"""
+    vocab, runs, prompt = 4, 300, [1, 2]
     results, calls = tiny_eval(
         [prompt] * runs,
         vocab,
@@ -439,7 +441,8 @@ def test_a_sampling_variant_follows_the_target_law(tiny_eval, tmp_path):
     chi2 = sum((counts.get(s, 0) - runs * p) ** 2 / (runs * p) for s, p in law.items())
     dof = len(law) - 1
     assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2  # beyond p = 1e-6 for an exact sampler
-    assert 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items()) < 0.1
+    # 0.16: the 99.99th percentile of the TV of 300 exact draws from this law (2e5 simulated; median 0.086)
+    assert 0.5 * sum(abs(counts.get(s, 0) / runs - p) for s, p in law.items()) < 0.16
     assert len(counts) > 4 and results["runs"][1]["temperature"] == 1.0
 
 
