@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-4, 1e-4
 B = 2  # the per-process batch; the single-process reference trains on 2 * B
-STEPS = 4  # every run's length; the killed run and the sharded resume start again after step 2
+STEPS = 3  # every run's length; the resumed runs start again after step 2
 # An interval past max_steps: no periodic checkpoint, only last.ckpt after the final step (spectrain.resume's
 # FinalStepCheckpoint). DeepSpeed and FSDP write a directory per checkpoint, a cost a run pays for nothing it reads.
 FINAL_ONLY = 100
