@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,7 +408,7 @@ def _tokenizer_content(model_dir: str, stamp: tuple) -> str:
 # The parts of a fast tokenizer's backend its copies share: nothing a tokenizer's own API changes in place (added
 # tokens, padding and truncation are the backend's own; transformers replaces a post-processor, never edits one).
 _SHARED_BACKEND_PARTS = ("normalizer", "pre_tokenizer", "post_processor", "decoder")
-_FAST_COPY_CHECKED: set[str] = set()  # tokenizer contents whose fast copy serialised as the original
+_FAST_COPY_EXACT: dict[str, bool] = {}  # tokenizer content -> whether its fast copy serialised as the original
 
 
 def _tokenizer_copy(tokenizer: Any, content: str) -> Any:
@@ -418,7 +419,7 @@ def _tokenizer_copy(tokenizer: Any, content: str) -> Any:
     from tokenizers import Tokenizer  # tokenizers: loaded with transformers, deferred to first use
 
     backend = getattr(tokenizer, "_tokenizer", None)
-    if not isinstance(backend, Tokenizer):
+    if not isinstance(backend, Tokenizer) or _FAST_COPY_EXACT.get(content) is False:
         return copy.deepcopy(tokenizer)
     rebuilt = Tokenizer(backend.model)
     for part in _SHARED_BACKEND_PARTS:
@@ -433,10 +434,10 @@ def _tokenizer_copy(tokenizer: Any, content: str) -> Any:
         rebuilt.enable_padding(**backend.padding)
     if backend.truncation is not None:
         rebuilt.enable_truncation(**backend.truncation)
-    if content not in _FAST_COPY_CHECKED:
-        if rebuilt.to_str() != backend.to_str():
+    if content not in _FAST_COPY_EXACT:
+        _FAST_COPY_EXACT[content] = rebuilt.to_str() == backend.to_str()
+        if not _FAST_COPY_EXACT[content]:
             return copy.deepcopy(tokenizer)
-        _FAST_COPY_CHECKED.add(content)
     duplicate = copy.copy(tokenizer)
     duplicate.__dict__.update(copy.deepcopy({k: v for k, v in tokenizer.__dict__.items() if k != "_tokenizer"}))
     duplicate._tokenizer = rebuilt
@@ -445,6 +446,7 @@ def _tokenizer_copy(tokenizer: Any, content: str) -> Any:
 
 _TOKENIZERS: dict[str, Any] = {}  # content hash -> the tokenizer loaded from such files (the last few)
 _TOKENIZERS_KEPT = 4
+_TOKENIZERS_LOCK = threading.Lock()  # (a server's threads may load at once: eviction must not race)
 
 
 def _tokenizer_from_files(model_dir: str, content: str) -> Any:
@@ -453,12 +455,14 @@ def _tokenizer_from_files(model_dir: str, content: str) -> Any:
     copies leave this cache."""
     from transformers import AutoTokenizer  # transformers: a heavy import, deferred to first use
 
-    if content not in _TOKENIZERS:
+    loaded = _TOKENIZERS.get(content)
+    if loaded is None:
         loaded = AutoTokenizer.from_pretrained(model_dir)
-        while len(_TOKENIZERS) >= _TOKENIZERS_KEPT:
-            del _TOKENIZERS[next(iter(_TOKENIZERS))]
-        _TOKENIZERS[content] = loaded
-    return _TOKENIZERS[content]
+        with _TOKENIZERS_LOCK:
+            while len(_TOKENIZERS) >= _TOKENIZERS_KEPT:
+                del _TOKENIZERS[next(iter(_TOKENIZERS))]
+            _TOKENIZERS[content] = loaded
+    return loaded
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype=None, device: str = "cpu"):
